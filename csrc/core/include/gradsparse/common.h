@@ -1,0 +1,87 @@
+// Shared basics of the torch-free core: the host/device qualifier, the element types a bucket can
+// hold, and the error types that cross the core's boundary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#if defined(__CUDACC__)
+#define GS_HD __host__ __device__
+#else
+#define GS_HD
+#endif
+
+namespace gradsparse {
+
+/// Element type of a gradient bucket. The numeric values are part of the message format.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline size_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+
+inline const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// A user-facing mistake: a bad argument or configuration. Maps to Python's ValueError.
+struct ValueError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+/// A malformed or out-of-range sparse message. Maps to Python's IndexError.
+struct CorruptMessageError : std::out_of_range {
+  using std::out_of_range::out_of_range;
+};
+
+/// A NaN or Inf in a bucket, seen by some rank (ALGORITHMS.md, project decision 5).
+struct NonFiniteError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// A collective failed: a peer left, a timeout expired, or the group was aborted.
+struct CommError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+inline void append(std::ostringstream&) {}
+template <typename T, typename... Rest>
+void append(std::ostringstream& os, const T& v, const Rest&... rest) {
+  os << v;
+  append(os, rest...);
+}
+}  // namespace detail
+
+/// Concatenates its arguments with operator<<, for error messages.
+template <typename... Args>
+std::string str(const Args&... args) {
+  std::ostringstream os;
+  detail::append(os, args...);
+  return os.str();
+}
+
+}  // namespace gradsparse
+
+/// Checks a condition on user input; throws `kind` (a gradsparse error type) with the message.
+#define GS_CHECK(cond, kind, ...)                            \
+  do {                                                       \
+    if (!(cond)) throw kind(::gradsparse::str(__VA_ARGS__)); \
+  } while (0)
+
+/// Checks an internal invariant; a failure is a bug in gradsparse, not in the caller.
+#define GS_ASSERT(cond)                                                                                     \
+  do {                                                                                                      \
+    if (!(cond))                                                                                            \
+      throw std::logic_error(                                                                               \
+          ::gradsparse::str("gradsparse internal error: ", #cond, " failed at ", __FILE__, ":", __LINE__)); \
+  } while (0)

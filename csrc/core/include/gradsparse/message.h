@@ -1,0 +1,113 @@
+// The sparse message: one contiguous buffer holding a header, the indices and the values of the
+// (index, value) pairs one rank sends. Every receiver validates it before touching its output.
+//
+// Layout (little-endian, offsets in bytes):
+//   0  uint32 magic 0x4D505347 ("GSPM")     8  uint64 dense_size (length of the bucket)
+//   4  uint8  version (1)                   16 uint64 count (number of pairs)
+//   5  uint8  dtype (DType)                 24 uint64 reserved, zero
+//   6  uint8  index_bytes (4 or 8)          32 indices[count], unsigned, ascending not required
+//   7  uint8  flags, zero                   32 + pad8(count * index_bytes): values[count] in dtype
+// total = 32 + pad8(count * index_bytes) + pad8(count * dtype_size)
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gradsparse/common.h"
+
+namespace gradsparse {
+
+constexpr uint32_t kMessageMagic = 0x4D505347u;
+constexpr uint8_t kMessageVersion = 1;
+constexpr size_t kMessageHeaderBytes = 32;
+
+struct MessageHeader {
+  uint32_t magic = kMessageMagic;
+  uint8_t version = kMessageVersion;
+  uint8_t dtype = 0;
+  uint8_t index_bytes = 0;
+  uint8_t flags = 0;
+  uint64_t dense_size = 0;
+  uint64_t count = 0;
+  uint64_t reserved = 0;
+};
+static_assert(sizeof(MessageHeader) == kMessageHeaderBytes, "message header must be 32 bytes");
+
+inline size_t pad8(size_t bytes) { return (bytes + 7) & ~static_cast<size_t>(7); }
+
+/// Index width for a bucket of `dense_size` elements: 4 bytes when every index (< dense_size) fits in uint32.
+inline int index_bytes_for(uint64_t dense_size) { return dense_size <= 0x100000000ull ? 4 : 8; }
+
+/// Where each part of a message with these parameters lives.
+struct MessageLayout {
+  size_t indices_offset = kMessageHeaderBytes;
+  size_t values_offset = 0;
+  size_t total_bytes = 0;
+
+  MessageLayout(uint64_t count, int index_bytes, DType dtype)
+      : values_offset(kMessageHeaderBytes + pad8(count * index_bytes)),
+        total_bytes(values_offset + pad8(count * dtype_size(dtype))) {}
+};
+
+/// Builds a header after checking its fields; throws ValueError on inconsistent arguments.
+inline MessageHeader make_header(DType dtype, int index_bytes, uint64_t dense_size, uint64_t count) {
+  GS_CHECK(index_bytes == 4 || index_bytes == 8, ValueError, "message index_bytes must be 4 or 8, got ", index_bytes);
+  GS_CHECK(count <= dense_size, ValueError, "a message cannot hold more pairs (", count, ") than its dense_size (",
+           dense_size, ")");
+  GS_CHECK(index_bytes == 8 || dense_size <= 0x100000000ull, ValueError, "dense_size ", dense_size,
+           " needs 8-byte indices, got index_bytes=4");
+  MessageHeader h;
+  h.dtype = static_cast<uint8_t>(dtype);
+  h.index_bytes = static_cast<uint8_t>(index_bytes);
+  h.dense_size = dense_size;
+  h.count = count;
+  return h;
+}
+
+inline std::string message_source(int source_rank) {
+  return source_rank >= 0 ? str("sparse message from rank ", source_rank) : std::string("sparse message");
+}
+
+/// Validates the 32 header bytes of a received message. Throws CorruptMessageError naming the
+/// broken field. `expected_dtype` and `expected_dense_size` are what the receiving bucket holds.
+inline MessageHeader parse_header(const void* header, DType expected_dtype, uint64_t expected_dense_size,
+                                  int source_rank = -1) {
+  const std::string what = message_source(source_rank);
+  MessageHeader h;
+  std::memcpy(&h, header, sizeof(h));
+  GS_CHECK(h.magic == kMessageMagic, CorruptMessageError, what, " has bad magic 0x", std::hex, h.magic, std::dec,
+           " (not a gradsparse message, or corrupted in transit)");
+  GS_CHECK(h.version == kMessageVersion, CorruptMessageError, what, " has version ", int(h.version),
+           ", this build reads version ", int(kMessageVersion), " (mixed gradsparse versions across ranks?)");
+  GS_CHECK(h.dtype <= 2, CorruptMessageError, what, " has unknown dtype code ", int(h.dtype));
+  GS_CHECK(static_cast<DType>(h.dtype) == expected_dtype, CorruptMessageError, what, " carries ",
+           dtype_name(static_cast<DType>(h.dtype)), " values but the bucket is ", dtype_name(expected_dtype));
+  GS_CHECK(h.index_bytes == 4 || h.index_bytes == 8, CorruptMessageError, what, " has index_bytes=", int(h.index_bytes),
+           ", expected 4 or 8");
+  GS_CHECK(h.flags == 0 && h.reserved == 0, CorruptMessageError, what, " has non-zero reserved fields");
+  GS_CHECK(h.dense_size == expected_dense_size, CorruptMessageError, what, " is for a bucket of ", h.dense_size,
+           " elements but the receiving bucket has ", expected_dense_size, " (ranks disagree on the bucket layout?)");
+  GS_CHECK(h.count <= h.dense_size, CorruptMessageError, what, " claims ", h.count, " pairs for a bucket of ",
+           h.dense_size, " elements");
+  return h;
+}
+
+/// Checks that a message whose header is `h` fits in the `bytes` that arrived (a padded
+/// collective may deliver more than the message).
+inline void check_message_length(const MessageHeader& h, size_t bytes, int source_rank = -1) {
+  const MessageLayout layout(h.count, h.index_bytes, static_cast<DType>(h.dtype));
+  GS_CHECK(layout.total_bytes <= bytes, CorruptMessageError, message_source(source_rank), " claims ", h.count,
+           " pairs (", layout.total_bytes, " bytes) but only ", bytes, " bytes arrived");
+}
+
+/// Validates a whole message in host memory: its length, then its header.
+inline MessageHeader read_header(const void* data, size_t bytes, DType expected_dtype, uint64_t expected_dense_size,
+                                 int source_rank = -1) {
+  GS_CHECK(data != nullptr && bytes >= kMessageHeaderBytes, CorruptMessageError, message_source(source_rank), " is ",
+           bytes, " bytes, shorter than its 32-byte header");
+  const MessageHeader h = parse_header(data, expected_dtype, expected_dense_size, source_rank);
+  check_message_length(h, bytes, source_rank);
+  return h;
+}
+
+}  // namespace gradsparse

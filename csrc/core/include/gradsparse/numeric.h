@@ -1,0 +1,166 @@
+// Per-element logic shared by the CPU and the CUDA kernels (`GS_HD`): 16-bit float storage types,
+// conversions with round-to-nearest-even (bit-identical to PyTorch's), magnitude keys that order
+// |x| as unsigned integers, and the error-feedback update.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "gradsparse/common.h"
+
+namespace gradsparse {
+
+/// IEEE binary16 storage; same layout as at::Half and __half.
+struct Half {
+  uint16_t bits;
+};
+/// bfloat16 storage; same layout as at::BFloat16 and __nv_bfloat16.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+GS_HD inline uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+
+GS_HD inline float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+/// binary16 -> binary32 (exact).
+GS_HD inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu;
+  uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0x1fu) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) {
+    if (mantissa == 0) return bits_float(sign);
+    // Subnormal: renormalise so the implicit bit is explicit.
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    return bits_float(sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13));
+  }
+  return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+/// binary32 -> binary16, round to nearest even; NaN stays NaN (quiet), overflow gives Inf.
+GS_HD inline uint16_t float_to_half(float f) {
+  const uint32_t x = float_bits(f);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to Inf
+  if (ax < 0x38800000u) {                                               // below 2^-14: subnormal or zero
+    if (ax < 0x33000000u) return static_cast<uint16_t>(sign);           // below 2^-25: zero
+    const uint32_t e = ax >> 23;
+    const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // value * 2^24 = m * 2^-(shift)
+    uint32_t r = m >> shift;
+    const uint32_t rem = m & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rem > halfway || (rem == halfway && (r & 1u))) ++r;
+    return static_cast<uint16_t>(sign | r);
+  }
+  uint32_t r = (ax - 0x38000000u) >> 13;  // rebias the exponent from 127 to 15
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ++r;  // a carry may round up into the exponent
+  return static_cast<uint16_t>(sign | r);
+}
+
+GS_HD inline float bfloat16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+
+/// binary32 -> bfloat16, round to nearest even; NaN stays NaN (quiet).
+GS_HD inline uint16_t float_to_bfloat16(float f) {
+  const uint32_t x = float_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/// Arithmetic view of each storage type: everything is computed in float32 and rounded once.
+template <typename T>
+struct Num;
+
+template <>
+struct Num<float> {
+  using Key = uint32_t;
+  static constexpr int kKeyBits = 31;  // |x| as an unsigned integer: bits without the sign
+  static constexpr uint32_t kInfKey = 0x7f800000u;
+  GS_HD static float to_float(float v) { return v; }
+  GS_HD static float from_float(float v) { return v; }
+  GS_HD static uint32_t key(float v) { return float_bits(v) & 0x7fffffffu; }
+  GS_HD static float zero() { return 0.0f; }
+};
+
+template <>
+struct Num<Half> {
+  using Key = uint32_t;
+  static constexpr int kKeyBits = 15;
+  static constexpr uint32_t kInfKey = 0x7c00u;
+  GS_HD static float to_float(Half v) { return half_to_float(v.bits); }
+  GS_HD static Half from_float(float v) { return Half{float_to_half(v)}; }
+  GS_HD static uint32_t key(Half v) { return v.bits & 0x7fffu; }
+  GS_HD static Half zero() { return Half{0}; }
+};
+
+template <>
+struct Num<BFloat16> {
+  using Key = uint32_t;
+  static constexpr int kKeyBits = 15;
+  static constexpr uint32_t kInfKey = 0x7f80u;
+  GS_HD static float to_float(BFloat16 v) { return bfloat16_to_float(v.bits); }
+  GS_HD static BFloat16 from_float(float v) { return BFloat16{float_to_bfloat16(v)}; }
+  GS_HD static uint32_t key(BFloat16 v) { return v.bits & 0x7fffu; }
+  GS_HD static BFloat16 zero() { return BFloat16{0}; }
+};
+
+/// Magnitude key of a value: keys compare like |x| for finite values. Non-finite values get key 0
+/// so that they are never preferred by a selection (the step that saw them is aborted anyway).
+template <typename T>
+GS_HD inline uint32_t magnitude_key(T v) {
+  const uint32_t k = Num<T>::key(v);
+  return k >= Num<T>::kInfKey ? 0u : k;
+}
+
+template <typename T>
+GS_HD inline bool is_finite(T v) {
+  return Num<T>::key(v) < Num<T>::kInfKey;
+}
+
+/// A threshold as the selection compares it: rounded to the bucket's dtype, as PyTorch rounds a
+/// Python float that meets a tensor (ALGORITHMS.md, project decision 8), then returned as a key.
+template <typename T>
+inline uint32_t threshold_key(double threshold) {
+  const T t = Num<T>::from_float(static_cast<float>(threshold));
+  return Num<T>::key(t);
+}
+
+/// One element of the fused error-feedback update: a = residual + grad. When `a` is finite the
+/// residual takes it; when it is not (NaN/Inf in the gradient, or overflow) the residual is left
+/// unchanged and the element counts as non-finite. Returns the value the selection sees.
+template <typename T>
+GS_HD inline T ef_accumulate(T& residual, T grad, bool& finite) {
+  const T a = Num<T>::from_float(Num<T>::to_float(residual) + Num<T>::to_float(grad));
+  finite = is_finite(a);
+  if (finite) residual = a;
+  return residual;
+}
+
+/// The selection rule of every threshold method: |a| >= threshold, compared in the bucket's dtype.
+GS_HD inline bool passes_threshold(uint32_t key, uint32_t threshold_key) { return key >= threshold_key; }
+
+}  // namespace gradsparse

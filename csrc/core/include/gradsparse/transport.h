@@ -1,0 +1,80 @@
+// Transport: the few collectives the exchanges need, behind one interface. Exchanges never call
+// MPI, Gloo or NCCL themselves. Implementations: ThreadTransport (N ranks as threads of one
+// process, for tests and simulation), ProcessGroupTransport (csrc/torch: a torch.distributed
+// process group).
+//
+// Traffic accounting. Every transport counts, per collective, the bytes a bandwidth-optimal
+// algorithm moves per rank, so figures are comparable across transports and with the simulator:
+//   allgather of b bytes per rank:   sent = received = (P - 1) * b
+//   allreduce of b bytes:            sent = received = floor(2 * (P - 1) * b / P)   (ring)
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gradsparse/common.h"
+#include "gradsparse/device.h"
+
+namespace gradsparse {
+
+struct Traffic {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t collectives = 0;
+
+  Traffic operator-(const Traffic& o) const {
+    return {bytes_sent - o.bytes_sent, bytes_received - o.bytes_received, collectives - o.collectives};
+  }
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  /// Every rank contributes `bytes` bytes from `send`; `recv` (size() * bytes) receives rank r's
+  /// contribution at offset r * bytes. Buffers live on `device`. `bytes` must be equal on all ranks
+  /// and positive (a zero-length collective is a bug in the caller).
+  virtual void allgather(const Device& device, const void* send, void* recv, size_t bytes) = 0;
+
+  /// In-place elementwise sum over ranks of `count` elements of `dtype` on `device`.
+  virtual void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) = 0;
+
+  /// Bytes moved so far by this rank (see the accounting rule above).
+  const Traffic& traffic() const { return traffic_; }
+
+ protected:
+  void count_allgather(size_t bytes) {
+    const int64_t moved = static_cast<int64_t>(bytes) * (size() - 1);
+    traffic_.bytes_sent += moved;
+    traffic_.bytes_received += moved;
+    ++traffic_.collectives;
+  }
+  void count_allreduce(size_t bytes) {
+    const int64_t p = size();
+    const int64_t moved = 2 * (p - 1) * static_cast<int64_t>(bytes) / p;
+    traffic_.bytes_sent += moved;
+    traffic_.bytes_received += moved;
+    ++traffic_.collectives;
+  }
+
+ private:
+  Traffic traffic_;
+};
+
+/// N ranks as threads of one process. Create one group, hand transport(r) to the thread of rank r.
+/// Every collective is a rendezvous of all ranks; a rank that does not arrive within `timeout`, or
+/// a call to abort(), makes every waiting rank throw CommError.
+class ThreadGroup : public std::enable_shared_from_this<ThreadGroup> {
+ public:
+  static std::shared_ptr<ThreadGroup> create(int size, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  virtual ~ThreadGroup() = default;
+  virtual std::unique_ptr<Transport> transport(int rank) = 0;
+  /// Fails every pending and future collective of the group with `reason`.
+  virtual void abort(const std::string& reason) = 0;
+};
+
+}  // namespace gradsparse

@@ -1,0 +1,341 @@
+// CPU selection kernels: fused error feedback + threshold selection, and exact top-k.
+//
+// Both work on fixed blocks of kCpuBlock elements. Each block collects its pairs into a buffer of
+// its own (thread-local workspace, reused across calls), then the blocks are concatenated in order,
+// so the output is ascending and independent of the thread count.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "gradsparse/kernels.h"
+#include "gradsparse/parallel.h"
+
+namespace gradsparse {
+namespace cpu {
+namespace {
+
+/// The pairs one block selected, as offsets inside the block.
+template <typename T>
+struct BlockPairs {
+  std::vector<uint32_t> offsets;
+  std::vector<T> values;
+  std::vector<uint32_t> tie_offsets;  // top-k only: elements exactly at the k-th magnitude
+  std::vector<T> tie_values;
+  int64_t nonfinite = 0;
+
+  void clear() {
+    offsets.clear();
+    values.clear();
+    tie_offsets.clear();
+    tie_values.clear();
+    nonfinite = 0;
+  }
+};
+
+/// Per-calling-thread block buffers; their capacity is kept between calls.
+template <typename T>
+std::vector<BlockPairs<T>>& block_workspace(int64_t blocks) {
+  thread_local std::vector<BlockPairs<T>> workspace;
+  if (static_cast<int64_t>(workspace.size()) < blocks) workspace.resize(blocks);
+  return workspace;
+}
+
+/// Copies every block's pairs into the sink's arrays, in block order. `ties_taken[b]` is how many
+/// of block b's tie pairs are part of the output (merged by offset with its other pairs).
+template <typename T, typename I>
+SelectStats emit_blocks(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, const std::vector<int64_t>& ties_taken,
+                        T* residual, const PairSink& sink) {
+  std::vector<int64_t> start(nblocks + 1, 0);
+  SelectStats stats;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t taken = ties_taken.empty() ? 0 : ties_taken[b];
+    start[b + 1] = start[b] + static_cast<int64_t>(blocks[b].offsets.size()) + taken;
+    stats.nonfinite += blocks[b].nonfinite;
+  }
+  stats.count = start[nblocks];
+  const PairSpan span = sink(stats.count);
+  GS_ASSERT(stats.count == 0 || (span.indices != nullptr && span.values != nullptr));
+  I* out_idx = static_cast<I*>(span.indices);
+  T* out_val = static_cast<T*>(span.values);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    const BlockPairs<T>& p = blocks[b];
+    const int64_t base = b * kCpuBlock;
+    const size_t taken = ties_taken.empty() ? 0 : static_cast<size_t>(ties_taken[b]);
+    int64_t o = start[b];
+    size_t i = 0, j = 0;
+    // Merge the block's strictly-selected pairs and its first `taken` ties by offset.
+    while (i < p.offsets.size() || j < taken) {
+      const bool take_tie = j < taken && (i == p.offsets.size() || p.tie_offsets[j] < p.offsets[i]);
+      const uint32_t off = take_tie ? p.tie_offsets[j] : p.offsets[i];
+      const T val = take_tie ? p.tie_values[j++] : p.values[i++];
+      out_idx[o] = static_cast<I>(base + off);
+      out_val[o] = val;
+      if (residual != nullptr) residual[base + off] = Num<T>::zero();
+      ++o;
+    }
+  });
+  return stats;
+}
+
+/// Computes a block's "a" values in place of the residual (error feedback) and returns them through
+/// `visit(offset, a, key)`; non-finite elements are counted and skipped.
+template <typename T, typename Visit>
+void accumulate_block(T* residual, const T* grad, int64_t begin, int64_t end, int64_t& nonfinite, Visit&& visit) {
+  if (residual != nullptr) {
+    for (int64_t i = begin; i < end; ++i) {
+      bool finite;
+      const T a = ef_accumulate(residual[i], grad[i], finite);
+      if (!finite) {
+        ++nonfinite;
+        continue;
+      }
+      visit(i - begin, a, Num<T>::key(a));
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      const T a = grad[i];
+      if (!is_finite(a)) {
+        ++nonfinite;
+        continue;
+      }
+      visit(i - begin, a, Num<T>::key(a));
+    }
+  }
+}
+
+// float32 specialisation of the threshold block loop: branch-free over chunks of 64 elements so the
+// compiler vectorises the error-feedback update; selected elements (rare) are handled after.
+template <typename Visit>
+void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
+                          int64_t& nonfinite, Visit&& visit) {
+  constexpr int kChunk = 64;
+  uint8_t flags[kChunk];
+  for (int64_t c = begin; c < end; c += kChunk) {
+    const int len = static_cast<int>(std::min<int64_t>(kChunk, end - c));
+    float* r = residual + c;
+    const float* g = grad + c;
+    uint32_t any = 0;
+    for (int j = 0; j < len; ++j) {
+      const float a = r[j] + g[j];
+      const uint32_t key = float_bits(a) & 0x7fffffffu;
+      const uint32_t finite = key < 0x7f800000u;
+      r[j] = finite ? a : r[j];
+      // flag bit 0: selected, bit 1: non-finite
+      const uint8_t f = static_cast<uint8_t>((finite & (key >= tkey)) | ((finite ^ 1u) << 1));
+      flags[j] = f;
+      any |= f;
+    }
+    if (any == 0) continue;
+    for (int j = 0; j < len; ++j) {
+      if (flags[j] & 2u) ++nonfinite;
+      if (flags[j] & 1u) visit(c + j - begin, r[j]);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T, typename I>
+SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink) {
+  GS_CHECK(n >= 0, ValueError, "select_threshold: n must be >= 0, got ", n);
+  GS_CHECK(threshold >= 0.0, ValueError, "select_threshold: threshold must be >= 0, got ", threshold);
+  const uint32_t tkey = threshold_key<T>(threshold);
+  const int64_t nblocks = num_blocks(n);
+  auto& blocks = block_workspace<T>(nblocks);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    BlockPairs<T>& p = blocks[b];
+    p.clear();
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    if constexpr (std::is_same_v<T, float>) {
+      if (residual != nullptr) {
+        accumulate_block_f32(residual, grad, begin, end, tkey, p.nonfinite, [&](int64_t off, float a) {
+          p.offsets.push_back(static_cast<uint32_t>(off));
+          p.values.push_back(a);
+        });
+        return;
+      }
+    }
+    accumulate_block(residual, grad, begin, end, p.nonfinite, [&](int64_t off, T a, uint32_t key) {
+      if (passes_threshold(key, tkey)) {
+        p.offsets.push_back(static_cast<uint32_t>(off));
+        p.values.push_back(a);
+      }
+    });
+  });
+  return emit_blocks<T, I>(blocks, nblocks, {}, residual, sink);
+}
+
+template <typename T, typename I>
+SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink) {
+  GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
+  GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
+  k = std::min(k, n);
+  const int64_t nblocks = num_blocks(n);
+  auto& blocks = block_workspace<T>(nblocks);
+  const int threads = cpu_threads();
+
+  // The magnitude of element i after the error-feedback pass (0 for a non-finite gradient
+  // without residual, so that pass 1 and pass 3 agree on every key).
+  auto key_at = [&](int64_t i) -> uint32_t { return magnitude_key(residual != nullptr ? residual[i] : grad[i]); };
+  auto value_at = [&](int64_t i) -> T {
+    const T v = residual != nullptr ? residual[i] : grad[i];
+    return is_finite(v) ? v : Num<T>::zero();
+  };
+
+  // Pass 1: error feedback, and a histogram of the key's high bits (all bits for 16-bit types).
+  constexpr int kKeyBits = Num<T>::kKeyBits;
+  constexpr int kHighShift = kKeyBits > 16 ? kKeyBits - 16 : 0;
+  constexpr int64_t kHighBins = int64_t{1} << (kKeyBits - kHighShift);
+  std::vector<int64_t> hist(static_cast<size_t>(threads) * kHighBins, 0);
+  std::vector<int64_t> nonfinite(nblocks, 0);
+  parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
+    int64_t* h = hist.data() + static_cast<size_t>(t) * kHighBins;
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      if (residual != nullptr) {
+        bool finite;
+        ef_accumulate(residual[i], grad[i], finite);
+        nonfinite[b] += !finite;
+      } else {
+        nonfinite[b] += !is_finite(grad[i]);
+      }
+      ++h[key_at(i) >> kHighShift];
+    }
+  });
+  for (int t = 1; t < threads; ++t)
+    for (int64_t i = 0; i < kHighBins; ++i) hist[i] += hist[static_cast<size_t>(t) * kHighBins + i];
+
+  // Find the bin holding the k-th largest key; `above` counts keys in higher bins.
+  auto find_bin = [](const int64_t* h, int64_t bins, int64_t need, int64_t& above) {
+    above = 0;
+    for (int64_t bin = bins - 1; bin > 0; --bin) {
+      if (above + h[bin] >= need) return bin;
+      above += h[bin];
+    }
+    return int64_t{0};
+  };
+  uint32_t tkey = 0;
+  int64_t above = 0;
+  if (k > 0) {
+    const int64_t high = find_bin(hist.data(), kHighBins, k, above);
+    tkey = static_cast<uint32_t>(high) << kHighShift;
+    if constexpr (kHighShift > 0) {
+      // Pass 2 (float32): histogram of the low bits among keys in that bin.
+      constexpr int64_t kLowBins = int64_t{1} << kHighShift;
+      std::vector<int64_t> low(static_cast<size_t>(threads) * kLowBins, 0);
+      parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
+        int64_t* h = low.data() + static_cast<size_t>(t) * kLowBins;
+        const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+        for (int64_t i = begin; i < end; ++i) {
+          const uint32_t key = key_at(i);
+          if ((key >> kHighShift) == static_cast<uint32_t>(high)) ++h[key & (kLowBins - 1)];
+        }
+      });
+      for (int t = 1; t < threads; ++t)
+        for (int64_t i = 0; i < kLowBins; ++i) low[i] += low[static_cast<size_t>(t) * kLowBins + i];
+      int64_t above_low = 0;
+      tkey |= static_cast<uint32_t>(find_bin(low.data(), kLowBins, k - above, above_low));
+      above += above_low;
+    }
+  }
+  const int64_t ties_needed = k - above;  // elements with key == tkey that must be taken
+
+  // Pass 3: collect keys above the k-th, and up to `ties_needed` ties per block.
+  parallel_blocks(nblocks, [&](int64_t b) {
+    BlockPairs<T>& p = blocks[b];
+    p.clear();
+    p.nonfinite = nonfinite[b];
+    if (k == 0) return;
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t key = key_at(i);
+      if (key > tkey) {
+        p.offsets.push_back(static_cast<uint32_t>(i - begin));
+        p.values.push_back(value_at(i));
+      } else if (key == tkey && static_cast<int64_t>(p.tie_offsets.size()) < ties_needed) {
+        p.tie_offsets.push_back(static_cast<uint32_t>(i - begin));
+        p.tie_values.push_back(value_at(i));
+      }
+    }
+  });
+  // The lowest-index ties win: hand out the tie quota in block order.
+  std::vector<int64_t> ties_taken(nblocks, 0);
+  int64_t quota = ties_needed;
+  for (int64_t b = 0; b < nblocks && quota > 0; ++b) {
+    ties_taken[b] = std::min<int64_t>(quota, static_cast<int64_t>(blocks[b].tie_offsets.size()));
+    quota -= ties_taken[b];
+  }
+  GS_ASSERT(quota == 0);
+  const SelectStats stats = emit_blocks<T, I>(blocks, nblocks, ties_taken, residual, sink);
+  GS_ASSERT(stats.count == k);
+  return stats;
+}
+
+template <typename T, typename I>
+void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor) {
+  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
+  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  // Validate every index before writing anything.
+  const int64_t nblocks = num_blocks(count);
+  std::vector<int64_t> first_bad(nblocks, -1);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      if (!index_in_range(indices[i], n)) {
+        first_bad[b] = i;
+        return;
+      }
+    }
+  });
+  for (int64_t b = 0; b < nblocks; ++b) {
+    GS_CHECK(first_bad[b] < 0, CorruptMessageError, "sparse index ", static_cast<long long>(indices[first_bad[b]]),
+             " at position ", first_bad[b], " is outside the bucket [0, ", n,
+             "); the message is corrupt or was built for another bucket");
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    T& o = out[indices[i]];
+    o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+  }
+}
+
+template <typename T>
+void divide(T* data, int64_t n, float divisor) {
+  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
+  });
+}
+
+template <typename T>
+int64_t count_nonfinite(const T* data, int64_t n) {
+  const int64_t nblocks = num_blocks(n);
+  std::vector<int64_t> counts(nblocks, 0);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    int64_t c = 0;
+    for (int64_t i = begin; i < end; ++i) c += !is_finite(data[i]);
+    counts[b] = c;
+  });
+  return std::accumulate(counts.begin(), counts.end(), int64_t{0});
+}
+
+#define GS_INSTANTIATE_SELECT(T, I)                                                            \
+  template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&); \
+  template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);     \
+  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float);
+#define GS_INSTANTIATE_TYPE(T)                 \
+  GS_INSTANTIATE_SELECT(T, uint32_t)           \
+  GS_INSTANTIATE_SELECT(T, uint64_t)           \
+  GS_INSTANTIATE_SELECT(T, int32_t)            \
+  GS_INSTANTIATE_SELECT(T, int64_t)            \
+  template void divide<T>(T*, int64_t, float); \
+  template int64_t count_nonfinite<T>(const T*, int64_t);
+
+GS_INSTANTIATE_TYPE(float)
+GS_INSTANTIATE_TYPE(Half)
+GS_INSTANTIATE_TYPE(BFloat16)
+
+}  // namespace cpu
+}  // namespace gradsparse

@@ -1,0 +1,172 @@
+// ThreadTransport: N ranks as threads sharing one ThreadGroup. A collective publishes each rank's
+// pointer in a slot, meets at a barrier, reads the other slots, and meets again so that no rank
+// reuses its buffer while another still reads it.
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "gradsparse/kernels.h"
+#include "gradsparse/transport.h"
+
+namespace gradsparse {
+namespace {
+
+class ThreadGroupImpl;
+
+class ThreadTransport final : public Transport {
+ public:
+  ThreadTransport(std::shared_ptr<ThreadGroupImpl> group, int rank);
+  int rank() const override { return rank_; }
+  int size() const override;
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
+
+ private:
+  std::shared_ptr<ThreadGroupImpl> group_;
+  int rank_;
+};
+
+class ThreadGroupImpl final : public ThreadGroup {
+ public:
+  ThreadGroupImpl(int size, std::chrono::milliseconds timeout)
+      : size_(size), timeout_(timeout), slots_(size), sizes_(size) {}
+
+  std::unique_ptr<Transport> transport(int rank) override {
+    GS_CHECK(rank >= 0 && rank < size_, ValueError, "ThreadGroup.transport: rank ", rank, " is outside [0, ", size_,
+             ")");
+    return std::make_unique<ThreadTransport>(std::static_pointer_cast<ThreadGroupImpl>(shared_from_this()), rank);
+  }
+
+  void abort(const std::string& reason) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (aborted_.empty()) aborted_ = reason.empty() ? "aborted" : reason;
+    cv_.notify_all();
+  }
+
+  int size() const { return size_; }
+
+  /// Publishes (pointer, size) for `rank` and waits for every rank; returns a consistent view.
+  void publish(int rank, const void* ptr, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slots_[rank] = ptr;
+      sizes_[rank] = bytes;
+    }
+    barrier(rank);
+  }
+
+  const void* slot(int rank) const { return slots_[rank]; }
+  size_t slot_size(int rank) const { return sizes_[rank]; }
+
+  /// Generation barrier with timeout and abort.
+  void barrier(int rank) {
+    std::unique_lock<std::mutex> lock(mu_);
+    throw_if_aborted(rank);
+    const uint64_t gen = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    const bool done = cv_.wait_for(lock, timeout_, [&] { return generation_ != gen || !aborted_.empty(); });
+    if (generation_ != gen) return;
+    if (!done && aborted_.empty()) {
+      aborted_ = str("rank ", rank, " waited ", timeout_.count(),
+                     " ms for the other ranks at a collective; a rank has stopped or took another path");
+      cv_.notify_all();
+    }
+    throw_if_aborted(rank);
+  }
+
+ private:
+  void throw_if_aborted(int rank) const {
+    if (!aborted_.empty()) throw CommError(str("ThreadTransport rank ", rank, ": ", aborted_));
+  }
+
+  const int size_;
+  const std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  uint64_t generation_ = 0;
+  std::string aborted_;
+  std::vector<const void*> slots_;
+  std::vector<size_t> sizes_;
+};
+
+ThreadTransport::ThreadTransport(std::shared_ptr<ThreadGroupImpl> group, int rank)
+    : group_(std::move(group)), rank_(rank) {}
+
+int ThreadTransport::size() const { return group_->size(); }
+
+void check_cpu(const Device& device, const char* op) {
+  GS_CHECK(device.kind() == DeviceKind::kCPU, ValueError, "ThreadTransport.", op,
+           " needs CPU buffers; it runs ranks as threads of one process");
+}
+
+void check_sizes_agree(ThreadGroupImpl& g, int rank, const char* op) {
+  for (int r = 0; r < g.size(); ++r) {
+    GS_CHECK(g.slot_size(r) == g.slot_size(rank), CommError, "ThreadTransport.", op, ": rank ", r, " passed ",
+             g.slot_size(r), " bytes but rank ", rank, " passed ", g.slot_size(rank),
+             "; every rank must issue the same collective");
+  }
+}
+
+void ThreadTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
+  check_cpu(device, "allgather");
+  GS_CHECK(bytes > 0, ValueError, "ThreadTransport.allgather: zero-length collective");
+  group_->publish(rank_, send, bytes);
+  std::string error;
+  try {
+    check_sizes_agree(*group_, rank_, "allgather");
+  } catch (const CommError& e) {
+    error = e.what();
+  }
+  if (error.empty()) {
+    for (int r = 0; r < group_->size(); ++r) std::memcpy(static_cast<char*>(recv) + r * bytes, group_->slot(r), bytes);
+  }
+  group_->barrier(rank_);
+  if (!error.empty()) throw CommError(error);
+  count_allgather(bytes);
+}
+
+void ThreadTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {
+  check_cpu(device, "allreduce_sum");
+  const size_t bytes = count * dtype_size(dtype);
+  GS_CHECK(bytes > 0, ValueError, "ThreadTransport.allreduce_sum: zero-length collective");
+  group_->publish(rank_, data, bytes);
+  std::string error;
+  try {
+    check_sizes_agree(*group_, rank_, "allreduce_sum");
+  } catch (const CommError& e) {
+    error = e.what();
+  }
+  // Every rank sums all contributions in rank order into scratch: identical results everywhere.
+  std::vector<unsigned char> sum(bytes);
+  if (error.empty()) {
+    dispatch_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      T* out = reinterpret_cast<T*>(sum.data());
+      for (size_t i = 0; i < count; ++i) {
+        float acc = 0.0f;
+        for (int r = 0; r < group_->size(); ++r) acc += Num<T>::to_float(static_cast<const T*>(group_->slot(r))[i]);
+        out[i] = Num<T>::from_float(acc);
+      }
+    });
+  }
+  group_->barrier(rank_);  // everyone has read every slot
+  if (!error.empty()) throw CommError(error);
+  std::memcpy(data, sum.data(), bytes);
+  count_allreduce(bytes);
+}
+
+}  // namespace
+
+std::shared_ptr<ThreadGroup> ThreadGroup::create(int size, std::chrono::milliseconds timeout) {
+  GS_CHECK(size >= 1, ValueError, "ThreadGroup: size must be >= 1, got ", size);
+  return std::make_shared<ThreadGroupImpl>(size, timeout);
+}
+
+}  // namespace gradsparse

@@ -1,0 +1,218 @@
+// The gather-and-add exchange and reduce_bucket over ThreadTransport, 1 to 8 ranks, against a
+// reference computed from all ranks' data; mass conservation; the non-finite policy; faults.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gradsparse/exchange.h"
+#include "gradsparse/method.h"
+#include "gradsparse/reduce_bucket.h"
+#include "reference.h"
+#include "threads.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+using gradsparse::testing::rethrow_first;
+using gradsparse::testing::run_ranks;
+
+namespace {
+
+constexpr int64_t kN = 40000;
+
+std::vector<float> grad_of(int rank, int64_t n = kN) { return ref::random_vector<float>(n, 100 + rank); }
+std::vector<float> residual_of(int rank, int64_t n = kN) { return ref::random_vector<float>(n, 200 + rank, 0.3f); }
+
+enum class Kind { kTopK, kThreshold };
+
+std::unique_ptr<Method> make_method(Kind kind) {
+  if (kind == Kind::kTopK) return std::make_unique<TopK>(0.01);
+  return std::make_unique<Threshold>(2.0);
+}
+
+class GatherAdd : public ::testing::TestWithParam<std::tuple<int, Kind>> {};
+
+// With P ranks, the result must be sum over ranks of the reference selection / P, added in rank
+// order (bit-identical), on every rank; and for every element, P * update + sum of new residuals
+// must equal sum of (grad + old residual) (ALGORITHMS.md decision 6).
+TEST_P(GatherAdd, MatchesReferenceAndConservesMass) {
+  const auto [p, kind] = GetParam();
+  std::vector<float> expected(kN, 0.0f);
+  std::vector<std::vector<float>> want_residuals(p);
+  std::vector<double> mass_before(kN, 0.0);
+  for (int r = 0; r < p; ++r) {
+    std::vector<float> res = residual_of(r);
+    const std::vector<float> g = grad_of(r);
+    for (int64_t i = 0; i < kN; ++i) mass_before[i] += double(res[i]) + double(g[i]);
+    const auto pairs = kind == Kind::kTopK ? ref::topk(&res, g, target_count(0.01, kN)) : ref::threshold(&res, g, 2.0);
+    for (size_t j = 0; j < pairs.indices.size(); ++j) expected[pairs.indices[j]] += pairs.values[j] / float(p);
+    want_residuals[r] = res;
+  }
+  std::vector<std::vector<float>> outputs(p), residuals(p);
+  std::vector<ReduceReport> reports(p);
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    outputs[rank] = grad_of(rank);
+    residuals[rank] = residual_of(rank);
+    auto method = make_method(kind);
+    BucketView bucket{DType::kFloat32, kN, outputs[rank].data(), residuals[rank].data()};
+    reports[rank] = reduce_bucket(method.get(), transport, device, bucket, ReduceOptions{});
+  }));
+  for (int r = 0; r < p; ++r) {
+    ASSERT_EQ(outputs[r], expected) << "rank " << r;
+    ASSERT_EQ(residuals[r], want_residuals[r]) << "rank " << r;
+    EXPECT_EQ(reports[r].selected_all, reports[0].selected_all);
+    EXPECT_EQ(reports[r].traffic.bytes_sent > 0, p > 1);  // one rank moves nothing
+  }
+  for (int64_t i = 0; i < kN; ++i) {
+    double after = double(p) * outputs[0][i];
+    for (int r = 0; r < p; ++r) after += residuals[r][i];
+    ASSERT_NEAR(after, mass_before[i], 1e-5 * (1.0 + std::fabs(mass_before[i]))) << "element " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GatherAdd,
+                         ::testing::Combine(::testing::Range(1, 9), ::testing::Values(Kind::kTopK, Kind::kThreshold)));
+
+TEST(GatherAdd, DensityOneEqualsDenseAverage) {
+  for (int p : {1, 2, 3, 4, 8}) {
+    std::vector<std::vector<float>> outputs(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      outputs[rank] = grad_of(rank, 1000);
+      TopK method(1.0);
+      BucketView bucket{DType::kFloat32, 1000, outputs[rank].data(), nullptr};
+      reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
+    }));
+    for (int64_t i = 0; i < 1000; ++i) {
+      float want = 0.0f;
+      for (int r = 0; r < p; ++r) want += grad_of(r, 1000)[i] / float(p);
+      ASSERT_EQ(outputs[0][i], want) << "p=" << p << " i=" << i;
+    }
+  }
+}
+
+TEST(GatherAdd, UnequalCountsAndEmptySelectionsNeverIssueZeroLengthCollectives) {
+  // Rank 0 selects nothing, the others different amounts: header-only messages still move.
+  const int p = 4;
+  std::vector<std::vector<float>> outputs(p);
+  std::vector<Traffic> traffic(p);
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    outputs[rank] = std::vector<float>(100, rank == 0 ? 0.0f : float(rank));
+    for (int i = 0; i < rank * 10; ++i) outputs[rank][i] = 50.0f;
+    Threshold method(10.0);
+    BucketView bucket{DType::kFloat32, 100, outputs[rank].data(), nullptr};
+    reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
+    traffic[rank] = transport.traffic();
+  }));
+  for (int i = 0; i < 100; ++i) {
+    const int senders = (i < 10) + (i < 20) + (i < 30);
+    ASSERT_EQ(outputs[0][i], 50.0f * senders / 4) << i;
+  }
+  for (int r = 0; r < p; ++r) EXPECT_EQ(traffic[r].collectives, 2);  // control + data
+}
+
+TEST(DenseAllreduce, AveragesLikeDdp) {
+  const int p = 3;
+  std::vector<std::vector<float>> outputs(p);
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    outputs[rank] = grad_of(rank, 500);
+    BucketView bucket{DType::kFloat32, 500, outputs[rank].data(), nullptr};
+    ReduceOptions options;
+    options.dense = true;
+    const ReduceReport report = reduce_bucket(nullptr, transport, device, bucket, options);
+    EXPECT_TRUE(report.dense);
+    EXPECT_EQ(report.traffic.bytes_sent, 2 * (p - 1) * 500 * 4 / p);
+  }));
+  for (int i = 0; i < 500; ++i) {
+    float want = 0.0f;
+    for (int r = 0; r < p; ++r) want += grad_of(r, 500)[i] / float(p);
+    ASSERT_EQ(outputs[0][i], want);
+    ASSERT_EQ(outputs[1][i], want);
+  }
+}
+
+// A NaN on one rank: every rank raises (default) or every rank skips, and each rank's residual
+// keeps all of its finite mass.
+TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
+  const int p = 3;
+  for (NonFinitePolicy policy : {NonFinitePolicy::kRaise, NonFinitePolicy::kSkip}) {
+    std::vector<std::vector<float>> outputs(p), residuals(p);
+    std::vector<ReduceReport> reports(p);
+    const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      outputs[rank] = grad_of(rank, 1000);
+      if (rank == 1) outputs[rank][17] = std::numeric_limits<float>::quiet_NaN();
+      residuals[rank] = residual_of(rank, 1000);
+      TopK method(0.05);
+      BucketView bucket{DType::kFloat32, 1000, outputs[rank].data(), residuals[rank].data()};
+      ReduceOptions options;
+      options.nonfinite = policy;
+      options.bucket_name = "bucket 5";
+      reports[rank] = reduce_bucket(&method, transport, device, bucket, options);
+    });
+    for (int r = 0; r < p; ++r) {
+      if (policy == NonFinitePolicy::kRaise) {
+        ASSERT_TRUE(errors[r]) << "rank " << r << " did not raise";
+        try {
+          std::rethrow_exception(errors[r]);
+        } catch (const NonFiniteError& e) {
+          EXPECT_NE(std::string(e.what()).find("bucket 5"), std::string::npos);
+          EXPECT_NE(std::string(e.what()).find("rank(s) 1"), std::string::npos);
+        }
+      } else {
+        ASSERT_FALSE(errors[r]);
+        EXPECT_TRUE(reports[r].skipped);
+        EXPECT_EQ(outputs[r], std::vector<float>(1000, 0.0f));
+      }
+      // Residual = old residual + grad wherever that is finite, else old residual.
+      const std::vector<float> g = grad_of(r, 1000), old = residual_of(r, 1000);
+      for (int i = 0; i < 1000; ++i) {
+        const float want = (r == 1 && i == 17) ? old[i] : old[i] + g[i];
+        ASSERT_EQ(residuals[r][i], want) << "rank " << r << " element " << i;
+      }
+    }
+  }
+}
+
+TEST(Faults, AMissingRankMakesTheOthersFailWithinTheTimeout) {
+  const auto errors = run_ranks(
+      3,
+      [&](int rank, Transport& transport) {
+        if (rank == 2) return;  // this rank never joins the collective
+        CpuDevice device;
+        std::vector<float> g = grad_of(rank, 100);
+        TopK method(0.1);
+        BucketView bucket{DType::kFloat32, 100, g.data(), nullptr};
+        reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
+      },
+      std::chrono::milliseconds(300));
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(errors[r]);
+    EXPECT_THROW(std::rethrow_exception(errors[r]), CommError);
+  }
+}
+
+TEST(Faults, MismatchedCollectivesAreDetected) {
+  const auto errors = run_ranks(2, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<char> send(rank == 0 ? 8 : 16), recv(32);
+    transport.allgather(device, send.data(), recv.data(), send.size());
+  });
+  EXPECT_TRUE(errors[0]);
+  EXPECT_TRUE(errors[1]);
+}
+
+TEST(Methods, RejectBadArguments) {
+  for (double d : {0.0, -0.1, 1.5, std::nan("")}) EXPECT_THROW(TopK{d}, ValueError) << d;
+  for (double t : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) EXPECT_THROW(Threshold{t}, ValueError);
+  EXPECT_EQ(target_count(0.001, 10), 1);  // decision 4: at least one element
+  EXPECT_EQ(target_count(0.5, 11), 5);
+  EXPECT_EQ(target_count(1.0, 11), 11);
+  EXPECT_EQ(target_count(0.5, 0), 0);
+}
+
+}  // namespace

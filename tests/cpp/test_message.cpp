@@ -1,0 +1,115 @@
+// The sparse message format: packing by a selection, validation of every field on receipt, and
+// rejection of corrupt messages without writing out of bounds.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <vector>
+
+#include "gradsparse/device.h"
+#include "gradsparse/message.h"
+#include "reference.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+
+namespace {
+
+struct Packed {
+  std::vector<unsigned char> bytes;
+  int64_t count = 0;
+};
+
+Packed pack_threshold(std::vector<float> grad, double thr) {
+  CpuDevice device;
+  BucketView bucket{DType::kFloat32, static_cast<int64_t>(grad.size()), grad.data(), nullptr};
+  Selection sel = device.select_threshold(bucket, thr);
+  const auto* p = sel.message.as<unsigned char>();
+  return Packed{std::vector<unsigned char>(p, p + sel.bytes), sel.count};
+}
+
+TEST(Message, LayoutIsHeaderThenIndicesThenValues) {
+  const Packed m = pack_threshold({0.0f, 3.0f, -0.5f, -4.0f, 1.0f}, 1.0);
+  ASSERT_EQ(m.count, 3);
+  const MessageHeader h = read_header(m.bytes.data(), m.bytes.size(), DType::kFloat32, 5);
+  EXPECT_EQ(h.count, 3u);
+  EXPECT_EQ(h.index_bytes, 4);
+  const MessageLayout layout(3, 4, DType::kFloat32);
+  EXPECT_EQ(layout.values_offset, 32u + 16u);  // 12 bytes of indices padded to 16
+  EXPECT_EQ(layout.total_bytes, m.bytes.size());
+  uint32_t idx[3];
+  float val[3];
+  std::memcpy(idx, m.bytes.data() + 32, sizeof(idx));
+  std::memcpy(val, m.bytes.data() + layout.values_offset, sizeof(val));
+  EXPECT_EQ(std::vector<uint32_t>(idx, idx + 3), (std::vector<uint32_t>{1, 3, 4}));
+  EXPECT_EQ(std::vector<float>(val, val + 3), (std::vector<float>{3.0f, -4.0f, 1.0f}));
+}
+
+TEST(Message, EmptySelectionIsAValidHeaderOnlyMessage) {
+  const Packed m = pack_threshold({0.1f, 0.2f}, 5.0);
+  EXPECT_EQ(m.count, 0);
+  EXPECT_EQ(m.bytes.size(), kMessageHeaderBytes);
+  EXPECT_NO_THROW(read_header(m.bytes.data(), m.bytes.size(), DType::kFloat32, 2));
+}
+
+TEST(Message, MakeHeaderValidatesItsArguments) {
+  EXPECT_THROW(make_header(DType::kFloat32, 2, 10, 1), ValueError);
+  EXPECT_THROW(make_header(DType::kFloat32, 4, 10, 11), ValueError);
+  EXPECT_THROW(make_header(DType::kFloat32, 4, uint64_t{1} << 33, 1), ValueError);
+  EXPECT_NO_THROW(make_header(DType::kFloat32, 8, uint64_t{1} << 33, 1));
+}
+
+// Each corruption of a valid message must be rejected with CorruptMessageError, and
+// scatter_add_message must leave the output untouched.
+TEST(Message, CorruptMessagesAreRejectedWithoutWriting) {
+  const Packed good = pack_threshold({0.0f, 3.0f, -0.5f, -4.0f, 1.0f}, 1.0);
+  const MessageLayout layout(3, 4, DType::kFloat32);
+  struct Case {
+    const char* what;
+    std::function<void(std::vector<unsigned char>&)> corrupt;
+    size_t length_delta;  // bytes removed from the end
+  };
+  const std::vector<Case> cases = {
+      {"magic", [](auto& b) { b[0] ^= 0xff; }, 0},
+      {"version", [](auto& b) { b[4] = 9; }, 0},
+      {"dtype code", [](auto& b) { b[5] = 7; }, 0},
+      {"dtype mismatch", [](auto& b) { b[5] = 1; }, 0},
+      {"index width", [](auto& b) { b[6] = 3; }, 0},
+      {"flags", [](auto& b) { b[7] = 1; }, 0},
+      {"dense size", [](auto& b) { b[8] = 6; }, 0},
+      {"count above dense size", [](auto& b) { b[16] = 9; }, 0},
+      {"count beyond the buffer", [](auto& b) { b[16] = 5; }, 0},
+      {"truncated", [](auto&) {}, 4},
+      {"shorter than a header", [](auto&) {}, good.bytes.size() - 10},
+      {"index out of range", [&](auto& b) { b[layout.indices_offset + 4] = 200; }, 0},
+  };
+  CpuDevice device;
+  for (const Case& c : cases) {
+    std::vector<unsigned char> bad = good.bytes;
+    c.corrupt(bad);
+    bad.resize(bad.size() - c.length_delta);
+    std::vector<float> out(5, 7.0f);
+    EXPECT_THROW(device.scatter_add_message(DType::kFloat32, out.data(), 5, bad.data(), bad.size(), 1.0f, 2),
+                 CorruptMessageError)
+        << c.what;
+    EXPECT_EQ(out, std::vector<float>(5, 7.0f)) << c.what;
+  }
+  std::vector<float> out(5, 0.0f);
+  device.scatter_add_message(DType::kFloat32, out.data(), 5, good.bytes.data(), good.bytes.size(), 1.0f, 0);
+  EXPECT_EQ(out, (std::vector<float>{0.0f, 3.0f, 0.0f, -4.0f, 1.0f}));
+}
+
+TEST(Message, ErrorNamesTheSourceRankAndTheField) {
+  const Packed good = pack_threshold({0.0f, 3.0f}, 1.0);
+  std::vector<unsigned char> bad = good.bytes;
+  bad[8] = 9;
+  try {
+    read_header(bad.data(), bad.size(), DType::kFloat32, 2, 3);
+    FAIL() << "no exception";
+  } catch (const CorruptMessageError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 3"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("9 elements"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,123 @@
+// Conversions between float32 and the 16-bit types: exact widening, round-to-nearest-even
+// narrowing, and magnitude keys that order like |x|.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gradsparse/numeric.h"
+
+using namespace gradsparse;
+
+namespace {
+
+// The nearest representable 16-bit value by brute force over all finite encodings, ties to even
+// (the encoding with an even last bit), overflow to Inf at the rounding boundary.
+template <typename Widen>
+uint16_t nearest_by_search(float f, Widen widen, uint16_t inf_bits) {
+  const uint16_t sign = std::signbit(f) ? 0x8000 : 0;
+  const double target = std::fabs(static_cast<double>(f));
+  double best_err = std::numeric_limits<double>::infinity();
+  uint16_t best = 0;
+  for (uint32_t b = 0; b < inf_bits; ++b) {
+    const double err = std::fabs(static_cast<double>(widen(static_cast<uint16_t>(b))) - target);
+    if (err < best_err || (err == best_err && (b & 1u) == 0)) {
+      best_err = err;
+      best = static_cast<uint16_t>(b);
+    }
+  }
+  // Beyond the largest finite value, round to Inf at the halfway point to the next power.
+  const double max_finite = widen(static_cast<uint16_t>(inf_bits - 1));
+  const double ulp = max_finite - widen(static_cast<uint16_t>(inf_bits - 2));
+  if (target >= max_finite + ulp / 2) best = inf_bits;
+  return static_cast<uint16_t>(sign | best);
+}
+
+std::vector<float> probe_floats() {
+  std::vector<float> v = {
+      0.0f,          -0.0f,         1.0f,          -1.0f,   65504.0f, 65519.99f,          65520.0f,          1e-8f,
+      2.9802322e-8f, 5.9604645e-8f, 6.1035156e-5f, 6.1e-5f, 3.0e38f,  1.0f + 1.0f / 2048, 1.0f + 3.0f / 2048};
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<uint32_t> bits(0, 0x7f7fffffu);
+  for (int i = 0; i < 3000; ++i) {
+    float f = bits_float(bits(rng));
+    // Concentrate on the 16-bit types' ranges.
+    if (i % 3 == 0) f = std::ldexp(std::fmod(std::fabs(f), 2.0f), static_cast<int>(bits(rng) % 50) - 30);
+    v.push_back(i % 2 ? f : -f);
+  }
+  return v;
+}
+
+}  // namespace
+
+TEST(Numeric, HalfWideningIsExactForEveryEncoding) {
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const uint16_t h = static_cast<uint16_t>(b);
+    const float f = half_to_float(h);
+    if (std::isnan(f)) {
+      EXPECT_TRUE(((h & 0x7c00) == 0x7c00) && (h & 0x3ff)) << b;
+      continue;
+    }
+    EXPECT_EQ(float_to_half(f), h) << "round trip of encoding " << b;
+  }
+}
+
+TEST(Numeric, HalfNarrowingRoundsToNearestEven) {
+  for (float f : probe_floats()) {
+    EXPECT_EQ(float_to_half(f), nearest_by_search(f, half_to_float, 0x7c00)) << "f=" << f;
+  }
+}
+
+TEST(Numeric, BFloat16NarrowingRoundsToNearestEven) {
+  for (float f : probe_floats()) {
+    EXPECT_EQ(float_to_bfloat16(f), nearest_by_search(f, bfloat16_to_float, 0x7f80)) << "f=" << f;
+  }
+}
+
+TEST(Numeric, NaNAndInfSurviveNarrowing) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(std::isnan(half_to_float(float_to_half(nan))));
+  EXPECT_TRUE(std::isnan(bfloat16_to_float(float_to_bfloat16(nan))));
+  EXPECT_EQ(float_to_half(inf), 0x7c00);
+  EXPECT_EQ(float_to_half(-inf), 0xfc00);
+  EXPECT_EQ(float_to_bfloat16(inf), 0x7f80);
+}
+
+TEST(Numeric, MagnitudeKeysOrderLikeAbsoluteValues) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 10.0f);
+  for (int i = 0; i < 10000; ++i) {
+    const float a = normal(rng), b = normal(rng);
+    EXPECT_EQ(magnitude_key(a) < magnitude_key(b), std::fabs(a) < std::fabs(b));
+    const Half ha = Num<Half>::from_float(a), hb = Num<Half>::from_float(b);
+    EXPECT_EQ(magnitude_key(ha) < magnitude_key(hb),
+              std::fabs(Num<Half>::to_float(ha)) < std::fabs(Num<Half>::to_float(hb)));
+  }
+  EXPECT_EQ(magnitude_key(std::numeric_limits<float>::quiet_NaN()), 0u);
+  EXPECT_EQ(magnitude_key(-std::numeric_limits<float>::infinity()), 0u);
+}
+
+TEST(Numeric, ThresholdIsRoundedToTheBucketDtype) {
+  // 1e-3 is not representable in float16; the comparison uses the float16 value, as PyTorch does.
+  const float rounded = Num<Half>::to_float(Num<Half>::from_float(1e-3f));
+  EXPECT_NE(rounded, 1e-3f);
+  EXPECT_EQ(threshold_key<Half>(1e-3), Num<Half>::key(Num<Half>::from_float(rounded)));
+}
+
+TEST(Numeric, ErrorFeedbackKeepsResidualWhenSumIsNotFinite) {
+  float r = 2.0f;
+  bool finite = true;
+  ef_accumulate(r, std::numeric_limits<float>::quiet_NaN(), finite);
+  EXPECT_FALSE(finite);
+  EXPECT_EQ(r, 2.0f);
+  ef_accumulate(r, 3.0f, finite);
+  EXPECT_TRUE(finite);
+  EXPECT_EQ(r, 5.0f);
+  Half h = Num<Half>::from_float(60000.0f);
+  ef_accumulate(h, Num<Half>::from_float(60000.0f), finite);  // overflows float16
+  EXPECT_FALSE(finite);
+  EXPECT_EQ(Num<Half>::to_float(h), 60000.0f);
+}

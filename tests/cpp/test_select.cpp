@@ -1,0 +1,185 @@
+// The fused error-feedback + selection kernels against the naive reference (reference.h).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gradsparse/kernels.h"
+#include "gradsparse/parallel.h"
+#include "reference.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+
+namespace {
+
+template <typename T, typename I = uint32_t>
+struct Output {
+  std::vector<I> indices;
+  std::vector<T> values;
+  SelectStats stats;
+
+  PairSink sink() {
+    return [this](int64_t count) {
+      indices.resize(count);
+      values.resize(count);
+      return PairSpan{indices.data(), values.data()};
+    };
+  }
+};
+
+template <typename T, typename I>
+void expect_same(const Output<T, I>& got, const ref::Pairs<T>& want) {
+  ASSERT_EQ(got.stats.count, static_cast<int64_t>(want.indices.size()));
+  ASSERT_EQ(got.indices.size(), want.indices.size());
+  EXPECT_EQ(got.stats.nonfinite, want.nonfinite);
+  for (size_t i = 0; i < want.indices.size(); ++i) {
+    ASSERT_EQ(static_cast<int64_t>(got.indices[i]), want.indices[i]) << "pair " << i;
+    ASSERT_TRUE(ref::same_bits(got.values[i], want.values[i])) << "pair " << i;
+  }
+}
+
+template <typename T>
+void expect_same_vector(const std::vector<T>& a, const std::vector<T>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_TRUE(ref::same_bits(a[i], b[i])) << "element " << i;
+}
+
+const std::vector<int64_t> kSizes = {0, 1, 2, 7, kCpuBlock - 1, kCpuBlock, kCpuBlock + 3, 3 * kCpuBlock + 17};
+
+template <typename T>
+class SelectTest : public ::testing::Test {};
+using Types = ::testing::Types<float, Half, BFloat16>;
+TYPED_TEST_SUITE(SelectTest, Types);
+
+TYPED_TEST(SelectTest, ThresholdWithErrorFeedbackMatchesReference) {
+  using T = TypeParam;
+  for (int64_t n : kSizes) {
+    for (double thr : {0.0, 0.5, 1.5, 2.5, 100.0}) {
+      std::vector<T> residual = ref::random_vector<T>(n, 11 + n, 0.7f);
+      const std::vector<T> grad = ref::random_vector<T>(n, 12 + n);
+      std::vector<T> want_residual = residual;
+      const auto want = ref::threshold(&want_residual, grad, thr);
+      Output<T> got;
+      got.stats = cpu::select_threshold<T, uint32_t>(residual.data(), grad.data(), n, thr, got.sink());
+      expect_same(got, want);
+      expect_same_vector(residual, want_residual);
+    }
+  }
+}
+
+TYPED_TEST(SelectTest, ThresholdWithoutErrorFeedbackLeavesInputAlone) {
+  using T = TypeParam;
+  const int64_t n = 2 * kCpuBlock + 5;
+  const std::vector<T> grad = ref::random_vector<T>(n, 5);
+  const std::vector<T> copy = grad;
+  const auto want = ref::threshold<T>(nullptr, grad, 1.0);
+  Output<T, uint64_t> got;
+  got.stats = cpu::select_threshold<T, uint64_t>(nullptr, grad.data(), n, 1.0, got.sink());
+  expect_same(got, want);
+  expect_same_vector(grad, copy);
+}
+
+TYPED_TEST(SelectTest, TopKMatchesReference) {
+  using T = TypeParam;
+  for (int64_t n : kSizes) {
+    for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{3}, n / 100, n / 2, n - 1, n, n + 5}) {
+      if (k < 0) continue;
+      std::vector<T> residual = ref::random_vector<T>(n, 21 + n, 0.5f);
+      const std::vector<T> grad = ref::random_vector<T>(n, 22 + n);
+      std::vector<T> want_residual = residual;
+      const auto want = ref::topk(&want_residual, grad, k);
+      Output<T> got;
+      got.stats = cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, k, got.sink());
+      expect_same(got, want);
+      expect_same_vector(residual, want_residual);
+    }
+  }
+}
+
+TYPED_TEST(SelectTest, TopKBreaksTiesByLowestIndex) {
+  using T = TypeParam;
+  for (float value : {0.0f, 1.0f}) {  // all zeros, all equal
+    const int64_t n = 2 * kCpuBlock + 9;
+    const std::vector<T> grad(n, ref::from_float<T>(value));
+    for (int64_t k : {int64_t{1}, int64_t{1000}, kCpuBlock + 1, n}) {
+      std::vector<T> residual(n, Num<T>::zero());
+      std::vector<T> want_residual = residual;
+      const auto want = ref::topk(&want_residual, grad, k);
+      Output<T, uint64_t> got;
+      got.stats = cpu::select_topk<T, uint64_t>(residual.data(), grad.data(), n, k, got.sink());
+      expect_same(got, want);
+      for (int64_t i = 0; i < k; ++i) ASSERT_EQ(got.indices[i], static_cast<uint64_t>(i));
+      expect_same_vector(residual, want_residual);
+    }
+  }
+}
+
+TYPED_TEST(SelectTest, NonFiniteElementsKeepTheirResidualAndAreCounted) {
+  using T = TypeParam;
+  const int64_t n = kCpuBlock + 100;
+  std::vector<T> grad = ref::random_vector<T>(n, 31);
+  grad[3] = ref::from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  grad[kCpuBlock + 7] = ref::from_float<T>(-std::numeric_limits<float>::infinity());
+  const std::vector<T> start = ref::random_vector<T>(n, 32, 0.1f);
+  for (bool use_topk : {false, true}) {
+    std::vector<T> residual = start, want_residual = start;
+    const auto want = use_topk ? ref::topk(&want_residual, grad, 50) : ref::threshold(&want_residual, grad, 2.0);
+    Output<T> got;
+    got.stats = use_topk ? cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, 50, got.sink())
+                         : cpu::select_threshold<T, uint32_t>(residual.data(), grad.data(), n, 2.0, got.sink());
+    EXPECT_EQ(got.stats.nonfinite, 2);
+    expect_same(got, want);
+    expect_same_vector(residual, want_residual);
+    EXPECT_TRUE(ref::same_bits(residual[3], start[3]));
+  }
+}
+
+TYPED_TEST(SelectTest, OutputDoesNotDependOnThreadCount) {
+  using T = TypeParam;
+  const int64_t n = 9 * kCpuBlock + 123;
+  const std::vector<T> grad = ref::random_vector<T>(n, 41);
+  Output<T> one, two;
+  std::vector<T> r1(n, Num<T>::zero()), r2(n, Num<T>::zero());
+  set_cpu_threads(1);
+  one.stats = cpu::select_topk<T, uint32_t>(r1.data(), grad.data(), n, n / 100, one.sink());
+  set_cpu_threads(2);
+  two.stats = cpu::select_topk<T, uint32_t>(r2.data(), grad.data(), n, n / 100, two.sink());
+  set_cpu_threads(0);
+  ASSERT_EQ(one.indices, two.indices);
+  expect_same_vector(one.values, two.values);
+  expect_same_vector(r1, r2);
+}
+
+TEST(ScatterAdd, AccumulatesDuplicatesAndDivides) {
+  std::vector<float> out(6, 1.0f);
+  const std::vector<int64_t> idx = {0, 5, 0, 2, 5, 5};
+  const std::vector<float> val = {2, 4, 6, 8, 10, 12};
+  cpu::scatter_add<float, int64_t>(out.data(), 6, idx.data(), val.data(), 6, 2.0f);
+  EXPECT_EQ(out, (std::vector<float>{5, 1, 5, 1, 1, 14}));
+}
+
+TEST(ScatterAdd, RejectsOutOfRangeIndicesWithoutWriting) {
+  std::vector<float> out(4, 0.0f);
+  for (std::vector<int64_t> idx : {std::vector<int64_t>{0, 4}, std::vector<int64_t>{-1, 1}}) {
+    const std::vector<float> val = {1, 1};
+    EXPECT_THROW((cpu::scatter_add<float, int64_t>(out.data(), 4, idx.data(), val.data(), 2, 1.0f)),
+                 CorruptMessageError);
+    EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+  }
+  const std::vector<uint32_t> big = {3, 0xffffffffu};
+  const std::vector<float> val = {1, 1};
+  EXPECT_THROW((cpu::scatter_add<float, uint32_t>(out.data(), 4, big.data(), val.data(), 2, 1.0f)),
+               CorruptMessageError);
+  EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+}
+
+TEST(SelectArguments, RejectNegativeThresholdAndK) {
+  std::vector<float> g(4, 1.0f);
+  Output<float> o;
+  EXPECT_THROW((cpu::select_threshold<float, uint32_t>(nullptr, g.data(), 4, -1.0, o.sink())), ValueError);
+  EXPECT_THROW((cpu::select_topk<float, uint32_t>(nullptr, g.data(), 4, -1, o.sink())), ValueError);
+}
+
+}  // namespace
