@@ -30,7 +30,8 @@ float to_float(T v) {
 }
 
 /// a = residual + grad elementwise (residual updated where finite); returns the values the
-/// selection sees and marks non-finite elements.
+/// selection sees (the residual, or without one the gradient with non-finite values as zero) and
+/// marks non-finite elements.
 template <typename T>
 std::vector<T> accumulate(std::vector<T>* residual, const std::vector<T>& grad, std::vector<bool>& finite) {
   std::vector<T> a(grad.size());
@@ -57,10 +58,7 @@ Pairs<T> threshold(std::vector<T>* residual, const std::vector<T>& grad, double 
   const float t = to_float(from_float<T>(static_cast<float>(thr)));
   Pairs<T> out;
   for (size_t i = 0; i < a.size(); ++i) {
-    if (!finite[i]) {
-      ++out.nonfinite;
-      continue;
-    }
+    out.nonfinite += !finite[i];
     if (std::fabs(to_float(a[i])) >= t) {
       out.indices.push_back(static_cast<int64_t>(i));
       out.values.push_back(a[i]);
@@ -70,8 +68,7 @@ Pairs<T> threshold(std::vector<T>* residual, const std::vector<T>& grad, double 
   return out;
 }
 
-/// Exact top-k: order by |a| descending, then by index ascending; non-finite elements rank by
-/// their unchanged residual (error feedback) or as zero (no residual).
+/// Exact top-k: order by |a| descending, then by index ascending.
 template <typename T>
 Pairs<T> topk(std::vector<T>* residual, const std::vector<T>& grad, int64_t k) {
   std::vector<bool> finite;

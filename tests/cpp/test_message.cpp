@@ -80,7 +80,9 @@ TEST(Message, CorruptMessagesAreRejectedWithoutWriting) {
       {"count beyond the buffer", [](auto& b) { b[16] = 5; }, 0},
       {"truncated", [](auto&) {}, 4},
       {"shorter than a header", [](auto&) {}, good.bytes.size() - 10},
-      {"index out of range", [&](auto& b) { b[layout.indices_offset + 4] = 200; }, 0},
+      {"index out of range", [&](auto& b) { b[layout.indices_offset + 8] = 200; }, 0},
+      {"indices not ascending", [&](auto& b) { b[layout.indices_offset + 4] = 0; }, 0},
+      {"duplicate index", [&](auto& b) { b[layout.indices_offset + 4] = 1; }, 0},
   };
   CpuDevice device;
   for (const Case& c : cases) {

@@ -73,6 +73,8 @@ class Device {
  public:
   virtual ~Device() = default;
   virtual DeviceKind kind() const = 0;
+  /// Ordinal of the device (the CUDA device number; 0 for the CPU).
+  virtual int index() const { return 0; }
 
   /// Memory on this device, at least 64-byte aligned.
   virtual Buffer allocate(size_t bytes) = 0;
@@ -88,8 +90,9 @@ class Device {
   /// Fused error feedback + exact top-k into a packed message (kernels.h semantics).
   virtual Selection select_topk(const BucketView& bucket, int64_t k) = 0;
 
-  /// Validates a received message (header and every index) and adds its values / divisor into
-  /// `out` (numel elements of dtype). Throws CorruptMessageError without writing on bad input.
+  /// Validates a received message (header; every index in range and strictly ascending) and adds
+  /// its values / divisor into `out` (numel elements of dtype). Throws CorruptMessageError without
+  /// writing on bad input.
   virtual void scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes,
                                    float divisor, int source_rank) = 0;
   /// data /= divisor.

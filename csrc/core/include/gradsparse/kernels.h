@@ -5,9 +5,9 @@
 // - With a residual (error feedback), each element first becomes a = residual + grad (rounded to the
 //   dtype); the residual takes `a`, the selection looks at `a`, and every selected residual element
 //   is zeroed. Without a residual (nullptr), the selection looks at `grad` and writes nothing.
-// - An element whose `a` is not finite keeps its old residual (nothing of it is lost or spread);
-//   without a residual it counts as zero. Either way it is counted in SelectStats::nonfinite, and
-//   callers abort the step (ALGORITHMS.md, project decision 5).
+// - An element whose `a` is not finite keeps its old residual, and the selection sees that old
+//   value (without a residual: zero). It is counted in SelectStats::nonfinite, and callers abort
+//   the step (ALGORITHMS.md, project decision 5). The selected values are therefore always finite.
 // - Pairs come out in ascending index order, whatever the number of threads.
 #pragma once
 
@@ -65,7 +65,7 @@ GS_HD inline bool index_in_range(I index, int64_t n) {
 
 namespace cpu {
 
-/// Fused error feedback + threshold selection: selects every finite a with |a| >= threshold,
+/// Fused error feedback + threshold selection: selects every element with |a| >= threshold,
 /// comparing in the bucket's dtype. One pass over memory.
 template <typename T, typename I>
 SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink);
@@ -75,11 +75,13 @@ SelectStats select_threshold(T* residual, const T* grad, int64_t n, double thres
 template <typename T, typename I>
 SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink);
 
-/// out[indices[i]] += values[i] / divisor for every pair, accumulating duplicates in index order.
-/// Every index is validated first: an index outside [0, n) throws CorruptMessageError and nothing
-/// is written.
+/// out[indices[i]] += values[i] / divisor for every pair (computed in float32, rounded once),
+/// accumulating duplicates in pair order. Every index is validated first: an index outside [0, n)
+/// throws CorruptMessageError and nothing is written. With `strictly_ascending` (the invariant of
+/// a message) the indices must also be strictly ascending, and the pairs are added in parallel.
 template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor);
+void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending = false);
 
 /// data /= divisor, elementwise (DDP divides before summing to avoid overflow in 16-bit types).
 template <typename T>

@@ -1,11 +1,13 @@
 // The sparse message: one contiguous buffer holding a header, the indices and the values of the
 // (index, value) pairs one rank sends. Every receiver validates it before touching its output.
+// Indices are strictly ascending, so a message never names an element twice: receivers add
+// messages one after another, deterministically, without atomics.
 //
 // Layout (little-endian, offsets in bytes):
 //   0  uint32 magic 0x4D505347 ("GSPM")     8  uint64 dense_size (length of the bucket)
 //   4  uint8  version (1)                   16 uint64 count (number of pairs)
 //   5  uint8  dtype (DType)                 24 uint64 reserved, zero
-//   6  uint8  index_bytes (4 or 8)          32 indices[count], unsigned, ascending not required
+//   6  uint8  index_bytes (4 or 8)          32 indices[count], unsigned, strictly ascending
 //   7  uint8  flags, zero                   32 + pad8(count * index_bytes): values[count] in dtype
 // total = 32 + pad8(count * index_bytes) + pad8(count * dtype_size)
 #pragma once

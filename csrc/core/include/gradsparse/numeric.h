@@ -1,6 +1,6 @@
 // Per-element logic shared by the CPU and the CUDA kernels (`GS_HD`): 16-bit float storage types,
-// conversions with round-to-nearest-even (bit-identical to PyTorch's), magnitude keys that order
-// |x| as unsigned integers, and the error-feedback update.
+// conversions with round-to-nearest-even (bit-identical to PyTorch's), keys that order finite
+// values by |x| as unsigned integers, and the error-feedback update.
 #pragma once
 
 #include <cstdint>
@@ -128,14 +128,6 @@ struct Num<BFloat16> {
   GS_HD static BFloat16 zero() { return BFloat16{0}; }
 };
 
-/// Magnitude key of a value: keys compare like |x| for finite values. Non-finite values get key 0
-/// so that they are never preferred by a selection (the step that saw them is aborted anyway).
-template <typename T>
-GS_HD inline uint32_t magnitude_key(T v) {
-  const uint32_t k = Num<T>::key(v);
-  return k >= Num<T>::kInfKey ? 0u : k;
-}
-
 template <typename T>
 GS_HD inline bool is_finite(T v) {
   return Num<T>::key(v) < Num<T>::kInfKey;
@@ -149,15 +141,34 @@ inline uint32_t threshold_key(double threshold) {
   return Num<T>::key(t);
 }
 
-/// One element of the fused error-feedback update: a = residual + grad. When `a` is finite the
-/// residual takes it; when it is not (NaN/Inf in the gradient, or overflow) the residual is left
-/// unchanged and the element counts as non-finite. Returns the value the selection sees.
+/// One element of the fused error-feedback update: a = residual + grad, rounded to T. When `a` is
+/// finite the residual takes it; when it is not (NaN/Inf in the gradient, or overflow) the residual
+/// keeps its old value and `finite` is false.
 template <typename T>
-GS_HD inline T ef_accumulate(T& residual, T grad, bool& finite) {
+GS_HD inline void ef_accumulate(T& residual, T grad, bool& finite) {
   const T a = Num<T>::from_float(Num<T>::to_float(residual) + Num<T>::to_float(grad));
   finite = is_finite(a);
   if (finite) residual = a;
-  return residual;
+}
+
+/// The value a selection sees for element i once the update is done: the residual (error
+/// feedback) or, without a residual, the gradient with non-finite values read as zero. It is
+/// always finite, and reading it again gives the same value, so multi-pass kernels agree.
+template <typename T>
+GS_HD inline T selection_value(const T* residual, const T* grad, int64_t i) {
+  if (residual != nullptr) return residual[i];
+  return is_finite(grad[i]) ? grad[i] : Num<T>::zero();
+}
+
+/// The error-feedback update of element i (when there is a residual) followed by its selection value.
+template <typename T>
+GS_HD inline T ef_step(T* residual, const T* grad, int64_t i, bool& finite) {
+  if (residual != nullptr) {
+    ef_accumulate(residual[i], grad[i], finite);
+  } else {
+    finite = is_finite(grad[i]);
+  }
+  return selection_value(residual, grad, i);
 }
 
 /// The selection rule of every threshold method: |a| >= threshold, compared in the bucket's dtype.

@@ -86,7 +86,7 @@ void CpuDevice::scatter_add_message(DType dtype, void* out, int64_t numel, const
       using I = decltype(i);
       cpu::scatter_add<T, I>(static_cast<T*>(out), numel, reinterpret_cast<const I*>(base + layout.indices_offset),
                              reinterpret_cast<const T*>(base + layout.values_offset), static_cast<int64_t>(h.count),
-                             divisor);
+                             divisor, /*strictly_ascending=*/true);
     });
   });
 }
@@ -96,17 +96,6 @@ void CpuDevice::divide(DType dtype, void* data, int64_t numel, float divisor) {
     using T = decltype(t);
     cpu::divide<T>(static_cast<T*>(data), numel, divisor);
   });
-}
-
-MessageHeader read_device_header(Device& device, const void* message, size_t bytes, DType dtype, uint64_t numel,
-                                 int source_rank) {
-  GS_CHECK(message != nullptr && bytes >= kMessageHeaderBytes, CorruptMessageError, message_source(source_rank), " is ",
-           bytes, " bytes, shorter than its 32-byte header");
-  unsigned char host[kMessageHeaderBytes];
-  device.copy_to_host(host, message, kMessageHeaderBytes);
-  const MessageHeader h = parse_header(host, dtype, numel, source_rank);
-  check_message_length(h, bytes, source_rank);
-  return h;
 }
 
 }  // namespace gradsparse

@@ -78,34 +78,20 @@ SelectStats emit_blocks(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, con
   return stats;
 }
 
-/// Computes a block's "a" values in place of the residual (error feedback) and returns them through
-/// `visit(offset, a, key)`; non-finite elements are counted and skipped.
+/// Runs the error-feedback update over [begin, end) and hands every element's selection value to
+/// `visit(offset, value)`; counts non-finite elements.
 template <typename T, typename Visit>
 void accumulate_block(T* residual, const T* grad, int64_t begin, int64_t end, int64_t& nonfinite, Visit&& visit) {
-  if (residual != nullptr) {
-    for (int64_t i = begin; i < end; ++i) {
-      bool finite;
-      const T a = ef_accumulate(residual[i], grad[i], finite);
-      if (!finite) {
-        ++nonfinite;
-        continue;
-      }
-      visit(i - begin, a, Num<T>::key(a));
-    }
-  } else {
-    for (int64_t i = begin; i < end; ++i) {
-      const T a = grad[i];
-      if (!is_finite(a)) {
-        ++nonfinite;
-        continue;
-      }
-      visit(i - begin, a, Num<T>::key(a));
-    }
+  for (int64_t i = begin; i < end; ++i) {
+    bool finite;
+    const T v = ef_step(residual, grad, i, finite);
+    nonfinite += !finite;
+    visit(i - begin, v);
   }
 }
 
-// float32 specialisation of the threshold block loop: branch-free over chunks of 64 elements so the
-// compiler vectorises the error-feedback update; selected elements (rare) are handled after.
+// float32 with error feedback, the hot path: branch-free over chunks of 64 elements so that the
+// compiler vectorises the update; selected elements (rare) are collected after each chunk.
 template <typename Visit>
 void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
                           int64_t& nonfinite, Visit&& visit) {
@@ -118,11 +104,11 @@ void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int
     uint32_t any = 0;
     for (int j = 0; j < len; ++j) {
       const float a = r[j] + g[j];
-      const uint32_t key = float_bits(a) & 0x7fffffffu;
-      const uint32_t finite = key < 0x7f800000u;
-      r[j] = finite ? a : r[j];
-      // flag bit 0: selected, bit 1: non-finite
-      const uint8_t f = static_cast<uint8_t>((finite & (key >= tkey)) | ((finite ^ 1u) << 1));
+      const uint32_t finite = (float_bits(a) & 0x7fffffffu) < 0x7f800000u;
+      const float v = finite ? a : r[j];
+      r[j] = v;
+      // bit 0: selected, bit 1: non-finite
+      const uint8_t f = static_cast<uint8_t>(((float_bits(v) & 0x7fffffffu) >= tkey) | ((finite ^ 1u) << 1));
       flags[j] = f;
       any |= f;
     }
@@ -156,8 +142,8 @@ SelectStats select_threshold(T* residual, const T* grad, int64_t n, double thres
         return;
       }
     }
-    accumulate_block(residual, grad, begin, end, p.nonfinite, [&](int64_t off, T a, uint32_t key) {
-      if (passes_threshold(key, tkey)) {
+    accumulate_block(residual, grad, begin, end, p.nonfinite, [&](int64_t off, T a) {
+      if (passes_threshold(Num<T>::key(a), tkey)) {
         p.offsets.push_back(static_cast<uint32_t>(off));
         p.values.push_back(a);
       }
@@ -175,13 +161,10 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
   auto& blocks = block_workspace<T>(nblocks);
   const int threads = cpu_threads();
 
-  // The magnitude of element i after the error-feedback pass (0 for a non-finite gradient
-  // without residual, so that pass 1 and pass 3 agree on every key).
-  auto key_at = [&](int64_t i) -> uint32_t { return magnitude_key(residual != nullptr ? residual[i] : grad[i]); };
-  auto value_at = [&](int64_t i) -> T {
-    const T v = residual != nullptr ? residual[i] : grad[i];
-    return is_finite(v) ? v : Num<T>::zero();
-  };
+  // After pass 1 the selection value of element i can be re-read: passes 2 and 3 see exactly
+  // what pass 1 counted.
+  auto value_at = [&](int64_t i) -> T { return selection_value(residual, grad, i); };
+  auto key_at = [&](int64_t i) -> uint32_t { return Num<T>::key(value_at(i)); };
 
   // Pass 1: error feedback, and a histogram of the key's high bits (all bits for 16-bit types).
   constexpr int kKeyBits = Num<T>::kKeyBits;
@@ -192,16 +175,8 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
   parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
     int64_t* h = hist.data() + static_cast<size_t>(t) * kHighBins;
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    for (int64_t i = begin; i < end; ++i) {
-      if (residual != nullptr) {
-        bool finite;
-        ef_accumulate(residual[i], grad[i], finite);
-        nonfinite[b] += !finite;
-      } else {
-        nonfinite[b] += !is_finite(grad[i]);
-      }
-      ++h[key_at(i) >> kHighShift];
-    }
+    accumulate_block(residual, grad, begin, end, nonfinite[b],
+                     [&](int64_t, T v) { ++h[Num<T>::key(v) >> kHighShift]; });
   });
   for (int t = 1; t < threads; ++t)
     for (int64_t i = 0; i < kHighBins; ++i) hist[i] += hist[static_cast<size_t>(t) * kHighBins + i];
@@ -273,7 +248,8 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
 }
 
 template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor) {
+void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending) {
   GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
   GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
   // Validate every index before writing anything.
@@ -282,20 +258,34 @@ void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t c
   parallel_blocks(nblocks, [&](int64_t b) {
     const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
     for (int64_t i = begin; i < end; ++i) {
-      if (!index_in_range(indices[i], n)) {
+      const bool ordered = !strictly_ascending || i == 0 || indices[i - 1] < indices[i];
+      if (!index_in_range(indices[i], n) || !ordered) {
         first_bad[b] = i;
         return;
       }
     }
   });
   for (int64_t b = 0; b < nblocks; ++b) {
-    GS_CHECK(first_bad[b] < 0, CorruptMessageError, "sparse index ", static_cast<long long>(indices[first_bad[b]]),
-             " at position ", first_bad[b], " is outside the bucket [0, ", n,
+    const int64_t i = first_bad[b];
+    if (i < 0) continue;
+    GS_CHECK(index_in_range(indices[i], n), CorruptMessageError, "sparse index ", static_cast<long long>(indices[i]),
+             " at position ", i, " is outside the bucket [0, ", n,
              "); the message is corrupt or was built for another bucket");
+    throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", i, " (",
+                                  static_cast<long long>(indices[i - 1]), " then ", static_cast<long long>(indices[i]),
+                                  "); the message is corrupt"));
   }
-  for (int64_t i = 0; i < count; ++i) {
+  auto add = [&](int64_t i) {
     T& o = out[indices[i]];
     o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+  };
+  if (strictly_ascending) {  // distinct indices: blocks of pairs touch distinct elements
+    parallel_blocks(nblocks, [&](int64_t b) {
+      const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
+      for (int64_t i = begin; i < end; ++i) add(i);
+    });
+  } else {
+    for (int64_t i = 0; i < count; ++i) add(i);
   }
 }
 
@@ -324,7 +314,7 @@ int64_t count_nonfinite(const T* data, int64_t n) {
 #define GS_INSTANTIATE_SELECT(T, I)                                                            \
   template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&); \
   template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);     \
-  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float);
+  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float, bool);
 #define GS_INSTANTIATE_TYPE(T)                 \
   GS_INSTANTIATE_SELECT(T, uint32_t)           \
   GS_INSTANTIATE_SELECT(T, uint64_t)           \

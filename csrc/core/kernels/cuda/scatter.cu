@@ -1,0 +1,119 @@
+// CUDA scatter-add (validated first, all-or-nothing) and elementwise division.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <climits>
+
+#include "gradsparse/cuda_device.h"
+#include "gradsparse/numeric.h"
+
+namespace gradsparse {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+unsigned int grid_for(int64_t items) { return static_cast<unsigned int>((items + kThreads - 1) / kThreads); }
+
+/// Records the lowest position whose index is out of range (or not strictly ascending).
+template <typename I>
+__global__ void validate_kernel(const I* indices, int64_t count, int64_t n, bool strictly_ascending,
+                                unsigned long long* first_bad) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= count) return;
+  const bool ordered = !strictly_ascending || i == 0 || indices[i - 1] < indices[i];
+  if (!index_in_range(indices[i], n) || !ordered) atomicMin(first_bad, static_cast<unsigned long long>(i));
+}
+
+/// Indices are distinct: every element is written by one thread, deterministically.
+template <typename T, typename I>
+__global__ void add_distinct_kernel(T* out, const I* indices, const T* values, int64_t count, float divisor) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= count) return;
+  T& o = out[indices[i]];
+  o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+}
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(Half* p, float v) {
+  atomicAdd(reinterpret_cast<__half*>(p), __float2half_rn(v));
+}
+__device__ __forceinline__ void atomic_add(BFloat16* p, float v) {
+  atomicAdd(reinterpret_cast<__nv_bfloat16*>(p), __float2bfloat16_rn(v));
+}
+
+/// Indices may repeat: accumulate with atomics.
+template <typename T, typename I>
+__global__ void add_atomic_kernel(T* out, const I* indices, const T* values, int64_t count, float divisor) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i >= count) return;
+  atomic_add(out + indices[i], Num<T>::to_float(values[i]) / divisor);
+}
+
+template <typename T>
+__global__ void divide_kernel(T* data, int64_t n, float divisor) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
+}
+
+}  // namespace
+
+template <typename T, typename I>
+void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending) {
+  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
+  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  if (count == 0) return;
+  cudaStream_t stream = device.stream();
+  Buffer flag = device.allocate(sizeof(unsigned long long));
+  GS_CUDA_CHECK(cudaMemsetAsync(flag.data(), 0xff, sizeof(unsigned long long), stream));
+  validate_kernel<I>
+      <<<grid_for(count), kThreads, 0, stream>>>(indices, count, n, strictly_ascending, flag.as<unsigned long long>());
+  GS_CUDA_CHECK(cudaGetLastError());
+  unsigned long long first_bad = 0;
+  device.copy_to_host(&first_bad, flag.data(), sizeof(first_bad));
+  if (first_bad != ULLONG_MAX) {
+    I pair[2] = {};
+    const int64_t at = static_cast<int64_t>(first_bad);
+    device.copy_to_host(pair, indices + (at > 0 ? at - 1 : 0), sizeof(I) * (at > 0 ? 2 : 1));
+    const I bad = at > 0 ? pair[1] : pair[0];
+    GS_CHECK(index_in_range(bad, n), CorruptMessageError, "sparse index ", static_cast<long long>(bad), " at position ",
+             at, " is outside the bucket [0, ", n, "); the message is corrupt or was built for another bucket");
+    throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", at, " (",
+                                  static_cast<long long>(pair[0]), " then ", static_cast<long long>(pair[1]),
+                                  "); the message is corrupt"));
+  }
+  if (strictly_ascending) {
+    add_distinct_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
+  } else {
+    add_atomic_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
+  }
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
+void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
+  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
+  if (n == 0) return;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  divide_kernel<T>
+      <<<static_cast<unsigned int>(blocks < 65535 ? blocks : 65535), kThreads, 0, device.stream()>>>(data, n, divisor);
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
+#define GS_INSTANTIATE_CUDA_SCATTER(T, I) \
+  template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool);
+#define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T) \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)  \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)  \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int32_t)   \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int64_t)   \
+  template void divide<T>(CudaDevice&, T*, int64_t, float);
+
+GS_INSTANTIATE_CUDA_SCATTER_TYPE(float)
+GS_INSTANTIATE_CUDA_SCATTER_TYPE(Half)
+GS_INSTANTIATE_CUDA_SCATTER_TYPE(BFloat16)
+
+}  // namespace cuda
+}  // namespace gradsparse
