@@ -1,0 +1,68 @@
+// Helpers of the PyTorch adapter: tensor <-> core conversions, argument checks that name the
+// argument, and translation of core errors into PyTorch's error types.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include "gradsparse/common.h"
+#include "gradsparse/device.h"
+
+namespace gradsparse::torch_adapter {
+
+/// The core dtype of a bucket tensor; TypeError naming `arg` for anything but float32/16, bfloat16.
+inline DType core_dtype(const at::Tensor& t, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFloat32;
+    case at::kHalf:
+      return DType::kFloat16;
+    case at::kBFloat16:
+      return DType::kBFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "gradsparse: ", arg, " must be float32, float16 or bfloat16, got ", t.scalar_type(),
+                       "; sparsification applies to floating-point gradients only");
+  }
+}
+
+inline at::ScalarType scalar_type(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+  }
+  TORCH_CHECK(false, "gradsparse: unknown dtype code ", int(d));
+}
+
+/// A contiguous 1-D view of a tensor the kernels may read or write in place.
+inline void check_flat(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_VALUE(t.is_contiguous(), "gradsparse: ", arg, " must be contiguous; call .contiguous() first");
+}
+
+inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), "gradsparse: ", a_name, " is on ", a.device(), " but ", b_name,
+                    " is on ", b.device(), "; move them to the same device");
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "gradsparse: ", a_name, " is ", a.scalar_type(), " but ",
+                   b_name, " is ", b.scalar_type(), "; they must have the same dtype");
+  TORCH_CHECK_VALUE(a.numel() == b.numel(), "gradsparse: ", a_name, " has ", a.numel(), " elements but ", b_name,
+                    " has ", b.numel(), "; they must have the same number of elements");
+}
+
+/// Runs `f`, turning core errors into the matching PyTorch errors (ValueError, IndexError, ...).
+template <typename F>
+decltype(auto) translate_errors(F&& f) {
+  try {
+    return f();
+  } catch (const ValueError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+    throw;
+  } catch (const CorruptMessageError& e) {
+    TORCH_CHECK_INDEX(false, e.what());
+    throw;
+  }
+}
+
+}  // namespace gradsparse::torch_adapter

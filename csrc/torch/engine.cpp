@@ -1,0 +1,167 @@
+#include "engine.h"
+
+#include <ATen/core/jit_type.h>
+
+#include "adapter.h"
+
+namespace gradsparse::torch_adapter {
+namespace {
+
+class CpuJobDevice final : public JobDevice {
+ public:
+  void run(const std::function<void(Device&)>& body) override { body(device_); }
+  std::vector<c10::Device> future_devices() const override { return {}; }
+
+ private:
+  CpuDevice device_;
+};
+
+BucketView bucket_view(const at::Tensor& grad, const std::optional<at::Tensor>& residual) {
+  return BucketView{core_dtype(grad, "bucket"), grad.numel(), grad.data_ptr(),
+                    residual ? residual->data_ptr() : nullptr};
+}
+
+}  // namespace
+
+std::unique_ptr<JobDevice> make_cpu_job_device() { return std::make_unique<CpuJobDevice>(); }
+
+#if !defined(GRADSPARSE_WITH_CUDA)
+std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>&) {
+  TORCH_CHECK(false, "gradsparse: this build has no CUDA support, but the bucket is on ", grad.device(),
+              ". Reinstall with a CUDA build of PyTorch and the CUDA toolkit present, or force it with GRADSPARSE_CUDA=1 "
+              "(see the README's build variables).");
+}
+#endif
+
+struct Engine::Shared {
+  struct Job {
+    at::Tensor grad;
+    std::optional<at::Tensor> residual;
+    std::shared_ptr<Method> method;
+    ReduceOptions options;
+    std::shared_ptr<ReduceReport> report;
+    std::unique_ptr<JobDevice> device;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+  };
+
+  Shared(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+      : transport(std::move(group), timeout) {}
+
+  void loop();
+  void run(Job& job);
+
+  ProcessGroupTransport transport;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Job> queue;
+  bool stopping = false;
+  std::string failure;  // set after a communication error; later jobs fail with it
+};
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+    : shared_(std::make_shared<Shared>(std::move(group), timeout)) {
+  thread_ = std::thread([shared = shared_] { shared->loop(); });
+}
+
+Engine::~Engine() {
+  if (thread_.joinable() && thread_.get_id() == std::this_thread::get_id()) {
+    {
+      std::lock_guard<std::mutex> lock(shared_->mu);
+      shared_->stopping = true;
+    }
+    shared_->cv.notify_all();
+    thread_.detach();  // we are that thread: it ends after the current job, owning `shared`
+    return;
+  }
+  shutdown();
+}
+
+int Engine::rank() const { return shared_->transport.rank(); }
+int Engine::size() const { return shared_->transport.size(); }
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    shared_->stopping = true;
+  }
+  shared_->cv.notify_all();
+  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Engine::submit(at::Tensor grad, std::optional<at::Tensor> residual,
+                                                       std::shared_ptr<Method> method, ReduceOptions options,
+                                                       std::shared_ptr<ReduceReport> report) {
+  core_dtype(grad, "bucket");
+  check_flat(grad, "bucket");
+  if (residual) {
+    check_same(grad, "bucket", *residual, "residual");
+    check_flat(*residual, "residual");
+  }
+  Shared::Job job;
+  job.device = grad.is_cuda() ? make_cuda_job_device(grad, residual) : make_cpu_job_device();
+  job.future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), job.device->future_devices());
+  job.grad = std::move(grad);
+  job.residual = std::move(residual);
+  job.method = std::move(method);
+  job.options = std::move(options);
+  job.report = report ? std::move(report) : std::make_shared<ReduceReport>();
+  auto future = job.future;
+  {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    TORCH_CHECK(!shared_->stopping, "gradsparse: the engine has been shut down; create a new state to continue");
+    shared_->queue.push_back(std::move(job));
+  }
+  shared_->cv.notify_one();
+  return future;
+}
+
+void Engine::Shared::loop() {
+  for (;;) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return stopping || !queue.empty(); });
+      if (queue.empty()) return;  // stopping and drained
+      job = std::move(queue.front());
+      queue.pop_front();
+    }
+    run(job);
+  }
+}
+
+void Engine::Shared::run(Job& job) {
+  std::string earlier;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    earlier = failure;
+  }
+  if (!earlier.empty()) {
+    job.future->setError(std::make_exception_ptr(
+        CommError(str("gradsparse: ", job.options.bucket_name,
+                      " was not reduced because an earlier exchange failed: ", earlier))));
+    return;
+  }
+  try {
+    job.device->run([&](Device& device) {
+      *job.report = reduce_bucket(job.method.get(), transport, device, bucket_view(job.grad, job.residual),
+                                  job.options);
+      job.future->markCompleted(c10::IValue(job.grad));
+    });
+  } catch (const NonFiniteError& e) {
+    // Raised identically on every rank after an agreed exchange: later buckets can proceed.
+    job.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(str("gradsparse: ", e.what()))));
+  } catch (const std::exception& e) {
+    // A failed collective or a corrupt message: the ranks' collective sequences can no longer be
+    // trusted to match, so stop here rather than risk a hang in the next bucket.
+    const bool transport_broken =
+        dynamic_cast<const CommError*>(&e) != nullptr || dynamic_cast<const CorruptMessageError*>(&e) != nullptr;
+    if (transport_broken) {
+      std::lock_guard<std::mutex> lock(mu);
+      failure = e.what();
+    }
+    job.future->setErrorIfNeeded(std::make_exception_ptr(
+        std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
+  }
+}
+
+}  // namespace gradsparse::torch_adapter

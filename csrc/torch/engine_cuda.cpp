@@ -1,0 +1,49 @@
+// The CUDA side of engine jobs: the engine thread runs each job on a pool stream of the bucket's
+// device, after the stream that submitted it, and completes the future with that stream current
+// so consumers are ordered after the job (CUDA-aware future).
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda_support.h"
+#include "engine.h"
+
+namespace gradsparse::torch_adapter {
+namespace {
+
+class CudaJobDevice final : public JobDevice {
+ public:
+  CudaJobDevice(const at::Tensor& grad, const std::optional<at::Tensor>& residual)
+      : device_index_(grad.device().index()), grad_(grad), residual_(residual) {
+    submitted_.record(c10::cuda::getCurrentCUDAStream(device_index_));
+  }
+
+  void run(const std::function<void(Device&)>& body) override {
+    c10::cuda::CUDAGuard guard(device_index_);
+    c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_index_);
+    submitted_.block(stream);
+    // The bucket and residual are used on our stream; tell the caching allocator.
+    c10::cuda::CUDACachingAllocator::recordStream(grad_.storage().data_ptr(), stream);
+    if (residual_) c10::cuda::CUDACachingAllocator::recordStream(residual_->storage().data_ptr(), stream);
+    c10::cuda::CUDAStreamGuard stream_guard(stream);
+    CudaDevice device = torch_cuda_device(stream);
+    body(device);
+  }
+
+  std::vector<c10::Device> future_devices() const override {
+    return {c10::Device(c10::kCUDA, device_index_)};
+  }
+
+ private:
+  c10::DeviceIndex device_index_;
+  at::Tensor grad_;
+  std::optional<at::Tensor> residual_;
+  at::cuda::CUDAEvent submitted_;
+};
+
+}  // namespace
+
+std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>& residual) {
+  return std::make_unique<CudaJobDevice>(grad, residual);
+}
+
+}  // namespace gradsparse::torch_adapter

@@ -1,0 +1,65 @@
+// Argument checks and output allocation shared by the CPU and CUDA kernels of the ops.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <optional>
+#include <tuple>
+
+#include "adapter.h"
+#include "gradsparse/kernels.h"
+
+namespace gradsparse::torch_adapter {
+
+inline void check_selection_args(const at::Tensor& grad, const std::optional<at::Tensor>& residual) {
+  core_dtype(grad, "grad");
+  check_flat(grad, "grad");
+  if (residual) {
+    check_same(grad, "grad", *residual, "residual");
+    check_flat(*residual, "residual");
+  }
+}
+
+inline void check_threshold(double threshold) {
+  TORCH_CHECK_VALUE(std::isfinite(threshold) && threshold >= 0.0,
+                    "gradsparse.select_threshold: threshold must be a finite number >= 0, got ", threshold);
+}
+
+inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values,
+                               double divisor) {
+  core_dtype(out, "out");
+  check_flat(out, "out");
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
+                   "gradsparse.scatter_add_: indices must be int64 or int32, got ", indices.scalar_type());
+  TORCH_CHECK_VALUE(indices.dim() == 1 && values.dim() == 1 && indices.numel() == values.numel(),
+                    "gradsparse.scatter_add_: indices and values must be 1-D with the same length, got shapes ",
+                    indices.sizes(), " and ", values.sizes());
+  TORCH_CHECK_TYPE(values.scalar_type() == out.scalar_type(), "gradsparse.scatter_add_: values are ",
+                   values.scalar_type(), " but out is ", out.scalar_type());
+  TORCH_CHECK_VALUE(indices.device() == out.device() && values.device() == out.device(),
+                    "gradsparse.scatter_add_: out, indices and values must be on the same device, got ", out.device(),
+                    ", ", indices.device(), ", ", values.device());
+  TORCH_CHECK_VALUE(indices.is_contiguous() && values.is_contiguous(),
+                    "gradsparse.scatter_add_: indices and values must be contiguous");
+  TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor != 0.0,
+                    "gradsparse.scatter_add_: divisor must be finite and non-zero, got ", divisor);
+}
+
+/// Output tensors of a selection, allocated by the kernel's sink once the count is known.
+struct PairTensors {
+  explicit PairTensors(const at::Tensor& like) : like_(like) {}
+  PairSink sink() {
+    return [this](int64_t count) {
+      indices_ = at::empty({count}, like_.options().dtype(at::kLong));
+      values_ = at::empty({count}, like_.options());
+      return PairSpan{indices_.data_ptr(), values_.data_ptr()};
+    };
+  }
+  std::tuple<at::Tensor, at::Tensor> result() const { return {indices_, values_}; }
+
+ private:
+  at::Tensor like_, indices_, values_;
+};
+
+}  // namespace gradsparse::torch_adapter

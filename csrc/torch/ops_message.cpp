@@ -1,0 +1,94 @@
+// pack and unpack: the sparse message format (gradsparse/message.h) as tensors, for any device.
+// Written with tensor operations, so one CompositeExplicitAutograd kernel serves CPU and CUDA.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "adapter.h"
+#include "gradsparse/message.h"
+
+namespace gradsparse::torch_adapter {
+namespace {
+
+/// Every index in [0, dense_size) and strictly ascending, or IndexError naming the first problem.
+void check_message_indices(const at::Tensor& indices, int64_t dense_size, const char* op) {
+  if (indices.numel() == 0) return;
+  const at::Tensor idx = indices.to(at::kLong);
+  const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
+  TORCH_CHECK_INDEX(lo >= 0 && hi < dense_size, "gradsparse.", op, ": indices must lie in [0, ", dense_size,
+                    "), got values in [", lo, ", ", hi, "]");
+  if (idx.numel() > 1) {
+    TORCH_CHECK_INDEX((idx.slice(0, 1) > idx.slice(0, 0, -1)).all().item<bool>(), "gradsparse.", op,
+                      ": indices must be strictly ascending (a message names each element once)");
+  }
+}
+
+at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t dense_size) {
+  TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
+                   "gradsparse.pack: indices must be int64 or int32, got ", indices.scalar_type());
+  const DType dtype = core_dtype(values, "values");
+  TORCH_CHECK_VALUE(indices.dim() == 1 && values.dim() == 1 && indices.numel() == values.numel(),
+                    "gradsparse.pack: indices and values must be 1-D with the same length, got shapes ",
+                    indices.sizes(), " and ", values.sizes());
+  TORCH_CHECK_VALUE(indices.device() == values.device(), "gradsparse.pack: indices are on ", indices.device(),
+                    " but values are on ", values.device());
+  TORCH_CHECK_VALUE(dense_size >= 0, "gradsparse.pack: dense_size must be >= 0, got ", dense_size);
+  check_message_indices(indices, dense_size, "pack");
+  const int64_t count = values.numel();
+  const int index_bytes = index_bytes_for(static_cast<uint64_t>(dense_size));
+  const MessageHeader header = translate_errors([&] {
+    return make_header(dtype, index_bytes, static_cast<uint64_t>(dense_size), static_cast<uint64_t>(count));
+  });
+  const MessageLayout layout(static_cast<uint64_t>(count), index_bytes, dtype);
+  at::Tensor message = at::zeros({static_cast<int64_t>(layout.total_bytes)}, values.options().dtype(at::kByte));
+  at::Tensor head = at::empty({static_cast<int64_t>(sizeof(header))}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(head.data_ptr(), &header, sizeof(header));
+  message.slice(0, 0, sizeof(header)).copy_(head);
+  if (count > 0) {
+    // uint32 indices are stored as int32 bit patterns (two's complement truncation).
+    const at::Tensor idx = indices.to(index_bytes == 4 ? at::kInt : at::kLong).contiguous();
+    message.slice(0, layout.indices_offset, layout.indices_offset + count * index_bytes).copy_(idx.view(at::kByte));
+    message.slice(0, layout.values_offset, layout.values_offset + count * dtype_size(dtype))
+        .copy_(values.contiguous().view(at::kByte));
+  }
+  return message;
+}
+
+std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarType dtype, int64_t dense_size) {
+  TORCH_CHECK_TYPE(message.scalar_type() == at::kByte && message.dim() == 1,
+                   "gradsparse.unpack: message must be a 1-D uint8 tensor, got ", message.scalar_type(), " of shape ",
+                   message.sizes());
+  TORCH_CHECK_VALUE(dense_size >= 0, "gradsparse.unpack: dense_size must be >= 0, got ", dense_size);
+  const DType core = core_dtype(at::empty({0}, at::TensorOptions().dtype(dtype)), "dtype");
+  const at::Tensor bytes = message.contiguous();
+  const size_t total = static_cast<size_t>(bytes.numel());
+  const MessageHeader h = translate_errors([&] {
+    GS_CHECK(total >= kMessageHeaderBytes, CorruptMessageError, "sparse message is ", total,
+             " bytes, shorter than its 32-byte header");
+    const at::Tensor head = bytes.slice(0, 0, kMessageHeaderBytes).cpu();
+    const MessageHeader header = parse_header(head.data_ptr(), core, static_cast<uint64_t>(dense_size));
+    check_message_length(header, total);
+    return header;
+  });
+  const MessageLayout layout(h.count, h.index_bytes, core);
+  const int64_t count = static_cast<int64_t>(h.count);
+  at::Tensor indices =
+      bytes.slice(0, layout.indices_offset, layout.indices_offset + count * h.index_bytes)
+          .view(h.index_bytes == 4 ? at::kInt : at::kLong)
+          .to(at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  if (h.index_bytes == 4) indices = indices.bitwise_and(0xffffffffLL);  // the stored values are uint32
+  check_message_indices(indices, dense_size, "unpack");
+  at::Tensor values =
+      bytes.slice(0, layout.values_offset, layout.values_offset + count * dtype_size(core)).view(dtype).clone();
+  return {indices, values};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(gradsparse, CompositeExplicitAutograd, m) {
+  m.impl("pack", &pack);
+  m.impl("unpack", &unpack);
+}
+
+}  // namespace gradsparse::torch_adapter

@@ -1,0 +1,57 @@
+#include "process_group_transport.h"
+
+#include <ATen/ATen.h>
+
+#include "adapter.h"
+
+namespace gradsparse::torch_adapter {
+namespace {
+
+at::Device torch_device(const Device& device) {
+  return device.kind() == DeviceKind::kCUDA ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device.index()))
+                                            : at::Device(at::kCPU);
+}
+
+at::Tensor wrap(const Device& device, const void* data, int64_t count, at::ScalarType type) {
+  return at::from_blob(const_cast<void*>(data), {count}, at::TensorOptions().dtype(type).device(torch_device(device)));
+}
+
+}  // namespace
+
+ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group,
+                                             std::chrono::milliseconds timeout)
+    : group_(std::move(group)), timeout_(timeout) {
+  GS_CHECK(group_, ValueError, "ProcessGroupTransport: the process group is None");
+  rank_ = group_->getRank();
+  size_ = group_->getSize();
+}
+
+void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t bytes) {
+  try {
+    work->wait(timeout_);
+  } catch (const std::exception& e) {
+    throw CommError(str(what, " of ", bytes, " bytes on rank ", rank_, " of ", size_, " (", group_->getBackendName(),
+                        " process group) failed: ", e.what(),
+                        "\nA peer may have stopped or raised, or the ranks issued different collectives."));
+  }
+}
+
+void ProcessGroupTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
+  GS_CHECK(bytes > 0, ValueError, "ProcessGroupTransport.allgather: zero-length collective");
+  std::vector<at::Tensor> inputs{wrap(device, send, static_cast<int64_t>(bytes), at::kByte)};
+  const at::Tensor out = wrap(device, recv, static_cast<int64_t>(bytes) * size_, at::kByte);
+  std::vector<std::vector<at::Tensor>> outputs{out.chunk(size_)};
+  wait(group_->allgather(outputs, inputs), "allgather", bytes);
+  count_allgather(bytes);
+}
+
+void ProcessGroupTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {
+  GS_CHECK(count > 0, ValueError, "ProcessGroupTransport.allreduce_sum: zero-length collective");
+  std::vector<at::Tensor> tensors{wrap(device, data, static_cast<int64_t>(count), scalar_type(dtype))};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  wait(group_->allreduce(tensors, options), "allreduce", count * dtype_size(dtype));
+  count_allreduce(count * dtype_size(dtype));
+}
+
+}  // namespace gradsparse::torch_adapter

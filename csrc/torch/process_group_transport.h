@@ -1,0 +1,38 @@
+// ProcessGroupTransport: the core's Transport over a torch.distributed ProcessGroup, so that
+// every exchange runs on Gloo (CPU), NCCL (CUDA) or MPI unchanged. Buffers are wrapped as
+// tensors without copies; collectives are issued from the calling thread and waited for.
+//
+// On CUDA, collectives are enqueued after the calling thread's current stream (the engine sets
+// its own stream current) and Work::wait() makes that stream wait for them, so later work on the
+// stream, including the release of buffers back to the caching allocator, is ordered after them.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+
+#include "gradsparse/transport.h"
+
+namespace gradsparse::torch_adapter {
+
+class ProcessGroupTransport final : public Transport {
+ public:
+  ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout);
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
+
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+
+ private:
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t bytes);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::chrono::milliseconds timeout_;
+  int rank_;
+  int size_;
+};
+
+}  // namespace gradsparse::torch_adapter

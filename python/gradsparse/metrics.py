@@ -1,0 +1,93 @@
+"""Per-bucket and total statistics of a gradsparse state, updated from each bucket's report."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class BucketStats:
+    """Counters of one bucket since the last reset (see State.stats for their meaning)."""
+
+    steps: int = 0
+    dense_steps: int = 0
+    skipped_steps: int = 0
+    numel: int = 0  # elements of the bucket (last step)
+    elements: int = 0  # elements reduced, summed over steps
+    sparse_elements: int = 0  # elements of sparse steps
+    selected: int = 0  # pairs this rank sent in sparse steps
+    selected_all: int = 0  # pairs all ranks sent in sparse steps
+    elements_sent: int = 0  # selected + every element of dense steps
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dense_bytes: int = 0  # what a ring all-reduce of the same elements would send
+    select_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    threshold: float = math.nan  # last threshold of a threshold-based method
+
+    def record(self, report, world_size: int, element_size: int) -> None:
+        self.steps += 1
+        self.numel = report.numel
+        self.elements += report.numel
+        if report.dense:
+            self.dense_steps += 1
+            self.elements_sent += report.numel
+        else:
+            self.sparse_elements += report.numel
+            self.selected += report.selected
+            self.selected_all += report.selected_all
+            self.elements_sent += report.selected
+        self.skipped_steps += int(report.skipped)
+        self.bytes_sent += report.bytes_sent
+        self.bytes_received += report.bytes_received
+        self.dense_bytes += 2 * (world_size - 1) * report.numel * element_size // world_size
+        self.select_seconds += report.select_seconds
+        self.exchange_seconds += report.exchange_seconds
+        if not math.isnan(report.threshold):
+            self.threshold = report.threshold
+
+    def add(self, other: BucketStats) -> None:
+        for f in fields(self):
+            if f.name in ("numel", "threshold"):
+                continue
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        self.numel += other.numel
+
+    def summary(self, world_size: int) -> dict:
+        out = asdict(self)
+        out["density"] = self.selected / self.sparse_elements if self.sparse_elements else math.nan
+        denominator = self.sparse_elements * world_size
+        out["global_density"] = self.selected_all / denominator if denominator else math.nan
+        out["bytes_ratio"] = self.bytes_sent / self.dense_bytes if self.dense_bytes else math.nan
+        return out
+
+
+class Metrics:
+    """All buckets' statistics of one state."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, BucketStats] = {}
+
+    def record(self, bucket_index: int, report, world_size: int, element_size: int) -> None:
+        self.buckets.setdefault(bucket_index, BucketStats()).record(report, world_size, element_size)
+
+    def summary(self, world_size: int) -> dict:
+        total = BucketStats()
+        for stats in self.buckets.values():
+            total.add(stats)
+        out = total.summary(world_size)
+        out["steps"] = max((b.steps for b in self.buckets.values()), default=0)
+        out["dense_steps"] = max((b.dense_steps for b in self.buckets.values()), default=0)
+        out["skipped_steps"] = max((b.skipped_steps for b in self.buckets.values()), default=0)
+        del out["threshold"]
+        return {"total": out, "buckets": {i: b.summary(world_size) for i, b in sorted(self.buckets.items())}}
+
+    def reset(self) -> None:
+        self.buckets.clear()
+
+    def state_dict(self) -> dict:
+        return {i: asdict(b) for i, b in self.buckets.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buckets = {int(i): BucketStats(**b) for i, b in state.items()}

@@ -1,0 +1,82 @@
+"""Typed Python wrappers of the gradsparse TORCH_LIBRARY ops, with their fake kernels (so the
+ops trace under torch.compile and pass torch.library.opcheck)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradsparse import _C  # noqa: F401  (loading the library registers the ops)
+
+__all__ = ["pack", "scatter_add_", "select_threshold", "select_topk", "unpack"]
+
+_ops = torch.ops.gradsparse
+
+
+def select_threshold(
+    grad: torch.Tensor, residual: torch.Tensor | None, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused error feedback + threshold selection.
+
+    With ``residual``: ``residual += grad``, select every element with ``|residual| >=
+    threshold`` (compared in the tensor's dtype), and zero the selected residual entries, in one
+    pass. Without: select from ``grad``. Elements whose sum is NaN/Inf keep their old residual.
+
+    Returns:
+        ``(indices, values)``: int64 indices in ascending order and the selected values.
+    """
+    return _ops.select_threshold(grad, residual, threshold)
+
+
+def select_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused error feedback + exact top-k by magnitude (ties: lowest index first).
+
+    Returns:
+        ``(indices, values)`` of the ``min(k, numel)`` selected elements, indices ascending.
+    """
+    return _ops.select_topk(grad, residual, k)
+
+
+def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, divisor: float = 1.0) -> None:
+    """``out[indices] += values / divisor`` with duplicates accumulated; every index is
+    validated first (IndexError, and nothing written, when one is outside ``out``)."""
+    _ops.scatter_add_(out, indices, values, divisor)
+
+
+def pack(indices: torch.Tensor, values: torch.Tensor, dense_size: int) -> torch.Tensor:
+    """Packs pairs (indices strictly ascending, in ``[0, dense_size)``) into one uint8 message:
+    a 32-byte header, the indices (uint32 when they fit) and the values."""
+    return _ops.pack(indices, values, dense_size)
+
+
+def unpack(message: torch.Tensor, dtype: torch.dtype, dense_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validates a message (header, length, indices) and returns its ``(indices, values)``."""
+    return _ops.unpack(message, dtype, dense_size)
+
+
+@torch.library.register_fake("gradsparse::select_threshold")
+def _select_threshold_fake(grad, residual, threshold):
+    count = torch.library.get_ctx().new_dynamic_size()
+    return grad.new_empty(count, dtype=torch.int64), grad.new_empty(count)
+
+
+@torch.library.register_fake("gradsparse::select_topk")
+def _select_topk_fake(grad, residual, k):
+    count = min(k, grad.numel())
+    return grad.new_empty(count, dtype=torch.int64), grad.new_empty(count)
+
+
+@torch.library.register_fake("gradsparse::scatter_add_")
+def _scatter_add_fake(out, indices, values, divisor=1.0):
+    return None
+
+
+@torch.library.register_fake("gradsparse::pack")
+def _pack_fake(indices, values, dense_size):
+    size = torch.library.get_ctx().new_dynamic_size()
+    return values.new_empty(size, dtype=torch.uint8)
+
+
+@torch.library.register_fake("gradsparse::unpack")
+def _unpack_fake(message, dtype, dense_size):
+    count = torch.library.get_ctx().new_dynamic_size()
+    return message.new_empty(count, dtype=torch.int64), message.new_empty(count, dtype=dtype)

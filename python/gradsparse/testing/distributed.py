@@ -1,0 +1,134 @@
+"""Runs a function on N local processes that form a torch.distributed group on 127.0.0.1.
+
+Each process gets ``fn(rank, world_size, *args)`` after ``init_process_group`` (Gloo by default)
+and sends back its return value (picklable) or its exception. The whole run is bounded by a
+timeout: processes still alive then are killed and the call raises, so a test never hangs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import io
+import os
+import signal
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks raised (or the run timed out); ``errors`` maps rank -> traceback text."""
+
+    def __init__(self, message: str, errors: dict[int, str]):
+        super().__init__(message)
+        self.errors = errors
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue, env: dict) -> None:
+    os.environ.update(env)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on timeout
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        # Serialise to bytes: tensors sent through a queue would be shared through file
+        # descriptors that vanish when this process exits.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
+    except BaseException as e:  # report everything, including assertion errors
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    expect_errors: bool = False,
+) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+
+    Returns the per-rank results. Raises DistributedError if any rank raised (unless
+    ``expect_errors``: then the per-rank error texts are returned in place of results, None for
+    ranks that succeeded... and successful results are returned as they are), or if the run
+    exceeded ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, dict(env or {})), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple[bool, Any]] = {}
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = queue.get(timeout=min(remaining, 1.0))
+                results[rank] = (ok, value)
+            except queue_module.Empty:
+                silent = [r for r, p in enumerate(procs) if r not in results]
+                if all(procs[r].exitcode is not None for r in silent):
+                    break  # every rank that has not reported has exited: nothing more will come
+                if any(procs[r].exitcode not in (None, 0) for r in silent):
+                    # A rank died without reporting (killed, crashed): give the others a moment.
+                    deadline = min(deadline, time.monotonic() + 30.0)
+    finally:
+        stuck = [p for r, p in enumerate(procs) if r not in results and p.is_alive()]
+        for p in stuck:  # print every thread's stack of a stuck rank before killing it
+            os.kill(p.pid, signal.SIGUSR1)
+        if stuck:
+            time.sleep(1.0)
+        for p in procs:
+            p.join(timeout=5.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in results]
+    errors = {r: v for r, (ok, v) in results.items() if not ok}
+    for r in missing:
+        code = procs[r].exitcode
+        errors[r] = (
+            f"rank {r} exited with code {code} without reporting"
+            if code is not None and code >= 0 and r not in results and time.monotonic() < deadline
+            else f"rank {r} did not finish within {timeout:.0f} s (killed)"
+        )
+    if missing or (errors and not expect_errors):
+        detail = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items()))
+        raise DistributedError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors)
+    import torch
+
+    def decode(ok: bool, value: Any) -> Any:
+        return torch.load(io.BytesIO(value), weights_only=False) if ok else value
+
+    return [decode(*results[r]) for r in range(world_size)]

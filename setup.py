@@ -1,0 +1,107 @@
+"""Builds gradsparse._C from csrc/ with torch.utils.cpp_extension.
+
+Every build variable is read here, in BuildOptions (documented in the README):
+
+    GRADSPARSE_CUDA       "1" builds the CUDA kernels, "0" does not; unset: build them when
+                          torch is a CUDA build (torch.version.cuda) and CUDA_HOME is found.
+                          A GPU is never needed at build time (login nodes have none).
+    GRADSPARSE_DEBUG      "1" compiles with -O0 -g.
+    TORCH_CUDA_ARCH_LIST  CUDA architectures; default "8.0;9.0" (sm_80 and sm_90).
+    MAX_JOBS              parallel compile jobs (ninja), as for any PyTorch extension.
+"""
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _flag(name):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    if value not in ("0", "1"):
+        raise SystemExit(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+class BuildOptions:
+    """All build flags in one place, with their defaults."""
+
+    def __init__(self):
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME
+
+        forced = _flag("GRADSPARSE_CUDA")
+        auto_cuda = bool(torch.version.cuda) and CUDA_HOME is not None
+        if forced is True and not torch.version.cuda:
+            raise SystemExit(
+                "GRADSPARSE_CUDA=1 but the installed torch is a CPU build "
+                f"({torch.__version__}); install a CUDA build of torch first, or unset GRADSPARSE_CUDA."
+            )
+        if forced is True and CUDA_HOME is None:
+            raise SystemExit(
+                "GRADSPARSE_CUDA=1 but no CUDA toolkit was found; set CUDA_HOME to the toolkit "
+                "(the folder holding bin/nvcc), or unset GRADSPARSE_CUDA."
+            )
+        self.cuda = auto_cuda if forced is None else forced
+        self.debug = bool(_flag("GRADSPARSE_DEBUG"))
+        if self.cuda:
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+
+
+def _sources(*patterns):
+    found = []
+    for pattern in patterns:
+        found += sorted(glob.glob(os.path.join(ROOT, pattern)))
+    return [os.path.relpath(p, ROOT) for p in found]
+
+
+def extensions():
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    options = BuildOptions()
+    cpu_sources = _sources(
+        "csrc/core/kernels/cpu/*.cpp",
+        "csrc/core/method/*.cpp",
+        "csrc/core/exchange/*.cpp",
+        "csrc/core/transport/*.cpp",
+        "csrc/torch/*.cpp",
+    )
+    cuda_only = {os.path.join("csrc", "torch", "engine_cuda.cpp")}
+    opt = ["-O0", "-g"] if options.debug else ["-O3"]
+    cxx = [*opt, "-std=c++17", "-fopenmp", "-fvisibility=hidden"]
+    kwargs = dict(
+        name="gradsparse._C",
+        include_dirs=[os.path.join(ROOT, "csrc", "core", "include")],
+        extra_link_args=["-fopenmp"],
+    )
+    if not options.cuda:
+        sources = [s for s in cpu_sources if s not in cuda_only]
+        return [CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)]
+    sources = cpu_sources + _sources("csrc/core/kernels/cuda/*.cu", "csrc/torch/*.cu")
+    nvcc = [*opt, "-std=c++17", "-DGRADSPARSE_WITH_CUDA", "--expt-relaxed-constexpr"]
+    return [
+        CUDAExtension(
+            sources=sources,
+            extra_compile_args={"cxx": [*cxx, "-DGRADSPARSE_WITH_CUDA"], "nvcc": nvcc},
+            **kwargs,
+        )
+    ]
+
+
+def main():
+    from torch.utils.cpp_extension import BuildExtension
+
+    setup(
+        packages=find_packages("python"),
+        package_dir={"": "python"},
+        ext_modules=extensions(),
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )
+
+
+if __name__ == "__main__":
+    main()

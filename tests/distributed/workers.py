@@ -1,0 +1,178 @@
+"""Functions run on every rank by the distributed tests (module level, so spawn can import them).
+
+No `from __future__ import annotations`: DDP checks hook annotations as objects.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsparse as gs
+
+STEPS = 20
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 6)).to(dtype)
+
+
+def batches(rank: int, steps: int = STEPS, dtype: torch.dtype = torch.float32):
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(steps):
+        yield torch.randn(24, 16, generator=g).to(dtype), torch.randint(0, 6, (24,), generator=g)
+
+
+def train(ddp: nn.Module, rank: int, steps: int = STEPS, nan_at: tuple[int, int] | None = None) -> None:
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step, (x, y) in enumerate(batches(rank, steps, next(ddp.parameters()).dtype)):
+        loss = nn.functional.cross_entropy(ddp(x).float(), y)
+        if nan_at == (step, rank):
+            loss = loss * float("nan")
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def params_of(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# (a) density 1.0 against DDP without a hook ---------------------------------------------------
+
+
+def topk_full_density_vs_no_hook(rank: int, world_size: int) -> tuple[list, list]:
+    hooked = DDP(make_model(), bucket_cap_mb=0.004)
+    hooked.register_comm_hook(gs.TopK(density=1.0), gs.hook)
+    train(hooked, rank)
+    plain = DDP(make_model(), bucket_cap_mb=0.004)
+    train(plain, rank)
+    return params_of(hooked.module), params_of(plain.module)
+
+
+# (b), (c) recording every bucket the hook sees -------------------------------------------------
+
+
+def recorded_topk(rank: int, world_size: int, density: float) -> list[dict]:
+    """Trains with Top-k and records, per hook call: step, bucket, parameter names and sizes, the
+    gradient in, the averaged bucket out, and this rank's residual after the call."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.TopK(density=density)
+    log: list[dict] = []
+
+    def recording_hook(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        record = {"step": state.step, "bucket": bucket.index(), "grad": bucket.buffer().clone()}
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            out = fut.value()
+            entry = state._buckets[record["bucket"]]
+            record["names"] = list(entry.names)
+            record["numels"] = list(entry.numels)
+            record["out"] = out.clone()
+            record["residual"] = {k: v.clone() for k, v in entry.residual_views().items()}
+            log.append(record)
+            return out
+
+        return gs.hook(state, bucket).then(done)
+
+    ddp.register_comm_hook(state, recording_hook)
+    train(ddp, rank)
+    return log
+
+
+# (d) bad configurations and bad data ----------------------------------------------------------
+
+
+def _outcome(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # the test asserts on the type and the message, per rank
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
+    def run():
+        if case == "density_everywhere":
+            gs.TopK(density=2.0)
+        elif case == "density_on_rank_1":
+            gs.TopK(density=-1.0 if rank == 1 else 0.1)
+        elif case == "nan_density":
+            gs.TopK(density=math.nan)
+        elif case == "negative_threshold":
+            gs.Threshold(threshold=-0.5)
+        elif case == "unknown_option":
+            gs.TopK(density=0.1, warmup=3)
+        elif case == "options_differ":
+            gs.TopK(density=0.1, warmup_steps=rank)
+        elif case == "float64_bucket":
+            ddp = DDP(make_model(dtype=torch.float64))
+            ddp.register_comm_hook(gs.TopK(density=0.1), gs.hook)
+            train(ddp, rank, steps=2)
+        elif case == "group_mismatch":
+            pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            ddp = DDP(make_model(), process_group=pairs[rank // 2])
+            ddp.register_comm_hook(gs.TopK(density=0.1), gs.hook)
+            train(ddp, rank, steps=2)
+        else:
+            raise AssertionError(case)
+
+    return _outcome(run)
+
+
+def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[tuple[str, str], list]:
+    ddp = DDP(make_model())
+    state = gs.TopK(density=0.1, nonfinite=policy)
+    ddp.register_comm_hook(state, gs.hook)
+    outcome = _outcome(lambda: train(ddp, rank, steps=4, nan_at=(2, 1)))
+    return outcome, [state.stats()["total"]["skipped_steps"]]
+
+
+def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list, dict]:
+    hooked = DDP(make_model())
+    state = gs.Dense()
+    hooked.register_comm_hook(state, gs.hook)
+    train(hooked, rank)
+    plain = DDP(make_model())
+    train(plain, rank)
+    return params_of(hooked.module), params_of(plain.module), state.stats()["total"]
+
+
+def checkpoint_resume(rank: int, world_size: int, path: str) -> tuple[list, list]:
+    """Trains 6 steps straight, and 3 + save + new model/state + load + 3: same parameters.
+    Threshold selection is elementwise, so the result cannot depend on how DDP lays out its
+    buckets (the new DDP starts with its initial layout): any difference is lost state."""
+
+    def run(split: bool) -> list:
+        torch.manual_seed(0)
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = gs.Threshold(threshold=0.01)
+        ddp.register_comm_hook(state, gs.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        data = list(batches(rank, 6))
+        for i, (x, y) in enumerate(data):
+            if split and i == 3:
+                torch.save(
+                    {"model": model.state_dict(), "opt": opt.state_dict(), "gs": state.state_dict()}, f"{path}.{rank}"
+                )
+                model = make_model(seed=123)  # different weights: the load must restore them
+                ddp = DDP(model, bucket_cap_mb=0.004)
+                state = gs.Threshold(threshold=0.01)
+                ddp.register_comm_hook(state, gs.hook)
+                opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+                saved = torch.load(f"{path}.{rank}")
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                state.load_state_dict(saved["gs"])
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return params_of(model)
+
+    return run(False), run(True)

@@ -1,0 +1,165 @@
+"""Each TORCH_LIBRARY op against a plain PyTorch reference, its error handling, and opcheck."""
+
+import pytest
+import torch
+
+import gradsparse as gs
+from tests.python import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SIZES = [0, 1, 7, 40_000, 100_003]
+
+
+def sample(n: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_select_threshold_matches_reference(dtype, n, with_residual):
+    grad = sample(n, dtype, 1)
+    residual = sample(n, dtype, 2, 0.5) if with_residual else None
+    want_residual = residual.clone() if with_residual else None
+    idx, val = gs.select_threshold(grad, residual, 1.3)
+    want_idx, want_val = reference.select_threshold(grad, want_residual, 1.3)
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(val, want_val)
+    if with_residual:
+        assert torch.equal(residual, want_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("k", [0, 1, 50, 10**6])
+def test_select_topk_matches_reference(dtype, n, k):
+    grad = sample(n, dtype, 3)
+    residual = sample(n, dtype, 4, 0.5)
+    want_residual = residual.clone()
+    idx, val = gs.select_topk(grad, residual, k)
+    want_idx, want_val = reference.select_topk(grad, want_residual, k)
+    assert torch.equal(idx, want_idx)
+    assert torch.equal(val, want_val)
+    assert torch.equal(residual, want_residual)
+
+
+def test_select_topk_breaks_ties_by_lowest_index():
+    grad = torch.ones(100_000)
+    idx, _ = gs.select_topk(grad, None, 1000)
+    assert torch.equal(idx, torch.arange(1000))
+
+
+def test_nonfinite_elements_keep_their_residual():
+    # A non-finite sum leaves the residual as it was, and the selection sees that old value.
+    grad = torch.tensor([1.0, float("nan"), -3.0, float("inf")])
+    residual = torch.tensor([0.5, 0.25, 0.0, -1.5])
+    idx, val = gs.select_threshold(grad, residual, 1.0)
+    assert idx.tolist() == [0, 2, 3]
+    assert val.tolist() == [1.5, -3.0, -1.5]
+    assert residual.tolist() == [0.0, 0.25, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_scatter_add_matches_index_add(dtype, index_dtype):
+    out = sample(1000, dtype, 5)
+    want = out.float().clone()
+    idx = torch.randint(0, 1000, (5000,), generator=torch.Generator().manual_seed(6), dtype=index_dtype)
+    val = sample(5000, dtype, 7)
+    gs.scatter_add_(out, idx, val, 4.0)
+    for i, v in zip(idx.tolist(), val.float().tolist(), strict=True):  # sequential float32 reference
+        want[i] = (want[i] + torch.tensor(v) / 4.0).to(dtype).float()
+    assert torch.equal(out.float(), want)
+
+
+def test_scatter_add_rejects_out_of_range_without_writing():
+    out = torch.zeros(10)
+    for bad in ([0, 10], [-1, 3]):
+        with pytest.raises(IndexError, match="outside the bucket"):
+            gs.scatter_add_(out, torch.tensor(bad), torch.ones(2))
+        assert torch.equal(out, torch.zeros(10))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dense_size", [0, 5, 100_000, 2**33])
+def test_pack_unpack_round_trip(dtype, dense_size):
+    count = min(dense_size, 37)
+    idx = torch.arange(count, dtype=torch.int64) * max(1, dense_size // max(count, 1))
+    idx = idx.clamp(max=max(dense_size - 1, 0))
+    idx = torch.unique(idx)
+    val = sample(idx.numel(), dtype, 8)
+    message = gs.pack(idx, val, dense_size)
+    assert message.dtype == torch.uint8
+    index_bytes = 4 if dense_size <= 2**32 else 8
+    assert (
+        message.numel() == 32 + -(-idx.numel() * index_bytes // 8) * 8 + -(-idx.numel() * val.element_size() // 8) * 8
+    )
+    got_idx, got_val = gs.unpack(message, dtype, dense_size)
+    assert torch.equal(got_idx, idx)
+    assert torch.equal(got_val, val)
+
+
+def test_unpack_rejects_corrupt_messages():
+    message = gs.pack(torch.tensor([1, 3, 4]), torch.tensor([1.0, 2.0, 3.0]), 5)
+    cases = {
+        "bad magic": (0, 0),
+        "version": (4, 9),
+        "dense size": (8, 9),
+        "count": (16, 200),
+    }
+    for what, (offset, value) in cases.items():
+        bad = message.clone()
+        bad[offset] = value
+        with pytest.raises(IndexError):
+            gs.unpack(bad, torch.float32, 5)
+        assert what
+    with pytest.raises(IndexError, match="carries float32 values but the bucket is float16"):
+        gs.unpack(message, torch.float16, 5)
+    with pytest.raises(IndexError, match="shorter than its 32-byte header"):
+        gs.unpack(message[:20], torch.float32, 5)
+    bad = message.clone()
+    bad[32 + 4] = 9  # second index -> 9 (out of range)
+    with pytest.raises(IndexError, match="indices must lie in"):
+        gs.unpack(bad, torch.float32, 5)
+
+
+def test_pack_rejects_unsorted_or_out_of_range_indices():
+    with pytest.raises(IndexError, match="strictly ascending"):
+        gs.pack(torch.tensor([3, 1]), torch.ones(2), 5)
+    with pytest.raises(IndexError, match="lie in"):
+        gs.pack(torch.tensor([1, 5]), torch.ones(2), 5)
+
+
+def test_ops_reject_bad_arguments():
+    with pytest.raises(TypeError, match="grad must be float32, float16 or bfloat16"):
+        gs.select_topk(torch.ones(4, dtype=torch.int64), None, 1)
+    with pytest.raises(ValueError, match="threshold must be a finite number >= 0"):
+        gs.select_threshold(torch.ones(4), None, -1.0)
+    with pytest.raises(ValueError, match="k must be >= 0"):
+        gs.select_topk(torch.ones(4), None, -2)
+    with pytest.raises(ValueError, match="same number of elements"):
+        gs.select_topk(torch.ones(4), torch.zeros(3), 1)
+    with pytest.raises(TypeError, match="same dtype"):
+        gs.select_topk(torch.ones(4), torch.zeros(4, dtype=torch.float16), 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        gs.select_topk(torch.ones(4, 2).t().reshape(-1)[::2], None, 1)
+    with pytest.raises(ValueError, match="divisor"):
+        gs.scatter_add_(torch.zeros(3), torch.tensor([0]), torch.ones(1), 0.0)
+
+
+def _opcheck_samples():
+    grad = sample(5000, torch.float32, 9)
+    yield torch.ops.gradsparse.select_threshold.default, (grad, sample(5000, torch.float32, 10), 1.0)
+    yield torch.ops.gradsparse.select_threshold.default, (grad.half(), None, 0.5)
+    yield torch.ops.gradsparse.select_topk.default, (grad, sample(5000, torch.float32, 11), 20)
+    yield torch.ops.gradsparse.select_topk.default, (grad.bfloat16(), None, 7)
+    yield torch.ops.gradsparse.scatter_add_.default, (torch.zeros(50), torch.tensor([1, 1, 49]), torch.ones(3), 2.0)
+    idx = torch.tensor([2, 5, 9])
+    yield torch.ops.gradsparse.pack.default, (idx, torch.ones(3), 10)
+    yield torch.ops.gradsparse.unpack.default, (gs.pack(idx, torch.ones(3), 10), torch.float32, 10)
+
+
+@pytest.mark.parametrize("op,args", list(_opcheck_samples()), ids=lambda x: str(x)[:40])
+def test_opcheck(op, args):
+    torch.library.opcheck(op, args)
