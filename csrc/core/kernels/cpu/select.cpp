@@ -4,6 +4,9 @@
 // its own (thread-local workspace, reused across calls), then the blocks are concatenated in order,
 // so the output is ascending and independent of the thread count.
 #include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -42,7 +45,9 @@ std::vector<BlockPairs<T>>& block_workspace(int64_t blocks) {
 }
 
 /// Copies every block's pairs into the sink's arrays, in block order. `ties_taken[b]` is how many
-/// of block b's tie pairs are part of the output (merged by offset with its other pairs).
+/// of block b's tie pairs are part of the output (merged by offset with its other pairs). When
+/// `residual` is given, the emitted elements are zeroed there (kernels that know their final
+/// selection during the pass zero it then, while the data is in cache, and pass nullptr).
 template <typename T, typename I>
 SelectStats emit_blocks(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, const std::vector<int64_t>& ties_taken,
                         T* residual, const PairSink& sink) {
@@ -90,32 +95,77 @@ void accumulate_block(T* residual, const T* grad, int64_t begin, int64_t end, in
   }
 }
 
-// float32 with error feedback, the hot path: branch-free over chunks of 64 elements so that the
-// compiler vectorises the update; selected elements (rare) are collected after each chunk.
+// float32 with error feedback, the hot path. One pass updates the residual and writes, per 8
+// elements, a bit mask of the elements whose sum reaches the threshold key (a non-finite sum always
+// does); a second look at the masks, from cache, collects the few selected pairs. The pass runs as
+// AVX2 code when the CPU has it (chosen at run time), else as portable code.
+int64_t update_block_f32_portable(float* __restrict r, const float* __restrict g, int64_t len, uint32_t tkey,
+                                  uint8_t* __restrict mask) {
+  int64_t bad = 0;
+  for (int64_t j0 = 0; j0 < len; j0 += 8) {
+    uint32_t bits = 0;
+    const int64_t n = std::min<int64_t>(8, len - j0);
+    for (int64_t k = 0; k < n; ++k) {
+      const float a = r[j0 + k] + g[j0 + k];
+      const uint32_t key = float_bits(a) & 0x7fffffffu;
+      const uint32_t finite = key < 0x7f800000u;
+      r[j0 + k] = finite ? a : r[j0 + k];
+      bits |= static_cast<uint32_t>(key >= tkey) << k;
+      bad += finite ^ 1u;
+    }
+    mask[j0 / 8] = static_cast<uint8_t>(bits);
+  }
+  return bad;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx2"))) int64_t update_block_f32_avx2(float* __restrict r, const float* __restrict g,
+                                                              int64_t len, uint32_t tkey, uint8_t* __restrict mask) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
+  const __m256i below_threshold = _mm256_set1_epi32(static_cast<int>(tkey) - 1);  // keys are < 2^31
+  int64_t bad = 0;
+  int64_t j = 0;
+  for (; j + 8 <= len; j += 8) {
+    const __m256 old = _mm256_loadu_ps(r + j);
+    const __m256 a = _mm256_add_ps(old, _mm256_loadu_ps(g + j));
+    const __m256i key = _mm256_and_si256(_mm256_castps_si256(a), magnitude);
+    const __m256i nonfinite = _mm256_cmpgt_epi32(key, below_inf);
+    _mm256_storeu_ps(r + j, _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite)));
+    const __m256i hit = _mm256_cmpgt_epi32(key, below_threshold);
+    mask[j / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+    bad += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nonfinite))));
+  }
+  if (j < len) bad += update_block_f32_portable(r + j, g + j, len - j, tkey, mask + j / 8);
+  return bad;
+}
+#endif
+
+using UpdateBlockF32 = int64_t (*)(float*, const float*, int64_t, uint32_t, uint8_t*);
+
+UpdateBlockF32 pick_update_block_f32() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("avx2")) return update_block_f32_avx2;
+#endif
+  return update_block_f32_portable;
+}
+
 template <typename Visit>
 void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
                           int64_t& nonfinite, Visit&& visit) {
-  constexpr int kChunk = 64;
-  uint8_t flags[kChunk];
-  for (int64_t c = begin; c < end; c += kChunk) {
-    const int len = static_cast<int>(std::min<int64_t>(kChunk, end - c));
-    float* r = residual + c;
-    const float* g = grad + c;
-    uint32_t any = 0;
-    for (int j = 0; j < len; ++j) {
-      const float a = r[j] + g[j];
-      const uint32_t finite = (float_bits(a) & 0x7fffffffu) < 0x7f800000u;
-      const float v = finite ? a : r[j];
-      r[j] = v;
-      // bit 0: selected, bit 1: non-finite
-      const uint8_t f = static_cast<uint8_t>(((float_bits(v) & 0x7fffffffu) >= tkey) | ((finite ^ 1u) << 1));
-      flags[j] = f;
-      any |= f;
-    }
-    if (any == 0) continue;
-    for (int j = 0; j < len; ++j) {
-      if (flags[j] & 2u) ++nonfinite;
-      if (flags[j] & 1u) visit(c + j - begin, r[j]);
+  static const UpdateBlockF32 update = pick_update_block_f32();
+  uint8_t mask[kCpuBlock / 8 + 8] = {};
+  const int64_t len = end - begin;
+  nonfinite += update(residual + begin, grad + begin, len, tkey, mask);
+  for (int64_t w = 0; w * 64 < len; ++w) {  // 64 elements (8 mask bytes) at a time
+    uint64_t word;
+    std::memcpy(&word, mask + w * 8, sizeof(word));
+    while (word != 0) {
+      const int bit = __builtin_ctzll(word);
+      word &= word - 1;
+      const int64_t j = w * 64 + bit;
+      const float v = residual[begin + j];
+      if ((float_bits(v) & 0x7fffffffu) >= tkey) visit(j, v);
     }
   }
 }
@@ -138,6 +188,7 @@ SelectStats select_threshold(T* residual, const T* grad, int64_t n, double thres
         accumulate_block_f32(residual, grad, begin, end, tkey, p.nonfinite, [&](int64_t off, float a) {
           p.offsets.push_back(static_cast<uint32_t>(off));
           p.values.push_back(a);
+          residual[begin + off] = 0.0f;
         });
         return;
       }
@@ -146,10 +197,11 @@ SelectStats select_threshold(T* residual, const T* grad, int64_t n, double thres
       if (passes_threshold(Num<T>::key(a), tkey)) {
         p.offsets.push_back(static_cast<uint32_t>(off));
         p.values.push_back(a);
+        if (residual != nullptr) residual[begin + off] = Num<T>::zero();
       }
     });
   });
-  return emit_blocks<T, I>(blocks, nblocks, {}, residual, sink);
+  return emit_blocks<T, I>(blocks, nblocks, {}, /*residual=*/nullptr, sink);
 }
 
 template <typename T, typename I>

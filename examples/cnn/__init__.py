@@ -1,0 +1,1 @@
+"""Image classification with CNNs (the seeds' CNN benchmarks); Fashion-MNIST installs offline."""

@@ -1,0 +1,148 @@
+"""The Python API in one process (a one-rank Gloo group): option validation, the hook on a real
+DDP model, statistics, state_dict round trips."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsparse as gs
+from gradsparse.testing.distributed import free_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "make,error,message",
+    [
+        (lambda: gs.TopK(density=0.0), ValueError, "TopK: density must be in (0, 1], got 0.0"),
+        (lambda: gs.TopK(density=1.5), ValueError, "density must be in (0, 1], got 1.5; for example density=0.01"),
+        (lambda: gs.TopK(density=math.nan), ValueError, "got nan"),
+        (lambda: gs.TopK(density="0.1"), TypeError, "density must be a number, got '0.1' (str)"),
+        (lambda: gs.TopK(density=True), TypeError, "density must be a number, got True (bool)"),
+        (lambda: gs.Threshold(threshold=-1e-3), ValueError, "threshold must be a finite number >= 0, got -0.001"),
+        (lambda: gs.Threshold(threshold=math.inf), ValueError, "got inf"),
+        (lambda: gs.TopK(density=0.1, warmup=2), TypeError, "unknown option(s) warmup; the options of TopK are"),
+        (lambda: gs.TopK(density=0.1, warmup_steps=-1), ValueError, "warmup_steps must be >= 0, got -1"),
+        (lambda: gs.TopK(density=0.1, warmup_steps=1.5), TypeError, "warmup_steps must be an integer"),
+        (lambda: gs.TopK(density=0.1, error_feedback="yes"), TypeError, "error_feedback must be True or False"),
+        (lambda: gs.TopK(density=0.1, nonfinite="ignore"), ValueError, "nonfinite must be one of 'raise', 'skip'"),
+        (lambda: gs.TopK(density=0.1, timeout=-3), ValueError, "timeout must be a positive number of seconds"),
+        (lambda: gs.TopK(density=0.1, process_group="world"), TypeError, "process_group must be a"),
+    ],
+)
+def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
+    with pytest.raises(error) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_state_requires_an_initialised_process_group():
+    code = "import gradsparse as gs\ntry:\n    gs.TopK(density=0.1)\nexcept RuntimeError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert "init_process_group()" in out.stdout
+
+
+def test_hook_rejects_a_foreign_state():
+    with pytest.raises(TypeError, match="state must be a gradsparse state"):
+        gs.hook(object(), None)
+
+
+def _train(ddp, steps, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(steps):
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def test_stats_report_density_bytes_and_warmup():
+    ddp = DDP(_model())
+    state = gs.TopK(density=0.1, warmup_steps=2)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 6)
+    stats = state.stats()
+    total = stats["total"]
+    n = sum(p.numel() for p in ddp.parameters())
+    assert total["steps"] == 6 and total["dense_steps"] == 2 and total["skipped_steps"] == 0
+    assert total["elements"] == 6 * n
+    assert total["selected"] == 4 * gs._C.target_count(0.1, n)  # one bucket
+    assert total["density"] == pytest.approx(math.floor(0.1 * n) / n)
+    assert total["elements_sent"] == 2 * n + total["selected"]
+    assert total["bytes_sent"] == 0  # one rank moves nothing
+    assert set(stats["buckets"]) == {0}
+    assert state.step == 6
+    assert state.stats(reset=True)["total"]["steps"] == 6
+    assert state.stats()["total"]["steps"] == 0
+
+
+def test_state_dict_round_trip_restores_residuals_by_name():
+    ddp = DDP(_model())
+    state = gs.TopK(density=0.05)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 3)
+    sd = state.state_dict()
+    names = {name for name, _ in ddp.module.named_parameters()}
+    assert set(sd["residuals"]) == names
+    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05}
+    assert any(t.abs().sum() > 0 for t in sd["residuals"].values())
+    saved = {k: v.clone() for k, v in sd["residuals"].items()}
+
+    ddp2 = DDP(_model())
+    ddp2.module.load_state_dict(ddp.module.state_dict())
+    state2 = gs.TopK(density=0.05)
+    ddp2.register_comm_hook(state2, gs.hook)
+    state2.load_state_dict(sd)
+    assert state2.step == 3
+    _train(ddp2, 1, seed=5)  # the residuals are put back when the buckets are first seen
+    # Replaying the same step on the original state must give the same residuals.
+    _train(ddp, 1, seed=5)
+    for name, value in state.state_dict()["residuals"].items():
+        assert torch.equal(value, state2.state_dict()["residuals"][name]), name
+    assert not all(torch.equal(saved[k], v) for k, v in state2.state_dict()["residuals"].items())
+
+
+def test_load_state_dict_rejects_another_method_or_config():
+    ddp = DDP(_model())
+    state = gs.TopK(density=0.05)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 1)
+    sd = state.state_dict()
+    with pytest.raises(ValueError, match=r"saved by TopK\(\{'density': 0.05\}\) but this state is TopK"):
+        gs.TopK(density=0.1).load_state_dict(sd)
+    with pytest.raises(ValueError, match="saved by TopK"):
+        gs.Threshold(threshold=0.1).load_state_dict(sd)
+    with pytest.raises(ValueError, match="not a gradsparse state dict"):
+        gs.TopK(density=0.05).load_state_dict({"version": 99})
+
+
+def test_repr_and_config():
+    state = gs.Threshold(threshold=0.5, warmup_steps=3)
+    assert repr(state).startswith("Threshold(threshold=0.5, warmup_steps=3, error_feedback=True")
+    assert state.config()["nonfinite"] == "raise"
+
+
+def test_without_error_feedback_no_residual_is_kept():
+    ddp = DDP(_model())
+    state = gs.TopK(density=0.05, error_feedback=False)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 2)
+    assert state.state_dict()["residuals"] == {}
