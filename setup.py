@@ -35,16 +35,17 @@ class BuildOptions:
         from torch.utils.cpp_extension import CUDA_HOME
 
         forced = _flag("GRADSPARSE_CUDA")
-        auto_cuda = bool(torch.version.cuda) and CUDA_HOME is not None
+        toolkit = CUDA_HOME is not None and os.path.exists(os.path.join(CUDA_HOME, "include", "cuda_runtime_api.h"))
+        auto_cuda = bool(torch.version.cuda) and toolkit
         if forced is True and not torch.version.cuda:
             raise SystemExit(
                 "GRADSPARSE_CUDA=1 but the installed torch is a CPU build "
                 f"({torch.__version__}); install a CUDA build of torch first, or unset GRADSPARSE_CUDA."
             )
-        if forced is True and CUDA_HOME is None:
+        if forced is True and not toolkit:
             raise SystemExit(
-                "GRADSPARSE_CUDA=1 but no CUDA toolkit was found; set CUDA_HOME to the toolkit "
-                "(the folder holding bin/nvcc), or unset GRADSPARSE_CUDA."
+                f"GRADSPARSE_CUDA=1 but no CUDA toolkit was found (CUDA_HOME={CUDA_HOME}); set CUDA_HOME to the "
+                "toolkit root, the folder holding bin/nvcc and include/cuda_runtime_api.h, or unset GRADSPARSE_CUDA."
             )
         self.cuda = auto_cuda if forced is None else forced
         self.debug = bool(_flag("GRADSPARSE_DEBUG"))
@@ -72,7 +73,8 @@ def extensions():
     )
     cuda_only = {os.path.join("csrc", "torch", "engine_cuda.cpp")}
     opt = ["-O0", "-g"] if options.debug else ["-O3"]
-    cxx = [*opt, "-std=c++17", "-fopenmp", "-fvisibility=hidden"]
+    # The C++ standard is left to torch.utils.cpp_extension: C++17 for torch 2.13, C++20 from 2.14.
+    cxx = [*opt, "-fopenmp", "-fvisibility=hidden"]
     kwargs = dict(
         name="gradsparse._C",
         include_dirs=[os.path.join(ROOT, "csrc", "core", "include")],
@@ -82,7 +84,7 @@ def extensions():
         sources = [s for s in cpu_sources if s not in cuda_only]
         return [CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)]
     sources = cpu_sources + _sources("csrc/core/kernels/cuda/*.cu", "csrc/torch/*.cu")
-    nvcc = [*opt, "-std=c++17", "-DGRADSPARSE_WITH_CUDA", "--expt-relaxed-constexpr"]
+    nvcc = [*opt, "-DGRADSPARSE_WITH_CUDA", "--expt-relaxed-constexpr"]
     return [
         CUDAExtension(
             sources=sources,

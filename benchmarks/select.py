@@ -70,9 +70,7 @@ def main(argv: list[str] | None = None) -> str:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)
     rows = [
-        measure(int(float(n)), float(d), args.repeat)
-        for n in args.sizes.split(",")
-        for d in args.densities.split(",")
+        measure(int(float(n)), float(d), args.repeat) for n in args.sizes.split(",") for d in args.densities.split(",")
     ]
     headers = [
         "N",

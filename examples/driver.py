@@ -77,12 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
-    """Joins the process group described by the launcher's environment (torchrun sets RANK,
-    WORLD_SIZE, MASTER_ADDR and MASTER_PORT). Returns (rank, world size)."""
+    """Joins the process group described by the launcher's environment: torchrun's variables, or
+    OpenMPI's and SLURM's mapped by gradsparse.launch. Returns (rank, world size)."""
+    gs.launch.setup_environment()
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         raise SystemExit(
-            f"missing {', '.join(missing)}: launch with torchrun, for example "
+            f"missing {', '.join(missing)}: launch with torchrun, mpirun or srun, for example "
             "`torchrun --standalone --nproc-per-node=4 -m examples.cnn`"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))

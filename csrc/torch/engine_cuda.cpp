@@ -1,7 +1,6 @@
 // The CUDA side of engine jobs: the engine thread runs each job on a pool stream of the bucket's
 // device, after the stream that submitted it, and completes the future with that stream current
 // so consumers are ordered after the job (CUDA-aware future).
-#include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda_support.h"
@@ -14,13 +13,18 @@ class CudaJobDevice final : public JobDevice {
  public:
   CudaJobDevice(const at::Tensor& grad, const std::optional<at::Tensor>& residual)
       : device_index_(grad.device().index()), grad_(grad), residual_(residual) {
-    submitted_.record(c10::cuda::getCurrentCUDAStream(device_index_));
+    c10::cuda::CUDAGuard guard(device_index_);
+    GS_CUDA_CHECK(cudaEventCreateWithFlags(&submitted_, cudaEventDisableTiming));
+    GS_CUDA_CHECK(cudaEventRecord(submitted_, c10::cuda::getCurrentCUDAStream(device_index_).stream()));
   }
+  ~CudaJobDevice() override { (void)cudaEventDestroy(submitted_); }
+  CudaJobDevice(const CudaJobDevice&) = delete;
+  CudaJobDevice& operator=(const CudaJobDevice&) = delete;
 
   void run(const std::function<void(Device&)>& body) override {
     c10::cuda::CUDAGuard guard(device_index_);
     c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_index_);
-    submitted_.block(stream);
+    GS_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), submitted_, 0));
     // The bucket and residual are used on our stream; tell the caching allocator.
     c10::cuda::CUDACachingAllocator::recordStream(grad_.storage().data_ptr(), stream);
     if (residual_) c10::cuda::CUDACachingAllocator::recordStream(residual_->storage().data_ptr(), stream);
@@ -37,7 +41,7 @@ class CudaJobDevice final : public JobDevice {
   c10::DeviceIndex device_index_;
   at::Tensor grad_;
   std::optional<at::Tensor> residual_;
-  at::cuda::CUDAEvent submitted_;
+  cudaEvent_t submitted_ = nullptr;  // recorded on the submitting stream
 };
 
 }  // namespace

@@ -39,7 +39,12 @@ def fashion_mnist(root: str | None = None) -> tuple[torch.Tensor, torch.Tensor, 
     root = root or FASHION_MNIST_DIR
     paths = {
         name: os.path.join(root, f"{name}.gz")
-        for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+        for name in (
+            "train-images-idx3-ubyte",
+            "train-labels-idx1-ubyte",
+            "t10k-images-idx3-ubyte",
+            "t10k-labels-idx1-ubyte",
+        )
     }
     missing = [p for p in paths.values() if not os.path.exists(p)]
     if missing:

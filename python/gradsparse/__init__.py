@@ -7,7 +7,7 @@
 
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
-from gradsparse import _C
+from gradsparse import _C, launch
 from gradsparse.hooks import hook
 from gradsparse.ops import pack, scatter_add_, select_threshold, select_topk, unpack
 from gradsparse.state import Dense, State, Threshold, TopK
@@ -30,6 +30,7 @@ __all__ = [
     "built_with_cuda",
     "get_num_threads",
     "hook",
+    "launch",
     "pack",
     "scatter_add_",
     "select_threshold",

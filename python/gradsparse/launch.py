@@ -1,0 +1,63 @@
+"""Launcher environments: one training script runs unchanged under torchrun, mpirun and srun.
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT itself. Under OpenMPI
+(``mpirun``) and SLURM (``srun``) those variables are derived here from the launcher's own:
+
+| variable    | OpenMPI                      | SLURM                                   |
+|-------------|------------------------------|-----------------------------------------|
+| RANK        | OMPI_COMM_WORLD_RANK         | SLURM_PROCID                            |
+| WORLD_SIZE  | OMPI_COMM_WORLD_SIZE         | SLURM_NTASKS                            |
+| LOCAL_RANK  | OMPI_COMM_WORLD_LOCAL_RANK   | SLURM_LOCALID                           |
+| MASTER_ADDR | (set it, default 127.0.0.1)  | first host of SLURM_JOB_NODELIST        |
+| MASTER_PORT | (set it, default 29500)      | (set it, default 29500)                 |
+
+Variables already set are never overwritten.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+__all__ = ["first_host", "setup_environment"]
+
+_DEFAULT_PORT = "29500"
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``node[03-05,09],gpu1`` -> ``node03``."""
+    match = re.match(r"^([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = match.groups()
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def setup_environment(environ: dict[str, str] | None = None) -> str:
+    """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
+    variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun"
+    elif "OMPI_COMM_WORLD_RANK" in env:
+        launcher = "mpirun"
+        env.setdefault("RANK", env["OMPI_COMM_WORLD_RANK"])
+        env.setdefault("WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE"])
+        env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+        env.setdefault("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env["WORLD_SIZE"]))
+        env.setdefault("MASTER_ADDR", "127.0.0.1")
+    elif "SLURM_PROCID" in env:
+        launcher = "srun"
+        env.setdefault("RANK", env["SLURM_PROCID"])
+        env.setdefault("WORLD_SIZE", env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
+        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        if "SLURM_NTASKS_PER_NODE" in env:
+            env.setdefault("LOCAL_WORLD_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+        env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
+    else:
+        return "none"
+    env.setdefault("MASTER_PORT", _DEFAULT_PORT)
+    return launcher

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Sets up everything and runs the whole test suite: GoogleTest through ctest (the C++ core),
+# then pytest (ops, API, and multi-process Gloo tests). Exits non-zero on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+bash scripts/setup.sh test
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+cmake --build build
+ctest --test-dir build --output-on-failure
+"$PYTHON" -m pytest -ra
