@@ -43,10 +43,10 @@ inline void check_flat(const at::Tensor& t, const char* arg) {
 }
 
 inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
-  TORCH_CHECK_VALUE(a.device() == b.device(), "gradsparse: ", a_name, " is on ", a.device(), " but ", b_name,
-                    " is on ", b.device(), "; move them to the same device");
-  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "gradsparse: ", a_name, " is ", a.scalar_type(), " but ",
-                   b_name, " is ", b.scalar_type(), "; they must have the same dtype");
+  TORCH_CHECK_VALUE(a.device() == b.device(), "gradsparse: ", a_name, " is on ", a.device(), " but ", b_name, " is on ",
+                    b.device(), "; move them to the same device");
+  TORCH_CHECK_TYPE(a.scalar_type() == b.scalar_type(), "gradsparse: ", a_name, " is ", a.scalar_type(), " but ", b_name,
+                   " is ", b.scalar_type(), "; they must have the same dtype");
   TORCH_CHECK_VALUE(a.numel() == b.numel(), "gradsparse: ", a_name, " has ", a.numel(), " elements but ", b_name,
                     " has ", b.numel(), "; they must have the same number of elements");
 }

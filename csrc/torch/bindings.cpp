@@ -64,7 +64,7 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<double>(), py::arg("threshold"));
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
-                                                            "What one bucket's reduction did on this rank.")
+                                                          "What one bucket's reduction did on this rank.")
       .def(py::init<>())
       .def_readonly("dense", &ReduceReport::dense)
       .def_readonly("skipped", &ReduceReport::skipped)
@@ -81,16 +81,16 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "Background exchange thread over one process group.")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeout_seconds) {
-             return std::make_shared<Engine>(
-                 group, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0)));
+             return std::make_shared<Engine>(group,
+                                             std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0)));
            }),
            py::arg("process_group"), py::arg("timeout_seconds"))
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def(
           "submit",
-          [](Engine& engine, const at::Tensor& grad, std::optional<at::Tensor> residual,
-             std::shared_ptr<Method> method, bool dense, const std::string& nonfinite, const std::string& bucket_name,
+          [](Engine& engine, const at::Tensor& grad, std::optional<at::Tensor> residual, std::shared_ptr<Method> method,
+             bool dense, const std::string& nonfinite, const std::string& bucket_name,
              std::shared_ptr<ReduceReport> report) {
             ReduceOptions options;
             options.dense = dense;

@@ -27,9 +27,10 @@ std::unique_ptr<JobDevice> make_cpu_job_device() { return std::make_unique<CpuJo
 
 #if !defined(GRADSPARSE_WITH_CUDA)
 std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>&) {
-  TORCH_CHECK(false, "gradsparse: this build has no CUDA support, but the bucket is on ", grad.device(),
-              ". Reinstall with a CUDA build of PyTorch and the CUDA toolkit present, or force it with GRADSPARSE_CUDA=1 "
-              "(see the README's build variables).");
+  TORCH_CHECK(
+      false, "gradsparse: this build has no CUDA support, but the bucket is on ", grad.device(),
+      ". Reinstall with a CUDA build of PyTorch and the CUDA toolkit present, or force it with GRADSPARSE_CUDA=1 "
+      "(see the README's build variables).");
 }
 #endif
 
@@ -136,15 +137,14 @@ void Engine::Shared::run(Job& job) {
     earlier = failure;
   }
   if (!earlier.empty()) {
-    job.future->setError(std::make_exception_ptr(
-        CommError(str("gradsparse: ", job.options.bucket_name,
-                      " was not reduced because an earlier exchange failed: ", earlier))));
+    job.future->setError(std::make_exception_ptr(CommError(str(
+        "gradsparse: ", job.options.bucket_name, " was not reduced because an earlier exchange failed: ", earlier))));
     return;
   }
   try {
     job.device->run([&](Device& device) {
-      *job.report = reduce_bucket(job.method.get(), transport, device, bucket_view(job.grad, job.residual),
-                                  job.options);
+      *job.report =
+          reduce_bucket(job.method.get(), transport, device, bucket_view(job.grad, job.residual), job.options);
       job.future->markCompleted(c10::IValue(job.grad));
     });
   } catch (const NonFiniteError& e) {
@@ -159,8 +159,8 @@ void Engine::Shared::run(Job& job) {
       std::lock_guard<std::mutex> lock(mu);
       failure = e.what();
     }
-    job.future->setErrorIfNeeded(std::make_exception_ptr(
-        std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
+    job.future->setErrorIfNeeded(
+        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
   }
 }
 

@@ -33,9 +33,7 @@ class CudaJobDevice final : public JobDevice {
     body(device);
   }
 
-  std::vector<c10::Device> future_devices() const override {
-    return {c10::Device(c10::kCUDA, device_index_)};
-  }
+  std::vector<c10::Device> future_devices() const override { return {c10::Device(c10::kCUDA, device_index_)}; }
 
  private:
   c10::DeviceIndex device_index_;

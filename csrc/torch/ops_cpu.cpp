@@ -12,8 +12,8 @@
 namespace gradsparse::torch_adapter {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> select_threshold_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
-                                                        double threshold) {
+std::tuple<at::Tensor, at::Tensor> select_threshold_cpu(const at::Tensor& grad,
+                                                        const std::optional<at::Tensor>& residual, double threshold) {
   check_selection_args(grad, residual);
   check_threshold(threshold);
   return translate_errors([&] {

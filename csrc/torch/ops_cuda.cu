@@ -24,8 +24,8 @@ std::tuple<at::Tensor, at::Tensor> select_cuda(const at::Tensor& grad, const std
     PairTensors out(grad);
     dispatch_dtype(core_dtype(grad, "grad"), [&](auto t) {
       using T = decltype(t);
-      kernel(device, residual ? static_cast<T*>(residual->data_ptr()) : nullptr,
-             static_cast<const T*>(grad.data_ptr()), out.sink());
+      kernel(device, residual ? static_cast<T*>(residual->data_ptr()) : nullptr, static_cast<const T*>(grad.data_ptr()),
+             out.sink());
     });
     return out.result();
   });

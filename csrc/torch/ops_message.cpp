@@ -37,9 +37,8 @@ at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t den
   check_message_indices(indices, dense_size, "pack");
   const int64_t count = values.numel();
   const int index_bytes = index_bytes_for(static_cast<uint64_t>(dense_size));
-  const MessageHeader header = translate_errors([&] {
-    return make_header(dtype, index_bytes, static_cast<uint64_t>(dense_size), static_cast<uint64_t>(count));
-  });
+  const MessageHeader header = translate_errors(
+      [&] { return make_header(dtype, index_bytes, static_cast<uint64_t>(dense_size), static_cast<uint64_t>(count)); });
   const MessageLayout layout(static_cast<uint64_t>(count), index_bytes, dtype);
   at::Tensor message = at::zeros({static_cast<int64_t>(layout.total_bytes)}, values.options().dtype(at::kByte));
   at::Tensor head = at::empty({static_cast<int64_t>(sizeof(header))}, at::TensorOptions().dtype(at::kByte));
@@ -73,10 +72,9 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
   });
   const MessageLayout layout(h.count, h.index_bytes, core);
   const int64_t count = static_cast<int64_t>(h.count);
-  at::Tensor indices =
-      bytes.slice(0, layout.indices_offset, layout.indices_offset + count * h.index_bytes)
-          .view(h.index_bytes == 4 ? at::kInt : at::kLong)
-          .to(at::kLong, /*non_blocking=*/false, /*copy=*/true);
+  at::Tensor indices = bytes.slice(0, layout.indices_offset, layout.indices_offset + count * h.index_bytes)
+                           .view(h.index_bytes == 4 ? at::kInt : at::kLong)
+                           .to(at::kLong, /*non_blocking=*/false, /*copy=*/true);
   if (h.index_bytes == 4) indices = indices.bitwise_and(0xffffffffLL);  // the stored values are uint32
   check_message_indices(indices, dense_size, "unpack");
   at::Tensor values =

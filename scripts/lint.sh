@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Lint checks run by CI: ruff (lint and format) on Python, clang-format on C++/CUDA.
+# `bash scripts/lint.sh --fix` rewrites the files instead of checking them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+"$PYTHON" -m pip install -q --disable-pip-version-check "ruff>=0.6" "clang-format>=18"
+mapfile -t cxx < <(git ls-files '*.h' '*.cpp' '*.cu' '*.cuh')
+if [ "${1:-}" = "--fix" ]; then
+  ruff check --fix .
+  ruff format .
+  clang-format -i "${cxx[@]}"
+else
+  ruff check .
+  ruff format --check .
+  clang-format --dry-run --Werror "${cxx[@]}"
+fi
