@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 bash scripts/setup.sh test
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
-cmake --build build
-ctest --test-dir build --output-on-failure
+cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+cmake --build build/cmake
+ctest --test-dir build/cmake --output-on-failure
 "$PYTHON" -m pytest -ra
