@@ -33,6 +33,10 @@ inline at::ScalarType scalar_type(DType d) {
       return at::kHalf;
     case DType::kBFloat16:
       return at::kBFloat16;
+    case DType::kFloat64:
+      return at::kDouble;
+    case DType::kInt64:
+      return at::kLong;
   }
   TORCH_CHECK(false, "gradsparse: unknown dtype code ", int(d));
 }

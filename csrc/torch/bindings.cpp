@@ -1,15 +1,21 @@
-// The Python module gradsparse._C: stateful objects (selection methods, the engine, reports)
-// through pybind11. Importing it also registers the TORCH_LIBRARY ops (ops*.cpp).
+// The Python module gradsparse._C: stateful objects (selection methods, the engine, reports, and
+// a thread-rank group for tests) through pybind11. Importing it also registers the TORCH_LIBRARY
+// ops (ops*.cpp).
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
 #include <chrono>
+#include <memory>
 
+#include "adapter.h"
 #include "engine.h"
-#include "gradsparse/method.h"
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
 #include "gradsparse/parallel.h"
 #include "gradsparse/reduce_bucket.h"
+#include "gradsparse/transport.h"
 
 namespace py = pybind11;
 using namespace gradsparse;
@@ -30,6 +36,55 @@ bool built_with_cuda() {
   return false;
 #endif
 }
+
+/// Deletes an engine without holding the GIL: its thread may need the GIL to finish a callback,
+/// and joining it while holding the GIL would deadlock.
+struct EngineDeleter {
+  void operator()(Engine* engine) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete engine;
+    } else {
+      delete engine;
+    }
+  }
+};
+
+/// N ranks as threads of this process (ThreadTransport over CPU tensors), for tests that drive
+/// methods and exchanges from Python without spawning processes: each Python thread calls
+/// reduce() with its rank.
+class PyThreadGroup {
+ public:
+  PyThreadGroup(int size, double timeout_seconds)
+      : group_(ThreadGroup::create(size, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)))) {
+    for (int r = 0; r < size; ++r) transports_.push_back(group_->transport(r));
+  }
+
+  ReduceReport reduce(int rank, const at::Tensor& grad, std::optional<at::Tensor> residual,
+                      const std::shared_ptr<Method>& method, bool dense, const std::string& nonfinite, bool record) {
+    TORCH_CHECK_VALUE(rank >= 0 && rank < static_cast<int>(transports_.size()), "ThreadGroup.reduce: rank ", rank,
+                      " is outside the group of ", transports_.size());
+    TORCH_CHECK_VALUE(grad.device().is_cpu(), "ThreadGroup.reduce: CPU tensors only");
+    torch_adapter::check_flat(grad, "grad");
+    if (residual) torch_adapter::check_same(grad, "grad", *residual, "residual");
+    ReduceOptions options;
+    options.dense = dense;
+    options.nonfinite = parse_policy(nonfinite);
+    options.bucket_name = "bucket (rank " + std::to_string(rank) + ")";
+    options.record = record;
+    const BucketView view{torch_adapter::core_dtype(grad, "grad"), grad.numel(), grad.data_ptr(),
+                          residual ? residual->data_ptr() : nullptr};
+    CpuDevice device;
+    py::gil_scoped_release nogil;
+    return reduce_bucket(method.get(), *transports_[rank], device, view, options);
+  }
+
+  void abort(const std::string& reason) { group_->abort(reason); }
+
+ private:
+  std::shared_ptr<ThreadGroup> group_;
+  std::vector<std::unique_ptr<Transport>> transports_;
+};
 
 }  // namespace
 
@@ -53,15 +108,43 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_num_threads", &cpu_threads, "Threads used by the CPU kernels.");
   m.def("target_count", &target_count, py::arg("density"), py::arg("n"),
         "floor(density * n), at least 1 when n > 0, at most n.");
+  m.def("normal_quantile", &normal_quantile, py::arg("p"));
+  m.def("gamma_p_inverse", &gamma_p_inverse, py::arg("a"), py::arg("p"));
 
   py::class_<Method, std::shared_ptr<Method>>(m, "Method", "A per-bucket selection method (C++ core).")
       .def_property_readonly("name", &Method::name)
-      .def_property_readonly("threshold", &Method::threshold)
+      .def_property_readonly("exchange", [](const Method& method) { return exchange_name(method.exchange()); })
+      .def_property_readonly("threshold", [](const Method& method) { return method.report().threshold; })
       .def("state", &Method::state, "Checkpointable state as {name: float}.")
       .def("load_state", &Method::load_state, py::arg("state"));
   py::class_<TopK, Method, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double>(), py::arg("density"));
   py::class_<Threshold, Method, std::shared_ptr<Threshold>>(m, "Threshold")
-      .def(py::init<double>(), py::arg("threshold"));
+      .def(py::init<std::optional<double>, std::optional<double>>(), py::arg("threshold") = py::none(),
+           py::arg("density") = py::none());
+  py::class_<RandomK, Method, std::shared_ptr<RandomK>>(m, "RandomK")
+      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed") = 0);
+  py::class_<GaussianK, Method, std::shared_ptr<GaussianK>>(m, "GaussianK")
+      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant") = "spardl");
+  py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC")
+      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed") = 0);
+  py::class_<RedSync, Method, std::shared_ptr<RedSync>>(m, "RedSync").def(py::init<double>(), py::arg("density"));
+  py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE")
+      .def(py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
+                    std::optional<std::string>>(),
+           py::arg("density"), py::arg("sampling") = "flat", py::arg("segments") = std::vector<int64_t>{},
+           py::arg("reference") = false, py::arg("seed") = 0, py::arg("initial_threshold") = py::none(),
+           py::arg("exchange") = py::none());
+  py::class_<MiCRO, Method, std::shared_ptr<MiCRO>>(m, "MiCRO")
+      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange") = "union",
+           py::arg("reference") = false, py::arg("seed") = 0);
+  py::class_<ExDyna, Method, std::shared_ptr<ExDyna>>(m, "ExDyna")
+      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange") = "union",
+           py::arg("reference") = false, py::arg("seed") = 0);
+  py::class_<SIDCo, Method, std::shared_ptr<SIDCo>>(m, "SIDCo")
+      .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
+           py::arg("fit") = "exp", py::arg("stages") = 1, py::arg("first_ratio") = 0.25,
+           py::arg("iratio") = py::none())
+      .def_property_readonly("stages", &SIDCo::stages);
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
                                                           "What one bucket's reduction did on this rank.")
@@ -71,18 +154,29 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("numel", &ReduceReport::numel)
       .def_readonly("selected", &ReduceReport::selected)
       .def_readonly("selected_all", &ReduceReport::selected_all)
+      .def_readonly("union_size", &ReduceReport::union_size)
       .def_readonly("nonfinite", &ReduceReport::nonfinite)
       .def_readonly("threshold", &ReduceReport::threshold)
+      .def_readonly("imbalance", &ReduceReport::imbalance)
+      .def_readonly("indices", &ReduceReport::indices)
       .def_property_readonly("bytes_sent", [](const ReduceReport& r) { return r.traffic.bytes_sent; })
       .def_property_readonly("bytes_received", [](const ReduceReport& r) { return r.traffic.bytes_received; })
       .def_property_readonly("collectives", [](const ReduceReport& r) { return r.traffic.collectives; })
       .def_readonly("select_seconds", &ReduceReport::select_seconds)
       .def_readonly("exchange_seconds", &ReduceReport::exchange_seconds);
 
-  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine", "Background exchange thread over one process group.")
+  py::class_<PyThreadGroup>(m, "ThreadGroup", "N ranks as threads of this process (for tests).")
+      .def(py::init<int, double>(), py::arg("size"), py::arg("timeout_seconds") = 60.0)
+      .def("reduce", &PyThreadGroup::reduce, py::arg("rank"), py::arg("grad"), py::arg("residual"), py::arg("method"),
+           py::arg("dense") = false, py::arg("nonfinite") = "raise", py::arg("record") = true,
+           "Reduce one bucket as `rank`; call it from one Python thread per rank.")
+      .def("abort", &PyThreadGroup::abort, py::arg("reason"));
+
+  py::class_<Engine, std::unique_ptr<Engine, EngineDeleter>>(m, "Engine",
+                                                              "Background exchange thread over one process group.")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeout_seconds) {
-             return std::make_shared<Engine>(group,
-                                             std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0)));
+             return std::unique_ptr<Engine, EngineDeleter>(
+                 new Engine(group, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0))));
            }),
            py::arg("process_group"), py::arg("timeout_seconds"))
       .def_property_readonly("rank", &Engine::rank)

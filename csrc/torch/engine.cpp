@@ -1,5 +1,7 @@
 #include "engine.h"
 
+#include "gradsparse/cpu_device.h"
+
 #include <ATen/core/jit_type.h>
 
 #include "adapter.h"

@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "gradsparse/cuda_device.h"
-#include "gradsparse/device.h"
+#include "gradsparse/cpu_device.h"
 #include "reference.h"
 
 using namespace gradsparse;

@@ -7,7 +7,8 @@
 #include <vector>
 
 #include "gradsparse/exchange.h"
-#include "gradsparse/method.h"
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
 #include "gradsparse/reduce_bucket.h"
 #include "reference.h"
 #include "threads.h"

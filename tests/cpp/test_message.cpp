@@ -5,7 +5,7 @@
 #include <cstring>
 #include <vector>
 
-#include "gradsparse/device.h"
+#include "gradsparse/cpu_device.h"
 #include "gradsparse/message.h"
 #include "reference.h"
 

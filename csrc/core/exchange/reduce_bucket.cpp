@@ -1,6 +1,7 @@
 #include "gradsparse/reduce_bucket.h"
 
 #include <chrono>
+#include <cstring>
 
 namespace gradsparse {
 namespace {
@@ -13,6 +14,40 @@ std::string join(const std::vector<int>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
   return s;
+}
+
+/// A method's all-reduces, through the transport, on float64 buffers of the bucket's device.
+class TransportCollective final : public Collective {
+ public:
+  TransportCollective(Transport& transport, Device& device) : transport_(transport), device_(device) {}
+  int rank() const override { return transport_.rank(); }
+  int size() const override { return transport_.size(); }
+  void sum(std::vector<double>& values) override {
+    if (values.empty()) return;
+    const size_t bytes = values.size() * sizeof(double);
+    Buffer buffer = device_.allocate(bytes);
+    device_.copy_from_host(buffer.data(), values.data(), bytes);
+    transport_.allreduce_sum(device_, buffer.data(), values.size(), DType::kFloat64);
+    device_.copy_to_host(values.data(), buffer.data(), bytes);
+  }
+
+ private:
+  Transport& transport_;
+  Device& device_;
+};
+
+/// This rank's selected indices, read from its message.
+std::vector<int64_t> message_indices(Device& device, const Selection& s, const BucketView& bucket) {
+  const MessageHeader h = read_device_header(device, s.message.data(), s.bytes, bucket.dtype, bucket.numel, -1);
+  std::vector<unsigned char> raw(h.count * h.index_bytes);
+  device.copy_to_host(raw.data(), s.message.as<unsigned char>() + kMessageHeaderBytes, raw.size());
+  std::vector<int64_t> out(h.count);
+  for (size_t j = 0; j < out.size(); ++j) {
+    uint64_t v = 0;
+    std::memcpy(&v, raw.data() + j * h.index_bytes, h.index_bytes);
+    out[j] = static_cast<int64_t>(v);
+  }
+  return out;
 }
 
 }  // namespace
@@ -30,46 +65,53 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     const auto t0 = std::chrono::steady_clock::now();
     dense_allreduce(transport, device, bucket);
     report.exchange_seconds = seconds_since(t0);
-    report.selected = report.selected_all = bucket.numel;
+    report.selected = report.selected_all = report.union_size = bucket.numel;
     report.traffic = transport.traffic() - before;
     return report;
   }
 
   auto t0 = std::chrono::steady_clock::now();
-  Selection selection = method->select(device, bucket);
+  TransportCollective group(transport, device);
+  Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
   report.selected = selection.count;
   report.nonfinite = selection.nonfinite;
-  report.threshold = method->threshold();
+  if (options.record) report.indices = message_indices(device, selection, bucket);
 
   t0 = std::chrono::steady_clock::now();
-  const ExchangeResult result = gather_add(transport, device, bucket, selection);
+  const ExchangeKind kind = method->exchange();
+  const ExchangeResult result = exchange(kind, transport, device, bucket, selection);
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
   report.selected_all = result.total_count();
+  report.union_size = result.union_size;
 
   if (result.aborted) {
-    // Put this rank's selection back: selected residual entries were zeroed, so adding the sent
-    // values restores them exactly.
-    if (bucket.residual != nullptr && selection.count > 0) {
-      device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(), selection.bytes,
-                                 1.0f, transport.rank());
+    // Restore this rank's residual: a selection that zeroed its entries gets its values back
+    // (exactly: they are added to zeros). The union exchange zeroes only after the data moved,
+    // so its selections left the residual alone.
+    if (bucket.residual != nullptr && selection.count > 0 && kind != ExchangeKind::kUnion) {
+      device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(),
+                                 selection.bytes, 1.0f, transport.rank());
     }
     if (options.nonfinite == NonFinitePolicy::kRaise) {
       int64_t total = 0;
       for (const ControlWord& w : result.control) total += w.nonfinite;
-      throw NonFiniteError(
-          str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
-              join(result.nonfinite_ranks()), " saw ", total,
-              " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
-              "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
-              "construct the state with nonfinite=\"skip\" to skip such steps."));
+      throw NonFiniteError(str(
+          options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
+          join(result.nonfinite_ranks()), " saw ", total,
+          " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
+          "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
+          "construct the state with nonfinite=\"skip\" to skip such steps."));
     }
     device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
     report.skipped = true;
     return report;
   }
-  method->observe(bucket, result.control);
+  method->observe(bucket, result);
+  const MethodReport figures = method->report();
+  report.threshold = figures.threshold;
+  report.imbalance = figures.imbalance;
   return report;
 }
 

@@ -1,29 +1,27 @@
-// Hard threshold: every element with |a| >= threshold, compared in the bucket's dtype.
+// Hard threshold (docs/method-spec.md 4.2): |v| >= τ, compared in the bucket's dtype.
 #include <cmath>
 
-#include "gradsparse/method.h"
+#include "gradsparse/methods.h"
+#include "method_util.h"
 
 namespace gradsparse {
 
-namespace {
-void check_threshold(double threshold) {
-  GS_CHECK(std::isfinite(threshold) && threshold >= 0.0, ValueError,
-           "Threshold: threshold must be a finite number >= 0, got ", threshold,
-           "; for example threshold=1e-3 sends every element with |value| >= 1e-3");
+Threshold::Threshold(std::optional<double> threshold, std::optional<double> density)
+    : fixed_(threshold), density_(density) {
+  GS_CHECK(threshold.has_value() != density.has_value(), ValueError,
+           "Threshold: give exactly one of threshold (a magnitude) and density (then threshold = 1/(2 sqrt(k)))");
+  if (threshold) {
+    GS_CHECK(std::isfinite(*threshold) && *threshold >= 0.0, ValueError,
+             "Threshold: threshold must be a finite number >= 0, got ", *threshold,
+             "; for example threshold=1e-3 sends every element with |value| >= 1e-3");
+  } else {
+    method_util::check_density("Threshold", *density);
+  }
 }
-}  // namespace
 
-Threshold::Threshold(double threshold) : threshold_(threshold) { check_threshold(threshold); }
-
-Selection Threshold::select(Device& device, const BucketView& bucket) {
+Selection Threshold::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
+  threshold_ = fixed_ ? *fixed_ : initial_threshold(target_count(*density_, bucket.numel));
   return device.select_threshold(bucket, threshold_);
-}
-
-void Threshold::load_state(const MethodState& state) {
-  const auto it = state.find("threshold");
-  GS_CHECK(it != state.end(), ValueError, "Threshold.load_state: the state has no 'threshold' entry");
-  check_threshold(it->second);
-  threshold_ = it->second;
 }
 
 }  // namespace gradsparse

@@ -1,23 +1,12 @@
-// Top-k: the exact k largest magnitudes of the error-feedback-corrected gradient.
-#include <cmath>
-
-#include "gradsparse/method.h"
+// Top-k (docs/method-spec.md 4.1): the exact k largest magnitudes of the selection values.
+#include "gradsparse/methods.h"
+#include "method_util.h"
 
 namespace gradsparse {
 
-int64_t target_count(double density, int64_t n) {
-  if (n <= 0) return 0;
-  const double k = std::floor(density * static_cast<double>(n));
-  if (!(k >= 1.0)) return 1;
-  return k >= static_cast<double>(n) ? n : static_cast<int64_t>(k);
-}
+TopK::TopK(double density) : density_(density) { method_util::check_density("TopK", density); }
 
-TopK::TopK(double density) : density_(density) {
-  GS_CHECK(std::isfinite(density) && density > 0.0 && density <= 1.0, ValueError,
-           "TopK: density must be in (0, 1], got ", density, "; for example density=0.01 sends 1% of each bucket");
-}
-
-Selection TopK::select(Device& device, const BucketView& bucket) {
+Selection TopK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   return device.select_topk(bucket, target_count(density_, bucket.numel));
 }
 

@@ -145,16 +145,30 @@ void ThreadTransport::allreduce_sum(const Device& device, void* data, size_t cou
   }
   // Every rank sums all contributions in rank order into scratch: identical results everywhere.
   std::vector<unsigned char> sum(bytes);
+  auto add_up = [&](auto zero, auto load, auto store) {
+    for (size_t i = 0; i < count; ++i) {
+      auto acc = zero;
+      for (int r = 0; r < group_->size(); ++r) acc += load(group_->slot(r), i);
+      store(sum.data(), i, acc);
+    }
+  };
   if (error.empty()) {
-    dispatch_dtype(dtype, [&](auto t) {
-      using T = decltype(t);
-      T* out = reinterpret_cast<T*>(sum.data());
-      for (size_t i = 0; i < count; ++i) {
-        float acc = 0.0f;
-        for (int r = 0; r < group_->size(); ++r) acc += Num<T>::to_float(static_cast<const T*>(group_->slot(r))[i]);
-        out[i] = Num<T>::from_float(acc);
-      }
-    });
+    if (dtype == DType::kFloat64) {
+      add_up(
+          0.0, [](const void* p, size_t i) { return static_cast<const double*>(p)[i]; },
+          [](void* p, size_t i, double v) { static_cast<double*>(p)[i] = v; });
+    } else if (dtype == DType::kInt64) {
+      add_up(
+          int64_t{0}, [](const void* p, size_t i) { return static_cast<const int64_t*>(p)[i]; },
+          [](void* p, size_t i, int64_t v) { static_cast<int64_t*>(p)[i] = v; });
+    } else {
+      dispatch_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        add_up(
+            0.0f, [](const void* p, size_t i) { return Num<T>::to_float(static_cast<const T*>(p)[i]); },
+            [](void* p, size_t i, float v) { static_cast<T*>(p)[i] = Num<T>::from_float(v); });
+      });
+    }
   }
   group_->barrier(rank_);  // everyone has read every slot
   if (!error.empty()) throw CommError(error);

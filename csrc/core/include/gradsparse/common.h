@@ -16,10 +16,26 @@
 
 namespace gradsparse {
 
-/// Element type of a gradient bucket. The numeric values are part of the message format.
-enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+/// Element type of a buffer. Buckets are float32, float16 or bfloat16 (the numeric values of
+/// those three are part of the message format); float64 and int64 carry the small agreement
+/// payloads of some methods.
+enum class DType : uint8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3, kInt64 = 4 };
 
-inline size_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
+inline size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kFloat64:
+    case DType::kInt64:
+      return 8;
+  }
+  return 0;
+}
+
+inline bool is_bucket_dtype(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
 
 inline const char* dtype_name(DType d) {
   switch (d) {
@@ -29,6 +45,10 @@ inline const char* dtype_name(DType d) {
       return "float16";
     case DType::kBFloat16:
       return "bfloat16";
+    case DType::kFloat64:
+      return "float64";
+    case DType::kInt64:
+      return "int64";
   }
   return "unknown";
 }

@@ -1,14 +1,17 @@
 // Device: where a bucket lives and how the core computes on it. Exchanges and methods are written
-// once against this interface; CpuDevice runs the CPU kernels, CudaDevice (kernels/cuda) launches
-// the CUDA kernels on one stream. All pointers handed to a Device live in its memory.
+// once against this interface; CpuDevice (cpu_device.h) runs the CPU kernels, CudaDevice
+// (cuda_device.h) launches the CUDA kernels on one stream. All pointers handed to a Device live
+// in its memory; host vectors are named as such.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "gradsparse/common.h"
+#include "gradsparse/kernels.h"
 #include "gradsparse/message.h"
 
 namespace gradsparse {
@@ -69,6 +72,26 @@ struct BucketView {
   void* residual = nullptr;  ///< error-feedback residual of the same shape, or nullptr (no EF)
 };
 
+/// Which elements a threshold selection takes (docs/method-spec.md section 1).
+struct SelectRule {
+  double threshold = 0.0;  ///< compared with |v| after rounding to the bucket dtype
+  bool strict = false;     ///< |v| > threshold instead of |v| >= threshold
+  Range range{0, -1};      ///< eligible elements; end < 0 means the whole bucket
+  bool update = false;     ///< fuse the error-feedback update (the first pass of a step)
+  bool zero = true;        ///< zero the selected residual entries (the union exchange zeroes later)
+};
+
+/// Elements of a bucket copied to the host for a method to decide on: ascending indices and
+/// their selection values (exact as float for every bucket dtype).
+struct Candidates {
+  std::vector<int64_t> index;
+  std::vector<float> value;
+  size_t size() const { return index.size(); }
+};
+
+/// Where a bucket lives and how the core computes on it. Every pass below reads the selection
+/// values (kernels.h); `update` fuses the error-feedback update into it (the first pass of a
+/// step does; later passes read the updated residual).
 class Device {
  public:
   virtual ~Device() = default;
@@ -85,10 +108,36 @@ class Device {
   /// Waits until all work queued on this device by this object is done.
   virtual void synchronize() = 0;
 
-  /// Fused error feedback + threshold selection into a packed message (kernels.h semantics).
-  virtual Selection select_threshold(const BucketView& bucket, double threshold) = 0;
-  /// Fused error feedback + exact top-k into a packed message (kernels.h semantics).
+  /// Threshold selection into a packed message.
+  virtual Selection select(const BucketView& bucket, const SelectRule& rule) = 0;
+  /// Fused error feedback + exact top-k into a packed message (ties: lowest index).
   virtual Selection select_topk(const BucketView& bucket, int64_t k) = 0;
+  /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
+  Selection select_threshold(const BucketView& bucket, double threshold) {
+    return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
+  }
+
+  /// Moments of the selection values (float64 sums).
+  virtual Moments moments(const BucketView& bucket, bool update) = 0;
+  /// counts[j] = number of elements of `range` with |v| >= thresholds[j] (> when strict).
+  virtual std::vector<int64_t> count(const BucketView& bucket, Range range, const std::vector<double>& thresholds,
+                                     bool strict) = 0;
+  /// Moments of y = |v| * scale over the elements with |v| >= threshold (> when strict).
+  virtual Exceedance exceedance(const BucketView& bucket, double threshold, bool strict, double scale) = 0;
+  /// Sum of ln(|v| * scale + eps) over the bucket.
+  virtual double log_sum(const BucketView& bucket, double scale, double eps) = 0;
+  /// The elements of `range` with |v| >= threshold (> when strict).
+  virtual Candidates collect(const BucketView& bucket, Range range, double threshold, bool strict) = 0;
+  /// Sum of |v| at the positions (host vector; repeats allowed).
+  virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
+
+  /// A message of the given pairs (indices ascending); zeroes the residual there when `zero`.
+  virtual Selection emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
+                         bool zero) = 0;
+  /// A message holding the selection values at `index` (ascending, host vector).
+  virtual Selection gather(const BucketView& bucket, const std::vector<int64_t>& index) = 0;
+  /// Zeroes the residual at the indices of a message (validated like a received one).
+  virtual void zero_at(const BucketView& bucket, const void* message, size_t bytes) = 0;
 
   /// Validates a received message (header; every index in range and strictly ascending) and adds
   /// its values / divisor into `out` (numel elements of dtype). Throws CorruptMessageError without
@@ -97,23 +146,6 @@ class Device {
                                    float divisor, int source_rank) = 0;
   /// data /= divisor.
   virtual void divide(DType dtype, void* data, int64_t numel, float divisor) = 0;
-};
-
-/// The CPU device: host memory, OpenMP kernels.
-class CpuDevice final : public Device {
- public:
-  DeviceKind kind() const override { return DeviceKind::kCPU; }
-  Buffer allocate(size_t bytes) override;
-  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
-  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
-  void copy(void* dst, const void* src, size_t bytes) override;
-  void fill_zero(void* dst, size_t bytes) override;
-  void synchronize() override {}
-  Selection select_threshold(const BucketView& bucket, double threshold) override;
-  Selection select_topk(const BucketView& bucket, int64_t k) override;
-  void scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes, float divisor,
-                           int source_rank) override;
-  void divide(DType dtype, void* data, int64_t numel, float divisor) override;
 };
 
 /// Reads the header of a message in device memory (one small device-to-host copy on CUDA).

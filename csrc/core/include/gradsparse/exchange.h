@@ -1,9 +1,11 @@
-// Exchanges: the sparse all-reduce algorithms. Each moves every rank's selection through a
-// Transport and writes the averaged dense result into the bucket. Every rank issues the same
-// sequence of collectives whatever its data, and no collective is ever zero-length.
+// Exchanges: the sparse all-reduce algorithms (docs/method-spec.md section 3). Each moves every
+// rank's selection through a Transport and writes the averaged dense result into the bucket.
+// Every rank issues the same sequence of collectives whatever its data, and no collective is
+// ever zero-length.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gradsparse/device.h"
@@ -11,20 +13,32 @@
 
 namespace gradsparse {
 
+/// The exchanges a method can ask for.
+enum class ExchangeKind {
+  kGather,  ///< gather-and-add: every rank's pairs reach every rank; duplicates accumulate
+  kUnion,   ///< union + all-reduce: the union of the indices, every rank's own values there
+  kShared,  ///< all ranks selected the same indices: all-reduce the values
+};
+
+const char* exchange_name(ExchangeKind kind);
+/// Parses "gather", "union" or "shared"; ValueError naming `option` otherwise.
+ExchangeKind parse_exchange(const std::string& name, const std::string& option = "exchange");
+
 /// What every exchange sends first (one allgather of 32 bytes per rank): the size of each rank's
-/// message, its pair count, and whether it saw non-finite values, so that all ranks agree on
-/// buffer sizes and on aborting the step before any data moves.
+/// message, its pair count, whether it saw non-finite values, and a digest of its indices, so
+/// that all ranks agree on buffer sizes and on aborting the step before any data moves.
 struct ControlWord {
   int64_t message_bytes = 0;
   int64_t count = 0;
   int64_t nonfinite = 0;
-  int64_t reserved = 0;
+  int64_t index_digest = 0;  ///< hash of the selected indices (checked by the shared exchange)
 };
 static_assert(sizeof(ControlWord) == 32, "control word must be 32 bytes");
 
 struct ExchangeResult {
   std::vector<ControlWord> control;  ///< every rank's control word, by rank
   bool aborted = false;              ///< some rank saw non-finite values: nothing was exchanged
+  int64_t union_size = 0;            ///< elements written (the union for kUnion; pairs otherwise)
 
   int64_t total_count() const;
   std::vector<int> nonfinite_ranks() const;
@@ -33,14 +47,27 @@ struct ExchangeResult {
 /// All-gathers the control words of every rank.
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine);
 
-/// Gather-and-add (SIDCo/SAGE style): exchange control words, all-gather every rank's message
-/// padded to the largest, then scatter-add all pairs into bucket.grad (zeroed first) divided by
-/// the world size. Duplicate indices accumulate; pairs are added in rank order, so every rank
-/// computes bit-identical results. Returns early (aborted, bucket untouched) if any rank
-/// reported non-finite values.
+/// Runs the exchange `kind` for this rank's selection and writes the average into bucket.grad.
+/// Returns early (aborted, bucket untouched) if any rank reported non-finite values.
+///
+/// - kGather: all-gather every message padded to the largest, scatter-add all pairs divided by
+///   the world size, in rank order (bit-identical on every rank). The selection zeroed its own
+///   residual entries.
+/// - kUnion: all-gather the index lists, form the sorted union U, all-reduce every rank's own
+///   selection values at U, write sum / P there, and zero every rank's residual on U (the
+///   selection must not have zeroed anything).
+/// - kShared: check that every rank selected the same indices (CorruptMessageError otherwise),
+///   all-reduce the values in place, write sum / P.
+ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
+                        const Selection& mine);
+
+/// Gather-and-add (exchange() with kGather).
 ExchangeResult gather_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
 
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);
+
+/// A 64-bit digest of a message's indices (the shared exchange compares them across ranks).
+int64_t index_digest(Device& device, const Selection& selection, const BucketView& bucket);
 
 }  // namespace gradsparse

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "gradsparse/common.h"
 #include "gradsparse/numeric.h"
@@ -42,8 +43,10 @@ decltype(auto) dispatch_dtype(DType dtype, F&& f) {
       return f(Half{});
     case DType::kBFloat16:
       return f(BFloat16{});
+    default:
+      break;
   }
-  throw ValueError(str("unsupported dtype code ", int(dtype)));
+  throw ValueError(str("dtype ", dtype_name(dtype), " is not a bucket dtype (float32, float16 or bfloat16)"));
 }
 
 /// Calls f(I{}) with I the unsigned index type of a message with `index_bytes`-wide indices.
@@ -63,17 +66,115 @@ GS_HD inline bool index_in_range(I index, int64_t n) {
   return static_cast<uint64_t>(index) < static_cast<uint64_t>(n);
 }
 
+/// Where a kernel reads the values a selection sees (the header comment above), and whether it
+/// first applies the error-feedback update.
+template <typename T>
+struct Source {
+  T* residual = nullptr;    ///< error-feedback residual (updated and zeroed in place), or nullptr
+  const T* grad = nullptr;  ///< the gradient (unused when `residual` is set and `update` is false)
+  bool update = false;      ///< fuse residual += grad into this pass (the first pass of a step)
+
+  /// The selection value of element i once the update is done.
+  GS_HD T value(int64_t i) const { return selection_value<T>(residual, grad, i); }
+};
+
+/// A sub-range [begin, end) of a bucket.
+struct Range {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+/// Moments of the selection values: sums in float64 (ALGORITHMS.md decision 8).
+struct Moments {
+  double sum_abs = 0.0;
+  double sum = 0.0;
+  double sum_sq = 0.0;
+  double max_abs = 0.0;
+  int64_t nonfinite = 0;
+};
+
+/// Moments of y = |v| * scale over the elements whose key reaches a given key.
+struct Exceedance {
+  int64_t count = 0;
+  double sum = 0.0;
+  double sum_sq = 0.0;
+  double min = 0.0;  ///< meaningful when count > 0
+};
+
+/// A key no finite value reaches: a selection with it selects nothing.
+constexpr uint32_t kNoKey = 0xFFFFFFFFu;
+
+/// The key of `|v| >= tau` with tau rounded to T (decision 8); kNoKey for tau = +inf or NaN.
+template <typename T>
+uint32_t key_at_least(double tau) {
+  if (!(tau <= 3.0e38)) return kNoKey;
+  if (tau <= 0.0) return 0;
+  return threshold_key<T>(tau);
+}
+
+/// The key of `|v| > tau` with tau rounded to T.
+template <typename T>
+uint32_t key_above(double tau) {
+  if (!(tau <= 3.0e38)) return kNoKey;
+  if (tau < 0.0) return 0;
+  const uint32_t k = threshold_key<T>(tau);
+  return k >= Num<T>::kInfKey ? kNoKey : k + 1;
+}
+
 namespace cpu {
 
-/// Fused error feedback + threshold selection: selects every element with |a| >= threshold,
-/// comparing in the bucket's dtype. One pass over memory.
+/// Selection by key: every element of `range` whose selection value has key >= `key` (one pass;
+/// with `src.update` the error-feedback update of the whole bucket is fused into it). With `zero`,
+/// the selected residual entries are zeroed.
+template <typename T, typename I>
+SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink);
+
+/// Fused error feedback + threshold selection over the whole bucket: |a| >= threshold, compared
+/// in the bucket's dtype (select() with key_at_least and src.update).
 template <typename T, typename I>
 SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink);
 
-/// Fused error feedback + exact top-k by magnitude: selects min(k, n) elements; among equal
-/// magnitudes at the boundary the lowest indices win, so the result is deterministic.
+/// Exact top-k by magnitude: selects min(k, n) elements; among equal magnitudes at the boundary
+/// the lowest indices win, so the result is deterministic. `src.update` fuses error feedback.
+template <typename T, typename I>
+SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink);
+
+/// Fused error feedback + exact top-k (select_topk with src.update).
 template <typename T, typename I>
 SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink);
+
+/// Moments of the selection values of the whole bucket (with `src.update`: fused with the update).
+template <typename T>
+Moments moments(Source<T> src, int64_t n);
+
+/// counts[j] = number of elements of `range` with key >= keys[j]; `keys` ascending, read-only.
+template <typename T>
+void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int m, int64_t* counts);
+
+/// Exceedance moments of y = |v| * scale over the elements with key >= `key`, read-only.
+template <typename T>
+Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale);
+
+/// Sum over the bucket of ln(|v| * scale + eps), in float64, read-only.
+template <typename T>
+double log_sum(Source<T> src, int64_t n, double scale, double eps);
+
+/// The elements of `range` with key >= `key`, ascending, read-only (values exact as float).
+template <typename T>
+void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
+             std::vector<float>& value);
+
+/// Sum of |v| at the given positions (repeats allowed), read-only.
+template <typename T>
+double sample_abs_sum(Source<T> src, const int64_t* positions, int64_t count);
+
+/// out[j] = v[indices[j]] (read-only gather of selection values).
+template <typename T, typename I>
+void gather(Source<T> src, const I* indices, int64_t count, T* out);
+
+/// residual[indices[j]] = 0.
+template <typename T, typename I>
+void zero_at(T* residual, const I* indices, int64_t count);
 
 /// out[indices[i]] += values[i] / divisor for every pair (computed in float32, rounded once),
 /// accumulating duplicates in pair order. Every index is validated first: an index outside [0, n)

@@ -1,15 +1,17 @@
 // reduce_bucket: one bucket's whole step on one rank, the unit of work the engine runs.
-//   1. the method selects (fused error feedback + selection, one pass over memory);
-//   2. the exchange moves every rank's pairs and writes the average into the bucket;
+//   1. the method selects (its first pass fuses the error-feedback update), possibly agreeing on
+//      a threshold with the other ranks through small all-reduces;
+//   2. the method's exchange moves every rank's selection and writes the average into the bucket;
 //   3. if any rank saw NaN/Inf, every rank applies the same policy (ALGORITHMS.md decision 5):
-//      each rank puts its own selection back into its residual (so nothing of the finite gradient
-//      is lost; non-finite elements kept their old residual), then either throws NonFiniteError
-//      (kRaise) or writes zeros into the bucket and reports the step as skipped (kSkip).
+//      each rank restores its residual (nothing of the finite gradient is lost; non-finite
+//      elements kept their old residual), then either throws NonFiniteError (kRaise) or writes
+//      zeros into the bucket and reports the step as skipped (kSkip).
 #pragma once
 
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "gradsparse/device.h"
 #include "gradsparse/method.h"
@@ -25,19 +27,24 @@ struct ReduceOptions {
   NonFinitePolicy nonfinite = NonFinitePolicy::kRaise;
   /// How error messages name the bucket, e.g. "bucket 3".
   std::string bucket_name = "bucket";
+  /// Keep this rank's selected indices in the report (tests and diagnostics).
+  bool record = false;
 };
 
 struct ReduceReport {
   bool dense = false;
-  bool skipped = false;  ///< a rank saw non-finite values and the policy is kSkip
+  bool skipped = false;       ///< a rank saw non-finite values and the policy is kSkip
   int64_t numel = 0;
-  int64_t selected = 0;      ///< pairs this rank sent
-  int64_t selected_all = 0;  ///< pairs all ranks sent together
-  int64_t nonfinite = 0;     ///< non-finite elements this rank saw
+  int64_t selected = 0;       ///< pairs this rank sent
+  int64_t selected_all = 0;   ///< pairs all ranks sent together
+  int64_t union_size = 0;     ///< elements the exchange wrote (the union for union exchanges)
+  int64_t nonfinite = 0;      ///< non-finite elements this rank saw
   double threshold = std::numeric_limits<double>::quiet_NaN();
-  Traffic traffic;  ///< bytes this rank moved in this step
+  double imbalance = std::numeric_limits<double>::quiet_NaN();  ///< max count * P / total - 1
+  Traffic traffic;            ///< bytes this rank moved in this step
   double select_seconds = 0.0;
   double exchange_seconds = 0.0;
+  std::vector<int64_t> indices;  ///< this rank's selection, when ReduceOptions::record
 };
 
 ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,

@@ -1,4 +1,5 @@
-// CPU selection kernels: fused error feedback + threshold selection, and exact top-k.
+// CPU selection kernels: selection by key (fused with error feedback), exact top-k, and
+// candidate collection.
 //
 // Both work on fixed blocks of kCpuBlock elements. Each block collects its pairs into a buffer of
 // its own (thread-local workspace, reused across calls), then the blocks are concatenated in order,
@@ -83,15 +84,22 @@ SelectStats emit_blocks(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, con
   return stats;
 }
 
-/// Runs the error-feedback update over [begin, end) and hands every element's selection value to
-/// `visit(offset, value)`; counts non-finite elements.
+/// Hands every element of [begin, end) to `visit(i, value)`, applying the error-feedback update
+/// first when `src.update`; counts non-finite sums.
 template <typename T, typename Visit>
-void accumulate_block(T* residual, const T* grad, int64_t begin, int64_t end, int64_t& nonfinite, Visit&& visit) {
-  for (int64_t i = begin; i < end; ++i) {
-    bool finite;
-    const T v = ef_step(residual, grad, i, finite);
-    nonfinite += !finite;
-    visit(i - begin, v);
+void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, Visit&& visit) {
+  if (src.update && src.residual != nullptr) {
+    for (int64_t i = begin; i < end; ++i) {
+      bool finite;
+      ef_accumulate(src.residual[i], src.grad[i], finite);
+      nonfinite += !finite;
+      visit(i, src.residual[i]);
+    }
+  } else {
+    for (int64_t i = begin; i < end; ++i) {
+      if (src.residual == nullptr) nonfinite += !is_finite(src.grad[i]);
+      visit(i, src.value(i));
+    }
   }
 }
 
@@ -123,7 +131,9 @@ __attribute__((target("avx2"))) int64_t update_block_f32_avx2(float* __restrict 
                                                               int64_t len, uint32_t tkey, uint8_t* __restrict mask) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
-  const __m256i below_threshold = _mm256_set1_epi32(static_cast<int>(tkey) - 1);  // keys are < 2^31
+  // key >= tkey as a signed comparison (keys are < 2^31); kNoKey must match nothing.
+  const __m256i below_threshold =
+      _mm256_set1_epi32(tkey > 0x7fffffffu ? 0x7fffffff : static_cast<int>(tkey) - 1);
   int64_t bad = 0;
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
@@ -150,9 +160,11 @@ UpdateBlockF32 pick_update_block_f32() {
   return update_block_f32_portable;
 }
 
+/// The float32 update of [begin, end) with selection by `tkey` (kNoKey: update only); calls
+/// visit(i, value) for the selected elements.
 template <typename Visit>
-void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
-                          int64_t& nonfinite, Visit&& visit) {
+void update_select_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
+                       int64_t& nonfinite, Visit&& visit) {
   static const UpdateBlockF32 update = pick_update_block_f32();
   uint8_t mask[kCpuBlock / 8 + 8] = {};
   const int64_t len = end - begin;
@@ -163,8 +175,8 @@ void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int
     while (word != 0) {
       const int bit = __builtin_ctzll(word);
       word &= word - 1;
-      const int64_t j = w * 64 + bit;
-      const float v = residual[begin + j];
+      const int64_t j = begin + w * 64 + bit;
+      const float v = residual[j];
       if ((float_bits(v) & 0x7fffffffu) >= tkey) visit(j, v);
     }
   }
@@ -173,39 +185,80 @@ void accumulate_block_f32(float* residual, const float* grad, int64_t begin, int
 }  // namespace
 
 template <typename T, typename I>
-SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink) {
-  GS_CHECK(n >= 0, ValueError, "select_threshold: n must be >= 0, got ", n);
-  GS_CHECK(threshold >= 0.0, ValueError, "select_threshold: threshold must be >= 0, got ", threshold);
-  const uint32_t tkey = threshold_key<T>(threshold);
+SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {
+  GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
+  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "select: range [",
+           range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) {
     BlockPairs<T>& p = blocks[b];
     p.clear();
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    const int64_t lo = std::clamp(range.begin, begin, end), hi = std::clamp(range.end, begin, end);
+    auto take = [&](int64_t i, T v) {
+      p.offsets.push_back(static_cast<uint32_t>(i - begin));
+      p.values.push_back(v);
+      if (zero && src.residual != nullptr) src.residual[i] = Num<T>::zero();  // zeroed while in cache
+    };
     if constexpr (std::is_same_v<T, float>) {
-      if (residual != nullptr) {
-        accumulate_block_f32(residual, grad, begin, end, tkey, p.nonfinite, [&](int64_t off, float a) {
-          p.offsets.push_back(static_cast<uint32_t>(off));
-          p.values.push_back(a);
-          residual[begin + off] = 0.0f;
-        });
+      if (src.update && src.residual != nullptr) {
+        update_select_f32(src.residual, src.grad, begin, lo, kNoKey, p.nonfinite, take);
+        update_select_f32(src.residual, src.grad, lo, hi, key, p.nonfinite, take);
+        update_select_f32(src.residual, src.grad, hi, end, kNoKey, p.nonfinite, take);
         return;
       }
     }
-    accumulate_block(residual, grad, begin, end, p.nonfinite, [&](int64_t off, T a) {
-      if (passes_threshold(Num<T>::key(a), tkey)) {
-        p.offsets.push_back(static_cast<uint32_t>(off));
-        p.values.push_back(a);
-        if (residual != nullptr) residual[begin + off] = Num<T>::zero();
-      }
+    visit_block(src, begin, end, p.nonfinite, [&](int64_t i, T v) {
+      if (i >= lo && i < hi && Num<T>::key(v) >= key) take(i, v);
     });
   });
   return emit_blocks<T, I>(blocks, nblocks, {}, /*residual=*/nullptr, sink);
 }
 
 template <typename T, typename I>
+SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink) {
+  GS_CHECK(threshold >= 0.0, ValueError, "select_threshold: threshold must be >= 0, got ", threshold);
+  return select<T, I>(Source<T>{residual, grad, true}, n, key_at_least<T>(threshold), Range{0, n}, true, sink);
+}
+
+template <typename T>
+void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
+             std::vector<float>& value) {
+  GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
+  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "collect: range [",
+           range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  const int64_t nblocks = num_blocks(n);
+  auto& blocks = block_workspace<T>(nblocks);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    BlockPairs<T>& p = blocks[b];
+    p.clear();
+    const int64_t lo = std::max(range.begin, b * kCpuBlock), hi = std::min(range.end, (b + 1) * kCpuBlock);
+    for (int64_t i = lo; i < hi; ++i) {
+      const T v = src.value(i);
+      if (Num<T>::key(v) >= key) {
+        p.offsets.push_back(static_cast<uint32_t>(i - b * kCpuBlock));
+        p.values.push_back(v);
+      }
+    }
+  });
+  index.clear();
+  value.clear();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (size_t j = 0; j < blocks[b].offsets.size(); ++j) {
+      index.push_back(b * kCpuBlock + blocks[b].offsets[j]);
+      value.push_back(Num<T>::to_float(blocks[b].values[j]));
+    }
+  }
+}
+
+template <typename T, typename I>
 SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink) {
+  return select_topk<T, I>(Source<T>{residual, grad, true}, n, k, sink);
+}
+
+template <typename T, typename I>
+SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
   GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
   k = std::min(k, n);
@@ -215,7 +268,8 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
 
   // After pass 1 the selection value of element i can be re-read: passes 2 and 3 see exactly
   // what pass 1 counted.
-  auto value_at = [&](int64_t i) -> T { return selection_value(residual, grad, i); };
+  T* residual = src.residual;
+  auto value_at = [&](int64_t i) -> T { return src.value(i); };
   auto key_at = [&](int64_t i) -> uint32_t { return Num<T>::key(value_at(i)); };
 
   // Pass 1: error feedback, and a histogram of the key's high bits (all bits for 16-bit types).
@@ -227,8 +281,7 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
   parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
     int64_t* h = hist.data() + static_cast<size_t>(t) * kHighBins;
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    accumulate_block(residual, grad, begin, end, nonfinite[b],
-                     [&](int64_t, T v) { ++h[Num<T>::key(v) >> kHighShift]; });
+    visit_block(src, begin, end, nonfinite[b], [&](int64_t, T v) { ++h[Num<T>::key(v) >> kHighShift]; });
   });
   for (int t = 1; t < threads; ++t)
     for (int64_t i = 0; i < kHighBins; ++i) hist[i] += hist[static_cast<size_t>(t) * kHighBins + i];
@@ -299,81 +352,16 @@ SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const 
   return stats;
 }
 
-template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
-                 bool strictly_ascending) {
-  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
-  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
-  // Validate every index before writing anything.
-  const int64_t nblocks = num_blocks(count);
-  std::vector<int64_t> first_bad(nblocks, -1);
-  parallel_blocks(nblocks, [&](int64_t b) {
-    const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
-    for (int64_t i = begin; i < end; ++i) {
-      const bool ordered = !strictly_ascending || i == 0 || indices[i - 1] < indices[i];
-      if (!index_in_range(indices[i], n) || !ordered) {
-        first_bad[b] = i;
-        return;
-      }
-    }
-  });
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t i = first_bad[b];
-    if (i < 0) continue;
-    GS_CHECK(index_in_range(indices[i], n), CorruptMessageError, "sparse index ", static_cast<long long>(indices[i]),
-             " at position ", i, " is outside the bucket [0, ", n,
-             "); the message is corrupt or was built for another bucket");
-    throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", i, " (",
-                                  static_cast<long long>(indices[i - 1]), " then ", static_cast<long long>(indices[i]),
-                                  "); the message is corrupt"));
-  }
-  auto add = [&](int64_t i) {
-    T& o = out[indices[i]];
-    o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
-  };
-  if (strictly_ascending) {  // distinct indices: blocks of pairs touch distinct elements
-    parallel_blocks(nblocks, [&](int64_t b) {
-      const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
-      for (int64_t i = begin; i < end; ++i) add(i);
-    });
-  } else {
-    for (int64_t i = 0; i < count; ++i) add(i);
-  }
-}
-
-template <typename T>
-void divide(T* data, int64_t n, float divisor) {
-  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
-  parallel_blocks(num_blocks(n), [&](int64_t b) {
-    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    for (int64_t i = begin; i < end; ++i) data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
-  });
-}
-
-template <typename T>
-int64_t count_nonfinite(const T* data, int64_t n) {
-  const int64_t nblocks = num_blocks(n);
-  std::vector<int64_t> counts(nblocks, 0);
-  parallel_blocks(nblocks, [&](int64_t b) {
-    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    int64_t c = 0;
-    for (int64_t i = begin; i < end; ++i) c += !is_finite(data[i]);
-    counts[b] = c;
-  });
-  return std::accumulate(counts.begin(), counts.end(), int64_t{0});
-}
-
-#define GS_INSTANTIATE_SELECT(T, I)                                                            \
-  template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&); \
-  template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);     \
-  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float, bool);
-#define GS_INSTANTIATE_TYPE(T)                 \
-  GS_INSTANTIATE_SELECT(T, uint32_t)           \
-  GS_INSTANTIATE_SELECT(T, uint64_t)           \
-  GS_INSTANTIATE_SELECT(T, int32_t)            \
-  GS_INSTANTIATE_SELECT(T, int64_t)            \
-  template void divide<T>(T*, int64_t, float); \
-  template int64_t count_nonfinite<T>(const T*, int64_t);
+#define GS_INSTANTIATE_SELECT(T, I)                                                                \
+  template SelectStats select<T, I>(Source<T>, int64_t, uint32_t, Range, bool, const PairSink&);  \
+  template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&);    \
+  template SelectStats select_topk<T, I>(Source<T>, int64_t, int64_t, const PairSink&);           \
+  template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);
+#define GS_INSTANTIATE_TYPE(T)       \
+  GS_INSTANTIATE_SELECT(T, uint32_t) \
+  GS_INSTANTIATE_SELECT(T, uint64_t) \
+  GS_INSTANTIATE_SELECT(T, int64_t)  \
+  template void collect<T>(Source<T>, int64_t, Range, uint32_t, std::vector<int64_t>&, std::vector<float>&);
 
 GS_INSTANTIATE_TYPE(float)
 GS_INSTANTIATE_TYPE(Half)

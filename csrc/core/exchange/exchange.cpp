@@ -1,0 +1,215 @@
+// The exchanges of exchange.h: control words, gather-and-add, union + all-reduce, shared indices.
+#include <algorithm>
+#include <cstring>
+
+#include "gradsparse/exchange.h"
+#include "gradsparse/kernels.h"
+#include "gradsparse/rng.h"
+
+namespace gradsparse {
+
+const char* exchange_name(ExchangeKind kind) {
+  switch (kind) {
+    case ExchangeKind::kGather:
+      return "gather";
+    case ExchangeKind::kUnion:
+      return "union";
+    case ExchangeKind::kShared:
+      return "shared";
+  }
+  return "unknown";
+}
+
+ExchangeKind parse_exchange(const std::string& name, const std::string& option) {
+  if (name == "gather") return ExchangeKind::kGather;
+  if (name == "union") return ExchangeKind::kUnion;
+  if (name == "shared") return ExchangeKind::kShared;
+  throw ValueError(str(option, " must be \"gather\" or \"union\", got \"", name, "\""));
+}
+
+int64_t ExchangeResult::total_count() const {
+  int64_t total = 0;
+  for (const ControlWord& w : control) total += w.count;
+  return total;
+}
+
+std::vector<int> ExchangeResult::nonfinite_ranks() const {
+  std::vector<int> ranks;
+  for (size_t r = 0; r < control.size(); ++r)
+    if (control[r].nonfinite > 0) ranks.push_back(static_cast<int>(r));
+  return ranks;
+}
+
+std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine) {
+  const int p = transport.size();
+  Buffer send = device.allocate(sizeof(ControlWord));
+  Buffer recv = device.allocate(sizeof(ControlWord) * p);
+  device.copy_from_host(send.data(), &mine, sizeof(ControlWord));
+  transport.allgather(device, send.data(), recv.data(), sizeof(ControlWord));
+  std::vector<ControlWord> words(p);
+  device.copy_to_host(words.data(), recv.data(), sizeof(ControlWord) * p);
+  for (int r = 0; r < p; ++r) {
+    GS_CHECK(words[r].message_bytes >= 0 && words[r].count >= 0 && words[r].nonfinite >= 0, CorruptMessageError,
+             "control word from rank ", r, " is corrupt (negative sizes)");
+  }
+  return words;
+}
+
+int64_t index_digest(Device& device, const Selection& selection, const BucketView& bucket) {
+  const MessageHeader h =
+      read_device_header(device, selection.message.data(), selection.bytes, bucket.dtype, bucket.numel, -1);
+  std::vector<unsigned char> indices(h.count * h.index_bytes);
+  device.copy_to_host(indices.data(), selection.message.as<unsigned char>() + kMessageHeaderBytes, indices.size());
+  uint64_t digest = mix64(h.count);
+  for (size_t j = 0; j < h.count; ++j) {
+    uint64_t v = 0;
+    std::memcpy(&v, indices.data() + j * h.index_bytes, h.index_bytes);
+    digest = mix64(digest ^ v);
+  }
+  return static_cast<int64_t>(digest);
+}
+
+namespace {
+
+size_t largest_message(const std::vector<ControlWord>& control) {
+  size_t max_bytes = 0;
+  for (const ControlWord& w : control) max_bytes = std::max(max_bytes, static_cast<size_t>(w.message_bytes));
+  GS_ASSERT(max_bytes >= kMessageHeaderBytes);  // every message has a header: never zero-length
+  return max_bytes;
+}
+
+/// All-gathers every rank's message padded to the largest one; returns the receive buffer.
+Buffer allgather_messages(Transport& transport, Device& device, const Selection& mine, size_t max_bytes) {
+  Buffer padded;
+  const void* send = mine.message.data();
+  if (mine.bytes != max_bytes) {
+    padded = device.allocate(max_bytes);
+    device.fill_zero(padded.data(), max_bytes);
+    device.copy(padded.data(), mine.message.data(), mine.bytes);
+    send = padded.data();
+  }
+  Buffer recv = device.allocate(max_bytes * transport.size());
+  transport.allgather(device, send, recv.data(), max_bytes);
+  return recv;
+}
+
+/// Reads rank r's header from a gathered buffer and checks it against its control word.
+MessageHeader checked_header(Device& device, const void* message, size_t bytes, const BucketView& bucket,
+                             const ControlWord& control, int r) {
+  const MessageHeader h = read_device_header(device, message, bytes, bucket.dtype, bucket.numel, r);
+  GS_CHECK(static_cast<int64_t>(h.count) == control.count, CorruptMessageError, "sparse message from rank ", r,
+           " holds ", h.count, " pairs but its control word announced ", control.count);
+  return h;
+}
+
+void gather_and_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
+                    ExchangeResult& result) {
+  const int p = transport.size();
+  const size_t max_bytes = largest_message(result.control);
+  Buffer recv = allgather_messages(transport, device, mine, max_bytes);
+  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  for (int r = 0; r < p; ++r) {
+    const void* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
+    checked_header(device, message, max_bytes, bucket, result.control[r], r);
+    device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, message, max_bytes, static_cast<float>(p), r);
+  }
+  result.union_size = result.total_count();
+}
+
+/// All-reduces the values of a message in place (its values region), unless it is empty.
+void allreduce_values(Transport& transport, Device& device, const BucketView& bucket, const Selection& message) {
+  if (message.count == 0) return;  // every rank knows the count: all skip together
+  const MessageLayout layout(static_cast<uint64_t>(message.count), index_bytes_for(bucket.numel), bucket.dtype);
+  transport.allreduce_sum(device, message.message.as<unsigned char>() + layout.values_offset,
+                          static_cast<size_t>(message.count), bucket.dtype);
+}
+
+void union_allreduce(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
+                     ExchangeResult& result) {
+  const int p = transport.size();
+  const size_t max_bytes = largest_message(result.control);
+  // The index lists travel inside whole messages (values included): simple, and the values are
+  // a small part of a sparse step. The union is formed on the host.
+  Buffer recv = allgather_messages(transport, device, mine, max_bytes);
+  std::vector<int64_t> all;
+  all.reserve(static_cast<size_t>(result.total_count()));
+  std::vector<unsigned char> host(max_bytes);
+  for (int r = 0; r < p; ++r) {
+    const auto* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
+    const MessageHeader h = checked_header(device, message, max_bytes, bucket, result.control[r], r);
+    device.copy_to_host(host.data(), message, kMessageHeaderBytes + h.count * h.index_bytes);
+    dispatch_index(h.index_bytes, [&](auto i) {
+      using I = decltype(i);
+      const auto* idx = reinterpret_cast<const I*>(host.data() + kMessageHeaderBytes);
+      for (uint64_t j = 0; j < h.count; ++j) {
+        GS_CHECK(index_in_range(idx[j], bucket.numel) && (j == 0 || idx[j - 1] < idx[j]), CorruptMessageError,
+                 "sparse message from rank ", r, " has index ", static_cast<long long>(idx[j]), " at position ", j,
+                 " outside the bucket or out of order");
+        all.push_back(static_cast<int64_t>(idx[j]));
+      }
+    });
+  }
+  std::sort(all.begin(), all.end());
+  all.erase(std::unique(all.begin(), all.end()), all.end());
+  result.union_size = static_cast<int64_t>(all.size());
+  Selection u = device.gather(bucket, all);  // this rank's own values on the union
+  allreduce_values(transport, device, bucket, u);
+  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, u.message.data(), u.bytes,
+                             static_cast<float>(p), -1);
+  device.zero_at(bucket, u.message.data(), u.bytes);  // every rank zeroes the whole union
+}
+
+void shared_allreduce(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
+                      ExchangeResult& result) {
+  for (size_t r = 1; r < result.control.size(); ++r) {
+    GS_CHECK(result.control[r].count == result.control[0].count &&
+                 result.control[r].index_digest == result.control[0].index_digest,
+             CorruptMessageError, "the shared exchange needs the same indices on every rank, but rank ", r,
+             " selected other indices than rank 0 (", result.control[r].count, " against ",
+             result.control[0].count, ")");
+  }
+  allreduce_values(transport, device, bucket, mine);
+  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, mine.message.data(), mine.bytes,
+                             static_cast<float>(transport.size()), -1);
+  result.union_size = mine.count;
+}
+
+}  // namespace
+
+ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
+                        const Selection& mine) {
+  ExchangeResult result;
+  ControlWord word{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
+  if (kind == ExchangeKind::kShared) word.index_digest = index_digest(device, mine, bucket);
+  result.control = exchange_control(transport, device, word);
+  if (!result.nonfinite_ranks().empty()) {
+    result.aborted = true;
+    return result;
+  }
+  switch (kind) {
+    case ExchangeKind::kGather:
+      gather_and_add(transport, device, bucket, mine, result);
+      break;
+    case ExchangeKind::kUnion:
+      union_allreduce(transport, device, bucket, mine, result);
+      break;
+    case ExchangeKind::kShared:
+      shared_allreduce(transport, device, bucket, mine, result);
+      break;
+  }
+  return result;
+}
+
+ExchangeResult gather_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine) {
+  return exchange(ExchangeKind::kGather, transport, device, bucket, mine);
+}
+
+void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {
+  if (bucket.numel == 0) return;  // an empty bucket on every rank: nothing to reduce
+  device.divide(bucket.dtype, bucket.grad, bucket.numel, static_cast<float>(transport.size()));
+  transport.allreduce_sum(device, bucket.grad, static_cast<size_t>(bucket.numel), bucket.dtype);
+}
+
+}  // namespace gradsparse

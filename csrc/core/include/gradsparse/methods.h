@@ -1,0 +1,234 @@
+// The selection methods of gradsparse, one implementation file each in csrc/core/method/, each
+// reading like its section of docs/method-spec.md.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gradsparse/estimators.h"
+#include "gradsparse/method.h"
+#include "gradsparse/partition.h"
+
+namespace gradsparse {
+
+/// Top-k (method-spec 4.1).
+class TopK final : public Method {
+ public:
+  explicit TopK(double density);
+  std::string name() const override { return "topk"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+
+ private:
+  double density_;
+};
+
+/// Hard threshold (4.2): a fixed threshold, or 1/(2 sqrt(k)) from a density.
+class Threshold final : public Method {
+ public:
+  Threshold(std::optional<double> threshold, std::optional<double> density);
+  explicit Threshold(double threshold) : Threshold(threshold, std::nullopt) {}
+  std::string name() const override { return "threshold"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+
+ private:
+  std::optional<double> fixed_;
+  std::optional<double> density_;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// Random-k (4.3): the same k random indices on every rank, from the shared stream of step t.
+class RandomK final : public Method {
+ public:
+  RandomK(double density, uint64_t seed);
+  std::string name() const override { return "randomk"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  ExchangeKind exchange() const override { return ExchangeKind::kShared; }
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
+  void load_state(const MethodState& state) override;
+
+ private:
+  double density_;
+  uint64_t seed_;
+  int64_t step_ = 0;
+};
+
+/// Gaussian-k (4.4), SparDL's or SIDCo's variant.
+class GaussianK final : public Method {
+ public:
+  enum class Variant { kSparDL, kSIDCo };
+  GaussianK(double density, const std::string& variant);
+  std::string name() const override { return "gaussiank"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+
+ private:
+  double density_;
+  Variant variant_;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// DGC's sampled threshold (4.5).
+class DGC final : public Method {
+ public:
+  DGC(double density, uint64_t seed);
+  std::string name() const override { return "dgc"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+  MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
+  void load_state(const MethodState& state) override;
+
+ private:
+  double density_;
+  uint64_t seed_;
+  int64_t step_ = 0;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// RedSync's bisection threshold (4.6).
+class RedSync final : public Method {
+ public:
+  explicit RedSync(double density);
+  std::string name() const override { return "redsync"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+
+ private:
+  double density_;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+/// SAGE (4.7): sampled-scale threshold scaling.
+class SAGE final : public Method {
+ public:
+  enum class Sampling { kFlat, kPerTensor };
+  /// `segments`: the sizes of the bucket's parameters, in order (for per-tensor sampling).
+  SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
+       std::optional<double> initial_threshold, std::optional<std::string> exchange);
+  std::string name() const override { return "sage"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  ExchangeKind exchange() const override { return exchange_; }
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  MethodReport report() const override { return {pending_.threshold, std::numeric_limits<double>::quiet_NaN()}; }
+  MethodState state() const override;
+  void load_state(const MethodState& state) override;
+
+ private:
+  struct Step {
+    int64_t t = 0;
+    double threshold = std::numeric_limits<double>::quiet_NaN();  // λ of the last completed step
+    double sample_mean = std::numeric_limits<double>::quiet_NaN();
+  };
+  std::vector<int64_t> sample_positions(int64_t n, int rank) const;
+
+  double density_;
+  Sampling sampling_;
+  std::vector<int64_t> segments_;
+  bool reference_;
+  uint64_t seed_;
+  std::optional<double> initial_;
+  ExchangeKind exchange_;
+  Step committed_;
+  Step pending_;
+};
+
+/// MiCRO (4.8) and ExDyna (4.9): exclusive selection in rotating partitions with one global
+/// threshold. The two differ only in how the partitions are laid out.
+class PartitionedMethod : public Method {
+ public:
+  PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed);
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  ExchangeKind exchange() const override { return exchange_; }
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  MethodReport report() const override { return {pending_.threshold, imbalance_}; }
+  MethodState state() const override;
+  void load_state(const MethodState& state) override;
+
+ protected:
+  /// The element range of a partition for a bucket of n elements and P ranks (layout created on
+  /// first use).
+  virtual Range partition_range(int partition, int64_t n, int world_size) = 0;
+  /// Called after a completed step t with every rank's count and their total.
+  virtual void rebalance(const std::vector<int64_t>& /*counts*/, int64_t /*t*/, int64_t /*total*/) {}
+  virtual void save_layout(MethodState& /*state*/) const {}
+  virtual void load_layout(const MethodState& /*state*/) {}
+
+ private:
+  struct Step {
+    int64_t t = 0;
+    double threshold = std::numeric_limits<double>::quiet_NaN();    // λ of the last step
+    double estimate = std::numeric_limits<double>::quiet_NaN();     // default mode: λ̃ of the last step
+    double before_last = std::numeric_limits<double>::quiet_NaN();  // default mode: λ̃ of the one before
+    int64_t k_prev = 0;                                             // total count of the last step
+  };
+  Selection select_reference(Device& device, const BucketView& bucket, Range range, int64_t k);
+  Selection select_default(Device& device, const BucketView& bucket, Collective& group, Range range, int64_t k);
+
+  double density_;
+  ExchangeKind exchange_;
+  bool reference_;
+  uint64_t seed_;
+  Step committed_;
+  Step pending_;
+  double imbalance_ = std::numeric_limits<double>::quiet_NaN();
+};
+
+class MiCRO final : public PartitionedMethod {
+ public:
+  using PartitionedMethod::PartitionedMethod;
+  std::string name() const override { return "micro"; }
+
+ protected:
+  Range partition_range(int partition, int64_t n, int world_size) override;
+
+ private:
+  std::optional<StaticPartition> layout_;
+};
+
+class ExDyna final : public PartitionedMethod {
+ public:
+  using PartitionedMethod::PartitionedMethod;
+  std::string name() const override { return "exdyna"; }
+
+ protected:
+  Range partition_range(int partition, int64_t n, int world_size) override;
+  void rebalance(const std::vector<int64_t>& counts, int64_t t, int64_t total) override;
+  void save_layout(MethodState& state) const override;
+  void load_layout(const MethodState& state) override;
+
+ private:
+  std::optional<BlockPartition> layout_;
+  std::vector<int64_t> saved_blocks_;  // a loaded layout, applied when the layout is created
+};
+
+/// SIDCo (4.10): multi-stage statistical fits.
+class SIDCo final : public Method {
+ public:
+  SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio);
+  std::string name() const override { return "sidco"; }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+  MethodState state() const override;
+  void load_state(const MethodState& state) override;
+  int stages() const { return adaptive_ ? adaptive_->stages() : stages_; }
+
+ private:
+  double stage_threshold(double mean, double variance, double mean_log, double ratio, bool first) const;
+
+  double density_;
+  SidcoFit fit_;
+  int stages_;
+  double first_ratio_;
+  double iratio_;
+  std::optional<SidcoStages> adaptive_;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+  int64_t selected_ = 0;
+  int64_t numel_ = 0;
+};
+
+}  // namespace gradsparse

@@ -1,0 +1,94 @@
+// CPU scatter-add (validated first, all-or-nothing), gather, zeroing at indices, and division.
+#include <algorithm>
+#include <vector>
+
+#include "gradsparse/kernels.h"
+#include "gradsparse/parallel.h"
+
+namespace gradsparse {
+namespace cpu {
+
+template <typename T, typename I>
+void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending) {
+  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
+  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  // Validate every index before writing anything.
+  const int64_t nblocks = num_blocks(count);
+  std::vector<int64_t> first_bad(nblocks, -1);
+  parallel_blocks(nblocks, [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) {
+      const bool ordered = !strictly_ascending || i == 0 || indices[i - 1] < indices[i];
+      if (!index_in_range(indices[i], n) || !ordered) {
+        first_bad[b] = i;
+        return;
+      }
+    }
+  });
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t i = first_bad[b];
+    if (i < 0) continue;
+    GS_CHECK(index_in_range(indices[i], n), CorruptMessageError, "sparse index ", static_cast<long long>(indices[i]),
+             " at position ", i, " is outside the bucket [0, ", n,
+             "); the message is corrupt or was built for another bucket");
+    throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", i, " (",
+                                  static_cast<long long>(indices[i - 1]), " then ", static_cast<long long>(indices[i]),
+                                  "); the message is corrupt"));
+  }
+  auto add = [&](int64_t i) {
+    T& o = out[indices[i]];
+    o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+  };
+  if (strictly_ascending) {  // distinct indices: blocks of pairs touch distinct elements
+    parallel_blocks(nblocks, [&](int64_t b) {
+      const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
+      for (int64_t i = begin; i < end; ++i) add(i);
+    });
+  } else {
+    for (int64_t i = 0; i < count; ++i) add(i);
+  }
+}
+
+template <typename T>
+void divide(T* data, int64_t n, float divisor) {
+  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
+  });
+}
+
+template <typename T, typename I>
+void gather(Source<T> src, const I* indices, int64_t count, T* out) {
+  parallel_blocks(num_blocks(count), [&](int64_t b) {
+    for (int64_t j = b * kCpuBlock; j < std::min(count, (b + 1) * kCpuBlock); ++j)
+      out[j] = src.value(static_cast<int64_t>(indices[j]));
+  });
+}
+
+template <typename T, typename I>
+void zero_at(T* residual, const I* indices, int64_t count) {
+  parallel_blocks(num_blocks(count), [&](int64_t b) {
+    for (int64_t j = b * kCpuBlock; j < std::min(count, (b + 1) * kCpuBlock); ++j)
+      residual[indices[j]] = Num<T>::zero();
+  });
+}
+
+#define GS_INSTANTIATE_SCATTER(T, I)                                                      \
+  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float, bool); \
+  template void gather<T, I>(Source<T>, const I*, int64_t, T*);                           \
+  template void zero_at<T, I>(T*, const I*, int64_t);
+#define GS_INSTANTIATE_SCATTER_TYPE(T) \
+  GS_INSTANTIATE_SCATTER(T, uint32_t)  \
+  GS_INSTANTIATE_SCATTER(T, uint64_t)  \
+  GS_INSTANTIATE_SCATTER(T, int32_t)   \
+  GS_INSTANTIATE_SCATTER(T, int64_t)   \
+  template void divide<T>(T*, int64_t, float);
+
+GS_INSTANTIATE_SCATTER_TYPE(float)
+GS_INSTANTIATE_SCATTER_TYPE(Half)
+GS_INSTANTIATE_SCATTER_TYPE(BFloat16)
+
+}  // namespace cpu
+}  // namespace gradsparse

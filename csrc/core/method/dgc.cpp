@@ -1,0 +1,53 @@
+// DGC's sampled threshold (docs/method-spec.md 4.5, SIDCo's dgcsampling): the threshold is the
+// top-density quantile of a 1% sample of x = |v| / ||v||; too many exceedances are trimmed to the
+// exact top k.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "gradsparse/methods.h"
+#include "gradsparse/rng.h"
+#include "method_util.h"
+
+namespace gradsparse {
+
+DGC::DGC(double density, uint64_t seed) : density_(density), seed_(seed) {
+  method_util::check_density("DGC", density);
+}
+
+Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
+  const int64_t n = bucket.numel;
+  const Moments m = device.moments(bucket, /*update=*/true);
+  const double norm = std::sqrt(m.sum_sq);
+  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
+  const double dn = static_cast<double>(n);
+  const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
+  const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
+  const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
+  const Selection sample = device.gather(bucket, sample_distinct(stream, f, n));
+  std::vector<double> x;
+  for (float v : method_util::message_values(device, sample, bucket)) x.push_back(std::fabs(v) / norm);
+  const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
+  std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
+  threshold_ = x[s - 1] * norm;
+  const Candidates c = device.collect(bucket, method_util::whole(bucket), threshold_, /*strict=*/true);
+  std::vector<size_t> chosen;
+  if (static_cast<double>(c.size()) > 4.0 * k / 3.0) {
+    chosen = method_util::largest(c, static_cast<size_t>(k));
+  } else {
+    chosen.resize(c.size());
+    for (size_t j = 0; j < c.size(); ++j) chosen[j] = j;
+  }
+  Selection out = method_util::emit_subset(device, bucket, c, chosen, /*zero=*/true);
+  out.nonfinite = m.nonfinite;
+  return out;
+}
+
+void DGC::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) { ++step_; }
+
+void DGC::load_state(const MethodState& state) {
+  if (auto it = state.find("step"); it != state.end()) step_ = static_cast<int64_t>(it->second);
+}
+
+}  // namespace gradsparse

@@ -1,0 +1,161 @@
+// MiCRO and ExDyna (docs/method-spec.md 4.8, 4.9): each rank selects only inside its partition of
+// the bucket (partitions rotate every step), with one threshold for all ranks.
+//
+// Reference mode keeps the original rule: the threshold is scaled by 1.005, 1.00125 or 0.995
+// from the previous step's total count, and a rank that selects nothing sends one dummy element.
+// The default agrees on the threshold every step: a prediction (a sampled histogram at the first
+// step, then the trend of the agreed thresholds), candidates inside a band around it, and one
+// all-reduce of their counts in fine bins, from which every rank picks the same threshold.
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "gradsparse/methods.h"
+#include "gradsparse/rng.h"
+#include "method_util.h"
+
+namespace gradsparse {
+
+PartitionedMethod::PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed)
+    : density_(density), exchange_(parse_exchange(exchange)), reference_(reference), seed_(seed) {
+  method_util::check_density("MiCRO/ExDyna", density);
+  GS_CHECK(exchange_ != ExchangeKind::kShared, ValueError,
+           "MiCRO/ExDyna: exchange must be \"union\" (default) or \"gather\", got \"shared\"");
+}
+
+Selection PartitionedMethod::select(Device& device, const BucketView& bucket, Collective& group) {
+  const int64_t k = target_count(density_, bucket.numel);
+  const int partition = partition_of(committed_.t, group.rank(), group.size());
+  const Range range = partition_range(partition, bucket.numel, group.size());
+  pending_ = committed_;
+  return reference_ ? select_reference(device, bucket, range, k) : select_default(device, bucket, group, range, k);
+}
+
+Selection PartitionedMethod::select_reference(Device& device, const BucketView& bucket, Range range, int64_t k) {
+  const int64_t t = committed_.t;
+  const double lambda =
+      t == 0 ? initial_threshold(k)
+             : committed_.threshold * online_scaling_factor(static_cast<double>(committed_.k_prev) /
+                                                            static_cast<double>(std::max<int64_t>(k, 1)));
+  pending_.threshold = lambda;
+  const bool zero = exchange_ == ExchangeKind::kGather;
+  Selection s = device.select(bucket, SelectRule{lambda, false, range, true, zero});
+  const int64_t length = range.end - range.begin;
+  if (s.count == 0 && length > 0) {  // the dummy element: every rank sends something
+    const int64_t nonfinite = s.nonfinite;
+    s = device.gather(bucket, {range.begin + t % length});
+    if (zero) device.zero_at(bucket, s.message.data(), s.bytes);
+    s.nonfinite = nonfinite;
+  }
+  return s;
+}
+
+Selection PartitionedMethod::select_default(Device& device, const BucketView& bucket, Collective& group, Range range,
+                                            int64_t k) {
+  const int64_t t = committed_.t;
+  const int64_t nonfinite = method_util::update_pass(device, bucket);
+  double prediction;
+  if (t == 0) {
+    // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
+    const int64_t length = range.end - range.begin;
+    const int64_t samples = std::min<int64_t>(4096, length);
+    std::vector<double> weights(BandController::kSampleBins, 0.0);
+    if (samples > 0) {
+      const uint64_t stream = rng_stream(seed_, RngTag::kPartitionSample, 0, static_cast<uint64_t>(group.rank()));
+      std::map<int64_t, int> multiplicity;
+      for (int64_t p : sample_with_replacement(stream, samples, length)) ++multiplicity[range.begin + p];
+      std::vector<int64_t> positions;
+      for (const auto& [p, _] : multiplicity) positions.push_back(p);
+      const std::vector<float> values = method_util::message_values(device, device.gather(bucket, positions), bucket);
+      const double weight = static_cast<double>(length) / static_cast<double>(samples);
+      for (size_t j = 0; j < positions.size(); ++j)
+        weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
+    }
+    group.sum(weights);
+    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
+  } else {
+    prediction = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
+  }
+  const std::vector<double> edges = BandController::band_edges(prediction, BandController::band_factor(t));
+  const Candidates c = device.collect(bucket, range, edges[0], false);
+  std::vector<double> counts(BandController::kBandBins + 1, 0.0);
+  for (float v : c.value) counts[BandController::band_bin(edges, std::fabs(v))] += 1.0;
+  group.sum(counts);
+  const double lambda = BandController::choose(edges, counts, static_cast<double>(k));
+  pending_.threshold = lambda;
+  pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
+  std::vector<size_t> chosen;
+  for (size_t j = 0; j < c.size(); ++j)
+    if (static_cast<double>(std::fabs(c.value[j])) >= lambda) chosen.push_back(j);
+  Selection s = method_util::emit_subset(device, bucket, c, chosen, exchange_ == ExchangeKind::kGather);
+  s.nonfinite = nonfinite;
+  return s;
+}
+
+void PartitionedMethod::observe(const BucketView& /*bucket*/, const ExchangeResult& result) {
+  std::vector<int64_t> counts;
+  int64_t total = 0, largest = 0;
+  for (const ControlWord& w : result.control) {
+    counts.push_back(w.count);
+    total += w.count;
+    largest = std::max(largest, w.count);
+  }
+  const double p = static_cast<double>(counts.size());
+  imbalance_ = total > 0 ? static_cast<double>(largest) * p / static_cast<double>(total) - 1.0 : 0.0;
+  rebalance(counts, pending_.t, total);
+  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.estimate, committed_.estimate, total};
+}
+
+MethodState PartitionedMethod::state() const {
+  MethodState s{{"step", static_cast<double>(committed_.t)},
+                {"threshold", committed_.threshold},
+                {"estimate", committed_.estimate},
+                {"before_last", committed_.before_last},
+                {"k_prev", static_cast<double>(committed_.k_prev)}};
+  save_layout(s);
+  return s;
+}
+
+void PartitionedMethod::load_state(const MethodState& state) {
+  committed_.t = static_cast<int64_t>(state.at("step"));
+  committed_.threshold = state.at("threshold");
+  committed_.estimate = state.at("estimate");
+  committed_.before_last = state.at("before_last");
+  committed_.k_prev = static_cast<int64_t>(state.at("k_prev"));
+  load_layout(state);
+}
+
+Range MiCRO::partition_range(int partition, int64_t n, int world_size) {
+  if (!layout_ || layout_->size() != world_size) layout_.emplace(n, world_size);
+  return layout_->range(partition);
+}
+
+Range ExDyna::partition_range(int partition, int64_t n, int world_size) {
+  if (!layout_) {
+    layout_.emplace(n, world_size);
+    if (!saved_blocks_.empty()) layout_->set_blocks(saved_blocks_);
+  }
+  return layout_->range(partition);
+}
+
+void ExDyna::rebalance(const std::vector<int64_t>& counts, int64_t t, int64_t total) {
+  if (layout_) layout_->rebalance(counts, t, total);
+}
+
+void ExDyna::save_layout(MethodState& state) const {
+  if (!layout_) return;
+  const auto& blocks = layout_->blocks();
+  for (size_t p = 0; p < blocks.size(); ++p) state["blocks." + std::to_string(p)] = static_cast<double>(blocks[p]);
+}
+
+void ExDyna::load_layout(const MethodState& state) {
+  saved_blocks_.clear();
+  for (size_t p = 0;; ++p) {
+    const auto it = state.find("blocks." + std::to_string(p));
+    if (it == state.end()) break;
+    saved_blocks_.push_back(static_cast<int64_t>(it->second));
+  }
+  if (layout_ && !saved_blocks_.empty()) layout_->set_blocks(saved_blocks_);
+}
+
+}  // namespace gradsparse

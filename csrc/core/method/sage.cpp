@@ -1,0 +1,116 @@
+// SAGE (docs/method-spec.md 4.7): the threshold follows the scale of the gradient, measured by the
+// mean magnitude of a small random sample. Reference mode applies SAGE's ratio scaling (α β γ);
+// the default predicts with the sampled scale ratio and then takes the exact top k inside a band
+// around the prediction.
+#include <cmath>
+
+#include "gradsparse/methods.h"
+#include "gradsparse/rng.h"
+#include "method_util.h"
+
+namespace gradsparse {
+
+SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
+           std::optional<double> initial_threshold, std::optional<std::string> exchange)
+    : density_(density), segments_(std::move(segments)), reference_(reference), seed_(seed), initial_(initial_threshold) {
+  method_util::check_density("SAGE", density);
+  if (sampling == "flat") {
+    sampling_ = Sampling::kFlat;
+  } else if (sampling == "per_tensor") {
+    sampling_ = Sampling::kPerTensor;
+  } else {
+    throw ValueError(str("SAGE: sampling must be \"flat\" or \"per_tensor\", got \"", sampling, "\""));
+  }
+  if (initial_) {
+    GS_CHECK(std::isfinite(*initial_) && *initial_ > 0.0, ValueError,
+             "SAGE: initial_threshold must be a finite number > 0, got ", *initial_);
+  }
+  exchange_ = exchange ? parse_exchange(*exchange)
+                       : (sampling_ == Sampling::kFlat ? ExchangeKind::kUnion : ExchangeKind::kGather);
+  GS_CHECK(exchange_ != ExchangeKind::kShared, ValueError, "SAGE: exchange must be \"gather\" or \"union\"");
+}
+
+std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
+  const int64_t count = slovin_sample_size(n);
+  const uint64_t stream = rng_stream(seed_, RngTag::kSage, static_cast<uint64_t>(committed_.t), static_cast<uint64_t>(rank));
+  if (sampling_ == Sampling::kFlat || segments_.empty()) return sample_with_replacement(stream, count, n);
+  std::vector<int64_t> offsets(segments_.size(), 0);
+  for (size_t j = 1; j < segments_.size(); ++j) offsets[j] = offsets[j - 1] + segments_[j - 1];
+  GS_CHECK(offsets.back() + segments_.back() == n, ValueError, "SAGE: the parameter sizes add up to ",
+           offsets.back() + segments_.back(), " but the bucket has ", n, " elements");
+  std::vector<int64_t> out(static_cast<size_t>(count));
+  const uint64_t tensors = segments_.size();
+  for (int64_t i = 0; i < count; ++i) {
+    const size_t j = static_cast<size_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i)) % tensors);
+    const uint64_t size = static_cast<uint64_t>(std::max<int64_t>(segments_[j], 1));
+    out[static_cast<size_t>(i)] = offsets[j] + static_cast<int64_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i) + 1) % size);
+  }
+  return out;
+}
+
+Selection SAGE::select(Device& device, const BucketView& bucket, Collective& group) {
+  const int64_t n = bucket.numel;
+  const int64_t nonfinite = method_util::update_pass(device, bucket);
+  pending_ = Step{committed_.t, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+  if (n == 0) return method_util::nothing(device, bucket, nonfinite);
+  const int64_t k = target_count(density_, n);
+  const std::vector<int64_t> positions = sample_positions(n, group.rank());
+  const double sample_mean = device.sample_abs_sum(bucket, positions) / static_cast<double>(positions.size());
+  const double start = initial_ ? *initial_ : initial_threshold(k);
+  const int64_t t = committed_.t;
+  // The sampled scale change since the last step (1 when either mean is zero).
+  double alpha = t > 0 ? sample_mean / committed_.sample_mean : 1.0;
+  if (!(std::isfinite(alpha) && alpha > 0.0)) alpha = 1.0;
+  const bool zero = exchange_ != ExchangeKind::kUnion;
+
+  Selection s;
+  double lambda;
+  if (reference_) {
+    lambda = start;
+    if (t > 0) {
+      const double probe = committed_.threshold * alpha;
+      const double exam = static_cast<double>(device.count(bucket, method_util::whole(bucket), {probe}, false)[0]) /
+                          static_cast<double>(n);
+      lambda = sage_reference_update(committed_.threshold, alpha, exam, density_);
+    }
+    s = device.select(bucket, SelectRule{lambda, false, Range{0, n}, false, zero});
+  } else {
+    const double prediction = t > 0 ? committed_.threshold * alpha : start;
+    const double low = prediction / BandController::band_factor(t);
+    const Candidates c = device.collect(bucket, method_util::whole(bucket), low, false);
+    std::vector<size_t> chosen;
+    if (static_cast<int64_t>(c.size()) >= k) {
+      chosen = method_util::largest(c, static_cast<size_t>(k));
+      double kth = std::numeric_limits<double>::infinity();
+      for (size_t j : chosen) kth = std::min(kth, static_cast<double>(std::fabs(c.value[j])));
+      lambda = kth;
+    } else {
+      chosen.resize(c.size());
+      for (size_t j = 0; j < c.size(); ++j) chosen[j] = j;
+      lambda = low;
+    }
+    s = method_util::emit_subset(device, bucket, c, chosen, zero);
+  }
+  pending_.threshold = lambda;
+  pending_.sample_mean = sample_mean;
+  s.nonfinite = nonfinite;
+  return s;
+}
+
+void SAGE::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {
+  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.sample_mean};
+}
+
+MethodState SAGE::state() const {
+  return {{"step", static_cast<double>(committed_.t)},
+          {"threshold", committed_.threshold},
+          {"sample_mean", committed_.sample_mean}};
+}
+
+void SAGE::load_state(const MethodState& state) {
+  committed_.t = static_cast<int64_t>(state.at("step"));
+  committed_.threshold = state.at("threshold");
+  committed_.sample_mean = state.at("sample_mean");
+}
+
+}  // namespace gradsparse

@@ -1,0 +1,112 @@
+// SIDCo (docs/method-spec.md 4.10): thresholds from statistical fits of x = |v| / ||v||, refined
+// over stages on the exceedances of the previous stage; optionally an adaptive stage count.
+#include <algorithm>
+#include <cmath>
+
+#include "gradsparse/methods.h"
+#include "method_util.h"
+
+namespace gradsparse {
+
+namespace {
+SidcoFit parse_fit(const std::string& fit) {
+  if (fit == "exp") return SidcoFit::kExp;
+  if (fit == "gpareto") return SidcoFit::kGPareto;
+  if (fit == "gamma_gpareto") return SidcoFit::kGammaGPareto;
+  throw ValueError(str("SIDCo: fit must be \"exp\", \"gpareto\" or \"gamma_gpareto\", got \"", fit, "\""));
+}
+}  // namespace
+
+SIDCo::SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio)
+    : density_(density), fit_(parse_fit(fit)), stages_(stages), first_ratio_(first_ratio) {
+  method_util::check_density("SIDCo", density);
+  GS_CHECK(stages >= -3, ValueError, "SIDCo: stages must be >= 1 (fixed), 0 (fixed per-stage ratio) or -1, -2, -3 ",
+           "(adaptive), got ", stages);
+  GS_CHECK(first_ratio > 0.0 && first_ratio < 1.0, ValueError, "SIDCo: first_ratio must be in (0, 1), got ",
+           first_ratio);
+  iratio_ = iratio ? *iratio : (fit_ == SidcoFit::kExp ? 0.2 : 0.075);
+  GS_CHECK(iratio_ > 0.0 && iratio_ < 1.0, ValueError, "SIDCo: iratio must be in (0, 1), got ", iratio_);
+  if (stages < 0) adaptive_.emplace(stages, density);
+}
+
+double SIDCo::stage_threshold(double mean, double variance, double mean_log, double ratio, bool first) const {
+  if (fit_ == SidcoFit::kExp) return exp_threshold(mean, ratio);
+  if (fit_ == SidcoFit::kGammaGPareto && first) return gamma_threshold(mean, mean_log, ratio);
+  return gpareto_threshold(mean, variance, ratio);
+}
+
+Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
+  const int64_t n = bucket.numel;
+  const Moments m = device.moments(bucket, /*update=*/true);
+  const double norm = std::sqrt(m.sum_sq);
+  numel_ = n;
+  selected_ = 0;
+  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
+  const double dn = static_cast<double>(n);
+  const int stages = this->stages();
+
+  // Stage 1 on the whole vector.
+  const double first = (stages == 1 || density_ >= first_ratio_) ? density_ : first_ratio_;
+  const double mean = m.sum_abs / (dn * norm);
+  const double variance = unbiased_variance(dn, m.sum_abs / norm, m.sum_sq / (norm * norm));
+  const double mean_log = fit_ == SidcoFit::kGammaGPareto
+                              ? device.log_sum(bucket, 1.0 / norm, std::ldexp(1.0, -52)) / dn
+                              : std::numeric_limits<double>::quiet_NaN();
+  double eta = stage_threshold(mean, variance, mean_log, first, true);
+
+  // Further stages on the exceedances (x above every threshold so far).
+  if (stages > 1 || stages == 0) {
+    const double remaining = density_ / first_ratio_;
+    double ratio;
+    int loops;
+    if (stages > 1) {
+      ratio = std::pow(remaining, 1.0 / (stages - 1));
+      loops = stages - 1;
+    } else {
+      ratio = iratio_;
+      loops = static_cast<int>(std::ceil(std::log(remaining) / std::log(ratio)));
+    }
+    double floor_eta = eta;
+    for (int i = loops; i > 0; --i) {
+      const double stage_ratio = (i == 1 && stages == 0) ? remaining / std::pow(ratio, loops - 1) : ratio;
+      const Exceedance e = device.exceedance(bucket, floor_eta * norm, /*strict=*/true, 1.0 / norm);
+      if (e.count == 0) break;
+      const double c = static_cast<double>(e.count);
+      const double shifted_mean = e.sum / c - e.min;
+      eta = e.min + (fit_ == SidcoFit::kExp
+                         ? -shifted_mean * std::log(stage_ratio)
+                         : gpareto_threshold(shifted_mean, unbiased_variance(c, e.sum, e.sum_sq), stage_ratio));
+      floor_eta = std::max(floor_eta, eta);
+    }
+  }
+  threshold_ = eta * norm;
+  Selection s = device.select(bucket, SelectRule{threshold_, true, Range{0, n}, false, true});
+  selected_ = s.count;
+  s.nonfinite = m.nonfinite;
+  return s;
+}
+
+void SIDCo::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {
+  if (adaptive_ && numel_ > 0) adaptive_->record(static_cast<double>(selected_) / (density_ * static_cast<double>(numel_)));
+}
+
+MethodState SIDCo::state() const {
+  if (!adaptive_) return {};
+  return {{"stages", static_cast<double>(adaptive_->stages_)},
+          {"direction", static_cast<double>(adaptive_->direction_)},
+          {"sum", adaptive_->sum_},
+          {"calls", static_cast<double>(adaptive_->calls_)},
+          {"last_estimate", adaptive_->last_estimate_}};
+}
+
+void SIDCo::load_state(const MethodState& state) {
+  if (!adaptive_) return;
+  adaptive_->stages_ = static_cast<int>(state.at("stages"));
+  adaptive_->direction_ = static_cast<int>(state.at("direction"));
+  adaptive_->sum_ = state.at("sum");
+  adaptive_->calls_ = static_cast<int>(state.at("calls"));
+  adaptive_->last_estimate_ = state.at("last_estimate");
+}
+
+}  // namespace gradsparse

@@ -1,0 +1,87 @@
+"""Drive selection methods over several ranks in one process: every rank is a Python thread that
+calls the C++ reduce_bucket through a ThreadTransport. Used by the method tests and the density
+benchmark to run the library side by side with plain re-statements.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gradsparse import _C
+
+
+@dataclass
+class RankStep:
+    """What one rank saw in one step."""
+
+    indices: torch.Tensor  # this rank's selection (int64, ascending)
+    threshold: float  # the method's reported threshold (NaN if none)
+    imbalance: float  # partitioned methods: max count * P / total - 1
+    output: torch.Tensor  # the averaged bucket this rank received
+    residual: torch.Tensor | None  # the residual after the step (None without error feedback)
+    selected_all: int  # pairs sent by all ranks together
+    union_size: int  # elements the exchange wrote
+    bytes_sent: int
+    collectives: int
+
+
+def run_steps(
+    world_size: int,
+    make_method: Callable[[int], _C.Method],
+    grads: Sequence[Sequence[torch.Tensor]],
+    *,
+    error_feedback: bool = True,
+    nonfinite: str = "raise",
+    timeout: float = 60.0,
+) -> list[list[RankStep]]:
+    """Runs ``len(grads)`` steps of one bucket on ``world_size`` thread ranks.
+
+    ``grads[t][r]`` is rank r's gradient at step t (1-D CPU tensor; not modified).
+    ``make_method(r)`` builds rank r's method object. Returns ``steps[t][r]``.
+    """
+    group = _C.ThreadGroup(world_size, timeout)
+    methods = [make_method(r) for r in range(world_size)]
+    n = grads[0][0].numel()
+    residuals = [torch.zeros(n, dtype=grads[0][0].dtype) if error_feedback else None for _ in range(world_size)]
+    steps: list[list[RankStep]] = []
+    for t, step_grads in enumerate(grads):
+        buffers = [g.clone() for g in step_grads]
+        reports: list = [None] * world_size
+        errors: list = [None] * world_size
+
+        def work(r: int) -> None:
+            try:
+                reports[r] = group.reduce(r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, record=True)
+            except BaseException as e:  # re-raised below, with the rank
+                errors[r] = e
+                group.abort(f"rank {r} failed: {e}")
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        for r, e in enumerate(errors):
+            if e is not None:
+                raise RuntimeError(f"step {t}, rank {r}: {type(e).__name__}: {e}") from e
+        steps.append(
+            [
+                RankStep(
+                    indices=torch.tensor(rep.indices, dtype=torch.int64),
+                    threshold=rep.threshold,
+                    imbalance=rep.imbalance,
+                    output=buffers[r],
+                    residual=None if residuals[r] is None else residuals[r].clone(),
+                    selected_all=rep.selected_all,
+                    union_size=rep.union_size,
+                    bytes_sent=rep.bytes_sent,
+                    collectives=rep.collectives,
+                )
+                for r, rep in enumerate(reports)
+            ]
+        )
+    return steps
