@@ -25,6 +25,8 @@ class BucketStats:
     select_seconds: float = 0.0
     exchange_seconds: float = 0.0
     threshold: float = math.nan  # last threshold of a threshold-based method
+    imbalance_sum: float = 0.0  # partitioned methods: sum over sparse steps of the load imbalance
+    imbalance_steps: int = 0
 
     def record(self, report, world_size: int, element_size: int) -> None:
         self.steps += 1
@@ -46,6 +48,9 @@ class BucketStats:
         self.exchange_seconds += report.exchange_seconds
         if not math.isnan(report.threshold):
             self.threshold = report.threshold
+        if not math.isnan(report.imbalance):
+            self.imbalance_sum += report.imbalance
+            self.imbalance_steps += 1
 
     def add(self, other: BucketStats) -> None:
         for f in fields(self):
@@ -60,6 +65,8 @@ class BucketStats:
         denominator = self.sparse_elements * world_size
         out["global_density"] = self.selected_all / denominator if denominator else math.nan
         out["bytes_ratio"] = self.bytes_sent / self.dense_bytes if self.dense_bytes else math.nan
+        out["imbalance"] = self.imbalance_sum / self.imbalance_steps if self.imbalance_steps else math.nan
+        del out["imbalance_sum"], out["imbalance_steps"]
         return out
 
 

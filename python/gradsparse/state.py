@@ -21,14 +21,12 @@ from gradsparse import _C
 from gradsparse.config import (
     check_bool,
     check_choice,
-    check_density,
     check_int,
-    check_threshold,
     check_timeout,
 )
 from gradsparse.metrics import Metrics
 
-__all__ = ["Dense", "State", "Threshold", "TopK"]
+__all__ = ["State"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DICT_VERSION = 1
@@ -80,6 +78,8 @@ class State:
       "raise" an error naming the bucket, or "skip" the bucket's update for that step. Either
       way the residuals keep every finite value (ALGORITHMS.md decision 5).
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange fails.
+    - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
+      differ (docs/method-spec.md); methods without such differences behave the same either way.
 
     The exchanges run on a process group of their own, created from the model's group when that
     is the default group, so that they never interleave with other collectives (DDP's own, or the
@@ -99,6 +99,7 @@ class State:
         "error_feedback",
         "nonfinite",
         "timeout",
+        "reference",
     )
 
     def __init__(self, **options: Any) -> None:
@@ -156,14 +157,16 @@ class State:
         self._error_feedback = check_bool(owner, "error_feedback", options.get("error_feedback", True))
         self._nonfinite = check_choice(owner, "nonfinite", options.get("nonfinite", "raise"), ("raise", "skip"))
         self._timeout = check_timeout(owner, "timeout", options.get("timeout"))
+        self._reference = check_bool(owner, "reference", options.get("reference", False))
         self._method_config = self._validate_method({k: options[k] for k in self._METHOD_OPTIONS if k in options})
 
     def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
         """Checks the subclass's own options; returns them normalised."""
         return {}
 
-    def _make_method(self):
-        """A new C++ method object for one bucket (None: dense all-reduce)."""
+    def _make_method(self, numels: list[int]):
+        """A new C++ method object for one bucket whose parameters hold ``numels`` elements
+        (None: dense all-reduce)."""
         return None
 
     def config(self) -> dict[str, Any]:
@@ -174,6 +177,7 @@ class State:
             "error_feedback": self._error_feedback,
             "nonfinite": self._nonfinite,
             "timeout": None if self._timeout is None else self._timeout.total_seconds(),
+            "reference": self._reference,
         }
 
     def _agree(self, owner: str, group: dist.ProcessGroup | None, error: Exception | None) -> None:
@@ -275,7 +279,7 @@ class State:
             self._buckets.clear()
         names = [self._param_names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
         numels = [p.numel() for p in params]
-        entry = _Bucket(index, key, names, numels, self._make_method())
+        entry = _Bucket(index, key, names, numels, self._make_method(numels))
         if entry.method is not None and index in self._loaded_methods:
             entry.method.load_state(self._loaded_methods.pop(index))
         pieces = []
@@ -321,7 +325,8 @@ class State:
         ``selected_all`` (all ranks); ``density`` (achieved: selected / elements of sparse
         steps) and ``global_density`` (all ranks); ``bytes_sent`` and ``bytes_received`` by this
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
-        ``bytes_ratio``; ``select_seconds`` and ``exchange_seconds``; per bucket also
+        ``bytes_ratio``; ``select_seconds`` and ``exchange_seconds``; ``imbalance`` (MiCRO and
+        ExDyna: the mean over steps of max count * P / total count - 1); per bucket also
         ``numel`` and the last ``threshold`` (NaN for methods without one).
         """
         summary = self._metrics.summary(self._world_size)
@@ -387,59 +392,6 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
-
-
-class TopK(State):
-    """Top-k sparsification: each rank sends the ``density`` fraction of each bucket with the
-    largest magnitudes (after error feedback); ties go to the lowest index.
-
-    Args:
-        density: fraction of each bucket's elements to send, in (0, 1]; k = floor(density * n),
-            at least 1 (ALGORITHMS.md decision 4).
-        **options: the shared options of :class:`State`.
-
-    Example::
-
-        >>> state = gradsparse.TopK(density=0.01)
-        >>> ddp_model.register_comm_hook(state, gradsparse.hook)
-    """
-
-    _METHOD_OPTIONS = ("density",)
-
-    def __init__(self, density: float, **options: Any) -> None:
-        super().__init__(density=density, **options)
-
-    def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"density": check_density("TopK", "density", options["density"])}
-
-    def _make_method(self):
-        return _C.TopK(self._method_config["density"])
-
-
-class Threshold(State):
-    """Hard-threshold sparsification: each rank sends every element with |value| >= threshold
-    (after error feedback), compared in the bucket's dtype.
-
-    Args:
-        threshold: magnitude threshold, finite and >= 0.
-        **options: the shared options of :class:`State`.
-    """
-
-    _METHOD_OPTIONS = ("threshold",)
-
-    def __init__(self, threshold: float, **options: Any) -> None:
-        super().__init__(threshold=threshold, **options)
-
-    def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
-        return {"threshold": check_threshold("Threshold", "threshold", options["threshold"])}
-
-    def _make_method(self):
-        return _C.Threshold(self._method_config["threshold"])
-
-
-class Dense(State):
-    """Dense all-reduce through the gradsparse engine: the baseline, with the same statistics
-    as the sparse methods."""
 
 
 def _find_ddp_module(state: State):

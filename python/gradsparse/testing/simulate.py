@@ -29,6 +29,30 @@ class RankStep:
     collectives: int
 
 
+def _run_ranks(group, methods, buffers, residuals, nonfinite: str, t: int) -> list:
+    """One step: every rank reduces its buffer on its own thread; re-raises a rank's error."""
+    world_size = len(methods)
+    reports: list = [None] * world_size
+    errors: list = [None] * world_size
+
+    def work(r: int) -> None:
+        try:
+            reports[r] = group.reduce(r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, record=True)
+        except BaseException as e:  # re-raised below, with the rank
+            errors[r] = e
+            group.abort(f"rank {r} failed: {e}")
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for r, e in enumerate(errors):
+        if e is not None:
+            raise RuntimeError(f"step {t}, rank {r}: {type(e).__name__}: {e}") from e
+    return reports
+
+
 def run_steps(
     world_size: int,
     make_method: Callable[[int], _C.Method],
@@ -50,24 +74,7 @@ def run_steps(
     steps: list[list[RankStep]] = []
     for t, step_grads in enumerate(grads):
         buffers = [g.clone() for g in step_grads]
-        reports: list = [None] * world_size
-        errors: list = [None] * world_size
-
-        def work(r: int) -> None:
-            try:
-                reports[r] = group.reduce(r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, record=True)
-            except BaseException as e:  # re-raised below, with the rank
-                errors[r] = e
-                group.abort(f"rank {r} failed: {e}")
-
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(world_size)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        for r, e in enumerate(errors):
-            if e is not None:
-                raise RuntimeError(f"step {t}, rank {r}: {type(e).__name__}: {e}") from e
+        reports = _run_ranks(group, methods, buffers, residuals, nonfinite, t)
         steps.append(
             [
                 RankStep(
