@@ -1,10 +1,10 @@
 // The Python module gradsparse._C: stateful objects (selection methods, the engine, reports, and
 // a thread-rank group for tests) through pybind11. Importing it also registers the TORCH_LIBRARY
 // ops (ops*.cpp).
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <memory>
@@ -125,15 +125,15 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed") = 0);
   py::class_<GaussianK, Method, std::shared_ptr<GaussianK>>(m, "GaussianK")
       .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant") = "spardl");
-  py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC")
-      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed") = 0);
+  py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC").def(py::init<double, uint64_t>(), py::arg("density"),
+                                                              py::arg("seed") = 0);
   py::class_<RedSync, Method, std::shared_ptr<RedSync>>(m, "RedSync").def(py::init<double>(), py::arg("density"));
-  py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE")
-      .def(py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
-                    std::optional<std::string>>(),
-           py::arg("density"), py::arg("sampling") = "flat", py::arg("segments") = std::vector<int64_t>{},
-           py::arg("reference") = false, py::arg("seed") = 0, py::arg("initial_threshold") = py::none(),
-           py::arg("exchange") = py::none());
+  py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE").def(
+      py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
+               std::optional<std::string>>(),
+      py::arg("density"), py::arg("sampling") = "flat", py::arg("segments") = std::vector<int64_t>{},
+      py::arg("reference") = false, py::arg("seed") = 0, py::arg("initial_threshold") = py::none(),
+      py::arg("exchange") = py::none());
   py::class_<MiCRO, Method, std::shared_ptr<MiCRO>>(m, "MiCRO")
       .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange") = "union",
            py::arg("reference") = false, py::arg("seed") = 0);
@@ -142,8 +142,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("reference") = false, py::arg("seed") = 0);
   py::class_<SIDCo, Method, std::shared_ptr<SIDCo>>(m, "SIDCo")
       .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
-           py::arg("fit") = "exp", py::arg("stages") = 1, py::arg("first_ratio") = 0.25,
-           py::arg("iratio") = py::none())
+           py::arg("fit") = "exp", py::arg("stages") = 1, py::arg("first_ratio") = 0.25, py::arg("iratio") = py::none())
       .def_property_readonly("stages", &SIDCo::stages);
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
@@ -173,7 +172,7 @@ PYBIND11_MODULE(_C, m) {
       .def("abort", &PyThreadGroup::abort, py::arg("reason"));
 
   py::class_<Engine, std::unique_ptr<Engine, EngineDeleter>>(m, "Engine",
-                                                              "Background exchange thread over one process group.")
+                                                             "Background exchange thread over one process group.")
       .def(py::init([](const c10::intrusive_ptr<c10d::ProcessGroup>& group, double timeout_seconds) {
              return std::unique_ptr<Engine, EngineDeleter>(
                  new Engine(group, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0))));

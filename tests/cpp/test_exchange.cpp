@@ -6,8 +6,8 @@
 #include <limits>
 #include <vector>
 
-#include "gradsparse/exchange.h"
 #include "gradsparse/cpu_device.h"
+#include "gradsparse/exchange.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/reduce_bucket.h"
 #include "reference.h"

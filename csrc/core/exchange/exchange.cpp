@@ -155,8 +155,8 @@ void union_allreduce(Transport& transport, Device& device, const BucketView& buc
   Selection u = device.gather(bucket, all);  // this rank's own values on the union
   allreduce_values(transport, device, bucket, u);
   device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
-  device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, u.message.data(), u.bytes,
-                             static_cast<float>(p), -1);
+  device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, u.message.data(), u.bytes, static_cast<float>(p),
+                             -1);
   device.zero_at(bucket, u.message.data(), u.bytes);  // every rank zeroes the whole union
 }
 
@@ -166,8 +166,8 @@ void shared_allreduce(Transport& transport, Device& device, const BucketView& bu
     GS_CHECK(result.control[r].count == result.control[0].count &&
                  result.control[r].index_digest == result.control[0].index_digest,
              CorruptMessageError, "the shared exchange needs the same indices on every rank, but rank ", r,
-             " selected other indices than rank 0 (", result.control[r].count, " against ",
-             result.control[0].count, ")");
+             " selected other indices than rank 0 (", result.control[r].count, " against ", result.control[0].count,
+             ")");
   }
   allreduce_values(transport, device, bucket, mine);
   device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));

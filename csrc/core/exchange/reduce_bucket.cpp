@@ -91,18 +91,18 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     // (exactly: they are added to zeros). The union exchange zeroes only after the data moved,
     // so its selections left the residual alone.
     if (bucket.residual != nullptr && selection.count > 0 && kind != ExchangeKind::kUnion) {
-      device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(),
-                                 selection.bytes, 1.0f, transport.rank());
+      device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(), selection.bytes,
+                                 1.0f, transport.rank());
     }
     if (options.nonfinite == NonFinitePolicy::kRaise) {
       int64_t total = 0;
       for (const ControlWord& w : result.control) total += w.nonfinite;
-      throw NonFiniteError(str(
-          options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
-          join(result.nonfinite_ranks()), " saw ", total,
-          " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
-          "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
-          "construct the state with nonfinite=\"skip\" to skip such steps."));
+      throw NonFiniteError(
+          str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
+              join(result.nonfinite_ranks()), " saw ", total,
+              " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
+              "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
+              "construct the state with nonfinite=\"skip\" to skip such steps."));
     }
     device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
     report.skipped = true;

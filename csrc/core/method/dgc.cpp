@@ -11,9 +11,7 @@
 
 namespace gradsparse {
 
-DGC::DGC(double density, uint64_t seed) : density_(density), seed_(seed) {
-  method_util::check_density("DGC", density);
-}
+DGC::DGC(double density, uint64_t seed) : density_(density), seed_(seed) { method_util::check_density("DGC", density); }
 
 Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;

@@ -12,7 +12,11 @@ namespace gradsparse {
 
 SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
            std::optional<double> initial_threshold, std::optional<std::string> exchange)
-    : density_(density), segments_(std::move(segments)), reference_(reference), seed_(seed), initial_(initial_threshold) {
+    : density_(density),
+      segments_(std::move(segments)),
+      reference_(reference),
+      seed_(seed),
+      initial_(initial_threshold) {
   method_util::check_density("SAGE", density);
   if (sampling == "flat") {
     sampling_ = Sampling::kFlat;
@@ -32,7 +36,8 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
 
 std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
   const int64_t count = slovin_sample_size(n);
-  const uint64_t stream = rng_stream(seed_, RngTag::kSage, static_cast<uint64_t>(committed_.t), static_cast<uint64_t>(rank));
+  const uint64_t stream =
+      rng_stream(seed_, RngTag::kSage, static_cast<uint64_t>(committed_.t), static_cast<uint64_t>(rank));
   if (sampling_ == Sampling::kFlat || segments_.empty()) return sample_with_replacement(stream, count, n);
   std::vector<int64_t> offsets(segments_.size(), 0);
   for (size_t j = 1; j < segments_.size(); ++j) offsets[j] = offsets[j - 1] + segments_[j - 1];
@@ -43,7 +48,8 @@ std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
   for (int64_t i = 0; i < count; ++i) {
     const size_t j = static_cast<size_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i)) % tensors);
     const uint64_t size = static_cast<uint64_t>(std::max<int64_t>(segments_[j], 1));
-    out[static_cast<size_t>(i)] = offsets[j] + static_cast<int64_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i) + 1) % size);
+    out[static_cast<size_t>(i)] =
+        offsets[j] + static_cast<int64_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i) + 1) % size);
   }
   return out;
 }

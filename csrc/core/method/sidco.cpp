@@ -88,7 +88,8 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
 }
 
 void SIDCo::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {
-  if (adaptive_ && numel_ > 0) adaptive_->record(static_cast<double>(selected_) / (density_ * static_cast<double>(numel_)));
+  if (adaptive_ && numel_ > 0)
+    adaptive_->record(static_cast<double>(selected_) / (density_ * static_cast<double>(numel_)));
 }
 
 MethodState SIDCo::state() const {

@@ -24,8 +24,7 @@ class KernelDevice : public Device {
       using T = decltype(t);
       using I = decltype(i);
       const uint32_t key = rule.strict ? key_above<T>(rule.threshold) : key_at_least<T>(rule.threshold);
-      return self().template k_select<T, I>(source<T>(bucket, rule.update), bucket.numel, key, range, rule.zero,
-                                            sink);
+      return self().template k_select<T, I>(source<T>(bucket, rule.update), bucket.numel, key, range, rule.zero, sink);
     });
   }
 
@@ -116,9 +115,9 @@ class KernelDevice : public Device {
         using T = decltype(t);
         dispatch_index(index_bytes_for(bucket.numel), [&](auto i) {
           using I = decltype(i);
-          self().template k_gather<T, I>(source<T>(bucket, false), reinterpret_cast<const I*>(base + kMessageHeaderBytes),
-                                         static_cast<int64_t>(index.size()),
-                                         reinterpret_cast<T*>(base + layout.values_offset));
+          self().template k_gather<T, I>(
+              source<T>(bucket, false), reinterpret_cast<const I*>(base + kMessageHeaderBytes),
+              static_cast<int64_t>(index.size()), reinterpret_cast<T*>(base + layout.values_offset));
         });
       });
     }
@@ -186,22 +185,20 @@ class KernelDevice : public Device {
       sel.bytes = layout.total_bytes;
       auto* base = sel.message.template as<unsigned char>();
       fill_zero(base, layout.total_bytes);  // deterministic padding bytes
-      const MessageHeader h = make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel),
-                                          static_cast<uint64_t>(count));
+      const MessageHeader h =
+          make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(count));
       copy_from_host(base, &h, sizeof(h));
       return PairSpan{base + layout.indices_offset, base + layout.values_offset};
     };
-    const SelectStats stats = dispatch_dtype(bucket.dtype, [&](auto t) {
-      return dispatch_index(index_bytes, [&](auto i) { return kernel(t, i, sink); });
-    });
+    const SelectStats stats = dispatch_dtype(
+        bucket.dtype, [&](auto t) { return dispatch_index(index_bytes, [&](auto i) { return kernel(t, i, sink); }); });
     sel.count = stats.count;
     sel.nonfinite = stats.nonfinite;
     return sel;
   }
 
   /// A message built on the host from ascending indices and (optionally) values, copied here.
-  Selection host_message(const BucketView& bucket, const std::vector<int64_t>& index,
-                         const std::vector<float>* value) {
+  Selection host_message(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>* value) {
     const int index_bytes = index_bytes_for(static_cast<uint64_t>(bucket.numel));
     const uint64_t count = index.size();
     const MessageLayout layout(count, index_bytes, bucket.dtype);

@@ -33,15 +33,15 @@ struct ReduceOptions {
 
 struct ReduceReport {
   bool dense = false;
-  bool skipped = false;       ///< a rank saw non-finite values and the policy is kSkip
+  bool skipped = false;  ///< a rank saw non-finite values and the policy is kSkip
   int64_t numel = 0;
-  int64_t selected = 0;       ///< pairs this rank sent
-  int64_t selected_all = 0;   ///< pairs all ranks sent together
-  int64_t union_size = 0;     ///< elements the exchange wrote (the union for union exchanges)
-  int64_t nonfinite = 0;      ///< non-finite elements this rank saw
+  int64_t selected = 0;      ///< pairs this rank sent
+  int64_t selected_all = 0;  ///< pairs all ranks sent together
+  int64_t union_size = 0;    ///< elements the exchange wrote (the union for union exchanges)
+  int64_t nonfinite = 0;     ///< non-finite elements this rank saw
   double threshold = std::numeric_limits<double>::quiet_NaN();
   double imbalance = std::numeric_limits<double>::quiet_NaN();  ///< max count * P / total - 1
-  Traffic traffic;            ///< bytes this rank moved in this step
+  Traffic traffic;                                              ///< bytes this rank moved in this step
   double select_seconds = 0.0;
   double exchange_seconds = 0.0;
   std::vector<int64_t> indices;  ///< this rank's selection, when ReduceOptions::record

@@ -132,8 +132,7 @@ __attribute__((target("avx2"))) int64_t update_block_f32_avx2(float* __restrict 
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
   // key >= tkey as a signed comparison (keys are < 2^31); kNoKey must match nothing.
-  const __m256i below_threshold =
-      _mm256_set1_epi32(tkey > 0x7fffffffu ? 0x7fffffff : static_cast<int>(tkey) - 1);
+  const __m256i below_threshold = _mm256_set1_epi32(tkey > 0x7fffffffu ? 0x7fffffff : static_cast<int>(tkey) - 1);
   int64_t bad = 0;
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
@@ -187,8 +186,8 @@ void update_select_f32(float* residual, const float* grad, int64_t begin, int64_
 template <typename T, typename I>
 SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
-  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "select: range [",
-           range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "select: range [", range.begin,
+           ", ", range.end, ") is not inside the bucket [0, ", n, ")");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -226,8 +225,8 @@ template <typename T>
 void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
              std::vector<float>& value) {
   GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
-  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "collect: range [",
-           range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "collect: range [", range.begin,
+           ", ", range.end, ") is not inside the bucket [0, ", n, ")");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -352,10 +351,10 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sin
   return stats;
 }
 
-#define GS_INSTANTIATE_SELECT(T, I)                                                                \
-  template SelectStats select<T, I>(Source<T>, int64_t, uint32_t, Range, bool, const PairSink&);  \
-  template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&);    \
-  template SelectStats select_topk<T, I>(Source<T>, int64_t, int64_t, const PairSink&);           \
+#define GS_INSTANTIATE_SELECT(T, I)                                                              \
+  template SelectStats select<T, I>(Source<T>, int64_t, uint32_t, Range, bool, const PairSink&); \
+  template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&);   \
+  template SelectStats select_topk<T, I>(Source<T>, int64_t, int64_t, const PairSink&);          \
   template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);
 #define GS_INSTANTIATE_TYPE(T)       \
   GS_INSTANTIATE_SELECT(T, uint32_t) \

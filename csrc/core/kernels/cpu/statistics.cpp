@@ -155,12 +155,12 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   return total;
 }
 
-#define GS_INSTANTIATE_STATISTICS(T)                                                           \
-  template Moments moments<T>(Source<T>, int64_t);                                             \
-  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);      \
-  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double);                     \
-  template double log_sum<T>(Source<T>, int64_t, double, double);                              \
-  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                       \
+#define GS_INSTANTIATE_STATISTICS(T)                                                      \
+  template Moments moments<T>(Source<T>, int64_t);                                        \
+  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*); \
+  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double);                \
+  template double log_sum<T>(Source<T>, int64_t, double, double);                         \
+  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                  \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 
 GS_INSTANTIATE_STATISTICS(float)

@@ -1,0 +1,147 @@
+// The threshold estimators and scaling rules (estimators.h), each against known values or a
+// direct statement of its rule.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "gradsparse/estimators.h"
+#include "gradsparse/rng.h"
+
+using namespace gradsparse;
+
+TEST(Estimators, NormalQuantileMatchesKnownValues) {
+  // Reference values of the standard normal quantile.
+  EXPECT_NEAR(normal_quantile(0.975), 1.959963984540054, 1e-13);
+  EXPECT_NEAR(normal_quantile(0.9995), 3.290526731491926, 1e-12);
+  EXPECT_NEAR(normal_quantile(0.5), 0.0, 0.0);
+  EXPECT_NEAR(normal_quantile(0.025), -1.959963984540054, 1e-13);
+  EXPECT_NEAR(normal_quantile(1e-10), -6.361340902404056, 1e-10);
+  for (double p : {0.001, 0.2, 0.6, 0.9, 0.99999}) {
+    const double x = normal_quantile(p);
+    EXPECT_NEAR(0.5 * std::erfc(-x / std::sqrt(2.0)), p, 1e-14 * std::max(1.0, 1.0 / p)) << p;
+  }
+  EXPECT_THROW(normal_quantile(0.0), ValueError);
+  EXPECT_THROW(normal_quantile(1.0), ValueError);
+}
+
+TEST(Estimators, IncompleteGammaAndItsInverse) {
+  // P(1, x) = 1 - e^-x; P(0.5, x) = erf(sqrt(x)).
+  for (double x : {0.01, 0.5, 1.0, 3.0, 20.0}) {
+    EXPECT_NEAR(gamma_p(1.0, x), 1.0 - std::exp(-x), 1e-14) << x;
+    EXPECT_NEAR(gamma_p(0.5, x), std::erf(std::sqrt(x)), 1e-14) << x;
+  }
+  for (double a : {0.3, 0.9, 1.0, 2.5, 17.0, 300.0}) {
+    for (double p : {1e-6, 0.01, 0.25, 0.75, 0.999, 0.999999}) {
+      const double x = gamma_p_inverse(a, p);
+      EXPECT_NEAR(gamma_p(a, x), p, 1e-12 * std::max(1.0, p)) << "a=" << a << " p=" << p;
+    }
+  }
+  EXPECT_NEAR(gamma_p_inverse(1.0, 0.75), std::log(4.0), 1e-13);
+}
+
+TEST(Estimators, TargetCountAndInitialThreshold) {
+  EXPECT_EQ(target_count(0.001, 10), 1);
+  EXPECT_EQ(target_count(0.5, 11), 5);
+  EXPECT_EQ(target_count(1.0, 11), 11);
+  EXPECT_EQ(target_count(0.5, 0), 0);
+  // ALGORITHMS.md section 0: ResNet-18, N = 11,173,962, density 0.001 -> k = 11,173 -> 4.73e-3.
+  EXPECT_NEAR(initial_threshold(target_count(0.001, 11173962)), 4.7302e-3, 1e-6);
+  EXPECT_EQ(slovin_sample_size(11173962), 399);
+  EXPECT_EQ(slovin_sample_size(1), 1);
+}
+
+TEST(Estimators, OnlineScalingFollowsTheOriginalBands) {
+  EXPECT_EQ(online_scaling_factor(1.2), 1.005);
+  EXPECT_EQ(online_scaling_factor(1.1), 1.00125);  // boundaries as coded: (0.909, 1.1]
+  EXPECT_EQ(online_scaling_factor(1.0), 1.00125);
+  EXPECT_EQ(online_scaling_factor(0.909), 0.995);
+  EXPECT_EQ(online_scaling_factor(0.1), 0.995);
+}
+
+TEST(Estimators, BandControllerChoosesTheClosestCount) {
+  const auto edges = BandController::band_edges(1.0, 1.25);
+  ASSERT_EQ(edges.size(), 257u);
+  EXPECT_DOUBLE_EQ(edges[0], 0.8);
+  EXPECT_NEAR(edges[256], 1.25, 1e-12);
+  std::vector<double> counts(257, 0.0);
+  for (int b = 0; b < 257; ++b) counts[b] = 10.0;  // G(b) = 10 (257 - b)
+  // target 1000: G(157) = 1000 exactly.
+  EXPECT_DOUBLE_EQ(BandController::choose(edges, counts, 1000.0), edges[157]);
+  // Ties go to the larger b (fewer elements): G(b) = 1005 and 995 are equally far from 1000.
+  counts.assign(257, 10.0);
+  counts[256] = 5.0;  // G(b) = 10 (256 - b) + 5
+  EXPECT_DOUBLE_EQ(BandController::choose(edges, counts, 1000.0), edges[157]);
+  EXPECT_EQ(BandController::band_bin(edges, 0.5), 0);
+  EXPECT_EQ(BandController::band_bin(edges, 2.0), 256);
+  EXPECT_EQ(BandController::band_bin(edges, edges[10]), 10);
+}
+
+TEST(Estimators, BandEstimateExtrapolatesAtMostOneBandWidth) {
+  const auto edges = BandController::band_edges(1.0, 1.25);
+  std::vector<double> counts(257, 0.0);
+  counts[256] = 1e6;  // everything above the band
+  const double up = BandController::estimate(edges, counts, 1000.0, edges[256]);
+  EXPECT_NEAR(up, edges[256] * edges[256] / edges[0], 1e-9);
+  counts.assign(257, 0.0);  // nothing in the band at all
+  const double down = BandController::estimate(edges, counts, 1000.0, edges[0]);
+  EXPECT_NEAR(down, edges[0] * edges[0] / edges[256], 1e-12);
+  counts.assign(257, 10.0);  // inside: the chosen threshold itself
+  EXPECT_EQ(BandController::estimate(edges, counts, 1000.0, edges[157]), edges[157]);
+}
+
+TEST(Estimators, SampledPredictionFindsTheTopWeight) {
+  std::vector<double> weights(BandController::kSampleBins, 0.0);
+  weights[300] = 500.0;
+  weights[200] = 5000.0;
+  EXPECT_EQ(BandController::predict_from_samples(weights, 400.0), BandController::sample_edges()[300]);
+  EXPECT_EQ(BandController::predict_from_samples(weights, 600.0), BandController::sample_edges()[200]);
+  EXPECT_EQ(BandController::predict_from_samples(weights, 1e9), BandController::sample_edges()[0]);
+  EXPECT_EQ(BandController::predict_from_trend(2.0, 1.0, 5), 2.4);  // clamped to x1.2
+  EXPECT_EQ(BandController::predict_from_trend(2.0, 1.0, 1), 2.0);  // no trend at t = 1
+}
+
+TEST(Estimators, SageReferenceUpdateRoundsToFloat32) {
+  const double l = sage_reference_update(0.0047302, 1.1, 0.001, 0.001);  // beta = 1, gamma = 1
+  EXPECT_EQ(l, static_cast<double>(static_cast<float>(0.0047302 * 1.1)));
+  // Far too dense (d / density = 500 > 10): beta > 1 and gamma = 1.05 raise the threshold.
+  EXPECT_NEAR(sage_reference_update(1.0, 1.0, 0.5, 0.001), 1.05 * 2.0 / (1.0 + std::exp(0.001 - 0.5)), 1e-6);
+  EXPECT_NEAR(sage_reference_update(1.0, 1.0, 0.0, 0.001), 0.95 * 2.0 / (1.0 + std::exp(0.001)), 1e-6);
+}
+
+TEST(Estimators, SidcoFits) {
+  // Exponential data with mean 1: P(x > -ln d) = d.
+  EXPECT_NEAR(exp_threshold(1.0, 0.01), std::log(100.0), 1e-12);
+  // Generalised Pareto with shape 0 (mean^2 = variance) is the exponential.
+  EXPECT_NEAR(gpareto_threshold(2.0, 4.0, 0.01), 2.0 * std::log(100.0), 1e-9);
+  EXPECT_EQ(gpareto_threshold(2.0, 0.0, 0.01), 2.0);  // no spread: nothing stands out
+  // Gamma with shape 1 is exponential: L = ln mean - mean ln x = Euler's gamma for Exp(1).
+  const double euler = 0.5772156649015329;
+  const double g = gamma_threshold(1.0, -euler, 0.01);
+  EXPECT_NEAR(g, std::log(100.0), 0.05);  // Minka's approximation of the shape, not exact
+}
+
+TEST(Estimators, SidcoAdaptiveStagesModeOne) {
+  SidcoStages s(-1, 0.001);
+  for (int i = 0; i < 5; ++i) s.record(0.5);  // too few selected -> one more stage
+  EXPECT_EQ(s.stages(), 2);
+  for (int i = 0; i < 5; ++i) s.record(2.0);  // too many -> one fewer
+  EXPECT_EQ(s.stages(), 1);
+  for (int i = 0; i < 5; ++i) s.record(2.0);  // clamped at 1
+  EXPECT_EQ(s.stages(), 1);
+  EXPECT_THROW(SidcoStages(-4, 0.01), ValueError);
+}
+
+TEST(Rng, DrawsAreReproducibleAndDistinctSamplingIsDistinct) {
+  EXPECT_EQ(rng_draw(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 7),
+            rng_draw(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 7));
+  EXPECT_NE(rng_stream(1, RngTag::kDgc, 3, 0), rng_stream(1, RngTag::kDgc, 3, 1));
+  // splitmix64 of 0: its first output for seed 0 is 0xE220A8397B1DCDAF.
+  EXPECT_EQ(mix64(0), 0xE220A8397B1DCDAFull);
+  for (int64_t count : {0, 1, 10, 60, 99, 100, 150}) {
+    const auto s = sample_distinct(42, count, 100);
+    ASSERT_EQ(static_cast<int64_t>(s.size()), std::min<int64_t>(count, 100));
+    for (size_t i = 1; i < s.size(); ++i) ASSERT_LT(s[i - 1], s[i]);
+    for (int64_t v : s) ASSERT_TRUE(v >= 0 && v < 100);
+  }
+}

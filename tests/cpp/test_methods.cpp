@@ -1,0 +1,129 @@
+// Every selection method over ThreadTransport, 1 to 4 ranks: gradient mass is conserved every step
+// (ALGORITHMS.md decision 6), every rank issues the same collectives, and degenerate inputs
+// (decision 4) neither crash nor desynchronise the ranks. The exact behaviour of each method is
+// compared with a re-statement in tests/python/test_methods.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
+#include "gradsparse/reduce_bucket.h"
+#include "reference.h"
+#include "threads.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+using gradsparse::testing::rethrow_first;
+using gradsparse::testing::run_ranks;
+
+namespace {
+
+using Factory = std::function<std::unique_ptr<Method>()>;
+
+struct Case {
+  const char* name;
+  Factory make;
+};
+
+std::vector<Case> all_methods() {
+  const double d = 0.02;
+  return {
+      {"topk", [=] { return std::make_unique<TopK>(d); }},
+      {"threshold", [=] { return std::make_unique<Threshold>(std::nullopt, d); }},
+      {"randomk", [=] { return std::make_unique<RandomK>(d, 3); }},
+      {"gaussiank_spardl", [=] { return std::make_unique<GaussianK>(d, "spardl"); }},
+      {"gaussiank_sidco", [=] { return std::make_unique<GaussianK>(d, "sidco"); }},
+      {"dgc", [=] { return std::make_unique<DGC>(d, 3); }},
+      {"redsync", [=] { return std::make_unique<RedSync>(d); }},
+      {"sage",
+       [=] { return std::make_unique<SAGE>(d, "flat", std::vector<int64_t>{}, false, 3, std::nullopt, std::nullopt); }},
+      {"sage_reference_per_tensor",
+       [=] {
+         return std::make_unique<SAGE>(d, "per_tensor", std::vector<int64_t>{}, true, 3, std::nullopt, std::nullopt);
+       }},
+      {"micro", [=] { return std::make_unique<MiCRO>(d, "union", false, 3); }},
+      {"micro_reference_gather", [=] { return std::make_unique<MiCRO>(d, "gather", true, 3); }},
+      {"exdyna", [=] { return std::make_unique<ExDyna>(d, "union", false, 3); }},
+      {"exdyna_reference", [=] { return std::make_unique<ExDyna>(d, "union", true, 3); }},
+      {"sidco_exp", [=] { return std::make_unique<SIDCo>(d, "exp", 1, 0.25, std::nullopt); }},
+      {"sidco_gpareto_2", [=] { return std::make_unique<SIDCo>(d, "gpareto", 2, 0.25, std::nullopt); }},
+      {"sidco_gamma_0", [=] { return std::make_unique<SIDCo>(d, "gamma_gpareto", 0, 0.25, std::nullopt); }},
+      {"sidco_adaptive", [=] { return std::make_unique<SIDCo>(d, "exp", -2, 0.25, std::nullopt); }},
+  };
+}
+
+/// Runs `steps` steps of every rank and checks conservation and collective counts each step.
+void run_and_check(const Case& c, int p, int64_t n, int steps, const std::function<float(int, int, int64_t)>& value) {
+  std::vector<std::unique_ptr<Method>> methods;
+  for (int r = 0; r < p; ++r) methods.push_back(c.make());
+  std::vector<std::vector<float>> residual(p, std::vector<float>(n, 0.0f));
+  for (int t = 0; t < steps; ++t) {
+    std::vector<std::vector<float>> grads(p), out(p);
+    std::vector<double> before(n, 0.0);
+    for (int r = 0; r < p; ++r) {
+      grads[r].resize(n);
+      for (int64_t i = 0; i < n; ++i) grads[r][i] = value(t, r, i);
+      out[r] = grads[r];
+      for (int64_t i = 0; i < n; ++i) before[i] += double(grads[r][i]) + residual[r][i];
+    }
+    std::vector<ReduceReport> reports(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      BucketView bucket{DType::kFloat32, n, out[rank].data(), residual[rank].data()};
+      reports[rank] = reduce_bucket(methods[rank].get(), transport, device, bucket, ReduceOptions{});
+    }));
+    for (int r = 0; r < p; ++r) {
+      ASSERT_EQ(reports[r].traffic.collectives, reports[0].traffic.collectives) << c.name << " rank " << r;
+      ASSERT_EQ(out[r], out[0]) << c.name << ": ranks disagree on the update";
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      double after = double(p) * out[0][i];
+      for (int r = 0; r < p; ++r) after += residual[r][i];
+      ASSERT_NEAR(after, before[i], 1e-4 * (1.0 + std::fabs(before[i]))) << c.name << " step " << t << " i " << i;
+    }
+  }
+}
+
+class Methods : public ::testing::TestWithParam<int> {};
+
+TEST_P(Methods, ConserveMassAndKeepRanksInStep) {
+  const int p = GetParam();
+  for (const Case& c : all_methods()) {
+    SCOPED_TRACE(c.name);
+    run_and_check(c, p, 40000, 6, [](int t, int r, int64_t i) {
+      const float base = std::sin(0.37f * i + 1.3f * r + 0.11f * t);
+      return base * base * base * (1.0f + 0.1f * t) * ((i % 97 == 0) ? 8.0f : 1.0f);
+    });
+  }
+}
+
+TEST_P(Methods, DegenerateInputsNeverCrash) {
+  const int p = GetParam();
+  for (const Case& c : all_methods()) {
+    SCOPED_TRACE(c.name);
+    run_and_check(c, p, 1, 3, [](int, int r, int64_t) { return 0.5f + r; });              // n = 1
+    run_and_check(c, p, 3, 3, [](int t, int r, int64_t i) { return float(t + r + i); });  // n < P for P = 4
+    run_and_check(c, p, 1000, 3, [](int, int, int64_t) { return 0.0f; });                 // all zeros
+    run_and_check(c, p, 700, 3, [](int, int, int64_t) { return 1.0f; });                  // all equal
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, Methods, ::testing::Values(1, 2, 3, 4));
+
+TEST(Methods, RejectBadOptions) {
+  EXPECT_THROW(TopK(0.0), ValueError);
+  EXPECT_THROW(Threshold(std::nullopt, std::nullopt), ValueError);
+  EXPECT_THROW(Threshold(1.0, 0.1), ValueError);
+  EXPECT_THROW(GaussianK(0.1, "median"), ValueError);
+  EXPECT_THROW(SAGE(0.1, "rows", {}, false, 0, std::nullopt, std::nullopt), ValueError);
+  EXPECT_THROW(MiCRO(0.1, "shared", false, 0), ValueError);
+  EXPECT_THROW(SIDCo(0.1, "exp", -4, 0.25, std::nullopt), ValueError);
+  EXPECT_THROW(SIDCo(0.1, "weibull", 1, 0.25, std::nullopt), ValueError);
+  EXPECT_THROW(SIDCo(0.1, "exp", 1, 1.5, std::nullopt), ValueError);
+}
+
+}  // namespace

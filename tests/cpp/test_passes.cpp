@@ -1,0 +1,160 @@
+// The passes methods build on (Device API on the CPU) against naive loops: selection over a range
+// with or without the fused update and zeroing, moments, counts, exceedances, log sums,
+// candidates, samples, gather and zeroing at indices.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/parallel.h"
+#include "reference.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+
+namespace {
+
+constexpr int64_t kN = 3 * kCpuBlock + 77;
+
+struct Bucket {
+  std::vector<float> grad = ref::random_vector<float>(kN, 1);
+  std::vector<float> residual = ref::random_vector<float>(kN, 2, 0.5f);
+  BucketView view() { return BucketView{DType::kFloat32, kN, grad.data(), residual.data()}; }
+  /// The selection values after the error-feedback update (all finite here).
+  std::vector<float> values() const {
+    std::vector<float> v(kN);
+    for (int64_t i = 0; i < kN; ++i) v[i] = residual[i] + grad[i];
+    return v;
+  }
+};
+
+std::vector<int64_t> message_indices(const Selection& s) {
+  const auto* base = s.message.as<unsigned char>();
+  MessageHeader h;
+  std::memcpy(&h, base, sizeof(h));
+  std::vector<int64_t> out;
+  for (uint64_t j = 0; j < h.count; ++j) {
+    uint32_t v;
+    std::memcpy(&v, base + kMessageHeaderBytes + 4 * j, 4);
+    out.push_back(v);
+  }
+  return out;
+}
+
+TEST(Passes, SelectOverARangeUpdatesTheWholeBucket) {
+  for (bool zero : {true, false}) {
+    Bucket b;
+    const std::vector<float> v = b.values();
+    CpuDevice device;
+    const Range range{kCpuBlock - 5, 2 * kCpuBlock + 9};
+    const Selection s = device.select(b.view(), SelectRule{1.5, false, range, true, zero});
+    std::vector<int64_t> want;
+    for (int64_t i = range.begin; i < range.end; ++i)
+      if (std::fabs(v[i]) >= 1.5f) want.push_back(i);
+    EXPECT_EQ(message_indices(s), want);
+    for (int64_t i = 0; i < kN; ++i) {
+      const bool selected = std::binary_search(want.begin(), want.end(), i);
+      ASSERT_EQ(b.residual[i], (selected && zero) ? 0.0f : v[i]) << i;
+    }
+  }
+}
+
+TEST(Passes, StrictAndReadOnlySelection) {
+  Bucket b;
+  CpuDevice device;
+  device.moments(b.view(), true);  // applies the update
+  const std::vector<float> v = b.residual;
+  const float t = std::fabs(v[123]);  // an exact value: strict excludes it, >= includes it
+  const Selection strict = device.select(b.view(), SelectRule{t, true, Range{0, -1}, false, false});
+  const Selection loose = device.select(b.view(), SelectRule{t, false, Range{0, -1}, false, false});
+  const auto si = message_indices(strict), li = message_indices(loose);
+  EXPECT_FALSE(std::binary_search(si.begin(), si.end(), 123));
+  EXPECT_TRUE(std::binary_search(li.begin(), li.end(), 123));
+  EXPECT_EQ(b.residual, v);  // read-only, not zeroed
+}
+
+TEST(Passes, MomentsCountsExceedancesAndLogSums) {
+  Bucket b;
+  CpuDevice device;
+  const std::vector<float> v = b.values();
+  const Moments m = device.moments(b.view(), true);
+  double sa = 0, s = 0, ss = 0, mx = 0;
+  for (float x : v) {
+    sa += std::fabs(x);
+    s += x;
+    ss += double(x) * x;
+    mx = std::max(mx, double(std::fabs(x)));
+  }
+  EXPECT_NEAR(m.sum_abs, sa, 1e-9 * sa);
+  EXPECT_NEAR(m.sum, s, 1e-9 * sa);
+  EXPECT_NEAR(m.sum_sq, ss, 1e-9 * ss);
+  EXPECT_EQ(m.max_abs, mx);
+  EXPECT_EQ(m.nonfinite, 0);
+
+  const std::vector<double> thresholds{2.0, 0.5, 3.0, 0.5};
+  const auto counts = device.count(b.view(), Range{10, kN - 10}, thresholds, true);
+  for (size_t j = 0; j < thresholds.size(); ++j) {
+    int64_t want = 0;
+    for (int64_t i = 10; i < kN - 10; ++i) want += std::fabs(v[i]) > static_cast<float>(thresholds[j]);
+    EXPECT_EQ(counts[j], want) << j;
+  }
+
+  const Exceedance e = device.exceedance(b.view(), 1.0, false, 0.5);
+  int64_t c = 0;
+  double es = 0, ess = 0, emin = 1e300;
+  for (float x : v) {
+    if (std::fabs(x) < 1.0f) continue;
+    const double y = std::fabs(double(x)) * 0.5;
+    ++c;
+    es += y;
+    ess += y * y;
+    emin = std::min(emin, y);
+  }
+  EXPECT_EQ(e.count, c);
+  EXPECT_NEAR(e.sum, es, 1e-9 * es);
+  EXPECT_NEAR(e.sum_sq, ess, 1e-9 * ess);
+  EXPECT_EQ(e.min, emin);
+
+  double ls = 0;
+  for (float x : v) ls += std::log(std::fabs(double(x)) * 0.25 + 1e-3);
+  EXPECT_NEAR(device.log_sum(b.view(), 0.25, 1e-3), ls, 1e-9 * std::fabs(ls));
+}
+
+TEST(Passes, CandidatesSamplesGatherAndZeroing) {
+  Bucket b;
+  CpuDevice device;
+  device.moments(b.view(), true);
+  const std::vector<float> v = b.residual;
+  const Candidates c = device.collect(b.view(), Range{5, kN - 5}, 2.5, false);
+  std::vector<int64_t> want;
+  for (int64_t i = 5; i < kN - 5; ++i)
+    if (std::fabs(v[i]) >= 2.5f) want.push_back(i);
+  EXPECT_EQ(c.index, want);
+  for (size_t j = 0; j < c.size(); ++j) EXPECT_EQ(c.value[j], v[c.index[j]]);
+
+  const std::vector<int64_t> positions{3, 3, 100, kN - 1};
+  EXPECT_DOUBLE_EQ(device.sample_abs_sum(b.view(), positions),
+                   2.0 * std::fabs(double(v[3])) + std::fabs(double(v[100])) + std::fabs(double(v[kN - 1])));
+
+  const Selection g = device.gather(b.view(), {7, 8, 9000});
+  EXPECT_EQ(message_indices(g), (std::vector<int64_t>{7, 8, 9000}));
+  std::vector<float> out(kN, 0.0f);
+  device.scatter_add_message(DType::kFloat32, out.data(), kN, g.message.data(), g.bytes, 1.0f, 0);
+  EXPECT_EQ(out[8], v[8]);
+  EXPECT_EQ(out[9000], v[9000]);
+  device.zero_at(b.view(), g.message.data(), g.bytes);
+  EXPECT_EQ(b.residual[7], 0.0f);
+  EXPECT_EQ(b.residual[9000], 0.0f);
+  EXPECT_EQ(b.residual[6], v[6]);
+
+  const Selection e = device.emit(b.view(), {1, 4}, {2.5f, -1.0f}, true);
+  std::vector<float> out2(kN, 0.0f);
+  device.scatter_add_message(DType::kFloat32, out2.data(), kN, e.message.data(), e.bytes, 1.0f, 0);
+  EXPECT_EQ(out2[1], 2.5f);
+  EXPECT_EQ(out2[4], -1.0f);
+  EXPECT_EQ(b.residual[4], 0.0f);
+  EXPECT_THROW(device.emit(b.view(), {4, 1}, {1.0f, 1.0f}, false), ValueError);  // not ascending
+}
+
+}  // namespace
