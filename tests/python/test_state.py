@@ -136,7 +136,7 @@ def test_load_state_dict_rejects_another_method_or_config():
 
 def test_repr_and_config():
     state = gs.Threshold(threshold=0.5, warmup_steps=3)
-    assert repr(state).startswith("Threshold(threshold=0.5, warmup_steps=3, error_feedback=True")
+    assert repr(state).startswith("Threshold(threshold=0.5, density=None, warmup_steps=3, error_feedback=True")
     assert state.config()["nonfinite"] == "raise"
 
 
