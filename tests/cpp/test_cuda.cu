@@ -2,10 +2,13 @@
 // present; CI compiles and links this file with nvcc, users with a GPU run it.
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <memory>
 #include <vector>
 
-#include "gradsparse/cuda_device.h"
 #include "gradsparse/cpu_device.h"
+#include "gradsparse/cuda_device.h"
+#include "gradsparse/methods.h"
 #include "reference.h"
 
 using namespace gradsparse;
@@ -71,6 +74,54 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
       cpu.scatter_add_message(dtype, zeros.data(), n, b.message.data(), b.bytes, 2.0f, 0);
       const std::vector<T> o = out.host();
       for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(o[i], zeros[i])) << i;
+    }
+  }
+}
+
+/// One rank: every all-reduce is the identity.
+class SoloGroup final : public Collective {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  void sum(std::vector<double>&) override {}
+};
+
+// Every method selects the same pairs on the GPU as on the CPU (one rank, three steps), and
+// leaves the same residual.
+TEST(CudaMethods, SelectLikeTheCpu) {
+  GS_REQUIRE_GPU();
+  const int64_t n = 70001;
+  std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<TopK>(0.01); },
+      [] { return std::make_unique<Threshold>(std::nullopt, 0.01); },
+      [] { return std::make_unique<RandomK>(0.01, 1); },
+      [] { return std::make_unique<GaussianK>(0.01, "spardl"); },
+      [] { return std::make_unique<GaussianK>(0.01, "sidco"); },
+      [] { return std::make_unique<DGC>(0.01, 1); },
+      [] { return std::make_unique<RedSync>(0.01); },
+      [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, std::nullopt); },
+      [] { return std::make_unique<MiCRO>(0.01, "gather", false, 1); },
+      [] { return std::make_unique<ExDyna>(0.01, "union", true, 1); },
+      [] { return std::make_unique<SIDCo>(0.01, "gamma_gpareto", 2, 0.25, std::nullopt); },
+  };
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  SoloGroup group;
+  for (auto& make : makers) {
+    auto on_gpu = make(), on_cpu = make();
+    std::vector<float> residual(n, 0.0f);
+    DeviceVector<float> r(gpu, residual);
+    for (int t = 0; t < 3; ++t) {
+      std::vector<float> grad = ref::random_vector<float>(n, 40 + t);
+      DeviceVector<float> g(gpu, grad);
+      const Selection a = on_gpu->select(gpu, BucketView{DType::kFloat32, n, g.data(), r.data()}, group);
+      const Selection b = on_cpu->select(cpu, BucketView{DType::kFloat32, n, grad.data(), residual.data()}, group);
+      ASSERT_EQ(to_host(gpu, a), to_host(cpu, b)) << on_cpu->name() << " step " << t;
+      ASSERT_EQ(r.host(), residual) << on_cpu->name() << " step " << t;
+      ExchangeResult result;
+      result.control = {ControlWord{static_cast<int64_t>(b.bytes), b.count, 0, 0}};
+      on_gpu->observe(BucketView{}, result);
+      on_cpu->observe(BucketView{}, result);
     }
   }
 }

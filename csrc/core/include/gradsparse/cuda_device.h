@@ -1,13 +1,15 @@
 // CudaDevice: the Device of a CUDA bucket. All its work is queued on one stream; operations whose
-// result the host needs (a selection's count, a message header, a validation verdict) copy a few
-// bytes back and wait for the stream.
+// result the host needs (a selection's count, a message header, statistics, candidates) copy a
+// few bytes back and wait for the stream. The kernels (kernels/cuda) run the same per-element
+// logic as the CPU kernels (numeric.h, kernels.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <functional>
+#include <vector>
 
-#include "gradsparse/device.h"
+#include "gradsparse/kernel_device.h"
 #include "gradsparse/kernels.h"
 
 namespace gradsparse {
@@ -19,7 +21,45 @@ void cuda_check(cudaError_t status, const char* what);
 /// True when the CUDA runtime sees at least one device.
 bool cuda_device_available();
 
-class CudaDevice final : public Device {
+class CudaDevice;
+
+namespace cuda {
+// The CUDA kernels behind CudaDevice, with the semantics of their cpu:: twins (kernels.h).
+// Pointers into the bucket are device pointers; vectors are host memory. The sink is called on
+// the host with the final count and must return device pointers.
+template <typename T, typename I>
+SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, Range range, bool zero,
+                   const PairSink& sink);
+template <typename T, typename I>
+SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, const PairSink& sink);
+template <typename T>
+Moments moments(CudaDevice& device, Source<T> src, int64_t n);
+template <typename T>
+void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const std::vector<uint32_t>& keys,
+                std::vector<int64_t>& counts);
+template <typename T>
+Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale);
+template <typename T>
+double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps);
+template <typename T>
+void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
+             std::vector<float>& value);
+template <typename T>
+double sample_abs_sum(CudaDevice& device, Source<T> src, const std::vector<int64_t>& positions);
+template <typename T, typename I>
+void gather(CudaDevice& device, Source<T> src, const I* indices, int64_t count, T* out);
+template <typename T, typename I>
+void zero_at(CudaDevice& device, T* residual, const I* indices, int64_t count);
+/// Without `strictly_ascending`, duplicate indices are accumulated with atomics (their order, and
+/// so the rounding, is not deterministic); with it, every element is written once.
+template <typename T, typename I>
+void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending);
+template <typename T>
+void divide(CudaDevice& device, T* data, int64_t n, float divisor);
+}  // namespace cuda
+
+class CudaDevice final : public KernelDevice<CudaDevice> {
  public:
   /// Allocation hook (the PyTorch adapter passes its caching allocator); the default uses
   /// cudaMallocAsync/cudaFreeAsync on the stream.
@@ -37,33 +77,63 @@ class CudaDevice final : public Device {
   void copy(void* dst, const void* src, size_t bytes) override;
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override;
-  Selection select_threshold(const BucketView& bucket, double threshold) override;
-  Selection select_topk(const BucketView& bucket, int64_t k) override;
-  void scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes, float divisor,
-                           int source_rank) override;
-  void divide(DType dtype, void* data, int64_t numel, float divisor) override;
+
+  // Typed kernels used by KernelDevice.
+  template <typename T, typename I>
+  SelectStats k_select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {
+    return cuda::select<T, I>(*this, src, n, key, range, zero, sink);
+  }
+  template <typename T, typename I>
+  SelectStats k_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
+    return cuda::select_topk<T, I>(*this, src, n, k, sink);
+  }
+  template <typename T>
+  Moments k_moments(Source<T> src, int64_t n) {
+    return cuda::moments<T>(*this, src, n);
+  }
+  template <typename T>
+  void k_count(Source<T> src, int64_t n, Range range, const std::vector<uint32_t>& keys, std::vector<int64_t>& counts) {
+    cuda::count_keys<T>(*this, src, n, range, keys, counts);
+  }
+  template <typename T>
+  Exceedance k_exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
+    return cuda::exceedance<T>(*this, src, n, key, scale);
+  }
+  template <typename T>
+  double k_log_sum(Source<T> src, int64_t n, double scale, double eps) {
+    return cuda::log_sum<T>(*this, src, n, scale, eps);
+  }
+  template <typename T>
+  void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
+                 std::vector<float>& value) {
+    cuda::collect<T>(*this, src, n, range, key, index, value);
+  }
+  template <typename T>
+  double k_sample_abs_sum(Source<T> src, const std::vector<int64_t>& positions) {
+    return cuda::sample_abs_sum<T>(*this, src, positions);
+  }
+  template <typename T, typename I>
+  void k_gather(Source<T> src, const I* indices, int64_t count, T* out) {
+    cuda::gather<T, I>(*this, src, indices, count, out);
+  }
+  template <typename T, typename I>
+  void k_zero_at(T* residual, const I* indices, int64_t count) {
+    cuda::zero_at<T, I>(*this, residual, indices, count);
+  }
+  template <typename T, typename I>
+  void k_scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                     bool ascending) {
+    cuda::scatter_add<T, I>(*this, out, n, indices, values, count, divisor, ascending);
+  }
+  template <typename T>
+  void k_divide(T* data, int64_t n, float divisor) {
+    cuda::divide<T>(*this, data, n, divisor);
+  }
 
  private:
   int device_;
   cudaStream_t stream_;
   Allocate allocate_;
 };
-
-namespace cuda {
-// The CUDA kernels behind CudaDevice, with the semantics of their cpu:: twins (kernels.h). The
-// sink is called on the host with the final count and must return device pointers.
-template <typename T, typename I>
-SelectStats select_threshold(CudaDevice& device, T* residual, const T* grad, int64_t n, double threshold,
-                             const PairSink& sink);
-template <typename T, typename I>
-SelectStats select_topk(CudaDevice& device, T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink);
-/// Without `strictly_ascending`, duplicate indices are accumulated with atomics (their order, and
-/// so the rounding, is not deterministic); with it, every element is written once.
-template <typename T, typename I>
-void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
-                 bool strictly_ascending);
-template <typename T>
-void divide(CudaDevice& device, T* data, int64_t n, float divisor);
-}  // namespace cuda
 
 }  // namespace gradsparse

@@ -2,7 +2,6 @@
 #include <stdexcept>
 
 #include "gradsparse/cuda_device.h"
-#include "gradsparse/kernels.h"
 
 namespace gradsparse {
 
@@ -55,78 +54,5 @@ void CudaDevice::fill_zero(void* dst, size_t bytes) {
 }
 
 void CudaDevice::synchronize() { GS_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
-
-namespace {
-
-/// Runs a CUDA selection with a sink that allocates the message on the device, writes its header
-/// and zeroes the padding.
-template <typename Kernel>
-Selection select_into_message(CudaDevice& device, const BucketView& bucket, Kernel&& kernel) {
-  const int index_bytes = index_bytes_for(static_cast<uint64_t>(bucket.numel));
-  Selection sel;
-  const PairSink sink = [&](int64_t count) {
-    const MessageLayout layout(static_cast<uint64_t>(count), index_bytes, bucket.dtype);
-    sel.message = device.allocate(layout.total_bytes);
-    sel.bytes = layout.total_bytes;
-    auto* base = sel.message.as<unsigned char>();
-    device.fill_zero(base, layout.total_bytes);
-    const MessageHeader h =
-        make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(count));
-    device.copy_from_host(base, &h, sizeof(h));
-    return PairSpan{base + layout.indices_offset, base + layout.values_offset};
-  };
-  const SelectStats stats = dispatch_dtype(bucket.dtype, [&](auto t) {
-    using T = decltype(t);
-    return dispatch_index(index_bytes, [&](auto i) {
-      using I = decltype(i);
-      return kernel(static_cast<T*>(bucket.residual), static_cast<const T*>(bucket.grad), I{}, sink);
-    });
-  });
-  sel.count = stats.count;
-  sel.nonfinite = stats.nonfinite;
-  return sel;
-}
-
-}  // namespace
-
-Selection CudaDevice::select_threshold(const BucketView& bucket, double threshold) {
-  return select_into_message(*this, bucket, [&](auto* residual, const auto* grad, auto index, const PairSink& sink) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(grad)>>;
-    using I = decltype(index);
-    return cuda::select_threshold<T, I>(*this, residual, grad, bucket.numel, threshold, sink);
-  });
-}
-
-Selection CudaDevice::select_topk(const BucketView& bucket, int64_t k) {
-  return select_into_message(*this, bucket, [&](auto* residual, const auto* grad, auto index, const PairSink& sink) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(grad)>>;
-    using I = decltype(index);
-    return cuda::select_topk<T, I>(*this, residual, grad, bucket.numel, k, sink);
-  });
-}
-
-void CudaDevice::scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes,
-                                     float divisor, int source_rank) {
-  const MessageHeader h = read_device_header(*this, message, bytes, dtype, static_cast<uint64_t>(numel), source_rank);
-  const MessageLayout layout(h.count, h.index_bytes, dtype);
-  const auto* base = static_cast<const unsigned char*>(message);
-  dispatch_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
-    dispatch_index(h.index_bytes, [&](auto i) {
-      using I = decltype(i);
-      cuda::scatter_add<T, I>(*this, static_cast<T*>(out), numel,
-                              reinterpret_cast<const I*>(base + layout.indices_offset),
-                              reinterpret_cast<const T*>(base + layout.values_offset), static_cast<int64_t>(h.count),
-                              divisor, /*strictly_ascending=*/true);
-    });
-  });
-}
-
-void CudaDevice::divide(DType dtype, void* data, int64_t numel, float divisor) {
-  dispatch_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
-    cuda::divide<T>(*this, static_cast<T*>(data), numel, divisor);
-  });
-}
 
 }  // namespace gradsparse

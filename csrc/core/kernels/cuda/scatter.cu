@@ -50,6 +50,18 @@ __global__ void add_atomic_kernel(T* out, const I* indices, const T* values, int
   atomic_add(out + indices[i], Num<T>::to_float(values[i]) / divisor);
 }
 
+template <typename T, typename I>
+__global__ void gather_kernel(Source<T> src, const I* indices, int64_t count, T* out) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (j < count) out[j] = src.value(static_cast<int64_t>(indices[j]));
+}
+
+template <typename T, typename I>
+__global__ void zero_at_kernel(T* residual, const I* indices, int64_t count) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (j < count) residual[indices[j]] = Num<T>::zero();
+}
+
 template <typename T>
 __global__ void divide_kernel(T* data, int64_t n, float divisor) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
@@ -92,6 +104,20 @@ void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const 
   GS_CUDA_CHECK(cudaGetLastError());
 }
 
+template <typename T, typename I>
+void gather(CudaDevice& device, Source<T> src, const I* indices, int64_t count, T* out) {
+  if (count == 0) return;
+  gather_kernel<T, I><<<grid_for(count), kThreads, 0, device.stream()>>>(src, indices, count, out);
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, typename I>
+void zero_at(CudaDevice& device, T* residual, const I* indices, int64_t count) {
+  if (count == 0) return;
+  zero_at_kernel<T, I><<<grid_for(count), kThreads, 0, device.stream()>>>(residual, indices, count);
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
 template <typename T>
 void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
   GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
@@ -102,8 +128,10 @@ void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
   GS_CUDA_CHECK(cudaGetLastError());
 }
 
-#define GS_INSTANTIATE_CUDA_SCATTER(T, I) \
-  template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool);
+#define GS_INSTANTIATE_CUDA_SCATTER(T, I)                                                              \
+  template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool); \
+  template void gather<T, I>(CudaDevice&, Source<T>, const I*, int64_t, T*);                           \
+  template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);
 #define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T) \
   GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)  \
   GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)  \
