@@ -1,7 +1,7 @@
-"""Selection cost: the fused error-feedback + selection ops against a plain residual add and
-against torch.topk, as ratios measured in one run.
+"""Selection cost: the fused error-feedback + selection ops, and every method's whole selection
+step, against a plain residual add and against torch.topk, as ratios measured in one run.
 
-    python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N]
+    python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N] [--methods]
 
 For each size N and density d, on the same float32 gradient and residual:
 - add:        residual.add_(grad), the memory traffic any error feedback needs (baseline);
@@ -10,6 +10,9 @@ For each size N and density d, on the same float32 gradient and residual:
 - topk:       gradsparse.select_topk (fused add + exact top-k);
 - torch.topk: residual.add_(grad) then torch.topk(residual.abs(), k), the unfused way.
 The residual is restored before every timed call, so each call does the same work.
+
+With --methods, a second table: every method's selection step (all its passes over the bucket,
+as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 
 import gradsparse as gs
 from benchmarks.utils import markdown_table, median_seconds, write_result
+from gradsparse import _C
 
 
 def measure(n: int, density: float, repeat: int) -> list[object]:
@@ -58,12 +62,37 @@ def measure(n: int, density: float, repeat: int) -> list[object]:
     ]
 
 
+def method_rows(n: int, density: float, repeat: int) -> list[list[object]]:
+    """Every method's selection time on one rank, relative to the plain add, in one run."""
+    from benchmarks.density import methods
+
+    gen = torch.Generator().manual_seed(0)
+    grad = torch.randn(n, generator=gen) * 1e-3
+    start = torch.randn(n, generator=gen) * 5e-4
+    residual = start.clone()
+    t_add = median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), repeat)
+    group = _C.ThreadGroup(1, 600.0)
+    rows = []
+    for name, make in methods(density).items():
+        method = make(0)
+        times = []
+        for i in range(repeat + 2):  # two warm-up steps: some methods start differently
+            residual.copy_(start)
+            report = group.reduce(0, grad.clone(), residual, method, record=False)
+            if i >= 2:
+                times.append(report.select_seconds)
+        t = sorted(times)[len(times) // 2]
+        rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, t / t_add])
+    return rows
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1e6,25e6")
     parser.add_argument("--densities", default="0.01,0.001")
     parser.add_argument("--threads", type=int, default=0, help="threads for torch and gradsparse (0: default)")
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--methods", action="store_true", help="also time every method's selection step")
     parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
     if args.threads:
@@ -90,6 +119,18 @@ def main(argv: list[str] | None = None) -> str:
         + markdown_table(headers, rows)
         + "\n"
     )
+    if args.methods:
+        method_table = [
+            row
+            for n in args.sizes.split(",")
+            for d in args.densities.split(",")
+            for row in method_rows(int(float(n)), float(d), args.repeat)
+        ]
+        text += (
+            "\n## Selection step of every method (one rank)\n\n"
+            + markdown_table(["N", "density", "method", "select ms", "/ add"], method_table)
+            + "\n"
+        )
     print(text)
     print(f"written to {write_result(args.output, text)}")
     return text

@@ -176,3 +176,60 @@ def checkpoint_resume(rank: int, world_size: int, path: str) -> tuple[list, list
         return params_of(model)
 
     return run(False), run(True)
+
+
+# Every method trains ----------------------------------------------------------------------------
+
+TRAINING_METHODS = {
+    "dense": lambda: None,
+    "topk": lambda: gs.TopK(density=0.05),
+    "threshold": lambda: gs.Threshold(threshold=2e-3),
+    "randomk": lambda: gs.RandomK(density=0.05),
+    "gaussiank": lambda: gs.GaussianK(density=0.05),
+    "gaussiank_sidco": lambda: gs.GaussianK(density=0.05, variant="sidco"),
+    "dgc": lambda: gs.DGC(density=0.05),
+    "redsync": lambda: gs.RedSync(density=0.05),
+    "sage": lambda: gs.SAGE(density=0.05),
+    "sage_per_tensor": lambda: gs.SAGE(density=0.05, sampling="per_tensor"),
+    "micro": lambda: gs.MiCRO(density=0.05),
+    "micro_gather": lambda: gs.MiCRO(density=0.05, exchange="gather"),
+    "exdyna": lambda: gs.ExDyna(density=0.05),
+    "sidco": lambda: gs.SIDCo(density=0.05, fit="gpareto", stages=2),
+    "sidco_gamma": lambda: gs.SIDCo(density=0.05, fit="gamma_gpareto", stages=2),
+}
+
+
+def teacher_data(rank: int, steps: int):
+    """A learnable task: labels from a fixed random teacher network, inputs per rank and step."""
+    torch.manual_seed(7)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 6))
+    g = torch.Generator().manual_seed(5000 + rank)
+    data = []
+    for _ in range(steps):
+        x = torch.randn(64, 16, generator=g)
+        with torch.no_grad():
+            data.append((x, teacher(x).argmax(1)))
+    return data
+
+
+def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, float]:
+    """Trains the same model with every method; returns the mean loss of the last 10 steps."""
+    data = teacher_data(rank, steps)
+    out = {}
+    for name, make in TRAINING_METHODS.items():
+        ddp = DDP(make_model(seed=3))
+        state = make()
+        if state is not None:
+            ddp.register_comm_hook(state, gs.hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
+        losses = []
+        for x, y in data:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = sum(losses[-10:]) / 10
+        if state is not None:
+            state.close()
+    return out

@@ -1,0 +1,178 @@
+"""How closely each method hits its target density, on gradient streams that drift.
+
+    python -m benchmarks.density [--steps 500] [--world-size 4] [--densities 0.01,0.001]
+
+Streams (every rank gets its own gradients; error feedback on, as in training):
+- drift: synthetic, n = 200,000 in 8 "layers" of different scales; the global scale swings by a
+  factor of 9 over about 20 steps (ALGORITHMS.md decision 1) and the shape moves between a normal
+  and a heavy-tailed Student-t;
+- cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
+  SGD, one mini-batch per rank and step).
+For each method, after 50 warm-up steps: the mean and the 95th percentile of
+|achieved density / target - 1| per step. Achieved density: all ranks' selected count / n for
+MiCRO and ExDyna (one global target), the mean over ranks of count / n for the others.
+
+A third table compares the load imbalance of MiCRO's static partitions with ExDyna's dynamic
+ones on a gradient whose large values sit in a few layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+
+import torch
+
+import gradsparse as gs
+from benchmarks.utils import markdown_table, write_result
+from gradsparse import _C
+from gradsparse.testing.simulate import run_steps
+
+WARMUP = 50
+
+
+def methods(density: float) -> dict[str, callable]:
+    """Method factories, by the name printed in the tables."""
+    return {
+        "TopK": lambda r: _C.TopK(density),
+        "RandomK": lambda r: _C.RandomK(density),
+        "Threshold (1/(2 sqrt k))": lambda r: _C.Threshold(density=density),
+        "GaussianK spardl": lambda r: _C.GaussianK(density, "spardl"),
+        "GaussianK sidco": lambda r: _C.GaussianK(density, "sidco"),
+        "DGC": lambda r: _C.DGC(density),
+        "RedSync": lambda r: _C.RedSync(density),
+        "SAGE": lambda r: _C.SAGE(density),
+        "SAGE reference": lambda r: _C.SAGE(density, reference=True),
+        "MiCRO": lambda r: _C.MiCRO(density),
+        "MiCRO reference": lambda r: _C.MiCRO(density, reference=True),
+        "ExDyna": lambda r: _C.ExDyna(density),
+        "ExDyna reference": lambda r: _C.ExDyna(density, reference=True),
+        "SIDCo exp": lambda r: _C.SIDCo(density, "exp", 1),
+        "SIDCo gpareto 2": lambda r: _C.SIDCo(density, "gpareto", 2),
+        "SIDCo gamma_gpareto 2": lambda r: _C.SIDCo(density, "gamma_gpareto", 2),
+        "SIDCo exp adaptive": lambda r: _C.SIDCo(density, "exp", -1),
+    }
+
+
+GLOBAL_TARGET = ("MiCRO", "ExDyna")
+
+
+def drift_stream(steps: int, world_size: int, n: int = 200_000, seed: int = 0) -> list[list[torch.Tensor]]:
+    """Synthetic gradients whose scale and shape drift (see the module docstring)."""
+    torch.manual_seed(seed)
+    layers = 8
+    layer_scale = torch.logspace(-1, 1, layers)[torch.randperm(layers)]
+    bounds = torch.linspace(0, n, layers + 1).long()
+    stream = []
+    for t in range(steps):
+        scale = 3.0 ** math.sin(2 * math.pi * t / 40.0) * (1.0 + 0.3 * math.sin(2 * math.pi * t / 173.0))
+        dof = 3.0 + 27.0 * (0.5 + 0.5 * math.sin(2 * math.pi * t / 97.0))  # heavy (3) to nearly normal (30)
+        step = []
+        for _ in range(world_size):
+            g = torch.distributions.StudentT(dof).sample((n,))
+            for j in range(layers):
+                g[bounds[j] : bounds[j + 1]] *= layer_scale[j]
+            step.append((g * scale * 1e-3).float())
+        stream.append(step)
+    return stream
+
+
+def cnn_stream(steps: int, world_size: int, seed: int = 0) -> list[list[torch.Tensor]]:
+    """Gradients recorded from the demo model while it trains on their average, one mini-batch
+    per rank and step."""
+    from examples.cnn.data import fashion_mnist
+    from examples.cnn.models import SmallCNN
+
+    torch.manual_seed(seed)
+    x, y, _, _ = fashion_mnist()
+    model = SmallCNN()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    stream = []
+    for _ in range(steps):
+        step = []
+        for _ in range(world_size):
+            idx = torch.randint(0, len(x), (64,))
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            step.append(torch.cat([p.grad.reshape(-1) for p in params]).clone())
+        average = torch.stack(step).mean(0)
+        for p, g in zip(params, average.split([p.numel() for p in params]), strict=True):
+            p.grad = g.view_as(p).clone()
+        opt.step()
+        stream.append(step)
+    return stream
+
+
+def density_errors(stream, density: float, world_size: int, name: str, make) -> tuple[float, float]:
+    n = stream[0][0].numel()
+    steps = run_steps(world_size, make, stream)
+    # One global target for the partitioned methods, one per rank for the others.
+    divisor = n if any(name.startswith(g) for g in GLOBAL_TARGET) else world_size * n
+    errors = []
+    for step in steps[WARMUP:]:
+        achieved = sum(rs.indices.numel() for rs in step) / divisor
+        errors.append(abs(achieved / density - 1.0))
+    errors_t = torch.tensor(errors, dtype=torch.float64)
+    return float(errors_t.mean()), float(torch.quantile(errors_t, 0.95))
+
+
+def imbalance_table(world_size: int, density: float, steps: int = 100) -> list[list[object]]:
+    """MiCRO against ExDyna on a gradient whose large values sit in 2 of 16 layers."""
+    n = 1 << 20
+    gen = torch.Generator().manual_seed(1)
+    layer = n // 16
+    stream = []
+    for _ in range(steps):
+        step = []
+        for _ in range(world_size):
+            g = torch.randn(n, generator=gen) * 1e-3
+            g[3 * layer : 4 * layer] *= 20.0
+            g[11 * layer : 12 * layer] *= 10.0
+            step.append(g)
+        stream.append(step)
+    rows = []
+    for name, make in (
+        ("MiCRO", lambda r: _C.MiCRO(density)),
+        ("ExDyna", lambda r: _C.ExDyna(density)),
+        ("MiCRO reference", lambda r: _C.MiCRO(density, reference=True)),
+        ("ExDyna reference", lambda r: _C.ExDyna(density, reference=True)),
+    ):
+        result = run_steps(world_size, make, stream)
+        values = [step[0].imbalance for step in result[10:]]
+        rows.append([name, world_size, density, sum(values) / len(values), max(values)])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--densities", default="0.01,0.001")
+    parser.add_argument("--streams", default="drift,cnn")
+    parser.add_argument("--output", default="density.md", help="file name under benchmarks/results/")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    gs.set_num_threads(1)  # the ranks are threads already
+    text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"
+    for stream_name in args.streams.split(","):
+        stream = (drift_stream if stream_name == "drift" else cnn_stream)(args.steps, args.world_size)
+        rows = []
+        for density in (float(d) for d in args.densities.split(",")):
+            for name, make in methods(density).items():
+                mean, p95 = density_errors(stream, density, args.world_size, name, make)
+                rows.append([name, density, mean, p95])
+                print(f"{stream_name:>5} {name:<26} density {density:<6} mean {mean:.3f} p95 {p95:.3f}", flush=True)
+        text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,})\n\n"
+        text += markdown_table(["method", "density", "mean |d/target - 1|", "p95"], rows) + "\n\n"
+    rows = [*imbalance_table(args.world_size, 0.01), *imbalance_table(args.world_size, 0.001)]
+    text += "## Load imbalance (max count x P / total - 1), large values in 2 of 16 layers\n\n"
+    text += markdown_table(["method", "ranks", "density", "mean", "max"], rows) + "\n"
+    print(text)
+    print(f"written to {write_result(args.output, text)}")
+    return text
+
+
+if __name__ == "__main__":
+    main()
