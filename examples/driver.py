@@ -41,18 +41,18 @@ class Task:
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
 
 
-# Methods the driver knows, and how to build their state from the command line (None: plain DDP).
+# Methods the driver knows: plain DDP ("dense") and every gradsparse method.
+METHODS = ("dense", *[m for m in gs.METHODS if m != "dense"])
+
+
 def make_state(method: str, args: argparse.Namespace) -> gs.State | None:
+    """The gradsparse state for a method name (None: plain DDP without a hook)."""
     if method == "dense":
         return None
-    if method == "topk":
-        return gs.TopK(density=args.density, warmup_steps=args.warmup_steps)
+    options = {"warmup_steps": args.warmup_steps, "reference": args.reference}
     if method == "threshold":
-        return gs.Threshold(threshold=args.threshold, warmup_steps=args.warmup_steps)
-    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-
-
-METHODS = ("dense", "topk", "threshold")
+        return gs.Threshold(threshold=args.threshold, **options)
+    return gs.METHODS[method](density=args.density, **options)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent (topk)")
     parser.add_argument("--threshold", type=float, default=1e-3, help="magnitude threshold (threshold)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps before sparsification")
+    parser.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)
