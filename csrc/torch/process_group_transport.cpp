@@ -55,3 +55,28 @@ void ProcessGroupTransport::allreduce_sum(const Device& device, void* data, size
 }
 
 }  // namespace gradsparse::torch_adapter
+
+namespace gradsparse::torch_adapter {
+
+void ProcessGroupTransport::sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv,
+                                     size_t recv_bytes, int src) {
+  // Both directions are posted before waiting; NCCL needs them in one coalesced group (a lone
+  // send would wait for the peer's receive, queued after the peer's own send), other backends
+  // run point-to-point operations asynchronously anyway.
+  const bool cuda = device.kind() == DeviceKind::kCUDA;
+  std::vector<at::Tensor> out{wrap(device, send, static_cast<int64_t>(send_bytes), at::kByte)};
+  std::vector<at::Tensor> in{wrap(device, recv, static_cast<int64_t>(recv_bytes), at::kByte)};
+  if (cuda) group_->startCoalescing(c10::DeviceType::CUDA);
+  c10::intrusive_ptr<c10d::Work> sent, received;
+  if (send_bytes > 0) sent = group_->send(out, dst, /*tag=*/0);
+  if (recv_bytes > 0) received = group_->recv(in, src, /*tag=*/0);
+  if (cuda) {
+    auto work = group_->endCoalescing(c10::DeviceType::CUDA);
+    if (work) wait(work, "sendrecv", send_bytes + recv_bytes);
+  }
+  if (sent) wait(sent, "send", send_bytes);
+  if (received) wait(received, "recv", recv_bytes);
+  count_sendrecv(send_bytes, recv_bytes);
+}
+
+}  // namespace gradsparse::torch_adapter

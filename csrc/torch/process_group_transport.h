@@ -23,6 +23,8 @@ class ProcessGroupTransport final : public Transport {
   int size() const override { return size_; }
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override;
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 

@@ -50,6 +50,24 @@ std::vector<int64_t> message_indices(Device& device, const Selection& s, const B
   return out;
 }
 
+/// Applies the non-finite policy after an aborted exchange (the residual is already restored).
+ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& options, const BucketView& bucket,
+                        Device& device, ReduceReport report) {
+  if (options.nonfinite == NonFinitePolicy::kRaise) {
+    int64_t total = 0;
+    for (const ControlWord& w : result.control) total += w.nonfinite;
+    throw NonFiniteError(
+        str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
+            join(result.nonfinite_ranks()), " saw ", total,
+            " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
+            "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
+            "construct the state with nonfinite=\"skip\" to skip such steps."));
+  }
+  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  report.skipped = true;
+  return report;
+}
+
 }  // namespace
 
 ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,
@@ -71,6 +89,21 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   }
 
   auto t0 = std::chrono::steady_clock::now();
+  if (method->runs_exchange()) {
+    const ExchangeResult result = method->run(transport, device, bucket);
+    report.exchange_seconds = seconds_since(t0);
+    report.traffic = transport.traffic() - before;
+    report.selected = result.control.empty() ? 0 : result.control[transport.rank()].count;
+    report.selected_all = result.total_count();
+    report.union_size = result.union_size;
+    if (result.aborted) {
+      for (const ControlWord& w : result.control) report.nonfinite += w.nonfinite;
+      return abort_step(result, options, bucket, device, report);
+    }
+    method->observe(bucket, result);
+    report.threshold = method->report().threshold;
+    return report;
+  }
   TransportCollective group(transport, device);
   Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
@@ -94,19 +127,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
       device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(), selection.bytes,
                                  1.0f, transport.rank());
     }
-    if (options.nonfinite == NonFinitePolicy::kRaise) {
-      int64_t total = 0;
-      for (const ControlWord& w : result.control) total += w.nonfinite;
-      throw NonFiniteError(
-          str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
-              join(result.nonfinite_ranks()), " saw ", total,
-              " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
-              "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
-              "construct the state with nonfinite=\"skip\" to skip such steps."));
-    }
-    device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
-    report.skipped = true;
-    return report;
+    return abort_step(result, options, bucket, device, report);
   }
   method->observe(bucket, result);
   const MethodReport figures = method->report();

@@ -3,6 +3,7 @@
 // reuses its buffer while another still reads it.
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -21,6 +22,8 @@ class ThreadTransport final : public Transport {
   int size() const override;
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override;
 
  private:
   std::shared_ptr<ThreadGroupImpl> group_;
@@ -30,7 +33,7 @@ class ThreadTransport final : public Transport {
 class ThreadGroupImpl final : public ThreadGroup {
  public:
   ThreadGroupImpl(int size, std::chrono::milliseconds timeout)
-      : size_(size), timeout_(timeout), slots_(size), sizes_(size) {}
+      : size_(size), timeout_(timeout), slots_(size), sizes_(size), mailbox_(static_cast<size_t>(size) * size) {}
 
   std::unique_ptr<Transport> transport(int rank) override {
     GS_CHECK(rank >= 0 && rank < size_, ValueError, "ThreadGroup.transport: rank ", rank, " is outside [0, ", size_,
@@ -45,6 +48,29 @@ class ThreadGroupImpl final : public ThreadGroup {
   }
 
   int size() const { return size_; }
+
+  /// Point-to-point: a FIFO mailbox per (source, destination) pair.
+  void post(int from, int to, const void* data, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    mailbox_[static_cast<size_t>(from) * size_ + to].emplace_back(static_cast<const char*>(data),
+                                                                  static_cast<const char*>(data) + bytes);
+    cv_.notify_all();
+  }
+
+  std::vector<char> take(int from, int to) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto& box = mailbox_[static_cast<size_t>(from) * size_ + to];
+    const bool arrived = cv_.wait_for(lock, timeout_, [&] { return !box.empty() || !aborted_.empty(); });
+    throw_if_aborted(to);
+    if (!arrived) {
+      aborted_ = str("rank ", to, " waited ", timeout_.count(), " ms for a message from rank ", from);
+      cv_.notify_all();
+      throw_if_aborted(to);
+    }
+    std::vector<char> message = std::move(box.front());
+    box.pop_front();
+    return message;
+  }
 
   /// Publishes (pointer, size) for `rank` and waits for every rank; returns a consistent view.
   void publish(int rank, const void* ptr, size_t bytes) {
@@ -94,6 +120,7 @@ class ThreadGroupImpl final : public ThreadGroup {
   std::string aborted_;
   std::vector<const void*> slots_;
   std::vector<size_t> sizes_;
+  std::vector<std::deque<std::vector<char>>> mailbox_;
 };
 
 ThreadTransport::ThreadTransport(std::shared_ptr<ThreadGroupImpl> group, int rank)
@@ -174,6 +201,22 @@ void ThreadTransport::allreduce_sum(const Device& device, void* data, size_t cou
   if (!error.empty()) throw CommError(error);
   std::memcpy(data, sum.data(), bytes);
   count_allreduce(bytes);
+}
+
+void ThreadTransport::sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv,
+                               size_t recv_bytes, int src) {
+  check_cpu(device, "sendrecv");
+  GS_CHECK(dst >= 0 && dst < size() && src >= 0 && src < size(), ValueError, "ThreadTransport.sendrecv: peer ", dst,
+           "/", src, " is outside the group of ", size());
+  if (send_bytes > 0) group_->post(rank_, dst, send, send_bytes);
+  if (recv_bytes > 0) {
+    const std::vector<char> message = group_->take(src, rank_);
+    GS_CHECK(message.size() == recv_bytes, CommError, "ThreadTransport.sendrecv: rank ", rank_, " expected ",
+             recv_bytes, " bytes from rank ", src, " but got ", message.size(),
+             "; every pair must agree on message sizes");
+    std::memcpy(recv, message.data(), recv_bytes);
+  }
+  count_sendrecv(send_bytes, recv_bytes);
 }
 
 }  // namespace

@@ -65,6 +65,10 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
                      bool ascending) {
     cpu::scatter_add<T, I>(out, n, indices, values, count, divisor, ascending);
   }
+  template <typename T, typename I>
+  void k_assign(T* out, int64_t n, const I* indices, const T* values, int64_t count) {
+    cpu::assign<T, I>(out, n, indices, values, count);
+  }
   template <typename T>
   void k_divide(T* data, int64_t n, float divisor) {
     cpu::divide<T>(data, n, divisor);

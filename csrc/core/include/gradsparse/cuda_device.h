@@ -55,6 +55,8 @@ void zero_at(CudaDevice& device, T* residual, const I* indices, int64_t count);
 template <typename T, typename I>
 void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending);
+template <typename T, typename I>
+void assign(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count);
 template <typename T>
 void divide(CudaDevice& device, T* data, int64_t n, float divisor);
 }  // namespace cuda
@@ -124,6 +126,10 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
   void k_scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                      bool ascending) {
     cuda::scatter_add<T, I>(*this, out, n, indices, values, count, divisor, ascending);
+  }
+  template <typename T, typename I>
+  void k_assign(T* out, int64_t n, const I* indices, const T* values, int64_t count) {
+    cuda::assign<T, I>(*this, out, n, indices, values, count);
   }
   template <typename T>
   void k_divide(T* data, int64_t n, float divisor) {

@@ -110,8 +110,9 @@ class Device {
 
   /// Threshold selection into a packed message.
   virtual Selection select(const BucketView& bucket, const SelectRule& rule) = 0;
-  /// Fused error feedback + exact top-k into a packed message (ties: lowest index).
-  virtual Selection select_topk(const BucketView& bucket, int64_t k) = 0;
+  /// Exact top-k into a packed message (ties: lowest index); with `update` the error-feedback
+  /// update is fused in. Selected residual entries are zeroed.
+  virtual Selection select_topk(const BucketView& bucket, int64_t k, bool update = true) = 0;
   /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
   Selection select_threshold(const BucketView& bucket, double threshold) {
     return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
@@ -138,6 +139,8 @@ class Device {
   virtual Selection gather(const BucketView& bucket, const std::vector<int64_t>& index) = 0;
   /// Zeroes the residual at the indices of a message (validated like a received one).
   virtual void zero_at(const BucketView& bucket, const void* message, size_t bytes) = 0;
+  /// out[index] = value for every pair of a message (validated like a received one).
+  virtual void assign_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes) = 0;
 
   /// Validates a received message (header; every index in range and strictly ascending) and adds
   /// its values / divisor into `out` (numel elements of dtype). Throws CorruptMessageError without

@@ -28,11 +28,11 @@ class KernelDevice : public Device {
     });
   }
 
-  Selection select_topk(const BucketView& bucket, int64_t k) override {
+  Selection select_topk(const BucketView& bucket, int64_t k, bool update) override {
     return into_message(bucket, [&](auto t, auto i, const PairSink& sink) {
       using T = decltype(t);
       using I = decltype(i);
-      return self().template k_topk<T, I>(source<T>(bucket, true), bucket.numel, k, sink);
+      return self().template k_topk<T, I>(source<T>(bucket, update), bucket.numel, k, sink);
     });
   }
 
@@ -135,6 +135,21 @@ class KernelDevice : public Device {
         self().template k_zero_at<T, I>(static_cast<T*>(bucket.residual),
                                         reinterpret_cast<const I*>(base + kMessageHeaderBytes),
                                         static_cast<int64_t>(h.count));
+      });
+    });
+  }
+
+  void assign_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes) override {
+    const MessageHeader h = read_device_header(*this, message, bytes, dtype, static_cast<uint64_t>(numel), -1);
+    const MessageLayout layout(h.count, h.index_bytes, dtype);
+    const auto* base = static_cast<const unsigned char*>(message);
+    dispatch_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      dispatch_index(h.index_bytes, [&](auto i) {
+        using I = decltype(i);
+        self().template k_assign<T, I>(
+            static_cast<T*>(out), numel, reinterpret_cast<const I*>(base + layout.indices_offset),
+            reinterpret_cast<const T*>(base + layout.values_offset), static_cast<int64_t>(h.count));
       });
     });
   }

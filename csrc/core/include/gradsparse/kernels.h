@@ -184,6 +184,11 @@ template <typename T, typename I>
 void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending = false);
 
+/// out[indices[i]] = values[i]; indices validated first (in range, strictly ascending): a bad
+/// index throws CorruptMessageError and nothing is written.
+template <typename T, typename I>
+void assign(T* out, int64_t n, const I* indices, const T* values, int64_t count);
+
 /// data /= divisor, elementwise (DDP divides before summing to avoid overflow in 16-bit types).
 template <typename T>
 void divide(T* data, int64_t n, float divisor);

@@ -47,6 +47,15 @@ class Method {
   /// The exchange this method's selections go through.
   virtual ExchangeKind exchange() const { return ExchangeKind::kGather; }
 
+  /// Methods whose selection is part of their own communication schedule (SparDL) run the whole
+  /// step in run(): error feedback, selection, exchange, the averaged bucket and the residual.
+  /// Before any data moves they agree on aborting, like exchange() does; an aborted step leaves
+  /// the residual holding residual + gradient wherever that is finite.
+  virtual bool runs_exchange() const { return false; }
+  virtual ExchangeResult run(Transport& /*transport*/, Device& /*device*/, const BucketView& /*bucket*/) {
+    throw std::logic_error(str(name(), " does not run its own exchange"));
+  }
+
   /// Called after a completed exchange with every rank's control word: adaptive methods commit
   /// the state of the step here, so that an aborted step leaves no trace.
   virtual void observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {}

@@ -7,6 +7,7 @@
 // algorithm moves per rank, so figures are comparable across transports and with the simulator:
 //   allgather of b bytes per rank:   sent = received = (P - 1) * b
 //   allreduce of b bytes:            sent = received = floor(2 * (P - 1) * b / P)   (ring)
+//   sendrecv of s bytes out, r in:   sent = s, received = r
 #pragma once
 
 #include <chrono>
@@ -43,6 +44,12 @@ class Transport {
   /// In-place elementwise sum over ranks of `count` elements of `dtype` on `device`.
   virtual void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) = 0;
 
+  /// Sends `send_bytes` from `send` to rank `dst` while receiving `recv_bytes` into `recv` from
+  /// rank `src` (both may be this rank's partners in a ring or a butterfly). The peer that sends
+  /// to this rank must send exactly `recv_bytes`. A zero-byte side is skipped on both ends.
+  virtual void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv,
+                        size_t recv_bytes, int src) = 0;
+
   /// Bytes moved so far by this rank (see the accounting rule above).
   const Traffic& traffic() const { return traffic_; }
 
@@ -51,6 +58,11 @@ class Transport {
     const int64_t moved = static_cast<int64_t>(bytes) * (size() - 1);
     traffic_.bytes_sent += moved;
     traffic_.bytes_received += moved;
+    ++traffic_.collectives;
+  }
+  void count_sendrecv(size_t sent, size_t received) {
+    traffic_.bytes_sent += static_cast<int64_t>(sent);
+    traffic_.bytes_received += static_cast<int64_t>(received);
     ++traffic_.collectives;
   }
   void count_allreduce(size_t bytes) {

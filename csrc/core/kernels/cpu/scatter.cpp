@@ -8,12 +8,12 @@
 namespace gradsparse {
 namespace cpu {
 
-template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
-                 bool strictly_ascending) {
-  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
-  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
-  // Validate every index before writing anything.
+namespace {
+
+/// Checks every index (in range; strictly ascending when asked) before anything is written.
+template <typename I>
+void validate_indices(const I* indices, int64_t count, int64_t n, bool strictly_ascending) {
+  GS_CHECK(count >= 0, ValueError, "scatter: count must be >= 0, got ", count);
   const int64_t nblocks = num_blocks(count);
   std::vector<int64_t> first_bad(nblocks, -1);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -36,18 +36,35 @@ void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t c
                                   static_cast<long long>(indices[i - 1]), " then ", static_cast<long long>(indices[i]),
                                   "); the message is corrupt"));
   }
+}
+
+}  // namespace
+
+template <typename T, typename I>
+void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending) {
+  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  validate_indices(indices, count, n, strictly_ascending);
   auto add = [&](int64_t i) {
     T& o = out[indices[i]];
     o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
   };
   if (strictly_ascending) {  // distinct indices: blocks of pairs touch distinct elements
-    parallel_blocks(nblocks, [&](int64_t b) {
+    parallel_blocks(num_blocks(count), [&](int64_t b) {
       const int64_t begin = b * kCpuBlock, end = std::min(count, begin + kCpuBlock);
       for (int64_t i = begin; i < end; ++i) add(i);
     });
   } else {
     for (int64_t i = 0; i < count; ++i) add(i);
   }
+}
+
+template <typename T, typename I>
+void assign(T* out, int64_t n, const I* indices, const T* values, int64_t count) {
+  validate_indices(indices, count, n, /*strictly_ascending=*/true);
+  parallel_blocks(num_blocks(count), [&](int64_t b) {
+    for (int64_t i = b * kCpuBlock; i < std::min(count, (b + 1) * kCpuBlock); ++i) out[indices[i]] = values[i];
+  });
 }
 
 template <typename T>
@@ -77,6 +94,7 @@ void zero_at(T* residual, const I* indices, int64_t count) {
 
 #define GS_INSTANTIATE_SCATTER(T, I)                                                      \
   template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float, bool); \
+  template void assign<T, I>(T*, int64_t, const I*, const T*, int64_t);                   \
   template void gather<T, I>(Source<T>, const I*, int64_t, T*);                           \
   template void zero_at<T, I>(T*, const I*, int64_t);
 #define GS_INSTANTIATE_SCATTER_TYPE(T) \

@@ -71,12 +71,10 @@ __global__ void divide_kernel(T* data, int64_t n, float divisor) {
 
 }  // namespace
 
-template <typename T, typename I>
-void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
-                 bool strictly_ascending) {
-  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
-  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
-  if (count == 0) return;
+/// Checks every index on the device (in range; strictly ascending when asked); throws
+/// CorruptMessageError naming the first bad position before anything is written.
+template <typename I>
+void validate(CudaDevice& device, const I* indices, int64_t count, int64_t n, bool strictly_ascending) {
   cudaStream_t stream = device.stream();
   Buffer flag = device.allocate(sizeof(unsigned long long));
   GS_CUDA_CHECK(cudaMemsetAsync(flag.data(), 0xff, sizeof(unsigned long long), stream));
@@ -85,22 +83,46 @@ void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const 
   GS_CUDA_CHECK(cudaGetLastError());
   unsigned long long first_bad = 0;
   device.copy_to_host(&first_bad, flag.data(), sizeof(first_bad));
-  if (first_bad != ULLONG_MAX) {
-    I pair[2] = {};
-    const int64_t at = static_cast<int64_t>(first_bad);
-    device.copy_to_host(pair, indices + (at > 0 ? at - 1 : 0), sizeof(I) * (at > 0 ? 2 : 1));
-    const I bad = at > 0 ? pair[1] : pair[0];
-    GS_CHECK(index_in_range(bad, n), CorruptMessageError, "sparse index ", static_cast<long long>(bad), " at position ",
-             at, " is outside the bucket [0, ", n, "); the message is corrupt or was built for another bucket");
-    throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", at, " (",
-                                  static_cast<long long>(pair[0]), " then ", static_cast<long long>(pair[1]),
-                                  "); the message is corrupt"));
-  }
+  if (first_bad == ULLONG_MAX) return;
+  I pair[2] = {};
+  const int64_t at = static_cast<int64_t>(first_bad);
+  device.copy_to_host(pair, indices + (at > 0 ? at - 1 : 0), sizeof(I) * (at > 0 ? 2 : 1));
+  const I bad = at > 0 ? pair[1] : pair[0];
+  GS_CHECK(index_in_range(bad, n), CorruptMessageError, "sparse index ", static_cast<long long>(bad), " at position ",
+           at, " is outside the bucket [0, ", n, "); the message is corrupt or was built for another bucket");
+  throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", at, " (",
+                                static_cast<long long>(pair[0]), " then ", static_cast<long long>(pair[1]),
+                                "); the message is corrupt"));
+}
+
+template <typename T, typename I>
+__global__ void assign_kernel(T* out, const I* indices, const T* values, int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < count) out[indices[i]] = values[i];
+}
+
+template <typename T, typename I>
+void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+                 bool strictly_ascending) {
+  GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
+  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  if (count == 0) return;
+  validate(device, indices, count, n, strictly_ascending);
+  cudaStream_t stream = device.stream();
   if (strictly_ascending) {
     add_distinct_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
   } else {
     add_atomic_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
   }
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T, typename I>
+void assign(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count) {
+  GS_CHECK(count >= 0, ValueError, "assign: count must be >= 0, got ", count);
+  if (count == 0) return;
+  validate(device, indices, count, n, /*strictly_ascending=*/true);
+  assign_kernel<T, I><<<grid_for(count), kThreads, 0, device.stream()>>>(out, indices, values, count);
   GS_CUDA_CHECK(cudaGetLastError());
 }
 
@@ -131,7 +153,8 @@ void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
 #define GS_INSTANTIATE_CUDA_SCATTER(T, I)                                                              \
   template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool); \
   template void gather<T, I>(CudaDevice&, Source<T>, const I*, int64_t, T*);                           \
-  template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);
+  template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);                                     \
+  template void assign<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t);
 #define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T) \
   GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)  \
   GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)  \

@@ -1,0 +1,40 @@
+// MpiTransport: the core's Transport over MPI (built when MPI is found: GRADSPARSE_WITH_MPI), for
+// programs launched with mpirun, from C++ or from Python (`transport="mpi"`). Buffers on a CUDA
+// device are staged through host memory, so any MPI works; a CUDA-aware MPI is not required.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "gradsparse/transport.h"
+
+namespace gradsparse {
+
+/// True when this build has MPI support.
+bool mpi_available();
+
+class MpiTransport final : public Transport {
+ public:
+  /// A transport over a private duplicate of MPI_COMM_WORLD. Initialises MPI when nobody has
+  /// (thread support MPI_THREAD_SERIALIZED: one thread at a time calls MPI, which is how the
+  /// engine uses it); finalises it at exit only if it initialised it. Throws ValueError with a
+  /// clear message when the build has no MPI.
+  static std::unique_ptr<MpiTransport> world();
+  ~MpiTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override;
+
+ private:
+  MpiTransport() = default;
+  struct Comm;
+  std::unique_ptr<Comm> comm_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+}  // namespace gradsparse

@@ -1,0 +1,179 @@
+// MpiTransport (mpi_transport.h). Compiled in every build; without MPI its entry point reports
+// how to get it.
+#include "gradsparse/mpi_transport.h"
+
+#include <cstring>
+
+#include "gradsparse/kernels.h"
+
+#if defined(GRADSPARSE_WITH_MPI)
+#include <mpi.h>
+#endif
+
+namespace gradsparse {
+
+#if !defined(GRADSPARSE_WITH_MPI)
+
+bool mpi_available() { return false; }
+
+struct MpiTransport::Comm {};
+
+std::unique_ptr<MpiTransport> MpiTransport::world() {
+  throw ValueError(
+      "transport=\"mpi\" needs gradsparse built with MPI: install an MPI (for example apt-get install "
+      "libopenmpi-dev openmpi-bin) and reinstall gradsparse (pip install --no-build-isolation .); "
+      "or use the default transport, the torch.distributed process group");
+}
+
+MpiTransport::~MpiTransport() = default;
+void MpiTransport::allgather(const Device&, const void*, void*, size_t) {}
+void MpiTransport::allreduce_sum(const Device&, void*, size_t, DType) {}
+void MpiTransport::sendrecv(const Device&, const void*, size_t, int, void*, size_t, int) {}
+
+#else
+
+bool mpi_available() { return true; }
+
+namespace {
+
+void check(int status, const char* what) {
+  if (status == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(status, text, &length);
+  throw CommError(str("MPI call failed: ", what, ": ", std::string(text, static_cast<size_t>(length))));
+}
+
+/// Finalises MPI at exit when gradsparse initialised it.
+struct Finalizer {
+  bool ours = false;
+  ~Finalizer() {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (ours && !finalized) MPI_Finalize();
+  }
+};
+Finalizer finalizer;
+
+/// Sums 16-bit floats (MPI has no such type): widened to float, rounded once per addition.
+template <typename T>
+void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) b[i] = Num<T>::from_float(Num<T>::to_float(a[i]) + Num<T>::to_float(b[i]));
+}
+
+/// Host copies of device buffers (no-ops on the CPU).
+struct Staged {
+  const Device& device;
+  void* data;
+  size_t bytes;
+  std::vector<unsigned char> host;
+  Staged(const Device& d, void* p, size_t n, bool load) : device(d), data(p), bytes(n) {
+    if (device.kind() == DeviceKind::kCPU) return;
+    host.resize(n);
+    if (load && n > 0) const_cast<Device&>(device).copy_to_host(host.data(), p, n);
+  }
+  void* get() { return device.kind() == DeviceKind::kCPU ? data : host.data(); }
+  void store() {
+    if (device.kind() != DeviceKind::kCPU && bytes > 0)
+      const_cast<Device&>(device).copy_from_host(data, host.data(), bytes);
+  }
+};
+
+}  // namespace
+
+struct MpiTransport::Comm {
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Datatype u16 = MPI_DATATYPE_NULL;
+  MPI_Op sum_half = MPI_OP_NULL;
+  MPI_Op sum_bfloat16 = MPI_OP_NULL;
+};
+
+std::unique_ptr<MpiTransport> MpiTransport::world() {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    GS_CHECK(provided >= MPI_THREAD_SERIALIZED, CommError, "this MPI provides thread level ", provided,
+             "; gradsparse's engine thread needs MPI_THREAD_SERIALIZED");
+    finalizer.ours = true;
+  }
+  std::unique_ptr<MpiTransport> t(new MpiTransport());
+  t->comm_ = std::make_unique<Comm>();
+  check(MPI_Comm_dup(MPI_COMM_WORLD, &t->comm_->comm), "MPI_Comm_dup");
+  MPI_Comm_rank(t->comm_->comm, &t->rank_);
+  MPI_Comm_size(t->comm_->comm, &t->size_);
+  check(MPI_Type_contiguous(2, MPI_BYTE, &t->comm_->u16), "MPI_Type_contiguous");
+  check(MPI_Type_commit(&t->comm_->u16), "MPI_Type_commit");
+  check(MPI_Op_create(&sum_16bit<Half>, 1, &t->comm_->sum_half), "MPI_Op_create");
+  check(MPI_Op_create(&sum_16bit<BFloat16>, 1, &t->comm_->sum_bfloat16), "MPI_Op_create");
+  return t;
+}
+
+MpiTransport::~MpiTransport() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized || !comm_) return;
+  MPI_Op_free(&comm_->sum_half);
+  MPI_Op_free(&comm_->sum_bfloat16);
+  MPI_Type_free(&comm_->u16);
+  MPI_Comm_free(&comm_->comm);
+}
+
+void MpiTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
+  GS_CHECK(bytes > 0, ValueError, "MpiTransport.allgather: zero-length collective");
+  Staged in(device, const_cast<void*>(send), bytes, true);
+  Staged out(device, recv, bytes * size_, false);
+  check(MPI_Allgather(in.get(), static_cast<int>(bytes), MPI_BYTE, out.get(), static_cast<int>(bytes), MPI_BYTE,
+                      comm_->comm),
+        "MPI_Allgather");
+  out.store();
+  count_allgather(bytes);
+}
+
+void MpiTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {
+  const size_t bytes = count * dtype_size(dtype);
+  GS_CHECK(bytes > 0, ValueError, "MpiTransport.allreduce_sum: zero-length collective");
+  MPI_Datatype type = MPI_FLOAT;
+  MPI_Op op = MPI_SUM;
+  switch (dtype) {
+    case DType::kFloat32:
+      break;
+    case DType::kFloat64:
+      type = MPI_DOUBLE;
+      break;
+    case DType::kInt64:
+      type = MPI_INT64_T;
+      break;
+    case DType::kFloat16:
+      type = comm_->u16;
+      op = comm_->sum_half;
+      break;
+    case DType::kBFloat16:
+      type = comm_->u16;
+      op = comm_->sum_bfloat16;
+      break;
+  }
+  Staged buffer(device, data, bytes, true);
+  check(MPI_Allreduce(MPI_IN_PLACE, buffer.get(), static_cast<int>(count), type, op, comm_->comm), "MPI_Allreduce");
+  buffer.store();
+  count_allreduce(bytes);
+}
+
+void MpiTransport::sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv,
+                            size_t recv_bytes, int src) {
+  Staged out(device, const_cast<void*>(send), send_bytes, true);
+  Staged in(device, recv, recv_bytes, false);
+  check(MPI_Sendrecv(out.get(), static_cast<int>(send_bytes), MPI_BYTE, send_bytes > 0 ? dst : MPI_PROC_NULL, 0,
+                     in.get(), static_cast<int>(recv_bytes), MPI_BYTE, recv_bytes > 0 ? src : MPI_PROC_NULL, 0,
+                     comm_->comm, MPI_STATUS_IGNORE),
+        "MPI_Sendrecv");
+  in.store();
+  count_sendrecv(send_bytes, recv_bytes);
+}
+
+#endif
+
+}  // namespace gradsparse

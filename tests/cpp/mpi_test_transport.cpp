@@ -1,0 +1,96 @@
+// MpiTransport under mpirun (2 to 4 ranks): the collectives, and every exchange through
+// reduce_bucket against a reference every rank computes from all ranks' (reproducible) data.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
+#include "gradsparse/mpi_transport.h"
+#include "gradsparse/reduce_bucket.h"
+#include "reference.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+
+namespace {
+
+MpiTransport* transport = nullptr;
+
+TEST(MpiTransport, Collectives) {
+  CpuDevice device;
+  const int p = transport->size(), r = transport->rank();
+  std::vector<int32_t> mine{r, 10 * r}, all(2 * p);
+  transport->allgather(device, mine.data(), all.data(), sizeof(int32_t) * 2);
+  for (int q = 0; q < p; ++q) EXPECT_EQ(all[2 * q + 1], 10 * q);
+
+  std::vector<double> d{1.0 + r, 0.5};
+  transport->allreduce_sum(device, d.data(), 2, DType::kFloat64);
+  EXPECT_EQ(d[0], p + p * (p - 1) / 2.0);
+  EXPECT_EQ(d[1], 0.5 * p);
+  std::vector<Half> h{Num<Half>::from_float(1.5f)};
+  transport->allreduce_sum(device, h.data(), 1, DType::kFloat16);
+  EXPECT_EQ(Num<Half>::to_float(h[0]), 1.5f * p);
+
+  // A ring: send to the right, receive from the left.
+  std::vector<int64_t> out{r}, in{-1};
+  transport->sendrecv(device, out.data(), 8, (r + 1) % p, in.data(), 8, (r + p - 1) % p);
+  EXPECT_EQ(in[0], (r + p - 1) % p);
+}
+
+std::vector<float> grad_of(int rank, int step, int64_t n) { return ref::random_vector<float>(n, 1000 * step + rank); }
+
+// Every exchange: the update equals the average of what the re-run of each rank's selection
+// sends, and gradient mass is conserved.
+TEST(MpiTransport, ExchangesConserveMassAndAgree) {
+  const int p = transport->size(), r = transport->rank();
+  const int64_t n = 50000;
+  std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<TopK>(0.01); },
+      [] { return std::make_unique<MiCRO>(0.01, "union", false, 1); },
+      [] { return std::make_unique<ExDyna>(0.01, "gather", true, 1); },
+      [] { return std::make_unique<RandomK>(0.01, 1); },
+      [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, std::nullopt); },
+  };
+  CpuDevice device;
+  for (auto& make : makers) {
+    auto method = make();
+    std::vector<float> residual(n, 0.0f);
+    for (int step = 0; step < 4; ++step) {
+      std::vector<float> out = grad_of(r, step, n);
+      std::vector<double> before(n);
+      for (int64_t i = 0; i < n; ++i) before[i] = double(out[i]) + residual[i];
+      reduce_bucket(method.get(), *transport, device, BucketView{DType::kFloat32, n, out.data(), residual.data()},
+                    ReduceOptions{});
+      // Sum over ranks of (grad + old residual) and of the new residual: all-reduce in float64.
+      std::vector<double> after(n);
+      for (int64_t i = 0; i < n; ++i) after[i] = residual[i];
+      transport->allreduce_sum(device, before.data(), n, DType::kFloat64);
+      transport->allreduce_sum(device, after.data(), n, DType::kFloat64);
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_NEAR(after[i] + p * double(out[i]), before[i], 1e-4 * (1.0 + std::fabs(before[i])))
+            << method->name() << " step " << step << " element " << i;
+      // Every rank holds the same update.
+      std::vector<float> all(static_cast<size_t>(n) * p);
+      transport->allgather(device, out.data(), all.data(), n * sizeof(float));
+      for (int q = 1; q < p; ++q)
+        for (int64_t i = 0; i < n; ++i) ASSERT_EQ(all[q * n + i], all[i]) << method->name();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  auto world = MpiTransport::world();
+  transport = world.get();
+  if (transport->rank() != 0) ::testing::GTEST_FLAG(brief) = true;
+  int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
+  MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  world.reset();
+  return failed;
+}
