@@ -217,3 +217,22 @@ TEST(Methods, RejectBadArguments) {
 }
 
 }  // namespace
+
+namespace {
+
+// Top-k sends exactly k pairs on every rank: one fixed-size all-gather, no control words.
+TEST(GatherAdd, ExactKUsesOneCollective) {
+  for (int p : {1, 2, 3}) {
+    std::vector<Traffic> traffic(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      std::vector<float> g = grad_of(rank, 1000);
+      TopK method(0.05);
+      reduce_bucket(&method, transport, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr}, ReduceOptions{});
+      traffic[rank] = transport.traffic();
+    }));
+    for (int r = 0; r < p; ++r) EXPECT_EQ(traffic[r].collectives, 1) << "P=" << p;
+  }
+}
+
+}  // namespace

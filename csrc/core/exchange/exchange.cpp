@@ -1,5 +1,6 @@
 // The exchanges of exchange.h: control words, gather-and-add, union + all-reduce, shared indices.
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "gradsparse/exchange.h"
@@ -176,11 +177,50 @@ void shared_allreduce(Transport& transport, Device& device, const BucketView& bu
   result.union_size = mine.count;
 }
 
+/// Gather-and-add of messages whose size every rank knows: no control words; the non-finite
+/// counts come from the message headers, so every rank still sees every rank's count.
+void fixed_gather_and_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
+                          int64_t count, ExchangeResult& result) {
+  const int p = transport.size();
+  const size_t bytes =
+      MessageLayout(static_cast<uint64_t>(count), index_bytes_for(bucket.numel), bucket.dtype).total_bytes;
+  GS_ASSERT(mine.bytes == bytes && mine.count == count);
+  Buffer recv = device.allocate(bytes * p);
+  transport.allgather(device, mine.message.data(), recv.data(), bytes);
+  result.control.resize(p);
+  for (int r = 0; r < p; ++r) {
+    const void* message = recv.as<unsigned char>() + static_cast<size_t>(r) * bytes;
+    const MessageHeader h = read_device_header(device, message, bytes, bucket.dtype, bucket.numel, r);
+    GS_CHECK(static_cast<int64_t>(h.count) == count, CorruptMessageError, "sparse message from rank ", r, " holds ",
+             h.count, " pairs where every rank sends ", count);
+    result.control[r] = ControlWord{static_cast<int64_t>(bytes), count, static_cast<int64_t>(h.nonfinite), 0};
+  }
+  if (!result.nonfinite_ranks().empty()) {
+    result.aborted = true;
+    return;
+  }
+  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  for (int r = 0; r < p; ++r) {
+    device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, recv.as<unsigned char>() + r * bytes, bytes,
+                               static_cast<float>(p), r);
+  }
+  result.union_size = result.total_count();
+}
+
 }  // namespace
 
 ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
-                        const Selection& mine) {
+                        const Selection& mine, std::optional<int64_t> fixed_count) {
   ExchangeResult result;
+  if (kind == ExchangeKind::kGather && fixed_count) {
+    if (mine.nonfinite > 0) {  // rare: tell the others through the header
+      const uint64_t nonfinite = static_cast<uint64_t>(mine.nonfinite);
+      device.copy_from_host(mine.message.as<unsigned char>() + offsetof(MessageHeader, nonfinite), &nonfinite,
+                            sizeof(nonfinite));
+    }
+    fixed_gather_and_add(transport, device, bucket, mine, *fixed_count, result);
+    return result;
+  }
   ControlWord word{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
   if (kind == ExchangeKind::kShared) word.index_digest = index_digest(device, mine, bucket);
   result.control = exchange_control(transport, device, word);

@@ -113,7 +113,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
 
   t0 = std::chrono::steady_clock::now();
   const ExchangeKind kind = method->exchange();
-  const ExchangeResult result = exchange(kind, transport, device, bucket, selection);
+  const ExchangeResult result = exchange(kind, transport, device, bucket, selection, method->fixed_count(bucket.numel));
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
   report.selected_all = result.total_count();

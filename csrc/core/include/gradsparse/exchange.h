@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,8 +59,12 @@ std::vector<ControlWord> exchange_control(Transport& transport, Device& device, 
 ///   selection must not have zeroed anything).
 /// - kShared: check that every rank selected the same indices (CorruptMessageError otherwise),
 ///   all-reduce the values in place, write sum / P.
+///
+/// With `fixed_count` (kGather only: every rank's message holds exactly that many pairs), the
+/// control words are skipped: one fixed-size all-gather, and the non-finite counts travel in the
+/// message headers.
 ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
-                        const Selection& mine);
+                        const Selection& mine, std::optional<int64_t> fixed_count = std::nullopt);
 
 /// Gather-and-add (exchange() with kGather).
 ExchangeResult gather_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);

@@ -6,7 +6,7 @@
 // Layout (little-endian, offsets in bytes):
 //   0  uint32 magic 0x4D505347 ("GSPM")     8  uint64 dense_size (length of the bucket)
 //   4  uint8  version (1)                   16 uint64 count (number of pairs)
-//   5  uint8  dtype (DType)                 24 uint64 reserved, zero
+//   5  uint8  dtype (DType)                 24 uint64 nonfinite (sender's NaN/Inf count)
 //   6  uint8  index_bytes (4 or 8)          32 indices[count], unsigned, strictly ascending
 //   7  uint8  flags, zero                   32 + pad8(count * index_bytes): values[count] in dtype
 // total = 32 + pad8(count * index_bytes) + pad8(count * dtype_size)
@@ -31,7 +31,7 @@ struct MessageHeader {
   uint8_t flags = 0;
   uint64_t dense_size = 0;
   uint64_t count = 0;
-  uint64_t reserved = 0;
+  uint64_t nonfinite = 0;  ///< how many NaN/Inf the sender saw (the fixed-size path has no control word)
 };
 static_assert(sizeof(MessageHeader) == kMessageHeaderBytes, "message header must be 32 bytes");
 
@@ -86,7 +86,7 @@ inline MessageHeader parse_header(const void* header, DType expected_dtype, uint
            dtype_name(static_cast<DType>(h.dtype)), " values but the bucket is ", dtype_name(expected_dtype));
   GS_CHECK(h.index_bytes == 4 || h.index_bytes == 8, CorruptMessageError, what, " has index_bytes=", int(h.index_bytes),
            ", expected 4 or 8");
-  GS_CHECK(h.flags == 0 && h.reserved == 0, CorruptMessageError, what, " has non-zero reserved fields");
+  GS_CHECK(h.flags == 0, CorruptMessageError, what, " has non-zero reserved flags");
   GS_CHECK(h.dense_size == expected_dense_size, CorruptMessageError, what, " is for a bucket of ", h.dense_size,
            " elements but the receiving bucket has ", expected_dense_size, " (ranks disagree on the bucket layout?)");
   GS_CHECK(h.count <= h.dense_size, CorruptMessageError, what, " claims ", h.count, " pairs for a bucket of ",

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,11 @@ class Method {
 
   /// The exchange this method's selections go through.
   virtual ExchangeKind exchange() const { return ExchangeKind::kGather; }
+
+  /// When every rank always selects the same known number of pairs for a bucket of `numel`
+  /// elements (Top-k), the gather exchange skips its control words: one fixed-size all-gather,
+  /// with no count to wait for (no device-to-host synchronisation before the data moves).
+  virtual std::optional<int64_t> fixed_count(int64_t /*numel*/) const { return std::nullopt; }
 
   /// Methods whose selection is part of their own communication schedule (SparDL) run the whole
   /// step in run(): error feedback, selection, exchange, the averaged bucket and the residual.

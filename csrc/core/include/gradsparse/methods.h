@@ -19,6 +19,7 @@ class TopK final : public Method {
   explicit TopK(double density);
   std::string name() const override { return "topk"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  std::optional<int64_t> fixed_count(int64_t numel) const override { return target_count(density_, numel); }
 
  private:
   double density_;
