@@ -5,6 +5,9 @@ Every build variable is read here, in BuildOptions (documented in the README):
     GRADSPARSE_CUDA       "1" builds the CUDA kernels, "0" does not; unset: build them when
                           torch is a CUDA build (torch.version.cuda) and CUDA_HOME is found.
                           A GPU is never needed at build time (login nodes have none).
+    GRADSPARSE_MPI        "1" builds MpiTransport (transport="mpi"), "0" does not; unset: when
+                          `mpicxx` (or $MPICXX) is found. Its compile and link flags come from
+                          `mpicxx --showme` (Open MPI) or `mpicxx -show` (MPICH).
     GRADSPARSE_DEBUG      "1" compiles with -O0 -g.
     TORCH_CUDA_ARCH_LIST  CUDA architectures; default "8.0;9.0" (sm_80 and sm_90).
     MAX_JOBS              parallel compile jobs (ninja), as for any PyTorch extension.
@@ -48,9 +51,37 @@ class BuildOptions:
                 "toolkit root, the folder holding bin/nvcc and include/cuda_runtime_api.h, or unset GRADSPARSE_CUDA."
             )
         self.cuda = auto_cuda if forced is None else forced
+        self.mpi_flags = _mpi_flags(_flag("GRADSPARSE_MPI"))
         self.debug = bool(_flag("GRADSPARSE_DEBUG"))
         if self.cuda:
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+
+
+def _mpi_flags(forced):
+    """(compile flags, link flags) of the MPI compiler wrapper, or None to build without MPI."""
+    import shlex
+    import shutil
+    import subprocess
+
+    if forced is False:
+        return None
+    wrapper = os.environ.get("MPICXX") or shutil.which("mpicxx")
+    if wrapper is not None:
+        for compile_args, link_args in ((["--showme:compile"], ["--showme:link"]), (["-compile_info"], ["-link_info"])):
+            try:
+                compile_flags = subprocess.run([wrapper, *compile_args], capture_output=True, text=True, check=True)
+                link_flags = subprocess.run([wrapper, *link_args], capture_output=True, text=True, check=True)
+            except (OSError, subprocess.CalledProcessError):
+                continue
+            keep = [f for f in shlex.split(compile_flags.stdout) if f.startswith(("-I", "-D", "-pthread"))]
+            link = [f for f in shlex.split(link_flags.stdout) if f.startswith(("-L", "-l", "-Wl", "-pthread"))]
+            return keep, link
+    if forced:
+        raise SystemExit(
+            "GRADSPARSE_MPI=1 but no MPI compiler wrapper was found; install an MPI (for example "
+            "apt-get install libopenmpi-dev) or set MPICXX to its mpicxx"
+        )
+    return None
 
 
 def _sources(*patterns):
@@ -75,16 +106,22 @@ def extensions():
     opt = ["-O0", "-g"] if options.debug else ["-O3"]
     # The C++ standard is left to torch.utils.cpp_extension: C++17 for torch 2.13, C++20 from 2.14.
     cxx = [*opt, "-fopenmp", "-fvisibility=hidden"]
+    link = ["-fopenmp"]
+    if options.mpi_flags is not None:
+        cxx += [*options.mpi_flags[0], "-DGRADSPARSE_WITH_MPI"]
+        link += options.mpi_flags[1]
     kwargs = dict(
         name="gradsparse._C",
         include_dirs=[os.path.join(ROOT, "csrc", "core", "include")],
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link,
     )
     if not options.cuda:
         sources = [s for s in cpu_sources if s not in cuda_only]
         return [CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)]
     sources = cpu_sources + _sources("csrc/core/kernels/cuda/*.cu", "csrc/torch/*.cu")
     nvcc = [*opt, "-DGRADSPARSE_WITH_CUDA", "--expt-relaxed-constexpr"]
+    if options.mpi_flags is not None:
+        nvcc += [*[f for f in options.mpi_flags[0] if not f.startswith("-pthread")], "-DGRADSPARSE_WITH_MPI"]
     return [
         CUDAExtension(
             sources=sources,

@@ -49,7 +49,7 @@ def make_state(method: str, args: argparse.Namespace) -> gs.State | None:
     """The gradsparse state for a method name (None: plain DDP without a hook)."""
     if method == "dense":
         return None
-    options = {"warmup_steps": args.warmup_steps, "reference": args.reference}
+    options = {"warmup_steps": args.warmup_steps, "reference": args.reference, "transport": args.transport}
     if method == "threshold":
         return gs.Threshold(threshold=args.threshold, **options)
     return gs.METHODS[method](density=args.density, **options)
@@ -66,6 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=1e-3, help="magnitude threshold (threshold)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps before sparsification")
     parser.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
+    parser.add_argument(
+        "--transport",
+        choices=("process_group", "mpi"),
+        default="process_group",
+        help="what gradsparse's exchanges run on: the torch.distributed group (Gloo), or OpenMPI (under mpirun)",
+    )
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--lr", type=float, default=0.05)

@@ -13,8 +13,10 @@
 #include "engine.h"
 #include "gradsparse/cpu_device.h"
 #include "gradsparse/methods.h"
+#include "gradsparse/mpi_transport.h"
 #include "gradsparse/parallel.h"
 #include "gradsparse/reduce_bucket.h"
+#include "gradsparse/spardl.h"
 #include "gradsparse/transport.h"
 
 namespace py = pybind11;
@@ -144,6 +146,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
            py::arg("fit") = "exp", py::arg("stages") = 1, py::arg("first_ratio") = 0.25, py::arg("iratio") = py::none())
       .def_property_readonly("stages", &SIDCo::stages);
+  py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
+      .def(py::init<double, int>(), py::arg("density"), py::arg("teams") = 1);
+  m.def("mpi_available", &mpi_available, "True when this build has MPI support (transport=\"mpi\").");
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
                                                           "What one bucket's reduction did on this rank.")
@@ -153,6 +158,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("numel", &ReduceReport::numel)
       .def_readonly("selected", &ReduceReport::selected)
       .def_readonly("selected_all", &ReduceReport::selected_all)
+      .def_readonly("counts", &ReduceReport::counts)
       .def_readonly("union_size", &ReduceReport::union_size)
       .def_readonly("nonfinite", &ReduceReport::nonfinite)
       .def_readonly("threshold", &ReduceReport::threshold)
@@ -178,6 +184,13 @@ PYBIND11_MODULE(_C, m) {
                  new Engine(group, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000.0))));
            }),
            py::arg("process_group"), py::arg("timeout_seconds"))
+      .def_static(
+          "mpi",
+          [] {
+            std::unique_ptr<Transport> transport = MpiTransport::world();
+            return std::unique_ptr<Engine, EngineDeleter>(new Engine(std::move(transport)));
+          },
+          "An engine over MPI_COMM_WORLD (programs launched with mpirun).")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def(

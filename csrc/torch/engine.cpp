@@ -47,13 +47,13 @@ struct Engine::Shared {
     c10::intrusive_ptr<c10::ivalue::Future> future;
   };
 
-  Shared(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
-      : transport(std::move(group), timeout) {}
+  explicit Shared(std::unique_ptr<Transport> t) : owned(std::move(t)), transport(*owned) {}
 
   void loop();
   void run(Job& job);
 
-  ProcessGroupTransport transport;
+  std::unique_ptr<Transport> owned;
+  Transport& transport;
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Job> queue;
@@ -61,10 +61,12 @@ struct Engine::Shared {
   std::string failure;  // set after a communication error; later jobs fail with it
 };
 
-Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
-    : shared_(std::make_shared<Shared>(std::move(group), timeout)) {
+Engine::Engine(std::unique_ptr<Transport> transport) : shared_(std::make_shared<Shared>(std::move(transport))) {
   thread_ = std::thread([shared = shared_] { shared->loop(); });
 }
+
+Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
+    : Engine(std::make_unique<ProcessGroupTransport>(std::move(group), timeout)) {}
 
 Engine::~Engine() {
   if (thread_.joinable() && thread_.get_id() == std::this_thread::get_id()) {

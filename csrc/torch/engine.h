@@ -43,6 +43,9 @@ std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const st
 
 class Engine {
  public:
+  /// An engine whose exchanges run on `transport` (a ProcessGroupTransport, or an MpiTransport).
+  explicit Engine(std::unique_ptr<Transport> transport);
+  /// An engine over a torch.distributed process group.
   Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout);
   /// Stops the thread after the queued jobs. Safe from any thread, including the engine thread
   /// itself (a job's callback may drop the last reference): the thread keeps its own reference

@@ -9,7 +9,20 @@ import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 from gradsparse import _C, launch
 from gradsparse.hooks import hook
-from gradsparse.methods import DGC, SAGE, Dense, ExDyna, GaussianK, MiCRO, RandomK, RedSync, SIDCo, Threshold, TopK
+from gradsparse.methods import (
+    DGC,
+    SAGE,
+    Dense,
+    ExDyna,
+    GaussianK,
+    MiCRO,
+    RandomK,
+    RedSync,
+    SIDCo,
+    SparDL,
+    Threshold,
+    TopK,
+)
 from gradsparse.ops import pack, scatter_add_, select_threshold, select_topk, unpack
 from gradsparse.state import State
 
@@ -28,6 +41,7 @@ METHODS = {
     "micro": MiCRO,
     "exdyna": ExDyna,
     "sidco": SIDCo,
+    "spardl": SparDL,
 }
 
 set_num_threads = _C.set_num_threads
@@ -45,6 +59,7 @@ __all__ = [
     "RandomK",
     "RedSync",
     "SIDCo",
+    "SparDL",
     "State",
     "Threshold",
     "TopK",

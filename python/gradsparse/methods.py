@@ -33,6 +33,7 @@ __all__ = [
     "RandomK",
     "RedSync",
     "SIDCo",
+    "SparDL",
     "Threshold",
     "TopK",
 ]
@@ -319,3 +320,32 @@ class SIDCo(State):
     def _make_method(self, numels: list[int]):
         c = self._method_config
         return _C.SIDCo(c["density"], c["fit"], c["stages"], c["first_ratio"], c["iratio"])
+
+
+class SparDL(State):
+    """SparDL: a sparse all-reduce in which selection is part of the communication. Each bucket
+    is cut into one block per rank; a non-recursive Spar-Reduce-Scatter (P - 1 steps, any P)
+    forwards the top k of each block, accumulated with what arrived for it, so every rank's own
+    block ends with everybody's contribution; the final lists are all-gathered. With ``teams`` d >
+    1, the ranks form d teams that reduce separately and exchange their top h lists (Spar-All-Gather,
+    h adapted every step). Residuals keep what was accumulated but not sent on (global residual
+    collection), so no gradient mass is lost.
+
+    Args:
+        density: k = floor(density * chunk) per block, chunk = ceil(n / (P / teams)).
+        teams: number of teams d; the world size must be a multiple of it.
+    """
+
+    _METHOD_OPTIONS = ("density", "teams")
+
+    def __init__(self, density: float, *, teams: int = 1, **options: Any) -> None:
+        super().__init__(density=density, teams=teams, **options)
+
+    def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "density": check_density("SparDL", "density", options["density"]),
+            "teams": check_int("SparDL", "teams", options.get("teams", 1), 1, "teams=1"),
+        }
+
+    def _make_method(self, numels: list[int]):
+        return _C.SparDL(self._method_config["density"], self._method_config["teams"])

@@ -80,6 +80,9 @@ class State:
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
       differ (docs/method-spec.md); methods without such differences behave the same either way.
+    - ``transport`` ("process_group"): what the exchanges run on: a torch.distributed process
+      group (Gloo, NCCL, MPI backends), or "mpi" for gradsparse's own OpenMPI transport
+      (programs launched with mpirun; needs a build with MPI).
 
     The exchanges run on a process group of their own, created from the model's group when that
     is the default group, so that they never interleave with other collectives (DDP's own, or the
@@ -100,6 +103,7 @@ class State:
         "nonfinite",
         "timeout",
         "reference",
+        "transport",
     )
 
     def __init__(self, **options: Any) -> None:
@@ -124,9 +128,7 @@ class State:
         self._process_group = process_group or dist.group.WORLD
         self._world_size = dist.get_world_size(self._process_group)
         self._rank = dist.get_rank(self._process_group)
-        self._comm_group = self._make_comm_group()
-        timeout = self._timeout or _DEFAULT_TIMEOUT
-        self._engine = _C.Engine(self._comm_group, timeout.total_seconds())
+        self._engine = self._make_engine()
         self._step = 0
         self._buckets: dict[int, _Bucket] = {}
         self._retired: dict[int, torch.Tensor] = {}  # residual per parameter id, after a bucket rebuild
@@ -158,6 +160,15 @@ class State:
         self._nonfinite = check_choice(owner, "nonfinite", options.get("nonfinite", "raise"), ("raise", "skip"))
         self._timeout = check_timeout(owner, "timeout", options.get("timeout"))
         self._reference = check_bool(owner, "reference", options.get("reference", False))
+        self._transport = check_choice(
+            owner, "transport", options.get("transport", "process_group"), ("process_group", "mpi")
+        )
+        if self._transport == "mpi" and not _C.mpi_available():
+            raise ValueError(
+                f'{owner}: transport="mpi" needs gradsparse built with MPI; install an MPI (for example '
+                "apt-get install libopenmpi-dev openmpi-bin) and reinstall gradsparse, or use "
+                'transport="process_group" (the default)'
+            )
         self._method_config = self._validate_method({k: options[k] for k in self._METHOD_OPTIONS if k in options})
 
     def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +189,7 @@ class State:
             "nonfinite": self._nonfinite,
             "timeout": None if self._timeout is None else self._timeout.total_seconds(),
             "reference": self._reference,
+            "transport": self._transport,
         }
 
     def _agree(self, owner: str, group: dist.ProcessGroup | None, error: Exception | None) -> None:
@@ -201,13 +213,31 @@ class State:
                 + ". Create the state with the same method and options on every rank."
             )
 
-    def _make_comm_group(self) -> dist.ProcessGroup:
-        if self._process_group is not dist.group.WORLD:
-            return self._process_group
-        kwargs = {"backend": dist.get_backend(self._process_group)}
-        if self._timeout is not None:
-            kwargs["timeout"] = self._timeout
-        return dist.new_group(**kwargs)
+    def _make_engine(self):
+        """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else a process
+        group of its own (for the default group) or the given sub-group."""
+        if self._transport == "mpi":
+            engine = _C.Engine.mpi()
+            if (engine.rank, engine.size) != (dist.get_rank(), dist.get_world_size()) or (
+                self._process_group is not dist.group.WORLD
+            ):
+                engine.shutdown()
+                raise ValueError(
+                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD (rank {engine.rank} of '
+                    f"{engine.size}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()} "
+                    "or a sub-group was given; launch with mpirun and initialise torch.distributed from its "
+                    "variables (gradsparse.launch.setup_environment()), on the default group"
+                )
+            return engine
+        timeout = self._timeout or _DEFAULT_TIMEOUT
+        group = self._process_group
+        if group is dist.group.WORLD:
+            kwargs = {"backend": dist.get_backend(group)}
+            if self._timeout is not None:
+                kwargs["timeout"] = self._timeout
+            group = dist.new_group(**kwargs)
+        self._comm_group = group
+        return _C.Engine(group, timeout.total_seconds())
 
     # ----------------------------------------------------------------------------------------
     # The hook's work

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -10,6 +12,7 @@
 #include "gradsparse/exchange.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/reduce_bucket.h"
+#include "gradsparse/spardl.h"
 #include "reference.h"
 #include "threads.h"
 
@@ -232,6 +235,94 @@ TEST(GatherAdd, ExactKUsesOneCollective) {
       traffic[rank] = transport.traffic();
     }));
     for (int r = 0; r < p; ++r) EXPECT_EQ(traffic[r].collectives, 1) << "P=" << p;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+/// A transport that corrupts what this rank receives from its next peer in one chosen data
+/// collective (allgathers and sendrecvs are counted; all-reduces pass untouched).
+class Corrupting final : public Transport {
+ public:
+  Corrupting(Transport& inner, int target_call, size_t offset, uint32_t value)
+      : inner_(inner), target_(target_call), offset_(offset), value_(value) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
+    inner_.allgather(device, send, recv, bytes);
+    if (calls_++ == target_) corrupt(static_cast<unsigned char*>(recv) + bytes * ((rank() + 1) % size()), bytes);
+  }
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    inner_.allreduce_sum(device, data, count, dtype);
+  }
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override {
+    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+    if (calls_++ == target_) corrupt(static_cast<unsigned char*>(recv), recv_bytes);
+  }
+
+ private:
+  void corrupt(unsigned char* message, size_t bytes) {
+    ASSERT_GE(bytes, offset_ + sizeof(value_));
+    std::memcpy(message + offset_, &value_, sizeof(value_));
+  }
+  Transport& inner_;
+  int target_;
+  size_t offset_;
+  uint32_t value_;
+  int calls_ = 0;
+};
+
+struct CorruptCase {
+  const char* name;
+  std::function<std::unique_ptr<Method>()> make;
+  int call;  // which allgather/sendrecv carries the data (0 is the control word where there is one)
+};
+
+// A corrupt message (bad magic, an index outside the bucket, a count that disagrees with its
+// control word) is rejected with CorruptMessageError on the rank that received it; every other
+// rank finishes or fails within the timeout: nothing writes out of bounds, nothing hangs.
+TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
+  const std::vector<CorruptCase> cases = {
+      {"exact-k gather", [] { return std::make_unique<TopK>(0.05); }, 0},
+      {"gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, 1},
+      {"union", [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }, 1},
+      {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1},
+      {"SparDL reduce-scatter", [] { return std::make_unique<SparDL>(0.05, 1); }, 1},
+      {"SparDL all-gather", [] { return std::make_unique<SparDL>(0.05, 1); }, 3},
+  };
+  struct Mutation {
+    const char* name;
+    size_t offset;
+    uint32_t value;
+  };
+  const std::vector<Mutation> mutations = {
+      {"magic", 0, 0xDEADBEEFu}, {"count", 16, 0x7FFFFFu}, {"first index", 32, 0xFFFFFFF0u}};
+  for (const CorruptCase& c : cases) {
+    for (const Mutation& m : mutations) {
+      const auto errors = run_ranks(
+          2,
+          [&](int rank, Transport& transport) {
+            Corrupting corrupting(transport, rank == 0 ? c.call : -1, m.offset, m.value);
+            CpuDevice device;
+            std::vector<float> g = grad_of(rank, 1000);
+            std::unique_ptr<Method> method = c.make();
+            reduce_bucket(method.get(), corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr},
+                          ReduceOptions{});
+          },
+          std::chrono::milliseconds(1000));
+      ASSERT_TRUE(errors[0]) << c.name << ", " << m.name << ": rank 0 accepted a corrupt message";
+      try {
+        std::rethrow_exception(errors[0]);
+      } catch (const CorruptMessageError& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos)
+            << c.name << ", " << m.name << ": " << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << c.name << ", " << m.name << ": expected CorruptMessageError, got " << e.what();
+      }
+    }
   }
 }
 

@@ -196,6 +196,8 @@ TRAINING_METHODS = {
     "exdyna": lambda: gs.ExDyna(density=0.05),
     "sidco": lambda: gs.SIDCo(density=0.05, fit="gpareto", stages=2),
     "sidco_gamma": lambda: gs.SIDCo(density=0.05, fit="gamma_gpareto", stages=2),
+    "spardl": lambda: gs.SparDL(density=0.05),
+    "spardl_teams": lambda: gs.SparDL(density=0.05, teams=2),
 }
 
 
@@ -233,3 +235,116 @@ def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, floa
         if state is not None:
             state.close()
     return out
+
+
+# Every exchange on a real transport -------------------------------------------------------------
+
+# name -> (method, options, world sizes it needs a divisor of). Each exercises one exchange.
+EXCHANGE_CASES = {
+    "dense": ("dense", {}),
+    "exact_k_gather": ("topk", {"density": 0.05}),
+    "exact_k_gather_full": ("topk", {"density": 1.0}),
+    "gather_and_add": ("threshold", {"threshold": 1.6}),
+    "gather_and_add_full": ("threshold", {"threshold": 0.0}),
+    "shared": ("randomk", {"density": 0.05}),
+    "shared_full": ("randomk", {"density": 1.0}),
+    "union": ("micro", {"density": 0.05}),
+    "union_full": ("micro", {"density": 1.0}),
+    "union_reference": ("exdyna", {"density": 0.05, "reference": True}),
+    "exclusive_gather": ("exdyna", {"density": 0.05, "exchange": "gather"}),
+    "spardl": ("spardl", {"density": 0.05}),
+    "spardl_full": ("spardl", {"density": 1.0}),
+    "spardl_teams": ("spardl", {"density": 0.05, "teams": 2}),
+}
+
+
+def exchange_case_applies(name: str, world_size: int) -> bool:
+    return (
+        EXCHANGE_CASES[name][1].get("teams", 1) <= world_size
+        and world_size % EXCHANGE_CASES[name][1].get("teams", 1) == 0
+    )
+
+
+def gradient_stream(world_size: int, steps: int, numel: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(77 + world_size)
+    return [[torch.randn(numel, generator=g) * (1 + t) for _ in range(world_size)] for t in range(steps)]
+
+
+class Flat(nn.Module):
+    """One parameter whose gradient is exactly the input: loss = <weight, g>."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(numel))
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return (self.weight * g).sum()
+
+
+def exchange_stream(rank: int, world_size: int, transport: str, steps: int = 6, numel: int = 1237) -> dict:
+    """Runs every applicable exchange case through DDP and the hook on ``transport`` with a
+    known gradient stream. Per case and step: the averaged bucket DDP wrote into the gradient,
+    this rank's residual, and the bytes the transport counted. Rank 0 also runs the same methods
+    on ThreadTransport (the library's reference path, itself checked against the re-statements)."""
+    from gradsparse.testing.simulate import run_steps
+
+    stream = gradient_stream(world_size, steps, numel)
+    out = {}
+    for name, (method, options) in EXCHANGE_CASES.items():
+        if not exchange_case_applies(name, world_size):
+            continue
+        model = Flat(numel)
+        ddp = DDP(model)
+        state = (
+            gs.METHODS[method](**options, transport=transport) if method != "dense" else gs.Dense(transport=transport)
+        )
+        ddp.register_comm_hook(state, gs.hook)
+        record = {"out": [], "residual": [], "bytes": []}
+        for t in range(steps):
+            ddp.zero_grad()
+            ddp(stream[t][rank]).backward()
+            record["out"].append(model.weight.grad.clone())
+            residuals = state.state_dict()["residuals"]
+            record["residual"].append(residuals["weight"].clone() if residuals else torch.zeros(numel))
+            record["bytes"].append(state.stats()["total"]["bytes_sent"])
+        if rank == 0 and method != "dense":
+            methods = [state._make_method([numel]) for _ in range(world_size)]
+            ref = run_steps(world_size, lambda r, methods=methods: methods[r], stream)
+            record["thread_out"] = [s[0].output for s in ref]
+            record["thread_residual"] = [[s[r].residual for r in range(world_size)] for s in ref]
+            record["thread_bytes"] = [[s[r].bytes_sent for r in range(world_size)] for s in ref]
+        state.close()
+        out[name] = record
+    return out
+
+
+# Faults -------------------------------------------------------------------------------------------
+
+
+def peer_exits(
+    rank: int, world_size: int, method: str, timeout: float, transport: str = "process_group", stall: bool = False
+) -> dict:
+    """Rank 1 exits in the middle of step 3 (after its forward pass), or with ``stall`` stops
+    there for three timeouts first; the others report what their training loop saw and how long
+    it took to see it."""
+    import os
+    import time
+
+    ddp = DDP(make_model(), bucket_cap_mb=0.004)
+    state = gs.METHODS[method](density=0.1, timeout=float(timeout), transport=transport)
+    ddp.register_comm_hook(state, gs.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step, (x, y) in enumerate(batches(rank, 6)):
+        start = time.monotonic()
+        try:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if step == 3 and rank == 1:
+                if stall:
+                    time.sleep(3 * float(timeout))
+                os._exit(3)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        except Exception as e:  # the test checks the type, the message and the time
+            return {"step": step, "error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"step": None}

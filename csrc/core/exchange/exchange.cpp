@@ -79,14 +79,15 @@ size_t largest_message(const std::vector<ControlWord>& control) {
   return max_bytes;
 }
 
-/// All-gathers every rank's message padded to the largest one; returns the receive buffer.
-Buffer allgather_messages(Transport& transport, Device& device, const Selection& mine, size_t max_bytes) {
+/// All-gathers the first `bytes` bytes of every rank's message, each padded to `max_bytes`;
+/// returns the receive buffer.
+Buffer allgather_padded(Transport& transport, Device& device, const Selection& mine, size_t bytes, size_t max_bytes) {
   Buffer padded;
   const void* send = mine.message.data();
-  if (mine.bytes != max_bytes) {
+  if (bytes != max_bytes) {
     padded = device.allocate(max_bytes);
     device.fill_zero(padded.data(), max_bytes);
-    device.copy(padded.data(), mine.message.data(), mine.bytes);
+    device.copy(padded.data(), mine.message.data(), bytes);
     send = padded.data();
   }
   Buffer recv = device.allocate(max_bytes * transport.size());
@@ -107,7 +108,7 @@ void gather_and_add(Transport& transport, Device& device, const BucketView& buck
                     ExchangeResult& result) {
   const int p = transport.size();
   const size_t max_bytes = largest_message(result.control);
-  Buffer recv = allgather_messages(transport, device, mine, max_bytes);
+  Buffer recv = allgather_padded(transport, device, mine, mine.bytes, max_bytes);
   device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
   for (int r = 0; r < p; ++r) {
     const void* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
@@ -125,20 +126,31 @@ void allreduce_values(Transport& transport, Device& device, const BucketView& bu
                           static_cast<size_t>(message.count), bucket.dtype);
 }
 
+/// The header and indices of a message of `count` pairs: what the union exchange all-gathers.
+size_t index_part_bytes(int64_t count, const BucketView& bucket) {
+  return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(bucket.numel), bucket.dtype).values_offset;
+}
+
 void union_allreduce(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
                      ExchangeResult& result) {
   const int p = transport.size();
-  const size_t max_bytes = largest_message(result.control);
-  // The index lists travel inside whole messages (values included): simple, and the values are
-  // a small part of a sparse step. The union is formed on the host.
-  Buffer recv = allgather_messages(transport, device, mine, max_bytes);
+  // Only the headers and index lists travel (a message's values follow its indices, so they are a
+  // prefix); each rank then contributes its own values on the union to one all-reduce.
+  size_t max_bytes = 0;
+  for (const ControlWord& w : result.control) max_bytes = std::max(max_bytes, index_part_bytes(w.count, bucket));
+  Buffer recv = allgather_padded(transport, device, mine, index_part_bytes(mine.count, bucket), max_bytes);
   std::vector<int64_t> all;
   all.reserve(static_cast<size_t>(result.total_count()));
   std::vector<unsigned char> host(max_bytes);
   for (int r = 0; r < p; ++r) {
     const auto* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
-    const MessageHeader h = checked_header(device, message, max_bytes, bucket, result.control[r], r);
-    device.copy_to_host(host.data(), message, kMessageHeaderBytes + h.count * h.index_bytes);
+    device.copy_to_host(host.data(), message, max_bytes);
+    const MessageHeader h = parse_header(host.data(), bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
+    GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
+                 h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),
+             CorruptMessageError, "sparse message from rank ", r, " holds ", h.count, " indices of ",
+             int(h.index_bytes), " bytes but its control word announced ", result.control[r].count, " of ",
+             index_bytes_for(static_cast<uint64_t>(bucket.numel)));
     dispatch_index(h.index_bytes, [&](auto i) {
       using I = decltype(i);
       const auto* idx = reinterpret_cast<const I*>(host.data() + kMessageHeaderBytes);

@@ -10,6 +10,12 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+std::vector<int64_t> counts_of(const ExchangeResult& result) {
+  std::vector<int64_t> counts;
+  for (const ControlWord& w : result.control) counts.push_back(w.count);
+  return counts;
+}
+
 std::string join(const std::vector<int>& v) {
   std::string s;
   for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
@@ -95,6 +101,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     report.traffic = transport.traffic() - before;
     report.selected = result.control.empty() ? 0 : result.control[transport.rank()].count;
     report.selected_all = result.total_count();
+    report.counts = counts_of(result);
     report.union_size = result.union_size;
     if (result.aborted) {
       for (const ControlWord& w : result.control) report.nonfinite += w.nonfinite;
@@ -117,6 +124,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
   report.selected_all = result.total_count();
+  report.counts = counts_of(result);
   report.union_size = result.union_size;
 
   if (result.aborted) {

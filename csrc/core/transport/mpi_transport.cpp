@@ -2,6 +2,8 @@
 // how to get it.
 #include "gradsparse/mpi_transport.h"
 
+#include <atomic>
+#include <climits>
 #include <cstring>
 
 #include "gradsparse/kernels.h"
@@ -47,6 +49,8 @@ void check(int status, const char* what) {
 /// Finalises MPI at exit when gradsparse initialised it.
 struct Finalizer {
   bool ours = false;
+  int thread_level = MPI_THREAD_SINGLE;  ///< what MPI provided
+  std::atomic<int> live{0};              ///< MpiTransports alive (each driven by its own thread)
   ~Finalizer() {
     int finalized = 0;
     MPI_Finalized(&finalized);
@@ -94,15 +98,24 @@ std::unique_ptr<MpiTransport> MpiTransport::world() {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
-    int provided = 0;
-    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
-    GS_CHECK(provided >= MPI_THREAD_SERIALIZED, CommError, "this MPI provides thread level ", provided,
-             "; gradsparse's engine thread needs MPI_THREAD_SERIALIZED");
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &finalizer.thread_level), "MPI_Init_thread");
     finalizer.ours = true;
+  } else {
+    MPI_Query_thread(&finalizer.thread_level);
   }
+  // The engine calls MPI from its own thread: one engine needs MPI_THREAD_SERIALIZED, several
+  // (several states in one process) MPI_THREAD_MULTIPLE.
+  GS_CHECK(finalizer.thread_level >= MPI_THREAD_SERIALIZED, CommError, "this MPI was initialised with thread level ",
+           finalizer.thread_level,
+           "; gradsparse's engine thread needs MPI_THREAD_SERIALIZED or higher (if your "
+           "program calls MPI_Init itself, call MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+  GS_CHECK(finalizer.thread_level >= MPI_THREAD_MULTIPLE || finalizer.live.load() == 0, ValueError,
+           "this MPI supports one communicating thread at a time (MPI_THREAD_SERIALIZED), and another "
+           "transport=\"mpi\" state is alive in this process; close() it first, or use the default transport");
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->comm_ = std::make_unique<Comm>();
   check(MPI_Comm_dup(MPI_COMM_WORLD, &t->comm_->comm), "MPI_Comm_dup");
+  ++finalizer.live;
   MPI_Comm_rank(t->comm_->comm, &t->rank_);
   MPI_Comm_size(t->comm_->comm, &t->size_);
   check(MPI_Type_contiguous(2, MPI_BYTE, &t->comm_->u16), "MPI_Type_contiguous");
@@ -113,22 +126,30 @@ std::unique_ptr<MpiTransport> MpiTransport::world() {
 }
 
 MpiTransport::~MpiTransport() {
+  if (!comm_) return;
+  --finalizer.live;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized || !comm_) return;
+  if (finalized) return;
   MPI_Op_free(&comm_->sum_half);
   MPI_Op_free(&comm_->sum_bfloat16);
   MPI_Type_free(&comm_->u16);
   MPI_Comm_free(&comm_->comm);
 }
 
+/// MPI counts are ints: larger messages are a clear error, not an overflow.
+static int mpi_count(size_t count, const char* what) {
+  GS_CHECK(count <= static_cast<size_t>(INT_MAX), ValueError, "MpiTransport.", what, ": ", count,
+           " elements exceed MPI's int count; use smaller buckets (DDP's bucket_cap_mb)");
+  return static_cast<int>(count);
+}
+
 void MpiTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
   GS_CHECK(bytes > 0, ValueError, "MpiTransport.allgather: zero-length collective");
+  const int n = mpi_count(bytes, "allgather");
   Staged in(device, const_cast<void*>(send), bytes, true);
   Staged out(device, recv, bytes * size_, false);
-  check(MPI_Allgather(in.get(), static_cast<int>(bytes), MPI_BYTE, out.get(), static_cast<int>(bytes), MPI_BYTE,
-                      comm_->comm),
-        "MPI_Allgather");
+  check(MPI_Allgather(in.get(), n, MPI_BYTE, out.get(), n, MPI_BYTE, comm_->comm), "MPI_Allgather");
   out.store();
   count_allgather(bytes);
 }
@@ -157,7 +178,8 @@ void MpiTransport::allreduce_sum(const Device& device, void* data, size_t count,
       break;
   }
   Staged buffer(device, data, bytes, true);
-  check(MPI_Allreduce(MPI_IN_PLACE, buffer.get(), static_cast<int>(count), type, op, comm_->comm), "MPI_Allreduce");
+  check(MPI_Allreduce(MPI_IN_PLACE, buffer.get(), mpi_count(count, "allreduce_sum"), type, op, comm_->comm),
+        "MPI_Allreduce");
   buffer.store();
   count_allreduce(bytes);
 }
@@ -166,8 +188,8 @@ void MpiTransport::sendrecv(const Device& device, const void* send, size_t send_
                             size_t recv_bytes, int src) {
   Staged out(device, const_cast<void*>(send), send_bytes, true);
   Staged in(device, recv, recv_bytes, false);
-  check(MPI_Sendrecv(out.get(), static_cast<int>(send_bytes), MPI_BYTE, send_bytes > 0 ? dst : MPI_PROC_NULL, 0,
-                     in.get(), static_cast<int>(recv_bytes), MPI_BYTE, recv_bytes > 0 ? src : MPI_PROC_NULL, 0,
+  check(MPI_Sendrecv(out.get(), mpi_count(send_bytes, "sendrecv"), MPI_BYTE, send_bytes > 0 ? dst : MPI_PROC_NULL, 0,
+                     in.get(), mpi_count(recv_bytes, "sendrecv"), MPI_BYTE, recv_bytes > 0 ? src : MPI_PROC_NULL, 0,
                      comm_->comm, MPI_STATUS_IGNORE),
         "MPI_Sendrecv");
   in.store();

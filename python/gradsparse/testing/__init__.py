@@ -1,6 +1,6 @@
-"""Helpers shared by gradsparse's tests and benchmarks: a multi-process launcher on 127.0.0.1 and
-plain PyTorch re-statements of the methods."""
+"""Helpers shared by gradsparse's tests and benchmarks: a multi-process launcher on 127.0.0.1
+(distributed) and several ranks as threads of one process (simulate)."""
 
-from gradsparse.testing.distributed import DistributedError, run_distributed
+from gradsparse.testing.distributed import DistributedError, free_port, run_distributed
 
-__all__ = ["DistributedError", "run_distributed"]
+__all__ = ["DistributedError", "free_port", "run_distributed"]

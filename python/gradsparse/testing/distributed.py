@@ -21,11 +21,13 @@ import torch.multiprocessing as mp
 
 
 class DistributedError(RuntimeError):
-    """One or more ranks raised (or the run timed out); ``errors`` maps rank -> traceback text."""
+    """One or more ranks raised, died or timed out. ``errors`` maps rank -> traceback text (or
+    how the rank ended); ``results`` maps the other ranks to what they returned."""
 
-    def __init__(self, message: str, errors: dict[int, str]):
+    def __init__(self, message: str, errors: dict[int, str], results: dict[int, Any] | None = None):
         super().__init__(message)
         self.errors = errors
+        self.results = results or {}
 
 
 def free_port() -> int:
@@ -123,12 +125,13 @@ def run_distributed(
             if code is not None and code >= 0 and r not in results and time.monotonic() < deadline
             else f"rank {r} did not finish within {timeout:.0f} s (killed)"
         )
-    if missing or (errors and not expect_errors):
-        detail = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items()))
-        raise DistributedError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors)
     import torch
 
     def decode(ok: bool, value: Any) -> Any:
         return torch.load(io.BytesIO(value), weights_only=False) if ok else value
 
+    if missing or (errors and not expect_errors):
+        detail = "\n".join(f"--- rank {r} ---\n{text}" for r, text in sorted(errors.items()))
+        returned = {r: decode(ok, v) for r, (ok, v) in results.items() if ok}
+        raise DistributedError(f"{len(errors)} of {world_size} ranks failed:\n{detail}", errors, returned)
     return [decode(*results[r]) for r in range(world_size)]

@@ -24,9 +24,11 @@ class RankStep:
     output: torch.Tensor  # the averaged bucket this rank received
     residual: torch.Tensor | None  # the residual after the step (None without error feedback)
     selected_all: int  # pairs sent by all ranks together
+    counts: list[int]  # pairs each rank sent (SparDL: each block's final list)
     union_size: int  # elements the exchange wrote
     bytes_sent: int
     collectives: int
+    state: dict  # the method's checkpointable state after the step ({} for dense)
 
 
 def _run_ranks(group, methods, buffers, residuals, nonfinite: str, t: int) -> list:
@@ -65,7 +67,7 @@ def run_steps(
     """Runs ``len(grads)`` steps of one bucket on ``world_size`` thread ranks.
 
     ``grads[t][r]`` is rank r's gradient at step t (1-D CPU tensor; not modified).
-    ``make_method(r)`` builds rank r's method object. Returns ``steps[t][r]``.
+    ``make_method(r)`` builds rank r's method object (None: dense all-reduce). Returns ``steps[t][r]``.
     """
     group = _C.ThreadGroup(world_size, timeout)
     methods = [make_method(r) for r in range(world_size)]
@@ -84,9 +86,11 @@ def run_steps(
                     output=buffers[r],
                     residual=None if residuals[r] is None else residuals[r].clone(),
                     selected_all=rep.selected_all,
+                    counts=list(rep.counts),
                     union_size=rep.union_size,
                     bytes_sent=rep.bytes_sent,
                     collectives=rep.collectives,
+                    state={} if methods[r] is None else methods[r].state(),
                 )
                 for r, rep in enumerate(reports)
             ]

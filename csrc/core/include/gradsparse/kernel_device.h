@@ -159,16 +159,21 @@ class KernelDevice : public Device {
     const MessageHeader h = read_device_header(*this, message, bytes, dtype, static_cast<uint64_t>(numel), source_rank);
     const MessageLayout layout(h.count, h.index_bytes, dtype);
     const auto* base = static_cast<const unsigned char*>(message);
-    dispatch_dtype(dtype, [&](auto t) {
-      using T = decltype(t);
-      dispatch_index(h.index_bytes, [&](auto i) {
-        using I = decltype(i);
-        self().template k_scatter_add<T, I>(static_cast<T*>(out), numel,
-                                            reinterpret_cast<const I*>(base + layout.indices_offset),
-                                            reinterpret_cast<const T*>(base + layout.values_offset),
-                                            static_cast<int64_t>(h.count), divisor, /*strictly_ascending=*/true);
+    try {
+      dispatch_dtype(dtype, [&](auto t) {
+        using T = decltype(t);
+        dispatch_index(h.index_bytes, [&](auto i) {
+          using I = decltype(i);
+          self().template k_scatter_add<T, I>(static_cast<T*>(out), numel,
+                                              reinterpret_cast<const I*>(base + layout.indices_offset),
+                                              reinterpret_cast<const T*>(base + layout.values_offset),
+                                              static_cast<int64_t>(h.count), divisor, /*strictly_ascending=*/true);
+        });
       });
-    });
+    } catch (const CorruptMessageError& e) {  // name the sender
+      if (source_rank < 0) throw;
+      throw CorruptMessageError(str(message_source(source_rank), ": ", e.what()));
+    }
   }
 
   void divide(DType dtype, void* data, int64_t numel, float divisor) override {

@@ -37,8 +37,10 @@ struct ReduceReport {
   int64_t numel = 0;
   int64_t selected = 0;      ///< pairs this rank sent
   int64_t selected_all = 0;  ///< pairs all ranks sent together
-  int64_t union_size = 0;    ///< elements the exchange wrote (the union for union exchanges)
-  int64_t nonfinite = 0;     ///< non-finite elements this rank saw
+  /// Pairs each rank sent (SparDL: the final list of each block, owner by owner).
+  std::vector<int64_t> counts;
+  int64_t union_size = 0;  ///< elements the exchange wrote (the union for union exchanges)
+  int64_t nonfinite = 0;   ///< non-finite elements this rank saw
   double threshold = std::numeric_limits<double>::quiet_NaN();
   double imbalance = std::numeric_limits<double>::quiet_NaN();  ///< max count * P / total - 1
   Traffic traffic;                                              ///< bytes this rank moved in this step

@@ -1,0 +1,343 @@
+"""Bytes and time per step of each exchange at any scale, from an alpha-beta model.
+
+    python -m gradsparse.simulate --world-size 8,64,512,1024 --params 25e6 --density 0.001 \\
+        --bandwidth 10Gbit --latency 5us [--teams 1] [--plot exchanges.png]
+
+Each exchange is written down as the sequence of collectives one rank issues in one step, with
+the exact message sizes of the library (docs/architecture.md, "Sparse message"), so the byte
+counts follow the transports' accounting rule (csrc/core/include/gradsparse/transport.h):
+
+    allgather of b bytes per rank    sent = (P - 1) b
+    all-reduce of b bytes            sent = floor(2 (P - 1) b / P)        (ring)
+    sendrecv of s bytes out          sent = s
+
+and the tests check them against what ThreadTransport counts for every world size up to 16. Time
+uses the same ring algorithms: an allgather costs (P - 1)(alpha + b beta), an all-reduce
+2 (P - 1) alpha + 2 (P - 1) / P b beta, a sendrecv alpha + max(out, in) beta, where alpha is the
+latency and beta the seconds per byte of one link. Computation (selection, scatter) is not
+modelled; docs/benchmarks.md measures it.
+
+What each rank selects is an input: the command line assumes the methods hit their target, k =
+floor(density * params) pairs in all (Top-k: k per rank; MiCRO/ExDyna: k split evenly over the
+disjoint partitions; SparDL: k per block of each team, its own rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+HEADER_BYTES = 32  # sparse message header
+CONTROL_BYTES = 32  # control word: message bytes, count, non-finite count, index digest
+FLOAT64 = 8
+
+
+def _pad8(b: int) -> int:
+    return (b + 7) // 8 * 8
+
+
+def index_bytes(numel: int) -> int:
+    """Index width of a message for a bucket (or block) of ``numel`` elements."""
+    return 4 if numel <= 2**32 else 8
+
+
+def message_bytes(count: int, numel: int, value_bytes: int = 4) -> int:
+    """Size of a sparse message of ``count`` pairs: header, padded indices, padded values."""
+    return HEADER_BYTES + _pad8(count * index_bytes(numel)) + _pad8(count * value_bytes)
+
+
+def index_part_bytes(count: int, numel: int) -> int:
+    """Header and indices of a message: what the union exchange all-gathers."""
+    return HEADER_BYTES + _pad8(count * index_bytes(numel))
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective as one rank issues it. ``size`` is the per-rank block (allgather), the
+    buffer (all-reduce) or the outgoing bytes (sendrecv, with ``incoming``)."""
+
+    kind: str  # "allgather", "allreduce" or "sendrecv"
+    size: int
+    incoming: int = 0
+
+    def bytes_sent(self, world_size: int) -> int:
+        if self.kind == "allgather":
+            return (world_size - 1) * self.size
+        if self.kind == "allreduce":
+            return 2 * (world_size - 1) * self.size // world_size
+        return self.size
+
+    def seconds(self, world_size: int, latency: float, seconds_per_byte: float) -> float:
+        p = world_size
+        if p == 1:
+            return 0.0
+        if self.kind == "allgather":
+            return (p - 1) * (latency + self.size * seconds_per_byte)
+        if self.kind == "allreduce":
+            return 2 * (p - 1) * latency + 2 * (p - 1) / p * self.size * seconds_per_byte
+        return latency + max(self.size, self.incoming) * seconds_per_byte
+
+
+# --------------------------------------------------------------------------------------------
+# The exchanges, collective by collective (mirrors csrc/core/exchange and csrc/core/method/spardl.cpp)
+# --------------------------------------------------------------------------------------------
+
+
+def dense(numel: int, value_bytes: int = 4) -> list[Collective]:
+    """Dense ring all-reduce of the bucket."""
+    return [Collective("allreduce", numel * value_bytes)] if numel > 0 else []
+
+
+def gather_and_add(counts: Sequence[int], numel: int, value_bytes: int = 4) -> list[Collective]:
+    """Control words, then every rank's message padded to the largest."""
+    largest = max(message_bytes(c, numel, value_bytes) for c in counts)
+    return [Collective("allgather", CONTROL_BYTES), Collective("allgather", largest)]
+
+
+def exact_k(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
+    """Gather-and-add when every rank sends exactly k pairs (Top-k): one allgather, no control word."""
+    return [Collective("allgather", message_bytes(k, numel, value_bytes))]
+
+
+def union_allreduce(counts: Sequence[int], union: int, numel: int, value_bytes: int = 4) -> list[Collective]:
+    """Control words, the index lists padded to the longest, then one all-reduce of the values
+    on the union (skipped when the union is empty)."""
+    largest = max(index_part_bytes(c, numel) for c in counts)
+    steps = [Collective("allgather", CONTROL_BYTES), Collective("allgather", largest)]
+    if union > 0:
+        steps.append(Collective("allreduce", union * value_bytes))
+    return steps
+
+
+def shared_allreduce(count: int, value_bytes: int = 4) -> list[Collective]:
+    """Random-k: control words (with the index digest), then an all-reduce of the values."""
+    steps = [Collective("allgather", CONTROL_BYTES)]
+    if count > 0:
+        steps.append(Collective("allreduce", count * value_bytes))
+    return steps
+
+
+def band_agreement(first_step: bool) -> list[Collective]:
+    """The default MiCRO/ExDyna threshold agreement: a 512-bin sampled histogram at the first
+    step, then a 257-bin band count every step (float64 all-reduces)."""
+    steps = [Collective("allreduce", 512 * FLOAT64)] if first_step else []
+    return [*steps, Collective("allreduce", 257 * FLOAT64)]
+
+
+def srs_schedule(size: int, rank: int) -> list[tuple[int, int, int, int]]:
+    """SparDL's Spar-Reduce-Scatter: (dest, source, send_block, recv_block) per step, P - 1 steps."""
+    if size <= 1:
+        return []
+    rounds = math.ceil(math.log2(size))
+    sizes = [size - 2 ** (rounds - 1)] + [2**i for i in range(rounds - 2, -1, -1)]
+    steps = []
+    for i in range(rounds):
+        gap = 2 ** (rounds - 1 - i)
+        for j in range(sizes[i]):
+            steps.append(((rank + gap + j) % size, (rank + gap) % size, (rank + j) % size, (rank - gap) % size))
+    return steps
+
+
+def bruck_rounds(size: int, rank: int) -> list[tuple[list[int], list[int]]]:
+    """Bruck all-gather: per round, the blocks sent and the blocks received."""
+    rounds = []
+    gap = 1
+    while gap < size:
+        count = min(gap, size - gap)
+        rounds.append(([(rank + b) % size for b in range(count)], [(rank + gap + b) % size for b in range(count)]))
+        gap *= 2
+    return rounds
+
+
+def spardl(
+    world_size: int,
+    rank: int,
+    numel: int,
+    density: float,
+    *,
+    teams: int = 1,
+    h: int | None = None,
+    final_counts: Sequence[int] | None = None,
+    value_bytes: int = 4,
+) -> list[Collective]:
+    """SparDL on one rank. Team size P' = P / teams; blocks of ceil(numel / P') elements; k =
+    max(1, floor(block * density)) pairs per list. ``h`` is the current top-h of the
+    Spar-All-Gather (teams > 1; default the first step's floor(block * density / teams)), and
+    ``final_counts[b]`` the pairs of block b's final list (default min(k, block length): every
+    list is full)."""
+    team_size = world_size // teams
+    me = rank % team_size
+    chunk = -(-numel // team_size)
+
+    def length(b: int) -> int:
+        return min(numel, (b + 1) * chunk) - min(numel, b * chunk)
+
+    k = max(1, math.floor(chunk * density)) if chunk > 0 else 0
+    if h is None:
+        h = max(1, math.floor(chunk * density / teams)) if teams > 1 else k
+    if final_counts is None:
+        final_counts = [min(k, length(b)) for b in range(team_size)]
+
+    def message(b: int, pairs: int) -> int:
+        return message_bytes(min(pairs, length(b)), length(b), value_bytes)
+
+    steps = [Collective("allgather", CONTROL_BYTES)]
+    steps += [
+        Collective("sendrecv", message(send, k), message(recv, k)) for _, _, send, recv in srs_schedule(team_size, me)
+    ]
+    if teams > 1:
+        own = message(me, h)
+        steps += [
+            Collective("sendrecv", len(send) * own, len(recv) * own)
+            for send, recv in bruck_rounds(teams, rank // team_size)
+        ]
+    for send, recv in bruck_rounds(team_size, me):
+        steps.append(Collective("sendrecv", 8 * len(send), 8 * len(recv)))
+        steps.append(
+            Collective(
+                "sendrecv",
+                sum(message(b, final_counts[b]) for b in send),
+                sum(message(b, final_counts[b]) for b in recv),
+            )
+        )
+    return steps
+
+
+# --------------------------------------------------------------------------------------------
+# The command line: every exchange at every world size, assuming the targets are hit
+# --------------------------------------------------------------------------------------------
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    return [total // parts + (1 if r < total % parts else 0) for r in range(parts)]
+
+
+def exchanges_at_scale(world_size: int, numel: int, density: float, teams: int = 1) -> dict[str, list[Collective]]:
+    """Rank 0's collectives in one steady-state step of each exchange (float32 values)."""
+    k = max(1, math.floor(density * numel))
+    split = even_split(k, world_size)
+    partitioned = band_agreement(first_step=False)
+    plans = {
+        "dense all-reduce": dense(numel),
+        "gather-and-add (Top-k, exact k)": exact_k(k, numel),
+        "gather-and-add (counts exchanged)": gather_and_add([k] * world_size, numel),
+        "union + all-reduce (MiCRO/ExDyna)": partitioned + union_allreduce(split, k, numel),
+        "exclusive gather (MiCRO/ExDyna)": partitioned + gather_and_add(split, numel),
+    }
+    if world_size % teams == 0:
+        plans[f"SparDL (teams={teams})"] = spardl(world_size, 0, numel, density, teams=teams)
+    return plans
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bandwidth(text: str) -> float:
+    """'10Gbit', '25gbps', '1.25GB/s', '100Mbit' -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(bit|bps|b/s|B/s|B|Bps)?\s*", text)
+    if not m:
+        raise ValueError(f"--bandwidth: cannot read {text!r}; write for example 10Gbit, 100Mbit or 1.25GB/s")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    unit = m.group(3) or "bit"
+    return value if unit in ("B/s", "B", "Bps") else value / 8
+
+
+def parse_latency(text: str) -> float:
+    """'5us', '2ms', '0.5s', '1e-6' -> seconds."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*(ns|us|µs|ms|s)?\s*", text)
+    if not m:
+        raise ValueError(f"--latency: cannot read {text!r}; write for example 5us, 2ms or 1e-6")
+    scale = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def _human(b: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(b) < 1000 or unit == "TB":
+            return f"{b:.0f} {unit}" if unit == "B" else f"{b:.2f} {unit}"
+        b /= 1000
+    return f"{b:.2f} TB"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsparse.simulate",
+        description="Per-step bytes and time of each exchange from an alpha-beta model.",
+    )
+    parser.add_argument("--world-size", default="8,64,512,1024", help="comma-separated world sizes")
+    parser.add_argument("--params", type=float, default=25e6, help="elements reduced per step")
+    parser.add_argument("--density", type=float, default=0.001)
+    parser.add_argument("--bandwidth", default="10Gbit", help="per-link bandwidth, e.g. 10Gbit, 1.25GB/s")
+    parser.add_argument("--latency", default="5us", help="per-message latency alpha, e.g. 5us")
+    parser.add_argument("--teams", type=int, default=1, help="SparDL teams (must divide the world size)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw time per step against world size")
+    args = parser.parse_args(argv)
+
+    try:
+        worlds = [int(w) for w in args.world_size.split(",") if w.strip()]
+        if not worlds or min(worlds) < 1:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--world-size: expected positive integers separated by commas, got {args.world_size!r}")
+    if not 0 < args.density <= 1:
+        parser.error(f"--density must be in (0, 1], got {args.density}")
+    if args.params < 1:
+        parser.error(f"--params must be at least 1, got {args.params}")
+    if args.teams < 1:
+        parser.error(f"--teams must be at least 1, got {args.teams}")
+    try:
+        bandwidth = parse_bandwidth(args.bandwidth)
+        latency = parse_latency(args.latency)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.plot:
+        try:
+            import matplotlib
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib (or gradsparse[examples])")
+    numel = int(args.params)
+    beta = 1.0 / bandwidth
+
+    print(
+        f"{numel:,} float32 elements per step, density {args.density} (k = {max(1, math.floor(args.density * numel)):,}),"
+        f" {args.bandwidth} per link ({_human(bandwidth)}/s), latency {args.latency}"
+    )
+    header = f"{'P':>6}  {'exchange':<36} {'sent/rank':>12} {'time':>11} {'vs dense':>9}"
+    print(header)
+    print("-" * len(header))
+    rows: dict[str, list[tuple[int, float]]] = {}
+    for p in worlds:
+        plans = exchanges_at_scale(p, numel, args.density, args.teams)
+        dense_time = sum(c.seconds(p, latency, beta) for c in plans["dense all-reduce"])
+        for name, plan in plans.items():
+            sent = sum(c.bytes_sent(p) for c in plan)
+            seconds = sum(c.seconds(p, latency, beta) for c in plan)
+            speedup = f"{dense_time / seconds:8.1f}x" if seconds > 0 else f"{'-':>9}"
+            print(f"{p:>6}  {name:<36} {_human(sent):>12} {seconds * 1e3:9.3f}ms {speedup}")
+            rows.setdefault(name, []).append((p, seconds))
+        print()
+    if args.plot:
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, points in rows.items():
+            ax.plot([p for p, _ in points], [s * 1e3 for _, s in points], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("world size P")
+        ax.set_ylabel("time per step (ms, model)")
+        ax.set_title(f"{numel:.3g} elements, density {args.density}, {args.bandwidth}, {args.latency}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Every exchange on real transports: torch.distributed Gloo process groups (2 to 4 spawned
+processes) and gradsparse's own MpiTransport under ``mpirun -np 2..4``.
+
+A known gradient stream goes through DDP and the hook. Per exchange and step, on every rank:
+the averaged bucket equals the same method run on ThreadTransport (whose results the re-statement
+tests check), the residuals are identical, every replica receives the same bucket, gradient mass
+is conserved, the transport counts the same bytes as ThreadTransport, and at density 1.0 the
+result is the dense average.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gradsparse as gs
+from gradsparse.testing import DistributedError, free_port, run_distributed
+from tests.distributed import workers
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS, NUMEL = 6, 1237
+FULL = {"exact_k_gather_full", "gather_and_add_full", "shared_full", "spardl_full"}
+
+
+def check_exchanges(results: list[dict]) -> None:
+    world_size = len(results)
+    stream = workers.gradient_stream(world_size, STEPS, NUMEL)
+    names = [n for n in workers.EXCHANGE_CASES if workers.exchange_case_applies(n, world_size)]
+    assert sorted(results[0]) == sorted(names)
+    for name in names:
+        runs = [r[name] for r in results]
+        ref = runs[0]
+        previous = [torch.zeros(NUMEL) for _ in range(world_size)]
+        for t in range(STEPS):
+            out = runs[0]["out"][t]
+            for r in range(1, world_size):
+                assert torch.equal(runs[r]["out"][t], out), f"{name} step {t}: rank {r} received another bucket"
+            grads = stream[t]
+            if name == "dense":
+                torch.testing.assert_close(out, sum(grads) / world_size, rtol=1e-5, atol=1e-6)
+                continue
+            torch.testing.assert_close(out, ref["thread_out"][t], rtol=1e-5, atol=1e-6, msg=f"{name} step {t}")
+            for r in range(world_size):
+                assert torch.equal(runs[r]["residual"][t], ref["thread_residual"][t][r]), f"{name} step {t} rank {r}"
+                sent = runs[r]["bytes"][t] - (runs[r]["bytes"][t - 1] if t else 0)
+                assert sent == ref["thread_bytes"][t][r], f"{name} step {t} rank {r}: {sent} bytes counted"
+            # Conservation (ALGORITHMS.md decision 6): what was sent plus what stayed is what there was.
+            before = sum(previous[r].double() + grads[r].double() for r in range(world_size))
+            after = world_size * out.double() + sum(runs[r]["residual"][t].double() for r in range(world_size))
+            torch.testing.assert_close(after, before, rtol=0, atol=1e-4, msg=f"{name} step {t}: mass")
+            previous = [runs[r]["residual"][t] for r in range(world_size)]
+            if name in FULL:
+                torch.testing.assert_close(out, sum(grads) / world_size, rtol=1e-5, atol=1e-6)
+                assert all(not runs[r]["residual"][t].any() for r in range(world_size))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_exchanges_on_gloo(world_size):
+    check_exchanges(run_distributed(workers.exchange_stream, world_size, "process_group", timeout=300))
+
+
+def run_under_mpirun(tmp_path, world_size: int, function: str, *args: str, timeout: float = 300, expect_failure=False):
+    """Runs workers.<function>(rank, world_size, *args) under mpirun; returns every rank's result
+    (or, with expect_failure, mpirun's output after checking that it failed)."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None or not gs._C.mpi_available():
+        pytest.fail("mpirun and a gradsparse build with MPI are required (scripts/setup.sh installs both)")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world_size), "--mca", "btl", "self,tcp"]
+    command += ["-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
+    command += [sys.executable, "-m", "tests.distributed.mpi_run", str(tmp_path), function, *args]
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if expect_failure:
+        assert done.returncode != 0, f"mpirun succeeded:\n{done.stdout[-4000:]}"
+        return done.stdout + done.stderr
+    assert done.returncode == 0, f"mpirun failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_exchanges_on_mpi(tmp_path, world_size):
+    check_exchanges(run_under_mpirun(tmp_path, world_size, "exchange_stream", "mpi"))
+
+
+@pytest.mark.parametrize(
+    "method,stall", [("topk", False), ("micro", False), ("spardl", False), ("topk", True), ("spardl", True)]
+)
+def test_a_rank_that_exits_or_stalls_mid_step_fails_the_others_within_the_timeout(method, stall):
+    timeout = 20.0 if not stall else 5.0
+    with pytest.raises(DistributedError) as info:
+        run_distributed(workers.peer_exits, 3, method, timeout, "process_group", stall, timeout=120)
+    errors = info.value.errors
+    assert set(errors) == {1} and "exited with code 3" in errors[1], errors
+    survivors = info.value.results
+    for r in (0, 2):
+        seen = survivors[r]
+        assert seen["step"] == 3, seen
+        assert seen["error"] == "RuntimeError" and "gradsparse" in seen["message"], seen
+        assert seen["seconds"] < timeout + 10, seen
+        if stall:  # the peer is alive but silent: the exchange's timeout ends the wait
+            assert "timed out" in seen["message"].lower() or "timeout" in seen["message"].lower(), seen
+
+
+def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path):
+    """OpenMPI ends the whole job when a rank exits: nobody waits for the lost peer."""
+    mpirun_result = run_under_mpirun(tmp_path, 3, "peer_exits", "micro", "20", "mpi", expect_failure=True)
+    assert "exited" in mpirun_result or "non-zero" in mpirun_result, mpirun_result

@@ -1,0 +1,127 @@
+"""The traffic model of ``python -m gradsparse.simulate`` against the bytes ThreadTransport counts:
+every exchange, every world size from 1 to 16, byte for byte and collective for collective."""
+
+import math
+
+import pytest
+import torch
+
+from gradsparse import _C, simulate
+from gradsparse.testing.simulate import run_steps
+
+NUMEL = 1237  # not a multiple of any world size above 1 (except 1237 itself)
+DENSITY = 0.05
+STEPS = 3
+
+
+def stream(world_size: int, steps: int = STEPS, numel: int = NUMEL) -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1000 + world_size)
+    return [[torch.randn(numel, generator=gen) for _ in range(world_size)] for _ in range(steps)]
+
+
+def check(steps, plan_of) -> None:
+    """plan_of(t, r, step) -> the collectives rank r issued at step t, by the model."""
+    world_size = len(steps[0])
+    for t, ranks in enumerate(steps):
+        for r, step in enumerate(ranks):
+            plan = plan_of(t, r, step)
+            assert step.bytes_sent == sum(c.bytes_sent(world_size) for c in plan), (t, r, plan)
+            assert step.collectives == len(plan), (t, r, plan)
+
+
+WORLD_SIZES = list(range(1, 17))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_dense(world_size):
+    steps = run_steps(world_size, lambda r: None, stream(world_size, 1))
+    check(steps, lambda t, r, s: simulate.dense(NUMEL))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_topk_exact_k(world_size):
+    steps = run_steps(world_size, lambda r: _C.TopK(DENSITY), stream(world_size))
+    k = math.floor(DENSITY * NUMEL)
+    check(steps, lambda t, r, s: simulate.exact_k(k, NUMEL))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gather_and_add_with_counts(world_size):
+    steps = run_steps(world_size, lambda r: _C.Threshold(threshold=1.6), stream(world_size))
+    assert len({c for s in steps for c in s[0].counts}) > 1  # ranks send different counts: padding matters
+    check(steps, lambda t, r, s: simulate.gather_and_add(s.counts, NUMEL))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_shared_indices(world_size):
+    steps = run_steps(world_size, lambda r: _C.RandomK(DENSITY), stream(world_size))
+    k = math.floor(DENSITY * NUMEL)
+    check(steps, lambda t, r, s: simulate.shared_allreduce(k))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("reference", [False, True])
+def test_union_allreduce(world_size, reference):
+    steps = run_steps(
+        world_size, lambda r: _C.MiCRO(DENSITY, exchange="union", reference=reference), stream(world_size)
+    )
+
+    def plan(t, r, s):
+        agreement = [] if reference else simulate.band_agreement(first_step=t == 0)
+        return agreement + simulate.union_allreduce(s.counts, s.union_size, NUMEL)
+
+    check(steps, plan)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_exclusive_gather(world_size):
+    steps = run_steps(world_size, lambda r: _C.ExDyna(DENSITY, exchange="gather"), stream(world_size))
+    check(steps, lambda t, r, s: simulate.band_agreement(first_step=t == 0) + simulate.gather_and_add(s.counts, NUMEL))
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_spardl_one_team(world_size):
+    steps = run_steps(world_size, lambda r: _C.SparDL(DENSITY), stream(world_size))
+    check(steps, lambda t, r, s: simulate.spardl(world_size, r, NUMEL, DENSITY))
+
+
+@pytest.mark.parametrize("world_size,teams", [(2, 2), (4, 2), (6, 3), (8, 2), (8, 4), (12, 3), (16, 4), (16, 16)])
+def test_spardl_teams(world_size, teams):
+    steps = run_steps(world_size, lambda r: _C.SparDL(DENSITY, teams), stream(world_size, 4))
+    team_size = world_size // teams
+
+    def plan(t, r, s):
+        h = None if t == 0 else int(steps[t - 1][r].state["h"])  # top-h in use at step t
+        return simulate.spardl(world_size, r, NUMEL, DENSITY, teams=teams, h=h, final_counts=s.counts[:team_size])
+
+    check(steps, plan)
+
+
+def test_scale_table_runs_and_orders_exchanges(capsys):
+    assert simulate.main(["--world-size", "8,1024", "--params", "25e6", "--density", "0.001"]) == 0
+    out = capsys.readouterr().out
+    assert "SparDL (teams=1)" in out and "dense all-reduce" in out
+    plans = simulate.exchanges_at_scale(1024, 25_000_000, 0.001)
+    sent = {name: sum(c.bytes_sent(1024) for c in plan) for name, plan in plans.items()}
+    # gather-and-add grows with P: at 1024 ranks it moves about as much as the dense all-reduce
+    assert sent["gather-and-add (Top-k, exact k)"] > 0.9 * sent["dense all-reduce"]
+    assert sent["SparDL (teams=1)"] < 0.01 * sent["dense all-reduce"]
+
+
+@pytest.mark.parametrize(
+    "text,value", [("10Gbit", 1.25e9), ("100Mbit", 12.5e6), ("1.25GB/s", 1.25e9), ("25gbps", 25e9 / 8)]
+)
+def test_bandwidth_units(text, value):
+    assert simulate.parse_bandwidth(text) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("text,value", [("5us", 5e-6), ("2ms", 2e-3), ("1e-6", 1e-6), ("0.5s", 0.5)])
+def test_latency_units(text, value):
+    assert simulate.parse_latency(text) == pytest.approx(value)
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(SystemExit):
+        simulate.main(["--bandwidth", "fast"])
+    with pytest.raises(ValueError, match="--bandwidth: cannot read 'fast'"):
+        simulate.parse_bandwidth("fast")
