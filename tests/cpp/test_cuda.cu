@@ -61,8 +61,8 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
       DeviceVector<T> g(gpu, grad), r(gpu, residual);
       BucketView on_gpu{dtype, n, g.data(), r.data()};
       BucketView on_cpu{dtype, n, grad.data(), residual.data()};
-      const Selection a = use_topk ? gpu.select_topk(on_gpu, n / 50 + 1) : gpu.select_threshold(on_gpu, 1.5);
-      const Selection b = use_topk ? cpu.select_topk(on_cpu, n / 50 + 1) : cpu.select_threshold(on_cpu, 1.5);
+      const Selection a = use_topk ? gpu.select_topk(on_gpu, n / 50 + 1, true) : gpu.select_threshold(on_gpu, 1.5);
+      const Selection b = use_topk ? cpu.select_topk(on_cpu, n / 50 + 1, true) : cpu.select_threshold(on_cpu, 1.5);
       EXPECT_EQ(a.count, b.count);
       EXPECT_EQ(to_host(gpu, a), to_host(cpu, b));
       const std::vector<T> rr = r.host();
