@@ -236,6 +236,7 @@ class SAGE(State):
 
 class _Partitioned(State):
     _METHOD_OPTIONS = ("density", "exchange", "seed")
+    _GLOBAL_TARGET = True
     _CLASS: Any = None
 
     def __init__(self, density: float, *, exchange: str = "union", seed: int = 0, **options: Any) -> None:
@@ -337,6 +338,7 @@ class SparDL(State):
     """
 
     _METHOD_OPTIONS = ("density", "teams")
+    _GLOBAL_TARGET = True
 
     def __init__(self, density: float, *, teams: int = 1, **options: Any) -> None:
         super().__init__(density=density, teams=teams, **options)

@@ -18,6 +18,7 @@ class BucketStats:
     sparse_elements: int = 0  # elements of sparse steps
     selected: int = 0  # pairs this rank sent in sparse steps
     selected_all: int = 0  # pairs all ranks sent in sparse steps
+    union: int = 0  # elements the sparse steps' exchanges wrote (the averaged bucket's support)
     elements_sent: int = 0  # selected + every element of dense steps
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -39,6 +40,7 @@ class BucketStats:
             self.sparse_elements += report.numel
             self.selected += report.selected
             self.selected_all += report.selected_all
+            self.union += report.union_size
             self.elements_sent += report.selected
         self.skipped_steps += int(report.skipped)
         self.bytes_sent += report.bytes_sent
@@ -64,6 +66,7 @@ class BucketStats:
         out["density"] = self.selected / self.sparse_elements if self.sparse_elements else math.nan
         denominator = self.sparse_elements * world_size
         out["global_density"] = self.selected_all / denominator if denominator else math.nan
+        out["union_density"] = self.union / self.sparse_elements if self.sparse_elements else math.nan
         out["bytes_ratio"] = self.bytes_sent / self.dense_bytes if self.dense_bytes else math.nan
         out["imbalance"] = self.imbalance_sum / self.imbalance_steps if self.imbalance_steps else math.nan
         del out["imbalance_sum"], out["imbalance_steps"]
@@ -79,11 +82,14 @@ class Metrics:
     def record(self, bucket_index: int, report, world_size: int, element_size: int) -> None:
         self.buckets.setdefault(bucket_index, BucketStats()).record(report, world_size, element_size)
 
-    def summary(self, world_size: int) -> dict:
+    def summary(self, world_size: int, global_target: bool = False) -> dict:
+        """``global_target``: the method's density counts all ranks' pairs (MiCRO, ExDyna,
+        SparDL), so ``achieved_density`` is the union's; otherwise this rank's."""
         total = BucketStats()
         for stats in self.buckets.values():
             total.add(stats)
         out = total.summary(world_size)
+        out["achieved_density"] = out["union_density" if global_target else "density"]
         out["steps"] = max((b.steps for b in self.buckets.values()), default=0)
         out["dense_steps"] = max((b.dense_steps for b in self.buckets.values()), default=0)
         out["skipped_steps"] = max((b.skipped_steps for b in self.buckets.values()), default=0)

@@ -8,6 +8,7 @@ the statistics, and owns the engine thread that runs the exchanges. Register it 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import gc
 import warnings
@@ -96,6 +97,7 @@ class State:
 
     #: Options of the subclass's method, in signature order (validated by _validate_method).
     _METHOD_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    _GLOBAL_TARGET: ClassVar[bool] = False  # density counts all ranks' pairs together (stats)
     _SHARED_OPTIONS: ClassVar[tuple[str, ...]] = (
         "process_group",
         "warmup_steps",
@@ -132,6 +134,8 @@ class State:
         self._step = 0
         self._buckets: dict[int, _Bucket] = {}
         self._retired: dict[int, torch.Tensor] = {}  # residual per parameter id, after a bucket rebuild
+        self._retired_methods: dict[frozenset, dict] = {}  # method state per parameter set, after a rebuild
+        self._paused = False
         self._loaded: dict[str, torch.Tensor] = {}  # residual per parameter name, from load_state_dict
         self._loaded_methods: dict[int, dict[str, float]] = {}
         self._param_names: dict[int, str] | None = None  # id(parameter) -> name, from the DDP module
@@ -245,6 +249,10 @@ class State:
     def _reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         index = bucket.index()
+        if self._paused:  # see paused(): the bucket goes back untouched
+            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            future.set_result(buffer)
+            return future
         if buffer.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
                 f"gradsparse: bucket {index} holds {buffer.dtype} gradients, but gradsparse sparsifies float32, "
@@ -265,6 +273,7 @@ class State:
         if bucket.is_last():
             self._step += 1
             self._retired.clear()
+            self._retired_methods.clear()
         element_size = buffer.element_size()
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
@@ -302,16 +311,24 @@ class State:
             return entry
         if entry is not None:
             # DDP rebuilt its buckets (after the first step, or with another layout): keep every
-            # residual by parameter, then assemble the new buckets from those pieces.
+            # residual by parameter, then assemble the new buckets from those pieces; a method's
+            # state carries over to the new bucket holding the same parameters.
             for old in self._buckets.values():
                 for pid, view in zip(old.key, old.residual_views().values(), strict=False):
                     self._retired[pid] = view
+                if old.method is not None:
+                    self._retired_methods[frozenset(old.key)] = old.method.state()
             self._buckets.clear()
         names = [self._param_names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
         numels = [p.numel() for p in params]
         entry = _Bucket(index, key, names, numels, self._make_method(numels))
-        if entry.method is not None and index in self._loaded_methods:
-            entry.method.load_state(self._loaded_methods.pop(index))
+        if entry.method is not None and frozenset(key) in self._retired_methods:
+            entry.method.load_state(self._retired_methods.pop(frozenset(key)))
+        elif entry.method is not None:
+            for saved_key in (frozenset(names), index):
+                if saved_key in self._loaded_methods:
+                    entry.method.load_state(self._loaded_methods.pop(saved_key))
+                    break
         pieces = []
         found = False
         buffer = bucket.buffer()
@@ -353,13 +370,16 @@ class State:
         Keys: ``steps``, ``dense_steps`` and ``skipped_steps``; ``elements`` reduced and
         ``elements_sent`` by this rank; ``selected`` (pairs this rank sent) and
         ``selected_all`` (all ranks); ``density`` (achieved: selected / elements of sparse
-        steps) and ``global_density`` (all ranks); ``bytes_sent`` and ``bytes_received`` by this
+        steps), ``global_density`` (all ranks: selected_all / (elements * P)) and
+        ``union_density`` (elements the exchanges wrote / elements); ``achieved_density``, the
+        one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
+        (one target for all ranks together), ``density`` for the others; ``bytes_sent`` and ``bytes_received`` by this
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
         ``bytes_ratio``; ``select_seconds`` and ``exchange_seconds``; ``imbalance`` (MiCRO and
         ExDyna: the mean over steps of max count * P / total count - 1); per bucket also
         ``numel`` and the last ``threshold`` (NaN for methods without one).
         """
-        summary = self._metrics.summary(self._world_size)
+        summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
         if reset:
             self._metrics.reset()
         return summary
@@ -382,6 +402,7 @@ class State:
             "world_size": self._world_size,
             "residuals": residuals,
             "methods": {i: e.method.state() for i, e in self._buckets.items() if e.method is not None},
+            "layout": {i: list(e.names) for i, e in self._buckets.items()},
             "stats": self._metrics.state_dict(),
         }
 
@@ -409,9 +430,28 @@ class State:
         self._step = int(state_dict["step"])
         self._buckets.clear()
         self._retired.clear()
+        self._retired_methods.clear()
         self._loaded = {name: t.detach().clone() for name, t in state_dict["residuals"].items()}
-        self._loaded_methods = {int(i): dict(s) for i, s in state_dict["methods"].items()}
+        # A method's state goes to the bucket holding the same parameters (by name), else to the
+        # bucket of the same index.
+        layout = state_dict.get("layout", {})
+        self._loaded_methods = {
+            (frozenset(layout[i]) if i in layout else int(i)): dict(s) for i, s in state_dict["methods"].items()
+        }
         self._metrics.load_state_dict(state_dict["stats"])
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within this block the hook hands every bucket back unreduced and the state does not
+        change: no selection, no communication, no step counted. For an iteration whose
+        gradients are thrown away, such as one that only lets DDP settle its bucket layout
+        (DDP orders its buckets by the first iteration's gradient order; examples/driver.py runs
+        one such iteration when a process starts, so fresh and resumed runs see one layout)."""
+        self._paused = True
+        try:
+            yield self
+        finally:
+            self._paused = False
 
     def close(self) -> None:
         """Stops the engine thread after the queued work (also done at interpreter exit)."""

@@ -146,3 +146,58 @@ def test_without_error_feedback_no_residual_is_kept():
     ddp.register_comm_hook(state, gs.hook)
     _train(ddp, 2)
     assert state.state_dict()["residuals"] == {}
+
+
+def test_paused_hands_buckets_back_untouched_and_changes_nothing():
+    ddp = DDP(_model())
+    state = gs.TopK(density=0.1)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 2)
+    before = state.state_dict()
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with state.paused():
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    # one rank: the unreduced bucket is the local gradient itself, not a top-k selection of it
+    local = [p.grad.clone() for p in ddp.parameters()]
+    assert all(g.count_nonzero() > 0.5 * g.numel() for g in local if g.numel() > 32)
+    after = state.state_dict()
+    assert after["step"] == before["step"] == 2
+    for name, value in before["residuals"].items():
+        assert torch.equal(value, after["residuals"][name]), name
+    _train(ddp, 1)  # and the hook works again after the block
+    assert state.step == 3
+
+
+def test_achieved_density_is_global_for_one_target_methods():
+    ddp = DDP(_model())
+    state = gs.MiCRO(density=0.1)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 4)
+    total = state.stats()["total"]
+    assert total["achieved_density"] == total["union_density"] > 0  # MiCRO: one target for all ranks
+    topk = gs.TopK(density=0.1)
+    ddp2 = DDP(_model())
+    ddp2.register_comm_hook(topk, gs.hook)
+    _train(ddp2, 4)
+    assert topk.stats()["total"]["achieved_density"] == topk.stats()["total"]["density"]
+
+
+def test_method_state_follows_its_parameters_into_another_bucket_index():
+    """load_state_dict gives each bucket the method state saved for the same parameter names,
+    whatever index the bucket has now (DDP may number its buckets differently after a restart)."""
+    ddp = DDP(_model())
+    state = gs.MiCRO(density=0.1)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 3)
+    sd = state.state_dict()
+    assert set(sd["layout"][0]) == {name for name, _ in ddp.module.named_parameters()}
+    moved = dict(sd, methods={7: sd["methods"][0]}, layout={7: sd["layout"][0]})  # saved as bucket 7
+    ddp2 = DDP(_model())
+    ddp2.module.load_state_dict(ddp.module.state_dict())
+    state2 = gs.MiCRO(density=0.1)
+    ddp2.register_comm_hook(state2, gs.hook)
+    state2.load_state_dict(moved)
+    _train(ddp2, 1, seed=5)
+    _train(ddp, 1, seed=5)
+    assert state2.state_dict()["methods"][0] == state.state_dict()["methods"][0]

@@ -1,0 +1,836 @@
+"""Plain PyTorch re-statements of every selection method, written only from docs/method-spec.md.
+
+They are deliberately independent of the C++ core (csrc/ was not read to write them): the tests in
+test_methods.py run both side by side and require identical selections. "§" numbers below refer to
+the sections of docs/method-spec.md.
+
+Protocol (one object per rank, holding that rank's state, like the C++ method objects):
+
+- ``select(v, rank, world)`` is a generator. ``v`` holds the selection values (§1: the residual
+  after the error-feedback update). Whenever the method needs an all-reduce inside its selection
+  (MiCRO/ExDyna default mode: the sampled histogram at t = 0, the 257 band counts every step) it
+  yields its float64 contribution and receives the sum over all ranks. It finally returns
+  ``(indices, threshold)``: int64 ascending indices and the reported threshold (NaN if none).
+- ``exchange`` is "gather", "union" or "shared" (§3).
+- ``observe(counts_by_rank)`` commits the step after the exchange: every rank's pair count.
+
+``ReferenceGroup`` drives all ranks in lockstep and re-states the error feedback (§1) and the
+exchanges (§3).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Generator, Sequence
+
+import torch
+from scipy.special import gammaincinv
+
+Selection = Generator[torch.Tensor, torch.Tensor, tuple[torch.Tensor, float]]
+
+NAN = float("nan")
+
+# ----------------------------------------------------------------------------------------------
+# §1 Common definitions
+
+
+def target(density: float, n: int) -> int:
+    """§1: k = min(n, max(1, floor(δ n)))."""
+    return min(n, max(1, math.floor(density * n)))
+
+
+def to_dtype(x: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A float64 threshold rounded to the bucket dtype (§1 Precision), as a 0-d tensor."""
+    return torch.tensor(x, dtype=torch.float64).to(dtype)
+
+
+def at_least(v: torch.Tensor, tau: float) -> torch.Tensor:
+    """Mask of |v| >= τ with τ rounded to the dtype first (§1)."""
+    return v.abs() >= to_dtype(tau, v.dtype)
+
+
+def above(v: torch.Tensor, tau: float) -> torch.Tensor:
+    """Mask of |v| > τ with τ rounded to the dtype first (§1)."""
+    return v.abs() > to_dtype(tau, v.dtype)
+
+
+def where(mask: torch.Tensor) -> torch.Tensor:
+    return torch.nonzero(mask).flatten().to(torch.int64)
+
+
+def largest(v: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """The k candidates of largest |v|, ties to the lowest index (§4.1), ascending."""
+    if k >= candidates.numel():
+        return candidates
+    mags = v[candidates].abs()
+    # Stable sort on descending magnitude: equal magnitudes keep ascending index order.
+    order = torch.sort(mags, descending=True, stable=True).indices[:k]
+    return torch.sort(candidates[order]).values
+
+
+def ieee_div(a: float, b: float) -> float:
+    """a / b with IEEE semantics (x / 0 = ±inf, 0 / 0 = NaN), as the C++ doubles divide."""
+    if b == 0:
+        return NAN if a == 0 or math.isnan(a) else math.copysign(math.inf, a)
+    return a / b
+
+
+def kljp_initial(k: int) -> float:
+    """λ0 = 1 / (2 sqrt(k)) (§4.2, §4.7, §4.8), with k at least 1: the project's ruling for an
+    empty bucket (k = 0), documented in docs/methods.md ("Empty buckets")."""
+    return 1.0 / (2 * math.sqrt(max(k, 1)))
+
+
+def mean64(x: torch.Tensor) -> float:
+    return float(x.double().sum()) / x.numel() if x.numel() else NAN
+
+
+def var64(x: torch.Tensor) -> float:
+    """Unbiased variance in float64 (NaN for fewer than two values)."""
+    x = x.double()
+    if x.numel() < 2:
+        return NAN
+    mu = float(x.sum()) / x.numel()
+    return float(((x - mu) ** 2).sum()) / (x.numel() - 1)
+
+
+def norm64(v: torch.Tensor) -> float:
+    return math.sqrt(float((v.double() ** 2).sum()))
+
+
+def phi_inv(p: float) -> float:
+    """Φ⁻¹, the standard normal quantile."""
+    return statistics.NormalDist().inv_cdf(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# §2 Random numbers (uint64 wrapping arithmetic on Python ints)
+
+MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+SHARED_LANE = 2**32 - 1
+TAG_SAGE, TAG_RANDOMK, TAG_DGC, TAG_INITIAL = 1, 2, 3, 4
+
+
+def mix(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def stream(seed: int, tag: int, t: int, lane: int) -> int:
+    return mix(mix(mix((seed & MASK64) ^ tag) ^ t) ^ lane)
+
+
+def draw(s: int, i: int) -> int:
+    return mix((s + i) & MASK64)
+
+
+def sample_with_replacement(s: int, count: int, n: int) -> list[int]:
+    return [draw(s, i) % n for i in range(count)]
+
+
+def sample_distinct(s: int, c: int, n: int) -> torch.Tensor:
+    """§2 distinct sampling: c positions of [0, n), ascending."""
+    if c >= n:
+        return torch.arange(n, dtype=torch.int64)
+
+    def walk(count: int) -> set[int]:
+        taken: set[int] = set()
+        i = 0
+        while len(taken) < count:
+            taken.add(draw(s, i) % n)
+            i += 1
+        return taken
+
+    if c > n // 2:
+        left_out = walk(n - c)
+        return torch.tensor([i for i in range(n) if i not in left_out], dtype=torch.int64)
+    return torch.tensor(sorted(walk(c)), dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Base class
+
+
+class Restatement:
+    exchange = "gather"
+    reports_threshold = True
+
+    def __init__(self) -> None:
+        self.t = 0  # §1: the step counter
+
+    def select(self, v: torch.Tensor, rank: int, world: int) -> Selection:
+        """Methods without collectives inside their selection: ``choose`` does the work."""
+        return self.choose(v, rank, world)
+        yield  # unreachable: makes this a generator like the collective methods' select
+
+    def choose(self, v: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, float]:
+        raise NotImplementedError
+
+    def observe(self, counts_by_rank: Sequence[int]) -> None:
+        self.t += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.1 - §4.6
+
+
+class TopK(Restatement):
+    """§4.1."""
+
+    reports_threshold = False
+
+    def __init__(self, density: float) -> None:
+        super().__init__()
+        self.density = density
+
+    def choose(self, v, rank, world):
+        n = v.numel()
+        k = target(self.density, n)
+        return largest(v, torch.arange(n, dtype=torch.int64), k), NAN
+
+
+class Threshold(Restatement):
+    """§4.2."""
+
+    def __init__(self, threshold: float | None = None, density: float | None = None) -> None:
+        super().__init__()
+        assert (threshold is None) != (density is None)
+        self.threshold, self.density = threshold, density
+
+    def choose(self, v, rank, world):
+        fixed = self.threshold is not None
+        tau = self.threshold if fixed else kljp_initial(target(self.density, v.numel()))
+        return where(at_least(v, tau)), tau
+
+
+class RandomK(Restatement):
+    """§4.3: the same k distinct positions on every rank (shared stream)."""
+
+    exchange = "shared"
+    reports_threshold = False
+
+    def __init__(self, density: float, seed: int = 0) -> None:
+        super().__init__()
+        self.density, self.seed = density, seed
+
+    def choose(self, v, rank, world):
+        n = v.numel()
+        s = stream(self.seed, TAG_RANDOMK, self.t, SHARED_LANE)
+        return sample_distinct(s, target(self.density, n), n), NAN
+
+
+class GaussianK(Restatement):
+    """§4.4."""
+
+    def __init__(self, density: float, variant: str = "spardl") -> None:
+        super().__init__()
+        assert variant in ("spardl", "sidco")
+        self.density, self.variant = density, variant
+
+    def choose(self, v, rank, world):
+        return self.spardl(v) if self.variant == "spardl" else self.sidco(v)
+
+    def spardl(self, v):
+        k = target(self.density, v.numel())
+        # 1. statistics of the signed values
+        mu, sigma = mean64(v), math.sqrt(var64(v))
+        tau = mu + phi_inv(1 - self.density / 2) * sigma
+
+        def count(tau: float) -> int:
+            return int(above(v, tau).sum())
+
+        # 2. at most 20 rescalings towards [floor(3k/4), floor(5k/4)]
+        low, high = (3 * k) // 4, (5 * k) // 4
+        if count(tau) < low:
+            for _ in range(20):
+                if count(tau) < low:
+                    tau = tau / 1.02
+                else:
+                    break
+        elif count(tau) > high:
+            for _ in range(20):
+                if count(tau) > high:
+                    tau = tau * 1.02
+                else:
+                    break
+        # 3.
+        return where(above(v, tau)), tau
+
+    def sidco(self, v):
+        n = v.numel()
+        k = target(self.density, n)
+        norm = norm64(v)
+        if norm == 0:
+            return torch.zeros(0, dtype=torch.int64), NAN  # a zero vector selects nothing (no τ exists)
+        x = v.double().abs() / norm
+        mu, sigma = mean64(x), math.sqrt(var64(x))
+        rho = mu + phi_inv(1 - self.density / 2) * sigma
+        for _ in range(3):  # at most 3 evaluations; the last one's set is the selection
+            tau = rho * norm
+            selected = where(above(v, tau))
+            c = selected.numel()
+            if c < 2 * k / 3:
+                rho = rho * 0.5
+            elif c > 4 * k / 3:
+                rho = rho * 1.5
+            else:
+                break
+        return selected, tau
+
+
+class DGC(Restatement):
+    """§4.5."""
+
+    def __init__(self, density: float, seed: int = 0) -> None:
+        super().__init__()
+        self.density, self.seed = density, seed
+
+    def choose(self, v, rank, world):
+        n = v.numel()
+        k = math.ceil(self.density * n)
+        norm = norm64(v)
+        if norm == 0:
+            return torch.zeros(0, dtype=torch.int64), NAN  # a zero vector selects nothing (no τ exists)
+        f = math.ceil(0.01 * n)
+        samples = sample_distinct(stream(self.seed, TAG_DGC, self.t, SHARED_LANE), f, n)
+        s = math.ceil(f * self.density)
+        x_samples = v[samples].double().abs() / norm
+        rho = float(torch.sort(x_samples, descending=True).values[s - 1])
+        tau = rho * norm
+        candidates = where(above(v, tau))
+        if candidates.numel() > 4 * k / 3:
+            return largest(v, candidates, k), tau
+        return candidates, tau
+
+
+class RedSync(Restatement):
+    """§4.6."""
+
+    def __init__(self, density: float) -> None:
+        super().__init__()
+        self.density = density
+
+    def choose(self, v, rank, world):
+        k = target(self.density, v.numel())
+        mags = v.double().abs()
+        m, big = mean64(mags), float(mags.max()) if mags.numel() else NAN
+        low, high = 0.0, 1.0
+        selected, tau = torch.zeros(0, dtype=torch.int64), NAN
+        while high - low > 0.2:
+            mid = low + (high - low) / 2
+            tau = m + mid * (big - m)
+            selected = where(above(v, tau))
+            c = selected.numel()
+            if k < c < 2 * k:
+                break
+            if c < k / 2:
+                high = mid
+            else:
+                low = mid
+        return selected, tau
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.7 SAGE
+
+
+def f32(x: float) -> float:
+    return float(to_dtype(x, torch.float32))
+
+
+class SAGE(Restatement):
+    def __init__(
+        self,
+        density: float,
+        sampling: str = "flat",
+        segments: Sequence[int] = (),
+        reference: bool = False,
+        seed: int = 0,
+        initial_threshold: float | None = None,
+        exchange: str | None = None,
+    ) -> None:
+        super().__init__()
+        assert sampling in ("flat", "per_tensor")
+        self.density, self.sampling, self.segments = density, sampling, list(segments)
+        self.reference, self.seed, self.initial_threshold = reference, seed, initial_threshold
+        self.exchange = exchange or ("union" if sampling == "flat" else "gather")
+        self.lam = NAN  # λ of the last step
+        self.s_prev = NAN  # s_{t-1}
+        self.s_cur = NAN
+
+    def sample_mean(self, v: torch.Tensor, rank: int) -> float:
+        n = v.numel()
+        if n == 0:
+            return NAN  # no position to sample
+        size = max(1, math.floor(n / (1 + 0.0025 * n)))  # Slovin, e = 0.05
+        s = stream(self.seed, TAG_SAGE, self.t, rank)
+        if self.sampling == "flat":
+            positions = sample_with_replacement(s, size, n)
+        else:
+            sizes = self.segments
+            offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+            positions = []
+            for i in range(size):
+                j = draw(s, 2 * i) % len(sizes)
+                positions.append(offsets[j] + draw(s, 2 * i + 1) % sizes[j])
+        return mean64(v[torch.tensor(positions, dtype=torch.int64)].abs())
+
+    def choose(self, v, rank, world):
+        n = v.numel()
+        k = target(self.density, n)
+        self.s_cur = self.sample_mean(v, rank)
+        if n == 0:  # nothing to sample, nothing to estimate (docs/methods.md, "Empty buckets")
+            return where(at_least(v, 0.0)), NAN
+        alpha = 1.0
+        if self.t >= 1:
+            alpha = self.s_cur / self.s_prev if self.s_prev != 0 else NAN
+            if not (math.isfinite(alpha) and alpha > 0):
+                alpha = 1.0
+        initial = self.initial_threshold if self.initial_threshold is not None else kljp_initial(k)
+        if self.reference:
+            if self.t == 0:
+                self.lam = initial
+            else:
+                d = ieee_div(int(at_least(v, self.lam * alpha).sum()), n)
+                beta = 2 / (1 + math.exp(self.density - d))
+                ratio = d / self.density
+                gamma = 0.95 if ratio < 0.1 else 1.05 if ratio > 10 else 1.0
+                lam1 = f32(self.lam * alpha)
+                lam2 = f32(lam1 * beta)
+                self.lam = f32(lam2 * gamma)
+            return where(at_least(v, self.lam)), self.lam
+        # default mode: prediction, then the band [λ̂ / w, ...)
+        predicted = initial if self.t == 0 else self.lam * alpha
+        w = 2.0 if self.t == 0 else 1.25
+        candidates = where(at_least(v, predicted / w))
+        if candidates.numel() >= k:
+            chosen = largest(v, candidates, k)
+            # the k-th largest |v| of C (none exists when k = 0, i.e. n = 0)
+            self.lam = float(v[chosen].abs().min()) if k > 0 else NAN
+            return chosen, self.lam
+        self.lam = predicted / w
+        return candidates, self.lam
+
+    def observe(self, counts_by_rank):
+        self.s_prev = self.s_cur
+        super().observe(counts_by_rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.8 MiCRO and §4.9 ExDyna: partitioned thresholds (shared code)
+
+HIST_BINS = 512
+HIST_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(HIST_BINS)]  # lower edges of the 512 bins
+BAND_BINS = 257
+
+
+def histogram_bin(value: float) -> int:
+    """§4.8: bin b with edge_b <= value < edge_{b+1}; below the first edge -> 0, above the last -> 511."""
+    lo, hi = 0, HIST_BINS - 1
+    while lo < hi:  # the largest b with edge_b <= value (0 if none)
+        mid = (lo + hi + 1) // 2
+        if HIST_EDGES[mid] <= value:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Partitioned(Restatement):
+    """The threshold machinery shared by MiCRO and ExDyna (§4.8, §4.9 "exactly as MiCRO")."""
+
+    def __init__(self, density: float, exchange: str = "union", reference: bool = False, seed: int = 0) -> None:
+        super().__init__()
+        assert exchange in ("union", "gather")
+        self.density, self.exchange, self.reference, self.seed = density, exchange, reference, seed
+        self.lam = NAN  # reference mode: the running threshold
+        self.k_prev = 0  # total count of the previous step
+        self.estimates: list[float] = []  # default mode: λ̃ of the past steps
+
+    def partition_range(self, n: int, world: int, p: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def select(self, v, rank, world):
+        n = v.numel()
+        big_k = target(self.density, n)
+        p = (self.t + rank) % world
+        lo, hi = self.partition_range(n, world, p)
+        if self.reference:
+            return self.reference_select(v, lo, hi, big_k)
+        return (yield from self.default_select(v, rank, lo, hi, big_k))
+
+    def reference_select(self, v, lo, hi, big_k):
+        if self.t == 0:
+            self.lam = kljp_initial(big_k)
+        else:
+            rho = ieee_div(self.k_prev, big_k)
+            self.lam *= 1.005 if rho > 1.1 else 1.00125 if rho > 0.909 else 0.995
+        selected = lo + where(at_least(v[lo:hi], self.lam))
+        if selected.numel() == 0 and hi > lo:
+            selected = torch.tensor([lo + self.t % (hi - lo)], dtype=torch.int64)  # the dummy index
+        return selected, self.lam
+
+    def default_select(self, v, rank, lo, hi, big_k):
+        # Prediction λ̂
+        if self.t == 0:
+            hist = torch.zeros(HIST_BINS, dtype=torch.float64)
+            size = min(4096, hi - lo)
+            if size > 0:
+                weight = (hi - lo) / size
+                s = stream(self.seed, TAG_INITIAL, 0, rank)
+                for pos in sample_with_replacement(s, size, hi - lo):
+                    hist[histogram_bin(abs(float(v[lo + pos])))] += weight
+            hist = yield hist  # all-reduce (sum over ranks)
+            predicted = HIST_EDGES[0]
+            cumulative = 0.0
+            for b in range(HIST_BINS - 1, 0, -1):
+                cumulative += float(hist[b])
+                if cumulative >= big_k:
+                    predicted = HIST_EDGES[b]
+                    break
+        elif self.t == 1:
+            predicted = self.estimates[-1]
+        else:
+            trend = min(max(self.estimates[-1] / self.estimates[-2], 1 / 1.2), 1.2)
+            predicted = self.estimates[-1] * trend
+        # Band and its 257 counts
+        w = 2.0 if self.t == 0 else 1.25
+        base = predicted / w
+        edges = torch.tensor([base * w ** (2 * b / 256) for b in range(BAND_BINS)], dtype=torch.float64)
+        part = v[lo:hi]
+        candidates = where(at_least(part, edges[0].item()))
+        mags = part[candidates].double().abs()
+        # bin = how many of e_1..e_256 are <= |v| (candidates below e_0 in exact arithmetic: bin 0)
+        bins = torch.searchsorted(edges[1:], mags, right=True)
+        counts = torch.bincount(bins, minlength=BAND_BINS).to(torch.float64)
+        counts = yield counts  # all-reduce (sum over ranks)
+        global_counts = [int(c) for c in counts.tolist()]
+        above_b = [0] * (BAND_BINS + 1)  # G(b) = global count in bins b..256
+        for b in range(BAND_BINS - 1, -1, -1):
+            above_b[b] = above_b[b + 1] + global_counts[b]
+        best = min(range(BAND_BINS), key=lambda b: (abs(above_b[b] - big_k), -b))  # ties: larger b
+        lam = edges[best].item()
+        selected = lo + candidates[bins >= best]
+        self.estimates.append(self.estimate(lam, edges.tolist(), above_b, big_k))
+        return selected, lam
+
+    @staticmethod
+    def estimate(lam, e, g, big_k):
+        """λ̃ for the next prediction (§4.8 "Estimate")."""
+
+        def slope(lo: int, hi: int) -> float:
+            if g[lo] > g[hi] > 0:
+                return max(0.5, math.log(g[lo] / g[hi]) / math.log(e[hi] / e[lo]))
+            return 1.0
+
+        width = e[256] / e[0]
+        if g[256] > big_k:
+            return e[256] * min(width, (g[256] / big_k) ** (1 / slope(0, 256)))
+        if g[0] < big_k:
+            if g[0] == 0:
+                return e[0] / width
+            return e[0] * max(1 / width, (g[0] / big_k) ** (1 / slope(0, 128)))
+        return lam
+
+    def observe(self, counts_by_rank):
+        self.k_prev = sum(counts_by_rank)
+        super().observe(counts_by_rank)
+
+
+class MiCRO(Partitioned):
+    """§4.8: P contiguous partitions, fixed."""
+
+    def partition_range(self, n, world, p):
+        q, m = divmod(n, world)
+        lo = p * q + min(p, m)
+        return lo, lo + q + (1 if p < m else 0)
+
+
+class ExDyna(Partitioned):
+    """§4.9: 1024 blocks in P partitions, rebalanced from the previous step's counts."""
+
+    BLOCKS = 1024
+
+    def __init__(self, density, exchange="union", reference=False, seed=0) -> None:
+        super().__init__(density, exchange, reference, seed)
+        self.n = -1
+        self.world = 0
+        self.cnt: list[int] = []
+        self.pos: list[int] = []
+
+    def layout(self, n: int, world: int) -> None:
+        if self.n == n and self.world == world:
+            return
+        self.n, self.world = n, world
+        self.sz = (n // self.BLOCKS) // 32 * 32
+        self.rem = n - self.BLOCKS * self.sz
+        q, m = divmod(self.BLOCKS, world)
+        self.cnt = [q + 1 if p < m else q for p in range(world)]
+        self.pos = [sum(self.cnt[:p]) for p in range(world)]
+
+    def partition_range(self, n, world, p):
+        self.layout(n, world)
+        lo = self.pos[p] * self.sz
+        hi = (self.pos[p] + self.cnt[p]) * self.sz
+        if p == world - 1:
+            hi += self.rem
+        return lo, hi
+
+    def observe(self, counts_by_rank):
+        world = len(counts_by_rank)
+        self.rebalance(counts_by_rank, world)
+        super().observe(counts_by_rank)
+
+    def rebalance(self, counts_by_rank, world):
+        """§1.2 step 2 of ALGORITHMS.md with the details of §4.9, applied to the layout of the step
+        just completed (step self.t), giving the layout of the next step."""
+        k_prev = sum(counts_by_rank)
+        load = [0] * world
+        for i, c in enumerate(counts_by_rank):  # in step t rank i handled partition (t + i) mod P
+            load[(self.t + i) % world] = c
+        k_avg = k_prev // world
+        if k_avg == 0:
+            return
+        k_move = (self.sz * k_prev) // self.n
+        min_blk = self.BLOCKS / (4 * world)
+        for i in range(world - 1):
+            r0, r1 = load[i] / k_avg, load[i + 1] / k_avg
+            if r0 > 1.05 and r1 < 0.95238:
+                if self.cnt[i] - 1 < min_blk:
+                    continue
+                self.cnt[i] -= 1
+                self.cnt[i + 1] += 1
+                self.pos[i + 1] -= 1
+                load[i] -= k_move
+                load[i + 1] += k_move
+            elif r0 < 0.95238 and r1 > 1.05:
+                if self.cnt[i + 1] - 1 < min_blk:
+                    continue
+                self.cnt[i + 1] -= 1
+                self.cnt[i] += 1
+                self.pos[i + 1] += 1
+                load[i] += k_move
+                load[i + 1] -= k_move
+
+
+# ----------------------------------------------------------------------------------------------
+# §4.10 SIDCo
+
+TINY = 2.0**-52
+
+
+def gpareto_eta(mu: float, var: float, ratio: float) -> float:
+    """§4.10 gpareto threshold from mean μ and unbiased variance for the exceedance ratio."""
+    if not (var > 0):  # not positive or not a number
+        return mu
+    r2 = mu * mu / var
+    kappa = (r2 - 1) / 2
+    sigma = mu * (r2 + 1) / 2
+    if abs(kappa) < 1e-12:
+        return -sigma * math.log(ratio)
+    return sigma * (1 - ratio**kappa) / kappa
+
+
+class SIDCo(Restatement):
+    def __init__(
+        self, density: float, fit: str = "exp", stages: int = 1, first_ratio: float = 0.25, iratio: float | None = None
+    ) -> None:
+        super().__init__()
+        assert fit in ("exp", "gpareto", "gamma_gpareto")
+        self.density, self.fit, self.stages, self.first_ratio = density, fit, stages, first_ratio
+        self.iratio = iratio if iratio is not None else (0.2 if fit == "exp" else 0.075)
+        # adaptive stages (stages < 0)
+        self.m = 1 if stages < 0 else stages
+        self.sum = 0.0
+        self.calls = 0
+        self.direction = 1
+        self.e_prev = 0.0
+        self.last_count = 0
+
+    def first_stage(self, x: torch.Tensor, ratio: float) -> float:
+        mu = mean64(x)
+        if self.fit == "exp":
+            return -mu * math.log(ratio)
+        if self.fit == "gpareto":
+            return gpareto_eta(mu, var64(x), ratio)
+        big_l = math.log(mu) - mean64(torch.log(x + TINY)) if mu > 0 else NAN
+        if not (math.isfinite(big_l) and big_l > 0):
+            return mu
+        a = (3 - big_l + math.sqrt((big_l - 3) ** 2 + 24 * big_l)) / (12 * big_l)
+        b = mu / a
+        return b * float(gammaincinv(a, 1 - ratio))
+
+    def later_stage(self, y: torch.Tensor, ratio: float) -> float:
+        m = float(y.min())
+        if self.fit == "exp":
+            return m - (mean64(y) - m) * math.log(ratio)
+        return m + gpareto_eta(mean64(y) - m, var64(y), ratio)
+
+    def choose(self, v, rank, world):
+        norm = norm64(v)
+        if norm == 0:
+            return torch.zeros(0, dtype=torch.int64), NAN  # a zero vector selects nothing (no τ exists)
+        inv = 1 / norm
+        mags = v.double().abs()
+        x = mags * inv
+        big_m, fr, delta = self.m, self.first_ratio, self.density
+        first = delta if (big_m == 1 or delta >= fr) else fr
+        eta = self.first_stage(x, first)
+        etas = [eta]
+        loops, ratios = 0, []
+        if big_m > 1:
+            loops = big_m - 1
+            ratios = [(delta / fr) ** (1 / (big_m - 1))] * loops
+        elif big_m == 0:
+            rho = self.iratio
+            loops = max(0, math.ceil(math.log(delta / fr) / math.log(rho)))
+            ratios = [rho] * loops
+            if loops:
+                ratios[-1] = (delta / fr) / rho ** (loops - 1)
+        for ratio in ratios:
+            tau = max(etas) * norm
+            y = mags[above(v, tau)] * inv
+            if y.numel() == 0:
+                break
+            eta = self.later_stage(y, ratio)
+            etas.append(eta)
+        tau = eta * norm
+        selected = where(above(v, tau))
+        self.last_count = selected.numel()
+        return selected, tau
+
+    def observe(self, counts_by_rank):
+        if self.stages < 0:
+            self.adapt(self.last_count, self.last_n)
+        super().observe(counts_by_rank)
+
+    def select(self, v, rank, world):
+        self.last_n = v.numel()
+        self.last_count = 0
+        return (yield from super().select(v, rank, world))
+
+    def adapt(self, count: int, n: int) -> None:
+        """§4.10 adaptive stages (§5.2 step 7 of ALGORITHMS.md)."""
+        self.sum += ieee_div(count, self.density * n)
+        self.calls += 1
+        if self.calls < 5:
+            return
+        e = self.sum / 5
+        mode = self.stages
+        if mode == -1:
+            if e > 1.2:
+                self.m -= 1
+            elif e < 0.8:
+                self.m += 1
+        else:
+            if mode == -2:
+                flip = abs(e - 1) > abs(self.e_prev - 1) and self.e_prev > 0
+            else:
+                keep = (e > self.e_prev and self.e_prev < 0.8) or (e < self.e_prev and self.e_prev > 1.2)
+                flip = not keep and self.e_prev > 0
+            if flip:
+                self.direction = -self.direction
+            if e > 1.2:
+                self.m -= self.direction
+            elif e < 0.8:
+                self.m += self.direction
+            self.e_prev = e
+        self.m = min(max(self.m, 1), math.ceil(math.log(self.density) / math.log(0.5)))
+        self.sum = 0.0
+        self.calls = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver: all ranks in lockstep, error feedback (§1) and exchanges (§3)
+
+
+class ReferenceGroup:
+    """Runs P ranks' re-statements in lockstep on one bucket."""
+
+    def __init__(self, world: int, methods: Sequence[Restatement]) -> None:
+        assert len(methods) == world
+        self.world, self.methods = world, list(methods)
+        self.residuals: list[torch.Tensor] | None = None
+        self.collectives_in_selection = 0
+
+    def select_all(self, values: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
+        """Every rank's selection; the all-reduces inside are sums over ranks in rank order."""
+        gens = [m.select(v, r, self.world) for r, (m, v) in enumerate(zip(self.methods, values, strict=True))]
+        results: list = [None] * self.world
+        replies: list = [None] * self.world
+        while True:
+            contributions = []
+            for r, gen in enumerate(gens):
+                try:
+                    contributions.append(gen.send(replies[r]))
+                except StopIteration as stop:
+                    results[r] = stop.value
+                    contributions.append(None)
+            done = [c is None for c in contributions]
+            if all(done):
+                return results
+            assert not any(done), "ranks left the selection at different collectives"
+            self.collectives_in_selection += 1
+            total = contributions[0].clone()
+            for c in contributions[1:]:
+                total += c
+            replies = [total.clone() for _ in range(self.world)]
+
+    def step(self, grads: Sequence[torch.Tensor]) -> list[dict]:
+        """One step: error feedback, selection, exchange, residual update, state commit."""
+        world, n = self.world, grads[0].numel()
+        if self.residuals is None:
+            self.residuals = [torch.zeros(n, dtype=grads[0].dtype) for _ in range(world)]
+        # §1 Selection values: a = residual + grad in the dtype; keep the old residual where not finite
+        values = []
+        for r in range(world):
+            a = self.residuals[r] + grads[r]
+            self.residuals[r] = torch.where(torch.isfinite(a), a, self.residuals[r])
+            values.append(self.residuals[r].clone())
+        selections = self.select_all(values)
+        kind = self.methods[0].exchange
+        out, zeroed = exchange(kind, [s[0] for s in selections], values)
+        for r in range(world):
+            self.residuals[r][zeroed[r]] = 0
+        counts = [s[0].numel() for s in selections]
+        for m in self.methods:
+            m.observe(counts)
+        return [
+            {
+                "indices": selections[r][0],
+                "threshold": selections[r][1],
+                "output": out.clone(),
+                "residual": self.residuals[r].clone(),
+                "counts": counts,
+            }
+            for r in range(world)
+        ]
+
+
+def exchange(
+    kind: str, selections: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """§3: the averaged output and the indices each rank zeroes in its residual."""
+    world = len(values)
+    n = values[0].numel()
+    out = torch.zeros(n, dtype=values[0].dtype)
+    if kind == "gather":
+        for r in range(world):  # rank order; out[i] += v / P
+            idx = selections[r]
+            out[idx] += values[r][idx] / world
+        return out, list(selections)
+    if kind == "shared":
+        for s in selections[1:]:
+            assert torch.equal(s, selections[0]), "shared exchange: ranks selected different indices"
+        union = selections[0]
+    else:
+        assert kind == "union"
+        union = torch.unique(torch.cat(list(selections))) if world else torch.zeros(0, dtype=torch.int64)
+    total = values[0][union].clone()
+    for r in range(1, world):
+        total += values[r][union]
+    out[union] = total / world
+    return out, [union] * world
