@@ -10,7 +10,7 @@ Streams (every rank gets its own gradients; error feedback on, as in training):
   SGD, one mini-batch per rank and step).
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
 |achieved density / target - 1| per step. Achieved density: all ranks' selected count / n for
-MiCRO and ExDyna (one global target), the mean over ranks of count / n for the others.
+MiCRO, ExDyna and SparDL (one global target), the mean over ranks of count / n for the others.
 
 A third table compares the load imbalance of MiCRO's static partitions with ExDyna's dynamic
 ones on a gradient whose large values sit in a few layers.
@@ -52,10 +52,11 @@ def methods(density: float) -> dict[str, callable]:
         "SIDCo gpareto 2": lambda r: _C.SIDCo(density, "gpareto", 2),
         "SIDCo gamma_gpareto 2": lambda r: _C.SIDCo(density, "gamma_gpareto", 2),
         "SIDCo exp adaptive": lambda r: _C.SIDCo(density, "exp", -1),
+        "SparDL": lambda r: _C.SparDL(density),
     }
 
 
-GLOBAL_TARGET = ("MiCRO", "ExDyna")
+GLOBAL_TARGET = ("MiCRO", "ExDyna", "SparDL")
 
 
 def drift_stream(steps: int, world_size: int, n: int = 200_000, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -112,7 +113,8 @@ def density_errors(stream, density: float, world_size: int, name: str, make) -> 
     divisor = n if any(name.startswith(g) for g in GLOBAL_TARGET) else world_size * n
     errors = []
     for step in steps[WARMUP:]:
-        achieved = sum(rs.indices.numel() for rs in step) / divisor
+        # global targets: the elements the exchange wrote (all ranks' selections together)
+        achieved = step[0].union_size / n if divisor == n else sum(rs.indices.numel() for rs in step) / divisor
         errors.append(abs(achieved / density - 1.0))
     errors_t = torch.tensor(errors, dtype=torch.float64)
     return float(errors_t.mean()), float(torch.quantile(errors_t, 0.95))
@@ -151,8 +153,11 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--densities", default="0.01,0.001")
     parser.add_argument("--streams", default="drift,cnn")
+    parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
+    parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")
     parser.add_argument("--output", default="density.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
+    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     torch.set_num_threads(2)
     gs.set_num_threads(1)  # the ranks are threads already
     text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"
@@ -161,14 +166,17 @@ def main(argv: list[str] | None = None) -> str:
         rows = []
         for density in (float(d) for d in args.densities.split(",")):
             for name, make in methods(density).items():
+                if chosen and name not in chosen:
+                    continue
                 mean, p95 = density_errors(stream, density, args.world_size, name, make)
                 rows.append([name, density, mean, p95])
                 print(f"{stream_name:>5} {name:<26} density {density:<6} mean {mean:.3f} p95 {p95:.3f}", flush=True)
         text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,})\n\n"
         text += markdown_table(["method", "density", "mean |d/target - 1|", "p95"], rows) + "\n\n"
-    rows = [*imbalance_table(args.world_size, 0.01), *imbalance_table(args.world_size, 0.001)]
-    text += "## Load imbalance (max count x P / total - 1), large values in 2 of 16 layers\n\n"
-    text += markdown_table(["method", "ranks", "density", "mean", "max"], rows) + "\n"
+    if not args.no_imbalance:
+        rows = [*imbalance_table(args.world_size, 0.01), *imbalance_table(args.world_size, 0.001)]
+        text += "## Load imbalance (max count x P / total - 1), large values in 2 of 16 layers\n\n"
+        text += markdown_table(["method", "ranks", "density", "mean", "max"], rows) + "\n"
     print(text)
     print(f"written to {write_result(args.output, text)}")
     return text

@@ -1,19 +1,34 @@
-"""The shared training driver of the examples: process group from the launcher's environment,
-DDP wrapping, the gradsparse hook, the epoch loop with a progress bar, evaluation and metrics.
+"""The training driver shared by the examples (cnn, lstm, ncf).
 
-A task module supplies a :class:`Task` (model factory, data, loss, evaluation); the driver runs it
-once per requested method in the same processes, so the methods see the same data and seeds.
+It owns everything that is not the task: the process group (from torchrun's, OpenMPI's or
+SLURM's variables through gradsparse.launch), DDP, the communication hook of the chosen method,
+the optimizer's learning-rate schedule with warm-up, checkpoints and exact resume, per-step and
+per-epoch metrics (CSV and TensorBoard) and the progress bar. A task module supplies a
+:class:`Task` and its own arguments; see examples/cnn/__main__.py for the smallest one.
+
+Every run writes to ``--out`` (one folder per method when several are given):
+
+    config.json             the arguments
+    steps.csv, epochs.csv   metrics per step and per epoch
+    tb/                     TensorBoard event files (when tensorboard is installed)
+    checkpoint-rank<r>.pt   model, optimizer, schedule, gradsparse state (residuals), RNG states
+
+A run whose folder holds checkpoints resumes from them (``--fresh`` starts over).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
+import csv
+import itertools
 import json
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,213 +37,640 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
 
-try:  # the progress bar is optional
+try:  # optional: the progress bar
     from tqdm import tqdm
 except ImportError:  # pragma: no cover
     tqdm = None
 
+# ----------------------------------------------------------------------------------------------
+# Tasks
+# ----------------------------------------------------------------------------------------------
 
-@dataclass
+
 class Task:
-    """What a task module hands to the driver."""
+    """What a task module hands to the driver. Subclasses set ``name`` and ``metric`` and
+    implement the methods that raise NotImplementedError."""
 
-    name: str
-    build_model: Callable[[], nn.Module]
-    train_inputs: torch.Tensor
-    train_targets: torch.Tensor
-    test_inputs: torch.Tensor
-    test_targets: torch.Tensor
-    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = nn.functional.cross_entropy
+    name = "task"
+    metric = "accuracy"  # the main quality figure evaluate() returns
+    metric_fields: tuple[str, ...] = ("accuracy",)  # every key evaluate() returns
+    higher_is_better = True
+    samples_per_batch = 1  # for throughput: examples (or tokens) per batch per rank
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def steps_per_epoch(self, world_size: int) -> int:
+        raise NotImplementedError
+
+    def batches(self, epoch: int, rank: int, world_size: int) -> Iterator[Any]:
+        """This rank's batches of an epoch, deterministic in (seed, epoch): resuming skips the
+        ones already trained."""
+        raise NotImplementedError
+
+    def train_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Forward pass and loss of one batch (the driver runs backward and the optimizer)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, rank: int, world_size: int) -> dict[str, float]:
+        """Metrics on the held-out data, the same on every rank (all-reduce inside)."""
+        raise NotImplementedError
+
+    def make_optimizer(self, params, args: argparse.Namespace) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
+
+    def start_epoch(self, epoch: int) -> None:
+        """Called before each epoch's first batch (for example to reset a recurrent state)."""
+
+    def state_dict(self) -> dict:
+        """Task state that a checkpoint must carry (for example a recurrent hidden state)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
-# Methods the driver knows: plain DDP ("dense") and every gradsparse method.
-METHODS = ("dense", *[m for m in gs.METHODS if m != "dense"])
+# ----------------------------------------------------------------------------------------------
+# Methods: plain DDP, torch's built-in hooks, every gradsparse method
+# ----------------------------------------------------------------------------------------------
+
+TORCH_HOOKS = ("powersgd", "fp16")
+METHODS = ("dense", *TORCH_HOOKS, *[m for m in gs.METHODS if m != "dense"])
 
 
-def make_state(method: str, args: argparse.Namespace) -> gs.State | None:
-    """The gradsparse state for a method name (None: plain DDP without a hook)."""
-    if method == "dense":
-        return None
-    options = {"warmup_steps": args.warmup_steps, "reference": args.reference, "transport": args.transport}
+def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The gradsparse constructor arguments a method takes from the command line."""
+    options: dict[str, Any] = {
+        "warmup_steps": args.sparse_warmup_steps,
+        "reference": args.reference,
+        "transport": args.transport,
+    }
     if method == "threshold":
-        return gs.Threshold(threshold=args.threshold, **options)
-    return gs.METHODS[method](density=args.density, **options)
+        options["threshold"] = args.threshold
+    elif method != "dense":
+        options["density"] = args.density
+    per_method = {
+        "micro": ("exchange",),
+        "exdyna": ("exchange",),
+        "sage": ("sampling",),
+        "sidco": ("fit", "stages"),
+        "gaussiank": ("variant",),
+        "spardl": ("teams",),
+    }
+    for name in per_method.get(method, ()):
+        value = getattr(args, name)
+        if value is not None:
+            options[name] = value
+    return options
+
+
+class Communication:
+    """The DDP communication of one run: registers the hook and reports density and traffic."""
+
+    def __init__(self, method: str, ddp: DDP, args: argparse.Namespace, world_size: int):
+        self.method = method
+        self.state: gs.State | None = None
+        self.torch_state = None
+        numel = sum(p.numel() for p in ddp.module.parameters())
+        ring = 2 * (world_size - 1) / world_size  # bytes sent per byte all-reduced (gradsparse's rule)
+        self.dense_bytes = int(ring * numel * 4)
+        self.bytes_per_step = self.dense_bytes
+        if method in gs.METHODS:
+            self.state = gs.METHODS[method](**gradsparse_options(method, args))
+            ddp.register_comm_hook(self.state, gs.hook)
+        elif method == "fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            self.bytes_per_step = int(ring * numel * 2)
+        elif method == "powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+            self.torch_state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=args.powersgd_rank,
+                start_powerSGD_iter=2,
+                random_seed=args.seed,
+            )
+            ddp.register_comm_hook(self.torch_state, powerSGD_hook.powerSGD_hook)
+            self.bytes_per_step = int(ring * 4 * _powersgd_elements(ddp.module, args.powersgd_rank))
+
+    def step_figures(self) -> dict[str, float]:
+        """Achieved density, bytes sent by this rank, selection and exchange seconds since the
+        last call."""
+        if self.state is None:
+            return {
+                "density": self.bytes_per_step / self.dense_bytes if self.dense_bytes else 1.0,
+                "bytes_sent": self.bytes_per_step,
+                "select_seconds": 0.0,
+                "exchange_seconds": 0.0,
+            }
+        total = self.state.stats(reset=True)["total"]
+        density = total["achieved_density"]
+        return {
+            "density": 1.0 if math.isnan(density) else density,
+            "bytes_sent": total["bytes_sent"],
+            "select_seconds": total["select_seconds"],
+            "exchange_seconds": total["exchange_seconds"],
+        }
+
+    @contextlib.contextmanager
+    def discarded(self):
+        """An iteration whose gradients are thrown away leaves the communication state as it
+        was: gradsparse is paused, PowerSGD's state is restored afterwards."""
+        if self.state is not None:
+            with self.state.paused():
+                yield
+            return
+        saved = copy.deepcopy(self.torch_state.__getstate__()) if self.torch_state is not None else None
+        yield
+        if saved is not None:
+            self.torch_state.__setstate__(saved)
+
+    def state_dict(self) -> dict:
+        if self.state is not None:
+            return {"gradsparse": self.state.state_dict()}
+        if self.torch_state is not None:  # PowerSGD keeps error feedback and warm-start matrices
+            return {"powersgd": self.torch_state.__getstate__()}
+        return {}
+
+    def load_state_dict(self, saved: dict) -> None:
+        if self.state is not None:
+            self.state.load_state_dict(saved["gradsparse"])
+        elif self.torch_state is not None:
+            self.torch_state.__setstate__(saved["powersgd"])
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.state.close()
+
+
+def _powersgd_elements(model: nn.Module, rank: int) -> int:
+    """Elements PowerSGD all-reduces per step: P and Q for matrices it compresses (when that
+    halves their size, torch's default min_compression_rate), the tensor itself otherwise."""
+    total = 0
+    for p in model.parameters():
+        n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (p.numel(), 1)
+        r = min(n, m, rank)
+        compressed = (n + m) * r
+        total += compressed if p.dim() > 1 and n * m >= 2 * compressed else p.numel()
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Arguments and presets
+# ----------------------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--methods",
+    g = parser.add_argument_group("method")
+    g.add_argument(
+        "--method",
         default="dense,topk",
-        help=f"comma-separated methods to train one after the other (choices: {', '.join(METHODS)}); "
-        "dense is plain DDP without a hook",
+        help=f"method, or comma-separated methods trained one after the other: {', '.join(METHODS)} "
+        "(dense: plain DDP; powersgd, fp16: torch's built-in hooks)",
     )
-    parser.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent (topk)")
-    parser.add_argument("--threshold", type=float, default=1e-3, help="magnitude threshold (threshold)")
-    parser.add_argument("--warmup-steps", type=int, default=0, help="dense steps before sparsification")
-    parser.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
-    parser.add_argument(
+    g.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent")
+    g.add_argument("--threshold", type=float, default=1e-3, help="threshold: magnitude threshold")
+    g.add_argument("--exchange", choices=("union", "gather"), default=None, help="micro, exdyna: exchange")
+    g.add_argument("--sampling", choices=("flat", "per_tensor"), default=None, help="sage: sampling")
+    g.add_argument("--fit", choices=("exp", "gpareto", "gamma_gpareto"), default=None, help="sidco: fit")
+    g.add_argument("--stages", type=int, default=None, help="sidco: stages (0 fixed ratio, <0 adaptive)")
+    g.add_argument("--variant", choices=("spardl", "sidco"), default=None, help="gaussiank: variant")
+    g.add_argument("--teams", type=int, default=None, help="spardl: teams")
+    g.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
+    g.add_argument("--sparse-warmup-steps", type=int, default=0, help="dense steps before sparsification")
+    g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
+    g.add_argument(
         "--transport",
         choices=("process_group", "mpi"),
         default="process_group",
-        help="what gradsparse's exchanges run on: the torch.distributed group (Gloo), or OpenMPI (under mpirun)",
+        help="what gradsparse's exchanges run on: the torch.distributed group, or OpenMPI (under mpirun)",
     )
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=64, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=0, help="cap on steps per epoch (0: full epochs)")
-    parser.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: cores / workers)")
-    parser.add_argument("--out", default="", help="write the per-epoch results to this JSON file")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = parser.add_argument_group("training")
+    g.add_argument("--preset", default=None, help="named settings of the original benchmarks (see --list-presets)")
+    g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
+    g.add_argument("--epochs", type=int, default=2)
+    g.add_argument("--batch-size", type=int, default=64, help="per worker")
+    g.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
+    g.add_argument("--lr-warmup-epochs", type=float, default=0.0, help="linear warm-up from lr / 10")
+    g.add_argument("--lr-milestones", default="", help="comma-separated epochs at which the lr drops x0.1")
+    g.add_argument("--momentum", type=float, default=0.9)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip", type=float, default=0.0, help="gradient norm clipping (0: none)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps")
+    g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: cores / local workers)")
+    g.add_argument("--data-dir", default=None, help="folder holding the dataset files")
+    g.add_argument("--out", default=None, help="run folder (default runs/<task>)")
+    g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, presets: dict, argv) -> None:
+    """Fills the preset's settings into every argument the command line did not give."""
+    if args.preset is None:
+        return
+    if args.preset not in presets:
+        parser.error(f"--preset: unknown preset {args.preset!r}; choose from {', '.join(sorted(presets))}")
+    given = {a.split("=")[0] for a in (argv or []) if a.startswith("--")}
+    for key, value in presets[args.preset].items():
+        if "--" + key.replace("_", "-") not in given:
+            setattr(args, key, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Process group
+# ----------------------------------------------------------------------------------------------
 
 
 def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
-    """Joins the process group described by the launcher's environment: torchrun's variables, or
-    OpenMPI's and SLURM's mapped by gradsparse.launch. Returns (rank, world size)."""
-    gs.launch.setup_environment()
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
+    """Joins the process group described by the launcher's environment: torchrun's variables,
+    or OpenMPI's and SLURM's mapped by gradsparse.launch. Returns (rank, world size)."""
+    launcher = gs.launch.setup_environment()
+    if launcher == "none":
         raise SystemExit(
-            f"missing {', '.join(missing)}: launch with torchrun, mpirun or srun, for example "
+            "no launcher found: run under torchrun, mpirun or srun, for example "
             "`torchrun --standalone --nproc-per-node=4 -m examples.cnn`"
         )
     local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     threads = args.threads or max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
-    dist.init_process_group("gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _evaluate(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, rank: int, world: int) -> float:
-    """Accuracy on the test set, each rank scoring a shard."""
-    model.eval()
-    correct = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for start in range(rank * 1000, len(inputs), world * 1000):
-            logits = model(inputs[start : start + 1000])
-            correct[0] += (logits.argmax(1) == targets[start : start + 1000]).sum()
-            correct[1] += len(logits)
-    dist.all_reduce(correct)
-    model.train()
-    return float(correct[0] / correct[1])
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _megabytes(n: float) -> float:
-    return n / 1e6
+# ----------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------
+
+STEP_FIELDS = [
+    "step", "epoch", "loss", "lr", "density", "bytes_sent", "select_seconds", "exchange_seconds",
+    "step_seconds", "throughput", "elapsed_seconds",
+]  # fmt: skip
 
 
-def train_method(task: Task, method: str, args: argparse.Namespace, rank: int, world: int) -> list[dict]:
-    torch.manual_seed(args.seed)
-    model = task.build_model()
-    ddp = DDP(model)
-    state = make_state(method, args)
-    if state is not None:
-        ddp.register_comm_hook(state, gs.hook)
-    numel = sum(p.numel() for p in model.parameters())
-    dense_bytes_per_step = 2 * (world - 1) * numel * 4 // world  # ring all-reduce, as gradsparse counts
-    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
-    n_train = len(task.train_inputs)
-    steps = (n_train // world) // args.batch_size
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
-    rows = []
-    for epoch in range(args.epochs):
-        order = torch.randperm(n_train, generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
-        shard = order[rank::world]
-        bar = None
-        if rank == 0 and tqdm is not None and not args.no_progress:
-            bar = tqdm(
-                total=steps, desc=f"{method} epoch {epoch + 1}/{args.epochs}", unit="step", leave=False, disable=None
+class Recorder:
+    """CSV files and TensorBoard, written by rank 0; appends when a run resumes."""
+
+    def __init__(self, folder: str, metric_fields: list[str], rank: int, resume: bool):
+        self.active = rank == 0
+        self.epoch_fields = ["epoch", "step", "loss", *metric_fields, "density", "bytes_sent", "bytes_total",
+                             "train_seconds", "elapsed_seconds"]  # fmt: skip
+        self.writer = None
+        if not self.active:
+            return
+        self.steps = self._open(os.path.join(folder, "steps.csv"), STEP_FIELDS, resume)
+        self.epochs = self._open(os.path.join(folder, "epochs.csv"), self.epoch_fields, resume)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(folder, "tb"))
+        except ImportError:  # pragma: no cover - tensorboard is an optional dependency
+            print("tensorboard is not installed: metrics go to CSV only (pip install tensorboard)", flush=True)
+
+    @staticmethod
+    def _open(path: str, fields: list[str], resume: bool):
+        fresh = not (resume and os.path.exists(path))
+        f = open(path, "w" if fresh else "a", newline="")  # noqa: SIM115 (closed in close())
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if fresh:
+            writer.writeheader()
+        return f, writer
+
+    def step(self, row: dict) -> None:
+        if not self.active:
+            return
+        self.steps[1].writerow({k: row[k] for k in STEP_FIELDS})
+        if self.writer is not None:
+            for key in ("loss", "lr", "density", "bytes_sent", "exchange_seconds", "throughput"):
+                self.writer.add_scalar(f"step/{key}", row[key], row["step"])
+
+    def epoch(self, row: dict) -> None:
+        if not self.active:
+            return
+        self.epochs[1].writerow({k: row[k] for k in self.epoch_fields})
+        self.epochs[0].flush()
+        self.steps[0].flush()
+        if self.writer is not None:
+            for key, value in row.items():
+                if key not in ("epoch", "step"):
+                    self.writer.add_scalar(f"epoch/{key}", value, row["epoch"])
+            self.writer.flush()
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        for f, _ in (self.steps, self.epochs):
+            f.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace) -> float:
+    """Linear warm-up from 1/10 over lr_warmup_epochs, then x0.1 at every milestone epoch."""
+    epoch = step / steps_per_epoch
+    factor = 1.0
+    if args.lr_warmup_epochs > 0 and epoch < args.lr_warmup_epochs:
+        factor = 0.1 + 0.9 * epoch / args.lr_warmup_epochs
+    milestones = [float(m) for m in str(args.lr_milestones).split(",") if m.strip()]
+    return factor * 0.1 ** sum(epoch >= m for m in milestones)
+
+
+class Run:
+    """One method's training run, resumable."""
+
+    def __init__(self, task: Task, method: str, args: argparse.Namespace, folder: str, rank: int, world: int):
+        self.task, self.method, self.args, self.folder, self.rank, self.world = task, method, args, folder, rank, world
+        torch.manual_seed(args.seed)
+        self.model = task.build_model().to(device())
+        self.ddp = DDP(self.model)
+        self.comm = Communication(method, self.ddp, args, world)
+        self.optimizer = task.make_optimizer(self.ddp.parameters(), args)
+        self.steps_per_epoch = task.steps_per_epoch(world)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, self.steps_per_epoch, args)
+        )
+        self.step = 0  # optimizer steps taken
+        self.elapsed = 0.0  # training seconds before this process (resumed runs)
+        self.bytes_total = 0
+        self.epoch_tally = self._empty_tally()
+        torch.manual_seed(args.seed * 7919 + rank)  # per-rank stream (dropout, sampling)
+
+    @staticmethod
+    def _empty_tally() -> dict:
+        return {"loss": 0.0, "steps": 0, "bytes": 0, "density": 0.0, "seconds": 0.0}
+
+    # checkpoints ------------------------------------------------------------------------------
+    def checkpoint_path(self, rank: int | None = None) -> str:
+        return os.path.join(self.folder, f"checkpoint-rank{self.rank if rank is None else rank}.pt")
+
+    def save(self) -> None:
+        state = {
+            "method": self.method,
+            "world_size": self.world,
+            "step": self.step,
+            "elapsed": self.elapsed,
+            "bytes_total": self.bytes_total,
+            "epoch_tally": self.epoch_tally,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "communication": self.comm.state_dict(),
+            "task": self.task.state_dict(),
+            "rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+        tmp = self.checkpoint_path() + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.checkpoint_path())  # never a half-written checkpoint
+        dist.barrier()
+
+    def try_resume(self) -> bool:
+        exists = torch.tensor([os.path.exists(self.checkpoint_path())], dtype=torch.int32)
+        dist.all_reduce(exists)
+        if int(exists) == 0:
+            return False
+        if int(exists) != self.world:
+            raise SystemExit(
+                f"{self.folder}: only {int(exists)} of {self.world} ranks have a checkpoint; resume with the "
+                "same number of workers, or pass --fresh"
             )
-        loss_sum = torch.zeros(2, dtype=torch.float64)
-        start = time.perf_counter()
-        for step in range(steps):
-            idx = shard[step * args.batch_size : (step + 1) * args.batch_size]
-            loss = task.loss(ddp(task.train_inputs[idx]), task.train_targets[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            loss_sum += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
-            if bar is not None:
-                bar.update(1)
-                if step % 20 == 0:
-                    bar.set_postfix(loss=f"{loss.item():.3f}")
-        seconds = time.perf_counter() - start
+        state = torch.load(self.checkpoint_path(), map_location=device(), weights_only=False)
+        if state["world_size"] != self.world or state["method"] != self.method:
+            raise SystemExit(
+                f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers, this run "
+                f"is {self.method} on {self.world}; use another --out or pass --fresh"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.comm.load_state_dict(state["communication"])
+        self.task.load_state_dict(state["task"])
+        self.step, self.elapsed, self.bytes_total = state["step"], state["elapsed"], state["bytes_total"]
+        self.epoch_tally = state["epoch_tally"]
+        torch.set_rng_state(state["rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda_rng"])
+        return True
+
+    def settle_bucket_layout(self) -> None:
+        """DDP builds its buckets in parameter order, then rebuilds them once in the order the
+        first iteration's gradients arrived. Layout-dependent methods (partitions, per-bucket
+        top-k) would see one layout in a fresh run's first step and another after a resume, so
+        every process starts with one iteration whose gradients, and every state it touches
+        (parameters, buffers, RNG, task and communication state), are thrown away."""
+        model_state = copy.deepcopy(self.model.state_dict())
+        task_state = copy.deepcopy(self.task.state_dict())
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        epoch = self.step // self.steps_per_epoch
+        batch = next(iter(self.task.batches(epoch, self.rank, self.world)))
+        with self.comm.discarded():
+            self.task.train_step(self.ddp, batch).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.load_state_dict(model_state)
+        self.task.load_state_dict(task_state)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng)
+
+    # the loop ---------------------------------------------------------------------------------
+    def train(self, recorder: Recorder) -> list[dict]:
+        args = self.args
+        self.settle_bucket_layout()
+        total_steps = args.epochs * self.steps_per_epoch
+        if args.max_steps:
+            total_steps = min(total_steps, args.max_steps)
+        rows: list[dict] = []
+        bar = None
+        if self.rank == 0 and tqdm is not None and not args.no_progress:
+            bar = tqdm(total=total_steps, initial=self.step, desc=self.method, unit="step", disable=None)
+        while self.step < total_steps:
+            epoch, first = divmod(self.step, self.steps_per_epoch)
+            if first == 0:
+                self.task.start_epoch(epoch)
+            batches = itertools.islice(self.task.batches(epoch, self.rank, self.world), first, None)
+            for batch in batches:
+                self._one_step(epoch, batch, recorder, bar)
+                last_of_epoch = self.step % self.steps_per_epoch == 0
+                if last_of_epoch:
+                    rows.append(self._end_epoch(epoch, recorder))
+                elif self.step >= total_steps:  # stopped inside an epoch: report it so far
+                    rows.append(self._end_epoch(epoch, recorder, partial=True))
+                if (
+                    last_of_epoch
+                    or self.step >= total_steps
+                    or (args.checkpoint_every and self.step % args.checkpoint_every == 0)
+                ):
+                    self.save()
+                if last_of_epoch or self.step >= total_steps:
+                    break
+            else:
+                raise RuntimeError(
+                    f"{self.task.name}: batches() of epoch {epoch + 1} ended before steps_per_epoch() = "
+                    f"{self.steps_per_epoch} batches"
+                )
         if bar is not None:
             bar.close()
-        dist.all_reduce(loss_sum)
-        accuracy = _evaluate(model, task.test_inputs, task.test_targets, rank, world)
-        if state is None:
-            density, sent, dense = 1.0, dense_bytes_per_step * steps, dense_bytes_per_step * steps
-        else:
-            total = state.stats(reset=True)["total"]
-            density = total["density"] if not math.isnan(total["density"]) else 1.0
-            sent, dense = total["bytes_sent"], total["dense_bytes"]
+        return rows
+
+    def _one_step(self, epoch: int, batch: Any, recorder: Recorder, bar) -> None:
+        start = time.perf_counter()
+        loss = self.task.train_step(self.ddp, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.args.clip > 0:
+            nn.utils.clip_grad_norm_(self.ddp.parameters(), self.args.clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.schedule.step()
+        loss_value = loss.item()
+        seconds = time.perf_counter() - start
+        self.step += 1
+        self.elapsed += seconds
+        figures = self.comm.step_figures()
+        self.bytes_total += figures["bytes_sent"]
+        t = self.epoch_tally
+        t["loss"] += loss_value
+        t["steps"] += 1
+        t["bytes"] += figures["bytes_sent"]
+        t["density"] += figures["density"]
+        t["seconds"] += seconds
+        recorder.step(
+            {
+                "step": self.step,
+                "epoch": epoch + 1,
+                "loss": loss_value,
+                "lr": lr,
+                **figures,
+                "step_seconds": seconds,
+                "throughput": self.task.samples_per_batch * self.world / seconds,
+                "elapsed_seconds": self.elapsed,
+            }
+        )
+        if bar is not None:
+            bar.update(1)
+            if self.step % 10 == 0:
+                bar.set_postfix(loss=f"{loss_value:.3f}", epoch=epoch + 1)
+
+    def _end_epoch(self, epoch: int, recorder: Recorder, partial: bool = False) -> dict:
+        """Evaluates and records the epoch; ``partial``: a stop inside the epoch, whose tally
+        continues when the run resumes (its row's epoch is fractional)."""
+        t = self.epoch_tally
+        mean_loss = torch.tensor([t["loss"], t["steps"]], dtype=torch.float64)
+        dist.all_reduce(mean_loss)
+        metrics = self.task.evaluate(self.model, self.rank, self.world)
+        self.model.train()
         row = {
-            "method": method,
-            "epoch": epoch + 1,
-            "loss": float(loss_sum[0] / loss_sum[1]),
-            "accuracy": accuracy,
-            "density": density,
-            "bytes_sent": sent,
-            "dense_bytes": dense,
-            "seconds": seconds,
-            "steps": steps,
+            "epoch": round(self.step / self.steps_per_epoch, 4) if partial else epoch + 1,
+            "step": self.step,
+            "loss": float(mean_loss[0] / mean_loss[1]),
+            **metrics,
+            "density": t["density"] / max(1, t["steps"]),
+            "bytes_sent": t["bytes"],
+            "bytes_total": self.bytes_total,
+            "train_seconds": t["seconds"],
+            "elapsed_seconds": self.elapsed,
         }
-        rows.append(row)
-        if rank == 0:
+        recorder.epoch(row)
+        if self.rank == 0:
+            dense = self.comm.dense_bytes * max(1, t["steps"])
+            quality = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
             print(
-                f"[{method:>9}] epoch {epoch + 1}/{args.epochs}  loss {row['loss']:.4f}  "
-                f"accuracy {100 * accuracy:5.2f}%  density {density:.4f}  "
-                f"sent {_megabytes(sent):8.3f} MB/rank ({100 * sent / dense:5.1f}% of dense)  "
-                f"time {seconds:6.1f} s",
+                f"[{self.method:>9}] epoch {row['epoch']}/{self.args.epochs}  loss {row['loss']:.4f}  {quality}  "
+                f"density {row['density']:.4f}  sent {t['bytes'] / 1e6:8.3f} MB/rank "
+                f"({100 * t['bytes'] / dense:5.1f}% of dense)  time {t['seconds']:6.1f} s",
                 flush=True,
             )
-    if state is not None:
-        state.close()
-    return rows
+        if not partial:
+            self.epoch_tally = self._empty_tally()
+        return row
 
 
-def summarize(rows: list[dict]) -> str:
-    """One line per method: final accuracy, training time and traffic."""
-    lines = [f"{'method':>9}  {'accuracy':>8}  {'train time':>10}  {'MB sent/rank':>12}  {'vs dense':>8}"]
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
-        sent = sum(r["bytes_sent"] for r in mine)
-        dense = sum(r["dense_bytes"] for r in mine)
+def summarize(task: Task, results: dict[str, list[dict]]) -> str:
+    """One line per method: final quality, training time and traffic."""
+    lines = [f"{'method':>9}  {task.metric:>10}  {'train time':>10}  {'MB sent/rank':>12}"]
+    for method, rows in results.items():
+        if not rows:
+            continue
         lines.append(
-            f"{method:>9}  {100 * mine[-1]['accuracy']:7.2f}%  {sum(r['seconds'] for r in mine):9.1f}s  "
-            f"{_megabytes(sent):12.3f}  {100 * sent / dense:7.1f}%"
+            f"{method:>9}  {rows[-1][task.metric]:10.4f}  {rows[-1]['elapsed_seconds']:9.1f}s  "
+            f"{rows[-1]['bytes_total'] / 1e6:12.3f}"
         )
     return "\n".join(lines)
 
 
-def main(task_factory: Callable[[argparse.Namespace], Task], description: str, argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=description)
+def main(
+    make_task: Callable[[argparse.Namespace], Task],
+    description: str,
+    argv: list[str] | None = None,
+    add_task_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    presets: dict[str, dict] | None = None,
+    default_out: str = "runs/task",
+) -> dict[str, list[dict]]:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    parser.add_argument("--data-dir", default=None, help="folder holding the dataset files")
+    if add_task_arguments is not None:
+        add_task_arguments(parser.add_argument_group("task"))
     args = parser.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    presets = presets or {}
+    if args.list_presets:
+        for name, settings in sorted(presets.items()):
+            print(f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()))
+        return {}
+    apply_preset(parser, args, presets, argv)
+    methods = [m.strip() for m in args.method.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
-        parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        parser.error(f"--method: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    out = args.out or default_out
     rank, world = init_distributed(args)
-    task = task_factory(args)
+    task = make_task(args)
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())
-        print(
-            f"{task.name}: {world} workers (Gloo), {n:,} parameters, {len(task.train_inputs):,} training and "
-            f"{len(task.test_inputs):,} test examples, batch {args.batch_size} per worker",
-            flush=True,
-        )
-    rows = []
+        print(f"{task.name}: {world} workers ({dist.get_backend()}), {n:,} parameters", flush=True)
+    results = {}
     for method in methods:
-        rows += train_method(task, method, args, rank, world)
+        folder = os.path.join(out, method) if len(methods) > 1 else out
+        if rank == 0:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump({**vars(args), "method": method, "world_size": world, "task": task.name}, f, indent=2)
+        dist.barrier()
+        run = Run(task, method, args, folder, rank, world)
+        resumed = not args.fresh and run.try_resume()
+        if resumed and rank == 0:
+            print(f"[{method:>9}] resuming from step {run.step} ({folder})", flush=True)
+        recorder = Recorder(folder, _metric_fields(task), rank, resumed)
+        try:
+            results[method] = run.train(recorder)
+        finally:
+            recorder.close()
+            run.comm.close()
     if rank == 0:
-        print("\n" + summarize(rows), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=2)
-    dist.destroy_process_group()
+        print("\n" + summarize(task, results), flush=True)
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return results
+
+
+def _metric_fields(task: Task) -> list[str]:
+    return list(task.metric_fields)

@@ -1,0 +1,146 @@
+"""Does the engine overlap communication with the backward pass?
+
+    python -m benchmarks.overlap [--world-size 2] [--steps 20] [--methods dense,topk,micro,spardl]
+
+On a model with several DDP buckets, per method, three timings of forward + backward (the median
+step, measured in the same processes):
+
+- **compute**: a hook that returns its bucket at once (no communication at all);
+- **serial**: the gradsparse hook, but waiting for each bucket's exchange inside the hook, so
+  the backward pass stops while it communicates: compute + exchange, nothing overlapped;
+- **overlapped**: the gradsparse hook as users register it (the engine thread exchanges while
+  autograd computes the next buckets).
+
+exchange = serial - compute; the overlap goal is overlapped < compute + exchange (= serial), and
+"hidden" is the share of the exchange time that disappeared. The Gloo processes talk over
+loopback.
+
+No `from __future__ import annotations`: DDP checks hook annotations as objects.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsparse as gs
+from benchmarks.utils import markdown_table, write_result
+from gradsparse.testing import run_distributed
+
+
+def make_model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def immediate(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def blocking(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    fut = gs.hook(state, bucket)
+    fut.wait()
+    return fut
+
+
+def time_steps(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    times = []
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        ddp.zero_grad(set_to_none=True)
+        if i >= 3:  # three warm-up steps (DDP rebuilds its buckets after the first)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
+    torch.set_num_threads(1)
+    gs.set_num_threads(1)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(64, width, generator=g), torch.randint(0, 10, (64,), generator=g)
+    results = {}
+    for method in methods:
+        row = {}
+        for mode in ("compute", "serial", "overlapped"):
+            ddp = DDP(make_model(width, depth), bucket_cap_mb=4)
+            state = None
+            if mode == "compute":
+                ddp.register_comm_hook(None, immediate)
+            else:
+                state = gs.METHODS[method](density=density) if method != "dense" else gs.Dense()
+                ddp.register_comm_hook(state, blocking if mode == "serial" else gs.hook)
+            dist.barrier()
+            row[mode] = time_steps(ddp, x, y, steps)
+            if state is not None:
+                row["buckets"] = len(state.stats()["buckets"])
+                state.close()
+        results[method] = row
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--methods", default="dense,topk,micro,spardl")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=6)
+    args = parser.parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    per_rank = run_distributed(
+        worker, args.world_size, methods, args.density, args.steps, args.width, args.depth, timeout=1800
+    )
+    params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
+    rows = []
+    for method in methods:
+        # the slowest rank sets the pace of a synchronous step
+        t = {mode: max(r[method][mode] for r in per_rank) for mode in ("compute", "serial", "overlapped")}
+        exchange = t["serial"] - t["compute"]
+        hidden = (t["serial"] - t["overlapped"]) / exchange if exchange > 0 else float("nan")
+        rows.append(
+            [
+                method,
+                per_rank[0][method]["buckets"],
+                1e3 * t["compute"],
+                1e3 * exchange,
+                1e3 * t["serial"],
+                1e3 * t["overlapped"],
+                t["overlapped"] / t["serial"],
+                f"{100 * hidden:.0f}%",
+            ]
+        )
+    table = markdown_table(
+        [
+            "method",
+            "buckets",
+            "compute ms",
+            "exchange ms",
+            "compute + exchange ms",
+            "overlapped ms",
+            "overlapped / (compute + exchange)",
+            "exchange hidden",
+        ],
+        rows,
+    )
+    header = (
+        f"{args.world_size} Gloo processes, MLP {args.depth}x{args.width} ({params:,} parameters), batch 64, "
+        f"density {args.density}, median of {args.steps} steps\n\n"
+    )
+    print(header + table)
+    print("written to", write_result("overlap.md", header + table + "\n"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Quality against training time and against bytes sent, for several runs on one figure.
+
+    python -m examples.plot RUN_DIR [RUN_DIR ...] [--out compare.png] [--metric accuracy]
+
+A RUN_DIR is a run folder (holding epochs.csv) or a folder of run folders (one per method, as
+``--method dense,topk`` writes them). Each run is one line, labelled by its folder name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+
+
+def find_runs(paths: list[str]) -> list[tuple[str, str]]:
+    """(label, epochs.csv path) of every run under the given folders."""
+    runs = []
+    for path in paths:
+        if os.path.exists(os.path.join(path, "epochs.csv")):
+            runs.append((os.path.basename(os.path.normpath(path)), os.path.join(path, "epochs.csv")))
+            continue
+        found = sorted(
+            (name, os.path.join(path, name, "epochs.csv"))
+            for name in (os.listdir(path) if os.path.isdir(path) else [])
+            if os.path.exists(os.path.join(path, name, "epochs.csv"))
+        )
+        if not found:
+            raise SystemExit(f"{path}: no epochs.csv here or in its sub-folders (is it a run folder?)")
+        runs += found
+    return runs
+
+
+def read_rows(path: str) -> list[dict[str, float]]:
+    with open(path, newline="") as f:
+        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    # A run stopped inside an epoch reports that partial epoch and later the whole one: keep
+    # the latest row of each step count, in step order.
+    by_step = {row["step"]: row for row in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run folders, or folders of run folders")
+    parser.add_argument("--out", default="compare.png", help="PNG file to write")
+    parser.add_argument("--metric", default=None, help="column to plot (default: the first quality column)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(label, read_rows(path)) for label, path in find_runs(args.runs)]
+    standard = {"epoch", "step", "loss", "density", "bytes_sent", "bytes_total", "train_seconds", "elapsed_seconds"}
+    metric = args.metric or next((k for k in runs[0][1][0] if k not in standard), "loss")
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, rows in runs:
+        if metric not in rows[0]:
+            raise SystemExit(f"{label}: no column {metric!r} in its epochs.csv (columns: {', '.join(rows[0])})")
+        y = [r[metric] for r in rows]
+        by_time.plot([r["elapsed_seconds"] for r in rows], y, marker="o", label=label)
+        by_bytes.plot([r["bytes_total"] / 1e6 for r in rows], y, marker="o", label=label)
+    by_time.set_xlabel("training time (s)")
+    by_bytes.set_xlabel("MB sent per worker")
+    by_bytes.set_xscale("log")
+    for ax in (by_time, by_bytes):
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    by_bytes.legend(fontsize=8)
+    fig.suptitle(args.title or f"{metric} against time and traffic")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out} ({len(runs)} runs)")
+    return args.out
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

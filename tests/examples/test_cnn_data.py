@@ -1,0 +1,135 @@
+"""The CNN example's data readers on fixture files written here in the official formats, the
+augmentation, and the models' shapes."""
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from examples.cnn import data, models
+
+
+def write_idx(path, array: np.ndarray) -> None:
+    header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_reads_idx_files(tmp_path):
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 12), ("t10k", 5)):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    x_train, y_train, x_test, y_test = data.fashion_mnist(str(tmp_path))
+    assert x_train.shape == (12, 1, 28, 28) and x_test.shape == (5, 1, 28, 28)
+    assert y_train.tolist() == [i % 10 for i in range(12)] and y_test.tolist() == [0, 1, 2, 3, 4]
+    assert abs(float(x_train.mean())) < 1e-5 and abs(float(x_train.std()) - 1) < 1e-4
+
+
+def test_idx_rejects_a_truncated_file(tmp_path):
+    write_idx(tmp_path / "x.gz", np.zeros((3, 4)))
+    with gzip.open(tmp_path / "x.gz") as f:
+        raw = f.read()
+    with gzip.open(tmp_path / "y.gz", "wb") as f:
+        f.write(raw[:-1])
+    with pytest.raises(ValueError, match="expected 12 elements"):
+        data.read_idx(str(tmp_path / "y.gz"))
+
+
+def test_missing_fashion_mnist_says_how_to_install(tmp_path):
+    with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        data.fashion_mnist(str(tmp_path))
+
+
+def cifar_arrays(n: int, classes: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, 3072), dtype=np.uint8), [int(v) for v in rng.integers(0, classes, n)]
+
+
+def test_cifar10_python_batches(tmp_path):
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    expected = []
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        x, y = cifar_arrays(4, 10, len(expected))
+        expected.append((x, y))
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": x, b"labels": y, b"batch_label": name.encode()}, f)
+    x_train, y_train, x_test, y_test = data.read_cifar_python(str(folder), "cifar10")
+    assert x_train.shape == (20, 3, 32, 32) and x_test.shape == (4, 3, 32, 32)
+    assert y_train.tolist() == [label for _, y in expected[:5] for label in y] and y_test.tolist() == expected[5][1]
+    # channel-major layout: the first 1024 bytes of a row are the red plane
+    assert torch.equal(x_train[0, 0].reshape(-1), torch.as_tensor(expected[0][0][0, :1024]))
+    assert torch.equal(x_test[3, 2].reshape(-1), torch.as_tensor(expected[5][0][3, 2048:]))
+    xn, _, _, _ = data.cifar("cifar10", str(tmp_path))  # finds the sub-folder, normalises
+    assert xn.dtype == torch.float32 and xn.shape == (20, 3, 32, 32)
+
+
+def test_cifar100_python_uses_fine_labels(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):
+        x, y = cifar_arrays(6, 100, 1)
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": x, b"fine_labels": y, b"coarse_labels": [v // 5 for v in y]}, f)
+    _, y_train, _, _ = data.read_cifar_python(str(folder), "cifar100")
+    assert y_train.tolist() == y
+
+
+@pytest.mark.parametrize("dataset,label_bytes,files", [
+    ("cifar10", 1, [f"data_batch_{i}.bin" for i in range(1, 6)] + ["test_batch.bin"]),
+    ("cifar100", 2, ["train.bin", "test.bin"]),
+])  # fmt: skip
+def test_cifar_binary_records(tmp_path, dataset, label_bytes, files):
+    rng = np.random.default_rng(3)
+    labels = {}
+    for name in files:
+        x, y = cifar_arrays(3, 100 if dataset == "cifar100" else 10, len(labels))
+        coarse = [v // 5 for v in y]
+        records = [([c, f] if label_bytes == 2 else [f]) + list(row) for c, f, row in zip(coarse, y, x, strict=True)]
+        (tmp_path / name).write_bytes(bytes(v for r in records for v in r))
+        labels[name] = y
+    x_train, y_train, x_test, y_test = data.read_cifar_binary(str(tmp_path), dataset)
+    assert x_train.shape == (len(y_train), 3, 32, 32)
+    assert y_test.tolist() == labels[files[-1]] and x_test.shape == (3, 3, 32, 32)
+    assert len(y_train) == 3 * (len(files) - 1)
+    (tmp_path / files[0]).write_bytes(b"\0" * 100)
+    with pytest.raises(ValueError, match="not a multiple"):
+        data.read_cifar_binary(str(tmp_path), dataset)
+    del rng
+
+
+def test_missing_cifar_shows_the_download_step(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"cifar-10-python\.tar\.gz"):
+        data.cifar("cifar10", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="--data-dir"):
+        data.cifar("cifar100", None)
+
+
+def test_augmentation_crops_and_flips_deterministically():
+    x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
+    a = data.augment(x, torch.Generator().manual_seed(5))
+    b = data.augment(x, torch.Generator().manual_seed(5))
+    assert torch.equal(a, b) and a.shape == x.shape
+    for i in range(2):  # every output image is a shifted (and maybe mirrored) window of the padded input
+        padded = torch.nn.functional.pad(x[i], (4, 4, 4, 4))
+        windows = [padded[:, dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)]
+        assert any(torch.equal(a[i], w) or torch.equal(a[i], w.flip(2)) for w in windows)
+
+
+@pytest.mark.parametrize("name,size,params", [
+    ("smallcnn", 28, 80_202), ("resnet20", 32, 272_474), ("resnet18", 32, 11_173_962), ("vgg16", 32, 14_728_266),
+])  # fmt: skip
+def test_models_shapes_and_sizes(name, size, params):
+    channels = 1 if size == 28 else 3
+    model = models.build(name, channels, 10, size)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert model(torch.zeros(2, channels, size, size)).shape == (2, 10)
+
+
+def test_vgg_needs_32_pixel_images():
+    with pytest.raises(ValueError, match="needs 32x32 images"):
+        models.build("vgg19", 1, 10, 28)

@@ -1,0 +1,133 @@
+"""The examples train for real with 2 Gloo workers (torchrun and mpirun) on the offline data:
+every method runs a few steps; metrics CSV, TensorBoard logs, checkpoints and the plot appear;
+a run stopped and resumed ends with exactly the parameters of an uninterrupted run."""
+
+import csv
+import glob
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from gradsparse.testing import free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EVERY_METHOD = "dense,powersgd,fp16,topk,threshold,randomk,gaussiank,dgc,redsync,sage,micro,exdyna,sidco,spardl"
+# Tiny settings per task, on the data that installs offline.
+TASKS = {
+    "cnn": ["--preset", "demo", "--batch-size", "32"],
+}
+
+
+def launch(command: list[str], args: list[str], timeout: float = 900) -> str:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    done = subprocess.run([*command, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(command + args)}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+    return done.stdout
+
+
+def torchrun(task: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        f"examples.{task}",
+    ]
+
+
+def mpirun(task: str) -> list[str]:
+    if shutil.which("mpirun") is None:
+        pytest.fail("mpirun is required (scripts/setup.sh installs OpenMPI)")
+    return [
+        "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+        "-x", f"MASTER_PORT={free_port()}", sys.executable, "-m", f"examples.{task}",
+    ]  # fmt: skip
+
+
+def read_csv(path: str) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_every_method_trains(tmp_path, task, launcher):
+    command = torchrun(task) if launcher == "torchrun" else mpirun(task)
+    out = launch(command, [*TASKS[task], "--method", EVERY_METHOD, "--max-steps", "3", "--out", str(tmp_path),
+                           "--no-progress"])  # fmt: skip
+    for method in EVERY_METHOD.split(","):
+        folder = tmp_path / method
+        steps = read_csv(folder / "steps.csv")
+        assert [int(r["step"]) for r in steps] == [1, 2, 3], method
+        assert all(math.isfinite(float(r["loss"])) and float(r["bytes_sent"]) > 0 for r in steps), method
+        epochs = read_csv(folder / "epochs.csv")
+        assert len(epochs) == 1 and math.isfinite(float(epochs[0]["loss"])), method
+        assert glob.glob(str(folder / "tb" / "events.out.tfevents.*")), method
+        assert (folder / "checkpoint-rank0.pt").exists() and (folder / "checkpoint-rank1.pt").exists()
+        assert f"[{method:>9}]" in out
+        if method not in ("dense", "powersgd", "fp16"):  # sparse: about the density of the bytes
+            assert float(steps[-1]["density"]) < 0.5, (method, steps[-1])
+
+
+def final_state(folder) -> tuple[dict, dict]:
+    state = torch.load(folder / "checkpoint-rank1.pt", weights_only=False)
+    return state["model"], state["communication"]
+
+
+def assert_same(a, b, where="") -> None:
+    if hasattr(a, "get_state"):  # a numpy random generator (PowerSGD's)
+        assert_same(a.get_state(), b.get_state(), where)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+def test_resume_is_exact(tmp_path):
+    """Stopped after 4 steps and resumed to 9 equals 9 steps straight: parameters, optimizer
+    and gradsparse state (residuals, method state) bit for bit."""
+    args = [*TASKS["cnn"], "--method", "topk,micro,sidco,powersgd", "--no-progress"]
+    launch(torchrun("cnn"), [*args, "--max-steps", "4", "--out", str(tmp_path / "resumed")])
+    out = launch(torchrun("cnn"), [*args, "--max-steps", "9", "--out", str(tmp_path / "resumed")])
+    assert "resuming from step 4" in out
+    launch(torchrun("cnn"), [*args, "--max-steps", "9", "--out", str(tmp_path / "straight")])
+    for method in ("topk", "micro", "sidco", "powersgd"):
+        resumed = torch.load(tmp_path / "resumed" / method / "checkpoint-rank1.pt", weights_only=False)
+        straight = torch.load(tmp_path / "straight" / method / "checkpoint-rank1.pt", weights_only=False)
+        assert resumed["step"] == straight["step"] == 9
+        for key in ("model", "optimizer", "communication"):
+            assert_same(resumed[key], straight[key], f"{method}: {key}")
+        steps = read_csv(tmp_path / "resumed" / method / "steps.csv")
+        assert [int(r["step"]) for r in steps] == list(range(1, 10))
+
+
+def test_plot_draws_every_run(tmp_path):
+    launch(torchrun("cnn"), [*TASKS["cnn"], "--method", "dense,topk", "--max-steps", "2", "--out", str(tmp_path),
+                             "--no-progress"])  # fmt: skip
+    from examples import plot
+
+    png = plot.main([str(tmp_path), "--out", str(tmp_path / "cmp.png")])
+    assert os.path.getsize(png) > 10_000
