@@ -24,6 +24,7 @@ import copy
 import csv
 import itertools
 import json
+import logging
 import math
 import os
 import time
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
@@ -139,13 +141,9 @@ class Communication:
             self.state = gs.METHODS[method](**gradsparse_options(method, args))
             ddp.register_comm_hook(self.state, gs.hook)
         elif method == "fp16":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)
         elif method == "powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-
             self.torch_state = powerSGD_hook.PowerSGDState(
                 process_group=None,
                 matrix_approximation_rank=args.powersgd_rank,
@@ -182,27 +180,42 @@ class Communication:
             with self.state.paused():
                 yield
             return
-        saved = copy.deepcopy(self.torch_state.__getstate__()) if self.torch_state is not None else None
+        saved = self.state_dict()
         yield
-        if saved is not None:
-            self.torch_state.__setstate__(saved)
+        if saved:
+            self.load_state_dict(copy.deepcopy(saved))
 
     def state_dict(self) -> dict:
         if self.state is not None:
             return {"gradsparse": self.state.state_dict()}
         if self.torch_state is not None:  # PowerSGD keeps error feedback and warm-start matrices
-            return {"powersgd": self.torch_state.__getstate__()}
+            with _quiet_powersgd():
+                return {"powersgd": self.torch_state.__getstate__()}
         return {}
 
     def load_state_dict(self, saved: dict) -> None:
         if self.state is not None:
             self.state.load_state_dict(saved["gradsparse"])
         elif self.torch_state is not None:
-            self.torch_state.__setstate__(saved["powersgd"])
+            with _quiet_powersgd():
+                self.torch_state.__setstate__(saved["powersgd"])
 
     def close(self) -> None:
         if self.state is not None:
             self.state.close()
+
+
+@contextlib.contextmanager
+def _quiet_powersgd():
+    """PowerSGDState's __getstate__/__setstate__ log a note at every call that the process group
+    is not saved (it is set again on load): expected here, so kept out of the output."""
+    log = logging.getLogger(powerSGD_hook.__name__)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _powersgd_elements(model: nn.Module, rank: int) -> int:
@@ -300,7 +313,8 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     gs.set_num_threads(threads)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # One GPU per local worker; a task bound to its own GPU (srun --gpus-per-task=1) sees one.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 
