@@ -1,9 +1,11 @@
 """Quality against training time and against bytes sent, for several runs on one figure.
 
-    python -m examples.plot RUN_DIR [RUN_DIR ...] [--out compare.png] [--metric accuracy]
+    python -m examples.plot RUN_DIR [RUN_DIR ...] [--out compare.png] [--metric accuracy] [--table]
 
 A RUN_DIR is a run folder (holding epochs.csv) or a folder of run folders (one per method, as
 ``--method dense,topk`` writes them). Each run is one line, labelled by its folder name.
+``--table`` also prints a Markdown table of every run's last epoch: quality, training time and
+bytes sent, against the run labelled ``dense`` when there is one.
 """
 
 from __future__ import annotations
@@ -41,12 +43,31 @@ def read_rows(path: str) -> list[dict[str, float]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def table(runs: list[tuple[str, list[dict[str, float]]]], metric: str) -> str:
+    """Markdown: one row per run, its last epoch; ratios against the run labelled dense."""
+    base = dict(runs).get("dense")
+    lines = [
+        f"| method | epochs | {metric} | loss | train time (s) | MB sent per worker | bytes vs dense | time vs dense |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, rows in runs:
+        last = rows[-1]
+        vs_bytes = f"{last['bytes_total'] / base[-1]['bytes_total']:.2%}" if base else ""
+        vs_time = f"{last['elapsed_seconds'] / base[-1]['elapsed_seconds']:.2f}x" if base else ""
+        lines.append(
+            f"| {label} | {last['epoch']:g} | {last[metric]:.4g} | {last['loss']:.4f} | {last['elapsed_seconds']:.1f} "
+            f"| {last['bytes_total'] / 1e6:.2f} | {vs_bytes} | {vs_time} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run folders, or folders of run folders")
     parser.add_argument("--out", default="compare.png", help="PNG file to write")
     parser.add_argument("--metric", default=None, help="column to plot (default: the first quality column)")
     parser.add_argument("--title", default=None)
+    parser.add_argument("--table", action="store_true", help="also print a Markdown table of the last epochs")
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -74,6 +95,8 @@ def main(argv: list[str] | None = None) -> str:
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out} ({len(runs)} runs)")
+    if args.table:
+        print(table(runs, metric))
     return args.out
 
 
