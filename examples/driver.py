@@ -180,10 +180,11 @@ class Communication:
             with self.state.paused():
                 yield
             return
-        saved = self.state_dict()
+        # A copy taken now: state_dict() holds PowerSGD's live dicts, whose entries the hook replaces.
+        saved = copy.deepcopy(self.state_dict())
         yield
         if saved:
-            self.load_state_dict(copy.deepcopy(saved))
+            self.load_state_dict(saved)
 
     def state_dict(self) -> dict:
         if self.state is not None:

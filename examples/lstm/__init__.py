@@ -1,0 +1,1 @@
+"""Word-level LSTM language modelling (the seeds' LSTM benchmarks); the King James Bible installs offline."""
