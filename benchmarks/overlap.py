@@ -1,6 +1,7 @@
 """Does the engine overlap communication with the backward pass?
 
     python -m benchmarks.overlap [--world-size 2] [--steps 20] [--methods dense,topk,micro,spardl]
+    torchrun --nproc-per-node 2 -m benchmarks.overlap [--output overlap-lo.md] [--network "..."]
 
 On a model with several DDP buckets, per method, three timings of forward + backward (the median
 step, measured in the same processes):
@@ -12,13 +13,21 @@ step, measured in the same processes):
   autograd computes the next buckets).
 
 exchange = serial - compute; the overlap goal is overlapped < compute + exchange (= serial), and
-"hidden" is the share of the exchange time that disappeared. The Gloo processes talk over
-loopback.
+"hidden" is the share of the exchange time that disappeared. At most min(compute, exchange) can
+disappear: on a slow link (exchange > compute) overlapped / serial stays above
+exchange / (compute + exchange), and "hidden" below compute / exchange.
+
+By default the Gloo processes are spawned here and talk over loopback (--world-size). When RANK
+is set (with WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun, or set by hand), each process is
+one rank and joins the group by env:// rendezvous; rank 0 prints and writes the table.
+benchmarks/slow_network.sh starts two ranks that way in network namespaces joined by a
+rate-limited link.
 
 No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -97,11 +106,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--output", default="overlap.md", help="file name under benchmarks/results")
+    parser.add_argument("--network", help="how the ranks are connected, for the header")
     args = parser.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    per_rank = run_distributed(
-        worker, args.world_size, methods, args.density, args.steps, args.width, args.depth, timeout=1800
-    )
+    worker_args = (methods, args.density, args.steps, args.width, args.depth)
+    if "RANK" not in os.environ:
+        per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)
+        network = args.network or "loopback"
+    else:
+        dist.init_process_group("gloo")  # env:// rendezvous
+        try:
+            rank, world_size = dist.get_rank(), dist.get_world_size()
+            per_rank = [None] * world_size
+            dist.all_gather_object(per_rank, worker(rank, world_size, *worker_args))
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return
+        network = args.network or f"env:// rendezvous at {os.environ['MASTER_ADDR']}"
     params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     rows = []
     for method in methods:
@@ -135,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
         rows,
     )
     header = (
-        f"{args.world_size} Gloo processes, MLP {args.depth}x{args.width} ({params:,} parameters), batch 64, "
-        f"density {args.density}, median of {args.steps} steps\n\n"
+        f"{len(per_rank)} Gloo processes ({network}), MLP {args.depth}x{args.width} ({params:,} parameters), "
+        f"batch 64, density {args.density}, median of {args.steps} steps\n\n"
     )
     print(header + table)
-    print("written to", write_result("overlap.md", header + table + "\n"))
+    print("written to", write_result(args.output, header + table + "\n"))
 
 
 if __name__ == "__main__":
