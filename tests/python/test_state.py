@@ -74,10 +74,18 @@ def _model():
     return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))
 
 
-def test_stats_report_density_bytes_and_warmup():
+def _hooked(state, weights_of=None):
+    """A DDP model of _model() with the state's hook registered (and another model's weights)."""
     ddp = DDP(_model())
-    state = gs.TopK(density=0.1, warmup_steps=2)
+    if weights_of is not None:
+        ddp.module.load_state_dict(weights_of.module.state_dict())
     ddp.register_comm_hook(state, gs.hook)
+    return ddp
+
+
+def test_stats_report_density_bytes_and_warmup():
+    state = gs.TopK(density=0.1, warmup_steps=2)
+    ddp = _hooked(state)
     _train(ddp, 6)
     stats = state.stats()
     total = stats["total"]
@@ -95,9 +103,8 @@ def test_stats_report_density_bytes_and_warmup():
 
 
 def test_state_dict_round_trip_restores_residuals_by_name():
-    ddp = DDP(_model())
     state = gs.TopK(density=0.05)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 3)
     sd = state.state_dict()
     names = {name for name, _ in ddp.module.named_parameters()}
@@ -106,10 +113,8 @@ def test_state_dict_round_trip_restores_residuals_by_name():
     assert any(t.abs().sum() > 0 for t in sd["residuals"].values())
     saved = {k: v.clone() for k, v in sd["residuals"].items()}
 
-    ddp2 = DDP(_model())
-    ddp2.module.load_state_dict(ddp.module.state_dict())
     state2 = gs.TopK(density=0.05)
-    ddp2.register_comm_hook(state2, gs.hook)
+    ddp2 = _hooked(state2, weights_of=ddp)
     state2.load_state_dict(sd)
     assert state2.step == 3
     _train(ddp2, 1, seed=5)  # the residuals are put back when the buckets are first seen
@@ -121,9 +126,8 @@ def test_state_dict_round_trip_restores_residuals_by_name():
 
 
 def test_load_state_dict_rejects_another_method_or_config():
-    ddp = DDP(_model())
     state = gs.TopK(density=0.05)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 1)
     sd = state.state_dict()
     with pytest.raises(ValueError, match=r"saved by TopK\(\{'density': 0.05\}\) but this state is TopK"):
@@ -141,17 +145,15 @@ def test_repr_and_config():
 
 
 def test_without_error_feedback_no_residual_is_kept():
-    ddp = DDP(_model())
     state = gs.TopK(density=0.05, error_feedback=False)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 2)
     assert state.state_dict()["residuals"] == {}
 
 
 def test_paused_hands_buckets_back_untouched_and_changes_nothing():
-    ddp = DDP(_model())
     state = gs.TopK(density=0.1)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 2)
     before = state.state_dict()
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
@@ -170,15 +172,13 @@ def test_paused_hands_buckets_back_untouched_and_changes_nothing():
 
 
 def test_achieved_density_is_global_for_one_target_methods():
-    ddp = DDP(_model())
     state = gs.MiCRO(density=0.1)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 4)
     total = state.stats()["total"]
     assert total["achieved_density"] == total["union_density"] > 0  # MiCRO: one target for all ranks
     topk = gs.TopK(density=0.1)
-    ddp2 = DDP(_model())
-    ddp2.register_comm_hook(topk, gs.hook)
+    ddp2 = _hooked(topk)
     _train(ddp2, 4)
     assert topk.stats()["total"]["achieved_density"] == topk.stats()["total"]["density"]
 
@@ -186,17 +186,14 @@ def test_achieved_density_is_global_for_one_target_methods():
 def test_method_state_follows_its_parameters_into_another_bucket_index():
     """load_state_dict gives each bucket the method state saved for the same parameter names,
     whatever index the bucket has now (DDP may number its buckets differently after a restart)."""
-    ddp = DDP(_model())
     state = gs.MiCRO(density=0.1)
-    ddp.register_comm_hook(state, gs.hook)
+    ddp = _hooked(state)
     _train(ddp, 3)
     sd = state.state_dict()
     assert set(sd["layout"][0]) == {name for name, _ in ddp.module.named_parameters()}
     moved = dict(sd, methods={7: sd["methods"][0]}, layout={7: sd["layout"][0]})  # saved as bucket 7
-    ddp2 = DDP(_model())
-    ddp2.module.load_state_dict(ddp.module.state_dict())
     state2 = gs.MiCRO(density=0.1)
-    ddp2.register_comm_hook(state2, gs.hook)
+    ddp2 = _hooked(state2, weights_of=ddp)
     state2.load_state_dict(moved)
     _train(ddp2, 1, seed=5)
     _train(ddp, 1, seed=5)
