@@ -15,14 +15,7 @@ from examples.lstm import __main__ as lstm_main
 from examples.lstm import data
 from examples.lstm.model import LSTMLanguageModel
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The small LSTMs here run fastest on one thread (several spin-wait on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # WikiText-2's layout: every line starts with a space, headings are " = Title = ", empty lines

@@ -17,14 +17,7 @@ from examples.ncf import __main__ as ncf
 from examples.ncf import data
 from examples.ncf.model import NeuMF
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny tensors: one thread (several threads spin-wait against each other on a loaded machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # (user, item, rating, timestamp): user 1's latest is item 30; user 2 has two ratings at its
