@@ -3,6 +3,7 @@
 // candidates, samples, gather and zeroing at indices.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -119,6 +120,74 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
   double ls = 0;
   for (float x : v) ls += std::log(std::fabs(double(x)) * 0.25 + 1e-3);
   EXPECT_NEAR(device.log_sum(b.view(), 0.25, 1e-3), ls, 1e-9 * std::fabs(ls));
+}
+
+// float32 sums are defined to the bit (so that the AVX2 and the portable paths, and any thread
+// count, agree): per block of kCpuBlock elements, moments add in four lanes (element i in lane
+// (i - begin) % 4, the block's last len % 4 elements in lane 0, lanes in order), exceedances one
+// by one in index order; the blocks' sums are added in block order.
+TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
+  for (const int64_t n : {kN, 2 * kCpuBlock + 6, int64_t{3}, int64_t{6}, int64_t{7}, int64_t{13}, int64_t{301}}) {
+    Bucket b;
+    CpuDevice device;
+    const BucketView view{DType::kFloat32, n, b.grad.data(), b.residual.data()};
+    const Moments m = device.moments(view, true);
+    Moments want;
+    for (int64_t begin = 0; begin < n; begin += kCpuBlock) {
+      const int64_t end = std::min(n, begin + kCpuBlock), body = begin + (end - begin) / 4 * 4;
+      double lane[3][4] = {};
+      for (int64_t i = begin; i < end; ++i) {
+        const double x = b.residual[i];
+        const int64_t l = i < body ? (i - begin) % 4 : 0;
+        lane[0][l] += x;
+        lane[1][l] += std::fabs(x);
+        lane[2][l] += x * x;
+      }
+      double block[3] = {};
+      for (int q = 0; q < 3; ++q)
+        for (int l = 0; l < 4; ++l) block[q] += lane[q][l];
+      want.sum += block[0];
+      want.sum_abs += block[1];
+      want.sum_sq += block[2];
+    }
+    EXPECT_EQ(m.sum, want.sum) << n;
+    EXPECT_EQ(m.sum_abs, want.sum_abs) << n;
+    EXPECT_EQ(m.sum_sq, want.sum_sq) << n;
+
+    for (const double threshold : {0.0, 0.3, 1.2, 1e30}) {
+      const Exceedance e = device.exceedance(view, threshold, false, 0.7);
+      double sum = 0, sum_sq = 0;
+      int64_t count = 0;
+      for (int64_t begin = 0; begin < n; begin += kCpuBlock) {
+        double bs = 0, bss = 0;
+        for (int64_t i = begin; i < std::min(n, begin + kCpuBlock); ++i) {
+          if (std::fabs(b.residual[i]) < static_cast<float>(threshold)) continue;
+          const double y = std::fabs(double(b.residual[i])) * 0.7;
+          ++count;
+          bs += y;
+          bss += y * y;
+        }
+        sum += bs;
+        sum_sq += bss;
+      }
+      EXPECT_EQ(e.count, count) << n << " " << threshold;
+      EXPECT_EQ(e.sum, sum) << n << " " << threshold;
+      EXPECT_EQ(e.sum_sq, sum_sq) << n << " " << threshold;
+    }
+
+    // Few thresholds (compared with every element), repeated ones, and many (found by a table).
+    for (const std::vector<double>& thresholds :
+         {std::vector<double>{0.4}, std::vector<double>{0.1, 0.1, 2.0, 1e30}, std::vector<double>{1.5, 0.2, 0.9},
+          std::vector<double>{0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8}}) {
+      const auto counts = device.count(view, Range{n / 5, n - n / 7}, thresholds, false);
+      for (size_t j = 0; j < thresholds.size(); ++j) {
+        int64_t expected = 0;
+        for (int64_t i = n / 5; i < n - n / 7; ++i)
+          expected += std::fabs(b.residual[i]) >= static_cast<float>(thresholds[j]);
+        EXPECT_EQ(counts[j], expected) << n << " " << thresholds[j];
+      }
+    }
+  }
 }
 
 TEST(Passes, CandidatesSamplesGatherAndZeroing) {

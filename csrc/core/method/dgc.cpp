@@ -29,15 +29,12 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
   std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
   threshold_ = x[s - 1] * norm;
-  const Candidates c = device.collect(bucket, method_util::whole(bucket), threshold_, /*strict=*/true);
-  std::vector<size_t> chosen;
-  if (static_cast<double>(c.size()) > 4.0 * k / 3.0) {
-    chosen = method_util::largest(c, static_cast<size_t>(k));
-  } else {
-    chosen.resize(c.size());
-    for (size_t j = 0; j < c.size(); ++j) chosen[j] = j;
+  Selection out = device.select(bucket, SelectRule{threshold_, true, method_util::whole(bucket), false, false});
+  if (static_cast<double>(out.count) > 4.0 * k / 3.0) {
+    double kth;
+    out = method_util::largest_of_message(device, bucket, out, k, kth);
   }
-  Selection out = method_util::emit_subset(device, bucket, c, chosen, /*zero=*/true);
+  device.zero_at(bucket, out.message.data(), out.bytes);
   out.nonfinite = m.nonfinite;
   return out;
 }

@@ -3,8 +3,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/device.h"
@@ -22,6 +25,33 @@ inline constexpr double kInfinity = std::numeric_limits<double>::infinity();
 /// The error-feedback update of the whole bucket, selecting nothing; returns the non-finite count.
 inline int64_t update_pass(Device& device, const BucketView& bucket) {
   return device.select(bucket, SelectRule{kInfinity, false, Range{0, 0}, true, false}).nonfinite;
+}
+
+/// The non-negative value of T whose key is `key`.
+template <typename T>
+T from_key(uint32_t key) {
+  if constexpr (std::is_same_v<T, float>) {
+    return bits_float(key);
+  } else {
+    return T{static_cast<uint16_t>(key)};
+  }
+}
+
+/// The smallest value of the bucket's dtype that is >= x, as a double (+inf when no finite value
+/// is; 0 for x <= 0). For a value v of the dtype, `|v| >= x` compared in float64 is exactly
+/// `|v| >= dtype_ceil(x)` compared in the dtype, which a key comparison (SelectRule, count) does.
+inline double dtype_ceil(DType dtype, double x) {
+  if (!(x > 0.0)) return x <= 0.0 ? 0.0 : x;  // NaN stays NaN
+  return dispatch_dtype(dtype, [&](auto t) -> double {
+    using T = decltype(t);
+    const auto value = [](uint32_t key) { return static_cast<double>(Num<T>::to_float(from_key<T>(key))); };
+    if (!(x <= static_cast<double>(std::numeric_limits<float>::max()))) return kInfinity;
+    uint32_t key = Num<T>::key(Num<T>::from_float(static_cast<float>(x)));  // within a step or two
+    if (key >= Num<T>::kInfKey) key = Num<T>::kInfKey - 1;
+    while (key > 0 && value(key - 1) >= x) --key;
+    while (key < Num<T>::kInfKey && value(key) < x) ++key;
+    return key >= Num<T>::kInfKey ? kInfinity : value(key);
+  });
 }
 
 /// An empty selection (a header-only message).
@@ -47,6 +77,132 @@ inline std::vector<float> message_values(Device& device, const Selection& s, con
     for (size_t j = 0; j < out.size(); ++j) out[j] = Num<T>::to_float(v[j]);
   });
   return out;
+}
+
+/// The k-th largest of `keys` (1 <= k <= keys.size()): two counting rounds over 16-bit halves.
+inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
+  GS_ASSERT(k >= 1 && k <= static_cast<int64_t>(keys.size()));
+  std::vector<int64_t> hist(65536, 0);
+  for (uint32_t key : keys) ++hist[key >> 16];
+  int64_t above = 0;  // keys above the bins passed so far
+  uint32_t high = 65535;
+  for (; high > 0 && above + hist[high] < k; --high) above += hist[high];
+  std::fill(hist.begin(), hist.end(), 0);
+  for (uint32_t key : keys)
+    if ((key >> 16) == high) ++hist[key & 0xffffu];
+  uint32_t low = 65535;
+  for (; low > 0 && above + hist[low] < k; --low) above += hist[low];
+  return (high << 16) | low;
+}
+
+/// A selection's message as the host sees it: in place for a CPU device, else a copy.
+class HostMessage {
+ public:
+  HostMessage(Device& device, const Selection& s, const BucketView& bucket)
+      : index_bytes_(index_bytes_for(static_cast<uint64_t>(bucket.numel))),
+        layout_(static_cast<uint64_t>(s.count), index_bytes_, bucket.dtype) {
+    if (device.kind() == DeviceKind::kCPU) {
+      base_ = s.message.as<unsigned char>();
+    } else {
+      copy_.resize(layout_.total_bytes);
+      device.copy_to_host(copy_.data(), s.message.data(), copy_.size());
+      base_ = copy_.data();
+    }
+  }
+  int index_bytes() const { return index_bytes_; }
+  const MessageLayout& layout() const { return layout_; }
+  template <typename I>
+  const I* indices() const {
+    return reinterpret_cast<const I*>(base_ + layout_.indices_offset);
+  }
+  template <typename T>
+  const T* values() const {
+    return reinterpret_cast<const T*>(base_ + layout_.values_offset);
+  }
+
+ private:
+  int index_bytes_;
+  MessageLayout layout_;
+  const unsigned char* base_ = nullptr;
+  std::vector<unsigned char> copy_;
+};
+
+/// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest
+/// index), as a new message in ascending index order; `kth` gets the k-th largest magnitude. The
+/// residual is not touched. The same pairs as largest() on the message's candidates.
+inline Selection largest_of_message(Device& device, const BucketView& bucket, const Selection& s, int64_t k,
+                                    double& kth) {
+  GS_ASSERT(k >= 1 && k <= s.count);
+  const HostMessage in(device, s, bucket);
+  const MessageLayout out_layout(static_cast<uint64_t>(k), in.index_bytes(), bucket.dtype);
+  std::vector<unsigned char> out(out_layout.total_bytes, 0);
+  const MessageHeader h =
+      make_header(bucket.dtype, in.index_bytes(), static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(k));
+  std::memcpy(out.data(), &h, sizeof(h));
+  dispatch_dtype(bucket.dtype, [&](auto t) {
+    using T = decltype(t);
+    dispatch_index(in.index_bytes(), [&](auto i) {
+      using I = decltype(i);
+      const I* idx = in.indices<I>();
+      const T* val = in.values<T>();
+      std::vector<uint32_t> keys(static_cast<size_t>(s.count));
+      for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<T>::key(val[j]);
+      const uint32_t kth_key = kth_largest_key(keys, k);
+      kth = static_cast<double>(Num<T>::to_float(from_key<T>(kth_key)));
+      int64_t ties = k;  // how many elements at the k-th key are taken: k minus those above it
+      for (uint32_t key : keys) ties -= key > kth_key;
+      I* out_idx = reinterpret_cast<I*>(out.data() + out_layout.indices_offset);
+      T* out_val = reinterpret_cast<T*>(out.data() + out_layout.values_offset);
+      int64_t o = 0;
+      for (size_t j = 0; j < keys.size(); ++j) {
+        if (keys[j] > kth_key || (keys[j] == kth_key && ties-- > 0)) {
+          out_idx[o] = idx[j];
+          out_val[o] = val[j];
+          ++o;
+        }
+      }
+      GS_ASSERT(o == k);
+    });
+  });
+  Selection sel;
+  sel.message = device.allocate(out.size());
+  sel.bytes = out.size();
+  sel.count = k;
+  device.copy_from_host(sel.message.data(), out.data(), out.size());
+  return sel;
+}
+
+/// Sum of |v| at `positions` (repeats allowed; summed in their order) with v the selection values
+/// after the error-feedback update, read before the update runs: the update of those elements is
+/// computed here (as the kernels compute it), so a later pass can fuse the update of the bucket.
+/// Equal to Device::sample_abs_sum after the update.
+inline double sample_abs_sum_before_update(Device& device, const BucketView& bucket,
+                                           const std::vector<int64_t>& positions) {
+  std::vector<int64_t> unique(positions);
+  std::sort(unique.begin(), unique.end());
+  unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
+  std::vector<float> value = message_values(device, device.gather(bucket, unique), bucket);  // the residual
+  if (bucket.residual != nullptr) {
+    // The gradient with non-finite entries read as 0: then a = residual + 0 keeps the residual,
+    // as the update does when residual + grad is not finite.
+    const BucketView grad_only{bucket.dtype, bucket.numel, bucket.grad, nullptr};
+    const std::vector<float> grad = message_values(device, device.gather(grad_only, unique), bucket);
+    dispatch_dtype(bucket.dtype, [&](auto t) {
+      using T = decltype(t);
+      for (size_t j = 0; j < value.size(); ++j) {
+        T r = Num<T>::from_float(value[j]);  // exact: the values came from T
+        bool finite;
+        ef_accumulate(r, Num<T>::from_float(grad[j]), finite);
+        value[j] = Num<T>::to_float(r);
+      }
+    });
+  }
+  double sum = 0.0;
+  for (int64_t p : positions) {
+    const size_t j = static_cast<size_t>(std::lower_bound(unique.begin(), unique.end(), p) - unique.begin());
+    sum += std::fabs(static_cast<double>(value[j]));
+  }
+  return sum;
 }
 
 /// Positions (into `c`) of the `k` candidates of largest magnitude (ties: lowest index), in

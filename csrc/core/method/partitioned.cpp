@@ -10,11 +10,38 @@
 #include <cmath>
 #include <map>
 
+#include "gradsparse/key_bins.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/rng.h"
 #include "method_util.h"
 
 namespace gradsparse {
+
+namespace {
+
+/// counts[BandController::band_bin(edges, |v|)] += 1 for every value. The values are float32 (exact
+/// for every bucket dtype) and, for such a value, |v| >= edges[b] in float64 is |v| >= the
+/// smallest float32 at or above edges[b] (method_util::dtype_ceil), a comparison of keys: so the
+/// bin is a KeyBins look-up rather than a binary search of the edges per value.
+void add_band_counts(const std::vector<double>& edges, const std::vector<float>& values, std::vector<double>& counts) {
+  const bool plain = std::is_sorted(edges.begin(), edges.end()) &&
+                     std::none_of(edges.begin(), edges.end(), [](double e) { return std::isnan(e); });
+  if (!plain) {  // not expected; band_bin defines the bins
+    for (float v : values) counts[BandController::band_bin(edges, std::fabs(v))] += 1.0;
+    return;
+  }
+  std::vector<uint32_t> keys(edges.size());
+  for (size_t b = 0; b < edges.size(); ++b)
+    keys[b] = Num<float>::key(static_cast<float>(method_util::dtype_ceil(DType::kFloat32, edges[b])));
+  const KeyBins bins(keys.data(), static_cast<int>(keys.size()));
+  const int last = BandController::kBandBins;
+  for (float v : values) {
+    const uint32_t key = Num<float>::key(v);
+    counts[key < keys[0] ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
+  }
+}
+
+}  // namespace
 
 PartitionedMethod::PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed)
     : density_(density), exchange_(parse_exchange(exchange)), reference_(reference), seed_(seed) {
@@ -79,7 +106,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const std::vector<double> edges = BandController::band_edges(prediction, BandController::band_factor(t));
   const Candidates c = device.collect(bucket, range, edges[0], false);
   std::vector<double> counts(BandController::kBandBins + 1, 0.0);
-  for (float v : c.value) counts[BandController::band_bin(edges, std::fabs(v))] += 1.0;
+  add_band_counts(edges, c.value, counts);
   group.sum(counts);
   const double lambda = BandController::choose(edges, counts, static_cast<double>(k));
   pending_.threshold = lambda;

@@ -3,6 +3,7 @@
 // the default predicts with the sampled scale ratio and then takes the exact top k inside a band
 // around the prediction.
 #include <cmath>
+#include <utility>
 
 #include "gradsparse/methods.h"
 #include "gradsparse/rng.h"
@@ -56,12 +57,16 @@ std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
 
 Selection SAGE::select(Device& device, const BucketView& bucket, Collective& group) {
   const int64_t n = bucket.numel;
-  const int64_t nonfinite = method_util::update_pass(device, bucket);
   pending_ = Step{committed_.t, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
-  if (n == 0) return method_util::nothing(device, bucket, nonfinite);
+  if (n == 0) return method_util::nothing(device, bucket, 0);
   const int64_t k = target_count(density_, n);
   const std::vector<int64_t> positions = sample_positions(n, group.rank());
-  const double sample_mean = device.sample_abs_sum(bucket, positions) / static_cast<double>(positions.size());
+  // Reference mode updates the bucket first; the default fuses the update into its candidate
+  // pass, so it reads the sample before the update (as the values the update gives it).
+  int64_t nonfinite = reference_ ? method_util::update_pass(device, bucket) : 0;
+  const double sample_sum = reference_ ? device.sample_abs_sum(bucket, positions)
+                                       : method_util::sample_abs_sum_before_update(device, bucket, positions);
+  const double sample_mean = sample_sum / static_cast<double>(positions.size());
   const double start = initial_ ? *initial_ : initial_threshold(k);
   const int64_t t = committed_.t;
   // The sampled scale change since the last step (1 when either mean is zero).
@@ -83,19 +88,16 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   } else {
     const double prediction = t > 0 ? committed_.threshold * alpha : start;
     const double low = prediction / BandController::band_factor(t);
-    const Candidates c = device.collect(bucket, method_util::whole(bucket), low, false);
-    std::vector<size_t> chosen;
-    if (static_cast<int64_t>(c.size()) >= k) {
-      chosen = method_util::largest(c, static_cast<size_t>(k));
-      double kth = std::numeric_limits<double>::infinity();
-      for (size_t j : chosen) kth = std::min(kth, static_cast<double>(std::fabs(c.value[j])));
-      lambda = kth;
+    // The candidates (|v| >= low) in one pass with the update; then the exact top k among them.
+    Selection c = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), true, false});
+    nonfinite = c.nonfinite;
+    if (c.count >= k) {
+      s = method_util::largest_of_message(device, bucket, c, k, lambda);
     } else {
-      chosen.resize(c.size());
-      for (size_t j = 0; j < c.size(); ++j) chosen[j] = j;
+      s = std::move(c);
       lambda = low;
     }
-    s = method_util::emit_subset(device, bucket, c, chosen, zero);
+    if (zero) device.zero_at(bucket, s.message.data(), s.bytes);
   }
   pending_.threshold = lambda;
   pending_.sample_mean = sample_mean;

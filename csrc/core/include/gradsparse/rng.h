@@ -62,6 +62,25 @@ inline std::vector<int64_t> sample_distinct(uint64_t stream, int64_t count, int6
     }
     return out;
   }
+  if (n / 64 <= 16 * count) {
+    // Dense enough for a bitmap of [0, n): one bit test per draw, and the ascending order
+    // comes from reading the bitmap (no hashing, no sort). Same positions as below.
+    std::vector<uint64_t> taken(static_cast<size_t>((n + 63) / 64), 0);
+    int64_t found = 0;
+    for (uint64_t i = 0; found < count; ++i) {
+      const uint64_t p = rng_draw(stream, i) % static_cast<uint64_t>(n);
+      uint64_t& word = taken[p >> 6];
+      const uint64_t bit = uint64_t{1} << (p & 63);
+      found += (word & bit) == 0;
+      word |= bit;
+    }
+    out.reserve(static_cast<size_t>(count));
+    for (size_t w = 0; w < taken.size(); ++w) {
+      for (uint64_t bits = taken[w]; bits != 0; bits &= bits - 1)
+        out.push_back(static_cast<int64_t>(w * 64 + static_cast<size_t>(__builtin_ctzll(bits))));
+    }
+    return out;
+  }
   std::unordered_set<int64_t> taken;
   taken.reserve(static_cast<size_t>(count) * 2);
   out.reserve(static_cast<size_t>(count));

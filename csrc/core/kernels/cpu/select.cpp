@@ -5,15 +5,14 @@
 // its own (thread-local workspace, reused across calls), then the blocks are concatenated in order,
 // so the output is ascending and independent of the thread count.
 #include <algorithm>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "gradsparse/kernels.h"
 #include "gradsparse/parallel.h"
+#include "simd.h"
 
 namespace gradsparse {
 namespace cpu {
@@ -126,9 +125,9 @@ int64_t update_block_f32_portable(float* __restrict r, const float* __restrict g
   return bad;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx2"))) int64_t update_block_f32_avx2(float* __restrict r, const float* __restrict g,
-                                                              int64_t len, uint32_t tkey, uint8_t* __restrict mask) {
+#if GS_HAVE_AVX2_PATHS
+GS_TARGET_AVX2 int64_t update_block_f32_avx2(float* __restrict r, const float* __restrict g, int64_t len, uint32_t tkey,
+                                             uint8_t* __restrict mask) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
   // key >= tkey as a signed comparison (keys are < 2^31); kNoKey must match nothing.
@@ -153,8 +152,8 @@ __attribute__((target("avx2"))) int64_t update_block_f32_avx2(float* __restrict 
 using UpdateBlockF32 = int64_t (*)(float*, const float*, int64_t, uint32_t, uint8_t*);
 
 UpdateBlockF32 pick_update_block_f32() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2")) return update_block_f32_avx2;
+#if GS_HAVE_AVX2_PATHS
+  if (use_avx2()) return update_block_f32_avx2;
 #endif
   return update_block_f32_portable;
 }
@@ -207,6 +206,13 @@ SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zer
         update_select_f32(src.residual, src.grad, hi, end, kNoKey, p.nonfinite, take);
         return;
       }
+#if GS_HAVE_AVX2_PATHS
+      if (src.residual != nullptr && use_avx2()) {  // read-only: compare 8 keys at a time
+        float* r = src.residual;
+        scan_keys_avx2(r, lo, hi, key, [&](int64_t i) { take(i, r[i]); });
+        return;
+      }
+#endif
     }
     visit_block(src, begin, end, p.nonfinite, [&](int64_t i, T v) {
       if (i >= lo && i < hi && Num<T>::key(v) >= key) take(i, v);
@@ -233,6 +239,18 @@ void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<in
     BlockPairs<T>& p = blocks[b];
     p.clear();
     const int64_t lo = std::max(range.begin, b * kCpuBlock), hi = std::min(range.end, (b + 1) * kCpuBlock);
+#if GS_HAVE_AVX2_PATHS
+    if constexpr (std::is_same_v<T, float>) {
+      if (src.residual != nullptr && use_avx2()) {
+        const float* r = src.residual;
+        scan_keys_avx2(r, lo, hi, key, [&](int64_t i) {
+          p.offsets.push_back(static_cast<uint32_t>(i - b * kCpuBlock));
+          p.values.push_back(r[i]);
+        });
+        return;
+      }
+    }
+#endif
     for (int64_t i = lo; i < hi; ++i) {
       const T v = src.value(i);
       if (Num<T>::key(v) >= key) {

@@ -1,13 +1,20 @@
 // CPU statistics kernels: the moments, counts and sums that threshold estimators need, each one
 // pass over memory (the first one fused with the error-feedback update). Sums are float64 and
 // block-ordered, so results do not depend on the thread count.
+//
+// float32 buckets take AVX2 paths when the CPU has them (simd.h): 8 elements at a time, elements
+// at or above a key found with vector comparisons. They add in exactly the portable code's order
+// (moments: MomentLanes; exceedance: one by one in index order), so both paths give the same bits.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "gradsparse/kernels.h"
+#include "gradsparse/key_bins.h"
 #include "gradsparse/parallel.h"
+#include "simd.h"
 
 namespace gradsparse {
 namespace cpu {
@@ -26,12 +33,300 @@ void check_read_only(bool update, const char* what) {
   GS_CHECK(!update, ValueError, what, " reads values only; apply the error-feedback update first");
 }
 
+// ---- float32 moments in a fixed order -----------------------------------------------------------
+
+/// float32 moments of one block of residual values in four lanes: element i of the first
+/// (end - begin) / 4 * 4 goes to lane (i - begin) % 4 and the last (end - begin) % 4 to lane 0,
+/// each lane adds its elements in index order, and the lanes are added in lane order. This is the
+/// order of GCC's vectorisation of the generic loop in moments() (omp simd: 4 float32 lanes, the
+/// scalar remainder in lane 0) that earlier builds used for a residual; it is written out so that
+/// the portable and the AVX2 path both add in exactly that order and give the same bits. (Without
+/// a residual GCC keeps that loop sequential, and it still runs there.)
+struct MomentLanes {
+  double sum[4] = {};
+  double sum_abs[4] = {};
+  double sum_sq[4] = {};
+  double max_abs = 0.0;
+
+  /// The next four elements of the body: v[l] to lane l.
+  void add4(const float* v) {
+    for (int l = 0; l < 4; ++l) add(l, v[l]);
+  }
+  /// The remainder (count < 4 elements): all to lane 0.
+  void add_rest(const float* v, int count) {
+    for (int j = 0; j < count; ++j) add(0, v[j]);
+  }
+  void add(int lane, float v) {
+    const double d = v, a = std::fabs(d);
+    sum[lane] += d;
+    sum_abs[lane] += a;
+    sum_sq[lane] += d * d;
+    max_abs = std::max(max_abs, a);
+  }
+  Moments total() const {
+    Moments m;
+    for (int l = 0; l < 4; ++l) {
+      m.sum += sum[l];
+      m.sum_abs += sum_abs[l];
+      m.sum_sq += sum_sq[l];
+    }
+    m.max_abs = max_abs;
+    return m;
+  }
+};
+
+/// Portable float32 moments of the residual values of [begin, end) (already updated), in
+/// MomentLanes' order.
+Moments moments_f32_portable(Source<float> src, int64_t begin, int64_t end) {
+  MomentLanes lanes;
+  float v[4];
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    for (int l = 0; l < 4; ++l) v[l] = src.value(i + l);
+    lanes.add4(v);
+  }
+  const int rest = static_cast<int>(end - i);
+  for (int l = 0; l < rest; ++l) v[l] = src.value(i + l);
+  lanes.add_rest(v, rest);
+  return lanes.total();
+}
+
+// ---- AVX2 paths (float32) -----------------------------------------------------------------------
+
+/// How an AVX2 pass reads its values: with the fused update, from the residual, or (no residual)
+/// from the gradient with non-finite values read as zero.
+enum class Read { kUpdate, kResidual, kGrad };
+
+/// The selection value of element j, read as `kRead` says (scalar; the AVX2 passes' last few
+/// elements); counts a non-finite sum (or gradient) into `bad`.
+template <Read kRead>
+float value1(float* r, const float* g, int64_t j, int64_t& bad) {
+  if constexpr (kRead == Read::kUpdate) {
+    bool finite;
+    ef_accumulate(r[j], g[j], finite);
+    bad += !finite;
+    return r[j];
+  } else if constexpr (kRead == Read::kResidual) {
+    return r[j];
+  } else {
+    bad += !is_finite(g[j]);
+    return is_finite(g[j]) ? g[j] : 0.0f;
+  }
+}
+
+#if GS_HAVE_AVX2_PATHS
+
+/// The selection values of elements j..j+7; counts non-finite sums (or gradients) into `bad` as
+/// -1 lanes.
+template <Read kRead>
+GS_TARGET_AVX2 inline __m256 values8(float* r, const float* g, int64_t j, __m256i& bad) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
+  if constexpr (kRead == Read::kResidual) {
+    (void)g;
+    (void)bad;
+    (void)magnitude;
+    (void)below_inf;
+    return _mm256_loadu_ps(r + j);
+  } else if constexpr (kRead == Read::kUpdate) {
+    const __m256 old = _mm256_loadu_ps(r + j);
+    const __m256 a = _mm256_add_ps(old, _mm256_loadu_ps(g + j));
+    const __m256i nonfinite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a), magnitude), below_inf);
+    const __m256 v = _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite));
+    _mm256_storeu_ps(r + j, v);
+    bad = _mm256_add_epi32(bad, nonfinite);
+    return v;
+  } else {
+    (void)r;
+    const __m256 x = _mm256_loadu_ps(g + j);
+    const __m256i nonfinite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(x), magnitude), below_inf);
+    bad = _mm256_add_epi32(bad, nonfinite);
+    return _mm256_andnot_ps(_mm256_castsi256_ps(nonfinite), x);
+  }
+}
+
+GS_TARGET_AVX2 inline int64_t count_lanes(__m256i bad) {  // bad holds -1 per counted lane
+  alignas(32) int32_t t[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(t), bad);
+  int64_t c = 0;
+  for (int32_t x : t) c -= x;
+  return c;
+}
+
+/// An (unsigned) key threshold as the signed comparand of `key > below`: keys of finite values
+/// are below 2^31, and a threshold above every such key matches nothing.
+inline int below_key(uint32_t key) { return key > 0x7fffffffu ? 0x7fffffff : static_cast<int>(key) - 1; }
+
+/// count_keys() with at most kFewKeys keys: every element of [lo, hi) is compared with every key,
+/// 8 elements at a time and with no branch per element (the hit-by-hit path costs a branch and a
+/// table look-up per element at or above the lowest key, which can be most of them);
+/// at_least[j] gets the number of elements whose key is >= keys[j].
+constexpr int kFewKeys = 8;
+
+GS_TARGET_AVX2 void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t* keys, int m,
+                                        int64_t* at_least) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  __m256i below[kFewKeys], acc[kFewKeys];
+  for (int j = 0; j < kFewKeys; ++j) {
+    below[j] = _mm256_set1_epi32(below_key(j < m ? keys[j] : kNoKey));  // unused keys match nothing
+    acc[j] = _mm256_setzero_si256();
+  }
+  int64_t i = lo;
+  for (; i + 8 <= hi; i += 8) {  // at most kCpuBlock / 8 steps: the int32 lanes cannot overflow
+    const __m256i key = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(v + i)), magnitude);
+    for (int j = 0; j < kFewKeys; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_cmpgt_epi32(key, below[j]));
+  }
+  for (int j = 0; j < m; ++j) {
+    int64_t c = count_lanes(acc[j]);
+    for (int64_t t = i; t < hi; ++t) c += Num<float>::key(v[t]) >= keys[j];
+    at_least[j] = c;
+  }
+}
+
+/// moments() of a float32 block, 8 elements a step: the four float64 lanes of a vector are
+/// MomentLanes' lanes (elements j..j+3 are added, then j+4..j+7), so the sums are the portable
+/// path's to the bit.
+template <Read kRead>
+GS_TARGET_AVX2 Moments moments_f32_avx2(float* r, const float* g, int64_t begin, int64_t end) {
+  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  __m256d s = _mm256_setzero_pd(), a = s, q = s, mx = s;
+  __m256i bad = _mm256_setzero_si256();
+  int64_t j = begin;
+  for (; j + 8 <= end; j += 8) {
+    const __m256 v = values8<kRead>(r, g, j, bad);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
+    s = _mm256_add_pd(_mm256_add_pd(s, lo), hi);
+    a = _mm256_add_pd(_mm256_add_pd(a, alo), ahi);
+    q = _mm256_add_pd(_mm256_add_pd(q, _mm256_mul_pd(lo, lo)), _mm256_mul_pd(hi, hi));
+    mx = _mm256_max_pd(mx, _mm256_max_pd(alo, ahi));  // exact in any order
+  }
+  MomentLanes lanes;
+  _mm256_storeu_pd(lanes.sum, s);
+  _mm256_storeu_pd(lanes.sum_abs, a);
+  _mm256_storeu_pd(lanes.sum_sq, q);
+  alignas(32) double t[4];
+  _mm256_store_pd(t, mx);
+  lanes.max_abs = std::max(std::max(t[0], t[1]), std::max(t[2], t[3]));
+  int64_t nonfinite = count_lanes(bad);
+  float rest[8];
+  int count = 0;
+  for (; j < end; ++j) rest[count++] = value1<kRead>(r, g, j, nonfinite);
+  if (count >= 4) lanes.add4(rest);
+  lanes.add_rest(rest + (count & 4), count & 3);
+  Moments m = lanes.total();
+  m.nonfinite = nonfinite;
+  return m;
+}
+
+/// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
+/// the selected lanes of a vector at its front.
+struct PackTable {
+  alignas(32) int32_t lanes[256][8];
+  PackTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int o = 0;
+      for (int l = 0; l < 8; ++l)
+        if ((mask >> l) & 1) lanes[mask][o++] = l;
+      for (; o < 8; ++o) lanes[mask][o] = 0;
+    }
+  }
+};
+
+/// exceedance() of a float32 block: vector comparisons find the elements at or above the key and
+/// pack them into a buffer, whose values are then added one by one in index order, as the
+/// portable loop adds them (no branch per element: a quarter of the elements can be hits).
+template <Read kRead>
+GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t begin, int64_t end, uint32_t key,
+                                              double scale) {
+  Exceedance e;
+  e.min = std::numeric_limits<double>::infinity();
+  const auto take = [&](float v) {
+    const double y = std::fabs(static_cast<double>(v)) * scale;
+    ++e.count;
+    e.sum += y;
+    e.sum_sq += y * y;
+    e.min = std::min(e.min, y);
+  };
+  if (key > 0x7fffffffu) return e;
+  static const PackTable pack;
+  constexpr int kBuffer = 1024;
+  float buffer[kBuffer + 8];
+  int buffered = 0;
+  const auto flush = [&] {
+    for (int t = 0; t < buffered; ++t) take(buffer[t]);
+    buffered = 0;
+  };
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below = _mm256_set1_epi32(below_key(key));
+  __m256i unused = _mm256_setzero_si256();
+  int64_t j = begin;
+  for (; j + 8 <= end; j += 8) {
+    const __m256 v = values8<kRead>(r, g, j, unused);
+    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
+    const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
+    if (bits == 0) continue;
+    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(pack.lanes[bits]));
+    _mm256_storeu_ps(buffer + buffered, _mm256_permutevar8x32_ps(v, lanes));
+    buffered += __builtin_popcount(static_cast<unsigned>(bits));
+    if (buffered > kBuffer - 8) flush();
+  }
+  flush();
+  int64_t ignored = 0;
+  for (; j < end; ++j) {
+    const float v = value1<kRead>(r, g, j, ignored);
+    if (Num<float>::key(v) >= key) take(v);
+  }
+  return e;
+}
+
+#else   // only named by code that never runs without AVX2 paths
+template <Read kRead>
+Moments moments_f32_avx2(float* r, const float* g, int64_t begin, int64_t end);
+template <Read kRead>
+Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t begin, int64_t end, uint32_t key, double scale);
+#endif  // GS_HAVE_AVX2_PATHS
+
+/// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
+/// with the source's read mode; returns false (nothing run) otherwise. Read-only passes
+/// (kUpdate false) have checked that the source does not ask for the update.
+template <bool kUpdate = false, typename T, typename F>
+bool avx2_f32(Source<T> src, F&& f) {
+#if GS_HAVE_AVX2_PATHS
+  if constexpr (std::is_same_v<T, float>) {
+    if (!use_avx2()) return false;
+    if (src.residual != nullptr && src.update) {
+      if constexpr (!kUpdate) {
+        return false;
+      } else {
+        f(std::integral_constant<Read, Read::kUpdate>{});
+      }
+    } else if (src.residual != nullptr) {
+      f(std::integral_constant<Read, Read::kResidual>{});
+    } else {
+      f(std::integral_constant<Read, Read::kGrad>{});
+    }
+    return true;
+  }
+#endif
+  (void)src;
+  (void)f;
+  return false;
+}
+
 }  // namespace
 
 template <typename T>
 Moments moments(Source<T> src, int64_t n) {
   const auto blocks = per_block<Moments>(n, [&](int64_t begin, int64_t end) {
     Moments m;
+    // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
+    if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
+          m = moments_f32_avx2<decltype(read)::value>(reinterpret_cast<float*>(src.residual),
+                                                      reinterpret_cast<const float*>(src.grad), begin, end);
+        }))
+      return m;
     if (src.update && src.residual != nullptr) {
       for (int64_t i = begin; i < end; ++i) {
         bool finite;
@@ -40,6 +335,14 @@ Moments moments(Source<T> src, int64_t n) {
       }
     } else if (src.residual == nullptr) {
       for (int64_t i = begin; i < end; ++i) m.nonfinite += !is_finite(src.grad[i]);
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      if (src.residual != nullptr) {
+        const int64_t nonfinite = m.nonfinite;
+        m = moments_f32_portable(src, begin, end);
+        m.nonfinite = nonfinite;
+        return m;
+      }
     }
     double sum_abs = 0.0, sum = 0.0, sum_sq = 0.0, max_abs = 0.0;
 #pragma omp simd reduction(+ : sum_abs, sum, sum_sq) reduction(max : max_abs)
@@ -76,14 +379,31 @@ void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int
            range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
   std::fill(counts, counts + m, 0);
   if (m == 0) return;
+  const KeyBins table(keys, m);
   const auto blocks = per_block<std::vector<int64_t>>(n, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> bins(static_cast<size_t>(m), 0);  // bins[j]: keys in [keys[j], keys[j+1])
     const int64_t lo = std::max(begin, range.begin), hi = std::min(end, range.end);
+    if (lo >= hi) return bins;
+#if GS_HAVE_AVX2_PATHS
+    if constexpr (std::is_same_v<T, float>) {
+      if (use_avx2() && src.residual != nullptr) {
+        const float* v = src.residual;
+        if (m <= kFewKeys) {
+          int64_t at_least[kFewKeys];
+          count_few_keys_avx2(v, lo, hi, keys, m, at_least);
+          for (int j = 0; j < m; ++j) bins[static_cast<size_t>(j)] = at_least[j] - (j + 1 < m ? at_least[j + 1] : 0);
+          return bins;
+        }
+        scan_keys_avx2(v, lo, hi, keys[0],
+                       [&](int64_t i) { ++bins[static_cast<size_t>(table.bin(Num<float>::key(v[i])))]; });
+        return bins;
+      }
+    }
+#endif
     for (int64_t i = lo; i < hi; ++i) {
       const uint32_t key = Num<T>::key(src.value(i));
       if (key < keys[0]) continue;  // most elements: one comparison
-      const int j = static_cast<int>(std::upper_bound(keys, keys + m, key) - keys) - 1;
-      ++bins[static_cast<size_t>(j)];
+      ++bins[static_cast<size_t>(table.bin(key))];
     }
     return bins;
   });
@@ -97,6 +417,11 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
   check_read_only(src.update, "exceedance");
   const auto blocks = per_block<Exceedance>(n, [&](int64_t begin, int64_t end) {
     Exceedance e;
+    if (avx2_f32(src, [&](auto read) {
+          e = exceedance_f32_avx2<decltype(read)::value>(
+              reinterpret_cast<float*>(src.residual), reinterpret_cast<const float*>(src.grad), begin, end, key, scale);
+        }))
+      return e;
     e.min = std::numeric_limits<double>::infinity();
     for (int64_t i = begin; i < end; ++i) {
       const T v = src.value(i);
