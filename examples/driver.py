@@ -406,6 +406,17 @@ def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace) -> floa
     return factor * 0.1 ** sum(epoch >= m for m in milestones)
 
 
+def ddp_options(method: str, model: nn.Module) -> dict:
+    """torch's PowerSGD hook chains further all-reduces in future callbacks. On Gloo and MPI those
+    callbacks run on the backend's threads, so with several buckets the ranks can issue their
+    collectives in different orders (Gloo aborts with a size mismatch). One bucket holding the
+    whole model removes the race; NCCL keeps DDP's buckets."""
+    if method != "powersgd" or dist.get_backend() == "nccl":
+        return {}
+    model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    return {"bucket_cap_mb": model_mib + 1}
+
+
 class Run:
     """One method's training run, resumable."""
 
@@ -413,7 +424,7 @@ class Run:
         self.task, self.method, self.args, self.folder, self.rank, self.world = task, method, args, folder, rank, world
         torch.manual_seed(args.seed)
         self.model = task.build_model().to(device())
-        self.ddp = DDP(self.model)
+        self.ddp = DDP(self.model, **ddp_options(method, self.model))
         self.comm = Communication(method, self.ddp, args, world)
         self.optimizer = task.make_optimizer(self.ddp.parameters(), args)
         self.steps_per_epoch = task.steps_per_epoch(world)

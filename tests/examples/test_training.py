@@ -138,3 +138,28 @@ def test_plot_draws_every_run(tmp_path):
 
     png = plot.main([str(tmp_path), "--out", str(tmp_path / "cmp.png")])
     assert os.path.getsize(png) > 10_000
+
+
+def test_powersgd_gets_one_bucket_off_nccl(tmp_path):
+    """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
+    buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),
+    so the driver gives PowerSGD one bucket there. Checked after DDP's bucket rebuild."""
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from examples.driver import ddp_options
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        buckets = {}
+        for method in ("dense", "powersgd"):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))  # 8 MB: two buckets by default
+            ddp = DDP(model, **ddp_options(method, model))
+            for _ in range(2):  # DDP rebuilds its buckets at the second iteration
+                ddp(torch.randn(2, 1000)).sum().backward()
+            buckets[method] = len(ddp.reducer._get_zeros_like_grad_buckets())
+        assert buckets == {"dense": 2, "powersgd": 1}
+    finally:
+        dist.destroy_process_group()
