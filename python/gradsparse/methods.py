@@ -280,8 +280,10 @@ class SIDCo(State):
     Args:
         density: target fraction.
         fit: ``"exp"`` (SIDCo-E), ``"gpareto"`` (SIDCo-P) or ``"gamma_gpareto"`` (SIDCo-GP).
-        stages: number of stages (>= 1); 0 for a fixed per-stage ratio ``iratio``; -1, -2, -3
-            for the adaptive modes that change the number of stages from the achieved density.
+        stages: -1 (default), -2, -3: the adaptive modes, which start with one stage and change
+            the number of stages every 5 steps from the achieved density; >= 1: a fixed number
+            of stages (1 is the original scripts' default, which sends far fewer elements than
+            asked on real gradients: docs/methods.md); 0: a fixed per-stage ratio ``iratio``.
         first_ratio: the first stage's target when several stages are used (0.25).
         iratio: per-stage ratio for ``stages=0`` (default 0.2 for exp, 0.075 otherwise).
     """
@@ -293,7 +295,7 @@ class SIDCo(State):
         density: float,
         *,
         fit: str = "exp",
-        stages: int = 1,
+        stages: int = -1,
         first_ratio: float = 0.25,
         iratio: float | None = None,
         **options: Any,
@@ -301,7 +303,9 @@ class SIDCo(State):
         super().__init__(density=density, fit=fit, stages=stages, first_ratio=first_ratio, iratio=iratio, **options)
 
     def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
-        stages = check_int("SIDCo", "stages", options.get("stages", 1), -3, "stages=1 (or 0, or -1 for adaptive)")
+        stages = check_int(
+            "SIDCo", "stages", options.get("stages", -1), -3, "stages=-1 (adaptive) or a stage count >= 1"
+        )
         first_ratio = check_real("SIDCo", "first_ratio", options.get("first_ratio", 0.25), "first_ratio=0.25")
         if not 0 < first_ratio < 1:
             raise ValueError(f"SIDCo: first_ratio must be in (0, 1), got {first_ratio!r}")

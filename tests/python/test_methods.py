@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import pytest
 import torch
 
+import gradsparse as gs
 from gradsparse import _C
 from gradsparse.testing.simulate import run_steps
 from tests.python import restatements as rs
@@ -401,6 +403,24 @@ def test_degenerate_input_matches_restatement(case, world):
     _, input_name, name, kwargs, partitioned = case
     n, _, make = EDGE_INPUTS[input_name]
     compare(name, kwargs, make(n), world, partitioned=partitioned)
+
+
+def test_sidco_default_adapts_its_stages_to_hit_the_density():
+    """On normal gradients one exponential stage (the original scripts' default) sends about 1%
+    of the elements asked for; the default adaptive mode adds stages until the achieved density
+    comes close to the target (it then moves between two stage counts)."""
+    density, n, world = 0.01, 20_000, 2
+    g = torch.Generator().manual_seed(SEED)
+    grads = [[torch.randn(n, generator=g) for _ in range(world)] for _ in range(60)]
+
+    def mean_ratio(**kwargs) -> float:
+        steps = run_steps(world, lambda r: _C.SIDCo(density, **kwargs), grads)
+        achieved = [sum(rank.indices.numel() for rank in step) / (world * n) for step in steps[30:]]
+        return sum(achieved) / len(achieved) / density
+
+    assert mean_ratio(stages=1) < 0.05
+    assert 0.6 < mean_ratio() < 1.3
+    assert inspect.signature(gs.SIDCo).parameters["stages"].default == -1  # the same default for users
 
 
 # ----------------------------------------------------------------------------------------------
