@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 -m benchmarks.overlap [--output overlap-lo.md] [--network "..."]
 
 On a model with several DDP buckets, per method, three timings of forward + backward (the median
-step, measured in the same processes):
+step, measured in the same processes, the three modes taking turns step by step):
 
 - **compute**: a hook that returns its bucket at once (no communication at all);
 - **serial**: the gradsparse hook, but waiting for each bucket's exchange inside the hook, so
@@ -61,16 +61,16 @@ def blocking(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[t
     return fut
 
 
-def time_steps(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
-    times = []
-    for i in range(steps + 3):
-        start = time.perf_counter()
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        ddp.zero_grad(set_to_none=True)
-        if i >= 3:  # three warm-up steps (DDP rebuilds its buckets after the first)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+MODES = ("compute", "serial", "overlapped")
+
+
+def one_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    dist.barrier()  # every rank starts together (the compute mode has no collective to pace it)
+    start = time.perf_counter()
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    loss.backward()
+    ddp.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
@@ -80,20 +80,27 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
     x, y = torch.randn(64, width, generator=g), torch.randint(0, 10, (64,), generator=g)
     results = {}
     for method in methods:
-        row = {}
-        for mode in ("compute", "serial", "overlapped"):
-            ddp = DDP(make_model(width, depth), bucket_cap_mb=4)
-            state = None
+        ddps, states = {}, []
+        for mode in MODES:
+            ddps[mode] = DDP(make_model(width, depth), bucket_cap_mb=4)
             if mode == "compute":
-                ddp.register_comm_hook(None, immediate)
+                ddps[mode].register_comm_hook(None, immediate)
             else:
                 state = gs.METHODS[method](density=density) if method != "dense" else gs.Dense()
-                ddp.register_comm_hook(state, blocking if mode == "serial" else gs.hook)
-            dist.barrier()
-            row[mode] = time_steps(ddp, x, y, steps)
-            if state is not None:
-                row["buckets"] = len(state.stats()["buckets"])
-                state.close()
+                ddps[mode].register_comm_hook(state, blocking if mode == "serial" else gs.hook)
+                states.append(state)
+        # The modes take turns step by step, so that a slow spell of this shared machine hits all
+        # three alike; three warm-up rounds (DDP rebuilds its buckets after the first).
+        times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        for i in range(steps + 3):
+            for mode in MODES:
+                seconds = one_step(ddps[mode], x, y)
+                if i >= 3:
+                    times[mode].append(seconds)
+        row = {mode: statistics.median(t) for mode, t in times.items()}
+        row["buckets"] = len(states[0].stats()["buckets"])
+        for state in states:
+            state.close()
         results[method] = row
     return results
 
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for method in methods:
         # the slowest rank sets the pace of a synchronous step
-        t = {mode: max(r[method][mode] for r in per_rank) for mode in ("compute", "serial", "overlapped")}
+        t = {mode: max(r[method][mode] for r in per_rank) for mode in MODES}
         exchange = t["serial"] - t["compute"]
         hidden = (t["serial"] - t["overlapped"]) / exchange if exchange > 0 else float("nan")
         rows.append(
