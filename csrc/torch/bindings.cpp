@@ -144,7 +144,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("reference") = false, py::arg("seed") = 0);
   py::class_<SIDCo, Method, std::shared_ptr<SIDCo>>(m, "SIDCo")
       .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
-           py::arg("fit") = "exp", py::arg("stages") = -1, py::arg("first_ratio") = 0.25, py::arg("iratio") = py::none())
+           py::arg("fit") = "exp", py::arg("stages") = -1, py::arg("first_ratio") = 0.25,
+           py::arg("iratio") = py::none())
       .def_property_readonly("stages", &SIDCo::stages);
   py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
       .def(py::init<double, int>(), py::arg("density"), py::arg("teams") = 1);
