@@ -131,9 +131,25 @@ def extensions():
     ]
 
 
+def write_build_record():
+    """python/gradsparse/_build.py: the torch that _C is compiled against, compared with the
+    running torch when gradsparse is imported (a mismatch raises a clear ImportError)."""
+    import torch
+
+    path = os.path.join(ROOT, "python", "gradsparse", "_build.py")
+    text = (
+        '"""Written by setup.py when gradsparse._C is built: the torch it was compiled against."""\n\n'
+        f"TORCH_VERSION = {torch.__version__!r}\n"
+    )
+    if not os.path.exists(path) or open(path).read() != text:
+        with open(path, "w") as f:
+            f.write(text)
+
+
 def main():
     from torch.utils.cpp_extension import BuildExtension
 
+    write_build_record()
     setup(
         packages=find_packages("python"),
         package_dir={"": "python"},

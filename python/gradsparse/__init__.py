@@ -1,15 +1,35 @@
 """gradsparse: gradient sparsification with error feedback for PyTorch DDP.
 
 >>> import gradsparse as gs
->>> state = gs.TopK(density=0.01)
->>> ddp_model.register_comm_hook(state, gs.hook)
+>>> state = gs.register(ddp_model, gs.TopK(density=0.01))
 """
 
-import torch  # noqa: F401  (loads libtorch, which _C links against)
+import importlib
 
-from gradsparse import _C, launch
-from gradsparse.hooks import hook
-from gradsparse.methods import (
+import torch  # loads libtorch, which _C links against
+
+
+def _check_torch() -> None:
+    """_C is tied to the torch it was compiled against: on another one it would fail to load with
+    an undefined symbol, or worse. Say which two and how to rebuild instead."""
+    try:
+        from gradsparse._build import TORCH_VERSION
+    except ImportError:  # a source tree that was never built: importing _C says so
+        return
+    if torch.__version__ != TORCH_VERSION:
+        raise ImportError(
+            f"gradsparse was built against torch {TORCH_VERSION} but torch {torch.__version__} is installed; "
+            "rebuild it against this torch, from the gradsparse source folder: "
+            "pip install --no-build-isolation --no-deps --force-reinstall .  (or bash scripts/setup.sh)"
+        )
+
+
+_check_torch()
+
+from gradsparse import _C, launch  # noqa: E402
+from gradsparse.checkpoint import AllRanks  # noqa: E402
+from gradsparse.hooks import hook, register  # noqa: E402
+from gradsparse.methods import (  # noqa: E402
     DGC,
     SAGE,
     Dense,
@@ -23,8 +43,8 @@ from gradsparse.methods import (
     Threshold,
     TopK,
 )
-from gradsparse.ops import pack, scatter_add_, select_threshold, select_topk, unpack
-from gradsparse.state import State
+from gradsparse.ops import pack, scatter_add_, select_threshold, select_topk, unpack  # noqa: E402
+from gradsparse.state import State  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -48,10 +68,19 @@ set_num_threads = _C.set_num_threads
 get_num_threads = _C.get_num_threads
 built_with_cuda = _C.built_with_cuda
 
+
+def __getattr__(name: str):
+    # gradsparse.lightning needs lightning: imported on first use, not with gradsparse.
+    if name == "lightning":
+        return importlib.import_module("gradsparse.lightning")
+    raise AttributeError(f"module 'gradsparse' has no attribute {name!r}")
+
+
 __all__ = [
     "DGC",
     "METHODS",
     "SAGE",
+    "AllRanks",
     "Dense",
     "ExDyna",
     "GaussianK",
@@ -68,6 +97,7 @@ __all__ = [
     "hook",
     "launch",
     "pack",
+    "register",
     "scatter_add_",
     "select_threshold",
     "select_topk",

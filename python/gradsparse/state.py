@@ -1,8 +1,19 @@
 """State classes of the gradsparse DDP communication hook: one per selection method.
 
 A state holds, per DDP bucket, the selection method's C++ object, the error-feedback residual and
-the statistics, and owns the engine thread that runs the exchanges. Register it with
-``model.register_comm_hook(state, gradsparse.hook)``.
+the statistics, and owns the engine thread that runs the exchanges.
+
+Life of a state:
+
+1. **Construction** checks the options on this rank only; it needs no process group, so a state
+   can be built before ``init_process_group`` (as Lightning's ``DDPStrategy`` does with its
+   ``ddp_comm_state``).
+2. **Set-up** (:meth:`State.setup`) is collective: the state makes its own process group, every
+   rank checks that all ranks were given the same method and options, and the engine starts. It
+   runs in :func:`gradsparse.register`, or at the first hook call, or when called explicitly,
+   bounded by the state's ``timeout``.
+3. **Binding** to a model (:func:`gradsparse.register`) teaches the state the parameter names
+   under which residuals are checkpointed.
 """
 
 from __future__ import annotations
@@ -10,13 +21,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import gc
-import warnings
 import weakref
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from gradsparse import _C
 from gradsparse.config import (
@@ -26,13 +36,15 @@ from gradsparse.config import (
     check_timeout,
 )
 from gradsparse.metrics import Metrics
+from gradsparse.wrappers import WRAPPER_ATTRIBUTES, find_ddp, parameter_names
 
 __all__ = ["State"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_STATE_DICT_VERSION = 1
+_STATE_DICT_VERSION = 2  # 2: residual names without wrapper prefixes, layout as lists of names
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
+_WRAPPER_PREFIXES = tuple(f"{a}." for a in ("module", *WRAPPER_ATTRIBUTES))
 
 
 @atexit.register
@@ -44,7 +56,7 @@ def _close_all_states() -> None:
 
 
 class _Bucket:
-    """One DDP bucket's layout, method object and residual."""
+    """One bucket's layout, method object and residual."""
 
     __slots__ = ("index", "key", "method", "names", "numels", "residual")
 
@@ -63,6 +75,24 @@ class _Bucket:
         return dict(zip(self.names, self.residual.split(self.numels), strict=True))
 
 
+class _Pending:
+    """What load_state_dict restored, waiting for the buckets it belongs to (consumed at the first
+    step after the load; returned as it is by state_dict() until then)."""
+
+    def __init__(self, saved: dict) -> None:
+        self.saved = saved  # the state dict as given (version 2), for state_dict() before a step
+        self.residuals: dict[str, torch.Tensor] = {n: t.detach().clone() for n, t in saved["residuals"].items()}
+        # A method's state goes to the bucket holding the same parameters (by name), else to the
+        # bucket of the same index.
+        self.methods: dict[Any, dict[str, float]] = {}
+        layout = saved["layout"]
+        for index, state in enumerate(saved["methods"]):
+            if state is not None:
+                key = frozenset(layout[index]) if index < len(layout) and layout[index] else index
+                self.methods[key] = dict(state)
+        self.layout: list[list[str]] = [list(names) for names in layout if names]
+
+
 class State:
     """Base class of every gradsparse state; use a subclass such as :class:`TopK`.
 
@@ -78,7 +108,8 @@ class State:
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf:
       "raise" an error naming the bucket, or "skip" the bucket's update for that step. Either
       way the residuals keep every finite value (ALGORITHMS.md decision 5).
-    - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange fails.
+    - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
+      that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
       differ (docs/method-spec.md); methods without such differences behave the same either way.
     - ``transport`` ("process_group"): what the exchanges run on: a torch.distributed process
@@ -91,8 +122,8 @@ class State:
 
     Example::
 
-        >>> state = gradsparse.TopK(density=0.01)
-        >>> ddp_model.register_comm_hook(state, gradsparse.hook)
+        >>> state = gradsparse.TopK(density=0.01)    # before or after init_process_group
+        >>> gradsparse.register(ddp_model, state)     # or ddp_model.register_comm_hook(state, gradsparse.hook)
     """
 
     #: Options of the subclass's method, in signature order (validated by _validate_method).
@@ -109,36 +140,26 @@ class State:
     )
 
     def __init__(self, **options: Any) -> None:
-        owner = type(self).__name__
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                f"{owner}: torch.distributed is not initialized; call torch.distributed.init_process_group() "
-                f"(launched by torchrun, mpirun or srun) before creating the state"
-            )
-        process_group = options.get("process_group")
-        group_ok = process_group is None or isinstance(process_group, dist.ProcessGroup)
-        error: Exception | None = None
-        try:
-            self._validate(options)
-        except (TypeError, ValueError) as e:
-            error = e
-        # Agree with every other rank before going further: a configuration error anywhere is
-        # raised everywhere, and no rank goes on to a collective the others never reach.
-        consensus_group = process_group if group_ok else None
-        self._agree(owner, consensus_group, error)
-
-        self._process_group = process_group or dist.group.WORLD
-        self._world_size = dist.get_world_size(self._process_group)
-        self._rank = dist.get_rank(self._process_group)
-        self._engine = self._make_engine()
+        # Options are checked here, on this rank; the ranks compare them in setup().
+        self._validate(options)
+        self._group_option: dist.ProcessGroup | None = options.get("process_group")
+        self._process_group: dist.ProcessGroup | None = None  # from setup() on
+        self._rank = 0
+        self._world_size = 1
+        self._engine = None
         self._step = 0
         self._buckets: dict[int, _Bucket] = {}
         self._retired: dict[int, torch.Tensor] = {}  # residual per parameter id, after a bucket rebuild
         self._retired_methods: dict[frozenset, dict] = {}  # method state per parameter set, after a rebuild
         self._paused = False
-        self._loaded: dict[str, torch.Tensor] = {}  # residual per parameter name, from load_state_dict
-        self._loaded_methods: dict[int, dict[str, float]] = {}
-        self._param_names: dict[int, str] | None = None  # id(parameter) -> name, from the DDP module
+        self._pending: _Pending | None = None  # from load_state_dict, until the next step
+        self._unchecked: dict | None = None  # a state dict loaded before this rank was known
+        self._any_rank = False  # load_state_dict(any_rank=True)
+        self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self._model: weakref.ref | None = None  # the DistributedDataParallel, from register()
+        self._param_names: dict[int, str] = {}  # id(parameter) -> name in the user's module
+        self._params: frozenset[int] | None = None  # ids of the parameters this state reduces
+        self._seen: set[int] = set()  # not bound: the parameters met so far in the first step
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
 
@@ -196,30 +217,71 @@ class State:
             "transport": self._transport,
         }
 
-    def _agree(self, owner: str, group: dist.ProcessGroup | None, error: Exception | None) -> None:
-        mine = None if error is None else (type(error).__name__, str(error))
-        fingerprint = (owner, repr(sorted(self.config().items()))) if error is None else None
-        if group is not None and dist.get_rank(group) < 0:
+    # ----------------------------------------------------------------------------------------
+    # Set-up (collective)
+
+    def setup(self) -> State:
+        """The collective part of the state's creation, on every rank of its process group: its own
+        process group, the check that every rank has the same method and options (a mismatch
+        raises on every rank), and the engine thread.
+
+        Runs once; :func:`gradsparse.register` and the first hook call run it when it has not run.
+        Every step is bounded by the state's ``timeout``: a rank that never arrives (the state was
+        not created there, or its options raised there) makes the others fail with an error that
+        says so, instead of hanging. Returns the state.
+        """
+        if self._engine is not None:
+            return self
+        owner = type(self).__name__
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                f"{owner}.setup: torch.distributed is not initialized; call torch.distributed.init_process_group() "
+                "(launched by torchrun, mpirun or srun) before the state's set-up. The state itself can be "
+                "created earlier: its set-up runs in gradsparse.register() or at the first backward"
+            )
+        group = self._group_option or dist.group.WORLD
+        if dist.get_rank(group) < 0:
             raise ValueError(f"{owner}: this rank is not a member of the given process_group")
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (mine, fingerprint), group=group)
-        if error is not None:
-            raise error
-        for rank, (theirs, _) in enumerate(gathered):
-            if theirs is not None:
-                kind = ValueError if theirs[0] == "ValueError" else TypeError
-                raise kind(f"{owner}: rank {rank} rejected its configuration: {theirs[1]}")
-        fingerprints = {fp for _, fp in gathered}
-        if len(fingerprints) > 1:
+        timeout = self._timeout or _DEFAULT_TIMEOUT
+        try:
+            comm = self._make_comm_group(group)
+            gathered: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm or group)
+        except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
+            raise RuntimeError(
+                f"{owner}.setup: not every rank of the process group {_group_ranks(group)} reached the set-up of "
+                f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
+                "same options on every rank, and register it (or run the first backward) on every rank"
+            ) from e
+        if len(set(gathered)) > 1:
             raise ValueError(
                 f"{owner}: the ranks were given different configurations: "
-                + "; ".join(f"rank {r}: {fp}" for r, (_, fp) in enumerate(gathered))
+                + "; ".join(f"rank {r}: {fp}" for r, fp in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
+        self._process_group = group
+        self._world_size = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        self._engine = self._make_engine(comm)
+        model = self._bound_model()
+        if model is not None:
+            self._check_group(model)
+        if self._unchecked is not None:
+            saved, self._unchecked = self._unchecked, None
+            self._load(saved)
+        return self
 
-    def _make_engine(self):
-        """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else a process
-        group of its own (for the default group) or the given sub-group."""
+    def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+        """The exchanges' own process group (a new one for the default group, created with the
+        state's timeout), or None where they run on ``group`` itself or on MPI."""
+        if self._transport == "mpi" or group is not dist.group.WORLD:
+            return None
+        kwargs = {"backend": dist.get_backend(group), "timeout": self._timeout or _DEFAULT_TIMEOUT}
+        return dist.new_group(**kwargs)
+
+    def _make_engine(self, comm: dist.ProcessGroup | None):
+        """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the
+        state's own group or the given sub-group."""
         if self._transport == "mpi":
             engine = _C.Engine.mpi()
             if (engine.rank, engine.size) != (dist.get_rank(), dist.get_world_size()) or (
@@ -234,14 +296,84 @@ class State:
                 )
             return engine
         timeout = self._timeout or _DEFAULT_TIMEOUT
-        group = self._process_group
-        if group is dist.group.WORLD:
-            kwargs = {"backend": dist.get_backend(group)}
-            if self._timeout is not None:
-                kwargs["timeout"] = self._timeout
-            group = dist.new_group(**kwargs)
-        self._comm_group = group
-        return _C.Engine(group, timeout.total_seconds())
+        return _C.Engine(comm or self._process_group, timeout.total_seconds())
+
+    # ----------------------------------------------------------------------------------------
+    # The model
+
+    def _bind(self, model: nn.Module) -> None:
+        """Ties the state to the DistributedDataParallel at or inside ``model`` (called by
+        gradsparse.register): learns the parameter names, checks the process group."""
+        owner = type(self).__name__
+        ddp = find_ddp(model)
+        if ddp is None:
+            raise TypeError(
+                f"gradsparse.register: model must be a DistributedDataParallel (or a torch.compile of one), got "
+                f"{type(model).__name__}; wrap it first (DistributedDataParallel(model)); with Accelerate, register "
+                "after accelerator.prepare(model); with Lightning, use gradsparse.lightning.Sparsify"
+            )
+        bound = self._bound_model()
+        if bound is ddp:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state is already registered on this model; register it once"
+            )
+        if bound is not None or self._params is not None:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
+                "one model's residuals: create one state per model"
+            )
+        self._model = weakref.ref(ddp)
+        self._param_names = parameter_names(ddp)
+        self._params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
+        if self._engine is not None:
+            self._check_group(ddp)
+        if self._pending is not None:
+            self._check_names(self._pending.residuals)
+
+    def _unbind(self) -> None:
+        self._model, self._param_names, self._params = None, {}, None
+
+    def _bound_model(self):
+        return None if self._model is None else self._model()
+
+    def _check_group(self, ddp) -> None:
+        if not _same_group(ddp.process_group, self._process_group):
+            raise ValueError(
+                f"gradsparse: the {type(self).__name__} state was created for the process group of ranks "
+                f"{_group_ranks(self._process_group)} but the model's DistributedDataParallel reduces over ranks "
+                f"{_group_ranks(ddp.process_group)}; create the state with process_group=<the group passed to "
+                "DistributedDataParallel>"
+            )
+
+    def _check_names(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Every residual must name a parameter of the bound model, with its size."""
+        owner = type(self).__name__
+        numels = {self._param_names[id(p)]: p.numel() for p in self._bound_model().parameters()}
+        unknown = sorted(set(residuals) - set(numels))
+        if unknown:
+            hint = ""
+            stripped = [_strip_wrappers(n) for n in unknown]
+            if all(n in numels for n in stripped):
+                hint = (
+                    f" They carry wrapper prefixes ({', '.join(sorted({n[: len(n) - len(s)] for n, s in zip(unknown, stripped, strict=True)}))}); "
+                    "gradsparse names residuals after the model's own parameters: rename them, e.g. "
+                    "sd['residuals'] = {k.removeprefix('module.'): v for k, v in sd['residuals'].items()}."
+                )
+            raise ValueError(
+                f"{owner}.load_state_dict: {len(unknown)} residual(s) name no parameter of the model: "
+                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (the model's parameters are named like "
+                f"{', '.join(list(numels)[:3])}).{hint} Load the state dict into a state registered on the model it "
+                "was saved from"
+            )
+        for name, tensor in residuals.items():
+            if tensor.numel() != numels[name]:
+                raise ValueError(
+                    f"{owner}.load_state_dict: the residual of {name} holds {tensor.numel()} elements but the "
+                    f"parameter has {numels[name]}; the state dict was saved from another model"
+                )
+
+    def _name(self, param: torch.Tensor, index: int, position: int) -> str:
+        return self._param_names.get(id(param), f"bucket{index}.param{position}")
 
     # ----------------------------------------------------------------------------------------
     # The hook's work
@@ -259,9 +391,35 @@ class State:
                 "float16 and bfloat16 buckets only; convert the model (for example model.float()) before "
                 "wrapping it in DistributedDataParallel"
             )
-        if self._param_names is None:
-            self._attach()
-        entry = self._bucket(bucket)
+        self.setup()
+        params = bucket.parameters()
+        self._check_params(params, bucket.is_last())
+        if self._pending is not None:
+            if self._model is None:
+                raise ValueError(
+                    f"gradsparse: the {type(self).__name__} state was given a state dict but does not know its "
+                    "model's parameter names (it was registered with model.register_comm_hook), so the residuals "
+                    "cannot be put back; register it with gradsparse.register(ddp_model, state) instead"
+                )
+            return self._defer(buffer, params, bucket.is_last())
+        entry = self._bucket(index, params, buffer)
+        return self._submit(entry, buffer, bucket.is_last())
+
+    def _check_params(self, params: list[torch.Tensor], last: bool) -> None:
+        """One state, one model: a parameter outside the model's (the bound model, or those seen in
+        the first step) means the state was registered on a second model."""
+        if self._params is None:  # not bound: learn the parameters during the first step
+            self._seen.update(id(p) for p in params)
+            if last:
+                self._params = frozenset(self._seen)
+            return
+        if any(id(p) not in self._params for p in params):
+            raise ValueError(
+                f"gradsparse: this {type(self).__name__} state is registered on more than one model (a bucket holds "
+                "parameters of another model); a state holds one model's residuals: create one state per model"
+            )
+
+    def _submit(self, entry: _Bucket, buffer: torch.Tensor, last: bool) -> torch.futures.Future[torch.Tensor]:
         dense = self._step < self._warmup_steps or entry.method is None
         residual = None
         if self._error_feedback and not dense:
@@ -269,8 +427,9 @@ class State:
                 entry.residual = torch.zeros_like(buffer)
             residual = entry.residual
         report = _C.ReduceReport()
+        index = entry.index
         future = self._engine.submit(buffer, residual, entry.method, dense, self._nonfinite, f"bucket {index}", report)
-        if bucket.is_last():
+        if last:
             self._step += 1
             self._retired.clear()
             self._retired_methods.clear()
@@ -283,28 +442,60 @@ class State:
 
         return future.then(finish)
 
-    def _attach(self) -> None:
-        """First call: find the DDP module this state is registered on, check its process group,
-        and learn the parameter names used in checkpoints."""
-        owner = type(self).__name__
-        ddp = _find_ddp_module(self)
-        self._param_names = {}
-        if ddp is None:
-            return
-        model_group = ddp.process_group
-        if not _same_group(model_group, self._process_group):
-            raise ValueError(
-                f"gradsparse: the {owner} state was created for the process group of ranks "
-                f"{_group_ranks(self._process_group)} but the model's DistributedDataParallel reduces over ranks "
-                f"{_group_ranks(model_group)}; create the state with process_group=<the group passed to "
-                "DistributedDataParallel>"
-            )
-        self._param_names = {id(p): name for name, p in ddp.module.named_parameters()}
+    def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], last: bool) -> torch.futures.Future:
+        """The first step after load_state_dict: DDP hands its buckets in the layout of a fresh
+        process (parameter order), which need not be the layout the saved run reduced in. The
+        buckets are held until the last one arrives, then reduced in the saved layout, so that a
+        resumed run does exactly what the uninterrupted run would have done."""
+        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._deferred.append((buffer, params, future))
+        if last:
+            held, self._deferred = self._deferred, []
+            self._reduce_in_saved_layout(held)
+        return future
 
-    def _bucket(self, bucket: dist.GradBucket) -> _Bucket:
+    def _reduce_in_saved_layout(self, held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]):
+        pending = self._pending
+        where: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (parameter, its slice of DDP's bucket)
+        current: list[list[str]] = []
+        for index, (buffer, params, _) in enumerate(held):
+            names = [self._name(p, index, i) for i, p in enumerate(params)]
+            current.append(names)
+            for name, p, view in zip(names, params, buffer.split([p.numel() for p in params]), strict=True):
+                where[name] = (p, view)
+        layout = pending.layout
+        if layout == current or sorted(n for names in layout for n in names) != sorted(where):
+            # The same layout, or one that does not cover this model: DDP's own buckets.
+            layout = current
+        futures, copies = [], []
+        for index, names in enumerate(layout):
+            params = [where[n][0] for n in names]
+            views = [where[n][1] for n in names]
+            buffer = held[index][0] if layout is current else torch.cat(views)
+            if layout is not current:
+                copies.append((buffer, views))
+            entry = self._bucket(index, params, buffer)
+            futures.append(self._submit(entry, buffer, index == len(layout) - 1))
+        self._pending = None  # every bucket has taken what was saved for it
+
+        def deliver(done: torch.futures.Future) -> None:
+            try:
+                for fut in done.value():
+                    fut.value()  # raises the engine's error, if any
+                for buffer, views in copies:
+                    for view, piece in zip(views, buffer.split([v.numel() for v in views]), strict=True):
+                        view.copy_(piece)
+            except Exception as e:
+                for _, _, fut in held:
+                    fut.set_exception(e)
+                return
+            for buffer, _, fut in held:
+                fut.set_result(buffer)
+
+        torch.futures.collect_all(futures).add_done_callback(deliver)
+
+    def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> _Bucket:
         """The bucket's entry; rebuilt (residuals re-mapped by parameter) when its layout changed."""
-        index = bucket.index()
-        params = bucket.parameters()
         key = tuple(id(p) for p in params)
         entry = self._buckets.get(index)
         if entry is not None and entry.key == key:
@@ -319,23 +510,28 @@ class State:
                 if old.method is not None:
                     self._retired_methods[frozenset(old.key)] = old.method.state()
             self._buckets.clear()
-        names = [self._param_names.get(id(p), f"bucket{index}.param{i}") for i, p in enumerate(params)]
+        names = [self._name(p, index, i) for i, p in enumerate(params)]
         numels = [p.numel() for p in params]
+        if sum(numels) != buffer.numel():
+            raise RuntimeError(
+                f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
+                "this DDP configuration is not supported"
+            )
         entry = _Bucket(index, key, names, numels, self._make_method(numels))
+        pending = self._pending
         if entry.method is not None and frozenset(key) in self._retired_methods:
             entry.method.load_state(self._retired_methods.pop(frozenset(key)))
-        elif entry.method is not None:
+        elif entry.method is not None and pending is not None:
             for saved_key in (frozenset(names), index):
-                if saved_key in self._loaded_methods:
-                    entry.method.load_state(self._loaded_methods.pop(saved_key))
+                if saved_key in pending.methods:
+                    entry.method.load_state(pending.methods.pop(saved_key))
                     break
         pieces = []
         found = False
-        buffer = bucket.buffer()
         for p, name, numel in zip(params, names, numels, strict=True):
             piece = self._retired.pop(id(p), None)
-            if piece is None:
-                piece = self._loaded.pop(name, None)
+            if piece is None and pending is not None:
+                piece = pending.residuals.pop(name, None)
             if piece is None:
                 piece = torch.zeros(numel, dtype=buffer.dtype, device=buffer.device)
             else:
@@ -344,11 +540,6 @@ class State:
             pieces.append(piece)
         if found:
             entry.residual = torch.cat(pieces)
-        if sum(numels) != buffer.numel():
-            raise RuntimeError(
-                f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
-                "this DDP configuration is not supported"
-            )
         self._buckets[index] = entry
         return entry
 
@@ -362,7 +553,8 @@ class State:
 
     @property
     def process_group(self) -> dist.ProcessGroup:
-        return self._process_group
+        """The model's process group (the default group unless one was given)."""
+        return self._process_group or self._group_option or dist.group.WORLD
 
     def stats(self, reset: bool = False) -> dict:
         """Statistics since creation (or the last reset), per bucket and in total.
@@ -385,68 +577,102 @@ class State:
         return summary
 
     def state_dict(self) -> dict:
-        """This rank's state: residuals by parameter name, method states, step and statistics.
+        """This rank's state: residuals by parameter name (the model's own names, without wrapper
+        prefixes such as ``module.`` or ``_orig_mod.``), method states, the bucket layout, the step
+        and statistics.
 
         Residuals are per rank: save one state dict per rank (for example with the rank in the
-        file name). The tensors are the live residuals, like an optimizer's state dict.
+        file name), or all ranks' in one file with :class:`gradsparse.AllRanks`. The tensors are
+        the live residuals, like an optimizer's state dict. Between load_state_dict() and the next
+        step, the loaded state is returned as it was loaded.
         """
+        owner = type(self).__name__
+        if self._unchecked is not None:
+            return self._unchecked
+        if self._pending is not None:
+            return dict(self._pending.saved, stats=self._metrics.state_dict())
+        if self._buckets and self._model is None:
+            raise ValueError(
+                f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
+                "model.register_comm_hook), so its residuals cannot be saved under them; register it with "
+                "gradsparse.register(ddp_model, state) instead"
+            )
         residuals: dict[str, torch.Tensor] = {}
         for entry in self._buckets.values():
             residuals.update(entry.residual_views())
+        count = max(self._buckets, default=-1) + 1
+        rank, world_size = self._rank, self._world_size
+        if self._engine is None and dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         return {
             "version": _STATE_DICT_VERSION,
-            "class": type(self).__name__,
+            "class": owner,
             "config": dict(self._method_config),
             "step": self._step,
-            "rank": self._rank,
-            "world_size": self._world_size,
+            "rank": rank,
+            "world_size": world_size,
             "residuals": residuals,
-            "methods": {i: e.method.state() for i, e in self._buckets.items() if e.method is not None},
-            "layout": {i: list(e.names) for i, e in self._buckets.items()},
+            "methods": [
+                self._buckets[i].method.state() if i in self._buckets and self._buckets[i].method else None
+                for i in range(count)
+            ],
+            "layout": [list(self._buckets[i].names) if i in self._buckets else [] for i in range(count)],
             "stats": self._metrics.state_dict(),
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Restores a state dict saved by the same method on the same rank. Residuals are put
-        back by parameter name when the buckets are next seen, whatever their layout."""
+    def load_state_dict(self, state_dict: dict, *, any_rank: bool = False) -> None:
+        """Restores a state dict saved by the same method with the same options, on the same rank
+        of the same world size (``any_rank=True`` accepts another rank's). A state dict of
+        :class:`gradsparse.AllRanks` gives each rank its own part.
+
+        Residuals are put back by parameter name at the next step; that step is reduced in the
+        saved bucket layout, so a resumed run repeats the uninterrupted run bit for bit. Loading
+        before the process group exists is fine: the rank checks then run in setup().
+        """
         owner = type(self).__name__
-        if not isinstance(state_dict, dict) or state_dict.get("version") != _STATE_DICT_VERSION:
-            raise ValueError(
-                f"{owner}.load_state_dict: not a gradsparse state dict of version {_STATE_DICT_VERSION} "
-                f"(got {type(state_dict).__name__} with version "
-                f"{state_dict.get('version') if isinstance(state_dict, dict) else None})"
-            )
+        state_dict = _upgrade(owner, state_dict)
         if state_dict["class"] != owner or state_dict["config"] != self._method_config:
             raise ValueError(
                 f"{owner}.load_state_dict: the state dict was saved by {state_dict['class']}"
                 f"({state_dict['config']}) but this state is {owner}({self._method_config}); "
                 "create the same method with the same options before loading"
             )
-        if state_dict["rank"] != self._rank:
-            warnings.warn(
-                f"{owner}.load_state_dict: loading rank {state_dict['rank']}'s residuals on rank {self._rank}",
-                stacklevel=2,
+        self._any_rank = any_rank
+        if self._engine is None and not (dist.is_available() and dist.is_initialized()):
+            self._unchecked = state_dict  # checked against this rank in setup()
+            return
+        self._load(state_dict)
+
+    def _load(self, state_dict: dict) -> None:
+        owner = type(self).__name__
+        group = self.process_group
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        if state_dict.get("all_ranks"):
+            if state_dict["world_size"] != world_size:
+                raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+            state_dict = state_dict["ranks"][rank]
+        if state_dict["world_size"] != world_size:
+            raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+        if state_dict["rank"] != rank and not self._any_rank:
+            raise ValueError(
+                f"{owner}.load_state_dict: the state dict holds rank {state_dict['rank']}'s residuals but this is "
+                f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
+                "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
             )
+        if self._model is not None:
+            self._check_names(state_dict["residuals"])
         self._step = int(state_dict["step"])
         self._buckets.clear()
         self._retired.clear()
         self._retired_methods.clear()
-        self._loaded = {name: t.detach().clone() for name, t in state_dict["residuals"].items()}
-        # A method's state goes to the bucket holding the same parameters (by name), else to the
-        # bucket of the same index.
-        layout = state_dict.get("layout", {})
-        self._loaded_methods = {
-            (frozenset(layout[i]) if i in layout else int(i)): dict(s) for i, s in state_dict["methods"].items()
-        }
+        self._pending = _Pending(state_dict)
         self._metrics.load_state_dict(state_dict["stats"])
 
     @contextlib.contextmanager
     def paused(self):
         """Within this block the hook hands every bucket back unreduced and the state does not
         change: no selection, no communication, no step counted. For an iteration whose
-        gradients are thrown away, such as one that only lets DDP settle its bucket layout
-        (DDP orders its buckets by the first iteration's gradient order; examples/driver.py runs
-        one such iteration when a process starts, so fresh and resumed runs see one layout)."""
+        gradients are thrown away."""
         self._paused = True
         try:
             yield self
@@ -464,18 +690,40 @@ class State:
         return f"{type(self).__name__}({options})"
 
 
-def _find_ddp_module(state: State):
-    """The DistributedDataParallel module whose comm hook state is `state`, or None."""
-    from torch.nn.parallel import DistributedDataParallel
+def _upgrade(owner: str, state_dict: Any) -> dict:
+    """A state dict of the current version (version 1, of gradsparse 0.1, is converted)."""
+    version = state_dict.get("version") if isinstance(state_dict, dict) else None
+    if version == _STATE_DICT_VERSION:  # one rank's, or gradsparse.AllRanks' (its rank is picked in _load)
+        return state_dict
+    if version == 1:
+        # Names came from DDP's inner module: strip the wrappers that could sit there.
+        layout = state_dict.get("layout", {})
+        count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
+        return {
+            **state_dict,
+            "version": _STATE_DICT_VERSION,
+            "residuals": {_strip_wrappers(n): t for n, t in state_dict["residuals"].items()},
+            "layout": [[_strip_wrappers(n) for n in layout.get(i, [])] for i in range(count)],
+            "methods": [state_dict["methods"].get(i) for i in range(count)],
+        }
+    raise ValueError(
+        f"{owner}.load_state_dict: not a gradsparse state dict (got {type(state_dict).__name__} with version "
+        f"{version}); pass what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned"
+    )
 
-    for obj in gc.get_objects():
-        # issubclass(type(obj)) rather than isinstance: it never touches attributes of arbitrary
-        # objects (some modules warn on any attribute access).
-        if issubclass(type(obj), DistributedDataParallel) and any(
-            s is state for _, s in getattr(obj, "_comm_hooks", ())
-        ):
-            return obj
-    return None
+
+def _strip_wrappers(name: str) -> str:
+    while name.startswith(_WRAPPER_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
+
+
+def _world_size_error(owner: str, saved: int, now: int) -> str:
+    return (
+        f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
+        f"resume with {saved} ranks, or start the gradsparse state afresh (skip load_state_dict: the pending "
+        "residuals are then dropped, the model and optimizer still resume)"
+    )
 
 
 def _group_ranks(group: dist.ProcessGroup) -> list[int]:

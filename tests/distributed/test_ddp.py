@@ -82,7 +82,6 @@ def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density):
     "case,world_size,error,message",
     [
         ("density_everywhere", 2, "ValueError", "density must be in (0, 1], got 2.0"),
-        ("density_on_rank_1", 4, "ValueError", "density must be in (0, 1], got -1.0"),
         ("nan_density", 2, "ValueError", "density must be in (0, 1], got nan"),
         ("negative_threshold", 2, "ValueError", "threshold must be a finite number >= 0, got -0.5"),
         ("unknown_option", 2, "TypeError", "unknown option(s) warmup"),
@@ -96,6 +95,18 @@ def test_d_bad_configuration_raises_on_every_rank(case, world_size, error, messa
     for rank, (kind, text) in enumerate(outcomes):
         assert kind == error, f"rank {rank}: {kind}: {text}"
         assert message in text, f"rank {rank}: {text}"
+
+
+def test_d_option_rejected_on_one_rank_fails_the_others_within_the_timeout():
+    """Rank 1's options raise there at construction; rank 0, whose options are fine, does not wait
+    for rank 1 forever in the set-up (it would wait the default group's 30 minutes, and the run's
+    120 s limit would fail the test) but fails after the state's timeout (5 s), saying why."""
+    outcomes = run_distributed(workers.bad_configuration, 2, "density_on_rank_1", timeout=120)
+    assert outcomes[1][0] == "ValueError" and "TopK: density must be in (0, 1], got -1.0" in outcomes[1][1]
+    kind, text = outcomes[0]
+    assert kind == "RuntimeError", text
+    assert "not every rank of the process group [0, 1] reached the set-up" in text
+    assert "Create the state with the same options on every rank" in text
 
 
 def test_nonfinite_gradient_raises_on_every_rank():

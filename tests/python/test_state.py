@@ -47,10 +47,28 @@ def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
     assert message in str(info.value)
 
 
-def test_state_requires_an_initialised_process_group():
-    code = "import gradsparse as gs\ntry:\n    gs.TopK(density=0.1)\nexcept RuntimeError as e:\n    print(e)\n"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert "init_process_group()" in out.stdout
+def test_a_state_is_created_before_the_process_group_and_set_up_after():
+    """As Lightning's DDPStrategy(ddp_comm_state=...) does: the state exists before
+    init_process_group; set-up before it says what to do; after it, the state trains."""
+    code = """
+import torch, torch.distributed as dist, torch.nn as nn
+import gradsparse as gs
+from gradsparse.testing.distributed import free_port
+state = gs.TopK(density=0.1)
+try:
+    state.setup()
+except RuntimeError as e:
+    print("before:", e)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 4))
+ddp.register_comm_hook(state, gs.hook)  # plain registration: set-up at the first backward
+ddp(torch.randn(2, 8)).sum().backward()
+print("after:", state.step, state.stats()["total"]["selected"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "before: TopK.setup: torch.distributed is not initialized; call torch.distributed.init_process_group()" in out.stdout
+    assert "after: 1 3" in out.stdout  # 10% of 36 elements
 
 
 def test_hook_rejects_a_foreign_state():
@@ -79,7 +97,7 @@ def _hooked(state, weights_of=None):
     ddp = DDP(_model())
     if weights_of is not None:
         ddp.module.load_state_dict(weights_of.module.state_dict())
-    ddp.register_comm_hook(state, gs.hook)
+    gs.register(ddp, state)
     return ddp
 
 
@@ -191,7 +209,7 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
     _train(ddp, 3)
     sd = state.state_dict()
     assert set(sd["layout"][0]) == {name for name, _ in ddp.module.named_parameters()}
-    moved = dict(sd, methods={7: sd["methods"][0]}, layout={7: sd["layout"][0]})  # saved as bucket 7
+    moved = dict(sd, methods=[None] * 7 + sd["methods"], layout=[[]] * 7 + sd["layout"])  # saved as bucket 7
     state2 = gs.MiCRO(density=0.1)
     ddp2 = _hooked(state2, weights_of=ddp)
     state2.load_state_dict(moved)

@@ -1,0 +1,79 @@
+"""PyTorch Lightning: gradient sparsification as a callback.
+
+>>> import lightning.pytorch as pl
+>>> import gradsparse as gs
+>>> trainer = pl.Trainer(strategy="ddp", callbacks=[gs.lightning.Sparsify(gs.ExDyna(density=0.01))])
+
+The callback registers the state on the DistributedDataParallel that Lightning builds (on CPU and
+GPU alike: Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks on CUDA devices
+only), logs the achieved density, bytes and times through the Trainer's loggers, and keeps every
+rank's residuals in the Lightning checkpoint (which rank 0 writes), giving each rank its own back
+on resume.
+
+Needs ``lightning`` (``pip install gradsparse[lightning]``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from gradsparse.checkpoint import AllRanks
+from gradsparse.hooks import register
+from gradsparse.state import State
+from gradsparse.wrappers import find_ddp
+
+__all__ = ["Sparsify"]
+
+#: The statistics logged after every training batch (``State.stats()["total"]``), as
+#: ``<prefix><name>``.
+LOGGED = ("achieved_density", "bytes_sent", "bytes_ratio", "select_seconds", "exchange_seconds")
+
+
+class Sparsify(Callback):
+    """Sparsifies the gradients of a ``strategy="ddp"`` Trainer with ``state``.
+
+    Args:
+        state: a gradsparse state, such as ``gradsparse.ExDyna(density=0.01)``; create it
+            anywhere (no process group is needed yet).
+        prefix: the prefix of the logged metric names (``gradsparse/achieved_density``, ...).
+    """
+
+    def __init__(self, state: State, *, prefix: str = "gradsparse/") -> None:
+        if not isinstance(state, State):
+            raise TypeError(
+                f"gradsparse.lightning.Sparsify: state must be a gradsparse state such as "
+                f"gradsparse.ExDyna(density=0.01), got {type(state).__name__}"
+            )
+        self.state = state
+        self.prefix = prefix
+
+    @property
+    def state_key(self) -> str:
+        return f"gradsparse.lightning.Sparsify[{type(self.state).__name__}]"
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        ddp = find_ddp(trainer.strategy.model)
+        if ddp is None:
+            raise ValueError(
+                f"gradsparse.lightning.Sparsify: the Trainer's strategy {type(trainer.strategy).__name__} does not "
+                "train through DistributedDataParallel; use Trainer(strategy='ddp') (or DDPStrategy(...))"
+            )
+        if self.state._bound_model() is not ddp:  # a second fit() on the same model keeps its registration
+            register(ddp, self.state)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        total = self.state.stats(reset=True)["total"]
+        figures = {self.prefix + name: float(total[name]) for name in LOGGED}
+        figures = {name: value for name, value in figures.items() if not math.isnan(value)}
+        pl_module.log_dict(figures, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return AllRanks(self.state).state_dict()  # collective: Lightning calls it on every rank
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        AllRanks(self.state).load_state_dict(state_dict)

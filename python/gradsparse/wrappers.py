@@ -1,0 +1,50 @@
+"""Model wrappers: finding the DistributedDataParallel inside what a framework hands over, and the
+user's own module inside DDP.
+
+Training stacks wrap a model in layers: ``torch.compile`` (an ``OptimizedModule`` holding
+``_orig_mod``), DDP (``module``), Lightning's and Fabric's wrappers (``_forward_module``). Parameter names seen through a wrapper carry its attribute as a
+prefix (``module.``, ``_orig_mod.``, ``_forward_module.``). gradsparse names residuals after the
+innermost module, so a checkpoint saved from one stack loads into any other.
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["WRAPPER_ATTRIBUTES", "find_ddp", "parameter_names", "unwrap"]
+
+#: The attributes through which wrappers hold the module they wrap, in the order they are tried.
+WRAPPER_ATTRIBUTES = ("_forward_module", "_orig_mod")
+
+
+def _inner(module: nn.Module) -> nn.Module | None:
+    """The module that ``module`` wraps, or None when it is no wrapper."""
+    if isinstance(module, DistributedDataParallel):
+        return module.module
+    for attribute in WRAPPER_ATTRIBUTES:
+        inner = module._modules.get(attribute)
+        if inner is not None:
+            return inner
+    return None
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The user's own module inside every wrapper (DDP, torch.compile, Lightning, Fabric)."""
+    inner = _inner(module)
+    while inner is not None:
+        module, inner = inner, _inner(inner)
+    return module
+
+
+def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
+    """The DistributedDataParallel at or inside ``model`` (``torch.compile(DDP(m))`` holds it
+    inside), or None."""
+    while model is not None and not isinstance(model, DistributedDataParallel):
+        model = _inner(model)
+    return model
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> the parameter's name in the user's own module, without wrapper prefixes."""
+    return {id(p): name for name, p in unwrap(model).named_parameters()}
