@@ -138,8 +138,7 @@ class Communication:
         self.dense_bytes = int(ring * numel * 4)
         self.bytes_per_step = self.dense_bytes
         if method in gs.METHODS:
-            self.state = gs.METHODS[method](**gradsparse_options(method, args))
-            ddp.register_comm_hook(self.state, gs.hook)
+            self.state = gs.register(ddp, gs.METHODS[method](**gradsparse_options(method, args)))
         elif method == "fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)
@@ -174,17 +173,11 @@ class Communication:
 
     @contextlib.contextmanager
     def discarded(self):
-        """An iteration whose gradients are thrown away leaves the communication state as it
-        was: gradsparse is paused, PowerSGD's state is restored afterwards."""
-        if self.state is not None:
-            with self.state.paused():
-                yield
-            return
+        """An iteration whose gradients are thrown away leaves PowerSGD's state as it was."""
         # A copy taken now: state_dict() holds PowerSGD's live dicts, whose entries the hook replaces.
         saved = copy.deepcopy(self.state_dict())
         yield
-        if saved:
-            self.load_state_dict(saved)
+        self.load_state_dict(saved)
 
     def state_dict(self) -> dict:
         if self.state is not None:
@@ -494,12 +487,14 @@ class Run:
             torch.cuda.set_rng_state(state["cuda_rng"])
         return True
 
-    def settle_bucket_layout(self) -> None:
+    def settle_powersgd_buckets(self) -> None:
         """DDP builds its buckets in parameter order, then rebuilds them once in the order the
-        first iteration's gradients arrived. Layout-dependent methods (partitions, per-bucket
-        top-k) would see one layout in a fresh run's first step and another after a resume, so
-        every process starts with one iteration whose gradients, and every state it touches
-        (parameters, buffers, RNG, task and communication state), are thrown away."""
+        first iteration's gradients arrived. torch's PowerSGD keeps its error feedback and warm
+        starts by bucket index, so a resumed process would hand it the saved run's per-bucket
+        tensors in the first-step layout. For PowerSGD, every process therefore starts with one
+        iteration whose gradients, and every state it touches (parameters, buffers, RNG, task and
+        communication state), are thrown away. gradsparse needs none: a state reduces the first
+        step after load_state_dict in the saved layout itself."""
         model_state = copy.deepcopy(self.model.state_dict())
         task_state = copy.deepcopy(self.task.state_dict())
         rng = torch.get_rng_state()
@@ -518,7 +513,8 @@ class Run:
     # the loop ---------------------------------------------------------------------------------
     def train(self, recorder: Recorder) -> list[dict]:
         args = self.args
-        self.settle_bucket_layout()
+        if self.comm.torch_state is not None:
+            self.settle_powersgd_buckets()
         total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps:
             total_steps = min(total_steps, args.max_steps)

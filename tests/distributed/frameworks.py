@@ -1,0 +1,193 @@
+"""Functions run on every rank by tests/distributed/test_frameworks.py: gradsparse inside Lightning,
+Accelerate and torch.compile (module level, so spawn can import them).
+
+No `from __future__ import annotations`: DDP checks hook annotations as objects.
+"""
+
+import csv
+import glob
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsparse as gs
+from tests.distributed.workers import Shuffled, batches, params_of
+
+
+def _launcher_environment(rank: int, world_size: int) -> None:
+    """The variables torchrun would set, for frameworks that read them (the process group itself
+    is already initialised by run_distributed, and both frameworks then use it as it is)."""
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1",
+    )  # fmt: skip
+
+
+# Lightning --------------------------------------------------------------------------------------
+
+
+def _lightning_module():
+    import lightning.pytorch as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            torch.manual_seed(seed)
+            self.net = Shuffled()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(7)
+            data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 6, (64,), generator=g))
+            return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)  # 4 batches a rank and epoch
+
+    return Classifier
+
+
+def _trainer(folder: str, epochs: int, callbacks: list, **kwargs):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    return pl.Trainer(
+        accelerator="cpu", devices=dist.get_world_size(), strategy="ddp", max_epochs=epochs, callbacks=callbacks,
+        logger=CSVLogger(folder, name="", version=""), log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
+    """Sparsify(ExDyna) on CPU: 2 epochs straight, against 1 epoch + Trainer.save_checkpoint (which
+    rank 0 writes) + a new module, state and Trainer resumed from that file for the second epoch."""
+    _launcher_environment(rank, world_size)
+    Classifier = _lightning_module()
+    out: dict = {}
+
+    straight = Classifier(seed=0)
+    state = gs.ExDyna(density=0.05)
+    _trainer(f"{folder}/straight", 2, [gs.lightning.Sparsify(state)]).fit(straight)
+    out["straight"] = params_of(straight)
+    out["steps"] = state.step
+    if rank == 0:
+        with open(glob.glob(f"{folder}/straight/**/metrics.csv", recursive=True)[0]) as f:
+            rows = list(csv.DictReader(f))
+        out["logged"] = [float(r["gradsparse/achieved_density"]) for r in rows if r.get("gradsparse/achieved_density")]
+        out["logged_bytes"] = [float(r["gradsparse/bytes_sent"]) for r in rows if r.get("gradsparse/bytes_sent")]
+
+    first = Classifier(seed=0)
+    state = gs.ExDyna(density=0.05)
+    trainer = _trainer(f"{folder}/first", 1, [gs.lightning.Sparsify(state)])
+    trainer.fit(first)
+    trainer.save_checkpoint(f"{folder}/epoch1.ckpt")  # every rank calls it; rank 0 writes
+    out["saved_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+
+    resumed = Classifier(seed=123)
+    state = gs.ExDyna(density=0.05)
+    _trainer(f"{folder}/resumed", 2, [gs.lightning.Sparsify(state)]).fit(resumed, ckpt_path=f"{folder}/epoch1.ckpt")
+    out["resumed"] = params_of(resumed)
+    return out
+
+
+def lightning_strategy_hook(rank: int, world_size: int) -> dict:
+    """Lightning's own DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...): the strategy (and the
+    state) are built before the process group exists, as Lightning does; Lightning then registers
+    the hook with its own function on CUDA devices, which is called here directly on CPU."""
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
+    from lightning.pytorch.strategies import DDPStrategy
+
+    state = gs.TopK(density=0.05)
+    DDPStrategy(ddp_comm_state=state, ddp_comm_hook=gs.hook)  # raised before states were lazy
+    torch.manual_seed(0)
+    ddp = DDP(Shuffled())
+    _register_ddp_comm_hook(model=ddp, ddp_comm_state=state, ddp_comm_hook=gs.hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for x, y in batches(rank, 3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return {"steps": state.step, "density": state.stats()["total"]["density"]}
+
+
+# Accelerate -------------------------------------------------------------------------------------
+
+
+def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
+    """The documented recipe: register after accelerator.prepare(), and AllRanks(state) in
+    register_for_checkpointing. 8 steps straight, against 4 + save_state + new objects + load_state + 4."""
+    from accelerate import Accelerator
+
+    _launcher_environment(rank, world_size)
+    data = list(batches(rank, 8))
+
+    def build(seed: int):
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(seed)
+        model = Shuffled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = accelerator.prepare(model, opt)
+        state = gs.register(model, gs.SparDL(density=0.05))
+        accelerator.register_for_checkpointing(gs.AllRanks(state))
+        return accelerator, model, opt, state
+
+    def run(accelerator, model, opt, part) -> None:
+        for x, y in part:
+            opt.zero_grad()
+            accelerator.backward(nn.functional.cross_entropy(model(x), y))
+            opt.step()
+
+    accelerator, model, opt, state = build(0)
+    out = {"wrapped": type(model).__name__}
+    run(accelerator, model, opt, data)
+    out["straight"] = params_of(model)
+    accelerator, model, opt, state = build(0)
+    run(accelerator, model, opt, data[:4])
+    out["saved_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    accelerator.save_state(f"{folder}/state")
+    accelerator, model, opt, state = build(123)
+    accelerator.load_state(f"{folder}/state")
+    out["loaded_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    run(accelerator, model, opt, data[4:])
+    out["resumed"] = params_of(model)
+    return out
+
+
+# torch.compile ----------------------------------------------------------------------------------
+
+
+def compiled_training(rank: int, world_size: int, wrapping: str) -> dict:
+    """Six TopK steps with the model wrapped as ``wrapping``: eager DDP(m), DDP(torch.compile(m)) or
+    torch.compile(DDP(m)); returns the parameters and the residual names a checkpoint holds."""
+    torch.manual_seed(0)
+    model = Shuffled()
+    if wrapping == "eager":
+        wrapped = DDP(model)
+    elif wrapping == "compile_inside":
+        wrapped = DDP(torch.compile(model))
+    elif wrapping == "compile_outside":
+        wrapped = torch.compile(DDP(model))
+    else:
+        raise AssertionError(wrapping)
+    state = gs.register(wrapped, gs.TopK(density=0.05))
+    opt = torch.optim.SGD(wrapped.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches(rank, 6):
+        opt.zero_grad()
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+    saved = state.state_dict()
+    return {"params": params_of(model), "steps": state.step, "state": saved}
+
+
+def load_into_eager(rank: int, world_size: int, saved: list[dict]) -> dict:
+    """Loads the state dict that rank saved from a compiled model into an eager one."""
+    ddp = DDP(Shuffled())
+    state = gs.register(ddp, gs.TopK(density=0.05))
+    state.load_state_dict(saved[rank])
+    return {"residuals": state.state_dict()["residuals"]}
