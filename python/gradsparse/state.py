@@ -158,6 +158,7 @@ class State:
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._model: weakref.ref | None = None  # the DistributedDataParallel, from register()
         self._param_names: dict[int, str] = {}  # id(parameter) -> name in the user's module
+        self._param_numels: dict[str, int] = {}  # name -> elements, of the bound model
         self._params: frozenset[int] | None = None  # ids of the parameters this state reduces
         self._seen: set[int] = set()  # not bound: the parameters met so far in the first step
         self._metrics = Metrics()
@@ -324,6 +325,7 @@ class State:
             )
         self._model = weakref.ref(ddp)
         self._param_names = parameter_names(ddp)
+        self._param_numels = {self._param_names[id(p)]: p.numel() for p in ddp.parameters()}
         self._params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
         if self._engine is not None:
             self._check_group(ddp)
@@ -331,7 +333,7 @@ class State:
             self._check_names(self._pending.residuals)
 
     def _unbind(self) -> None:
-        self._model, self._param_names, self._params = None, {}, None
+        self._model, self._param_names, self._param_numels, self._params = None, {}, {}, None
 
     def _bound_model(self):
         return None if self._model is None else self._model()
@@ -348,7 +350,7 @@ class State:
     def _check_names(self, residuals: dict[str, torch.Tensor]) -> None:
         """Every residual must name a parameter of the bound model, with its size."""
         owner = type(self).__name__
-        numels = {self._param_names[id(p)]: p.numel() for p in self._bound_model().parameters()}
+        numels = self._param_numels
         unknown = sorted(set(residuals) - set(numels))
         if unknown:
             hint = ""

@@ -216,3 +216,109 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
     _train(ddp2, 1, seed=5)
     _train(ddp, 1, seed=5)
     assert state2.state_dict()["methods"][0] == state.state_dict()["methods"][0]
+
+
+# Registration and checkpoints: each wrong step gets an error that says what to do instead ---------
+
+
+def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
+    state = gs.TopK(density=0.1)
+    with pytest.raises(TypeError, match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare"):
+        gs.register(_model(), state)
+    ddp = _hooked(state)
+    with pytest.raises(ValueError, match="already registered on this model; register it once"):
+        gs.register(ddp, state)
+    with pytest.raises(ValueError, match="already registered on another model; .* create one state per model"):
+        gs.register(DDP(_model()), state)
+
+
+def test_one_state_hooked_on_two_models_raises():
+    state = gs.TopK(density=0.1)
+    first, second = DDP(_model()), DDP(_model())
+    first.register_comm_hook(state, gs.hook)  # plain registration: the state learns its parameters in step 1
+    second.register_comm_hook(state, gs.hook)
+    _train(first, 1)
+    with pytest.raises(ValueError, match="registered on more than one model"):
+        _train(second, 1)
+
+
+def test_residuals_cannot_be_saved_without_parameter_names():
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_model())
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 1)  # training works with plain registration
+    with pytest.raises(ValueError, match=r"register it with gradsparse.register\(ddp_model, state\) instead"):
+        state.state_dict()
+
+
+def _saved(steps=2):
+    state = gs.TopK(density=0.05)
+    _train(_hooked(state), steps)
+    return state.state_dict()
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda sd: dict(sd, rank=1), "holds rank 1's residuals but this is rank 0; .* any_rank=True loads it anyway"),
+        (lambda sd: dict(sd, world_size=3), "saved at world size 3 but this run has 1 ranks; resume with 3 ranks"),
+        (
+            lambda sd: dict(sd, residuals={f"_orig_mod.{k}": v for k, v in sd["residuals"].items()}),
+            r"name no parameter of the model: _orig_mod.0.bias.* They carry wrapper prefixes \(_orig_mod.\)",
+        ),
+        (
+            lambda sd: dict(sd, residuals={**sd["residuals"], "0.weight": torch.zeros(3)}),
+            "the residual of 0.weight holds 3 elements but the parameter has 256",
+        ),
+        (lambda sd: {"residuals": {}}, "not a gradsparse state dict"),
+    ],
+)
+def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
+    sd = change(_saved())
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    with pytest.raises(ValueError, match=message):
+        state.load_state_dict(sd)
+
+
+def test_another_ranks_state_dict_loads_only_when_asked():
+    sd = dict(_saved(), rank=1)
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(sd, any_rank=True)
+    assert state.step == 2
+
+
+def test_state_dict_right_after_load_returns_what_was_loaded():
+    sd = _saved()
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(sd)
+    again = state.state_dict()
+    assert again["step"] == 2 and set(again["residuals"]) == set(sd["residuals"])
+    for name, value in sd["residuals"].items():
+        assert torch.equal(again["residuals"][name], value), name
+
+
+def test_a_state_dict_loaded_before_registration_is_checked_at_registration():
+    sd = _saved()
+    sd["residuals"] = {f"module.{k}": v for k, v in sd["residuals"].items()}
+    state = gs.TopK(density=0.05)
+    state.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"They carry wrapper prefixes \(module.\)"):
+        gs.register(DDP(_model()), state)
+
+
+def test_version_1_state_dicts_load_without_wrapper_prefixes():
+    sd = _saved()
+    v1 = dict(
+        sd,
+        version=1,
+        residuals={f"_orig_mod.{k}": v for k, v in sd["residuals"].items()},
+        layout={0: [f"_orig_mod.{n}" for n in sd["layout"][0]]},
+        methods={0: sd["methods"][0]},
+    )
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(v1)
+    assert set(state.state_dict()["residuals"]) == set(sd["residuals"])
