@@ -131,30 +131,35 @@ def extensions():
     ]
 
 
-def write_build_record():
-    """python/gradsparse/_build.py: the torch that _C is compiled against, compared with the
-    running torch when gradsparse is imported (a mismatch raises a clear ImportError)."""
+def build_ext_command():
+    """torch's BuildExtension, which also writes gradsparse/_build.py beside the built _C: the torch
+    _C is compiled against, compared with the running torch when gradsparse is imported (a
+    mismatch raises a clear ImportError instead of an undefined symbol). Beside _C rather than in
+    the source tree, so that builds against two torches (an editable install and a wheel) from
+    one checkout each keep their own record."""
     import torch
+    from torch.utils.cpp_extension import BuildExtension
 
-    path = os.path.join(ROOT, "python", "gradsparse", "_build.py")
-    text = (
-        '"""Written by setup.py when gradsparse._C is built: the torch it was compiled against."""\n\n'
-        f"TORCH_VERSION = {torch.__version__!r}\n"
-    )
-    if not os.path.exists(path) or open(path).read() != text:
-        with open(path, "w") as f:
-            f.write(text)
+    class BuildWithRecord(BuildExtension):
+        def run(self):
+            super().run()
+            for ext in self.extensions:
+                path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build.py")
+                with open(path, "w") as f:
+                    f.write(
+                        '"""Written when gradsparse._C was built: the torch it was compiled against."""\n\n'
+                        f"TORCH_VERSION = {torch.__version__!r}\n"
+                    )
+
+    return BuildWithRecord.with_options(use_ninja=True)
 
 
 def main():
-    from torch.utils.cpp_extension import BuildExtension
-
-    write_build_record()
     setup(
         packages=find_packages("python"),
         package_dir={"": "python"},
         ext_modules=extensions(),
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": build_ext_command()},
     )
 
 

@@ -3,8 +3,11 @@
 # `bash scripts/lint.sh --fix` rewrites the files instead of checking them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
+source scripts/env.sh
 "$PYTHON" -m pip install -q --disable-pip-version-check "ruff>=0.6" "clang-format>=18"
+bin="$(python_bin)"
+ruff() { "$bin/ruff" "$@"; }
+clang-format() { "$bin/clang-format" "$@"; }
 mapfile -t cxx < <(git ls-files '*.h' '*.cpp' '*.cu' '*.cuh')
 if [ "${1:-}" = "--fix" ]; then
   ruff check --fix .

@@ -3,8 +3,8 @@
 # then pytest (ops, API, and multi-process Gloo tests). Exits non-zero on any failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
 bash scripts/setup.sh test
+source scripts/env.sh  # the interpreter setup.sh installed into
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build/cmake
 ctest --test-dir build/cmake --output-on-failure

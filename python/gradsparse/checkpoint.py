@@ -57,7 +57,7 @@ class AllRanks:
     def load_state_dict(self, state_dict: dict) -> None:
         if isinstance(state_dict, dict) and state_dict.get("all_ranks") and state_dict.get("ranks") is None:
             raise ValueError(
-                f"gradsparse.AllRanks.load_state_dict: this state dict was returned on a rank other than 0, which "
+                "gradsparse.AllRanks.load_state_dict: this state dict was returned on a rank other than 0, which "
                 "holds no residuals; load the one rank 0 saved"
             )
         self.state.load_state_dict(state_dict)

@@ -354,12 +354,13 @@ class State:
         unknown = sorted(set(residuals) - set(numels))
         if unknown:
             hint = ""
-            stripped = [_strip_wrappers(n) for n in unknown]
-            if all(n in numels for n in stripped):
+            stripped = {n: _strip_wrappers(n) for n in unknown}
+            if all(n in numels for n in stripped.values()):
+                prefixes = sorted({n[: len(n) - len(s)] for n, s in stripped.items()})
                 hint = (
-                    f" They carry wrapper prefixes ({', '.join(sorted({n[: len(n) - len(s)] for n, s in zip(unknown, stripped, strict=True)}))}); "
-                    "gradsparse names residuals after the model's own parameters: rename them, e.g. "
-                    "sd['residuals'] = {k.removeprefix('module.'): v for k, v in sd['residuals'].items()}."
+                    f" They carry wrapper prefixes ({', '.join(prefixes)}); gradsparse names residuals after the "
+                    f"model's own parameters: rename them, e.g. sd['residuals'] = "
+                    f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['residuals'].items()}}."
                 )
             raise ValueError(
                 f"{owner}.load_state_dict: {len(unknown)} residual(s) name no parameter of the model: "
@@ -593,7 +594,8 @@ class State:
             return self._unchecked
         if self._pending is not None:
             return dict(self._pending.saved, stats=self._metrics.state_dict())
-        if self._buckets and self._model is None:
+        named = any(e.residual is not None or e.method is not None for e in self._buckets.values())
+        if named and self._model is None:
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
                 "model.register_comm_hook), so its residuals cannot be saved under them; register it with "

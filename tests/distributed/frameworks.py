@@ -47,7 +47,9 @@ def _lightning_module():
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(7)
-            data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randint(0, 6, (64,), generator=g))
+            data = torch.utils.data.TensorDataset(
+                torch.randn(64, 16, generator=g), torch.randint(0, 6, (64,), generator=g)
+            )
             return torch.utils.data.DataLoader(data, batch_size=8, shuffle=False)  # 4 batches a rank and epoch
 
     return Classifier

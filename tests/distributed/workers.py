@@ -296,7 +296,7 @@ def exchange_stream(rank: int, world_size: int, transport: str, steps: int = 6, 
         state = (
             gs.METHODS[method](**options, transport=transport) if method != "dense" else gs.Dense(transport=transport)
         )
-        ddp.register_comm_hook(state, gs.hook)
+        gs.register(ddp, state)
         record = {"out": [], "residual": [], "bytes": []}
         for t in range(steps):
             ddp.zero_grad()

@@ -67,7 +67,10 @@ print("after:", state.step, state.stats()["total"]["selected"])
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "before: TopK.setup: torch.distributed is not initialized; call torch.distributed.init_process_group()" in out.stdout
+    assert (
+        "before: TopK.setup: torch.distributed is not initialized; call torch.distributed.init_process_group()"
+        in out.stdout
+    )
     assert "after: 1 3" in out.stdout  # 10% of 36 elements
 
 
@@ -223,12 +226,14 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
 
 def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
     state = gs.TopK(density=0.1)
-    with pytest.raises(TypeError, match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare"):
+    with pytest.raises(
+        TypeError, match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare"
+    ):
         gs.register(_model(), state)
     ddp = _hooked(state)
     with pytest.raises(ValueError, match="already registered on this model; register it once"):
         gs.register(ddp, state)
-    with pytest.raises(ValueError, match="already registered on another model; .* create one state per model"):
+    with pytest.raises(ValueError, match=r"already registered on another model; .* create one state per model"):
         gs.register(DDP(_model()), state)
 
 

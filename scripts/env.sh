@@ -1,0 +1,23 @@
+# Sourced by the scripts in this folder: sets PYTHON to the interpreter that gradsparse is
+# installed into and run with, and GRADSPARSE_VENV to the virtual environment to create (or "").
+#
+# PYTHON (default python3) is used as it is when pip may install into it: a virtual
+# environment's, conda's, pyenv's, a user's own build. An externally managed interpreter (PEP 668:
+# Debian's and Ubuntu's own /usr/bin/python3, outside a virtual environment) is not: a virtual
+# environment made from it at GRADSPARSE_VENV (default .venv in the repository) is used instead;
+# scripts/setup.sh creates it.
+_base_python="${PYTHON:-python3}"
+if "$_base_python" -c 'import os, sys, sysconfig
+marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+sys.exit(0 if sys.prefix == sys.base_prefix and os.path.isfile(marker) else 1)' 2> /dev/null; then
+  GRADSPARSE_VENV="${GRADSPARSE_VENV:-$(pwd)/.venv}"
+  GRADSPARSE_BASE_PYTHON="$_base_python"
+  PYTHON="$GRADSPARSE_VENV/bin/python"
+else
+  GRADSPARSE_VENV=""
+  PYTHON="$_base_python"
+fi
+unset _base_python
+export PYTHON
+# Where the interpreter's console scripts (torchrun, ruff, clang-format) are installed.
+python_bin() { "$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'; }
