@@ -61,8 +61,7 @@ class Sparsify(Callback):
                 f"gradsparse.lightning.Sparsify: the Trainer's strategy {type(trainer.strategy).__name__} does not "
                 "train through DistributedDataParallel; use Trainer(strategy='ddp') (or DDPStrategy(...))"
             )
-        if self.state._bound_model() is not ddp:  # a second fit() on the same model keeps its registration
-            register(ddp, self.state)
+        register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -318,15 +318,18 @@ class State:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on this model; register it once"
             )
-        if bound is not None or self._params is not None:
+        params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
+        if (bound is not None or self._params is not None) and params != self._params:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
                 "one model's residuals: create one state per model"
             )
+        # A new DDP over the same parameters (Lightning wraps the module anew for every fit())
+        # takes the state over with its residuals.
         self._model = weakref.ref(ddp)
         self._param_names = parameter_names(ddp)
         self._param_numels = {self._param_names[id(p)]: p.numel() for p in ddp.parameters()}
-        self._params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
+        self._params = params
         if self._engine is not None:
             self._check_group(ddp)
         if self._pending is not None:

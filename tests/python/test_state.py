@@ -235,6 +235,13 @@ def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
         gs.register(ddp, state)
     with pytest.raises(ValueError, match=r"already registered on another model; .* create one state per model"):
         gs.register(DDP(_model()), state)
+    _train(ddp, 2)
+    residuals = {k: v.clone() for k, v in state.state_dict()["residuals"].items()}
+    rewrapped = DDP(ddp.module)  # the same parameters in a new DDP (Lightning's second fit()): allowed
+    gs.register(rewrapped, state)
+    assert all(torch.equal(v, state.state_dict()["residuals"][k]) for k, v in residuals.items())
+    _train(rewrapped, 1)
+    assert state.step == 3
 
 
 def test_one_state_hooked_on_two_models_raises():
