@@ -31,4 +31,4 @@ def test_import_under_another_torch_raises_naming_both_versions_and_the_fix(tmp_
 def test_the_build_record_names_the_running_torch():
     from gradsparse._build import TORCH_VERSION
 
-    assert TORCH_VERSION == torch.__version__
+    assert torch.__version__ == TORCH_VERSION
