@@ -39,6 +39,9 @@ class Sparsify(Callback):
         state: a gradsparse state, such as ``gradsparse.ExDyna(density=0.01)``; create it
             anywhere (no process group is needed yet).
         prefix: the prefix of the logged metric names (``gradsparse/achieved_density``, ...).
+
+    The callback reads the state's statistics with ``stats(reset=True)`` after every batch, so each
+    logged value is that step's; ``state.stats()`` then covers the current step only.
     """
 
     def __init__(self, state: State, *, prefix: str = "gradsparse/") -> None:
