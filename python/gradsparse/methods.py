@@ -353,5 +353,14 @@ class SparDL(State):
             "teams": check_int("SparDL", "teams", options.get("teams", 1), 1, "teams=1"),
         }
 
+    def _check_world_size(self, world_size: int) -> None:
+        teams = self._method_config["teams"]
+        if world_size % teams:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(
+                f"SparDL: teams={teams} does not divide the world size {world_size}; the ranks form teams of equal "
+                f"size: choose teams among {', '.join(map(str, divisors))}"
+            )
+
     def _make_method(self, numels: list[int]):
         return _C.SparDL(self._method_config["density"], self._method_config["teams"])

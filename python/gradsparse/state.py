@@ -22,6 +22,7 @@ import atexit
 import contextlib
 import datetime
 import weakref
+import zlib
 from typing import Any, ClassVar
 
 import torch
@@ -156,6 +157,7 @@ class State:
         self._unchecked: dict | None = None  # a state dict loaded before this rank was known
         self._any_rank = False  # load_state_dict(any_rank=True)
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self._failed_step = False  # a bucket of this step failed: the rest go back untouched
         self._model: weakref.ref | None = None  # the DistributedDataParallel, from register()
         self._param_names: dict[int, str] = {}  # id(parameter) -> name in the user's module
         self._param_numels: dict[str, int] = {}  # name -> elements, of the bound model
@@ -205,6 +207,9 @@ class State:
         """A new C++ method object for one bucket whose parameters hold ``numels`` elements
         (None: dense all-reduce)."""
         return None
+
+    def _check_world_size(self, world_size: int) -> None:
+        """Options that depend on the number of ranks, checked in setup() (on every rank alike)."""
 
     def config(self) -> dict[str, Any]:
         """The options this state was created with (method options and shared options)."""
@@ -260,6 +265,7 @@ class State:
                 + "; ".join(f"rank {r}: {fp}" for r, fp in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
+        self._check_world_size(dist.get_world_size(group))
         self._process_group = group
         self._world_size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
@@ -385,12 +391,31 @@ class State:
     # The hook's work
 
     def _reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Never raises: an error becomes the bucket's failed future. An exception thrown inside
+        DDP's hook call would leave DDP's reducer half-way through the step, and every later step
+        would die in one of PyTorch's internal asserts; a failed future makes backward() raise the
+        error while DDP finishes the step, so the next step works once the cause is fixed."""
+        if self._paused or self._failed_step:  # see paused(); or an earlier bucket of this step failed
+            if bucket.is_last():
+                self._failed_step = False
+            return _done(bucket.buffer())
+        try:
+            return self._reduce_bucket(bucket)
+        except Exception as error:
+            for buffer, _, held in self._deferred:  # the first step after a load: let them go
+                if not held.done():
+                    held.set_result(buffer)
+            self._deferred = []
+            self._failed_step = not bucket.is_last()
+
+            def fail(_: torch.futures.Future, error: Exception = error) -> torch.Tensor:
+                raise error
+
+            return _done(None).then(fail)
+
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         index = bucket.index()
-        if self._paused:  # see paused(): the bucket goes back untouched
-            future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            future.set_result(buffer)
-            return future
         if buffer.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
                 f"gradsparse: bucket {index} holds {buffer.dtype} gradients, but gradsparse sparsifies float32, "
@@ -455,9 +480,9 @@ class State:
         resumed run does exactly what the uninterrupted run would have done."""
         future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
         self._deferred.append((buffer, params, future))
-        if last:
-            held, self._deferred = self._deferred, []
-            self._reduce_in_saved_layout(held)
+        if last:  # on an error, _reduce releases what is still held
+            self._reduce_in_saved_layout(self._deferred)
+            self._deferred = []
         return future
 
     def _reduce_in_saved_layout(self, held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]):
@@ -493,10 +518,12 @@ class State:
                         view.copy_(piece)
             except Exception as e:
                 for _, _, fut in held:
-                    fut.set_exception(e)
+                    if not fut.done():
+                        fut.set_exception(e)
                 return
             for buffer, _, fut in held:
-                fut.set_result(buffer)
+                if not fut.done():  # released already when the step failed before everything was submitted
+                    fut.set_result(buffer)
 
         torch.futures.collect_all(futures).add_done_callback(deliver)
 
@@ -597,7 +624,9 @@ class State:
             return self._unchecked
         if self._pending is not None:
             return dict(self._pending.saved, stats=self._metrics.state_dict())
-        named = any(e.residual is not None or e.method is not None for e in self._buckets.values())
+        named = bool(self._retired) or any(
+            e.residual is not None or e.method is not None for e in self._buckets.values()
+        )
         if named and self._model is None:
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
@@ -607,7 +636,10 @@ class State:
         residuals: dict[str, torch.Tensor] = {}
         for entry in self._buckets.values():
             residuals.update(entry.residual_views())
+        for pid, piece in self._retired.items():  # parked by a rebuild that an error interrupted
+            residuals.setdefault(self._param_names[pid], piece)
         count = max(self._buckets, default=-1) + 1
+        checksums = {name: _checksum(t) for name, t in residuals.items()}
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
@@ -619,6 +651,7 @@ class State:
             "rank": rank,
             "world_size": world_size,
             "residuals": residuals,
+            "checksums": checksums,
             "methods": [
                 self._buckets[i].method.state() if i in self._buckets and self._buckets[i].method else None
                 for i in range(count)
@@ -666,6 +699,7 @@ class State:
                 f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
                 "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
             )
+        _check_values(owner, state_dict)
         if self._model is not None:
             self._check_names(state_dict["residuals"])
         self._step = int(state_dict["step"])
@@ -717,6 +751,35 @@ def _upgrade(owner: str, state_dict: Any) -> dict:
         f"{owner}.load_state_dict: not a gradsparse state dict (got {type(state_dict).__name__} with version "
         f"{version}); pass what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned"
     )
+
+
+def _done(value) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes (any dtype, on any device)."""
+    return zlib.crc32(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
+
+
+def _check_values(owner: str, state_dict: dict) -> None:
+    """Every residual is finite and, where the state dict has checksums (those of gradsparse 0.2
+    on), matches its own."""
+    checksums = state_dict.get("checksums", {})
+    for name, tensor in state_dict["residuals"].items():
+        if name in checksums and _checksum(tensor) != checksums[name]:
+            raise ValueError(
+                f"{owner}.load_state_dict: the residual of {name} does not match its checksum: the state dict was "
+                "damaged after it was saved (a corrupt or partly written file); load an intact copy"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{owner}.load_state_dict: the residual of {name} holds NaN or Inf; a residual is gradient mass "
+                "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
+                "skip them all); load a checkpoint from before the divergence"
+            )
 
 
 def _strip_wrappers(name: str) -> str:

@@ -86,7 +86,7 @@ def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density):
         ("negative_threshold", 2, "ValueError", "threshold must be a finite number >= 0, got -0.5"),
         ("unknown_option", 2, "TypeError", "unknown option(s) warmup"),
         ("options_differ", 2, "ValueError", "different configurations"),
-        ("float64_bucket", 2, "TypeError", "holds torch.float64 gradients"),
+        ("float64_bucket", 2, "RuntimeError", "TypeError: gradsparse: bucket 0 holds torch.float64 gradients"),
         ("group_mismatch", 4, "ValueError", "process_group=<the group passed to DistributedDataParallel>"),
     ],
 )
@@ -97,12 +97,16 @@ def test_d_bad_configuration_raises_on_every_rank(case, world_size, error, messa
         assert message in text, f"rank {rank}: {text}"
 
 
-def test_d_option_rejected_on_one_rank_fails_the_others_within_the_timeout():
-    """Rank 1's options raise there at construction; rank 0, whose options are fine, does not wait
+@pytest.mark.parametrize("case", ["density_on_rank_1", "missing_on_rank_1"])
+def test_d_a_state_rejected_or_missing_on_one_rank_fails_the_others_within_the_timeout(case):
+    """Rank 1's options raise there at construction, or rank 1 makes no state; rank 0 does not wait
     for rank 1 forever in the set-up (it would wait the default group's 30 minutes, and the run's
     120 s limit would fail the test) but fails after the state's timeout (5 s), saying why."""
-    outcomes = run_distributed(workers.bad_configuration, 2, "density_on_rank_1", timeout=120)
-    assert outcomes[1][0] == "ValueError" and "TopK: density must be in (0, 1], got -1.0" in outcomes[1][1]
+    outcomes = run_distributed(workers.bad_configuration, 2, case, timeout=120)
+    if case == "density_on_rank_1":
+        assert outcomes[1][0] == "ValueError" and "TopK: density must be in (0, 1], got -1.0" in outcomes[1][1]
+    else:
+        assert outcomes[1] == ("ok", "")
     kind, text = outcomes[0]
     assert kind == "RuntimeError", text
     assert "not every rank of the process group [0, 1] reached the set-up" in text

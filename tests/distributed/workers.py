@@ -101,6 +101,9 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
             gs.TopK(density=2.0)
         elif case == "density_on_rank_1":  # rank 1 raises at once; rank 0 at its set-up, within the timeout
             gs.TopK(density=-1.0 if rank == 1 else 0.1, timeout=5).setup()
+        elif case == "missing_on_rank_1":  # rank 1 makes no state at all
+            if rank == 0:
+                gs.TopK(density=0.1, timeout=5).setup()
         elif case == "nan_density":
             gs.TopK(density=math.nan)
         elif case == "negative_threshold":

@@ -250,8 +250,11 @@ def test_one_state_hooked_on_two_models_raises():
     first.register_comm_hook(state, gs.hook)  # plain registration: the state learns its parameters in step 1
     second.register_comm_hook(state, gs.hook)
     _train(first, 1)
-    with pytest.raises(ValueError, match="registered on more than one model"):
+    # raised from backward(), as DDP reports a hook's failed future: the original type and message inside
+    with pytest.raises(RuntimeError, match="ValueError: gradsparse: this TopK state is registered on more than one"):
         _train(second, 1)
+    _train(first, 1)  # the first model trains on
+    assert state.step == 2
 
 
 def test_residuals_cannot_be_saved_without_parameter_names():
@@ -261,6 +264,44 @@ def test_residuals_cannot_be_saved_without_parameter_names():
     _train(ddp, 1)  # training works with plain registration
     with pytest.raises(ValueError, match=r"register it with gradsparse.register\(ddp_model, state\) instead"):
         state.state_dict()
+
+
+def _flip_one_byte(sd):
+    damaged = sd["residuals"]["2.weight"].clone()
+    damaged.view(torch.uint8)[5] ^= 0x10
+    return dict(sd, residuals={**sd["residuals"], "2.weight": damaged})
+
+
+def test_an_error_in_the_hook_leaves_the_model_usable():
+    """The hook's error reaches backward() with its type and message, DDP finishes its step, and
+    after the cause is fixed the next step trains (a synchronous raise inside DDP's hook call
+    broke every later step with a PyTorch internal assert); state_dict() works throughout, and
+    the failed step changed no residual."""
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_model(), bucket_cap_mb=0.0005)  # several buckets: the failing one is not the last
+    gs.register(ddp, state)
+    _train(ddp, 2)
+    before = {k: v.clone() for k, v in state.state_dict()["residuals"].items()}
+    engine = state._engine
+
+    class Failing:
+        def submit(self, *args):
+            raise RuntimeError("an error inside the hook's work")
+
+    state._engine = Failing()
+    with pytest.raises(RuntimeError, match="an error inside the hook's work"):
+        _train(ddp, 1)
+    assert state.step == 2  # the failed step is not counted
+    after = state.state_dict()["residuals"]
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    state._engine = engine  # the cause, fixed
+    _train(ddp, 2)
+    assert state.step == 4
+
+
+def test_spardl_teams_must_divide_the_world_size():
+    with pytest.raises(ValueError, match=r"SparDL: teams=3 does not divide the world size 1; .* choose teams among 1"):
+        gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
 
 
 def _saved(steps=2):
@@ -279,9 +320,14 @@ def _saved(steps=2):
             r"name no parameter of the model: _orig_mod.0.bias.* They carry wrapper prefixes \(_orig_mod.\)",
         ),
         (
-            lambda sd: dict(sd, residuals={**sd["residuals"], "0.weight": torch.zeros(3)}),
+            lambda sd: dict(sd, residuals={**sd["residuals"], "0.weight": torch.zeros(3)}, checksums={}),
             "the residual of 0.weight holds 3 elements but the parameter has 256",
         ),
+        (
+            lambda sd: dict(sd, residuals={**sd["residuals"], "0.bias": torch.full((32,), math.nan)}, checksums={}),
+            "the residual of 0.bias holds NaN or Inf; .* load a checkpoint from before the divergence",
+        ),
+        (_flip_one_byte, "the residual of 2.weight does not match its checksum: the state dict was damaged"),
         (lambda sd: {"residuals": {}}, "not a gradsparse state dict"),
     ],
 )
