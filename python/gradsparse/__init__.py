@@ -27,7 +27,7 @@ def _check_torch() -> None:
 _check_torch()
 
 from gradsparse import _C, launch  # noqa: E402
-from gradsparse.checkpoint import AllRanks  # noqa: E402
+from gradsparse.checkpoint import AllRanks, reshard  # noqa: E402
 from gradsparse.hooks import hook, register  # noqa: E402
 from gradsparse.methods import (  # noqa: E402
     DGC,
@@ -98,6 +98,7 @@ __all__ = [
     "launch",
     "pack",
     "register",
+    "reshard",
     "scatter_add_",
     "select_threshold",
     "select_topk",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gradsparse.state import _STATE_DICT_VERSION, State
+from gradsparse.state import _STATE_DICT_VERSION, State, _checksum
 
-__all__ = ["AllRanks"]
+__all__ = ["AllRanks", "reshard"]
 
 
 class AllRanks:
@@ -61,6 +61,51 @@ class AllRanks:
                 "holds no residuals; load the one rank 0 saved"
             )
         self.state.load_state_dict(state_dict)
+
+
+def reshard(state_dict: dict, world_size: int) -> dict:
+    """An :class:`AllRanks` state dict made for ``world_size`` ranks from one saved at another.
+
+    Every new rank takes the mean of the saved ranks' residuals. The exchanges average over the
+    ranks, so the gradient mass still to be applied, (1/P) sum_r e_r, is conserved:
+    (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Method states depend on the number of ranks (MiCRO's
+    and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run; the step and rank
+    0's statistics are kept.
+
+    Example::
+
+        >>> saved = torch.load("gradsparse-all-ranks.pt")              # AllRanks(state).state_dict(), at 4 ranks
+        >>> state.load_state_dict(gradsparse.reshard(saved, dist.get_world_size()))   # on each of 8 ranks
+    """
+    if not (isinstance(state_dict, dict) and state_dict.get("all_ranks") and state_dict.get("ranks")):
+        raise ValueError(
+            "gradsparse.reshard: state_dict must hold every rank's residuals, as gradsparse.AllRanks(state)."
+            "state_dict() returns on rank 0; one rank's state dict cannot be resharded"
+        )
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"gradsparse.reshard: world_size must be an integer >= 1, got {world_size!r}")
+    ranks = state_dict["ranks"]
+    names = sorted({name for saved in ranks for name in saved["residuals"]})
+    residuals = {}
+    for name in names:
+        parts = [saved["residuals"][name] for saved in ranks if name in saved["residuals"]]
+        total = torch.stack([p.double() for p in parts]).sum(0)  # a rank without it holds zeros
+        residuals[name] = (total / len(ranks)).to(parts[0].dtype)
+    new = []
+    for rank in range(world_size):
+        mine = {name: t.clone() for name, t in residuals.items()}
+        new.append(
+            dict(
+                ranks[0],
+                rank=rank,
+                world_size=world_size,
+                residuals=mine,
+                checksums={name: _checksum(t) for name, t in mine.items()},
+                methods=[],
+                layout=[],
+            )
+        )
+    return dict(state_dict, world_size=world_size, ranks=new)
 
 
 def _to_cpu(value):

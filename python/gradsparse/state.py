@@ -791,8 +791,9 @@ def _strip_wrappers(name: str) -> str:
 def _world_size_error(owner: str, saved: int, now: int) -> str:
     return (
         f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
-        f"resume with {saved} ranks, or start the gradsparse state afresh (skip load_state_dict: the pending "
-        "residuals are then dropped, the model and optimizer still resume)"
+        f"resume with {saved} ranks, or reshard a state dict holding every rank's residuals "
+        f"(gradsparse.AllRanks(state).state_dict() at {saved} ranks) with gradsparse.reshard(saved, {now}): "
+        "each rank then takes the mean of the saved residuals, which conserves the pending gradient mass"
     )
 
 

@@ -314,7 +314,10 @@ def _saved(steps=2):
     "change,message",
     [
         (lambda sd: dict(sd, rank=1), "holds rank 1's residuals but this is rank 0; .* any_rank=True loads it anyway"),
-        (lambda sd: dict(sd, world_size=3), "saved at world size 3 but this run has 1 ranks; resume with 3 ranks"),
+        (
+            lambda sd: dict(sd, world_size=3),
+            r"saved at world size 3 but this run has 1 ranks; resume with 3 ranks, or .* gradsparse.reshard\(saved, 1\)",
+        ),
         (
             lambda sd: dict(sd, residuals={f"_orig_mod.{k}": v for k, v in sd["residuals"].items()}),
             r"name no parameter of the model: _orig_mod.0.bias.* They carry wrapper prefixes \(_orig_mod.\)",
@@ -337,6 +340,26 @@ def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
     _hooked(state)
     with pytest.raises(ValueError, match=message):
         state.load_state_dict(sd)
+
+
+def test_reshard_conserves_the_pending_gradient_mass():
+    """Two ranks' residuals (two runs on different data stand in for them) resharded to one rank:
+    it holds their mean, (1/1) e' = (1/2) (e_0 + e_1); method states restart."""
+    first, second = _saved(steps=2), _saved(steps=3)
+    second = dict(second, rank=1, step=2)
+    saved = {"version": 2, "all_ranks": True, "class": "TopK", "config": first["config"], "world_size": 2,
+             "ranks": [dict(first, world_size=2), dict(second, world_size=2)]}  # fmt: skip
+    one = gs.reshard(saved, 1)
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(one)
+    loaded = state.state_dict()
+    assert loaded["methods"] == [] and loaded["world_size"] == 1
+    for name, value in loaded["residuals"].items():
+        expected = (first["residuals"][name].double() + second["residuals"][name].double()) / 2
+        torch.testing.assert_close(value, expected.float(), rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="must hold every rank's residuals"):
+        gs.reshard(first, 1)
 
 
 def test_another_ranks_state_dict_loads_only_when_asked():
