@@ -478,12 +478,14 @@ class State:
         process (parameter order), which need not be the layout the saved run reduced in. The
         buckets are held until the last one arrives, then reduced in the saved layout, so that a
         resumed run does exactly what the uninterrupted run would have done."""
-        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-        self._deferred.append((buffer, params, future))
+        gate = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._deferred.append((buffer, params, gate))
         if last:  # on an error, _reduce releases what is still held
             self._reduce_in_saved_layout(self._deferred)
             self._deferred = []
-        return future
+        # DDP reads what a future holds as a tensor: an error set on the gate reaches it through
+        # then(), as a failed future, not as a Python object that is no tensor.
+        return gate.then(_value)
 
     def _reduce_in_saved_layout(self, held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]):
         pending = self._pending
@@ -751,6 +753,10 @@ def _upgrade(owner: str, state_dict: Any) -> dict:
         f"{owner}.load_state_dict: not a gradsparse state dict (got {type(state_dict).__name__} with version "
         f"{version}); pass what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned"
     )
+
+
+def _value(future: torch.futures.Future):
+    return future.value()
 
 
 def _done(value) -> torch.futures.Future:

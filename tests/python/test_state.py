@@ -299,6 +299,21 @@ def test_an_error_in_the_hook_leaves_the_model_usable():
     assert state.step == 4
 
 
+def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_step_works():
+    """The first step after load_state_dict is held and reduced in the saved layout; a NaN there
+    fails that step like any other (nonfinite="raise"), and the step after it trains."""
+    sd = _saved()
+    state = gs.TopK(density=0.05)
+    ddp = _hooked(state)
+    state.load_state_dict(sd)
+    x = torch.randn(16, 8)
+    with pytest.raises(RuntimeError, match=r"rank\(s\) 0 saw .*NaN/Inf"):
+        nn.functional.cross_entropy(ddp(x) * math.nan, torch.zeros(16, dtype=torch.long)).backward()
+    _train(ddp, 1)
+    assert state.step == 4  # the failed step ran its exchange (every rank saw the NaN), and counts
+    assert all(bool(torch.isfinite(t).all()) for t in state.state_dict()["residuals"].values())
+
+
 def test_spardl_teams_must_divide_the_world_size():
     with pytest.raises(ValueError, match=r"SparDL: teams=3 does not divide the world size 1; .* choose teams among 1"):
         gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
