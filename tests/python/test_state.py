@@ -307,8 +307,9 @@ def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_s
     ddp = _hooked(state)
     state.load_state_dict(sd)
     x = torch.randn(16, 8)
-    with pytest.raises(RuntimeError, match=r"rank\(s\) 0 saw .*NaN/Inf"):
+    with pytest.raises(RuntimeError, match=r"rank\(s\) 0 saw .*NaN/Inf") as info:
         nn.functional.cross_entropy(ddp(x) * math.nan, torch.zeros(16, dtype=torch.long)).backward()
+    assert "Unable to cast" not in str(info.value)  # an error, not an object DDP failed to read as a tensor
     _train(ddp, 1)
     assert state.step == 4  # the failed step ran its exchange (every rank saw the NaN), and counts
     assert all(bool(torch.isfinite(t).all()) for t in state.state_dict()["residuals"].values())
