@@ -3,6 +3,8 @@
 No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -10,40 +12,6 @@ import torch.nn as nn
 from gradsparse.state import State
 
 __all__ = ["hook", "register"]
-
-
-def register(model: nn.Module, state: State, *, hook=None) -> State:
-    """Registers ``state`` as the communication hook of the DistributedDataParallel at or inside
-    ``model`` (DDP itself, ``torch.compile(DDP(m))``, a Fabric module); call it on every rank.
-
-    Unlike ``model.register_comm_hook(state, gradsparse.hook)``, which also works, it teaches the
-    state the model's parameter names (those of the innermost module, without wrapper prefixes),
-    so that its residuals can be checkpointed and restored by name; it checks that the state and
-    the model use one process group and that the state serves only this model; and it runs the
-    state's collective set-up now (see :meth:`State.setup`) rather than in the first backward.
-
-    ``hook`` (default :func:`gradsparse.hook`) registers another hook that calls
-    ``gradsparse.hook(state, bucket)`` itself, for example one that records or times buckets.
-
-    Returns the state.
-
-    Example::
-
-        >>> state = gradsparse.register(ddp_model, gradsparse.TopK(density=0.01))
-    """
-    if not isinstance(state, State):
-        raise TypeError(
-            f"gradsparse.register: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
-            f"got {type(state).__name__}"
-        )
-    state._bind(model)
-    try:
-        state.setup()
-        state._bound_model().register_comm_hook(state, globals()["hook"] if hook is None else hook)
-    except BaseException:
-        state._unbind()
-        raise
-    return state
 
 
 def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -74,3 +42,37 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
             f"got {type(state).__name__}"
         )
     return state._reduce(bucket)
+
+
+def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
+    """Registers ``state`` as the communication hook of the DistributedDataParallel at or inside
+    ``model`` (DDP itself, ``torch.compile(DDP(m))``, a Fabric module); call it on every rank.
+
+    Unlike ``model.register_comm_hook(state, gradsparse.hook)``, which also works, it teaches the
+    state the model's parameter names (those of the innermost module, without wrapper prefixes),
+    so that its residuals can be checkpointed and restored by name; it checks that the state and
+    the model use one process group and that the state serves only this model; and it runs the
+    state's collective set-up now (see :meth:`State.setup`) rather than in the first backward.
+
+    ``hook`` (default :func:`gradsparse.hook`) registers another hook that calls
+    ``gradsparse.hook(state, bucket)`` itself, for example one that records or times buckets.
+
+    Returns the state.
+
+    Example::
+
+        >>> state = gradsparse.register(ddp_model, gradsparse.TopK(density=0.01))
+    """
+    if not isinstance(state, State):
+        raise TypeError(
+            f"gradsparse.register: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
+            f"got {type(state).__name__}"
+        )
+    state._bind(model)
+    try:
+        state.setup()
+        state._bound_model().register_comm_hook(state, hook)
+    except BaseException:
+        state._unbind()
+        raise
+    return state
