@@ -91,20 +91,14 @@ def reshard(state_dict: dict, world_size: int) -> dict:
         parts = [saved["residuals"][name] for saved in ranks if name in saved["residuals"]]
         total = torch.stack([p.double() for p in parts]).sum(0)  # a rank without it holds zeros
         residuals[name] = (total / len(ranks)).to(parts[0].dtype)
-    new = []
-    for rank in range(world_size):
-        mine = {name: t.clone() for name, t in residuals.items()}
-        new.append(
-            dict(
-                ranks[0],
-                rank=rank,
-                world_size=world_size,
-                residuals=mine,
-                checksums={name: _checksum(t) for name, t in mine.items()},
-                methods=[],
-                layout=[],
-            )
+    checksums = {name: _checksum(t) for name, t in residuals.items()}
+    # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
+    new = [
+        dict(
+            ranks[0], rank=rank, world_size=world_size, residuals=residuals, checksums=checksums, methods=[], layout=[]
         )
+        for rank in range(world_size)
+    ]
     return dict(state_dict, world_size=world_size, ranks=new)
 
 

@@ -37,7 +37,7 @@ from gradsparse.config import (
     check_timeout,
 )
 from gradsparse.metrics import Metrics
-from gradsparse.wrappers import WRAPPER_ATTRIBUTES, find_ddp, parameter_names
+from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes
 
 __all__ = ["State"]
 
@@ -45,7 +45,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STATE_DICT_VERSION = 2  # 2: residual names without wrapper prefixes, layout as lists of names
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
-_WRAPPER_PREFIXES = tuple(f"{a}." for a in ("module", *WRAPPER_ATTRIBUTES))
 
 
 @atexit.register
@@ -154,8 +153,7 @@ class State:
         self._retired_methods: dict[frozenset, dict] = {}  # method state per parameter set, after a rebuild
         self._paused = False
         self._pending: _Pending | None = None  # from load_state_dict, until the next step
-        self._unchecked: dict | None = None  # a state dict loaded before this rank was known
-        self._any_rank = False  # load_state_dict(any_rank=True)
+        self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._failed_step = False  # a bucket of this step failed: the rest go back untouched
         self._model: weakref.ref | None = None  # the DistributedDataParallel, from register()
@@ -249,9 +247,10 @@ class State:
         if dist.get_rank(group) < 0:
             raise ValueError(f"{owner}: this rank is not a member of the given process_group")
         timeout = self._timeout or _DEFAULT_TIMEOUT
+        world_size = dist.get_world_size(group)
         try:
             comm = self._make_comm_group(group)
-            gathered: list[Any] = [None] * dist.get_world_size(group)
+            gathered: list[Any] = [None] * world_size
             dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm or group)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
@@ -265,17 +264,17 @@ class State:
                 + "; ".join(f"rank {r}: {fp}" for r, fp in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
-        self._check_world_size(dist.get_world_size(group))
+        self._check_world_size(world_size)
         self._process_group = group
-        self._world_size = dist.get_world_size(group)
+        self._world_size = world_size
         self._rank = dist.get_rank(group)
         self._engine = self._make_engine(comm)
         model = self._bound_model()
         if model is not None:
             self._check_group(model)
         if self._unchecked is not None:
-            saved, self._unchecked = self._unchecked, None
-            self._load(saved)
+            (saved, any_rank), self._unchecked = self._unchecked, None
+            self._load(saved, any_rank)
         return self
 
     def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
@@ -363,7 +362,7 @@ class State:
         unknown = sorted(set(residuals) - set(numels))
         if unknown:
             hint = ""
-            stripped = {n: _strip_wrappers(n) for n in unknown}
+            stripped = {n: strip_wrapper_prefixes(n) for n in unknown}
             if all(n in numels for n in stripped.values()):
                 prefixes = sorted({n[: len(n) - len(s)] for n, s in stripped.items()})
                 hint = (
@@ -623,7 +622,7 @@ class State:
         """
         owner = type(self).__name__
         if self._unchecked is not None:
-            return self._unchecked
+            return self._unchecked[0]
         if self._pending is not None:
             return dict(self._pending.saved, stats=self._metrics.state_dict())
         named = bool(self._retired) or any(
@@ -679,13 +678,12 @@ class State:
                 f"({state_dict['config']}) but this state is {owner}({self._method_config}); "
                 "create the same method with the same options before loading"
             )
-        self._any_rank = any_rank
         if self._engine is None and not (dist.is_available() and dist.is_initialized()):
-            self._unchecked = state_dict  # checked against this rank in setup()
+            self._unchecked = (state_dict, any_rank)  # checked against this rank in setup()
             return
-        self._load(state_dict)
+        self._load(state_dict, any_rank)
 
-    def _load(self, state_dict: dict) -> None:
+    def _load(self, state_dict: dict, any_rank: bool) -> None:
         owner = type(self).__name__
         group = self.process_group
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -695,7 +693,7 @@ class State:
             state_dict = state_dict["ranks"][rank]
         if state_dict["world_size"] != world_size:
             raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
-        if state_dict["rank"] != rank and not self._any_rank:
+        if state_dict["rank"] != rank and not any_rank:
             raise ValueError(
                 f"{owner}.load_state_dict: the state dict holds rank {state_dict['rank']}'s residuals but this is "
                 f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
@@ -745,8 +743,8 @@ def _upgrade(owner: str, state_dict: Any) -> dict:
         return {
             **state_dict,
             "version": _STATE_DICT_VERSION,
-            "residuals": {_strip_wrappers(n): t for n, t in state_dict["residuals"].items()},
-            "layout": [[_strip_wrappers(n) for n in layout.get(i, [])] for i in range(count)],
+            "residuals": {strip_wrapper_prefixes(n): t for n, t in state_dict["residuals"].items()},
+            "layout": [[strip_wrapper_prefixes(n) for n in layout.get(i, [])] for i in range(count)],
             "methods": [state_dict["methods"].get(i) for i in range(count)],
         }
     raise ValueError(
@@ -786,12 +784,6 @@ def _check_values(owner: str, state_dict: dict) -> None:
                 "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
                 "skip them all); load a checkpoint from before the divergence"
             )
-
-
-def _strip_wrappers(name: str) -> str:
-    while name.startswith(_WRAPPER_PREFIXES):
-        name = name.split(".", 1)[1]
-    return name
 
 
 def _world_size_error(owner: str, saved: int, now: int) -> str:

@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["WRAPPER_ATTRIBUTES", "find_ddp", "parameter_names", "unwrap"]
+__all__ = ["WRAPPER_ATTRIBUTES", "find_ddp", "parameter_names", "strip_wrapper_prefixes", "unwrap"]
 
 #: The attributes through which wrappers hold the module they wrap, in the order they are tried.
 WRAPPER_ATTRIBUTES = ("_forward_module", "_orig_mod")
+_PREFIXES = tuple(f"{a}." for a in ("module", *WRAPPER_ATTRIBUTES))  # DDP's, then the others'
 
 
 def _inner(module: nn.Module) -> nn.Module | None:
@@ -43,6 +44,13 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     while model is not None and not isinstance(model, DistributedDataParallel):
         model = _inner(model)
     return model
+
+
+def strip_wrapper_prefixes(name: str) -> str:
+    """A parameter name as seen through wrappers (``module._orig_mod.fc.weight``), without them."""
+    while name.startswith(_PREFIXES):
+        name = name.split(".", 1)[1]
+    return name
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:

@@ -419,3 +419,35 @@ def test_version_1_state_dicts_load_without_wrapper_prefixes():
     _hooked(state)
     state.load_state_dict(v1)
     assert set(state.state_dict()["residuals"]) == set(sd["residuals"])
+
+
+def test_a_state_dict_loaded_before_the_process_group_is_checked_at_set_up(tmp_path):
+    """Lightning restores callbacks before it wraps the model: a state may be loaded before
+    init_process_group. The rank checks then run in setup(), and the residuals come back."""
+    sd = _saved()
+    torch.save(sd, tmp_path / "own.pt")
+    torch.save(dict(sd, rank=1), tmp_path / "other.pt")
+    code = f"""
+import torch, torch.distributed as dist, torch.nn as nn
+import gradsparse as gs
+from gradsparse.testing.distributed import free_port
+own, other = gs.TopK(density=0.05), gs.TopK(density=0.05)
+own.load_state_dict(torch.load({str(tmp_path / "own.pt")!r}))
+other.load_state_dict(torch.load({str(tmp_path / "other.pt")!r}))
+print("before:", own.state_dict()["step"])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+try:
+    other.setup()
+except ValueError as e:
+    print("other:", e)
+torch.manual_seed(1)
+ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)))
+gs.register(ddp, own)
+ddp(torch.randn(16, 8)).sum().backward()
+print("after:", own.step, sorted(own.state_dict()["residuals"]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "before: 2" in out.stdout
+    assert "other: TopK.load_state_dict: the state dict holds rank 1's residuals but this is rank 0" in out.stdout
+    assert f"after: 3 {sorted(sd['residuals'])}" in out.stdout
