@@ -246,8 +246,9 @@ namespace {
 /// collective (allgathers and sendrecvs are counted; all-reduces pass untouched).
 class Corrupting final : public Transport {
  public:
-  Corrupting(Transport& inner, int target_call, size_t offset, uint32_t value)
-      : inner_(inner), target_(target_call), offset_(offset), value_(value) {}
+  /// Overwrites `width` bytes (4 or 8) at `offset` with `value`.
+  Corrupting(Transport& inner, int target_call, size_t offset, uint64_t value, size_t width = 4)
+      : inner_(inner), target_(target_call), offset_(offset), value_(value), width_(width) {}
   int rank() const override { return inner_.rank(); }
   int size() const override { return inner_.size(); }
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
@@ -265,15 +266,46 @@ class Corrupting final : public Transport {
 
  private:
   void corrupt(unsigned char* message, size_t bytes) {
-    ASSERT_GE(bytes, offset_ + sizeof(value_));
-    std::memcpy(message + offset_, &value_, sizeof(value_));
+    ASSERT_GE(bytes, offset_ + width_);
+    std::memcpy(message + offset_, &value_, width_);  // little-endian: the low bytes first
   }
   Transport& inner_;
   int target_;
   size_t offset_;
-  uint32_t value_;
+  uint64_t value_;
+  size_t width_;
   int calls_ = 0;
 };
+
+/// Runs one bucket of `make()` on 2 ranks where rank 0's transport corrupts call `call` as
+/// `Corrupting` does; returns rank 0's error.
+std::exception_ptr corrupted_run(const std::function<std::unique_ptr<Method>()>& make, int call, size_t offset,
+                                 uint64_t value, size_t width = 4) {
+  const auto errors = run_ranks(
+      2,
+      [&](int rank, Transport& transport) {
+        Corrupting corrupting(transport, rank == 0 ? call : -1, offset, value, width);
+        CpuDevice device;
+        std::vector<float> g = grad_of(rank, 1000);
+        std::unique_ptr<Method> method = make();
+        reduce_bucket(method.get(), corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr},
+                      ReduceOptions{});
+      },
+      std::chrono::milliseconds(1000));
+  return errors[0];
+}
+
+/// Expects `error` to be a CorruptMessageError naming rank 1 (the corrupted peer).
+void expect_corrupt_from_rank_1(const std::exception_ptr& error, const std::string& what) {
+  ASSERT_TRUE(error) << what << ": rank 0 accepted it";
+  try {
+    std::rethrow_exception(error);
+  } catch (const CorruptMessageError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << what << ": " << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << what << ": expected CorruptMessageError, got " << e.what();
+  }
+}
 
 struct CorruptCase {
   const char* name;
@@ -302,28 +334,95 @@ TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
       {"magic", 0, 0xDEADBEEFu}, {"count", 16, 0x7FFFFFu}, {"first index", 32, 0xFFFFFFF0u}};
   for (const CorruptCase& c : cases) {
     for (const Mutation& m : mutations) {
-      const auto errors = run_ranks(
-          2,
-          [&](int rank, Transport& transport) {
-            Corrupting corrupting(transport, rank == 0 ? c.call : -1, m.offset, m.value);
-            CpuDevice device;
-            std::vector<float> g = grad_of(rank, 1000);
-            std::unique_ptr<Method> method = c.make();
-            reduce_bucket(method.get(), corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr},
-                          ReduceOptions{});
-          },
-          std::chrono::milliseconds(1000));
-      ASSERT_TRUE(errors[0]) << c.name << ", " << m.name << ": rank 0 accepted a corrupt message";
-      try {
-        std::rethrow_exception(errors[0]);
-      } catch (const CorruptMessageError& e) {
-        EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos)
-            << c.name << ", " << m.name << ": " << e.what();
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << c.name << ", " << m.name << ": expected CorruptMessageError, got " << e.what();
-      }
+      expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, m.offset, m.value), std::string(c.name) + ", " + m.name);
     }
   }
+}
+
+// Control words and announced sizes are checked against what they must be before anything is
+// allocated or read: a huge size is not allocated (it used to be, and failed with bad_alloc or
+// length_error, which did not stop the engine), a size that is not a multiple of 8 would have
+// misaligned every later message, and a huge non-finite count overflowed the sum of counts.
+TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
+  const auto gather = [] { return std::make_unique<Threshold>(1.0); };
+  const auto micro_union = [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); };
+  const auto spardl = [] { return std::make_unique<SparDL>(0.05, 1); };
+  constexpr uint64_t kHuge = uint64_t{1} << 62;
+  struct Case {
+    const char* name;
+    std::function<std::unique_ptr<Method>()> make;
+    int call;
+    size_t offset;
+    uint64_t value;
+  };
+  // Control word: message_bytes at 0, count at 8, nonfinite at 16.
+  const std::vector<Case> cases = {
+      {"gather: huge message_bytes", gather, 0, 0, kHuge},
+      {"gather: message_bytes not a multiple of 8", gather, 0, 0, 45},
+      {"gather: message_bytes that disagree with the count", gather, 0, 0, 1024},
+      {"gather: count above the bucket's elements", gather, 0, 8, 1001},
+      {"gather: huge count", gather, 0, 8, kHuge},
+      {"gather: huge non-finite count", gather, 0, 16, kHuge},
+      {"gather: negative count", gather, 0, 8, ~uint64_t{0}},
+      {"union: huge count", micro_union, 0, 8, kHuge},
+      {"SparDL: huge non-finite count", spardl, 0, 16, kHuge},
+      {"SparDL: a control word with a message", spardl, 0, 0, 32},
+      {"SparDL: huge Bruck list size", spardl, 2, 0, kHuge},
+      {"SparDL: Bruck list size not a multiple of 8", spardl, 2, 0, 44},
+      {"SparDL: Bruck list size below the header", spardl, 2, 0, 8},
+  };
+  for (const Case& c : cases) expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8), c.name);
+}
+
+/// A transport whose `target_call`-th allgather fails to allocate.
+class FailingAllocation final : public Transport {
+ public:
+  FailingAllocation(Transport& inner, int target_call) : inner_(inner), target_(target_call) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
+    if (calls_++ == target_) throw std::bad_alloc();
+    inner_.allgather(device, send, recv, bytes);
+  }
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    inner_.allreduce_sum(device, data, count, dtype);
+  }
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override {
+    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+  }
+
+ private:
+  Transport& inner_;
+  int target_;
+  int calls_ = 0;
+};
+
+// An allocation that fails inside an exchange leaves the rank out of step with its peers: it is
+// reported as a CorruptMessageError (which stops the engine), not a bare std::bad_alloc.
+TEST(Faults, AnAllocationFailureInAnExchangeIsACorruptMessageError) {
+  const auto errors = run_ranks(
+      2,
+      [&](int rank, Transport& transport) {
+        FailingAllocation failing(transport, rank == 0 ? 1 : -1);
+        CpuDevice device;
+        std::vector<float> g = grad_of(rank, 1000);
+        Threshold method(1.0);
+        ReduceOptions options;
+        options.bucket_name = "bucket 3";
+        reduce_bucket(&method, failing, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr}, options);
+      },
+      std::chrono::milliseconds(1000));
+  ASSERT_TRUE(errors[0]);
+  try {
+    std::rethrow_exception(errors[0]);
+  } catch (const CorruptMessageError& e) {
+    EXPECT_NE(std::string(e.what()).find("bucket 3"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("allocation failed"), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected CorruptMessageError, got " << e.what();
+  }
+  EXPECT_TRUE(errors[1]) << "rank 1 must time out waiting for rank 0";
 }
 
 }  // namespace

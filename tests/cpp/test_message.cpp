@@ -100,6 +100,23 @@ TEST(Message, CorruptMessagesAreRejectedWithoutWriting) {
   EXPECT_EQ(out, (std::vector<float>{0.0f, 3.0f, 0.0f, -4.0f, 1.0f}));
 }
 
+// Indices and values sit at multiples of 8 from a message's start, so a message that does not
+// start 8-byte aligned (after a peer's size that is not a multiple of 8) would be read misaligned:
+// it is rejected before any read.
+TEST(Message, AMisalignedMessageIsRejected) {
+  const Packed good = pack_threshold({0.0f, 3.0f, -0.5f, -4.0f, 1.0f}, 1.0);
+  std::vector<uint64_t> storage(good.bytes.size() / 8 + 1);  // 8-byte aligned
+  auto* shifted = reinterpret_cast<unsigned char*>(storage.data()) + 4;
+  std::memcpy(shifted, good.bytes.data(), good.bytes.size());
+  CpuDevice device;
+  std::vector<float> out(5, 7.0f);
+  EXPECT_THROW(device.scatter_add_message(DType::kFloat32, out.data(), 5, shifted, good.bytes.size(), 1.0f, 1),
+               CorruptMessageError);
+  EXPECT_THROW(device.assign_message(DType::kFloat32, out.data(), 5, shifted, good.bytes.size()), CorruptMessageError);
+  EXPECT_THROW(read_header(shifted, good.bytes.size(), DType::kFloat32, 5, 1), CorruptMessageError);
+  EXPECT_EQ(out, std::vector<float>(5, 7.0f));
+}
+
 TEST(Message, ErrorNamesTheSourceRankAndTheField) {
   const Packed good = pack_threshold({0.0f, 3.0f}, 1.0);
   std::vector<unsigned char> bad = good.bytes;

@@ -41,7 +41,24 @@ std::vector<int> ExchangeResult::nonfinite_ranks() const {
   return ranks;
 }
 
-std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine) {
+void check_control_word(const ControlWord& w, const BucketView& bucket, bool with_message, int r) {
+  const int64_t n = bucket.numel;
+  GS_CHECK(w.count >= 0 && w.count <= n, CorruptMessageError, "control word from rank ", r, " announces ", w.count,
+           " pairs for a bucket of ", n, " elements");
+  GS_CHECK(w.nonfinite >= 0 && w.nonfinite <= n, CorruptMessageError, "control word from rank ", r, " announces ",
+           w.nonfinite, " non-finite values in a bucket of ", n, " elements");
+  const int64_t expected =
+      with_message ? static_cast<int64_t>(
+                         MessageLayout(static_cast<uint64_t>(w.count), index_bytes_for(n), bucket.dtype).total_bytes)
+                   : 0;
+  GS_CHECK(w.message_bytes == expected && (with_message || w.count == 0), CorruptMessageError,
+           "control word from rank ", r, " announces a ", w.message_bytes, "-byte message of ", w.count,
+           " pairs, where that count takes ", expected, " bytes in a bucket of ", n, " elements of ",
+           dtype_name(bucket.dtype));
+}
+
+std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
+                                          const BucketView& bucket, bool with_message) {
   const int p = transport.size();
   Buffer send = device.allocate(sizeof(ControlWord));
   Buffer recv = device.allocate(sizeof(ControlWord) * p);
@@ -49,10 +66,7 @@ std::vector<ControlWord> exchange_control(Transport& transport, Device& device, 
   transport.allgather(device, send.data(), recv.data(), sizeof(ControlWord));
   std::vector<ControlWord> words(p);
   device.copy_to_host(words.data(), recv.data(), sizeof(ControlWord) * p);
-  for (int r = 0; r < p; ++r) {
-    GS_CHECK(words[r].message_bytes >= 0 && words[r].count >= 0 && words[r].nonfinite >= 0, CorruptMessageError,
-             "control word from rank ", r, " is corrupt (negative sizes)");
-  }
+  for (int r = 0; r < p; ++r) check_control_word(words[r], bucket, with_message, r);
   return words;
 }
 
@@ -235,7 +249,7 @@ ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device,
   }
   ControlWord word{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
   if (kind == ExchangeKind::kShared) word.index_digest = index_digest(device, mine, bucket);
-  result.control = exchange_control(transport, device, word);
+  result.control = exchange_control(transport, device, word, bucket);
   if (!result.nonfinite_ranks().empty()) {
     result.aborted = true;
     return result;

@@ -5,8 +5,7 @@ namespace gradsparse {
 
 MessageHeader read_device_header(Device& device, const void* message, size_t bytes, DType dtype, uint64_t numel,
                                  int source_rank) {
-  GS_CHECK(message != nullptr && bytes >= kMessageHeaderBytes, CorruptMessageError, message_source(source_rank), " is ",
-           bytes, " bytes, shorter than its 32-byte header");
+  check_message_start(message, bytes, source_rank);
   unsigned char host[kMessageHeaderBytes];
   device.copy_to_host(host, message, kMessageHeaderBytes);
   const MessageHeader h = parse_header(host, dtype, numel, source_rank);

@@ -2,6 +2,8 @@
 
 #include <chrono>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 
 namespace gradsparse {
 namespace {
@@ -74,6 +76,25 @@ ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& optio
   return report;
 }
 
+/// Runs an exchange. An allocation that fails inside it (a size no rank can hold, or memory
+/// running out) leaves this rank out of step with the others, like a corrupt message: it is
+/// reported as one, so that the engine stops instead of going on to the next bucket.
+template <typename Exchange>
+ExchangeResult guarded(const ReduceOptions& options, const BucketView& bucket, Exchange&& run) {
+  try {
+    return run();
+  } catch (const std::bad_alloc& e) {
+    throw CorruptMessageError(str(options.bucket_name, " (", bucket.numel,
+                                  " elements): an allocation failed during the exchange (", e.what(),
+                                  "); this rank can no longer follow the others' collectives"));
+  } catch (const std::length_error& e) {
+    throw CorruptMessageError(str(options.bucket_name, " (", bucket.numel, " elements): a buffer size of the exchange ",
+                                  "is out of range (", e.what(),
+                                  "); this rank can no longer follow the others' "
+                                  "collectives"));
+  }
+}
+
 }  // namespace
 
 ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,
@@ -96,7 +117,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
 
   auto t0 = std::chrono::steady_clock::now();
   if (method->runs_exchange()) {
-    const ExchangeResult result = method->run(transport, device, bucket);
+    const ExchangeResult result = guarded(options, bucket, [&] { return method->run(transport, device, bucket); });
     report.exchange_seconds = seconds_since(t0);
     report.traffic = transport.traffic() - before;
     report.selected = result.control.empty() ? 0 : result.control[transport.rank()].count;
@@ -120,7 +141,9 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
 
   t0 = std::chrono::steady_clock::now();
   const ExchangeKind kind = method->exchange();
-  const ExchangeResult result = exchange(kind, transport, device, bucket, selection, method->fixed_count(bucket.numel));
+  const ExchangeResult result = guarded(options, bucket, [&] {
+    return exchange(kind, transport, device, bucket, selection, method->fixed_count(bucket.numel));
+  });
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
   report.selected_all = result.total_count();

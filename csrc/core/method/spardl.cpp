@@ -132,7 +132,8 @@ ExchangeResult SparDL::run(Transport& transport, Device& device, const BucketVie
   // Error feedback, then agree on aborting before any data moves.
   ExchangeResult result;
   const int64_t nonfinite = method_util::update_pass(device, bucket);
-  result.control = exchange_control(transport, device, ControlWord{0, 0, nonfinite, 0});
+  result.control = exchange_control(transport, device, ControlWord{0, 0, nonfinite, 0}, bucket,
+                                    /*with_message=*/false);
   if (!result.nonfinite_ranks().empty()) {
     result.aborted = true;
     return result;
@@ -253,9 +254,12 @@ ExchangeResult SparDL::run(Transport& transport, Device& device, const BucketVie
     device.copy_to_host(recv_sizes.data(), rs.data(), recv_sizes.size() * 8);
     size_t out_bytes = 0, in_bytes = 0;
     for (int64_t b : send_sizes) out_bytes += static_cast<size_t>(b);
-    for (int64_t b : recv_sizes) {
-      GS_CHECK(b >= static_cast<int64_t>(kMessageHeaderBytes), CorruptMessageError, "SparDL: rank ",
-               global(round.source), " announced a ", b, "-byte list");
+    for (size_t j = 0; j < recv_sizes.size(); ++j) {
+      // A final list holds at most min(k, block length) pairs: its size is a layout within that.
+      const int64_t b = recv_sizes[j], most = static_cast<int64_t>(message_bytes(round.recv[j], k));
+      GS_CHECK(b >= static_cast<int64_t>(kMessageHeaderBytes) && b <= most && b % 8 == 0, CorruptMessageError,
+               "SparDL: rank ", global(round.source), " announced a ", b, "-byte list for block ", round.recv[j],
+               ", whose lists take 32 to ", most, " bytes in multiples of 8");
       in_bytes += static_cast<size_t>(b);
     }
     Buffer out = device.allocate(out_bytes), in = device.allocate(in_bytes);
@@ -272,6 +276,9 @@ ExchangeResult SparDL::run(Transport& transport, Device& device, const BucketVie
       list.message = device.allocate(list.bytes);
       device.copy(list.message.data(), in.as<unsigned char>() + at, list.bytes);
       at += list.bytes;
+      const MessageHeader h = read_device_header(device, list.message.data(), list.bytes, bucket.dtype,
+                                                 length(round.recv[j]), global(round.source));
+      check_message_size(h, list.bytes, global(round.source));
     }
   }
 

@@ -45,8 +45,16 @@ struct ExchangeResult {
   std::vector<int> nonfinite_ranks() const;
 };
 
-/// All-gathers the control words of every rank.
-std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine);
+/// All-gathers the control words of every rank and checks each against what it must be for
+/// `bucket` (peers are not trusted): 0 <= count <= bucket.numel, 0 <= nonfinite <= bucket.numel,
+/// and message_bytes equal to the layout of `count` pairs, or 0 (with count 0) when
+/// `with_message` is false (the word only carries the non-finite count). A violation is a
+/// CorruptMessageError naming the rank and the field.
+std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
+                                          const BucketView& bucket, bool with_message = true);
+
+/// The check exchange_control applies to rank `source_rank`'s word (exposed for the fuzzers).
+void check_control_word(const ControlWord& word, const BucketView& bucket, bool with_message, int source_rank);
 
 /// Runs the exchange `kind` for this rank's selection and writes the average into bucket.grad.
 /// Returns early (aborted, bucket untouched) if any rank reported non-finite values.

@@ -102,11 +102,26 @@ inline void check_message_length(const MessageHeader& h, size_t bytes, int sourc
            " pairs (", layout.total_bytes, " bytes) but only ", bytes, " bytes arrived");
 }
 
+/// Checks that a message whose header is `h` is exactly `bytes` long (where its size was announced).
+inline void check_message_size(const MessageHeader& h, size_t bytes, int source_rank = -1) {
+  const MessageLayout layout(h.count, h.index_bytes, static_cast<DType>(h.dtype));
+  GS_CHECK(layout.total_bytes == bytes, CorruptMessageError, message_source(source_rank), " holds ", h.count,
+           " pairs (", layout.total_bytes, " bytes) but was announced as ", bytes, " bytes");
+}
+
+/// Checks that a message of `bytes` bytes at `data` can hold its header and starts 8-byte aligned,
+/// so that its indices and values (at multiples of 8 from the start) are read aligned.
+inline void check_message_start(const void* data, size_t bytes, int source_rank = -1) {
+  GS_CHECK(data != nullptr && bytes >= kMessageHeaderBytes, CorruptMessageError, message_source(source_rank), " is ",
+           bytes, " bytes, shorter than its 32-byte header");
+  GS_CHECK(reinterpret_cast<uintptr_t>(data) % 8 == 0, CorruptMessageError, message_source(source_rank),
+           " starts at an address that is not 8-byte aligned (a preceding message's size is not a multiple of 8)");
+}
+
 /// Validates a whole message in host memory: its length, then its header.
 inline MessageHeader read_header(const void* data, size_t bytes, DType expected_dtype, uint64_t expected_dense_size,
                                  int source_rank = -1) {
-  GS_CHECK(data != nullptr && bytes >= kMessageHeaderBytes, CorruptMessageError, message_source(source_rank), " is ",
-           bytes, " bytes, shorter than its 32-byte header");
+  check_message_start(data, bytes, source_rank);
   const MessageHeader h = parse_header(data, expected_dtype, expected_dense_size, source_rank);
   check_message_length(h, bytes, source_rank);
   return h;
