@@ -342,6 +342,7 @@ def peer_exits(
             if step == 3 and rank == 1:
                 if stall:
                     time.sleep(3 * float(timeout))
+                print(f"rank 1 exits at {time.time():.3f}", flush=True)  # read by the mpirun test
                 os._exit(3)
             opt.zero_grad()
             loss.backward()
