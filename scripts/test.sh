@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 source scripts/env.sh  # the interpreter setup.sh installed into
-cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release > /dev/null
+torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADSPARSE_TORCH_TESTS=ON \
+  "-DCMAKE_PREFIX_PATH=$torch_prefix" > /dev/null
 cmake --build build/cmake
 ctest --test-dir build/cmake --output-on-failure
 "$PYTHON" -m pytest -ra

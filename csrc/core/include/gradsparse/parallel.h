@@ -30,6 +30,8 @@ void parallel_blocks(int64_t blocks, int threads, F&& f) {
     for (int64_t b = 0; b < blocks; ++b) f(b, omp_get_thread_num());
     return;
   }
+#else
+  (void)threads;  // built without OpenMP: serial
 #endif
   for (int64_t b = 0; b < blocks; ++b) f(b, 0);
 }

@@ -1,0 +1,85 @@
+// libFuzzer target: one received message (and one control word) through validation and
+// scatter-add, as a receiver meets them from an untrusted peer.
+//
+// Input: mode, dtype, bucket size, seed, k, then either edits (offset, byte) applied to a valid
+// message of the top-k of a random gradient (mode bit 0 clear: deep cases), or the raw bytes of
+// the message (bit 0 set). Bit 1 truncates the message, bit 2 places it 4 bytes off alignment,
+// bit 3 checks its first 32 bytes as a control word that carries a message.
+// Properties: no out-of-bounds or misaligned access (ASan, UBSan); a rejection is a
+// CorruptMessageError and leaves the output untouched; a misaligned message is always rejected.
+#include <cstring>
+#include <vector>
+
+#include "fuzz_input.h"
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/exchange.h"
+#include "gradsparse/message.h"
+
+using namespace gradsparse;
+
+namespace {
+
+std::vector<unsigned char> random_bucket(DType dtype, int64_t n, uint32_t seed) {
+  std::vector<unsigned char> bytes(static_cast<size_t>(n) * dtype_size(dtype));
+  uint32_t x = seed * 2654435761u + 1;
+  dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    auto* v = reinterpret_cast<T*>(bytes.data());
+    for (int64_t i = 0; i < n; ++i) {
+      x = x * 1664525u + 1013904223u;
+      v[i] = Num<T>::from_float(static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / (1 << 20));
+    }
+  });
+  return bytes;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  fuzz::Input in(data, size);
+  const uint8_t mode = in.u8();
+  const DType dtype = static_cast<DType>(in.u8() % 3);
+  const int64_t n = in.u16() % 5000;
+  const uint8_t seed = in.u8();
+  const int64_t k = n > 0 ? in.u16() % (n + 1) : 0;
+  CpuDevice device;
+
+  std::vector<unsigned char> message;
+  if (mode & 1) {
+    message.assign(in.rest(), in.rest() + in.rest_size());
+  } else {
+    std::vector<unsigned char> grad = random_bucket(dtype, n, seed);
+    const Selection s = device.select_topk(BucketView{dtype, n, grad.data(), nullptr}, k, /*update=*/false);
+    message.assign(s.message.as<unsigned char>(), s.message.as<unsigned char>() + s.bytes);
+    if (mode & 2) message.resize(message.size() - std::min<size_t>(message.size(), in.u8()));
+    while (!in.done() && !message.empty()) {
+      const size_t at = in.u16() % message.size();
+      message[at] = in.u8();
+    }
+  }
+
+  // Place the message in 8-byte aligned storage, or 4 bytes off.
+  const size_t shift = (mode & 4) ? 4 : 0;
+  std::vector<uint64_t> storage((message.size() + shift) / 8 + 1);
+  unsigned char* at = reinterpret_cast<unsigned char*>(storage.data()) + shift;
+  if (!message.empty()) std::memcpy(at, message.data(), message.size());
+
+  if ((mode & 8) && message.size() >= sizeof(ControlWord)) {
+    ControlWord word;
+    std::memcpy(&word, message.data(), sizeof(word));
+    try {
+      check_control_word(word, BucketView{dtype, n, nullptr, nullptr}, /*with_message=*/true, 1);
+    } catch (const CorruptMessageError&) {
+    }
+  }
+
+  std::vector<unsigned char> out = random_bucket(dtype, n, seed + 1);
+  const std::vector<unsigned char> before = out;
+  try {
+    device.scatter_add_message(dtype, out.data(), n, at, message.size(), 2.0f, 1);
+    if (shift != 0) __builtin_trap();  // a misaligned message was accepted
+  } catch (const CorruptMessageError&) {
+    if (out != before) __builtin_trap();  // a rejected message wrote to the output
+  }
+  return 0;
+}

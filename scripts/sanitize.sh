@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The C++ core under sanitizers, and its fuzzers (CI runs all three; docs/architecture.md, "Faults"):
+#   asan  the whole C++ suite (ctest, the engine's test included) under AddressSanitizer and
+#         UndefinedBehaviorSanitizer (gcc);
+#   tsan  the tests that run ranks, engines and transports on threads (exchanges, SparDL, the
+#         engine) under ThreadSanitizer (gcc; OpenMP off, since libgomp is not instrumented);
+#   fuzz  each libFuzzer target of fuzz/ for FUZZ_SECONDS seconds (default 60) under ASan and
+#         UBSan (clang); a finding leaves its input in build/fuzz/ and fails the script.
+# Usage: bash scripts/sanitize.sh [asan] [tsan] [fuzz]   (all three when none is named)
+# Needs the interpreter scripts/setup.sh installed torch into (for the engine's test), and
+# clang with libFuzzer (installed here with apt-get when missing and running as root).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/env.sh
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(asan tsan fuzz)
+torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+common=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DGRADSPARSE_TORCH_TESTS=ON "-DCMAKE_PREFIX_PATH=$torch_prefix")
+
+has_libfuzzer() {
+  echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' |
+    clang++ -x c++ -fsanitize=fuzzer,address - -o /tmp/gradsparse-libfuzzer-probe > /dev/null 2>&1
+}
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    asan)
+      echo "== the C++ suite under AddressSanitizer + UndefinedBehaviorSanitizer"
+      cmake -S . -B build/asan "${common[@]}" -DGRADSPARSE_SANITIZE=address,undefined > /dev/null
+      cmake --build build/asan
+      ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        ctest --test-dir build/asan --output-on-failure -j2
+      ;;
+    tsan)
+      echo "== exchanges, SparDL and the engine under ThreadSanitizer"
+      cmake -S . -B build/tsan "${common[@]}" -DGRADSPARSE_SANITIZE=thread -DGRADSPARSE_OPENMP=OFF \
+        -DGRADSPARSE_MPI=OFF > /dev/null
+      cmake --build build/tsan --target test_exchange test_spardl test_engine
+      for t in test_exchange test_spardl test_engine; do
+        TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1
+      done
+      ;;
+    fuzz)
+      echo "== libFuzzer targets, ${FUZZ_SECONDS:-60} s each, under ASan + UBSan"
+      if ! has_libfuzzer; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+          DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev > /dev/null
+        fi
+        has_libfuzzer || { echo "clang with libFuzzer is needed: apt-get install clang libclang-rt-14-dev" >&2; exit 1; }
+      fi
+      cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+        -DGRADSPARSE_FUZZ=ON -DGRADSPARSE_SANITIZE=address,undefined -DGRADSPARSE_TESTS=OFF -DGRADSPARSE_MPI=OFF \
+        -DGRADSPARSE_OPENMP=OFF > /dev/null
+      cmake --build build/fuzz
+      for fuzzer in fuzz_message fuzz_exchange; do
+        mkdir -p "build/fuzz/corpus/$fuzzer"
+        # -malloc_limit_mb: no allocation beyond what a bucket's layout needs (buckets here are small).
+        (cd build/fuzz && "./$fuzzer" -max_total_time="${FUZZ_SECONDS:-60}" -rss_limit_mb=2048 -malloc_limit_mb=256 \
+          -print_final_stats=1 "corpus/$fuzzer" 2>&1 | grep -E "^stat::number_of_executed_units|ERROR|SUMMARY|Test unit written")
+      done
+      ;;
+    *)
+      echo "unknown step \"$step\": choose asan, tsan or fuzz" >&2
+      exit 2
+      ;;
+  esac
+done
