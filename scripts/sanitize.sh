@@ -44,7 +44,8 @@ for step in "${steps[@]}"; do
       echo "== libFuzzer targets, ${FUZZ_SECONDS:-60} s each, under ASan + UBSan"
       if ! has_libfuzzer; then
         if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-          DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev > /dev/null
+          install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev; }
+          install > /dev/null 2>&1 || { apt-get update -qq && install > /dev/null; }
         fi
         has_libfuzzer || { echo "clang with libFuzzer is needed: apt-get install clang libclang-rt-14-dev" >&2; exit 1; }
       fi
