@@ -124,20 +124,6 @@ std::unique_ptr<Method> make_method(int id, int world_size) {
   }
 }
 
-std::vector<unsigned char> random_bucket(DType dtype, int64_t n, uint32_t seed) {
-  std::vector<unsigned char> bytes(static_cast<size_t>(n) * dtype_size(dtype));
-  uint32_t x = seed * 2654435761u + 1;
-  dispatch_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
-    auto* v = reinterpret_cast<T*>(bytes.data());
-    for (int64_t i = 0; i < n; ++i) {
-      x = x * 1664525u + 1013904223u;
-      v[i] = Num<T>::from_float(static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / (1 << 20));
-    }
-  });
-  return bytes;
-}
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -161,9 +147,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::unique_ptr<Method> method = make_method(id, p);
   FuzzedPeers transport(p, std::move(edits));
   CpuDevice device;
-  std::vector<unsigned char> residual = random_bucket(dtype, n, seed);
+  std::vector<unsigned char> residual = fuzz::random_bucket(dtype, n, seed);
   for (int step = 0; step < 2; ++step) {
-    std::vector<unsigned char> grad = random_bucket(dtype, n, seed + 1 + step);
+    std::vector<unsigned char> grad = fuzz::random_bucket(dtype, n, seed + 1 + step);
     try {
       reduce_bucket(method.get(), transport, device, BucketView{dtype, n, grad.data(), residual.data()},
                     ReduceOptions{});

@@ -1,9 +1,12 @@
-// Reads a fuzzer's input as a stream of little-endian fields; past the end every read is zero,
-// so an empty input is a valid (honest) case.
+// What the fuzzers share: their input read as a stream of little-endian fields (past the end
+// every read is zero, so an empty input is a valid, honest case), and deterministic buckets.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
+
+#include "gradsparse/kernels.h"
 
 namespace gradsparse::fuzz {
 
@@ -21,5 +24,20 @@ class Input {
   size_t size_;
   size_t at_ = 0;
 };
+
+/// A bucket of `n` elements of `dtype` with values in about [-8, 8], from `seed`.
+inline std::vector<unsigned char> random_bucket(DType dtype, int64_t n, uint32_t seed) {
+  std::vector<unsigned char> bytes(static_cast<size_t>(n) * dtype_size(dtype));
+  uint32_t x = seed * 2654435761u + 1;
+  dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    auto* v = reinterpret_cast<T*>(bytes.data());
+    for (int64_t i = 0; i < n; ++i) {
+      x = x * 1664525u + 1013904223u;
+      v[i] = Num<T>::from_float(static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / (1 << 20));
+    }
+  });
+  return bytes;
+}
 
 }  // namespace gradsparse::fuzz

@@ -17,24 +17,6 @@
 
 using namespace gradsparse;
 
-namespace {
-
-std::vector<unsigned char> random_bucket(DType dtype, int64_t n, uint32_t seed) {
-  std::vector<unsigned char> bytes(static_cast<size_t>(n) * dtype_size(dtype));
-  uint32_t x = seed * 2654435761u + 1;
-  dispatch_dtype(dtype, [&](auto t) {
-    using T = decltype(t);
-    auto* v = reinterpret_cast<T*>(bytes.data());
-    for (int64_t i = 0; i < n; ++i) {
-      x = x * 1664525u + 1013904223u;
-      v[i] = Num<T>::from_float(static_cast<float>(static_cast<int32_t>(x >> 8) - (1 << 23)) / (1 << 20));
-    }
-  });
-  return bytes;
-}
-
-}  // namespace
-
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   fuzz::Input in(data, size);
   const uint8_t mode = in.u8();
@@ -48,7 +30,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (mode & 1) {
     message.assign(in.rest(), in.rest() + in.rest_size());
   } else {
-    std::vector<unsigned char> grad = random_bucket(dtype, n, seed);
+    std::vector<unsigned char> grad = fuzz::random_bucket(dtype, n, seed);
     const Selection s = device.select_topk(BucketView{dtype, n, grad.data(), nullptr}, k, /*update=*/false);
     message.assign(s.message.as<unsigned char>(), s.message.as<unsigned char>() + s.bytes);
     if (mode & 2) message.resize(message.size() - std::min<size_t>(message.size(), in.u8()));
@@ -73,7 +55,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
 
-  std::vector<unsigned char> out = random_bucket(dtype, n, seed + 1);
+  std::vector<unsigned char> out = fuzz::random_bucket(dtype, n, seed + 1);
   const std::vector<unsigned char> before = out;
   try {
     device.scatter_add_message(dtype, out.data(), n, at, message.size(), 2.0f, 1);
