@@ -76,22 +76,23 @@ ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& optio
   return report;
 }
 
-/// Runs an exchange. An allocation that fails inside it (a size no rank can hold, or memory
+/// Runs an exchange. An allocation that fails inside it (a size no buffer can hold, or memory
 /// running out) leaves this rank out of step with the others, like a corrupt message: it is
 /// reported as one, so that the engine stops instead of going on to the next bucket.
 template <typename Exchange>
 ExchangeResult guarded(const ReduceOptions& options, const BucketView& bucket, Exchange&& run) {
+  auto failed = [&](const std::exception& e) {
+    return CorruptMessageError(str(options.bucket_name, " (", bucket.numel,
+                                   " elements): an allocation failed during the exchange (", e.what(),
+                                   "), so this rank can no longer follow the other ranks' collectives. Check that "
+                                   "every rank runs the same gradsparse version and that the device has free memory."));
+  };
   try {
     return run();
   } catch (const std::bad_alloc& e) {
-    throw CorruptMessageError(str(options.bucket_name, " (", bucket.numel,
-                                  " elements): an allocation failed during the exchange (", e.what(),
-                                  "); this rank can no longer follow the others' collectives"));
+    throw failed(e);
   } catch (const std::length_error& e) {
-    throw CorruptMessageError(str(options.bucket_name, " (", bucket.numel, " elements): a buffer size of the exchange ",
-                                  "is out of range (", e.what(),
-                                  "); this rank can no longer follow the others' "
-                                  "collectives"));
+    throw failed(e);
   }
 }
 
