@@ -1,0 +1,258 @@
+"""An emulated cluster on one machine: N hosts as network namespaces on one bridge, every link
+rate-limited in both directions, one worker per host started by torchrun's multi-node c10d
+rendezvous, exactly as on a real cluster.
+
+    sudo python -m benchmarks.cluster [--hosts 4] [--rate 100mbit] [--delay 0ms] -- -m examples.cnn [ARGS...]
+    sudo python -m benchmarks.cluster --hosts 2 -- -m examples.cnn --method topk --max-steps 5
+
+Layout: a switch namespace holding a bridge, and per host a namespace whose eth0 (10.214.0.h/24,
+h = 1..N) is one end of a veth pair whose other end is a bridge port. tbf shapes both directions
+of every link: eth0's egress (host to switch) and the port's egress (switch to host), so a
+host's sends and receives each go at --rate, as through one full-duplex NIC. --delay adds a
+netem delay on both ends where the kernel has netem (not everywhere: without it the run stops
+with a clear error rather than silently measuring no latency).
+
+On every host, in its namespace:
+
+    torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint 10.214.0.1:29400
+             --rdzv-id <run> <the arguments after -->
+
+with GLOO_SOCKET_IFNAME=eth0, so every collective crosses the shaped links (host 1 also serves
+the rendezvous store: `--rdzv-conf is_host=1`, since the machine's hostname resolves outside
+the namespaces). The first host to fail ends the run. Namespaces, links and processes
+are removed on every exit path (normal end, failure, Ctrl-C, SIGTERM); namespaces left behind
+by a run that was killed with SIGKILL are removed by the next run. Needs root, ip and tc
+(iproute2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+
+PREFIX = "gsc"  # namespaces: gsc<pid>-sw, gsc<pid>-h<i>
+SUBNET = "10.214.0"
+RDZV_PORT = 29400
+
+
+class ClusterError(RuntimeError):
+    """Setting up or running the emulated cluster failed (the message says what and how to fix it)."""
+
+
+def _run(*command: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ClusterError(f"`{shlex.join(command)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+
+
+def _parse_rate(rate: str) -> int:
+    """A tc rate such as 100mbit or 1gbit, in bits per second."""
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    text = rate.strip().lower()
+    for unit, scale in units.items():
+        if text.endswith(unit) and text[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(text[: -len(unit)]) * scale)
+    raise ClusterError(f"--rate must be a tc rate such as 100mbit or 1gbit, got {rate!r}")
+
+
+def default_burst(rate_bits: int) -> int:
+    """tbf's bucket: 2 ms at the rate, at least 16 KB (see benchmarks/slow_network.sh)."""
+    return max(16_000, rate_bits // 8 // 500)
+
+
+def stale_namespaces() -> list[str]:
+    """Namespaces of earlier runs whose process is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    stale = []
+    for name in listed:
+        if not name.startswith(PREFIX) or "-" not in name:
+            continue
+        pid = name[len(PREFIX) : name.index("-")]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            stale.append(name)
+    return stale
+
+
+class Cluster:
+    """The namespaces and links of one emulated cluster; a context manager that removes them."""
+
+    def __init__(self, hosts: int, rate: str, burst: int | None = None, delay_ms: float = 0.0) -> None:
+        if hosts < 2 or hosts > 200:
+            raise ClusterError(f"--hosts must be between 2 and 200, got {hosts}")
+        self.hosts = hosts
+        self.rate = rate
+        self.rate_bits = _parse_rate(rate)
+        self.burst = burst or default_burst(self.rate_bits)
+        self.delay_ms = delay_ms
+        tag = f"{PREFIX}{os.getpid()}"
+        self.switch = f"{tag}-sw"
+        self.namespaces = [f"{tag}-h{i}" for i in range(hosts)]
+        self.created: list[str] = []
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    def __enter__(self) -> Cluster:
+        try:
+            self._create()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def _shape(self, namespace: str, device: str) -> None:
+        tbf = ["tbf", "rate", self.rate, "burst", str(self.burst), "latency", "20ms"]
+        if self.delay_ms <= 0:
+            _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", *tbf)
+            return
+        try:
+            _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay",
+                 f"{self.delay_ms}ms")  # fmt: skip
+        except ClusterError as e:
+            raise ClusterError(
+                f"--delay {self.delay_ms}ms needs tc's netem, which this kernel refused ({e}); run without --delay "
+                "(rate-limited links only) or on a kernel with sch_netem"
+            ) from None
+        _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "parent", "1:1", "handle", "10:", *tbf)
+
+    def _create(self) -> None:
+        for name in stale_namespaces():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        _run("ip", "netns", "add", self.switch)
+        self.created.append(self.switch)
+        _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.namespaces):
+            _run("ip", "netns", "add", ns)
+            self.created.append(ns)
+            port = f"p{i}"
+            _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
+            _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _run("ip", "-n", self.switch, "link", "set", port, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", ns, "link", "set", "eth0", "up")
+            self._shape(ns, "eth0")  # host -> switch
+            self._shape(self.switch, port)  # switch -> host
+
+    def remove(self) -> None:
+        """Deletes every namespace this cluster created (their links go with them)."""
+        for name in reversed(self.created):
+            done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"benchmarks.cluster: could not delete namespace {name}: {done.stderr.strip()}", file=sys.stderr)
+        self.created.clear()
+
+    def torchrun(self, host: int, run_id: str, arguments: Sequence[str], python: str) -> list[str]:
+        """The command that starts host `host`'s worker inside its namespace."""
+        return [
+            "ip", "netns", "exec", self.namespaces[host],
+            "env", "GLOO_SOCKET_IFNAME=eth0", f"GRADSPARSE_CLUSTER={self.hosts}x{self.rate}",
+            python, "-m", "torch.distributed.run",
+            "--nnodes", str(self.hosts), "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
+            # The machine's hostname resolves outside the namespaces: say who serves the store, and
+            # which address each node is known by.
+            "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", self.address(host),
+            "--max-restarts", "0",
+            *arguments,
+        ]  # fmt: skip
+
+
+def _stop(processes: list[subprocess.Popen]) -> None:
+    for p in processes:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    for p in processes:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def run(cluster: Cluster, arguments: Sequence[str], python: str = sys.executable) -> int:
+    """Starts one worker per host and waits; the first failure stops the others. Returns the
+    exit status (0 when every host succeeded)."""
+    run_id = uuid.uuid4().hex[:12]
+    processes: list[subprocess.Popen] = []
+    try:
+        for host in range(cluster.hosts):
+            processes.append(
+                subprocess.Popen(cluster.torchrun(host, run_id, arguments, python), start_new_session=True)
+            )
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                host, code = failed[0]
+                print(
+                    f"benchmarks.cluster: host {host} exited with status {code}; stopping the others", file=sys.stderr
+                )
+                return code
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.2)
+    finally:
+        _stop(processes)
+
+
+def _raise_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        split = argv.index("--")
+        own, arguments = argv[:split], argv[split + 1 :]
+    else:
+        own, arguments = argv, []
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces), one worker each")
+    parser.add_argument("--rate", default="100mbit", help="rate of every link, each direction (tc rate)")
+    parser.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default: 2 ms at --rate)")
+    parser.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms per link end (needs netem)")
+    args = parser.parse_args(own)
+    if not arguments:
+        parser.error("give the worker's torchrun arguments after --, for example: -- -m examples.cnn --max-steps 20")
+    if os.geteuid() != 0:
+        print(
+            "benchmarks.cluster needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
+            "(or as root in a container with CAP_NET_ADMIN).",
+            file=sys.stderr,
+        )
+        return 1
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+    signal.signal(signal.SIGINT, _raise_on_signal)
+    try:
+        with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
+            print(
+                f"benchmarks.cluster: {args.hosts} hosts on one bridge, every link {args.rate} each way "
+                f"(tbf burst {cluster.burst} B)" + (f", {args.delay} ms delay per end" if args.delay else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            return run(cluster, arguments)
+    except ClusterError as e:
+        print(f"benchmarks.cluster: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The emulated cluster (benchmarks/cluster.py): two hosts in network namespaces on one bridge,
+shaped links, the CNN example started on both by torchrun's c10d rendezvous with a sparse method;
+it finishes, and nothing is left behind, also when a worker fails. Needs root (CI runs as root)."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.geteuid() != 0:
+    pytest.skip("the emulated cluster needs root (network namespaces, veth, tc)", allow_module_level=True)
+
+
+def cluster(*worker: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--rate", "200mbit", "--", *worker]
+    return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+
+
+def namespaces_left() -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    return [name for name in listed if name.startswith("gsc")]
+
+
+def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path):
+    done = cluster("-m", "examples.cnn", "--method", "topk", "--epochs", "1", "--max-steps", "4", "--no-progress",
+                   "--out", str(tmp_path))  # fmt: skip
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "2 hosts on one bridge, every link 200mbit each way" in done.stderr, done.stderr[-2000:]
+    assert "2 workers (gloo)" in done.stdout, done.stdout[-2000:]
+    with open(tmp_path / "epochs.csv", newline="") as f:  # one method: the folder itself
+        rows = list(csv.DictReader(f))
+    assert rows and float(rows[-1]["density"]) == pytest.approx(0.01, rel=0.05), rows
+    assert namespaces_left() == []
+
+
+def test_a_failing_worker_ends_the_run_and_cleans_up():
+    done = cluster("-m", "examples.cnn", "--method", "no-such-method", "--max-steps", "1")
+    assert done.returncode != 0
+    assert "exited with status" in done.stderr, done.stderr[-2000:]
+    assert namespaces_left() == []
