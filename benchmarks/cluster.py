@@ -2,7 +2,7 @@
 rate-limited in both directions, one worker per host started by torchrun's multi-node c10d
 rendezvous, exactly as on a real cluster.
 
-    sudo python -m benchmarks.cluster [--hosts 4] [--rate 100mbit] [--delay 0ms] -- -m examples.cnn [ARGS...]
+    sudo python -m benchmarks.cluster [--hosts 4] [--rate 50mbit] [--delay 0ms] -- -m examples.cnn [ARGS...]
     sudo python -m benchmarks.cluster --hosts 2 -- -m examples.cnn --method topk --max-steps 5
 
 Layout: a switch namespace holding a bridge, and per host a namespace whose eth0 (10.214.0.h/24,
@@ -225,7 +225,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces), one worker each")
-    parser.add_argument("--rate", default="100mbit", help="rate of every link, each direction (tc rate)")
+    parser.add_argument(
+        "--rate",
+        default="50mbit",
+        help="rate of every link, each direction (tc rate; docs/benchmarks.md says why 50mbit)",
+    )
     parser.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default: 2 ms at --rate)")
     parser.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms per link end (needs netem)")
     args = parser.parse_args(own)
