@@ -159,6 +159,8 @@ class Cluster:
         return [
             "ip", "netns", "exec", self.namespaces[host],
             "env", "GLOO_SOCKET_IFNAME=eth0", f"GRADSPARSE_CLUSTER={self.hosts}x{self.rate}",
+            # The hosts share this machine's cores (unless the caller chose).
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or max(1, (os.cpu_count() or 1) // self.hosts)}",
             python, "-m", "torch.distributed.run",
             "--nnodes", str(self.hosts), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", run_id,

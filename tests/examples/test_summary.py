@@ -1,0 +1,45 @@
+"""The driver's summary: time to the first method's quality (within the task's tolerance), its
+ratio, and the note that loopback hides the network."""
+
+from examples import driver
+
+
+class Score(driver.Task):
+    metric = "accuracy"
+
+
+class Perplexity(driver.Task):
+    metric = "perplexity"
+    higher_is_better = False
+
+
+def rows(*points: tuple[float, float]) -> list[dict]:
+    return [{"accuracy": q, "perplexity": q, "elapsed_seconds": t, "bytes_total": 1e6} for t, q in points]
+
+
+def test_time_to_target_uses_the_first_evaluation_within_the_tolerance():
+    results = {"dense": rows((10, 0.80), (20, 0.86), (30, 0.87)), "topk": rows((4, 0.79), (8, 0.861), (12, 0.865))}
+    text = driver.summarize(Score(), results)
+    assert "target accuracy 0.8600 (dense's final 0.8700 - 0.01)" in text
+    dense, topk = text.splitlines()[2:]
+    assert dense.split()[3:5] == ["20.0s", "1.00x"], dense
+    assert topk.split()[3:5] == ["8.0s", "0.40x"], topk
+
+
+def test_a_run_that_never_reaches_the_target_says_so_and_lower_is_better_for_perplexity():
+    results = {"dense": rows((10, 120.0), (20, 100.0)), "topk": rows((5, 130.0), (10, 106.0))}
+    text = driver.summarize(Perplexity(), results)
+    assert "target perplexity 105.0000 (dense's final 100.0000 x 1.05)" in text
+    topk = text.splitlines()[3]
+    assert "not yet" in topk and topk.split()[-2] == "-", topk
+
+
+def test_the_loopback_note_appears_only_when_every_worker_is_local(monkeypatch):
+    monkeypatch.delenv("GRADSPARSE_CLUSTER", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert "loopback" in driver.network_note(4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one worker per host: a real cluster
+    assert driver.network_note(4) == ""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("GRADSPARSE_CLUSTER", "4x50mbit")
+    assert driver.network_note(4) == ""
