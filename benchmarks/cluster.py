@@ -216,6 +216,39 @@ def _raise_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The cluster's options (shared with the benchmarks that run on it)."""
+    parser.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces), one worker each")
+    parser.add_argument(
+        "--rate",
+        default="50mbit",
+        help="rate of every link, each direction (tc rate; docs/benchmarks.md says why 50mbit)",
+    )
+    parser.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default: 2 ms at --rate)")
+    parser.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms per link end (needs netem)")
+
+
+@contextlib.contextmanager
+def session(args: argparse.Namespace, prog: str = "benchmarks.cluster"):
+    """The cluster the parsed options describe, removed on every exit path (SIGTERM and SIGINT
+    included). Raises ClusterError without root."""
+    if os.geteuid() != 0:
+        raise ClusterError(
+            f"{prog} needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
+            "(or as root in a container with CAP_NET_ADMIN)."
+        )
+    signal.signal(signal.SIGTERM, _raise_on_signal)
+    signal.signal(signal.SIGINT, _raise_on_signal)
+    with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
+        print(
+            f"{prog}: {args.hosts} hosts on one bridge, every link {args.rate} each way (tbf burst {cluster.burst} B)"
+            + (f", {args.delay} ms delay per end" if args.delay else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        yield cluster
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -226,34 +259,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces), one worker each")
-    parser.add_argument(
-        "--rate",
-        default="50mbit",
-        help="rate of every link, each direction (tc rate; docs/benchmarks.md says why 50mbit)",
-    )
-    parser.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default: 2 ms at --rate)")
-    parser.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms per link end (needs netem)")
+    add_arguments(parser)
     args = parser.parse_args(own)
     if not arguments:
         parser.error("give the worker's torchrun arguments after --, for example: -- -m examples.cnn --max-steps 20")
-    if os.geteuid() != 0:
-        print(
-            "benchmarks.cluster needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
-            "(or as root in a container with CAP_NET_ADMIN).",
-            file=sys.stderr,
-        )
-        return 1
-    signal.signal(signal.SIGTERM, _raise_on_signal)
-    signal.signal(signal.SIGINT, _raise_on_signal)
     try:
-        with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
-            print(
-                f"benchmarks.cluster: {args.hosts} hosts on one bridge, every link {args.rate} each way "
-                f"(tbf burst {cluster.burst} B)" + (f", {args.delay} ms delay per end" if args.delay else ""),
-                file=sys.stderr,
-                flush=True,
-            )
+        with session(args) as cluster:
             return run(cluster, arguments)
     except ClusterError as e:
         print(f"benchmarks.cluster: {e}", file=sys.stderr)

@@ -14,6 +14,11 @@ Every run writes to ``--out`` (one folder per method when several are given):
     checkpoint-rank<r>.pt   model, optimizer, schedule, gradsparse state (residuals), RNG states
 
 A run whose folder holds checkpoints resumes from them (``--fresh`` starts over).
+
+``--synthetic-data`` replaces the dataset with random inputs of its shapes and sizes, so that the
+seeds' models can be measured at their real sizes where their data cannot be downloaded: such a
+run neither evaluates (the quality of random data means nothing) nor checkpoints, and its summary
+gives each method's step time and traffic against the first method's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -284,6 +290,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
     g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="random inputs of the dataset's shapes and sizes: step time and traffic only (no evaluation, "
+        "no checkpoints)",
+    )
 
 
 def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, presets: dict, argv) -> None:
@@ -428,7 +440,9 @@ class Run:
         self.task, self.method, self.args, self.folder, self.rank, self.world = task, method, args, folder, rank, world
         torch.manual_seed(args.seed)
         self.model = task.build_model().to(device())
-        self.ddp = DDP(self.model, **ddp_options(method, self.model))
+        # Every rank builds the model from the same seed: a synthetic run (a measurement of steps)
+        # skips DDP's initial broadcast, which on a slow link would cost more than its steps.
+        self.ddp = DDP(self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model))
         self.comm = Communication(method, self.ddp, args, world)
         self.optimizer = task.make_optimizer(self.ddp.parameters(), args)
         self.steps_per_epoch = task.steps_per_epoch(world)
@@ -439,6 +453,7 @@ class Run:
         self.elapsed = 0.0  # training seconds before this process (resumed runs)
         self.bytes_total = 0
         self.epoch_tally = self._empty_tally()
+        self.steps: list[tuple[float, int]] = []  # (seconds, bytes sent) of this process's steps
         torch.manual_seed(args.seed * 7919 + rank)  # per-rank stream (dropout, sampling)
 
     @staticmethod
@@ -450,6 +465,8 @@ class Run:
         return os.path.join(self.folder, f"checkpoint-rank{self.rank if rank is None else rank}.pt")
 
     def save(self) -> None:
+        if self.args.synthetic_data:
+            return
         state = {
             "method": self.method,
             "world_size": self.world,
@@ -471,6 +488,8 @@ class Run:
         dist.barrier()
 
     def try_resume(self) -> bool:
+        if self.args.synthetic_data:
+            return False
         exists = torch.tensor([os.path.exists(self.checkpoint_path())], dtype=torch.int32)
         dist.all_reduce(exists)
         if int(exists) == 0:
@@ -577,6 +596,7 @@ class Run:
         self.step += 1
         self.elapsed += seconds
         figures = self.comm.step_figures()
+        self.steps.append((seconds, figures["bytes_sent"]))
         self.bytes_total += figures["bytes_sent"]
         t = self.epoch_tally
         t["loss"] += loss_value
@@ -607,7 +627,10 @@ class Run:
         t = self.epoch_tally
         mean_loss = torch.tensor([t["loss"], t["steps"]], dtype=torch.float64)
         dist.all_reduce(mean_loss)
-        metrics = self.task.evaluate(self.model, self.rank, self.world)
+        if self.args.synthetic_data:
+            metrics = dict.fromkeys(self.task.metric_fields, math.nan)
+        else:
+            metrics = self.task.evaluate(self.model, self.rank, self.world)
         self.model.train()
         row = {
             "epoch": round(self.step / self.steps_per_epoch, 4) if partial else epoch + 1,
@@ -666,6 +689,33 @@ def summarize(task: Task, results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def step_costs(steps: list[tuple[float, float]]) -> tuple[float, float]:
+    """(median seconds, mean bytes sent) of (seconds, bytes) per step, leaving the first step out
+    when there are others: it carries one-time work (DDP's bucket rebuild, first allocations)."""
+    steps = steps[1:] if len(steps) > 1 else steps
+    if not steps:
+        return math.nan, math.nan
+    return statistics.median(s for s, _ in steps), statistics.fmean(b for _, b in steps)
+
+
+def summarize_steps(costs: dict[str, tuple[float, float]]) -> str:
+    """One line per method: median step time and bytes sent per step by a worker, each with its
+    ratio to the first method's (the summary of a --synthetic-data run)."""
+    if not costs:
+        return ""
+    first, (base_seconds, base_bytes) = next(iter(costs.items()))
+    lines = [
+        "per step and worker (synthetic data: no quality; median step, the first left out)",
+        f"{'method':>9}  {'step time':>10}  {'vs ' + first:>10}  {'MB sent':>10}  {'vs ' + first:>10}",
+    ]
+    for method, (seconds, sent) in costs.items():
+        lines.append(
+            f"{method:>9}  {seconds:9.3f}s  {seconds / base_seconds:9.3f}x  {sent / 1e6:10.3f}  "
+            f"{sent / base_bytes:9.4f}x"
+        )
+    return "\n".join(lines)
+
+
 def network_note(world: int) -> str:
     """Said when every worker runs on this machine outside the emulated cluster: loopback hides
     what sparsification saves."""
@@ -718,13 +768,17 @@ def main(
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())
         print(f"{task.name}: {world} workers ({dist.get_backend()}), {n:,} parameters", flush=True)
-    results = {}
+    results, costs = {}, {}
     for method in methods:
         folder = os.path.join(out, method) if len(methods) > 1 else out
         if rank == 0:
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "config.json"), "w") as f:
-                json.dump({**vars(args), "method": method, "world_size": world, "task": task.name}, f, indent=2)
+                json.dump(
+                    {**vars(args), "method": method, "world_size": world, "task": task.name, "parameters": n},
+                    f,
+                    indent=2,
+                )
         dist.barrier()
         run = Run(task, method, args, folder, rank, world)
         resumed = not args.fresh and run.try_resume()
@@ -733,11 +787,13 @@ def main(
         recorder = Recorder(folder, _metric_fields(task), rank, resumed)
         try:
             results[method] = run.train(recorder)
+            costs[method] = step_costs(run.steps)
         finally:
             recorder.close()
             run.comm.close()
     if rank == 0:
-        print("\n" + summarize(task, results) + network_note(world), flush=True)
+        summary = summarize_steps(costs) if args.synthetic_data else summarize(task, results)
+        print("\n" + summary + network_note(world), flush=True)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return results

@@ -19,7 +19,12 @@ import torch.nn as nn
 from examples import driver
 from examples.cnn import data, models
 
-DATASETS = {"fashion-mnist": (1, 10, 28), "cifar10": (3, 10, 32), "cifar100": (3, 100, 32)}
+# dataset -> channels, classes, image size, training images, test images
+DATASETS = {
+    "fashion-mnist": (1, 10, 28, 60_000, 10_000),
+    "cifar10": (3, 10, 32, 50_000, 10_000),
+    "cifar100": (3, 100, 32, 50_000, 10_000),
+}
 
 # The original benchmarks (ALGORITHMS.md 7.1). Epochs and batch sizes as in their scripts: runs
 # of hours to days on GPUs; the learning rate is the scripts' base rate scaled to their world
@@ -60,12 +65,15 @@ class ImageClassification(driver.Task):
     metric_fields = ("accuracy",)
 
     def __init__(self, args: argparse.Namespace):
-        channels, classes, size = DATASETS[args.dataset]
-        if args.dataset == "fashion-mnist":
+        channels, classes, size, n_train, n_test = DATASETS[args.dataset]
+        if args.synthetic_data:
+            self.x_train, self.y_train = data.synthetic(n_train, channels, size, classes, args.seed)
+            self.x_test, self.y_test = data.synthetic(n_test, channels, size, classes, args.seed + 1)
+        elif args.dataset == "fashion-mnist":
             self.x_train, self.y_train, self.x_test, self.y_test = data.fashion_mnist(args.data_dir)
         else:
             self.x_train, self.y_train, self.x_test, self.y_test = data.cifar(args.dataset, args.data_dir)
-        self.name = f"{args.model} on {args.dataset}"
+        self.name = f"{args.model} on {'synthetic ' if args.synthetic_data else ''}{args.dataset}"
         self.model_args = (args.model, channels, classes, size)
         self.augment = args.dataset != "fashion-mnist" and not args.no_augment
         self.batch_size = args.batch_size

@@ -163,6 +163,13 @@ def cifar(dataset: str, root: str | None) -> tuple[torch.Tensor, torch.Tensor, t
     )
 
 
+def synthetic(count: int, channels: int, size: int, classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` normalised random images of ``channels`` x ``size`` x ``size`` and uniform labels
+    (--synthetic-data: the shapes of a dataset that is not installed)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(count, channels, size, size, generator=g), torch.randint(classes, (count,), generator=g)
+
+
 def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The standard CIFAR augmentation: random crop with 4 pixels of zero padding, random
     horizontal flip; deterministic given the generator."""

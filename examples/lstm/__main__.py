@@ -69,7 +69,10 @@ class LanguageModel(driver.Task):
                 f"--tied needs --emb equal to --hidden (got {args.emb} and {args.hidden}); or pass --no-tied"
             )
         lowercase = None if args.case is None else args.case == "lower"
-        corpus = data.load(args.dataset, args.data_dir, lowercase, args.min_count)
+        if args.synthetic_data:
+            corpus = data.synthetic(args.dataset, lowercase, args.seed)
+        else:
+            corpus = data.load(args.dataset, args.data_dir, lowercase, args.min_count)
         self.train_data, self.valid_data, self.test_data = corpus.train, corpus.valid, corpus.test
         if args.train_tokens:
             self.train_data = self.train_data[: args.train_tokens]
@@ -79,7 +82,8 @@ class LanguageModel(driver.Task):
         self.model_args = dict(emb=args.emb, hidden=args.hidden, layers=args.layers, dropout=args.dropout,
                                tied=args.tied)  # fmt: skip
         self.name = (
-            f"lstm {args.layers}x{args.hidden}{' tied' if args.tied else ''} on {args.dataset} "
+            f"lstm {args.layers}x{args.hidden}{' tied' if args.tied else ''} on "
+            f"{'synthetic ' if args.synthetic_data else ''}{args.dataset} "
             f"({self.vocab_size:,} words, {len(self.train_data):,} training tokens)"
         )
         self.batch_size, self.bptt = args.batch_size, args.bptt

@@ -242,6 +242,28 @@ def load(dataset: str, data_dir: str | None, lowercase: bool | None = None, min_
     raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(DATASETS)}")
 
 
+# The downloadable corpora's sizes as read above: words (as shipped, lower-cased) and the tokens
+# of the train, valid and test splits. --synthetic-data draws uniform words of these sizes.
+SIZES = {
+    "wikitext2": ((33_278, 28_869), (2_088_628, 217_646, 245_569)),
+    "ptb": ((10_000, 10_000), (929_589, 73_760, 82_430)),
+}
+
+
+def synthetic(dataset: str, lowercase: bool | None = None, seed: int = 0) -> Corpus:
+    """Uniformly random words with the vocabulary and split sizes of ``dataset``."""
+    if dataset not in SIZES:
+        raise SystemExit(
+            f"--synthetic-data stands in for {', '.join(SIZES)}; --dataset {dataset} installs offline, "
+            "train on it directly"
+        )
+    (shipped, lowered), lengths = SIZES[dataset]
+    words = lowered if lowercase else shipped
+    g = torch.Generator().manual_seed(seed)
+    train, valid, test = (torch.randint(words, (n,), generator=g) for n in lengths)
+    return Corpus([f"w{i}" for i in range(words)], train, valid, test)
+
+
 # Batching ---------------------------------------------------------------------------------------
 
 

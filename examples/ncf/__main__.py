@@ -54,7 +54,10 @@ class Recommendation(driver.Task):
     metric_fields = (f"hr@{TOP_K}", f"ndcg@{TOP_K}")
 
     def __init__(self, args: argparse.Namespace):
-        ratings, source = data.load_ratings(args.dataset, args.data_dir)
+        if args.synthetic_data:
+            ratings, source = data.synthetic_ratings(args.dataset, args.seed), "synthetic"
+        else:
+            ratings, source = data.load_ratings(args.dataset, args.data_dir)
         self.data = data.leave_one_out(*ratings)
         self.eval_negatives = data.evaluation_negatives(self.data, args.eval_negatives)
         self.layers = _ints(args.layers)
@@ -64,9 +67,7 @@ class Recommendation(driver.Task):
         if args.negatives < 0:
             raise SystemExit("--negatives must be 0 or more")
         d = self.data
-        self.name = (
-            f"NeuMF on {args.dataset} ({d.n_users:,} users, {d.n_items:,} items, {d.n_train:,} training ratings)"
-        )
+        self.name = f"NeuMF on {'synthetic ' if args.synthetic_data else ''}{args.dataset} ({d.n_users:,} users, {d.n_items:,} items, {d.n_train:,} training ratings)"
         self.source = source
         self.factors, self.dropout = args.factors, args.dropout
         self.negatives, self.batch_size, self.seed = args.negatives, args.batch_size, args.seed

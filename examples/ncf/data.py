@@ -179,6 +179,25 @@ def find_ratings(dataset: str, data_dir: str | None) -> str:
     )
 
 
+# dataset -> users, items, ratings; every MovieLens user rated at least 20 movies
+SIZES = {"ml-100k": (943, 1_682, 100_000), "ml-1m": (6_040, 3_706, 1_000_209), "ml-20m": (138_493, 26_744, 20_000_263)}
+MIN_PER_USER = 20
+
+
+def synthetic_ratings(dataset: str, seed: int = 0) -> Ratings:
+    """Random ratings with the users, items and rating count of ``dataset`` (--synthetic-data):
+    every user rates at least 20 items and every item is rated; repeated pairs count once in
+    :func:`leave_one_out`, so a few fewer interactions remain than ratings drawn."""
+    n_users, n_items, n = SIZES[dataset]
+    rng = np.random.default_rng(seed)
+    users = np.concatenate(
+        [np.repeat(np.arange(n_users), MIN_PER_USER), rng.integers(n_users, size=n - MIN_PER_USER * n_users)]
+    )
+    items = rng.integers(n_items, size=n)
+    items[:n_items] = rng.permutation(n_items)
+    return users, items, rng.permutation(n).astype(np.float64)
+
+
 def load_ratings(dataset: str, data_dir: str | None) -> tuple[Ratings, str]:
     """(raw users, raw items, timestamps) and the file they came from."""
     path = find_ratings(dataset, data_dir)

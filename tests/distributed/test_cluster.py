@@ -16,11 +16,15 @@ if os.geteuid() != 0:
     pytest.skip("the emulated cluster needs root (network namespaces, veth, tc)", allow_module_level=True)
 
 
-def cluster(*worker: str) -> subprocess.CompletedProcess:
+def benchmark(module: str, *arguments: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--rate", "200mbit", "--", *worker]
+    command = [sys.executable, "-m", module, "--hosts", "2", "--rate", "200mbit", *arguments]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
+
+
+def cluster(*worker: str) -> subprocess.CompletedProcess:
+    return benchmark("benchmarks.cluster", "--", *worker)
 
 
 def namespaces_left() -> list[str]:
@@ -44,4 +48,16 @@ def test_a_failing_worker_ends_the_run_and_cleans_up():
     done = cluster("-m", "examples.cnn", "--method", "no-such-method", "--max-steps", "1")
     assert done.returncode != 0
     assert "exited with status" in done.stderr, done.stderr[-2000:]
+    assert namespaces_left() == []
+
+
+def test_the_seed_model_benchmark_reports_every_method_against_the_first(tmp_path):
+    report = tmp_path / "seed.md"
+    done = benchmark("benchmarks.seed_models", "--models", "resnet20", "--methods", "dense,topk", "--steps", "3",
+                     "--out", str(tmp_path / "runs"), "--report", str(report))  # fmt: skip
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    text = report.read_text()
+    assert "## resnet20: resnet20 on synthetic cifar10, 272,474 parameters" in text, text
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
+    assert float(rows["dense"][1]) == 1.0 and float(rows["topk"][3]) == pytest.approx(0.02, rel=0.1), text
     assert namespaces_left() == []

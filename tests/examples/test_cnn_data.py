@@ -133,3 +133,11 @@ def test_models_shapes_and_sizes(name, size, params):
 def test_vgg_needs_32_pixel_images():
     with pytest.raises(ValueError, match="needs 32x32 images"):
         models.build("vgg19", 1, 10, 28)
+
+
+def test_synthetic_images_have_the_requested_shapes_and_are_deterministic():
+    x, y = data.synthetic(20, 3, 32, 10, seed=4)
+    assert x.shape == (20, 3, 32, 32) and x.dtype == torch.float32 and y.shape == (20,)
+    assert int(y.min()) >= 0 and int(y.max()) < 10
+    again, _ = data.synthetic(20, 3, 32, 10, seed=4)
+    assert torch.equal(x, again)

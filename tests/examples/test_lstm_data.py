@@ -325,3 +325,16 @@ def test_presets_only_name_known_arguments():
         assert set(settings) <= set(known), name
         assert settings["momentum"] == 0.0, name
     assert lstm_main.PRESETS["exdyna-lstm-wikitext2"]["lr"] == 10.0  # 2.5 x (32 / 64) x 8 workers
+
+
+@pytest.mark.parametrize("lowercase, words", [(False, 33_278), (True, 28_869)])
+def test_synthetic_wikitext2_has_its_vocabulary_and_split_sizes(lowercase, words):
+    corpus = data.synthetic("wikitext2", lowercase)
+    assert len(corpus.vocab) == words
+    assert [len(corpus.split(s)) for s in data.SPLITS] == [2_088_628, 217_646, 245_569]
+    assert int(corpus.train.max()) < words and int(corpus.train.min()) >= 0
+
+
+def test_synthetic_data_stands_in_only_for_downloads():
+    with pytest.raises(SystemExit, match="--dataset kjv installs offline"):
+        data.synthetic("kjv")

@@ -381,3 +381,14 @@ def test_presets_carry_the_seeds_settings():
             30,
         )
     assert ncf.PRESETS["ml100k"]["dataset"] == "ml-100k"
+
+
+def test_synthetic_ratings_have_the_datasets_users_and_items(tmp_path):
+    task = ncf.Recommendation(make_args(tmp_path, "--dataset", "ml-1m", "--synthetic-data"))
+    n_users, n_items, n_ratings = data.SIZES["ml-1m"]
+    assert (task.data.n_users, task.data.n_items) == (n_users, n_items)
+    assert task.name.startswith("NeuMF on synthetic ml-1m")
+    # every user keeps a test item and training positives; repeated pairs (a few %) count once
+    assert int(task.data.test_items.min()) >= 0
+    assert 0.95 * (n_ratings - n_users) < task.data.n_train <= n_ratings - n_users
+    assert int(torch.bincount(task.data.train_users, minlength=n_users).min()) >= 10

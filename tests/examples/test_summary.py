@@ -43,3 +43,16 @@ def test_the_loopback_note_appears_only_when_every_worker_is_local(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("GRADSPARSE_CLUSTER", "4x50mbit")
     assert driver.network_note(4) == ""
+
+
+def test_step_costs_leave_the_first_step_out_and_take_the_median():
+    steps = [(9.0, 100), (1.0, 10), (3.0, 30), (2.0, 20)]
+    assert driver.step_costs(steps) == (2.0, 20.0)
+    assert driver.step_costs([(4.0, 7)]) == (4.0, 7.0)  # one step: it is all there is
+
+
+def test_the_synthetic_summary_gives_step_time_and_traffic_against_the_first_method():
+    text = driver.summarize_steps({"dense": (2.0, 8e6), "topk": (0.5, 1.6e5)})
+    dense, topk = text.splitlines()[2:]
+    assert dense.split() == ["dense", "2.000s", "1.000x", "8.000", "1.0000x"], dense
+    assert topk.split() == ["topk", "0.500s", "0.250x", "0.160", "0.0200x"], topk

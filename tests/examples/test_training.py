@@ -140,6 +140,22 @@ def test_plot_draws_every_run(tmp_path):
     assert os.path.getsize(png) > 10_000
 
 
+def test_synthetic_data_measures_steps_without_evaluation_or_checkpoints(tmp_path):
+    """--synthetic-data: random inputs of CIFAR-10's shapes for a seed's model; quality is not
+    evaluated, no checkpoint is written and the summary compares step time and traffic."""
+    out = launch(torchrun("cnn"), ["--preset", "spardl-resnet20-cifar10", "--synthetic-data", "--method", "dense,topk",
+                                   "--max-steps", "3", "--out", str(tmp_path), "--no-progress"])  # fmt: skip
+    assert "resnet20 on synthetic cifar10: 2 workers (gloo), 272,474 parameters" in out
+    lines = out[out.index("per step and worker") :].splitlines()
+    assert lines[2].split()[0] == "dense" and lines[3].split()[0] == "topk", out[-2000:]
+    assert float(lines[3].split()[-1].rstrip("x")) == pytest.approx(0.02, rel=0.1)  # density 0.01, index + value
+    for method in ("dense", "topk"):
+        assert not glob.glob(str(tmp_path / method / "checkpoint-*"))
+        (epoch,) = read_csv(tmp_path / method / "epochs.csv")
+        assert math.isnan(float(epoch["accuracy"])) and math.isfinite(float(epoch["loss"]))
+        assert len(read_csv(tmp_path / method / "steps.csv")) == 3
+
+
 def test_powersgd_gets_one_bucket_off_nccl(tmp_path):
     """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
     buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),

@@ -1,0 +1,115 @@
+"""The seeds' models at their real sizes on the emulated cluster: step time and bytes per step of
+every method against dense.
+
+    sudo python -m benchmarks.seed_models [--hosts 4] [--rate 50mbit] [--steps 5]
+                                          [--models resnet20,vgg16,lstm,ncf] [--methods dense,topk,...]
+
+Per model, one torchrun job on the cluster (benchmarks/cluster.py) trains every method one after
+the other for --steps steps with the model's seed preset (batch size per worker, density,
+optimizer) on --synthetic-data: inputs of the real shapes, since CIFAR-10, WikiText-2 and
+MovieLens-20M cannot be downloaded here. The report (--report, default
+benchmarks/results/seed-models.md, rewritten after each model) gives per method the median step time (the first step left out: DDP's bucket
+rebuild), the bytes a worker sent per step (rank 0) and the achieved density, with the ratios to
+the first method (dense by default), all from the same job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+
+from benchmarks import cluster
+from benchmarks.utils import markdown_table
+from examples.driver import METHODS, step_costs
+
+REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "seed-models.md")
+# model -> (example module, preset): the seeds' benchmark settings (examples/*/__main__.py)
+MODELS = {
+    "resnet20": ("examples.cnn", "spardl-resnet20-cifar10"),
+    "vgg16": ("examples.cnn", "spardl-vgg16-cifar10"),
+    "lstm": ("examples.lstm", "exdyna-lstm-wikitext2"),
+    "ncf": ("examples.ncf", "exdyna-ncf-ml20m"),
+}
+
+
+def read_steps(folder: str) -> list[dict]:
+    with open(os.path.join(folder, "steps.csv"), newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def model_table(out: str, methods: list[str]) -> tuple[dict, str]:
+    """(the first method's config.json, a markdown table of every method's figures)."""
+    rows, config = [], None
+    base = None
+    for method in methods:
+        folder = os.path.join(out, method)
+        if config is None:
+            with open(os.path.join(folder, "config.json")) as f:
+                config = json.load(f)
+        steps = read_steps(folder)
+        seconds, sent = step_costs([(float(r["step_seconds"]), float(r["bytes_sent"])) for r in steps])
+        density = statistics.fmean(float(r["density"]) for r in steps[1:] or steps)
+        base = base or (seconds, sent)
+        rows.append([method, seconds, seconds / base[0], sent / 1e6, sent / base[1], density])
+    headers = ["method", "step (s)", f"vs {methods[0]}", "MB sent / step", f"vs {methods[0]}", "density"]
+    return config, markdown_table(headers, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.seed_models",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cluster.add_arguments(parser)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; the first is the baseline")
+    parser.add_argument("--steps", type=int, default=5, help="steps per method (the first is left out)")
+    parser.add_argument("--out", default="runs/seed-models", help="run folders: <out>/<model>/<method>")
+    parser.add_argument("--report", default=REPORT, help="the markdown report")
+    args = parser.parse_args(argv)
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if len(methods) < 2:
+        parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")
+    sections = [
+        f"# The seeds' models on the emulated cluster: {args.hosts} hosts, {args.rate} links\n\n"
+        f"`sudo python -m benchmarks.seed_models {' '.join(argv if argv is not None else sys.argv[1:])}`: "
+        f"{args.steps} steps per method on synthetic data of the real shapes, the seed preset's settings; "
+        "median step (the first left out), bytes sent per step by one worker, ratios to the first method."
+    ]
+    try:
+        with cluster.session(args, "benchmarks.seed_models") as emulated:
+            for model in models:
+                module, preset = MODELS[model]
+                out = os.path.join(args.out, model)
+                worker = ["-m", module, "--preset", preset, "--synthetic-data", "--method", ",".join(methods),
+                          "--max-steps", str(args.steps), "--fresh", "--no-progress", "--out", out]  # fmt: skip
+                code = cluster.run(emulated, worker)
+                if code != 0:
+                    print(f"benchmarks.seed_models: {model} failed (status {code})", file=sys.stderr)
+                    return code
+                config, table = model_table(out, methods)
+                sections.append(
+                    f"## {model}: {config['task']}, {config['parameters']:,} parameters\n\n"
+                    f"Preset `{preset}`: batch {config['batch_size']} per worker, density {config['density']}.\n\n"
+                    + table
+                )
+                with open(args.report, "w") as f:
+                    f.write("\n\n".join(sections) + "\n")
+                print(f"benchmarks.seed_models: {model} done; {args.report}", file=sys.stderr, flush=True)
+    except cluster.ClusterError as e:
+        print(f"benchmarks.seed_models: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
