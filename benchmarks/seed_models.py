@@ -1,16 +1,17 @@
 """The seeds' models at their real sizes on the emulated cluster: step time and bytes per step of
 every method against dense.
 
-    sudo python -m benchmarks.seed_models [--hosts 4] [--rate 50mbit] [--steps 5]
+    sudo python -m benchmarks.seed_models [--hosts 4] [--rate 50mbit] [--steps 4]
                                           [--models resnet20,vgg16,lstm,ncf] [--methods dense,topk,...]
 
 Per model, one torchrun job on the cluster (benchmarks/cluster.py) trains every method one after
 the other for --steps steps with the model's seed preset (batch size per worker, density,
-optimizer) on --synthetic-data: inputs of the real shapes, since CIFAR-10, WikiText-2 and
-MovieLens-20M cannot be downloaded here. The report (--report, default
-benchmarks/results/seed-models.md, rewritten after each model) gives per method the median step time (the first step left out: DDP's bucket
-rebuild), the bytes a worker sent per step (rank 0) and the achieved density, with the ratios to
-the first method (dense by default), all from the same job.
+optimizer; NeuMF with a quarter of its batch, see MODELS) on --synthetic-data: inputs of the real
+shapes, since CIFAR-10, WikiText-2 and MovieLens-20M cannot be downloaded here. The report
+(--report, default benchmarks/results/seed-models.md, rewritten after each model) gives per
+method the median step time (the first step left out: DDP's bucket rebuild), the bytes a worker
+sent per step (rank 0), the least time those bytes need on the link (bytes x 8 / rate) and the
+achieved density, with the ratios to the first method (dense by default), all from the same job.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from benchmarks.utils import markdown_table
 from examples.driver import METHODS, step_costs
 
 REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "seed-models.md")
-# model -> (example module, preset): the seeds' benchmark settings (examples/*/__main__.py)
+# model -> (example module, preset, further driver arguments): the seeds' benchmark settings
+# (examples/*/__main__.py). NeuMF's batch is a quarter of the seeds' 2^18 per worker: on these
+# CPUs a 2^18 batch computes for about 25 s, which would make its compute : communication ratio
+# about 1 where the seeds' GPUs had several (docs/benchmarks.md).
 MODELS = {
-    "resnet20": ("examples.cnn", "spardl-resnet20-cifar10"),
-    "vgg16": ("examples.cnn", "spardl-vgg16-cifar10"),
-    "lstm": ("examples.lstm", "exdyna-lstm-wikitext2"),
-    "ncf": ("examples.ncf", "exdyna-ncf-ml20m"),
+    "resnet20": ("examples.cnn", "spardl-resnet20-cifar10", ()),
+    "vgg16": ("examples.cnn", "spardl-vgg16-cifar10", ()),
+    "lstm": ("examples.lstm", "exdyna-lstm-wikitext2", ()),
+    "ncf": ("examples.ncf", "exdyna-ncf-ml20m", ("--batch-size", str(2**16))),
 }
 
 
@@ -41,8 +45,9 @@ def read_steps(folder: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def model_table(out: str, methods: list[str]) -> tuple[dict, str]:
-    """(the first method's config.json, a markdown table of every method's figures)."""
+def model_table(out: str, methods: list[str], rate_bits: int) -> tuple[dict, str]:
+    """(the first method's config.json, a markdown table of every method's figures). "wire" is
+    the least time a worker's bytes of one step need on its link: bytes x 8 / rate."""
     rows, config = [], None
     base = None
     for method in methods:
@@ -54,8 +59,8 @@ def model_table(out: str, methods: list[str]) -> tuple[dict, str]:
         seconds, sent = step_costs([(float(r["step_seconds"]), float(r["bytes_sent"])) for r in steps])
         density = statistics.fmean(float(r["density"]) for r in steps[1:] or steps)
         base = base or (seconds, sent)
-        rows.append([method, seconds, seconds / base[0], sent / 1e6, sent / base[1], density])
-    headers = ["method", "step (s)", f"vs {methods[0]}", "MB sent / step", f"vs {methods[0]}", "density"]
+        rows.append([method, seconds, seconds / base[0], sent / 1e6, sent / base[1], sent * 8 / rate_bits, density])
+    headers = ["method", "step (s)", f"vs {methods[0]}", "MB sent / step", f"vs {methods[0]}", "wire (s)", "density"]
     return config, markdown_table(headers, rows)
 
 
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster.add_arguments(parser)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; the first is the baseline")
-    parser.add_argument("--steps", type=int, default=5, help="steps per method (the first is left out)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per method (the first is left out)")
     parser.add_argument("--out", default="runs/seed-models", help="run folders: <out>/<model>/<method>")
     parser.add_argument("--report", default=REPORT, help="the markdown report")
     args = parser.parse_args(argv)
@@ -88,18 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cluster.session(args, "benchmarks.seed_models") as emulated:
             for model in models:
-                module, preset = MODELS[model]
+                module, preset, extra = MODELS[model]
                 out = os.path.join(args.out, model)
                 worker = ["-m", module, "--preset", preset, "--synthetic-data", "--method", ",".join(methods),
-                          "--max-steps", str(args.steps), "--fresh", "--no-progress", "--out", out]  # fmt: skip
+                          "--max-steps", str(args.steps), "--fresh", "--no-progress", "--out", out, *extra]  # fmt: skip
                 code = cluster.run(emulated, worker)
                 if code != 0:
                     print(f"benchmarks.seed_models: {model} failed (status {code})", file=sys.stderr)
                     return code
-                config, table = model_table(out, methods)
+                config, table = model_table(out, methods, emulated.rate_bits)
                 sections.append(
                     f"## {model}: {config['task']}, {config['parameters']:,} parameters\n\n"
-                    f"Preset `{preset}`: batch {config['batch_size']} per worker, density {config['density']}.\n\n"
+                    f"Preset `{preset}`{' ' + ' '.join(extra) if extra else ''}: batch {config['batch_size']} per worker, density {config['density']}.\n\n"
                     + table
                 )
                 with open(args.report, "w") as f:

@@ -263,6 +263,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--variant", choices=("spardl", "sidco"), default=None, help="gaussiank: variant")
     g.add_argument("--teams", type=int, default=None, help="spardl: teams")
     g.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
+    g.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=None,
+        help="DDP's bucket size in MB (default 25); a gradsparse method selects density x size per bucket",
+    )
     g.add_argument("--sparse-warmup-steps", type=int, default=0, help="dense steps before sparsification")
     g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
     g.add_argument(
@@ -422,13 +428,14 @@ def lr_factor(step: int, steps_per_epoch: int, args: argparse.Namespace) -> floa
     return factor * 0.1 ** sum(epoch >= m for m in milestones)
 
 
-def ddp_options(method: str, model: nn.Module) -> dict:
-    """torch's PowerSGD hook chains further all-reduces in future callbacks. On Gloo and MPI those
-    callbacks run on the backend's threads, so with several buckets the ranks can issue their
-    collectives in different orders (Gloo aborts with a size mismatch). One bucket holding the
-    whole model removes the race; NCCL keeps DDP's buckets."""
+def ddp_options(method: str, model: nn.Module, bucket_cap_mb: float | None = None) -> dict:
+    """DDP's bucket size: ``bucket_cap_mb`` (--bucket-cap-mb; None: DDP's 25 MB), except for
+    torch's PowerSGD hook off NCCL. That hook chains further all-reduces in future callbacks; on
+    Gloo and MPI those callbacks run on the backend's threads, so with several buckets the ranks
+    can issue their collectives in different orders (Gloo aborts with a size mismatch). One bucket
+    holding the whole model removes the race; NCCL keeps DDP's buckets."""
     if method != "powersgd" or dist.get_backend() == "nccl":
-        return {}
+        return {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {"bucket_cap_mb": model_mib + 1}
 
@@ -442,7 +449,9 @@ class Run:
         self.model = task.build_model().to(device())
         # Every rank builds the model from the same seed: a synthetic run (a measurement of steps)
         # skips DDP's initial broadcast, which on a slow link would cost more than its steps.
-        self.ddp = DDP(self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model))
+        self.ddp = DDP(
+            self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model, args.bucket_cap_mb)
+        )
         self.comm = Communication(method, self.ddp, args, world)
         self.optimizer = task.make_optimizer(self.ddp.parameters(), args)
         self.steps_per_epoch = task.steps_per_epoch(world)

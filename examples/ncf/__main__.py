@@ -35,9 +35,12 @@ PRESETS = {
     "sage-ncf-ml20m": dict(method="sage", density=0.095, **_SEEDS_NCF),
     # Offline, the default: with 4 workers on 2 CPU cores, dense trains 6 epochs of 241 steps in
     # about 45 s (HR@10 0.47 after the first epoch, 0.62 after the sixth; NDCG@10 0.25, 0.36).
+    # One DDP bucket per embedding table: the GMF tables' gradients are 30 to 100 times smaller
+    # than the MLP tables', so a selection over one bucket holding both never picks them
+    # (docs/results.md, "Closing the quality gaps").
     "ml100k": dict(dataset="ml-100k", method="dense,topk", density=0.01, factors=32, layers="64,32,16", dropout=0.0,
                    negatives=4, batch_size=512, lr=0.005, adam_betas="0.9,0.999", adam_eps=1e-8, weight_decay=0.0,
-                   epochs=6),
+                   epochs=6, bucket_cap_mb=0.05),
 }  # fmt: skip
 
 

@@ -179,3 +179,38 @@ def test_powersgd_gets_one_bucket_off_nccl(tmp_path):
         assert buckets == {"dense": 2, "powersgd": 1}
     finally:
         dist.destroy_process_group()
+
+
+def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket(tmp_path):
+    """A selection over one bucket holding NeuMF's GMF and MLP tables never picks the GMF ones
+    (their gradients are far smaller); the ml100k preset's bucket size keeps them apart."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from examples.driver import ddp_options
+    from examples.ncf.__main__ import PRESETS
+    from examples.ncf.model import NeuMF
+
+    preset = PRESETS["ml100k"]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = NeuMF(943, 1682, preset["factors"], tuple(int(x) for x in preset["layers"].split(",")), 0.0)
+        ddp = DDP(model, **ddp_options("topk", model, preset["bucket_cap_mb"]))
+        names = {id(p): n for n, p in model.named_parameters()}
+        buckets: dict[int, list[str]] = {}
+
+        def hook(_, bucket):
+            buckets[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        ddp.register_comm_hook(None, hook)
+        users, items = torch.randint(943, (64,)), torch.randint(1682, (64,))
+        for _ in range(2):  # DDP rebuilds its buckets at the second iteration
+            ddp(users, items).sum().backward()
+        tables = [n for n in names.values() if n.startswith(("gmf_", "mlp_"))]
+        holding = [[t for t in tables if t in held] for held in buckets.values()]
+        assert sorted(len(h) for h in holding if h) == [1, 1, 1, 1], buckets
+    finally:
+        dist.destroy_process_group()
