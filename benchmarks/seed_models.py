@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")
     sections = [
         f"# The seeds' models on the emulated cluster: {args.hosts} hosts, {args.rate} links\n\n"
-        f"`sudo python -m benchmarks.seed_models {' '.join(argv if argv is not None else sys.argv[1:])}`: "
+        f"`sudo python -m benchmarks.seed_models{''.join(' ' + a for a in (sys.argv[1:] if argv is None else argv))}`: "
         f"{args.steps} steps per method on synthetic data of the real shapes, the seed preset's settings; "
         "median step (the first left out), bytes sent per step by one worker, ratios to the first method."
     ]

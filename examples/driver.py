@@ -725,14 +725,26 @@ def summarize_steps(costs: dict[str, tuple[float, float]]) -> str:
     return "\n".join(lines)
 
 
-def network_note(world: int) -> str:
+SLOW_LINK_BITS = 50e6  # benchmarks.cluster's default rate (docs/benchmarks.md says why)
+
+
+def network_note(world: int, sent: dict[str, float] | None = None) -> str:
     """Said when every worker runs on this machine outside the emulated cluster: loopback hides
-    what sparsification saves."""
+    what sparsification saves. ``sent``: bytes each method's worker sent, whose least time on a
+    slow link (bytes x 8 / rate) the note gives."""
     if os.environ.get("GRADSPARSE_CLUSTER") or int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
         return ""
+    wire = ", ".join(f"{method} {b * 8 / SLOW_LINK_BITS:.1f} s" for method, b in (sent or {}).items())
     return (
         "\n\nAll workers ran on this machine: over loopback communication is nearly free, so the times above show "
-        "what selection costs, not what a slow network saves. To see that, run the same job on an emulated "
+        "what selection costs, not what a slow network saves. "
+        + (
+            f"On links of {SLOW_LINK_BITS / 1e6:g} Mbit/s, each worker's bytes alone would take at least: {wire} "
+            "(bytes x 8 / rate, added to the times above where communication cannot overlap compute). "
+            if wire
+            else ""
+        )
+        + "To measure it, run the same job on an emulated "
         f"cluster (root): sudo python -m benchmarks.cluster --hosts 4 -- -m {_module()} [ARGS] (docs/benchmarks.md)."
     )
 
@@ -777,7 +789,7 @@ def main(
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())
         print(f"{task.name}: {world} workers ({dist.get_backend()}), {n:,} parameters", flush=True)
-    results, costs = {}, {}
+    results, costs, sent = {}, {}, {}
     for method in methods:
         folder = os.path.join(out, method) if len(methods) > 1 else out
         if rank == 0:
@@ -797,12 +809,13 @@ def main(
         try:
             results[method] = run.train(recorder)
             costs[method] = step_costs(run.steps)
+            sent[method] = run.bytes_total
         finally:
             recorder.close()
             run.comm.close()
     if rank == 0:
         summary = summarize_steps(costs) if args.synthetic_data else summarize(task, results)
-        print("\n" + summary + network_note(world), flush=True)
+        print("\n" + summary + network_note(world, sent), flush=True)
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return results

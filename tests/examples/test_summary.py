@@ -38,6 +38,8 @@ def test_the_loopback_note_appears_only_when_every_worker_is_local(monkeypatch):
     monkeypatch.delenv("GRADSPARSE_CLUSTER", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert "loopback" in driver.network_note(4)
+    note = driver.network_note(4, {"dense": 225e6, "topk": 9e6})  # bytes per worker
+    assert "at least: dense 36.0 s, topk 1.4 s" in note, note
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one worker per host: a real cluster
     assert driver.network_note(4) == ""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
