@@ -27,12 +27,20 @@ def cluster(*worker: str) -> subprocess.CompletedProcess:
     return benchmark("benchmarks.cluster", "--", *worker)
 
 
-def namespaces_left() -> list[str]:
+def cluster_namespaces() -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
-    return [name for name in listed if name.startswith("gsc")]
+    return {name for name in listed if name.startswith("gsc")}
 
 
-def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path):
+@pytest.fixture
+def namespaces_left():
+    """The emulated clusters' namespaces that appeared during the test and are still there
+    (another cluster running on the machine meanwhile is not this test's)."""
+    before = cluster_namespaces()
+    return lambda: sorted(cluster_namespaces() - before)
+
+
+def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path, namespaces_left):
     done = cluster("-m", "examples.cnn", "--method", "topk", "--epochs", "1", "--max-steps", "4", "--no-progress",
                    "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -44,14 +52,14 @@ def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path):
     assert namespaces_left() == []
 
 
-def test_a_failing_worker_ends_the_run_and_cleans_up():
+def test_a_failing_worker_ends_the_run_and_cleans_up(namespaces_left):
     done = cluster("-m", "examples.cnn", "--method", "no-such-method", "--max-steps", "1")
     assert done.returncode != 0
     assert "exited with status" in done.stderr, done.stderr[-2000:]
     assert namespaces_left() == []
 
 
-def test_the_seed_model_benchmark_reports_every_method_against_the_first(tmp_path):
+def test_the_seed_model_benchmark_reports_every_method_against_the_first(tmp_path, namespaces_left):
     report = tmp_path / "seed.md"
     done = benchmark("benchmarks.seed_models", "--models", "resnet20", "--methods", "dense,topk", "--steps", "3",
                      "--out", str(tmp_path / "runs"), "--report", str(report))  # fmt: skip
