@@ -17,7 +17,6 @@ achieved density, with the ratios to the first method (dense by default), all fr
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -26,6 +25,7 @@ import sys
 from benchmarks import cluster
 from benchmarks.utils import markdown_table
 from examples.driver import METHODS, step_costs
+from examples.plot import read_rows
 
 REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "seed-models.md")
 # model -> (example module, preset, further driver arguments): the seeds' benchmark settings
@@ -40,11 +40,6 @@ MODELS = {
 }
 
 
-def read_steps(folder: str) -> list[dict]:
-    with open(os.path.join(folder, "steps.csv"), newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def model_table(out: str, methods: list[str], rate_bits: int) -> tuple[dict, str]:
     """(the first method's config.json, a markdown table of every method's figures). "wire" is
     the least time a worker's bytes of one step need on its link: bytes x 8 / rate."""
@@ -55,9 +50,9 @@ def model_table(out: str, methods: list[str], rate_bits: int) -> tuple[dict, str
         if config is None:
             with open(os.path.join(folder, "config.json")) as f:
                 config = json.load(f)
-        steps = read_steps(folder)
-        seconds, sent = step_costs([(float(r["step_seconds"]), float(r["bytes_sent"])) for r in steps])
-        density = statistics.fmean(float(r["density"]) for r in steps[1:] or steps)
+        steps = read_rows(os.path.join(folder, "steps.csv"))
+        seconds, sent = step_costs([(r["step_seconds"], r["bytes_sent"]) for r in steps])
+        density = statistics.fmean(r["density"] for r in steps[1:] or steps)
         base = base or (seconds, sent)
         rows.append([method, seconds, seconds / base[0], sent / 1e6, sent / base[1], sent * 8 / rate_bits, density])
     headers = ["method", "step (s)", f"vs {methods[0]}", "MB sent / step", f"vs {methods[0]}", "wire (s)", "density"]

@@ -109,6 +109,11 @@ class Task:
         pass
 
 
+def dataset_label(args: argparse.Namespace) -> str:
+    """The dataset as a task's name shows it: "cifar10", or "synthetic cifar10" (--synthetic-data)."""
+    return f"synthetic {args.dataset}" if args.synthetic_data else args.dataset
+
+
 # ----------------------------------------------------------------------------------------------
 # Methods: plain DDP, torch's built-in hooks, every gradsparse method
 # ----------------------------------------------------------------------------------------------

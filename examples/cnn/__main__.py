@@ -73,7 +73,7 @@ class ImageClassification(driver.Task):
             self.x_train, self.y_train, self.x_test, self.y_test = data.fashion_mnist(args.data_dir)
         else:
             self.x_train, self.y_train, self.x_test, self.y_test = data.cifar(args.dataset, args.data_dir)
-        self.name = f"{args.model} on {'synthetic ' if args.synthetic_data else ''}{args.dataset}"
+        self.name = f"{args.model} on {driver.dataset_label(args)}"
         self.model_args = (args.model, channels, classes, size)
         self.augment = args.dataset != "fashion-mnist" and not args.no_augment
         self.batch_size = args.batch_size

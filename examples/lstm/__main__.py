@@ -82,8 +82,7 @@ class LanguageModel(driver.Task):
         self.model_args = dict(emb=args.emb, hidden=args.hidden, layers=args.layers, dropout=args.dropout,
                                tied=args.tied)  # fmt: skip
         self.name = (
-            f"lstm {args.layers}x{args.hidden}{' tied' if args.tied else ''} on "
-            f"{'synthetic ' if args.synthetic_data else ''}{args.dataset} "
+            f"lstm {args.layers}x{args.hidden}{' tied' if args.tied else ''} on {driver.dataset_label(args)} "
             f"({self.vocab_size:,} words, {len(self.train_data):,} training tokens)"
         )
         self.batch_size, self.bptt = args.batch_size, args.bptt

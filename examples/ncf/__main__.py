@@ -70,7 +70,10 @@ class Recommendation(driver.Task):
         if args.negatives < 0:
             raise SystemExit("--negatives must be 0 or more")
         d = self.data
-        self.name = f"NeuMF on {'synthetic ' if args.synthetic_data else ''}{args.dataset} ({d.n_users:,} users, {d.n_items:,} items, {d.n_train:,} training ratings)"
+        self.name = (
+            f"NeuMF on {driver.dataset_label(args)} ({d.n_users:,} users, {d.n_items:,} items, "
+            f"{d.n_train:,} training ratings)"
+        )
         self.source = source
         self.factors, self.dropout = args.factors, args.dropout
         self.negatives, self.batch_size, self.seed = args.negatives, args.batch_size, args.seed
