@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from gradsparse.testing import free_port
+from gradsparse.testing import free_port, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -156,35 +156,36 @@ def test_synthetic_data_measures_steps_without_evaluation_or_checkpoints(tmp_pat
         assert len(read_csv(tmp_path / method / "steps.csv")) == 3
 
 
-def test_powersgd_gets_one_bucket_off_nccl(tmp_path):
-    """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
-    buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),
-    so the driver gives PowerSGD one bucket there. Checked after DDP's bucket rebuild."""
-    import torch.distributed as dist
+# The two DDP checks below run in a spawned process (gradsparse.testing.run_distributed, one
+# rank): a process group and DDP's reducer never live in the pytest process, and the run is
+# bounded by a timeout even where a collective blocks inside C++.
+
+
+def _bucket_counts(rank: int, world: int) -> dict[str, int]:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from examples.driver import ddp_options
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        buckets = {}
-        for method in ("dense", "powersgd"):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))  # 8 MB: two buckets by default
-            ddp = DDP(model, **ddp_options(method, model))
-            for _ in range(2):  # DDP rebuilds its buckets at the second iteration
-                ddp(torch.randn(2, 1000)).sum().backward()
-            buckets[method] = len(ddp.reducer._get_zeros_like_grad_buckets())
-        assert buckets == {"dense": 2, "powersgd": 1}
-    finally:
-        dist.destroy_process_group()
+    buckets = {}
+    for method in ("dense", "powersgd"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 1000))  # 8 MB: two buckets by default
+        ddp = DDP(model, **ddp_options(method, model))
+        for _ in range(2):  # DDP rebuilds its buckets at the second iteration
+            ddp(torch.randn(2, 1000)).sum().backward()
+        buckets[method] = len(ddp.reducer._get_zeros_like_grad_buckets())
+    return buckets
 
 
-def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket(tmp_path):
-    """A selection over one bucket holding NeuMF's GMF and MLP tables never picks the GMF ones
-    (their gradients are far smaller); the ml100k preset's bucket size keeps them apart."""
-    import torch.distributed as dist
+def test_powersgd_gets_one_bucket_off_nccl():
+    """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
+    buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),
+    so the driver gives PowerSGD one bucket there. Checked after DDP's bucket rebuild."""
+    assert run_distributed(_bucket_counts, 1, timeout=300) == [{"dense": 2, "powersgd": 1}]
+
+
+def _ncf_tables_per_bucket(rank: int, world: int) -> list[list[str]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from examples.driver import ddp_options
@@ -192,25 +193,27 @@ def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket(tmp_path):
     from examples.ncf.model import NeuMF
 
     preset = PRESETS["ml100k"]
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        model = NeuMF(943, 1682, preset["factors"], tuple(int(x) for x in preset["layers"].split(",")), 0.0)
-        ddp = DDP(model, **ddp_options("topk", model, preset["bucket_cap_mb"]))
-        names = {id(p): n for n, p in model.named_parameters()}
-        buckets: dict[int, list[str]] = {}
+    model = NeuMF(943, 1682, preset["factors"], tuple(int(x) for x in preset["layers"].split(",")), 0.0)
+    ddp = DDP(model, **ddp_options("topk", model, preset["bucket_cap_mb"]))
+    names = {id(p): n for n, p in model.named_parameters()}
+    buckets: dict[int, list[str]] = {}
 
-        def hook(_, bucket):
-            buckets[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
+    def hook(_, bucket):
+        buckets[bucket.index()] = [names[id(p)] for p in bucket.parameters()]
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
 
-        ddp.register_comm_hook(None, hook)
-        users, items = torch.randint(943, (64,)), torch.randint(1682, (64,))
-        for _ in range(2):  # DDP rebuilds its buckets at the second iteration
-            ddp(users, items).sum().backward()
-        tables = [n for n in names.values() if n.startswith(("gmf_", "mlp_"))]
-        holding = [[t for t in tables if t in held] for held in buckets.values()]
-        assert sorted(len(h) for h in holding if h) == [1, 1, 1, 1], buckets
-    finally:
-        dist.destroy_process_group()
+    ddp.register_comm_hook(None, hook)
+    users, items = torch.randint(943, (64,)), torch.randint(1682, (64,))
+    for _ in range(2):  # DDP rebuilds its buckets at the second iteration
+        ddp(users, items).sum().backward()
+    tables = [n for n in names.values() if n.startswith(("gmf_", "mlp_"))]
+    return [[t for t in tables if t in held] for held in buckets.values()]
+
+
+def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket():
+    """A selection over one bucket holding NeuMF's GMF and MLP tables never picks the GMF ones
+    (their gradients are far smaller); the ml100k preset's bucket size keeps them apart."""
+    (holding,) = run_distributed(_ncf_tables_per_bucket, 1, timeout=300)
+    assert sorted(len(h) for h in holding if h) == [1, 1, 1, 1], holding
