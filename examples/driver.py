@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import csv
+import gc
 import itertools
 import json
 import logging
@@ -818,6 +819,10 @@ def main(
         finally:
             recorder.close()
             run.comm.close()
+        # The next method builds its own model, optimizer and state: free this one's first
+        # (DDP, its hook and the state reference each other, so only a collection frees them).
+        del run
+        gc.collect()
     if rank == 0:
         summary = summarize_steps(costs) if args.synthetic_data else summarize(task, results)
         print("\n" + summary + network_note(world, sent), flush=True)
