@@ -161,6 +161,11 @@ class Cluster:
             "env", "GLOO_SOCKET_IFNAME=eth0", f"GRADSPARSE_CLUSTER={self.hosts}x{self.rate}",
             # The hosts share this machine's cores (unless the caller chose).
             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or max(1, (os.cpu_count() or 1) // self.hosts)}",
+            # c10d warns of client hostnames that do not resolve inside the namespaces, and at the
+            # end of every run of agents that close the rendezvous after host 0's store has gone:
+            # expected here, so only errors print (unless the caller chose).
+            f"TORCH_CPP_LOG_LEVEL={os.environ.get('TORCH_CPP_LOG_LEVEL') or 'ERROR'}",
+            f"LOGLEVEL={os.environ.get('LOGLEVEL') or 'ERROR'}",
             python, "-m", "torch.distributed.run",
             "--nnodes", str(self.hosts), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}", "--rdzv-id", run_id,
