@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import os
 import sys
 
@@ -78,12 +79,15 @@ def main(argv: list[str] | None = None) -> str:
     standard = {"epoch", "step", "loss", "density", "bytes_sent", "bytes_total", "train_seconds", "elapsed_seconds"}
     metric = args.metric or next((k for k in runs[0][1][0] if k not in standard), "loss")
     fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for label, rows in runs:
+    # Twenty colours (tab20's ten hues, dark then light) and five markers: no two of 20 runs alike.
+    colours = itertools.cycle(plt.cm.tab20.colors[0::2] + plt.cm.tab20.colors[1::2])
+    for (label, rows), colour, marker in zip(runs, colours, itertools.cycle("os^Dv")):
         if metric not in rows[0]:
             raise SystemExit(f"{label}: no column {metric!r} in its epochs.csv (columns: {', '.join(rows[0])})")
         y = [r[metric] for r in rows]
-        by_time.plot([r["elapsed_seconds"] for r in rows], y, marker="o", label=label)
-        by_bytes.plot([r["bytes_total"] / 1e6 for r in rows], y, marker="o", label=label)
+        style = dict(marker=marker, color=colour, label=label)
+        by_time.plot([r["elapsed_seconds"] for r in rows], y, **style)
+        by_bytes.plot([r["bytes_total"] / 1e6 for r in rows], y, **style)
     by_time.set_xlabel("training time (s)")
     by_bytes.set_xlabel("MB sent per worker")
     by_bytes.set_xscale("log")
