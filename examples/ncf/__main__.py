@@ -62,7 +62,7 @@ class Recommendation(driver.Task):
         else:
             ratings, source = data.load_ratings(args.dataset, args.data_dir)
         self.data = data.leave_one_out(*ratings)
-        # A synthetic run is not evaluated: no ranking negatives (at MovieLens-20M's size, 14M items)
+        # A synthetic run is not evaluated: no ranking negatives (13.8 M item ids at MovieLens-20M's size)
         self.eval_negatives = None if args.synthetic_data else data.evaluation_negatives(self.data, args.eval_negatives)
         self.layers = _ints(args.layers)
         self.betas = _floats(args.adam_betas)
