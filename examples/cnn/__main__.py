@@ -26,7 +26,7 @@ DATASETS = {
     "cifar100": (3, 100, 32, 50_000, 10_000),
 }
 
-# The original benchmarks (ALGORITHMS.md 7.1). Epochs and batch sizes as in their scripts: runs
+# The original benchmarks, from the seeds' training scripts. Epochs and batch sizes as in them: runs
 # of hours to days on GPUs; the learning rate is the scripts' base rate scaled to their world
 # size (warm-up included), so use the same number of workers to reproduce them.
 PRESETS = {

@@ -26,7 +26,7 @@ from examples import driver
 from examples.lstm import data
 from examples.lstm.model import LSTMLanguageModel
 
-# The original benchmarks (ALGORITHMS.md 7.1): runs of hours on GPUs. The learning rate is the
+# The original benchmarks, from the seeds' training scripts: runs of hours on GPUs. The learning rate is the
 # scripts' base rate times their world-size factor (ExDyna: 2.5 x (32/64) x 8 workers; SAGE:
 # 1.25 x (128/64) x 4), reached after a 5-epoch warm-up; use the same number of workers to
 # reproduce them. Their WikiText-2 is lower-cased (28,869 words, 28,949,319 parameters).

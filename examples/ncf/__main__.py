@@ -24,7 +24,7 @@ from examples.ncf.model import NeuMF
 
 TOP_K = 10
 
-# The original benchmarks (ALGORITHMS.md 7.1): NeuMF on MovieLens-20M, 4 workers, a global batch of
+# The original benchmarks, from the seeds' training scripts: NeuMF on MovieLens-20M, 4 workers, a global batch of
 # 2^20 (2^18 per worker), Adam, 30 epochs. Runs of hours on GPUs; use 4 workers to reproduce them.
 _SEEDS_NCF = dict(dataset="ml-20m", factors=64, layers="256,256,128,64", dropout=0.5, negatives=4,
                   batch_size=2**20 // 4, lr=0.0045, adam_betas="0.25,0.5", adam_eps=1e-8, weight_decay=0.0,

@@ -45,7 +45,7 @@ TEST(Estimators, TargetCountAndInitialThreshold) {
   EXPECT_EQ(target_count(0.5, 11), 5);
   EXPECT_EQ(target_count(1.0, 11), 11);
   EXPECT_EQ(target_count(0.5, 0), 0);
-  // ALGORITHMS.md section 0: ResNet-18, N = 11,173,962, density 0.001 -> k = 11,173 -> 4.73e-3.
+  // The initial threshold (docs/method-spec.md 4.2): ResNet-18, N = 11,173,962, density 0.001 -> k = 11,173 -> 4.73e-3.
   EXPECT_NEAR(initial_threshold(target_count(0.001, 11173962)), 4.7302e-3, 1e-6);
   EXPECT_EQ(slovin_sample_size(11173962), 399);
   EXPECT_EQ(slovin_sample_size(1), 1);

@@ -39,7 +39,7 @@ class GatherAdd : public ::testing::TestWithParam<std::tuple<int, Kind>> {};
 
 // With P ranks, the result must be sum over ranks of the reference selection / P, added in rank
 // order (bit-identical), on every rank; and for every element, P * update + sum of new residuals
-// must equal sum of (grad + old residual) (ALGORITHMS.md decision 6).
+// must equal sum of (grad + old residual) (docs/method-spec.md ruling 6).
 TEST_P(GatherAdd, MatchesReferenceAndConservesMass) {
   const auto [p, kind] = GetParam();
   std::vector<float> expected(kN, 0.0f);
@@ -213,7 +213,7 @@ TEST(Faults, MismatchedCollectivesAreDetected) {
 TEST(Methods, RejectBadArguments) {
   for (double d : {0.0, -0.1, 1.5, std::nan("")}) EXPECT_THROW(TopK{d}, ValueError) << d;
   for (double t : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) EXPECT_THROW(Threshold{t}, ValueError);
-  EXPECT_EQ(target_count(0.001, 10), 1);  // decision 4: at least one element
+  EXPECT_EQ(target_count(0.001, 10), 1);  // ruling 4: at least one element
   EXPECT_EQ(target_count(0.5, 11), 5);
   EXPECT_EQ(target_count(1.0, 11), 11);
   EXPECT_EQ(target_count(0.5, 0), 0);

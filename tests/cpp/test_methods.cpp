@@ -1,6 +1,6 @@
 // Every selection method over ThreadTransport, 1 to 4 ranks: gradient mass is conserved every step
-// (ALGORITHMS.md decision 6), every rank issues the same collectives, and degenerate inputs
-// (decision 4) neither crash nor desynchronise the ranks. The exact behaviour of each method is
+// (docs/method-spec.md ruling 6), every rank issues the same collectives, and degenerate inputs
+// (ruling 4) neither crash nor desynchronise the ranks. The exact behaviour of each method is
 // compared with a re-statement in tests/python/test_methods.py.
 #include <gtest/gtest.h>
 

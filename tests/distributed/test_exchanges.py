@@ -51,7 +51,7 @@ def check_exchanges(results: list[dict]) -> None:
                 assert torch.equal(runs[r]["residual"][t], ref["thread_residual"][t][r]), f"{name} step {t} rank {r}"
                 sent = runs[r]["bytes"][t] - (runs[r]["bytes"][t - 1] if t else 0)
                 assert sent == ref["thread_bytes"][t][r], f"{name} step {t} rank {r}: {sent} bytes counted"
-            # Conservation (ALGORITHMS.md decision 6): what was sent plus what stayed is what there was.
+            # Conservation (docs/method-spec.md ruling 6): what was sent plus what stayed is what there was.
             before = sum(previous[r].double() + grads[r].double() for r in range(world_size))
             after = world_size * out.double() + sum(runs[r]["residual"][t].double() for r in range(world_size))
             torch.testing.assert_close(after, before, rtol=0, atol=1e-4, msg=f"{name} step {t}: mass")

@@ -585,8 +585,8 @@ class ExDyna(Partitioned):
         super().observe(counts_by_rank)
 
     def rebalance(self, counts_by_rank, world):
-        """§1.2 step 2 of ALGORITHMS.md with the details of §4.9, applied to the layout of the step
-        just completed (step self.t), giving the layout of the next step."""
+        """docs/method-spec.md 4.9, applied to the layout of the step just completed (step
+        self.t), giving the layout of the next step."""
         k_prev = sum(counts_by_rank)
         load = [0] * world
         for i, c in enumerate(counts_by_rank):  # in step t rank i handled partition (t + i) mod P
@@ -713,7 +713,7 @@ class SIDCo(Restatement):
         return (yield from super().select(v, rank, world))
 
     def adapt(self, count: int, n: int) -> None:
-        """§4.10 adaptive stages (§5.2 step 7 of ALGORITHMS.md)."""
+        """Adaptive stages (docs/method-spec.md 4.10)."""
         self.sum += ieee_div(count, self.density * n)
         self.calls += 1
         if self.calls < 5:

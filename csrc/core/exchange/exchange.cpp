@@ -9,23 +9,11 @@
 
 namespace gradsparse {
 
-const char* exchange_name(ExchangeKind kind) {
-  switch (kind) {
-    case ExchangeKind::kGather:
-      return "gather";
-    case ExchangeKind::kUnion:
-      return "union";
-    case ExchangeKind::kShared:
-      return "shared";
-  }
-  return "unknown";
-}
-
 ExchangeKind parse_exchange(const std::string& name, const std::string& option) {
   if (name == "gather") return ExchangeKind::kGather;
   if (name == "union") return ExchangeKind::kUnion;
   if (name == "shared") return ExchangeKind::kShared;
-  throw ValueError(str(option, " must be \"gather\" or \"union\", got \"", name, "\""));
+  throw ValueError(str(option, " must be \"gather\", \"union\" or \"shared\", got \"", name, "\""));
 }
 
 int64_t ExchangeResult::total_count() const {
@@ -266,10 +254,6 @@ ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device,
       break;
   }
   return result;
-}
-
-ExchangeResult gather_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine) {
-  return exchange(ExchangeKind::kGather, transport, device, bucket, mine);
 }
 
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {

@@ -1,4 +1,4 @@
-// SparDL (ALGORITHMS.md section 4, docs/method-spec.md 4.11).
+// SparDL (docs/method-spec.md 4.11).
 //
 // The bucket is cut into P' blocks of `chunk` elements (P' = team size = P / d; block b is owned
 // by team rank b). Within a team:

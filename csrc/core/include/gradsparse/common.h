@@ -63,7 +63,7 @@ struct CorruptMessageError : std::out_of_range {
   using std::out_of_range::out_of_range;
 };
 
-/// A NaN or Inf in a bucket, seen by some rank (ALGORITHMS.md, project decision 5).
+/// A NaN or Inf in a bucket, seen by some rank (docs/method-spec.md, ruling 5).
 struct NonFiniteError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };

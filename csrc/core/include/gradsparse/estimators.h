@@ -18,9 +18,9 @@ double gamma_p_inverse(double a, double p);
 
 // ---- shared helpers ---------------------------------------------------------------------------
 
-/// max(1, floor(density * n)) capped at n (0 for n = 0): ALGORITHMS.md decision 4.
+/// max(1, floor(density * n)) capped at n (0 for n = 0): docs/method-spec.md ruling 4.
 int64_t target_count(double density, int64_t n);
-/// The kljp initial threshold 1 / (2 sqrt(k)) (ALGORITHMS.md section 0).
+/// The kljp initial threshold 1 / (2 sqrt(k)) (docs/method-spec.md 4.2, 4.8).
 double initial_threshold(int64_t k);
 /// SAGE's sample size, Slovin's formula with e = 0.05: floor(n / (1 + 0.0025 n)), at least 1.
 int64_t slovin_sample_size(int64_t n);

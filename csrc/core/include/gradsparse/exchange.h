@@ -21,7 +21,6 @@ enum class ExchangeKind {
   kShared,  ///< all ranks selected the same indices: all-reduce the values
 };
 
-const char* exchange_name(ExchangeKind kind);
 /// Parses "gather", "union" or "shared"; ValueError naming `option` otherwise.
 ExchangeKind parse_exchange(const std::string& name, const std::string& option = "exchange");
 
@@ -73,9 +72,6 @@ void check_control_word(const ControlWord& word, const BucketView& bucket, bool 
 /// message headers.
 ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
                         const Selection& mine, std::optional<int64_t> fixed_count = std::nullopt);
-
-/// Gather-and-add (exchange() with kGather).
-ExchangeResult gather_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
 
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);

@@ -7,7 +7,7 @@
 //   is zeroed. Without a residual (nullptr), the selection looks at `grad` and writes nothing.
 // - An element whose `a` is not finite keeps its old residual, and the selection sees that old
 //   value (without a residual: zero). It is counted in SelectStats::nonfinite, and callers abort
-//   the step (ALGORITHMS.md, project decision 5). The selected values are therefore always finite.
+//   the step (docs/method-spec.md, ruling 5). The selected values are therefore always finite.
 // - Pairs come out in ascending index order, whatever the number of threads.
 #pragma once
 
@@ -84,7 +84,7 @@ struct Range {
   int64_t end = 0;
 };
 
-/// Moments of the selection values: sums in float64 (ALGORITHMS.md decision 8).
+/// Moments of the selection values: sums in float64 (docs/method-spec.md ruling 8).
 struct Moments {
   double sum_abs = 0.0;
   double sum = 0.0;
@@ -104,7 +104,7 @@ struct Exceedance {
 /// A key no finite value reaches: a selection with it selects nothing.
 constexpr uint32_t kNoKey = 0xFFFFFFFFu;
 
-/// The key of `|v| >= tau` with tau rounded to T (decision 8); kNoKey for tau = +inf or NaN.
+/// The key of `|v| >= tau` with tau rounded to T (ruling 8); kNoKey for tau = +inf or NaN.
 template <typename T>
 uint32_t key_at_least(double tau) {
   if (!(tau <= 3.0e38)) return kNoKey;

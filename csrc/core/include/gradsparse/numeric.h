@@ -134,7 +134,7 @@ GS_HD inline bool is_finite(T v) {
 }
 
 /// A threshold as the selection compares it: rounded to the bucket's dtype, as PyTorch rounds a
-/// Python float that meets a tensor (ALGORITHMS.md, project decision 8), then returned as a key.
+/// Python float that meets a tensor (docs/method-spec.md, ruling 8), then returned as a key.
 template <typename T>
 inline uint32_t threshold_key(double threshold) {
   const T t = Num<T>::from_float(static_cast<float>(threshold));

@@ -2,7 +2,7 @@
 //   1. the method selects (its first pass fuses the error-feedback update), possibly agreeing on
 //      a threshold with the other ranks through small all-reduces;
 //   2. the method's exchange moves every rank's selection and writes the average into the bucket;
-//   3. if any rank saw NaN/Inf, every rank applies the same policy (ALGORITHMS.md decision 5):
+//   3. if any rank saw NaN/Inf, every rank applies the same policy (docs/method-spec.md ruling 5):
 //      each rank restores its residual (nothing of the finite gradient is lost; non-finite
 //      elements kept their old residual), then either throws NonFiniteError (kRaise) or writes
 //      zeros into the bucket and reports the step as skipped (kSkip).

@@ -1,4 +1,4 @@
-// SparDL (ALGORITHMS.md section 4): sparse all-reduce by Spar-Reduce-Scatter (non-recursive, any
+// SparDL (docs/method-spec.md 4.11): sparse all-reduce by Spar-Reduce-Scatter (non-recursive, any
 // team size), Spar-All-Gather across teams, Bruck all-gather within a team, and global residual
 // collection. Selection happens inside the communication schedule, so SparDL is a Method that
 // runs its whole step itself (Method::run).
