@@ -4,7 +4,7 @@
 
 Streams (every rank gets its own gradients; error feedback on, as in training):
 - drift: synthetic, n = 200,000 in 8 "layers" of different scales; the global scale swings by a
-  factor of 9 over about 20 steps (ALGORITHMS.md decision 1) and the shape moves between a normal
+  factor of 9 over about 20 steps (docs/method-spec.md ruling 1) and the shape moves between a normal
   and a heavy-tailed Student-t;
 - cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
   SGD, one mini-batch per rank and step).
@@ -26,8 +26,8 @@ import torch
 
 import gradsparse as gs
 from benchmarks.utils import markdown_table, write_result
-from gradsparse import _C
-from gradsparse.testing.simulate import run_steps
+from gradsparse.methods import core_method
+from gradsparse.testing.thread_ranks import run_steps
 
 WARMUP = 50
 
@@ -35,24 +35,24 @@ WARMUP = 50
 def methods(density: float) -> dict[str, callable]:
     """Method factories, by the name printed in the tables."""
     return {
-        "TopK": lambda r: _C.TopK(density),
-        "RandomK": lambda r: _C.RandomK(density),
-        "Threshold (1/(2 sqrt k))": lambda r: _C.Threshold(density=density),
-        "GaussianK spardl": lambda r: _C.GaussianK(density, "spardl"),
-        "GaussianK sidco": lambda r: _C.GaussianK(density, "sidco"),
-        "DGC": lambda r: _C.DGC(density),
-        "RedSync": lambda r: _C.RedSync(density),
-        "SAGE": lambda r: _C.SAGE(density),
-        "SAGE reference": lambda r: _C.SAGE(density, reference=True),
-        "MiCRO": lambda r: _C.MiCRO(density),
-        "MiCRO reference": lambda r: _C.MiCRO(density, reference=True),
-        "ExDyna": lambda r: _C.ExDyna(density),
-        "ExDyna reference": lambda r: _C.ExDyna(density, reference=True),
-        "SIDCo exp": lambda r: _C.SIDCo(density, "exp", 1),
-        "SIDCo gpareto 2": lambda r: _C.SIDCo(density, "gpareto", 2),
-        "SIDCo gamma_gpareto 2": lambda r: _C.SIDCo(density, "gamma_gpareto", 2),
-        "SIDCo exp adaptive": lambda r: _C.SIDCo(density, "exp", -1),
-        "SparDL": lambda r: _C.SparDL(density),
+        "TopK": lambda r: core_method("topk", density=density),
+        "RandomK": lambda r: core_method("randomk", density=density),
+        "Threshold (1/(2 sqrt k))": lambda r: core_method("threshold", density=density),
+        "GaussianK spardl": lambda r: core_method("gaussiank", density=density, variant="spardl"),
+        "GaussianK sidco": lambda r: core_method("gaussiank", density=density, variant="sidco"),
+        "DGC": lambda r: core_method("dgc", density=density),
+        "RedSync": lambda r: core_method("redsync", density=density),
+        "SAGE": lambda r: core_method("sage", density=density),
+        "SAGE reference": lambda r: core_method("sage", density=density, reference=True),
+        "MiCRO": lambda r: core_method("micro", density=density),
+        "MiCRO reference": lambda r: core_method("micro", density=density, reference=True),
+        "ExDyna": lambda r: core_method("exdyna", density=density),
+        "ExDyna reference": lambda r: core_method("exdyna", density=density, reference=True),
+        "SIDCo exp": lambda r: core_method("sidco", density=density, fit="exp", stages=1),
+        "SIDCo gpareto 2": lambda r: core_method("sidco", density=density, fit="gpareto", stages=2),
+        "SIDCo gamma_gpareto 2": lambda r: core_method("sidco", density=density, fit="gamma_gpareto", stages=2),
+        "SIDCo exp adaptive": lambda r: core_method("sidco", density=density, fit="exp", stages=-1),
+        "SparDL": lambda r: core_method("spardl", density=density),
     }
 
 
@@ -136,10 +136,10 @@ def imbalance_table(world_size: int, density: float, steps: int = 100) -> list[l
         stream.append(step)
     rows = []
     for name, make in (
-        ("MiCRO", lambda r: _C.MiCRO(density)),
-        ("ExDyna", lambda r: _C.ExDyna(density)),
-        ("MiCRO reference", lambda r: _C.MiCRO(density, reference=True)),
-        ("ExDyna reference", lambda r: _C.ExDyna(density, reference=True)),
+        ("MiCRO", lambda r: core_method("micro", density=density)),
+        ("ExDyna", lambda r: core_method("exdyna", density=density)),
+        ("MiCRO reference", lambda r: core_method("micro", density=density, reference=True)),
+        ("ExDyna reference", lambda r: core_method("exdyna", density=density, reference=True)),
     ):
         result = run_steps(world_size, make, stream)
         values = [step[0].imbalance for step in result[10:]]

@@ -123,6 +123,30 @@ TORCH_HOOKS = ("powersgd", "fp16")
 METHODS = ("dense", *TORCH_HOOKS, *[m for m in gs.METHODS if m != "dense"])
 
 
+#: Method options the driver sets from its own flags: --density and --threshold (with the
+#: driver's defaults), and --seed (the training seed) is not passed on.
+DRIVER_OPTIONS = ("density", "threshold", "seed")
+
+
+def method_flags() -> dict[str, tuple[dict, str]]:
+    """Every other option of every gradsparse method, by name: the argparse keywords of its
+    flag and its help (each method's documentation of it). Methods that share an option name
+    share its flag."""
+    flags: dict[str, tuple[dict, dict[str, list[str]]]] = {}
+    for method, cls in gs.METHODS.items():
+        for option in cls.OPTIONS:
+            if option.name in DRIVER_OPTIONS:
+                continue
+            flag, docs = flags.setdefault(option.name, (option.flag, {}))
+            assert flag == option.flag, f"--{option.name}: {method} declares it unlike {list(docs.values())}"
+            doc = option.doc if option.default is None else f"{option.doc} (default {option.default!r})"
+            docs.setdefault(doc, []).append(method)
+    return {
+        name: (flag, "; ".join(f"{', '.join(methods)}: {doc}" for doc, methods in docs.items()).replace("%", "%%"))
+        for name, (flag, docs) in flags.items()
+    }
+
+
 def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """The gradsparse constructor arguments a method takes from the command line."""
     options: dict[str, Any] = {
@@ -134,18 +158,10 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
         options["threshold"] = args.threshold
     elif method != "dense":
         options["density"] = args.density
-    per_method = {
-        "micro": ("exchange",),
-        "exdyna": ("exchange",),
-        "sage": ("sampling",),
-        "sidco": ("fit", "stages"),
-        "gaussiank": ("variant",),
-        "spardl": ("teams",),
-    }
-    for name in per_method.get(method, ()):
-        value = getattr(args, name)
-        if value is not None:
-            options[name] = value
+    for option in gs.METHODS[method].OPTIONS:
+        value = getattr(args, option.name, None)
+        if option.name not in DRIVER_OPTIONS and value is not None:
+            options[option.name] = value
     return options
 
 
@@ -262,12 +278,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent")
     g.add_argument("--threshold", type=float, default=1e-3, help="threshold: magnitude threshold")
-    g.add_argument("--exchange", choices=("union", "gather"), default=None, help="micro, exdyna: exchange")
-    g.add_argument("--sampling", choices=("flat", "per_tensor"), default=None, help="sage: sampling")
-    g.add_argument("--fit", choices=("exp", "gpareto", "gamma_gpareto"), default=None, help="sidco: fit")
-    g.add_argument("--stages", type=int, default=None, help="sidco: stages (0 fixed ratio, <0 adaptive)")
-    g.add_argument("--variant", choices=("spardl", "sidco"), default=None, help="gaussiank: variant")
-    g.add_argument("--teams", type=int, default=None, help="spardl: teams")
+    for name, (flag, help_text) in method_flags().items():  # default None: the method's own default
+        g.add_argument("--" + name.replace("_", "-"), default=None, help=help_text, **flag)
     g.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
     g.add_argument(
         "--bucket-cap-mb",

@@ -110,45 +110,41 @@ PYBIND11_MODULE(_C, m) {
   m.def("get_num_threads", &cpu_threads, "Threads used by the CPU kernels.");
   m.def("target_count", &target_count, py::arg("density"), py::arg("n"),
         "floor(density * n), at least 1 when n > 0, at most n.");
-  m.def("normal_quantile", &normal_quantile, py::arg("p"));
-  m.def("gamma_p_inverse", &gamma_p_inverse, py::arg("a"), py::arg("p"));
 
   py::class_<Method, std::shared_ptr<Method>>(m, "Method", "A per-bucket selection method (C++ core).")
       .def_property_readonly("name", &Method::name)
-      .def_property_readonly("exchange", [](const Method& method) { return exchange_name(method.exchange()); })
       .def_property_readonly("threshold", [](const Method& method) { return method.report().threshold; })
       .def("state", &Method::state, "Checkpointable state as {name: float}.")
       .def("load_state", &Method::load_state, py::arg("state"));
+  // No defaults here: python/gradsparse/methods.py declares every option and its default once,
+  // and builds these objects with every option given (State, or gradsparse.methods.core_method).
   py::class_<TopK, Method, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double>(), py::arg("density"));
   py::class_<Threshold, Method, std::shared_ptr<Threshold>>(m, "Threshold")
-      .def(py::init<std::optional<double>, std::optional<double>>(), py::arg("threshold") = py::none(),
-           py::arg("density") = py::none());
+      .def(py::init<std::optional<double>, std::optional<double>>(), py::arg("threshold"), py::arg("density"));
   py::class_<RandomK, Method, std::shared_ptr<RandomK>>(m, "RandomK")
-      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed") = 0);
+      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
   py::class_<GaussianK, Method, std::shared_ptr<GaussianK>>(m, "GaussianK")
-      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant") = "spardl");
+      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant"));
   py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC").def(py::init<double, uint64_t>(), py::arg("density"),
-                                                              py::arg("seed") = 0);
+                                                              py::arg("seed"));
   py::class_<RedSync, Method, std::shared_ptr<RedSync>>(m, "RedSync").def(py::init<double>(), py::arg("density"));
   py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE").def(
       py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
                std::optional<std::string>>(),
-      py::arg("density"), py::arg("sampling") = "flat", py::arg("segments") = std::vector<int64_t>{},
-      py::arg("reference") = false, py::arg("seed") = 0, py::arg("initial_threshold") = py::none(),
-      py::arg("exchange") = py::none());
+      py::arg("density"), py::arg("sampling"), py::arg("segments"), py::arg("reference"), py::arg("seed"),
+      py::arg("initial_threshold"), py::arg("exchange"));
   py::class_<MiCRO, Method, std::shared_ptr<MiCRO>>(m, "MiCRO")
-      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange") = "union",
-           py::arg("reference") = false, py::arg("seed") = 0);
+      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange"),
+           py::arg("reference"), py::arg("seed"));
   py::class_<ExDyna, Method, std::shared_ptr<ExDyna>>(m, "ExDyna")
-      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange") = "union",
-           py::arg("reference") = false, py::arg("seed") = 0);
+      .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange"),
+           py::arg("reference"), py::arg("seed"));
   py::class_<SIDCo, Method, std::shared_ptr<SIDCo>>(m, "SIDCo")
       .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
-           py::arg("fit") = "exp", py::arg("stages") = -1, py::arg("first_ratio") = 0.25,
-           py::arg("iratio") = py::none())
+           py::arg("fit"), py::arg("stages"), py::arg("first_ratio"), py::arg("iratio"))
       .def_property_readonly("stages", &SIDCo::stages);
   py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
-      .def(py::init<double, int>(), py::arg("density"), py::arg("teams") = 1);
+      .def(py::init<double, int>(), py::arg("density"), py::arg("teams"));
   m.def("mpi_available", &mpi_available, "True when this build has MPI support (transport=\"mpi\").");
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",

@@ -31,6 +31,7 @@ from gradsparse.checkpoint import AllRanks, reshard  # noqa: E402
 from gradsparse.hooks import hook, register  # noqa: E402
 from gradsparse.methods import (  # noqa: E402
     DGC,
+    METHODS,
     SAGE,
     Dense,
     ExDyna,
@@ -47,22 +48,6 @@ from gradsparse.ops import pack, scatter_add_, select_threshold, select_topk, un
 from gradsparse.state import State  # noqa: E402
 
 __version__ = "0.1.0"
-
-#: Selection methods by name (the same names as in the docs and the examples' --method flag).
-METHODS = {
-    "dense": Dense,
-    "topk": TopK,
-    "threshold": Threshold,
-    "randomk": RandomK,
-    "gaussiank": GaussianK,
-    "dgc": DGC,
-    "redsync": RedSync,
-    "sage": SAGE,
-    "micro": MiCRO,
-    "exdyna": ExDyna,
-    "sidco": SIDCo,
-    "spardl": SparDL,
-}
 
 set_num_threads = _C.set_num_threads
 get_num_threads = _C.get_num_threads

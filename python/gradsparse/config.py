@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import math
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 
 def _describe(value: object) -> str:
@@ -72,3 +76,99 @@ def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | 
     if not (math.isfinite(seconds) and seconds > 0):
         raise ValueError(f"{owner}: {name} must be a positive number of seconds, got {value!r}")
     return datetime.timedelta(seconds=seconds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Declared options: each method's options are written once, as a tuple of Option
+# ----------------------------------------------------------------------------------------------
+
+#: The default of an option that must be given.
+REQUIRED = inspect.Parameter.empty
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a method, declared once. The method's Python signature and docstring, its
+    validation and ``config()``, the keyword its C++ constructor receives and the examples'
+    command-line flag all follow from it (docs/adding-a-method.md).
+
+    ``check(owner, name, value)`` returns the normalised value or raises an error that names the
+    owner, the option, the value and a fix; ``flag`` holds the argparse keywords of the
+    examples' ``--name`` flag (its ``type`` or ``choices``)."""
+
+    name: str
+    default: Any
+    check: Callable[[str, str, Any], Any]
+    doc: str
+    positional: bool = False
+    flag: dict = field(default_factory=dict)
+
+
+def _optional(check: Callable[[str, str, Any], Any]) -> Callable[[str, str, Any], Any]:
+    return lambda owner, name, value: None if value is None else check(owner, name, value)
+
+
+def _open_interval(low: float, high: float, example: str) -> Callable[[str, str, Any], float]:
+    def check(owner: str, name: str, value: object) -> float:
+        v = check_real(owner, name, value, example)
+        if not low < v < high:
+            raise ValueError(f"{owner}: {name} must be in ({low:g}, {high:g}), got {v!r}; for example {example}")
+        return v
+
+    return check
+
+
+def _positive(example: str) -> Callable[[str, str, Any], float]:
+    def check(owner: str, name: str, value: object) -> float:
+        v = check_real(owner, name, value, example)
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{owner}: {name} must be a finite number > 0, got {v!r}; for example {example}")
+        return v
+
+    return check
+
+
+def density_option(doc: str, default: Any = REQUIRED) -> Option:
+    """The fraction of elements to send, in (0, 1]."""
+    check = check_density if default is REQUIRED else _optional(check_density)
+    return Option("density", default, check, doc, positional=default is REQUIRED, flag={"type": float})
+
+
+def threshold_option(doc: str, default: Any = REQUIRED) -> Option:
+    """A finite magnitude >= 0."""
+    check = check_threshold if default is REQUIRED else _optional(check_threshold)
+    return Option("threshold", default, check, doc, positional=True, flag={"type": float})
+
+
+def choice_option(name: str, default: str | None, choices: tuple[str, ...], doc: str) -> Option:
+    """One of ``choices``; a default of None means "chosen by the method" and is allowed."""
+
+    def check(owner: str, option: str, value: object) -> str:
+        return check_choice(owner, option, value, choices)
+
+    return Option(name, default, _optional(check) if default is None else check, doc, flag={"choices": choices})
+
+
+def int_option(name: str, default: int, minimum: int, example: str, doc: str) -> Option:
+    """An integer >= ``minimum``."""
+
+    def check(owner: str, option: str, value: object) -> int:
+        return check_int(owner, option, value, minimum, example)
+
+    return Option(name, default, check, doc, flag={"type": int})
+
+
+def ratio_option(name: str, default: float | None, example: str, doc: str) -> Option:
+    """A number in (0, 1); a default of None means "chosen by the method"."""
+    check = _open_interval(0.0, 1.0, example)
+    return Option(name, default, _optional(check) if default is None else check, doc, flag={"type": float})
+
+
+def positive_option(name: str, default: float | None, example: str, doc: str) -> Option:
+    """A finite number > 0; a default of None means "chosen by the method"."""
+    check = _positive(example)
+    return Option(name, default, _optional(check) if default is None else check, doc, flag={"type": float})
+
+
+def seed_option() -> Option:
+    return int_option("seed", 0, 0, "seed=0", "seed of the method's random draws (the same on every rank)")

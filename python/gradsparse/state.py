@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import inspect
 import weakref
 import zlib
 from typing import Any, ClassVar
@@ -31,6 +32,8 @@ import torch.nn as nn
 
 from gradsparse import _C
 from gradsparse.config import (
+    REQUIRED,
+    Option,
     check_bool,
     check_choice,
     check_int,
@@ -104,10 +107,10 @@ class State:
       DDP rebuilds its buckets after the first step; gradsparse re-maps residuals by parameter
       when that happens, so no warm-up is needed for correctness.
     - ``error_feedback`` (True): keep what was not sent in a residual and add it to the next
-      gradient (ALGORITHMS.md section 0). Without it, unsent gradient is dropped.
+      gradient (docs/method-spec.md 1). Without it, unsent gradient is dropped.
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf:
       "raise" an error naming the bucket, or "skip" the bucket's update for that step. Either
-      way the residuals keep every finite value (ALGORITHMS.md decision 5).
+      way the residuals keep every finite value (docs/method-spec.md ruling 5).
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
@@ -126,8 +129,11 @@ class State:
         >>> gradsparse.register(ddp_model, state)     # or ddp_model.register_comm_hook(state, gradsparse.hook)
     """
 
-    #: Options of the subclass's method, in signature order (validated by _validate_method).
-    _METHOD_OPTIONS: ClassVar[tuple[str, ...]] = ()
+    #: The method's own options, declared once (gradsparse.config.Option): the subclass's
+    #: signature, docstring, validation, config() and C++ construction follow from them.
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    _CORE: ClassVar[str | None] = None  # the C++ method class (gradsparse._C); None: dense all-reduce
+    _CORE_EXTRAS: ClassVar[tuple[str, ...]] = ()  # what else it takes: "reference", "segments"
     _GLOBAL_TARGET: ClassVar[bool] = False  # density counts all ranks' pairs together (stats)
     _SHARED_OPTIONS: ClassVar[tuple[str, ...]] = (
         "process_group",
@@ -138,6 +144,35 @@ class State:
         "reference",
         "transport",
     )
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Gives every method class the constructor its OPTIONS declare: a real signature
+        (positional options first, then keyword-only ones, then the shared options) and an
+        "Args" section in its docstring."""
+        super().__init_subclass__(**kwargs)
+        params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        for option in cls.OPTIONS:
+            kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if option.positional else inspect.Parameter.KEYWORD_ONLY
+            params.append(inspect.Parameter(option.name, kind, default=option.default))
+        params.append(inspect.Parameter("options", inspect.Parameter.VAR_KEYWORD))
+        signature = inspect.Signature(params)
+        usage = signature.replace(parameters=params[1:])
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{cls.__name__}: {e}; call it as {cls.__name__}{usage}") from None
+            given = {k: v for k, v in bound.arguments.items() if k not in ("self", "options")}
+            State.__init__(self, **given, **bound.arguments.get("options", {}))
+
+        __init__.__signature__ = signature  # type: ignore[attr-defined]
+        __init__.__qualname__ = f"{cls.__name__}.__init__"
+        cls.__init__ = __init__  # type: ignore[method-assign]
+        if cls.OPTIONS and cls.__doc__ and "\n    Args:\n" not in cls.__doc__:
+            lines = [f"        {o.name}: {o.doc}" + ("" if o.default is REQUIRED else f" (default {o.default!r})")
+                     for o in cls.OPTIONS]  # fmt: skip
+            cls.__doc__ = cls.__doc__.rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
 
     def __init__(self, **options: Any) -> None:
         # Options are checked here, on this rank; the ranks compare them in setup().
@@ -169,7 +204,7 @@ class State:
 
     def _validate(self, options: dict[str, Any]) -> None:
         owner = type(self).__name__
-        allowed = self._METHOD_OPTIONS + self._SHARED_OPTIONS
+        allowed = tuple(o.name for o in self.OPTIONS) + self._SHARED_OPTIONS
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise TypeError(
@@ -195,16 +230,20 @@ class State:
                 "apt-get install libopenmpi-dev openmpi-bin) and reinstall gradsparse, or use "
                 'transport="process_group" (the default)'
             )
-        self._method_config = self._validate_method({k: options[k] for k in self._METHOD_OPTIONS if k in options})
+        self._method_config = {o.name: o.check(owner, o.name, options.get(o.name, o.default)) for o in self.OPTIONS}
+        self._check_options(self._method_config)
 
-    def _validate_method(self, options: dict[str, Any]) -> dict[str, Any]:
-        """Checks the subclass's own options; returns them normalised."""
-        return {}
+    def _check_options(self, config: dict[str, Any]) -> None:
+        """Rules that tie several of the method's options together (each option is checked alone
+        by its declaration)."""
 
     def _make_method(self, numels: list[int]):
         """A new C++ method object for one bucket whose parameters hold ``numels`` elements
-        (None: dense all-reduce)."""
-        return None
+        (None: dense all-reduce): the C++ class receives the method's options by name."""
+        if self._CORE is None:
+            return None
+        extras = {"reference": self._reference, "segments": list(numels)}
+        return getattr(_C, self._CORE)(**self._method_config, **{k: extras[k] for k in self._CORE_EXTRAS})
 
     def _check_world_size(self, world_size: int) -> None:
         """Options that depend on the number of ranks, checked in setup() (on every rank alike)."""

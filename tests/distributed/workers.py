@@ -287,7 +287,7 @@ def exchange_stream(rank: int, world_size: int, transport: str, steps: int = 6, 
     known gradient stream. Per case and step: the averaged bucket DDP wrote into the gradient,
     this rank's residual, and the bytes the transport counted. Rank 0 also runs the same methods
     on ThreadTransport (the library's reference path, itself checked against the re-statements)."""
-    from gradsparse.testing.simulate import run_steps
+    from gradsparse.testing.thread_ranks import run_steps
 
     stream = gradient_stream(world_size, steps, numel)
     out = {}

@@ -5,7 +5,7 @@ For every method and option set, on a drifting stream of gradients and on world 
 every step and every rank must agree exactly: the selected index set, the reported threshold
 (1e-6 relative; NaN where the method reports none), the averaged output, the residual; the
 library must conserve gradient mass (spec §3) and run the same number of collectives on every
-rank. Degenerate inputs (ALGORITHMS.md decision 4) are compared the same way.
+rank. Degenerate inputs (docs/method-spec.md ruling 4) are compared the same way.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gradsparse as gs
-from gradsparse import _C
-from gradsparse.testing.simulate import run_steps
+from gradsparse.methods import core_method
+from gradsparse.testing.thread_ranks import run_steps
 from tests.python import restatements as rs
 
 EPS32 = torch.finfo(torch.float32).eps
@@ -145,7 +145,8 @@ def run_both(name: str, kwargs: dict, grads, world: int):
     """Runs the library and the re-statement on ``grads[t][:world]``. Returns the library's steps and
     method objects, the re-statement's steps and group, and the gradients used."""
     grads = [list(step[:world]) for step in grads]
-    lib_methods = [getattr(_C, name)(**kwargs) for _ in range(world)]
+    options = {k: v for k, v in kwargs.items() if k != "segments"}
+    lib_methods = [core_method(name, kwargs.get("segments", ()), **options) for _ in range(world)]
     lib = run_steps(world, lambda r: lib_methods[r], grads)
     group = rs.ReferenceGroup(world, [getattr(rs, name)(**kwargs) for _ in range(world)])
     ref = [group.step(step) for step in grads]
@@ -189,7 +190,7 @@ def compare(name: str, kwargs: dict, grads, world: int, *, partitioned: bool = F
     for t, (lib_step, ref_step) in enumerate(zip(lib, ref, strict=True)):
         where = f"{name}({kwargs}) P={world} step {t}"
         earlier = f" (after threshold mismatches: {threshold_errors[0]})" if threshold_errors else ""
-        # the same number of collectives on every rank (decision 4: nobody waits alone)
+        # the same number of collectives on every rank (ruling 4: nobody waits alone)
         assert len({s.collectives for s in lib_step}) == 1, f"{where}: collectives {[s.collectives for s in lib_step]}"
         counts = ref_step[0]["counts"]
         for r in range(world):
@@ -227,7 +228,7 @@ def compare(name: str, kwargs: dict, grads, world: int, *, partitioned: bool = F
 
 
 def check_mass(step, grads, old_residuals, where: str) -> None:
-    """Spec §3 / decision 6: sum_r residual_r(new) + P out = sum_r (grad_r + residual_r(old)).
+    """docs/method-spec.md 3 / ruling 6: sum_r residual_r(new) + P out = sum_r (grad_r + residual_r(old)).
 
     Rounding: a = residual + grad is rounded once to float32 (eps/2 |a|), each value is divided by P
     and summed in float32 (at most P + 1 roundings of at most eps/2 of the partial sums), so the
@@ -365,7 +366,7 @@ def test_exdyna_rebalancing_reaches_the_minimum_partition(world, steps):
 
 
 # ----------------------------------------------------------------------------------------------
-# Degenerate inputs (ALGORITHMS.md decision 4) and awkward values
+# Degenerate inputs (docs/method-spec.md ruling 4) and awkward values
 
 
 EDGE_STEPS = 8
@@ -414,7 +415,7 @@ def test_sidco_default_adapts_its_stages_to_hit_the_density():
     grads = [[torch.randn(n, generator=g) for _ in range(world)] for _ in range(60)]
 
     def mean_ratio(**kwargs) -> float:
-        steps = run_steps(world, lambda r: _C.SIDCo(density, **kwargs), grads)
+        steps = run_steps(world, lambda r: core_method("sidco", density=density, **kwargs), grads)
         achieved = [sum(rank.indices.numel() for rank in step) / (world * n) for step in steps[30:]]
         return sum(achieved) / len(achieved) / density
 

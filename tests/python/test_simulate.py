@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from gradsparse import _C, simulate
-from gradsparse.testing.simulate import run_steps
+from gradsparse import simulate
+from gradsparse.methods import core_method
+from gradsparse.testing.thread_ranks import run_steps
 
 NUMEL = 1237  # not a multiple of any world size above 1 (except 1237 itself)
 DENSITY = 0.05
@@ -40,21 +41,21 @@ def test_dense(world_size):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_topk_exact_k(world_size):
-    steps = run_steps(world_size, lambda r: _C.TopK(DENSITY), stream(world_size))
+    steps = run_steps(world_size, lambda r: core_method("topk", density=DENSITY), stream(world_size))
     k = math.floor(DENSITY * NUMEL)
     check(steps, lambda t, r, s: simulate.exact_k(k, NUMEL))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_gather_and_add_with_counts(world_size):
-    steps = run_steps(world_size, lambda r: _C.Threshold(threshold=1.6), stream(world_size))
+    steps = run_steps(world_size, lambda r: core_method("threshold", threshold=1.6), stream(world_size))
     assert len({c for s in steps for c in s[0].counts}) > 1  # ranks send different counts: padding matters
     check(steps, lambda t, r, s: simulate.gather_and_add(s.counts, NUMEL))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_shared_indices(world_size):
-    steps = run_steps(world_size, lambda r: _C.RandomK(DENSITY), stream(world_size))
+    steps = run_steps(world_size, lambda r: core_method("randomk", density=DENSITY), stream(world_size))
     k = math.floor(DENSITY * NUMEL)
     check(steps, lambda t, r, s: simulate.shared_allreduce(k))
 
@@ -63,7 +64,9 @@ def test_shared_indices(world_size):
 @pytest.mark.parametrize("reference", [False, True])
 def test_union_allreduce(world_size, reference):
     steps = run_steps(
-        world_size, lambda r: _C.MiCRO(DENSITY, exchange="union", reference=reference), stream(world_size)
+        world_size,
+        lambda r: core_method("micro", density=DENSITY, exchange="union", reference=reference),
+        stream(world_size),
     )
 
     def plan(t, r, s):
@@ -75,19 +78,21 @@ def test_union_allreduce(world_size, reference):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_exclusive_gather(world_size):
-    steps = run_steps(world_size, lambda r: _C.ExDyna(DENSITY, exchange="gather"), stream(world_size))
+    steps = run_steps(
+        world_size, lambda r: core_method("exdyna", density=DENSITY, exchange="gather"), stream(world_size)
+    )
     check(steps, lambda t, r, s: simulate.band_agreement(first_step=t == 0) + simulate.gather_and_add(s.counts, NUMEL))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_spardl_one_team(world_size):
-    steps = run_steps(world_size, lambda r: _C.SparDL(DENSITY), stream(world_size))
+    steps = run_steps(world_size, lambda r: core_method("spardl", density=DENSITY), stream(world_size))
     check(steps, lambda t, r, s: simulate.spardl(world_size, r, NUMEL, DENSITY))
 
 
 @pytest.mark.parametrize("world_size,teams", [(2, 2), (4, 2), (6, 3), (8, 2), (8, 4), (12, 3), (16, 4), (16, 16)])
 def test_spardl_teams(world_size, teams):
-    steps = run_steps(world_size, lambda r: _C.SparDL(DENSITY, teams), stream(world_size, 4))
+    steps = run_steps(world_size, lambda r: core_method("spardl", density=DENSITY, teams=teams), stream(world_size, 4))
     team_size = world_size // teams
 
     def plan(t, r, s):

@@ -39,12 +39,45 @@ def one_rank_group():
         (lambda: gs.TopK(density=0.1, nonfinite="ignore"), ValueError, "nonfinite must be one of 'raise', 'skip'"),
         (lambda: gs.TopK(density=0.1, timeout=-3), ValueError, "timeout must be a positive number of seconds"),
         (lambda: gs.TopK(density=0.1, process_group="world"), TypeError, "process_group must be a"),
+        (
+            lambda: gs.TopK(),
+            TypeError,
+            "TopK: missing a required argument: 'density'; call it as TopK(density, **options)",
+        ),
+        (lambda: gs.TopK(0.1, 0.2), TypeError, "TopK: too many positional arguments"),
+        (lambda: gs.Threshold(), ValueError, "Threshold: give exactly one of threshold"),
+        (lambda: gs.MiCRO(0.1, exchange="shared"), ValueError, "MiCRO: exchange must be one of 'union', 'gather'"),
+        (lambda: gs.SAGE(0.1, initial_threshold=-1), ValueError, "SAGE: initial_threshold must be a finite number > 0"),
+        (lambda: gs.SIDCo(0.1, first_ratio=1.5), ValueError, "first_ratio must be in (0, 1), got 1.5; for example"),
+        (lambda: gs.SIDCo(0.1, iratio="0.2"), TypeError, "SIDCo: iratio must be a number, got '0.2' (str)"),
+        (lambda: gs.SIDCo(0.1, stages=-4), ValueError, "SIDCo: stages must be >= -3, got -4; for example stages=-1"),
+        (lambda: gs.SparDL(0.1, teams=0), ValueError, "SparDL: teams must be >= 1, got 0; for example teams=1"),
+        (lambda: gs.RandomK(0.1, seed=-1), ValueError, "RandomK: seed must be >= 0, got -1"),
+        (lambda: gs.methods.core_method("powersgd", density=0.1), ValueError, "name must be a sparse method, got"),
     ],
 )
 def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
     with pytest.raises(error) as info:
         make()
     assert message in str(info.value)
+
+
+def test_a_method_is_declared_once():
+    """The declaration gives the signature, the docstring's Args, config() and the C++ object."""
+    import inspect
+
+    params = inspect.signature(gs.SIDCo).parameters
+    assert list(params) == ["density", "fit", "stages", "first_ratio", "iratio", "options"]
+    assert params["density"].default is inspect.Parameter.empty
+    assert params["stages"].kind is inspect.Parameter.KEYWORD_ONLY and params["stages"].default == -1
+    assert "        stages: -1, -2, -3: the adaptive modes" in gs.SIDCo.__doc__
+    state = gs.SIDCo(0.05, fit="gpareto", reference=True)
+    assert state.config()["fit"] == "gpareto" and state.config()["first_ratio"] == 0.25
+    assert {o.name for o in gs.SIDCo.OPTIONS} <= set(state.config())
+    method = gs.methods.core_method("sidco", density=0.05, stages=2)
+    assert method.name == "sidco" and method.stages == 2
+    sage = gs.methods.core_method("SAGE", [3, 5], density=0.5, sampling="per_tensor")
+    assert sage.name == "sage"
 
 
 def test_a_state_is_created_before_the_process_group_and_set_up_after():

@@ -1,0 +1,84 @@
+"""The user-facing lists of methods cover exactly the methods that exist: README's table,
+docs/methods.md (its table and one section each, with the constructor's real defaults),
+docs/method-spec.md and the examples' --method choices. A method added, renamed or given a new
+default without its documentation fails here."""
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import gradsparse as gs
+
+ROOT = Path(__file__).resolve().parents[2]
+SPARSE = {name: cls for name, cls in gs.METHODS.items() if name != "dense"}
+CLASSES = {cls.__name__ for cls in gs.METHODS.values()}
+
+
+def read(relative: str) -> str:
+    path = ROOT / relative
+    if not path.exists():
+        pytest.fail(f"{relative} is missing from the checkout at {ROOT}")
+    return path.read_text()
+
+
+def table_rows(text: str, header: str) -> list[str]:
+    """The rows of the markdown table whose header line starts with ``header``."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(header)), None)
+    assert start is not None, f"no table starting with {header!r}"
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+def check_defaults(where: str, class_name: str, arguments: str) -> None:
+    """Every ``name=value`` in a documented call is an option of the class with that default."""
+    signature = inspect.signature(getattr(gs, class_name)).parameters
+    for name, default in re.findall(r"(\w+)=([^,]+)", arguments):
+        assert name in signature, f"{where}: {class_name} has no option {name!r}"
+        actual = signature[name].default
+        assert default.strip() == repr(actual).replace("'", '"'), (
+            f"{where} gives {class_name}'s {name} the default {default}, the code {actual!r}"
+        )
+
+
+def test_readme_table_lists_every_method_once_with_the_real_defaults():
+    rows = table_rows(read("README.md"), "| method | class |")
+    calls = [m.groups() for row in rows if (m := re.search(r"`gs\.(\w+)\((.*?)\)`", row))]
+    assert sorted(name for name, _ in calls) == sorted(CLASSES), "README's method table and gradsparse.METHODS differ"
+    for name, arguments in calls:
+        check_defaults("README.md", name, arguments)
+
+
+def test_methods_doc_table_lists_every_sparse_method_once():
+    rows = table_rows(read("docs/methods.md"), "| method | selection cost")
+    named = [m.group(1) for row in rows if (m := re.match(r"\| `(\w+)` \|", row))]
+    assert sorted(named) == sorted(cls.__name__ for cls in SPARSE.values())
+
+
+def header_signatures(text: str, pattern: str) -> dict[str, str]:
+    return {m.group(1): m.group(2) for m in re.finditer(pattern, text, flags=re.MULTILINE)}
+
+
+def test_methods_doc_has_a_section_per_method_with_the_real_defaults():
+    sections = header_signatures(read("docs/methods.md"), r"^### .*?`gs\.(\w+)\((.*?)\)`")
+    assert set(sections) == {cls.__name__ for cls in SPARSE.values()}
+    for name, arguments in sections.items():
+        check_defaults("docs/methods.md", name, arguments)
+
+
+def test_method_spec_has_a_section_per_method():
+    sections = header_signatures(read("docs/method-spec.md"), r"^### 4\.\d+ .*? — `(\w+)\((.*?)\)`")
+    assert set(sections) == {cls.__name__ for cls in SPARSE.values()}
+
+
+def test_examples_offer_exactly_the_methods_and_torch_hooks():
+    from examples import driver
+
+    assert set(driver.METHODS) == set(gs.METHODS) | set(driver.TORCH_HOOKS)
+    assert len(driver.METHODS) == len(set(driver.METHODS))
