@@ -37,6 +37,7 @@ def methods(density: float) -> dict[str, callable]:
     return {
         "TopK": lambda r: core_method("topk", density=density),
         "RandomK": lambda r: core_method("randomk", density=density),
+        "RandomBlock": lambda r: core_method("randomblock", density=density),
         "Threshold (1/(2 sqrt k))": lambda r: core_method("threshold", density=density),
         "GaussianK spardl": lambda r: core_method("gaussiank", density=density, variant="spardl"),
         "GaussianK sidco": lambda r: core_method("gaussiank", density=density, variant="sidco"),

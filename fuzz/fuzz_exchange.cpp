@@ -84,7 +84,7 @@ class FuzzedPeers final : public Transport {
   int calls_ = 0;
 };
 
-constexpr int kMethods = 16;
+constexpr int kMethods = 17;
 
 std::unique_ptr<Method> make_method(int id, int world_size) {
   constexpr double d = 0.05;
@@ -119,6 +119,8 @@ std::unique_ptr<Method> make_method(int id, int world_size) {
       return std::make_unique<SIDCo>(d, "gamma_gpareto", 0, 0.25, std::nullopt);
     case 14:
       return std::make_unique<SparDL>(d, 1);
+    case 15:
+      return std::make_unique<RandomBlock>(d, 1);
     default:
       return std::make_unique<SparDL>(d, world_size % 2 == 0 ? 2 : 1);
   }

@@ -123,6 +123,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<std::optional<double>, std::optional<double>>(), py::arg("threshold"), py::arg("density"));
   py::class_<RandomK, Method, std::shared_ptr<RandomK>>(m, "RandomK")
       .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
+  py::class_<RandomBlock, Method, std::shared_ptr<RandomBlock>>(m, "RandomBlock")
+      .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
   py::class_<GaussianK, Method, std::shared_ptr<GaussianK>>(m, "GaussianK")
       .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant"));
   py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC").def(py::init<double, uint64_t>(), py::arg("density"),

@@ -32,6 +32,7 @@ __all__ = [
     "ExDyna",
     "GaussianK",
     "MiCRO",
+    "RandomBlock",
     "RandomK",
     "RedSync",
     "SIDCo",
@@ -100,6 +101,16 @@ class RandomK(State):
 
     OPTIONS = (_DENSITY, seed_option())
     _CORE = "RandomK"
+
+
+class RandomBlock(State):
+    """Random-block: every rank sends the same k = floor(density * n) contiguous elements,
+    starting at a position drawn from a stream seeded by ``seed`` and the step (wrapping past the
+    end of the bucket): no indices to exchange, the values are all-reduced (exchange "shared
+    indices"), and each rank reads one contiguous range."""
+
+    OPTIONS = (_DENSITY, seed_option())
+    _CORE = "RandomBlock"
 
 
 class GaussianK(State):
@@ -245,6 +256,7 @@ METHODS: dict[str, type[State]] = {
     "topk": TopK,
     "threshold": Threshold,
     "randomk": RandomK,
+    "randomblock": RandomBlock,
     "gaussiank": GaussianK,
     "dgc": DGC,
     "redsync": RedSync,

@@ -53,6 +53,7 @@ TEST(MpiTransport, ExchangesConserveMassAndAgree) {
       [] { return std::make_unique<MiCRO>(0.01, "union", false, 1); },
       [] { return std::make_unique<ExDyna>(0.01, "gather", true, 1); },
       [] { return std::make_unique<RandomK>(0.01, 1); },
+      [] { return std::make_unique<RandomBlock>(0.01, 1); },
       [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, std::nullopt); },
   };
   CpuDevice device;

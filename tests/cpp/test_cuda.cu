@@ -95,6 +95,7 @@ TEST(CudaMethods, SelectLikeTheCpu) {
       [] { return std::make_unique<TopK>(0.01); },
       [] { return std::make_unique<Threshold>(std::nullopt, 0.01); },
       [] { return std::make_unique<RandomK>(0.01, 1); },
+      [] { return std::make_unique<RandomBlock>(0.01, 1); },
       [] { return std::make_unique<GaussianK>(0.01, "spardl"); },
       [] { return std::make_unique<GaussianK>(0.01, "sidco"); },
       [] { return std::make_unique<DGC>(0.01, 1); },

@@ -35,6 +35,7 @@ std::vector<Case> all_methods() {
       {"topk", [=] { return std::make_unique<TopK>(d); }},
       {"threshold", [=] { return std::make_unique<Threshold>(std::nullopt, d); }},
       {"randomk", [=] { return std::make_unique<RandomK>(d, 3); }},
+      {"randomblock", [=] { return std::make_unique<RandomBlock>(d, 3); }},
       {"gaussiank_spardl", [=] { return std::make_unique<GaussianK>(d, "spardl"); }},
       {"gaussiank_sidco", [=] { return std::make_unique<GaussianK>(d, "sidco"); }},
       {"dgc", [=] { return std::make_unique<DGC>(d, 3); }},

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from examples import driver
 from gradsparse.testing import free_port, run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EVERY_METHOD = "dense,powersgd,fp16,topk,threshold,randomk,gaussiank,dgc,redsync,sage,micro,exdyna,sidco,spardl"
+EVERY_METHOD = ",".join(driver.METHODS)  # dense, torch's hooks and every gradsparse method
 # Tiny settings per task, on the data that installs offline. The LSTM's epoch is 8 steps (2,000
 # tokens, 2 workers x 4 columns of 250 tokens, 30-token windows), so that the resumed run of
 # test_resume_is_exact stops inside an epoch and then crosses into the next.

@@ -109,7 +109,7 @@ def phi_inv(p: float) -> float:
 
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 SHARED_LANE = 2**32 - 1
-TAG_SAGE, TAG_RANDOMK, TAG_DGC, TAG_INITIAL = 1, 2, 3, 4
+TAG_SAGE, TAG_RANDOMK, TAG_DGC, TAG_INITIAL, TAG_RANDOMBLOCK = 1, 2, 3, 4, 5
 
 
 def mix(z: int) -> int:
@@ -220,6 +220,18 @@ class RandomK(Restatement):
         n = v.numel()
         s = stream(self.seed, TAG_RANDOMK, self.t, SHARED_LANE)
         return sample_distinct(s, target(self.density, n), n), NAN
+
+
+class RandomBlock(RandomK):
+    """docs/method-spec.md 4.12: k positions from a shared random start, wrapping at n."""
+
+    def choose(self, v, rank, world):
+        n = v.numel()
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64), NAN
+        start = draw(stream(self.seed, TAG_RANDOMBLOCK, self.t, SHARED_LANE), 0) % n
+        positions = sorted((start + j) % n for j in range(target(self.density, n)))
+        return torch.tensor(positions, dtype=torch.int64), NAN
 
 
 class GaussianK(Restatement):

@@ -1,6 +1,7 @@
 """The user-facing lists of methods cover exactly the methods that exist: README's table,
 docs/methods.md (its table and one section each, with the constructor's real defaults),
-docs/method-spec.md and the examples' --method choices. A method added, renamed or given a new
+docs/method-spec.md, docs/architecture.md's classes, examples/README.md and the examples'
+--method choices. A method added, renamed or given a new
 default without its documentation fails here."""
 
 import inspect
@@ -82,3 +83,10 @@ def test_examples_offer_exactly_the_methods_and_torch_hooks():
 
     assert set(driver.METHODS) == set(gs.METHODS) | set(driver.TORCH_HOOKS)
     assert len(driver.METHODS) == len(set(driver.METHODS))
+
+
+def test_architecture_and_examples_readme_name_every_method():
+    classes = re.search(r"one class per method \(([^)]*)\)", read("docs/architecture.md")).group(1)
+    assert sorted(re.findall(r"`(\w+)`", classes)) == sorted(cls.__name__ for cls in SPARSE.values())
+    listed = re.search(r"every gradsparse method: (.*?)\.\n", read("examples/README.md"), flags=re.DOTALL).group(1)
+    assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(SPARSE)

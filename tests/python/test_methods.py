@@ -265,6 +265,7 @@ def method_configs(
         ("threshold-fixed", "Threshold", dict(threshold=threshold), False),
         ("threshold-density", "Threshold", dict(density=density), False),
         ("randomk", "RandomK", dict(density=density), False),
+        ("randomblock", "RandomBlock", dict(density=density), False),
         ("gaussiank-spardl", "GaussianK", dict(density=density, variant="spardl"), False),
         ("gaussiank-sidco", "GaussianK", dict(density=density, variant="sidco"), False),
         ("dgc", "DGC", dict(density=density), False),
@@ -274,6 +275,7 @@ def method_configs(
         out += [
             ("topk-dense", "TopK", dict(density=0.3), False),
             ("randomk-seed-most", "RandomK", dict(density=0.7, seed=12345), False),  # drawn as the 30% left out
+            ("randomblock-wraps", "RandomBlock", dict(density=0.7, seed=5), False),  # most starts wrap
             ("dgc-seed", "DGC", dict(density=0.05, seed=99), False),
         ]
     for ref in (True, False):

@@ -40,21 +40,47 @@ class Threshold final : public Method {
   double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
-/// Random-k (4.3): the same k random indices on every rank, from the shared stream of step t.
-class RandomK final : public Method {
+/// A method whose indices every rank draws alike from the shared stream of its step t, so
+/// only values travel (exchange "shared"): Random-k and Random-block.
+class SharedDraw : public Method {
  public:
-  RandomK(double density, uint64_t seed);
-  std::string name() const override { return "randomk"; }
-  Selection select(Device& device, const BucketView& bucket, Collective& group) override;
+  /// Error feedback, then the values at positions() are sent and zeroed in the residual.
+  Selection select(Device& device, const BucketView& bucket, Collective& group) final;
   ExchangeKind exchange() const override { return ExchangeKind::kShared; }
-  void observe(const BucketView& bucket, const ExchangeResult& result) override;
+  void observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) override { ++step_; }
   MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
-  void load_state(const MethodState& state) override;
+  void load_state(const MethodState& state) override {
+    if (auto it = state.find("step"); it != state.end()) step_ = static_cast<int64_t>(it->second);
+  }
 
- private:
+ protected:
+  SharedDraw(const char* owner, double density, uint64_t seed);
+  /// This step's positions in a bucket of `n` elements, ascending, the same on every rank.
+  virtual std::vector<int64_t> positions(int64_t n) const = 0;
   double density_;
   uint64_t seed_;
   int64_t step_ = 0;
+};
+
+/// Random-k (4.3): the same k random indices on every rank.
+class RandomK final : public SharedDraw {
+ public:
+  RandomK(double density, uint64_t seed) : SharedDraw("RandomK", density, seed) {}
+  std::string name() const override { return "randomk"; }
+
+ private:
+  std::vector<int64_t> positions(int64_t n) const override;
+};
+
+/// Random-block (4.12): k contiguous indices (wrapping past the end of the bucket) from a random
+/// start; the same block on every rank.
+class RandomBlock final : public SharedDraw {
+ public:
+  RandomBlock(double density, uint64_t seed) : SharedDraw("RandomBlock", density, seed) {}
+  std::string name() const override { return "randomblock"; }
+
+ private:
+  std::vector<int64_t> positions(int64_t n) const override;
 };
 
 /// Gaussian-k (4.4), SparDL's or SIDCo's variant.

@@ -20,7 +20,7 @@ GS_HD inline uint64_t mix64(uint64_t z) {
 }
 
 /// Stream tags of the methods that draw random numbers.
-enum class RngTag : uint64_t { kSage = 1, kRandomK = 2, kDgc = 3, kPartitionSample = 4 };
+enum class RngTag : uint64_t { kSage = 1, kRandomK = 2, kDgc = 3, kPartitionSample = 4, kRandomBlock = 5 };
 
 /// Lane of a stream shared by every rank (a rank-private stream uses the rank as its lane).
 constexpr uint64_t kSharedLane = 0xFFFFFFFFull;
