@@ -94,7 +94,8 @@ class Option:
 
     ``check(owner, name, value)`` returns the normalised value or raises an error that names the
     owner, the option, the value and a fix; ``flag`` holds the argparse keywords of the
-    examples' ``--name`` flag (its ``type`` or ``choices``)."""
+    examples' ``--name`` flag (its ``type`` or ``choices``). A default of None means "chosen by
+    the method", so None is then accepted without a check."""
 
     name: str
     default: Any
@@ -103,9 +104,9 @@ class Option:
     positional: bool = False
     flag: dict = field(default_factory=dict)
 
-
-def _optional(check: Callable[[str, str, Any], Any]) -> Callable[[str, str, Any], Any]:
-    return lambda owner, name, value: None if value is None else check(owner, name, value)
+    def validate(self, owner: str, value: Any) -> Any:
+        """``value`` (the default when not given) checked and normalised."""
+        return None if value is None and self.default is None else self.check(owner, self.name, value)
 
 
 def _open_interval(low: float, high: float, example: str) -> Callable[[str, str, Any], float]:
@@ -130,23 +131,21 @@ def _positive(example: str) -> Callable[[str, str, Any], float]:
 
 def density_option(doc: str, default: Any = REQUIRED) -> Option:
     """The fraction of elements to send, in (0, 1]."""
-    check = check_density if default is REQUIRED else _optional(check_density)
-    return Option("density", default, check, doc, positional=default is REQUIRED, flag={"type": float})
+    return Option("density", default, check_density, doc, positional=default is REQUIRED, flag={"type": float})
 
 
 def threshold_option(doc: str, default: Any = REQUIRED) -> Option:
     """A finite magnitude >= 0."""
-    check = check_threshold if default is REQUIRED else _optional(check_threshold)
-    return Option("threshold", default, check, doc, positional=True, flag={"type": float})
+    return Option("threshold", default, check_threshold, doc, positional=True, flag={"type": float})
 
 
 def choice_option(name: str, default: str | None, choices: tuple[str, ...], doc: str) -> Option:
-    """One of ``choices``; a default of None means "chosen by the method" and is allowed."""
+    """One of ``choices``."""
 
     def check(owner: str, option: str, value: object) -> str:
         return check_choice(owner, option, value, choices)
 
-    return Option(name, default, _optional(check) if default is None else check, doc, flag={"choices": choices})
+    return Option(name, default, check, doc, flag={"choices": choices})
 
 
 def int_option(name: str, default: int, minimum: int, example: str, doc: str) -> Option:
@@ -159,15 +158,13 @@ def int_option(name: str, default: int, minimum: int, example: str, doc: str) ->
 
 
 def ratio_option(name: str, default: float | None, example: str, doc: str) -> Option:
-    """A number in (0, 1); a default of None means "chosen by the method"."""
-    check = _open_interval(0.0, 1.0, example)
-    return Option(name, default, _optional(check) if default is None else check, doc, flag={"type": float})
+    """A number in (0, 1)."""
+    return Option(name, default, _open_interval(0.0, 1.0, example), doc, flag={"type": float})
 
 
 def positive_option(name: str, default: float | None, example: str, doc: str) -> Option:
-    """A finite number > 0; a default of None means "chosen by the method"."""
-    check = _positive(example)
-    return Option(name, default, _optional(check) if default is None else check, doc, flag={"type": float})
+    """A finite number > 0."""
+    return Option(name, default, _positive(example), doc, flag={"type": float})
 
 
 def seed_option() -> Option:

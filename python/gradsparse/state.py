@@ -230,7 +230,7 @@ class State:
                 "apt-get install libopenmpi-dev openmpi-bin) and reinstall gradsparse, or use "
                 'transport="process_group" (the default)'
             )
-        self._method_config = {o.name: o.check(owner, o.name, options.get(o.name, o.default)) for o in self.OPTIONS}
+        self._method_config = {o.name: o.validate(owner, options.get(o.name, o.default)) for o in self.OPTIONS}
         self._check_options(self._method_config)
 
     def _check_options(self, config: dict[str, Any]) -> None:
