@@ -131,6 +131,27 @@ def extensions():
     ]
 
 
+def _check_shared_libstdcxx(path):
+    """Fails the build when the compiler linked its own copy of libstdc++ into _C (a toolchain
+    that links it statically, such as some CXX=/opt/... compilers): torch uses the system's shared
+    libstdc++, and two copies in one process crash on the first error message or exception."""
+    import sys
+
+    if not sys.platform.startswith("linux") or not os.path.exists(path):
+        return
+    with open(path, "rb") as f:
+        if b"libstdc++.so" in f.read():
+            return
+    os.remove(path)
+    compiler = os.environ.get("CXX", "c++")
+    raise SystemExit(
+        f"gradsparse: {compiler} linked libstdc++ statically into {os.path.basename(path)}, but torch loads the "
+        "shared libstdc++: two copies in one process crash at the first exception. Build with a compiler that "
+        "links it dynamically, e.g. CXX=/usr/bin/g++ CC=/usr/bin/gcc (and check that "
+        "`ldd` on the built module lists libstdc++.so.6)."
+    )
+
+
 def build_ext_command():
     """torch's BuildExtension, which also writes gradsparse/_build.py beside the built _C: the torch
     _C is compiled against, compared with the running torch when gradsparse is imported (a
@@ -144,6 +165,7 @@ def build_ext_command():
         def run(self):
             super().run()
             for ext in self.extensions:
+                _check_shared_libstdcxx(self.get_ext_fullpath(ext.name))
                 path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build.py")
                 with open(path, "w") as f:
                     f.write(

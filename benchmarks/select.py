@@ -2,9 +2,11 @@
 step, against a plain residual add and against torch.topk, as ratios measured in one run.
 
     python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N] [--methods]
+                                [--device cpu|cuda]
 
 For each size N and density d, on the same float32 gradient and residual:
 - add:        residual.add_(grad), the memory traffic any error feedback needs (baseline);
+- copy:       a copy of the gradient's bytes into another tensor (on a GPU: device to device);
 - threshold:  gradsparse.select_threshold (fused add + select + compact + zero), with the
               threshold set to the d-quantile of |residual + grad| so it selects about d*N;
 - topk:       gradsparse.select_topk (fused add + exact top-k);
@@ -27,36 +29,46 @@ from benchmarks.utils import markdown_table, median_seconds, write_result
 from gradsparse import _C
 
 
-def measure(n: int, density: float, repeat: int) -> list[object]:
+def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[object]:
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen)
     start = torch.randn(n, generator=gen) * 0.5
-    residual = start.clone()
     k = max(1, int(density * n))
-    a = (start + grad).abs()
-    threshold = float(torch.kthvalue(a, n - k + 1).values)  # selects about k elements
+    threshold = float(torch.kthvalue((start + grad).abs(), n - k + 1).values)  # selects about k elements
+    grad, start = grad.to(device), start.to(device)
+    residual, copy = start.clone(), torch.empty_like(grad)
     reset = lambda: residual.copy_(start)  # noqa: E731
 
-    t_add = median_seconds(lambda: residual.add_(grad), reset, repeat)
-    t_threshold = median_seconds(lambda: gs.select_threshold(grad, residual, threshold), reset, repeat)
+    def timed(fn):  # on a GPU: from an idle stream to the end of the work
+        if device == "cpu":
+            return median_seconds(fn, reset, repeat)
+        return median_seconds(
+            lambda: (fn(), torch.cuda.synchronize()), lambda: (reset(), torch.cuda.synchronize()), repeat
+        )
+
+    t_add = timed(lambda: residual.add_(grad))
+    t_copy = timed(lambda: copy.copy_(grad))
+    t_threshold = timed(lambda: gs.select_threshold(grad, residual, threshold))
     reset()
     selected = gs.select_threshold(grad, residual, threshold)[0].numel()
-    t_topk = median_seconds(lambda: gs.select_topk(grad, residual, k), reset, repeat)
+    t_topk = timed(lambda: gs.select_topk(grad, residual, k))
 
     def torch_topk():
         residual.add_(grad)
         torch.topk(residual.abs(), k, sorted=False)
 
-    t_torch = median_seconds(torch_topk, reset, repeat)
+    t_torch = timed(torch_topk)
     return [
         f"{n / 1e6:g}M",
         density,
         selected / n,
         1e3 * t_add,
+        1e3 * t_copy,
         1e3 * t_threshold,
         1e3 * t_topk,
         1e3 * t_torch,
         t_threshold / t_add,
+        t_threshold / t_copy,
         t_torch / t_threshold,
         t_torch / t_topk,
     ]
@@ -94,32 +106,42 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--threads", type=int, default=0, help="threads for torch and gradsparse (0: default)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--methods", action="store_true", help="also time every method's selection step")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
+    if args.methods and args.device != "cpu":
+        parser.error(
+            f"--methods times each method's step through a CPU thread group; drop it with --device {args.device}"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)
     rows = [
-        measure(int(float(n)), float(d), args.repeat) for n in args.sizes.split(",") for d in args.densities.split(",")
+        measure(int(float(n)), float(d), args.repeat, args.device)
+        for n in args.sizes.split(",")
+        for d in args.densities.split(",")
     ]
     headers = [
         "N",
         "density",
         "achieved",
         "add ms",
+        "copy ms",
         "threshold ms",
         "topk ms",
         "torch.topk ms",
         "threshold / add",
+        "threshold / copy",
         "torch.topk / threshold",
         "torch.topk / topk",
     ]
-    text = (
-        f"# Selection cost (float32, {torch.get_num_threads()} torch threads, {gs.get_num_threads()} gradsparse "
-        f"threads, {platform.processor() or platform.machine()}, torch {torch.__version__})\n\n"
-        + markdown_table(headers, rows)
-        + "\n"
+    where = (
+        torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else f"{torch.get_num_threads()} torch threads, {gs.get_num_threads()} gradsparse threads, "
+        f"{platform.processor() or platform.machine()}"
     )
+    text = f"# Selection cost (float32, {where}, torch {torch.__version__})\n\n" + markdown_table(headers, rows) + "\n"
     if args.methods:
         method_table = [
             row

@@ -309,6 +309,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps")
     g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: cores / local workers)")
+    g.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo", "mpi"),
+        default="auto",
+        help="process group backend (auto: nccl where CUDA is available, else gloo); gloo on a GPU "
+        "machine trains CUDA tensors over Gloo, several workers may share one GPU",
+    )
     g.add_argument("--data-dir", default=None, help="folder holding the dataset files")
     g.add_argument("--out", default=None, help="run folder (default runs/<task>)")
     g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
@@ -352,11 +359,14 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     threads = args.threads or max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        # One GPU per local worker; a task bound to its own GPU (srun --gpus-per-task=1) sees one.
+    backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        # One GPU per local worker (or several workers sharing a GPU over Gloo); a task bound to
+        # its own GPU (srun --gpus-per-task=1) sees one.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(backend)
+    # NCCL moves CUDA tensors only; the driver's own bookkeeping (resume agreement, metrics)
+    # uses CPU tensors, which Gloo carries beside it.
+    dist.init_process_group("cpu:gloo,cuda:nccl" if backend == "nccl" else backend)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -674,10 +684,11 @@ class Run:
         if self.rank == 0:
             dense = self.comm.dense_bytes * max(1, t["steps"])
             quality = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+            share = f"{100 * t['bytes'] / dense:5.1f}% of dense" if dense else "one worker: nothing to send"
             print(
                 f"[{self.method:>9}] epoch {row['epoch']}/{self.args.epochs}  loss {row['loss']:.4f}  {quality}  "
-                f"density {row['density']:.4f}  sent {t['bytes'] / 1e6:8.3f} MB/rank "
-                f"({100 * t['bytes'] / dense:5.1f}% of dense)  time {t['seconds']:6.1f} s",
+                f"density {row['density']:.4f}  sent {t['bytes'] / 1e6:8.3f} MB/rank ({share})  "
+                f"time {t['seconds']:6.1f} s",
                 flush=True,
             )
         if not partial:

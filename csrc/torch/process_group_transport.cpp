@@ -62,20 +62,29 @@ void ProcessGroupTransport::sendrecv(const Device& device, const void* send, siz
                                      size_t recv_bytes, int src) {
   // Both directions are posted before waiting; NCCL needs them in one coalesced group (a lone
   // send would wait for the peer's receive, queued after the peer's own send), other backends
-  // run point-to-point operations asynchronously anyway.
+  // run point-to-point operations asynchronously anyway. Gloo's send and receive read and write
+  // the tensor's memory from the host, so CUDA bytes travel through host copies there.
   const bool cuda = device.kind() == DeviceKind::kCUDA;
+  const bool nccl = cuda && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
+  const bool staged = cuda && !nccl;
   std::vector<at::Tensor> out{wrap(device, send, static_cast<int64_t>(send_bytes), at::kByte)};
   std::vector<at::Tensor> in{wrap(device, recv, static_cast<int64_t>(recv_bytes), at::kByte)};
-  if (cuda) group_->startCoalescing(c10::DeviceType::CUDA);
+  const at::Tensor device_in = in[0];
+  if (staged) {
+    out[0] = out[0].cpu();  // waits for the current stream
+    in[0] = at::empty_like(in[0], in[0].options().device(at::kCPU));
+  }
+  if (nccl) group_->startCoalescing(c10::DeviceType::CUDA);
   c10::intrusive_ptr<c10d::Work> sent, received;
   if (send_bytes > 0) sent = group_->send(out, dst, /*tag=*/0);
   if (recv_bytes > 0) received = group_->recv(in, src, /*tag=*/0);
-  if (cuda) {
+  if (nccl) {
     auto work = group_->endCoalescing(c10::DeviceType::CUDA);
     if (work) wait(work, "sendrecv", send_bytes + recv_bytes);
   }
   if (sent) wait(sent, "send", send_bytes);
   if (received) wait(received, "recv", recv_bytes);
+  if (staged && recv_bytes > 0) device_in.copy_(in[0]);  // on the current stream, as the job's next kernels
   count_sendrecv(send_bytes, recv_bytes);
 }
 

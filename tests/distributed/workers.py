@@ -219,12 +219,18 @@ def teacher_data(rank: int, steps: int):
     return data
 
 
-def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, float]:
-    """Trains the same model with every method; returns the mean loss of the last 10 steps."""
-    data = teacher_data(rank, steps)
+def train_every_method(rank: int, world_size: int, steps: int, device: str = "cpu") -> dict[str, float]:
+    """Trains the same model with every method; returns the mean loss of the last 10 steps.
+    On ``device="cuda"`` the model, data and buckets live on the GPU (every rank on GPU 0 over
+    Gloo, or one GPU per rank over NCCL)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    data = [(x.to(device), y.to(device)) for x, y in teacher_data(rank, steps)]
     out = {}
     for name, make in TRAINING_METHODS.items():
-        ddp = DDP(make_model(seed=3))
+        if name == "spardl_teams" and world_size % 2:
+            continue  # two teams need an even world
+        ddp = DDP(make_model(seed=3).to(device))
         state = make()
         if state is not None:
             ddp.register_comm_hook(state, gs.hook)

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import gradsparse
@@ -32,3 +33,23 @@ def test_the_build_record_names_the_running_torch():
     from gradsparse._build import TORCH_VERSION
 
     assert torch.__version__ == TORCH_VERSION
+
+
+def test_a_build_that_carries_its_own_libstdcxx_is_refused(tmp_path, monkeypatch):
+    """setup.py's check after building _C: a module that does not load the shared libstdc++ (its
+    compiler linked a static copy) is removed and the build fails naming the compiler and the fix;
+    the installed _C passes the same check."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("gradsparse_setup", os.path.join(root, "setup.py"))
+    setup_py = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_py)  # defines the functions; setup() runs only as __main__
+
+    setup_py._check_shared_libstdcxx(gradsparse._C.__file__)  # the real module: loads libstdc++.so.6
+    static = tmp_path / "_C.so"
+    static.write_bytes(b"\x7fELF" + b"\0" * 64 + b"libgomp.so.1\0libc.so.6\0")
+    monkeypatch.setenv("CXX", "/opt/gcc/bin/g++")
+    with pytest.raises(SystemExit, match=r"/opt/gcc/bin/g\+\+ linked libstdc\+\+ statically.*CXX=/usr/bin/g\+\+"):
+        setup_py._check_shared_libstdcxx(str(static))
+    assert not static.exists()

@@ -74,23 +74,24 @@ inline std::string message_source(int source_rank) {
 /// broken field. `expected_dtype` and `expected_dense_size` are what the receiving bucket holds.
 inline MessageHeader parse_header(const void* header, DType expected_dtype, uint64_t expected_dense_size,
                                   int source_rank = -1) {
-  const std::string what = message_source(source_rank);
   MessageHeader h;
   std::memcpy(&h, header, sizeof(h));
-  GS_CHECK(h.magic == kMessageMagic, CorruptMessageError, what, " has bad magic 0x", std::hex, h.magic, std::dec,
-           " (not a gradsparse message, or corrupted in transit)");
-  GS_CHECK(h.version == kMessageVersion, CorruptMessageError, what, " has version ", int(h.version),
-           ", this build reads version ", int(kMessageVersion), " (mixed gradsparse versions across ranks?)");
-  GS_CHECK(h.dtype <= 2, CorruptMessageError, what, " has unknown dtype code ", int(h.dtype));
-  GS_CHECK(static_cast<DType>(h.dtype) == expected_dtype, CorruptMessageError, what, " carries ",
+  GS_CHECK(h.magic == kMessageMagic, CorruptMessageError, message_source(source_rank), " has bad magic 0x", std::hex,
+           h.magic, std::dec, " (not a gradsparse message, or corrupted in transit)");
+  GS_CHECK(h.version == kMessageVersion, CorruptMessageError, message_source(source_rank), " has version ",
+           int(h.version), ", this build reads version ", int(kMessageVersion),
+           " (mixed gradsparse versions across ranks?)");
+  GS_CHECK(h.dtype <= 2, CorruptMessageError, message_source(source_rank), " has unknown dtype code ", int(h.dtype));
+  GS_CHECK(static_cast<DType>(h.dtype) == expected_dtype, CorruptMessageError, message_source(source_rank), " carries ",
            dtype_name(static_cast<DType>(h.dtype)), " values but the bucket is ", dtype_name(expected_dtype));
-  GS_CHECK(h.index_bytes == 4 || h.index_bytes == 8, CorruptMessageError, what, " has index_bytes=", int(h.index_bytes),
-           ", expected 4 or 8");
-  GS_CHECK(h.flags == 0, CorruptMessageError, what, " has non-zero reserved flags");
-  GS_CHECK(h.dense_size == expected_dense_size, CorruptMessageError, what, " is for a bucket of ", h.dense_size,
-           " elements but the receiving bucket has ", expected_dense_size, " (ranks disagree on the bucket layout?)");
-  GS_CHECK(h.count <= h.dense_size, CorruptMessageError, what, " claims ", h.count, " pairs for a bucket of ",
-           h.dense_size, " elements");
+  GS_CHECK(h.index_bytes == 4 || h.index_bytes == 8, CorruptMessageError, message_source(source_rank),
+           " has index_bytes=", int(h.index_bytes), ", expected 4 or 8");
+  GS_CHECK(h.flags == 0, CorruptMessageError, message_source(source_rank), " has non-zero reserved flags");
+  GS_CHECK(h.dense_size == expected_dense_size, CorruptMessageError, message_source(source_rank),
+           " is for a bucket of ", h.dense_size, " elements but the receiving bucket has ", expected_dense_size,
+           " (ranks disagree on the bucket layout?)");
+  GS_CHECK(h.count <= h.dense_size, CorruptMessageError, message_source(source_rank), " claims ", h.count,
+           " pairs for a bucket of ", h.dense_size, " elements");
   return h;
 }
 
