@@ -45,6 +45,24 @@ void ProcessGroupTransport::allgather(const Device& device, const void* send, vo
   count_allgather(bytes);
 }
 
+void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
+  check_allgatherv(sizes, "ProcessGroupTransport");
+  // An all-to-all with split sizes: every rank sends its block, unpadded, to every rank.
+  const auto mine = static_cast<int64_t>(sizes[static_cast<size_t>(rank_)]);
+  std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
+  int64_t total = 0;
+  for (int64_t b : out_splits) total += b;
+  at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
+  at::Tensor output = wrap(device, recv, total, at::kByte);
+  // alltoall_base: torch 2.13 deprecates it for all_to_all_single, which older torches lack.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  auto work = group_->alltoall_base(output, input, out_splits, in_splits);
+#pragma GCC diagnostic pop
+  wait(work, "allgatherv", static_cast<size_t>(total));
+  count_allgatherv(sizes);
+}
+
 void ProcessGroupTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {
   GS_CHECK(count > 0, ValueError, "ProcessGroupTransport.allreduce_sum: zero-length collective");
   std::vector<at::Tensor> tensors{wrap(device, data, static_cast<int64_t>(count), scalar_type(dtype))};

@@ -57,16 +57,19 @@ def index_part_bytes(count: int, numel: int) -> int:
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective as one rank issues it. ``size`` is the per-rank block (allgather), the
-    buffer (all-reduce) or the outgoing bytes (sendrecv, with ``incoming``)."""
+    """One collective as one rank issues it. ``size`` is the per-rank block (allgather), this
+    rank's block (allgatherv, with the other ranks' blocks summed in ``incoming``), the buffer
+    (all-reduce) or the outgoing bytes (sendrecv, with ``incoming``)."""
 
-    kind: str  # "allgather", "allreduce" or "sendrecv"
+    kind: str  # "allgather", "allgatherv", "allreduce" or "sendrecv"
     size: int
     incoming: int = 0
 
     def bytes_sent(self, world_size: int) -> int:
         if self.kind == "allgather":
             return (world_size - 1) * self.size
+        if self.kind == "allgatherv":  # a ring forwards every block but one
+            return self.incoming
         if self.kind == "allreduce":
             return 2 * (world_size - 1) * self.size // world_size
         return self.size
@@ -77,6 +80,8 @@ class Collective:
             return 0.0
         if self.kind == "allgather":
             return (p - 1) * (latency + self.size * seconds_per_byte)
+        if self.kind == "allgatherv":
+            return (p - 1) * latency + self.incoming * seconds_per_byte
         if self.kind == "allreduce":
             return 2 * (p - 1) * latency + 2 * (p - 1) / p * self.size * seconds_per_byte
         return latency + max(self.size, self.incoming) * seconds_per_byte
@@ -92,10 +97,15 @@ def dense(numel: int, value_bytes: int = 4) -> list[Collective]:
     return [Collective("allreduce", numel * value_bytes)] if numel > 0 else []
 
 
-def gather_and_add(counts: Sequence[int], numel: int, value_bytes: int = 4) -> list[Collective]:
-    """Control words, then every rank's message padded to the largest."""
-    largest = max(message_bytes(c, numel, value_bytes) for c in counts)
-    return [Collective("allgather", CONTROL_BYTES), Collective("allgather", largest)]
+def variable_blocks(sizes: Sequence[int], rank: int) -> Collective:
+    """The all-gather of one block per rank, unpadded (every rank's size known from the control words)."""
+    return Collective("allgatherv", sizes[rank], sum(sizes) - sizes[rank])
+
+
+def gather_and_add(counts: Sequence[int], numel: int, value_bytes: int = 4, rank: int = 0) -> list[Collective]:
+    """Control words, then every rank's message, unpadded (as rank ``rank`` sees it)."""
+    sizes = [message_bytes(c, numel, value_bytes) for c in counts]
+    return [Collective("allgather", CONTROL_BYTES), variable_blocks(sizes, rank)]
 
 
 def exact_k(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
@@ -103,11 +113,13 @@ def exact_k(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
     return [Collective("allgather", message_bytes(k, numel, value_bytes))]
 
 
-def union_allreduce(counts: Sequence[int], union: int, numel: int, value_bytes: int = 4) -> list[Collective]:
-    """Control words, the index lists padded to the longest, then one all-reduce of the values
-    on the union (skipped when the union is empty)."""
-    largest = max(index_part_bytes(c, numel) for c in counts)
-    steps = [Collective("allgather", CONTROL_BYTES), Collective("allgather", largest)]
+def union_allreduce(
+    counts: Sequence[int], union: int, numel: int, value_bytes: int = 4, rank: int = 0
+) -> list[Collective]:
+    """Control words, the index lists (unpadded), then one all-reduce of the values on the union
+    (skipped when the union is empty)."""
+    sizes = [index_part_bytes(c, numel) for c in counts]
+    steps = [Collective("allgather", CONTROL_BYTES), variable_blocks(sizes, rank)]
     if union > 0:
         steps.append(Collective("allreduce", union * value_bytes))
     return steps
@@ -233,6 +245,23 @@ def exchanges_at_scale(world_size: int, numel: int, density: float, teams: int =
     return plans
 
 
+def minimum_bytes(world_size: int, numel: int, density: float) -> dict[str, int]:
+    """Rank 0's payload lower bound per step of each exchange's algorithm (the bytes of the
+    pairs, indices or values themselves, no headers, control words or padding), for the exchanges
+    of ``exchanges_at_scale`` that have one in closed form."""
+    p, k = world_size, max(1, math.floor(density * numel))
+    pair = index_bytes(numel) + 4
+    others = sum(even_split(k, p)[1:])  # the pairs of ranks 1..P-1 under an even split of k
+    allreduce = 2 * (p - 1) * k * 4 // p
+    return {
+        "dense all-reduce": 2 * (p - 1) * numel * 4 // p,
+        "gather-and-add (Top-k, exact k)": (p - 1) * k * pair,
+        "gather-and-add (counts exchanged)": (p - 1) * k * pair,
+        "union + all-reduce (MiCRO/ExDyna)": others * index_bytes(numel) + (allreduce if p > 1 else 0),
+        "exclusive gather (MiCRO/ExDyna)": others * pair,
+    }
+
+
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
@@ -306,18 +335,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{numel:,} float32 elements per step, density {args.density} (k = {max(1, math.floor(args.density * numel)):,}),"
         f" {args.bandwidth} per link ({_human(bandwidth)}/s), latency {args.latency}"
     )
-    header = f"{'P':>6}  {'exchange':<36} {'sent/rank':>12} {'time':>11} {'vs dense':>9}"
+    header = f"{'P':>6}  {'exchange':<36} {'sent/rank':>12} {'x minimum':>10} {'time':>11} {'vs dense':>9}"
     print(header)
     print("-" * len(header))
     rows: dict[str, list[tuple[int, float]]] = {}
     for p in worlds:
         plans = exchanges_at_scale(p, numel, args.density, args.teams)
+        minimum = minimum_bytes(p, numel, args.density)
         dense_time = sum(c.seconds(p, latency, beta) for c in plans["dense all-reduce"])
         for name, plan in plans.items():
             sent = sum(c.bytes_sent(p) for c in plan)
             seconds = sum(c.seconds(p, latency, beta) for c in plan)
             speedup = f"{dense_time / seconds:8.1f}x" if seconds > 0 else f"{'-':>9}"
-            print(f"{p:>6}  {name:<36} {_human(sent):>12} {seconds * 1e3:9.3f}ms {speedup}")
+            ratio = f"{sent / minimum[name]:9.3f}x" if minimum.get(name) else f"{'-':>10}"
+            print(f"{p:>6}  {name:<36} {_human(sent):>12} {ratio} {seconds * 1e3:9.3f}ms {speedup}")
             rows.setdefault(name, []).append((p, seconds))
         print()
     if args.plot:

@@ -27,6 +27,16 @@ TEST(MpiTransport, Collectives) {
   transport->allgather(device, mine.data(), all.data(), sizeof(int32_t) * 2);
   for (int q = 0; q < p; ++q) EXPECT_EQ(all[2 * q + 1], 10 * q);
 
+  // Variable blocks (rank q sends q bytes, rank 0 none), back to back, only those bytes counted.
+  std::vector<size_t> sizes(p);
+  for (int q = 0; q < p; ++q) sizes[q] = static_cast<size_t>(q);
+  std::vector<unsigned char> block(r, static_cast<unsigned char>(r)), blocks(p * (p - 1) / 2);
+  const int64_t before = transport->traffic().bytes_received;
+  transport->allgatherv(device, block.data(), blocks.data(), sizes);
+  for (int q = 0, at = 0; q < p; ++q)
+    for (int j = 0; j < q; ++j) EXPECT_EQ(blocks[at++], q);
+  EXPECT_EQ(transport->traffic().bytes_received - before, p * (p - 1) / 2 - r);
+
   std::vector<double> d{1.0 + r, 0.5};
   transport->allreduce_sum(device, d.data(), 2, DType::kFloat64);
   EXPECT_EQ(d[0], p + p * (p - 1) / 2.0);

@@ -2,10 +2,12 @@
 // reference computed from all ranks' data; mass conservation; the non-finite policy; faults.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -116,6 +118,75 @@ TEST(GatherAdd, UnequalCountsAndEmptySelectionsNeverIssueZeroLengthCollectives) 
     ASSERT_EQ(outputs[0][i], 50.0f * senders / 4) << i;
   }
   for (int r = 0; r < p; ++r) EXPECT_EQ(traffic[r].collectives, 2);  // control + data
+  // No padding on the wire: each rank receives exactly the other ranks' messages (10 r pairs from
+  // rank r), after the control words.
+  for (int r = 0; r < p; ++r) {
+    int64_t others = 0;
+    for (int q = 0; q < p; ++q)
+      if (q != r) others += static_cast<int64_t>(MessageLayout(10 * q, 4, DType::kFloat32).total_bytes);
+    EXPECT_EQ(traffic[r].bytes_received, (p - 1) * static_cast<int64_t>(sizeof(ControlWord)) + others) << r;
+  }
+}
+
+/// Forwards everything but allgatherv, which takes the base class's padded path.
+class WithoutAllgatherv final : public Transport {
+ public:
+  explicit WithoutAllgatherv(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
+    inner_.allgather(device, send, recv, bytes);
+    count(bytes);
+  }
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    inner_.allreduce_sum(device, data, count, dtype);
+  }
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override {
+    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+  }
+  void count(size_t bytes) { count_allgather(bytes); }
+
+ private:
+  Transport& inner_;
+};
+
+// allgatherv delivers every rank's block back to back, zero-length blocks included, natively
+// (ThreadTransport: only the blocks are counted) and through the padded fallback (counted padded).
+TEST(Allgatherv, DeliversBlocksBackToBackNativelyAndPadded) {
+  for (const bool native : {true, false}) {
+    for (int p : {1, 2, 3, 5}) {
+      std::vector<size_t> sizes(p);
+      for (int r = 0; r < p; ++r) sizes[r] = static_cast<size_t>(r % 3 == 1 ? 0 : 3 * r + 5);
+      const size_t total = std::accumulate(sizes.begin(), sizes.end(), size_t{0});
+      const size_t largest = *std::max_element(sizes.begin(), sizes.end());
+      rethrow_first(run_ranks(p, [&](int rank, Transport& inner) {
+        CpuDevice device;
+        WithoutAllgatherv padded(inner);
+        Transport& transport = native ? inner : static_cast<Transport&>(padded);
+        std::vector<unsigned char> mine(sizes[rank], static_cast<unsigned char>(rank + 1)), all(total, 0);
+        transport.allgatherv(device, mine.data(), all.data(), sizes);
+        size_t at = 0;
+        for (int q = 0; q < p; ++q)
+          for (size_t j = 0; j < sizes[q]; ++j) ASSERT_EQ(all[at++], q + 1) << "P=" << p << " rank " << q;
+        const int64_t expected =
+            native ? static_cast<int64_t>(total - sizes[rank]) : static_cast<int64_t>((p - 1) * largest);
+        EXPECT_EQ(transport.traffic().bytes_sent, expected) << "P=" << p << (native ? " native" : " padded");
+      }));
+    }
+  }
+}
+
+TEST(Allgatherv, RejectsWrongSizeListsAndDisagreement) {
+  const auto errors = run_ranks(2, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<unsigned char> buffer(16);
+    EXPECT_THROW(transport.allgatherv(device, buffer.data(), buffer.data(), {4}), ValueError);
+    EXPECT_THROW(transport.allgatherv(device, buffer.data(), buffer.data(), {0, 0}), ValueError);
+    // Rank 1 claims another size for itself than rank 0 expects.
+    transport.allgatherv(device, buffer.data(), buffer.data(), {4, rank == 0 ? size_t{4} : size_t{8}});
+  });
+  EXPECT_TRUE(errors[0]);  // rank 0 received 8 bytes where it expected 4
 }
 
 TEST(DenseAllreduce, AveragesLikeDdp) {

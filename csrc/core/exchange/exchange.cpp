@@ -74,26 +74,14 @@ int64_t index_digest(Device& device, const Selection& selection, const BucketVie
 
 namespace {
 
-size_t largest_message(const std::vector<ControlWord>& control) {
-  size_t max_bytes = 0;
-  for (const ControlWord& w : control) max_bytes = std::max(max_bytes, static_cast<size_t>(w.message_bytes));
-  GS_ASSERT(max_bytes >= kMessageHeaderBytes);  // every message has a header: never zero-length
-  return max_bytes;
-}
-
-/// All-gathers the first `bytes` bytes of every rank's message, each padded to `max_bytes`;
-/// returns the receive buffer.
-Buffer allgather_padded(Transport& transport, Device& device, const Selection& mine, size_t bytes, size_t max_bytes) {
-  Buffer padded;
-  const void* send = mine.message.data();
-  if (bytes != max_bytes) {
-    padded = device.allocate(max_bytes);
-    device.fill_zero(padded.data(), max_bytes);
-    device.copy(padded.data(), mine.message.data(), bytes);
-    send = padded.data();
-  }
-  Buffer recv = device.allocate(max_bytes * transport.size());
-  transport.allgather(device, send, recv.data(), max_bytes);
+/// All-gathers the first `sizes[rank]` bytes of every rank's message, unpadded (the sizes come
+/// from the control words); returns the receive buffer and each rank's offset in it.
+Buffer allgather_messages(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes,
+                          std::vector<size_t>& offsets) {
+  offsets.assign(sizes.size() + 1, 0);
+  for (size_t r = 0; r < sizes.size(); ++r) offsets[r + 1] = offsets[r] + sizes[r];
+  Buffer recv = device.allocate(offsets.back());
+  transport.allgatherv(device, mine.message.data(), recv.data(), sizes);
   return recv;
 }
 
@@ -109,13 +97,14 @@ MessageHeader checked_header(Device& device, const void* message, size_t bytes, 
 void gather_and_add(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine,
                     ExchangeResult& result) {
   const int p = transport.size();
-  const size_t max_bytes = largest_message(result.control);
-  Buffer recv = allgather_padded(transport, device, mine, mine.bytes, max_bytes);
+  std::vector<size_t> sizes(static_cast<size_t>(p)), offsets;
+  for (int r = 0; r < p; ++r) sizes[r] = static_cast<size_t>(result.control[r].message_bytes);
+  Buffer recv = allgather_messages(transport, device, mine, sizes, offsets);
   device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
   for (int r = 0; r < p; ++r) {
-    const void* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
-    checked_header(device, message, max_bytes, bucket, result.control[r], r);
-    device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, message, max_bytes, static_cast<float>(p), r);
+    const void* message = recv.as<unsigned char>() + offsets[r];
+    checked_header(device, message, sizes[r], bucket, result.control[r], r);
+    device.scatter_add_message(bucket.dtype, bucket.grad, bucket.numel, message, sizes[r], static_cast<float>(p), r);
   }
   result.union_size = result.total_count();
 }
@@ -138,15 +127,15 @@ void union_allreduce(Transport& transport, Device& device, const BucketView& buc
   const int p = transport.size();
   // Only the headers and index lists travel (a message's values follow its indices, so they are a
   // prefix); each rank then contributes its own values on the union to one all-reduce.
-  size_t max_bytes = 0;
-  for (const ControlWord& w : result.control) max_bytes = std::max(max_bytes, index_part_bytes(w.count, bucket));
-  Buffer recv = allgather_padded(transport, device, mine, index_part_bytes(mine.count, bucket), max_bytes);
+  std::vector<size_t> sizes(static_cast<size_t>(p)), offsets;
+  for (int r = 0; r < p; ++r) sizes[r] = index_part_bytes(result.control[r].count, bucket);
+  Buffer recv = allgather_messages(transport, device, mine, sizes, offsets);
   std::vector<int64_t> all;
   all.reserve(static_cast<size_t>(result.total_count()));
-  std::vector<unsigned char> host(max_bytes);
+  std::vector<unsigned char> host;
   for (int r = 0; r < p; ++r) {
-    const auto* message = recv.as<unsigned char>() + static_cast<size_t>(r) * max_bytes;
-    device.copy_to_host(host.data(), message, max_bytes);
+    host.resize(sizes[r]);
+    device.copy_to_host(host.data(), recv.as<unsigned char>() + offsets[r], sizes[r]);
     const MessageHeader h = parse_header(host.data(), bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
     GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
                  h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),

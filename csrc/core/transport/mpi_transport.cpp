@@ -29,6 +29,7 @@ std::unique_ptr<MpiTransport> MpiTransport::world() {
 
 MpiTransport::~MpiTransport() = default;
 void MpiTransport::allgather(const Device&, const void*, void*, size_t) {}
+void MpiTransport::allgatherv(Device&, const void*, void*, const std::vector<size_t>&) {}
 void MpiTransport::allreduce_sum(const Device&, void*, size_t, DType) {}
 void MpiTransport::sendrecv(const Device&, const void*, size_t, int, void*, size_t, int) {}
 
@@ -152,6 +153,25 @@ void MpiTransport::allgather(const Device& device, const void* send, void* recv,
   check(MPI_Allgather(in.get(), n, MPI_BYTE, out.get(), n, MPI_BYTE, comm_->comm), "MPI_Allgather");
   out.store();
   count_allgather(bytes);
+}
+
+void MpiTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
+  check_allgatherv(sizes, "MpiTransport");
+  std::vector<int> counts(sizes.size()), offsets(sizes.size());
+  size_t total = 0;
+  for (size_t r = 0; r < sizes.size(); ++r) {
+    counts[r] = mpi_count(sizes[r], "allgatherv");
+    offsets[r] = mpi_count(total, "allgatherv");
+    total += sizes[r];
+  }
+  const size_t mine = sizes[static_cast<size_t>(rank_)];
+  Staged in(device, const_cast<void*>(send), mine, true);
+  Staged out(device, recv, total, false);
+  check(MPI_Allgatherv(in.get(), counts[rank_], MPI_BYTE, out.get(), counts.data(), offsets.data(), MPI_BYTE,
+                       comm_->comm),
+        "MPI_Allgatherv");
+  out.store();
+  count_allgatherv(sizes);
 }
 
 void MpiTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {

@@ -21,6 +21,7 @@ class ThreadTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override;
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
+  void allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) override;
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override;
@@ -157,6 +158,28 @@ void ThreadTransport::allgather(const Device& device, const void* send, void* re
   group_->barrier(rank_);
   if (!error.empty()) throw CommError(error);
   count_allgather(bytes);
+}
+
+void ThreadTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
+  check_cpu(device, "allgatherv");
+  check_allgatherv(sizes, "ThreadTransport");
+  group_->publish(rank_, send, sizes[rank_]);
+  std::string error;
+  for (int r = 0; r < group_->size() && error.empty(); ++r) {
+    if (group_->slot_size(r) != sizes[r])
+      error = str("ThreadTransport.allgatherv: rank ", r, " passed ", group_->slot_size(r), " bytes but rank ", rank_,
+                  " expected ", sizes[r], "; every rank must pass the same sizes");
+  }
+  if (error.empty()) {
+    size_t offset = 0;
+    for (int r = 0; r < group_->size(); ++r) {
+      if (sizes[r] > 0) std::memcpy(static_cast<char*>(recv) + offset, group_->slot(r), sizes[r]);
+      offset += sizes[r];
+    }
+  }
+  group_->barrier(rank_);
+  if (!error.empty()) throw CommError(error);
+  count_allgatherv(sizes);
 }
 
 void ThreadTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {

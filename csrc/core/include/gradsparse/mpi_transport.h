@@ -25,6 +25,7 @@ class MpiTransport final : public Transport {
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override;
+  void allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) override;
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override;
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override;

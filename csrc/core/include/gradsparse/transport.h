@@ -6,6 +6,8 @@
 // Traffic accounting. Every transport counts, per collective, the bytes a bandwidth-optimal
 // algorithm moves per rank, so figures are comparable across transports and with the simulator:
 //   allgather of b bytes per rank:   sent = received = (P - 1) * b
+//   allgatherv of b_r bytes by rank r: sent = received = sum of the other ranks' b_r (a ring
+//                                    forwards every block but one; with equal blocks, as above)
 //   allreduce of b bytes:            sent = received = floor(2 * (P - 1) * b / P)   (ring)
 //   sendrecv of s bytes out, r in:   sent = s, received = r
 #pragma once
@@ -14,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "gradsparse/common.h"
 #include "gradsparse/device.h"
@@ -41,6 +44,13 @@ class Transport {
   /// and positive (a zero-length collective is a bug in the caller).
   virtual void allgather(const Device& device, const void* send, void* recv, size_t bytes) = 0;
 
+  /// Every rank r contributes `sizes[r]` bytes (this rank's from `send`); `recv` receives them
+  /// back to back, rank r's at offset sizes[0] + ... + sizes[r - 1]. Every rank passes the same
+  /// `sizes` (each rank learnt them from the control words); entries may be zero, not all of them.
+  /// This default pads every block to the largest and moves them through allgather (counted as
+  /// such); transports with a variable-size collective override it and move only the bytes.
+  virtual void allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes);
+
   /// In-place elementwise sum over ranks of `count` elements of `dtype` on `device`.
   virtual void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) = 0;
 
@@ -60,6 +70,16 @@ class Transport {
     traffic_.bytes_received += moved;
     ++traffic_.collectives;
   }
+  void count_allgatherv(const std::vector<size_t>& sizes) {
+    int64_t others = 0;
+    for (int r = 0; r < static_cast<int>(sizes.size()); ++r)
+      if (r != rank()) others += static_cast<int64_t>(sizes[r]);
+    traffic_.bytes_sent += others;
+    traffic_.bytes_received += others;
+    ++traffic_.collectives;
+  }
+  /// Checks allgatherv's arguments: one size per rank, not all zero.
+  void check_allgatherv(const std::vector<size_t>& sizes, const char* who) const;
   void count_sendrecv(size_t sent, size_t received) {
     traffic_.bytes_sent += static_cast<int64_t>(sent);
     traffic_.bytes_received += static_cast<int64_t>(received);
