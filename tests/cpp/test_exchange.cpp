@@ -180,11 +180,11 @@ TEST(Allgatherv, DeliversBlocksBackToBackNativelyAndPadded) {
 TEST(Allgatherv, RejectsWrongSizeListsAndDisagreement) {
   const auto errors = run_ranks(2, [&](int rank, Transport& transport) {
     CpuDevice device;
-    std::vector<unsigned char> buffer(16);
-    EXPECT_THROW(transport.allgatherv(device, buffer.data(), buffer.data(), {4}), ValueError);
-    EXPECT_THROW(transport.allgatherv(device, buffer.data(), buffer.data(), {0, 0}), ValueError);
+    std::vector<unsigned char> send(16), recv(16);
+    EXPECT_THROW(transport.allgatherv(device, send.data(), recv.data(), {4}), ValueError);
+    EXPECT_THROW(transport.allgatherv(device, send.data(), recv.data(), {0, 0}), ValueError);
     // Rank 1 claims another size for itself than rank 0 expects.
-    transport.allgatherv(device, buffer.data(), buffer.data(), {4, rank == 0 ? size_t{4} : size_t{8}});
+    transport.allgatherv(device, send.data(), recv.data(), {4, rank == 0 ? size_t{4} : size_t{8}});
   });
   EXPECT_TRUE(errors[0]);  // rank 0 received 8 bytes where it expected 4
 }
