@@ -1,7 +1,7 @@
 """The training driver shared by the examples (cnn, lstm, ncf).
 
 It owns everything that is not the task: the process group (from torchrun's, OpenMPI's or
-SLURM's variables through gradsparse.launch), DDP, the communication hook of the chosen method,
+SLURM's variables through gradsparse.launch), DDP (or FSDP2 with --fsdp), the chosen method,
 the optimizer's learning-rate schedule with warm-up, checkpoints and exact resume, per-step and
 per-epoch metrics (CSV and TensorBoard) and the progress bar. A task module supplies a
 :class:`Task` and its own arguments; see examples/cnn/__main__.py for the smallest one.
@@ -166,20 +166,29 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 class Communication:
-    """The DDP communication of one run: registers the hook and reports density and traffic."""
+    """The gradient communication of one run (DDP's hook, or FSDP's reduce-scatter with --fsdp):
+    installs the method and reports density and traffic."""
 
-    def __init__(self, method: str, ddp: DDP, args: argparse.Namespace, world_size: int):
+    def __init__(self, method: str, parallel: nn.Module, args: argparse.Namespace, world_size: int):
         self.method = method
         self.state: gs.State | None = None
         self.torch_state = None
-        numel = sum(p.numel() for p in ddp.module.parameters())
-        ring = 2 * (world_size - 1) / world_size  # bytes sent per byte all-reduced (gradsparse's rule)
+        module = parallel if args.fsdp else parallel.module
+        numel = sum(p.numel() for p in module.parameters())
+        # Bytes sent per byte reduced: a ring all-reduce's 2 (P - 1) / P (gradsparse's rule), or
+        # FSDP's reduce-scatter's (P - 1) / P.
+        ring = (1 if args.fsdp else 2) * (world_size - 1) / world_size
         self.dense_bytes = int(ring * numel * 4)
         self.bytes_per_step = self.dense_bytes
-        if method in gs.METHODS:
-            self.state = gs.register(ddp, gs.METHODS[method](**gradsparse_options(method, args)))
+        if args.fsdp and method in ("fp16", "powersgd"):
+            raise SystemExit(
+                f"--method {method} is a DDP hook of torch's; with --fsdp use dense or a gradsparse method"
+            )
+        if method in gs.METHODS and not (args.fsdp and method == "dense"):  # dense FSDP: its own reduce-scatter
+            state = gs.METHODS[method](**gradsparse_options(method, args))
+            self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
         elif method == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            parallel.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)
         elif method == "powersgd":
             self.torch_state = powerSGD_hook.PowerSGDState(
@@ -188,8 +197,8 @@ class Communication:
                 start_powerSGD_iter=2,
                 random_seed=args.seed,
             )
-            ddp.register_comm_hook(self.torch_state, powerSGD_hook.powerSGD_hook)
-            self.bytes_per_step = int(ring * 4 * _powersgd_elements(ddp.module, args.powersgd_rank))
+            parallel.register_comm_hook(self.torch_state, powerSGD_hook.powerSGD_hook)
+            self.bytes_per_step = int(ring * 4 * _powersgd_elements(parallel.module, args.powersgd_rank))
 
     def step_figures(self) -> dict[str, float]:
         """Achieved density, bytes sent by this rank, selection and exchange seconds since the
@@ -286,6 +295,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         help="DDP's bucket size in MB (default 25); a gradsparse method selects density x size per bucket",
+    )
+    g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard) instead of DDP: the method replaces FSDP's reduce-scatter",
     )
     g.add_argument("--sparse-warmup-steps", type=int, default=0, help="dense steps before sparsification")
     g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
@@ -468,6 +482,39 @@ def ddp_options(method: str, model: nn.Module, bucket_cap_mb: float | None = Non
     return {"bucket_cap_mb": model_mib + 1}
 
 
+def shard(model: nn.Module, world: int) -> nn.Module:
+    """FSDP2 over all ranks (--fsdp): every child module whose parameters are its own (not tied to
+    another child's) is one FSDP unit, and the root holds the rest (tied embeddings, loose
+    parameters). Every rank built the model from the same seed, so the shards agree."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device().type, (world,))
+    holders: dict[int, int] = {}  # id(parameter) -> children holding it
+    for child in model.children():
+        for p in child.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    for child in model.children():
+        params = list(child.parameters())
+        if params and all(holders[id(p)] == 1 for p in params):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _local(value: Any) -> Any:
+    """``value`` with every DTensor replaced by this rank's shard of it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {k: _local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_local(v) for v in value]
+    return value
+
+
 class Run:
     """One method's training run, resumable."""
 
@@ -477,11 +524,14 @@ class Run:
         self.model = task.build_model().to(device())
         # Every rank builds the model from the same seed: a synthetic run (a measurement of steps)
         # skips DDP's initial broadcast, which on a slow link would cost more than its steps.
-        self.ddp = DDP(
-            self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model, args.bucket_cap_mb)
-        )
-        self.comm = Communication(method, self.ddp, args, world)
-        self.optimizer = task.make_optimizer(self.ddp.parameters(), args)
+        if args.fsdp:
+            self.parallel = shard(self.model, world)
+        else:
+            self.parallel = DDP(
+                self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model, args.bucket_cap_mb)
+            )
+        self.comm = Communication(method, self.parallel, args, world)
+        self.optimizer = task.make_optimizer(self.parallel.parameters(), args)
         self.steps_per_epoch = task.steps_per_epoch(world)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.steps_per_epoch, args)
@@ -511,8 +561,7 @@ class Run:
             "elapsed": self.elapsed,
             "bytes_total": self.bytes_total,
             "epoch_tally": self.epoch_tally,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            **self._model_and_optimizer(),
             "schedule": self.schedule.state_dict(),
             "communication": self.comm.state_dict(),
             "task": self.task.state_dict(),
@@ -523,6 +572,28 @@ class Run:
         torch.save(state, tmp)
         os.replace(tmp, self.checkpoint_path())  # never a half-written checkpoint
         dist.barrier()
+
+    def _model_and_optimizer(self) -> dict:
+        """Their state dicts; with --fsdp this rank's shards (each rank saves its own file)."""
+        return {"model": _local(self.model.state_dict()), "optimizer": _local(self.optimizer.state_dict())}
+
+    def _load_model_and_optimizer(self, model: dict, optimizer: dict) -> None:
+        if not self.args.fsdp:
+            self.model.load_state_dict(model)
+            self.optimizer.load_state_dict(optimizer)
+            return
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():  # into this rank's shards
+            for name, tensor in self.model.state_dict().items():
+                (tensor.to_local() if isinstance(tensor, DTensor) else tensor).copy_(model[name])
+        self.optimizer.load_state_dict(optimizer)
+        for param, state in self.optimizer.state.items():  # the sharded parameters' states as DTensors again
+            for key, value in state.items():
+                if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = DTensor.from_local(
+                        value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+                    )
 
     def try_resume(self) -> bool:
         if self.args.synthetic_data:
@@ -542,8 +613,7 @@ class Run:
                 f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers, this run "
                 f"is {self.method} on {self.world}; use another --out or pass --fresh"
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.comm.load_state_dict(state["communication"])
         self.task.load_state_dict(state["task"])
@@ -569,7 +639,7 @@ class Run:
         epoch = self.step // self.steps_per_epoch
         batch = next(iter(self.task.batches(epoch, self.rank, self.world)))
         with self.comm.discarded():
-            self.task.train_step(self.ddp, batch).backward()
+            self.task.train_step(self.parallel, batch).backward()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.load_state_dict(model_state)
         self.task.load_state_dict(task_state)
@@ -620,11 +690,11 @@ class Run:
 
     def _one_step(self, epoch: int, batch: Any, recorder: Recorder, bar) -> None:
         start = time.perf_counter()
-        loss = self.task.train_step(self.ddp, batch)
+        loss = self.task.train_step(self.parallel, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.args.clip > 0:
-            nn.utils.clip_grad_norm_(self.ddp.parameters(), self.args.clip)
+            nn.utils.clip_grad_norm_(self.parallel.parameters(), self.args.clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.schedule.step()

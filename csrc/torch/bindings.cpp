@@ -196,17 +196,19 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](Engine& engine, const at::Tensor& grad, std::optional<at::Tensor> residual, std::shared_ptr<Method> method,
              bool dense, const std::string& nonfinite, const std::string& bucket_name,
-             std::shared_ptr<ReduceReport> report) {
+             std::shared_ptr<ReduceReport> report, bool shard_only) {
             ReduceOptions options;
             options.dense = dense;
+            options.shard_only = shard_only;
             options.nonfinite = parse_policy(nonfinite);
             options.bucket_name = bucket_name;
             auto future = engine.submit(grad, std::move(residual), std::move(method), options, std::move(report));
             return torch::jit::toPyObject(c10::IValue(future));
           },
           py::arg("grad"), py::arg("residual"), py::arg("method"), py::arg("dense"), py::arg("nonfinite"),
-          py::arg("bucket_name"), py::arg("report"),
-          "Queue one bucket; returns a torch.futures.Future holding `grad`, reduced in place.")
+          py::arg("bucket_name"), py::arg("report"), py::arg("shard_only") = false,
+          "Queue one bucket; returns a torch.futures.Future holding `grad`, reduced in place (with `shard_only`, "
+          "only this rank's 1/P of it, in rank order).")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finish queued work and stop the thread.");
 }

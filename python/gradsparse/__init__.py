@@ -26,7 +26,7 @@ def _check_torch() -> None:
 
 _check_torch()
 
-from gradsparse import _C, launch  # noqa: E402
+from gradsparse import _C, fsdp, launch  # noqa: E402
 from gradsparse.checkpoint import AllRanks, reshard  # noqa: E402
 from gradsparse.hooks import hook, register  # noqa: E402
 from gradsparse.methods import (  # noqa: E402
@@ -80,6 +80,7 @@ __all__ = [
     "Threshold",
     "TopK",
     "built_with_cuda",
+    "fsdp",
     "get_num_threads",
     "hook",
     "launch",

@@ -196,6 +196,9 @@ class State:
         self._param_numels: dict[str, int] = {}  # name -> elements, of the bound model
         self._params: frozenset[int] | None = None  # ids of the parameters this state reduces
         self._seen: set[int] = set()  # not bound: the parameters met so far in the first step
+        self._sharded: weakref.ref | None = None  # the FSDP model, from gradsparse.fsdp.sparsify()
+        self._sharded_dtypes: dict[str, torch.dtype] = {}  # FSDP: parameter group -> reduce dtype
+        self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
 
@@ -357,6 +360,11 @@ class State:
                 f"{type(model).__name__}; wrap it first (DistributedDataParallel(model)); with Accelerate, register "
                 "after accelerator.prepare(model); with Lightning, use gradsparse.lightning.Sparsify"
             )
+        if self._sharded is not None:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state already sparsifies an FSDP model "
+                "(gradsparse.fsdp.sparsify); a state holds one model's residuals: create one state per model"
+            )
         bound = self._bound_model()
         if bound is ddp:
             raise ValueError(
@@ -381,6 +389,17 @@ class State:
 
     def _unbind(self) -> None:
         self._model, self._param_names, self._param_numels, self._params = None, {}, {}, None
+        self._sharded, self._sharded_dtypes = None, {}
+
+    def _bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
+        """Ties the state to an FSDP model (gradsparse.fsdp.sparsify): one bucket per parameter
+        group, named after its module, holding the group's flat (padded) gradient of the given
+        size and reduce dtype."""
+        self._sharded = weakref.ref(model)
+        self._param_numels = {name: numel for name, (numel, _) in groups.items()}
+        self._sharded_dtypes = {name: dtype for name, (_, dtype) in groups.items()}
+        if self._pending is not None:
+            self._check_names(self._pending.residuals)
 
     def _bound_model(self):
         return None if self._model is None else self._model()
@@ -474,6 +493,44 @@ class State:
         entry = self._bucket(index, params, buffer)
         return self._submit(entry, buffer, bucket.is_last())
 
+    def _reduce_flat(self, index: int, name: str, flat: torch.Tensor, groups: int) -> torch.futures.Future:
+        """Reduces one FSDP parameter group's flat gradient in place (gradsparse.fsdp): bucket
+        ``index`` of ``groups`` per step, with one residual named ``name``; only this rank's shard
+        (its 1/P of ``flat``, in rank order) of the result is wanted."""
+        if flat.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"gradsparse.fsdp: module {name!r} reduces {flat.dtype} gradients, but gradsparse sparsifies "
+                "float32, float16 and bfloat16 ones; set FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+            )
+        if index in self._sharded_called:  # a group reduced twice: the groups missing last step sent nothing
+            self._sharded_called.clear()
+            self._step += 1
+        self._sharded_called.add(index)
+        last = len(self._sharded_called) == groups
+        entry = self._buckets.get(index)
+        if entry is None:
+            numel = flat.numel()
+            if numel != self._param_numels.get(name, numel):
+                raise RuntimeError(
+                    f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
+                    f"hold {self._param_numels[name]} (padded); this FSDP configuration is not supported"
+                )
+            entry = _Bucket(index, (index,), [name], [numel], self._make_method([numel]))
+            pending = self._pending
+            if pending is not None:
+                saved = pending.residuals.pop(name, None)
+                if saved is not None:
+                    entry.residual = saved.to(device=flat.device, dtype=flat.dtype).reshape(-1)
+                for key in (frozenset([name]), index):
+                    if entry.method is not None and key in pending.methods:
+                        entry.method.load_state(pending.methods.pop(key))
+                        break
+            self._buckets[index] = entry
+        if last:
+            self._sharded_called.clear()
+            self._pending = None  # every group has taken what was saved for it
+        return self._submit(entry, flat, last, shard_only=True)
+
     def _check_params(self, params: list[torch.Tensor], last: bool) -> None:
         """One state, one model: a parameter outside the model's (the bound model, or those seen in
         the first step) means the state was registered on a second model."""
@@ -488,7 +545,9 @@ class State:
                 "parameters of another model); a state holds one model's residuals: create one state per model"
             )
 
-    def _submit(self, entry: _Bucket, buffer: torch.Tensor, last: bool) -> torch.futures.Future[torch.Tensor]:
+    def _submit(
+        self, entry: _Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
+    ) -> torch.futures.Future[torch.Tensor]:
         dense = self._step < self._warmup_steps or entry.method is None
         residual = None
         if self._error_feedback and not dense:
@@ -497,7 +556,9 @@ class State:
             residual = entry.residual
         report = _C.ReduceReport()
         index = entry.index
-        future = self._engine.submit(buffer, residual, entry.method, dense, self._nonfinite, f"bucket {index}", report)
+        future = self._engine.submit(
+            buffer, residual, entry.method, dense, self._nonfinite, f"bucket {index}", report, shard_only
+        )
         if last:
             self._step += 1
             self._retired.clear()
@@ -667,7 +728,7 @@ class State:
         named = bool(self._retired) or any(
             e.residual is not None or e.method is not None for e in self._buckets.values()
         )
-        if named and self._model is None:
+        if named and self._model is None and self._sharded is None:
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
                 "model.register_comm_hook), so its residuals cannot be saved under them; register it with "
@@ -739,7 +800,7 @@ class State:
                 "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
             )
         _check_values(owner, state_dict)
-        if self._model is not None:
+        if self._param_numels:
             self._check_names(state_dict["residuals"])
         self._step = int(state_dict["step"])
         self._buckets.clear()

@@ -81,6 +81,64 @@ TEST_P(GatherAdd, MatchesReferenceAndConservesMass) {
 INSTANTIATE_TEST_SUITE_P(Ranks, GatherAdd,
                          ::testing::Combine(::testing::Range(1, 9), ::testing::Values(Kind::kTopK, Kind::kThreshold)));
 
+// The sparse reduce-scatter (ReduceOptions::shard_only): each rank's shard equals gather-and-add's
+// result there, bit for bit, zeros elsewhere; the residuals are gather-and-add's; and a rank sends
+// less (its pairs once, not once per peer) from 3 ranks on.
+TEST(ScatterToOwners, EachShardEqualsGatherAndAdd) {
+  const int64_t n = 40320;  // divisible by 1 to 8
+  for (int p = 1; p <= 8; ++p) {
+    for (Kind kind : {Kind::kTopK, Kind::kThreshold}) {
+      std::vector<std::vector<float>> outputs[2], residuals[2];
+      std::vector<ReduceReport> reports[2];
+      for (int mode = 0; mode < 2; ++mode) {
+        outputs[mode].resize(p);
+        residuals[mode].resize(p);
+        reports[mode].resize(p);
+        rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+          CpuDevice device;
+          outputs[mode][rank] = grad_of(rank, n);
+          residuals[mode][rank] = residual_of(rank, n);
+          auto method = make_method(kind);
+          BucketView bucket{DType::kFloat32, n, outputs[mode][rank].data(), residuals[mode][rank].data()};
+          ReduceOptions options;
+          options.shard_only = mode == 1;
+          reports[mode][rank] = reduce_bucket(method.get(), transport, device, bucket, options);
+        }));
+      }
+      const int64_t shard = n / p;
+      for (int r = 0; r < p; ++r) {
+        ASSERT_EQ(residuals[1][r], residuals[0][r]) << "p=" << p << " rank " << r;
+        for (int64_t i = 0; i < n; ++i) {
+          const float want = i / shard == r ? outputs[0][r][i] : 0.0f;
+          ASSERT_EQ(outputs[1][r][i], want) << "p=" << p << " rank " << r << " element " << i;
+        }
+        EXPECT_EQ(reports[1][r].selected_all, reports[0][r].selected_all);
+        if (p >= 3) EXPECT_LT(reports[1][r].traffic.bytes_received, reports[0][r].traffic.bytes_received);
+      }
+    }
+  }
+}
+
+TEST(ScatterToOwners, RefusesABucketThatDoesNotSplitIntoEqualShards) {
+  const auto errors = run_ranks(3, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<float> grad = grad_of(rank, 1000);
+    TopK method(0.01);
+    BucketView bucket{DType::kFloat32, 1000, grad.data(), nullptr};
+    ReduceOptions options;
+    options.shard_only = true;
+    reduce_bucket(&method, transport, device, bucket, options);
+  });
+  for (const std::exception_ptr& error : errors) {
+    ASSERT_TRUE(error);
+    try {
+      std::rethrow_exception(error);
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("does not split into 3 equal shards"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(GatherAdd, DensityOneEqualsDenseAverage) {
   for (int p : {1, 2, 3, 4, 8}) {
     std::vector<std::vector<float>> outputs(p);

@@ -143,6 +143,8 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   t0 = std::chrono::steady_clock::now();
   const ExchangeKind kind = method->exchange();
   const ExchangeResult result = guarded(options, bucket, [&] {
+    if (options.shard_only && kind == ExchangeKind::kGather)
+      return scatter_to_owners(transport, device, bucket, selection);
     return exchange(kind, transport, device, bucket, selection, method->fixed_count(bucket.numel));
   });
   report.exchange_seconds = seconds_since(t0);

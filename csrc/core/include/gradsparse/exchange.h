@@ -73,6 +73,16 @@ void check_control_word(const ControlWord& word, const BucketView& bucket, bool 
 ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
                         const Selection& mine, std::optional<int64_t> fixed_count = std::nullopt);
 
+/// The sparse reduce-scatter (FSDP's gradient reduction, docs/architecture.md "FSDP2"): the
+/// bucket is P equal shards, rank r owning shard r. Every rank splits its selection (made with
+/// gather-and-add's semantics: residual zeroed at the selected pairs) at the shard boundaries and
+/// sends each owner only the pairs in its shard: one all-gather of P + 1 counts per rank, then
+/// P - 1 rounds of send-receive. Each owner writes the average of every rank's pairs into its
+/// shard (added in rank order) and zeros elsewhere: only its own shard is the result. A rank thus
+/// sends its k pairs once, about k (P - 1) / P of them over the wire, where gather-and-add makes
+/// every rank receive every rank's. Returns early (aborted) on non-finite values, like exchange().
+ExchangeResult scatter_to_owners(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
+
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);
 

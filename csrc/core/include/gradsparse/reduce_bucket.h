@@ -27,6 +27,10 @@ struct ReduceOptions {
   NonFinitePolicy nonfinite = NonFinitePolicy::kRaise;
   /// How error messages name the bucket, e.g. "bucket 3".
   std::string bucket_name = "bucket";
+  /// Only this rank's shard of the result is wanted (FSDP's reduce-scatter): the bucket is P equal
+  /// shards in rank order, and methods whose exchange is gather-and-add route their pairs to the
+  /// shards' owners (scatter_to_owners); the other exchanges run whole.
+  bool shard_only = false;
   /// Keep this rank's selected indices in the report (tests and diagnostics).
   bool record = false;
 };

@@ -1,0 +1,274 @@
+"""Gradient sparsification for FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+FSDP2 reduces each parameter group's gradients with one reduce-scatter per backward: the flat,
+padded gradient of the group (P chunks, chunk r holding rank r's shard of every parameter) goes
+in, and rank r's shard of the sum or average comes out. :func:`sparsify` replaces that
+reduce-scatter, on every FSDP module of a model, by the state's sparse exchange with error
+feedback: the flat gradient of a group is one bucket of the state (its own residual and method
+object, named after the module), the method selects from ``residual + gradient``, the state's
+exchange averages the selected pairs of every rank, and the rank's shard of the result is what
+FSDP receives. See docs/architecture.md, "FSDP2".
+
+Residuals differ from rank to rank: :class:`ShardedState` hands them to
+``torch.distributed.checkpoint`` as DTensors with one block per rank, so that ``dcp.save`` writes
+every rank's and ``dcp.load`` gives each rank its own back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradsparse.state import _STATE_DICT_VERSION, State, _checksum, _group_ranks, _same_group
+
+__all__ = ["ShardedState", "sparsify"]
+
+
+def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def _group_layout(module: nn.Module, world_size: int) -> tuple[int, torch.dtype] | None:
+    """The numel and dtype of the flat gradient FSDP reduce-scatters for ``module`` (None: the
+    module manages no parameters of its own). Read from FSDP's parameter group; the first call
+    of the comm checks it against what FSDP hands over."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    if not groups:
+        return None
+    group = groups[0]
+    params = group.fsdp_params
+    numel = sum(p.padded_sharded_param_size.numel() for p in params) * world_size
+    policy = group.mp_policy
+    dtype = policy.reduce_dtype or policy.param_dtype or params[0].sharded_param.dtype
+    return numel, dtype
+
+
+def sparsify(model: nn.Module, state: State) -> State:
+    """Makes every FSDP module of ``model`` reduce its gradients with ``state``'s method: a sparse
+    exchange with error feedback in place of FSDP's reduce-scatter. Call it on every rank, after
+    ``fully_shard`` and before the first backward. Returns the state.
+
+    The state's process group must be the one FSDP shards over (the default group for a 1-D
+    mesh; ``mesh.get_group("shard")`` for HSDP, whose replica all-reduce stays dense). FSDP's
+    mixed precision applies: the residuals take the ``reduce_dtype``. FSDP's gradient averaging
+    (``AVG``) and sums (``SUM``, with its pre- and post-division for float16) are honoured; a
+    custom divide factor (``set_gradient_divide_factor``) is not.
+
+    Example::
+
+        >>> for layer in model.layers:
+        ...     fully_shard(layer)
+        >>> fully_shard(model)
+        >>> state = gradsparse.fsdp.sparsify(model, gradsparse.TopK(density=0.01))
+    """
+    owner = type(state).__name__
+    if not isinstance(state, State):
+        raise TypeError(
+            "gradsparse.fsdp.sparsify: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
+            f"got {type(state).__name__}"
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"gradsparse.fsdp.sparsify: model must be a torch.nn.Module, got {type(model).__name__}")
+    if state._CORE is None:
+        raise TypeError(
+            f"gradsparse.fsdp.sparsify: {owner} sends everything; FSDP's own reduce-scatter does that with half the "
+            "bytes of an all-reduce: for the dense baseline, leave the model as fully_shard made it"
+        )
+    modules = _fsdp_modules(model)
+    if not modules:
+        raise TypeError(
+            f"gradsparse.fsdp.sparsify: {type(model).__name__} holds no FSDP module; call "
+            "torch.distributed.fsdp.fully_shard on its layers and on the model first (for DistributedDataParallel "
+            "use gradsparse.register)"
+        )
+    if state._bound_model() is not None or state._sharded is not None or state._buckets:
+        raise ValueError(
+            f"gradsparse.fsdp.sparsify: this {owner} state already serves a model; a state holds one model's "
+            "residuals: create one state per model"
+        )
+    for fqn, module in modules:
+        count = len(module._get_fsdp_state()._fsdp_param_groups)
+        if count > 1:
+            raise ValueError(
+                f"gradsparse.fsdp.sparsify: FSDP module {fqn or '(root)'!r} holds {count} parameter groups (per-parameter "
+                "meshes from shard_placement_fn), and FSDP takes a custom reduce-scatter only for a module with one; "
+                "give every parameter of that module the same mesh"
+            )
+    state.setup()
+    layouts = {}
+    for fqn, module in modules:
+        layout = _group_layout(module, state._world_size)
+        if layout is not None:
+            layouts[fqn or "(root)"] = (module, *layout)
+    state._bind_sharded(model, {name: (numel, dtype) for name, (_, numel, dtype) in layouts.items()})
+    for index, (name, (module, _, _)) in enumerate(layouts.items()):
+        module.set_custom_reduce_scatter(_SparseReduceScatter(state, index, name, len(layouts)))
+    return state
+
+
+class _SparseReduceScatter:
+    """FSDP's ReduceScatter comm (torch/distributed/fsdp/_fully_shard/_fsdp_api.py) for one
+    parameter group: the state's exchange of the flat gradient with error feedback (a sparse
+    reduce-scatter for gather-and-add methods), of which this rank keeps its shard."""
+
+    def __init__(self, state: State, index: int, name: str, groups: int) -> None:
+        self._state = state  # the model keeps its state alive, as DDP keeps its hook's
+        self._index = index
+        self._name = name
+        self._groups = groups
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> None:
+        state = self._state
+        owner = type(state).__name__
+        if op == dist.ReduceOp.AVG:
+            scale = 1.0
+        elif op == dist.ReduceOp.SUM:
+            scale = float(state._world_size)
+        else:
+            raise ValueError(
+                f"gradsparse.fsdp: FSDP asked module {self._name!r} for a reduce-scatter with op {op}, which "
+                f"{owner} cannot honour (it averages or sums); a gradient divide factor other than the world size "
+                "(set_gradient_divide_factor) makes FSDP ask for PREMUL_SUM: remove it and scale the loss instead"
+            )
+        if not _same_group(group, state.process_group):
+            raise ValueError(
+                f"gradsparse.fsdp: module {self._name!r} reduce-scatters over ranks {_group_ranks(group)} but the "
+                f"{owner} state exchanges over ranks {_group_ranks(state.process_group)}; create the state with "
+                "process_group=<the group FSDP shards over> (for HSDP, mesh.get_group('shard'))"
+            )
+        world_size = state._world_size
+        if input_tensor.numel() != output_tensor.numel() * world_size or not input_tensor.is_contiguous():
+            raise RuntimeError(
+                f"gradsparse.fsdp: module {self._name!r}: the reduce-scatter input holds {input_tensor.numel()} "
+                f"elements for an output of {output_tensor.numel()} on {world_size} ranks; this FSDP configuration "
+                "is not supported"
+            )
+        flat = input_tensor.view(-1)
+        state._reduce_flat(self._index, self._name, flat, self._groups).wait()
+        shard = flat.view(world_size, -1)[state._rank]
+        if scale != 1.0:
+            shard.mul_(scale)
+        output_tensor.view(-1).copy_(shard)
+        return None
+
+
+class ShardedState:
+    """A state as ``torch.distributed.checkpoint`` (DCP) sees it: every residual becomes a DTensor
+    over the state's process group with one block per rank, and the method states one block of
+    JSON per rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on
+    the rank that saved it (same world size). Options, step and layout are saved once. Implements
+    DCP's ``Stateful`` protocol, for states given to :func:`sparsify`.
+
+    Example::
+
+        >>> dcp.save({"model": model.state_dict(), "gradsparse": gradsparse.fsdp.ShardedState(state)}, checkpoint_id=d)
+        >>> dcp.load({"model": model.state_dict(), "gradsparse": gradsparse.fsdp.ShardedState(state)}, checkpoint_id=d)
+    """
+
+    def __init__(self, state: State) -> None:
+        if not isinstance(state, State):
+            raise TypeError(
+                f"gradsparse.fsdp.ShardedState: state must be a gradsparse state, got {type(state).__name__}"
+            )
+        if state._sharded is None:
+            raise TypeError(
+                f"gradsparse.fsdp.ShardedState: the {type(state).__name__} state sparsifies no FSDP model; call "
+                "gradsparse.fsdp.sparsify(model, state) first (for DistributedDataParallel, save each rank's "
+                "state.state_dict() or use gradsparse.AllRanks)"
+            )
+        self.state = state
+
+    def _mesh(self, device: torch.device):
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.state.process_group, device.type)
+
+    def _per_rank(self, local: torch.Tensor):
+        from torch.distributed.tensor import DTensor, Shard
+
+        local = local.reshape(-1)
+        world_size = dist.get_world_size(self.state.process_group)
+        shape = (local.numel() * world_size,)
+        return DTensor.from_local(
+            local, self._mesh(local.device), [Shard(0)], run_check=False, shape=shape, stride=(1,)
+        )
+
+    def _methods_blob(self, methods: list) -> torch.Tensor:
+        """This rank's method states (a list of {name: float} or None) as JSON in a zero-padded
+        uint8 tensor of a size every rank computes alike (their keys can change with the steps:
+        ExDyna's layout appears at its first step, so DCP could not load them key by key)."""
+        world_size = dist.get_world_size(self.state.process_group)
+        size = (1024 + 64 * world_size) * max(1, len(self.state._param_numels))
+        text = json.dumps(methods).encode()
+        if len(text) > size:
+            raise RuntimeError(f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}")
+        blob = torch.zeros(size, dtype=torch.uint8)
+        blob[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return blob
+
+    def state_dict(self) -> dict:
+        state = self.state
+        state.setup()
+        saved = state.state_dict()
+        residuals = dict(saved["residuals"])
+        # Before the first step (a resumed process), DCP loads into this dict: it must already
+        # name every residual with its size.
+        for name, numel in state._param_numels.items():
+            if name not in residuals:
+                residuals[name] = torch.zeros(numel, dtype=state._sharded_dtypes[name])
+        return {
+            "version": saved["version"],
+            "class": saved["class"],
+            "config": saved["config"],
+            "step": saved["step"],
+            "world_size": saved["world_size"],
+            "layout": [[name] for name in state._param_numels],  # bucket i: the i-th module sparsified
+            "residuals": {name: self._per_rank(t) for name, t in residuals.items()},
+            "methods": self._per_rank(self._methods_blob(saved["methods"])),
+            "stats": saved["stats"],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state.setup()
+
+        def local(t):
+            return t.to_local() if hasattr(t, "to_local") else t
+
+        residuals = {name: local(t).detach().clone() for name, t in state_dict["residuals"].items()}
+        state = self.state
+        state.load_state_dict(
+            {
+                "version": _STATE_DICT_VERSION,
+                "class": state_dict["class"],
+                "config": state_dict["config"],
+                "step": state_dict["step"],
+                "rank": state._rank,
+                "world_size": state_dict["world_size"],
+                "residuals": residuals,
+                "checksums": {name: _checksum(t) for name, t in residuals.items()},
+                "methods": _decode_methods(local(state_dict["methods"])),
+                "layout": state_dict["layout"],
+                "stats": state_dict["stats"],
+            }
+        )
+
+
+def _decode_methods(blob: torch.Tensor) -> list:
+    text = bytes(blob.cpu().numpy().tobytes()).rstrip(b"\0")
+    return json.loads(text) if text else []

@@ -1,0 +1,294 @@
+"""gradsparse.fsdp: sparse reduce-scatters with error feedback in FSDP2 (fully_shard), on 2 and 4
+Gloo ranks on the CPU. The worker functions are module level, so spawn can import them."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+import gradsparse as gs
+from gradsparse.testing import run_distributed
+from tests.distributed import workers
+
+pytestmark = pytest.mark.distributed
+
+WORLD_SIZES = [2, 4]
+
+
+def sharded_model(world_size: int, seed: int = 3, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+    """workers.make_model with each Linear and the root under fully_shard (the root holds no
+    parameters of its own; the last layer's 6 rows are padded to 8 on 4 ranks)."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    model = workers.make_model(seed)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def train(model: nn.Module, data, opt=None) -> list[float]:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    losses = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# Density 1 against FSDP's own reduce-scatter ------------------------------------------------------
+
+
+def full_density_vs_plain(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> tuple[list, list]:
+    data = workers.teacher_data(rank, 12)
+    sparse = sharded_model(world_size, reduce_dtype=reduce_dtype)
+    state = gs.fsdp.sparsify(sparse, gs.TopK(density=1.0))
+    train(sparse, data)
+    assert state.step == 12, state.step
+    plain = sharded_model(world_size, reduce_dtype=reduce_dtype)
+    train(plain, data)
+    return full_params(sparse), full_params(plain)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_density_one_equals_fsdp(world_size, reduce_dtype):
+    """Top-k at density 1 sends every element: the parameters after 12 steps match FSDP's own
+    reduce-scatter (up to the rounding of a sum taken in another order)."""
+    tol = 1e-5 if reduce_dtype is None else 2e-2
+    for sparse, plain in run_distributed(full_density_vs_plain, world_size, reduce_dtype, timeout=300):
+        for a, b in zip(sparse, plain, strict=True):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# Error feedback conserves the gradient mass --------------------------------------------------------
+
+
+def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> list[dict]:
+    """Records, at every reduce-scatter: the flat gradient, the residual before and after, and
+    this rank's output shard."""
+    model = sharded_model(world_size, reduce_dtype=reduce_dtype)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    records = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule) or not module._get_fsdp_state()._fsdp_param_groups:
+            continue
+        group = module._get_fsdp_state()._fsdp_param_groups[0]
+        inner = group._reduce_scatter_comm
+
+        def recording(output_tensor, input_tensor, group, op, async_op=False, inner=inner, name=name):
+            index = inner._index
+            entry = state._buckets.get(index)
+            before = torch.zeros_like(input_tensor) if entry is None or entry.residual is None else entry.residual
+            record = {"name": name, "step": state.step, "grad": input_tensor.clone(), "before": before.clone()}
+            inner(output_tensor, input_tensor, group, op, async_op)
+            record["after"] = state._buckets[index].residual.clone()
+            record["output"] = output_tensor.clone()
+            records.append(record)
+
+        recording.allocate = inner.allocate
+        module.set_custom_reduce_scatter(recording)
+    train(model, workers.teacher_data(rank, 6))
+    return records
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gradient_mass_is_conserved_every_step(world_size, reduce_dtype):
+    """For every group and step: sum over ranks of (residual + gradient) = sum over ranks of the new
+    residual + P x the averaged gradient FSDP received (its shards, in rank order), and the
+    residuals hold what was not sent (most of the gradient at density 0.05)."""
+    logs = run_distributed(recorded_steps, world_size, reduce_dtype, timeout=300)
+    tol = 1e-5 if reduce_dtype is None else 3e-2
+    assert len({len(log) for log in logs}) == 1 and len(logs[0]) == 6 * 3
+    for calls in zip(*logs, strict=True):
+        assert len({(c["name"], c["step"]) for c in calls}) == 1
+        assert calls[0]["after"].dtype == (reduce_dtype or torch.float32)
+        before = sum(c["before"].double() + c["grad"].double() for c in calls)
+        average = torch.cat([c["output"].double() for c in calls])
+        after = sum(c["after"].double() for c in calls)
+        torch.testing.assert_close(after + world_size * average, before, atol=tol, rtol=tol)
+        assert after.abs().sum() > 0.5 * before.abs().sum()
+
+
+# Bytes: pairs go to the owners of their shard only ----------------------------------------------------
+
+
+def traffic(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, make in (("topk", lambda: gs.TopK(density=0.05)), ("micro", lambda: gs.MiCRO(density=0.05))):
+        model = sharded_model(world_size)
+        state = gs.fsdp.sparsify(model, make())
+        train(model, workers.teacher_data(rank, 3))
+        out[name] = state.stats()["total"]
+        state.close()
+    return out
+
+
+def test_per_rank_k_methods_send_each_pair_to_its_owner_only():
+    """At 4 ranks, Top-k's pairs travel once, to the owner of their shard: a rank receives about
+    the pairs the others selected in its shard (k (P - 1) / P on average, plus headers and counts),
+    where gather-and-add would deliver it every rank's k pairs. MiCRO's union exchange runs whole."""
+    world_size = 4
+    for rank, stats in enumerate(run_distributed(traffic, world_size, timeout=300)):
+        topk, micro = stats["topk"], stats["micro"]
+        pair_bytes = 4 + 4  # uint32 index, float32 value
+        every_pair = topk["selected_all"] * pair_bytes  # what gather-and-add hands every rank
+        overhead = topk["steps"] * 3 * (world_size - 1) * (32 + 8 * (world_size + 1))  # per group: headers, counts
+        assert topk["bytes_received"] <= every_pair / world_size * 1.5 + overhead, (rank, topk)
+        assert topk["bytes_received"] > 0
+        assert micro["bytes_received"] > 0
+
+
+# Every method trains ---------------------------------------------------------------------------------
+
+
+def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, float]:
+    data = workers.teacher_data(rank, steps)
+    out = {}
+    for name, make in workers.TRAINING_METHODS.items():
+        if name == "spardl_teams" and world_size % 2:
+            continue
+        model = sharded_model(world_size)
+        state = make()
+        if state is not None:
+            gs.fsdp.sparsify(model, state)
+        losses = train(model, data)
+        out[name] = sum(losses[-10:]) / 10
+        if state is not None:
+            assert state.stats()["total"]["steps"] == steps == state.step
+            state.close()
+    return out
+
+
+def test_every_method_trains_close_to_dense():
+    """Every method trains the FSDP model on the same data as FSDP's own reduce-scatter, by the
+    criterion of the DDP test (tests/distributed/test_ddp.py)."""
+    from tests.distributed.test_ddp import assert_every_method_trains
+
+    assert_every_method_trains(run_distributed(train_every_method, 2, 150, timeout=900))
+
+
+# Checkpoints through torch.distributed.checkpoint ------------------------------------------------------
+
+
+def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> dict:
+    data = workers.teacher_data(rank, 8)
+
+    def setup():
+        model = sharded_model(world_size)
+        state = gs.fsdp.sparsify(model, workers.TRAINING_METHODS[method]())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        return model, state, opt
+
+    model, state, opt = setup()
+    train(model, data[:4], opt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    residual_norms = [float(e.residual.norm()) for _, e in sorted(state._buckets.items())]
+    train(model, data[4:], opt)
+    straight = full_params(model)
+    straight_methods = [e.method.state() for _, e in sorted(state._buckets.items())]
+    state.close()
+
+    model, state, opt = setup()  # a fresh process's view: no step taken, no residual yet
+    msd, osd = get_state_dict(model, opt)
+    saved = {"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}
+    dcp.load(saved, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    assert state.step == 4, state.step
+    train(model, data[4:], opt)
+    methods = [e.method.state() for _, e in sorted(state._buckets.items())]
+    return {
+        "straight": straight,
+        "resumed": full_params(model),
+        "residual_norms": residual_norms,
+        "methods": (straight_methods, methods),
+    }
+
+
+@pytest.mark.parametrize("method", ["topk", "exdyna", "dgc"])
+def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
+    """Saved after 4 steps with dcp.save (model, optimizer, gradsparse.fsdp.ShardedState) and loaded
+    into a new model and state, 4 more steps give the parameters of the uninterrupted run, bit for
+    bit: each rank got its own residuals and method states back."""
+    results = run_distributed(resume_through_dcp, 2, str(tmp_path / "ckpt"), method, timeout=300)
+    for rank, r in enumerate(results):
+        for a, b in zip(r["straight"], r["resumed"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: {method} resumed differs by {(a - b).abs().max()}"
+        straight_methods, methods = r["methods"]
+        assert methods == straight_methods, f"rank {rank}: method states differ"
+        if method == "exdyna":  # its partition layout is part of its state from the first step
+            assert all("blocks.0" in m for m in methods)
+    assert results[0]["residual_norms"] != results[1]["residual_norms"]  # per-rank residuals
+
+
+# Bad input: a clear error on every rank --------------------------------------------------------------
+
+
+def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
+    def attempt():
+        if case == "divide_factor":
+            model = sharded_model(world_size)
+            gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_gradient_divide_factor(3.0)
+            train(model, workers.teacher_data(rank, 1))
+        elif case == "options_differ":
+            gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05 if rank == 0 else 0.1))
+        elif case == "dense":
+            gs.fsdp.sparsify(sharded_model(world_size), gs.Dense())
+        elif case == "no_fsdp":
+            gs.fsdp.sparsify(workers.make_model(), gs.TopK(density=0.05))
+        elif case == "two_models":
+            state = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05))
+            gs.fsdp.sparsify(sharded_model(world_size), state)
+        elif case == "several_meshes":  # biases on a mesh of their own: two parameter groups in one module
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+            from torch.distributed.tensor import Shard
+
+            mesh = init_device_mesh("cpu", (world_size,))
+            other = FSDPMeshInfo(
+                DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu"), shard_mesh_dim=0
+            )
+            model = workers.make_model()
+            fully_shard(
+                model,
+                mesh=mesh,
+                shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), other) if p.dim() == 1 else None,
+            )
+            gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+        dist.barrier()
+
+    return workers._outcome(attempt)
+
+
+@pytest.mark.parametrize(
+    "case,error,message",
+    [
+        ("divide_factor", "ValueError", "cannot honour"),
+        ("options_differ", "ValueError", "different configurations"),
+        ("no_fsdp", "TypeError", "holds no FSDP module"),
+        ("dense", "TypeError", "leave the model as fully_shard made it"),
+        ("two_models", "ValueError", "already serves a model"),
+        ("several_meshes", "ValueError", "holds 2 parameter groups"),
+    ],
+)
+def test_bad_input_raises_on_every_rank(case, error, message):
+    outcomes = run_distributed(bad_input, 2, case, timeout=120)
+    for rank, (kind, text) in enumerate(outcomes):
+        assert kind == error and message in text, f"rank {rank}: {kind}: {text}"
