@@ -556,9 +556,8 @@ class State:
             residual = entry.residual
         report = _C.ReduceReport()
         index = entry.index
-        future = self._engine.submit(
-            buffer, residual, entry.method, dense, self._nonfinite, f"bucket {index}", report, shard_only
-        )
+        label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
+        future = self._engine.submit(buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only)
         if last:
             self._step += 1
             self._retired.clear()

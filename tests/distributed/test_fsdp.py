@@ -36,18 +36,6 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def train(model: nn.Module, data, opt=None) -> list[float]:
-    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
-    losses = []
-    for x, y in data:
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 # Density 1 against FSDP's own reduce-scatter ------------------------------------------------------
 
 
@@ -55,10 +43,10 @@ def full_density_vs_plain(rank: int, world_size: int, reduce_dtype: torch.dtype 
     data = workers.teacher_data(rank, 12)
     sparse = sharded_model(world_size, reduce_dtype=reduce_dtype)
     state = gs.fsdp.sparsify(sparse, gs.TopK(density=1.0))
-    train(sparse, data)
+    workers.fit(sparse, data)
     assert state.step == 12, state.step
     plain = sharded_model(world_size, reduce_dtype=reduce_dtype)
-    train(plain, data)
+    workers.fit(plain, data)
     return full_params(sparse), full_params(plain)
 
 
@@ -100,7 +88,7 @@ def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None)
 
         recording.allocate = inner.allocate
         module.set_custom_reduce_scatter(recording)
-    train(model, workers.teacher_data(rank, 6))
+    workers.fit(model, workers.teacher_data(rank, 6))
     return records
 
 
@@ -131,7 +119,7 @@ def traffic(rank: int, world_size: int) -> dict:
     for name, make in (("topk", lambda: gs.TopK(density=0.05)), ("micro", lambda: gs.MiCRO(density=0.05))):
         model = sharded_model(world_size)
         state = gs.fsdp.sparsify(model, make())
-        train(model, workers.teacher_data(rank, 3))
+        workers.fit(model, workers.teacher_data(rank, 3))
         out[name] = state.stats()["total"]
         state.close()
     return out
@@ -165,7 +153,7 @@ def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, floa
         state = make()
         if state is not None:
             gs.fsdp.sparsify(model, state)
-        losses = train(model, data)
+        losses = workers.fit(model, data)
         out[name] = sum(losses[-10:]) / 10
         if state is not None:
             assert state.stats()["total"]["steps"] == steps == state.step
@@ -194,11 +182,11 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
         return model, state, opt
 
     model, state, opt = setup()
-    train(model, data[:4], opt)
+    workers.fit(model, data[:4], opt)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
     residual_norms = [float(e.residual.norm()) for _, e in sorted(state._buckets.items())]
-    train(model, data[4:], opt)
+    workers.fit(model, data[4:], opt)
     straight = full_params(model)
     straight_methods = [e.method.state() for _, e in sorted(state._buckets.items())]
     state.close()
@@ -209,7 +197,7 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
     dcp.load(saved, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
     assert state.step == 4, state.step
-    train(model, data[4:], opt)
+    workers.fit(model, data[4:], opt)
     methods = [e.method.state() for _, e in sorted(state._buckets.items())]
     return {
         "straight": straight,
@@ -235,6 +223,42 @@ def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
     assert results[0]["residual_norms"] != results[1]["residual_norms"]  # per-rank residuals
 
 
+# Non-finite gradients ----------------------------------------------------------------------------------
+
+
+def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[tuple[str, str], int, list]:
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.1, nonfinite=policy))
+    data = workers.teacher_data(rank, 4)
+
+    def attempt():
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(data):
+            loss = nn.functional.cross_entropy(model(x), y)
+            if (step, rank) == (2, 1):
+                loss = loss * float("nan")
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    outcome = workers._outcome(attempt)
+    residuals = [bool(torch.isfinite(e.residual).all()) for e in state._buckets.values()]
+    return outcome, state.stats()["total"]["skipped_steps"], residuals
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
+    """A NaN on rank 1 at step 3: with "raise" every rank raises an error naming a module and the
+    rank; with "skip" every rank skips that step and trains on. Either way the residuals stay
+    finite (the non-finite elements keep their old residual)."""
+    for (kind, text), skipped, finite in run_distributed(nonfinite_gradient, 2, policy, timeout=120):
+        assert all(finite)
+        if policy == "raise":
+            assert kind == "RuntimeError" and "module '" in text and "rank(s) 1 saw" in text, text
+        else:
+            assert kind == "ok" and skipped == 1, (kind, text, skipped)
+
+
 # Bad input: a clear error on every rank --------------------------------------------------------------
 
 
@@ -246,7 +270,7 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.set_gradient_divide_factor(3.0)
-            train(model, workers.teacher_data(rank, 1))
+            workers.fit(model, workers.teacher_data(rank, 1))
         elif case == "options_differ":
             gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05 if rank == 0 else 0.1))
         elif case == "dense":

@@ -219,6 +219,19 @@ def teacher_data(rank: int, steps: int):
     return data
 
 
+def fit(model: nn.Module, data, opt: torch.optim.Optimizer | None = None) -> list[float]:
+    """Trains on ``data`` (SGD, lr 0.1, momentum 0.5 unless ``opt`` is given); returns the losses."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    losses = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def train_every_method(rank: int, world_size: int, steps: int, device: str = "cpu") -> dict[str, float]:
     """Trains the same model with every method; returns the mean loss of the last 10 steps.
     On ``device="cuda"`` the model, data and buckets live on the GPU (every rank on GPU 0 over
@@ -234,14 +247,7 @@ def train_every_method(rank: int, world_size: int, steps: int, device: str = "cp
         state = make()
         if state is not None:
             ddp.register_comm_hook(state, gs.hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.5)
-        losses = []
-        for x, y in data:
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = fit(ddp, data)
         out[name] = sum(losses[-10:]) / 10
         if state is not None:
             state.close()
