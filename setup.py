@@ -165,8 +165,9 @@ def build_ext_command():
         def run(self):
             super().run()
             for ext in self.extensions:
-                _check_shared_libstdcxx(self.get_ext_fullpath(ext.name))
-                path = os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), "_build.py")
+                module = self.get_ext_fullpath(ext.name)
+                _check_shared_libstdcxx(module)
+                path = os.path.join(os.path.dirname(module), "_build.py")
                 with open(path, "w") as f:
                     f.write(
                         '"""Written when gradsparse._C was built: the torch it was compiled against."""\n\n'

@@ -50,8 +50,7 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
   // An all-to-all with split sizes: every rank sends its block, unpadded, to every rank.
   const auto mine = static_cast<int64_t>(sizes[static_cast<size_t>(rank_)]);
   std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
-  int64_t total = 0;
-  for (int64_t b : out_splits) total += b;
+  const auto total = static_cast<int64_t>(block_offsets(sizes).back());
   at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
   at::Tensor output = wrap(device, recv, total, at::kByte);
   // alltoall_base: torch 2.13 deprecates it for all_to_all_single, which older torches lack.

@@ -9,7 +9,6 @@ import torch
 import gradsparse as gs
 from gradsparse.testing import run_distributed
 from tests.distributed import workers
-from tests.distributed.test_ddp import assert_every_method_trains
 
 pytestmark = [
     pytest.mark.cuda,
@@ -72,9 +71,11 @@ def test_scatter_add_rejects_an_index_out_of_range_without_writing():
 @pytest.mark.distributed
 def test_every_method_trains_on_cuda_over_gloo():
     """Two ranks share GPU 0; buckets, residuals and messages are CUDA tensors, Gloo moves them."""
-    assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, "cuda", timeout=900))
+    workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, "cuda", timeout=900))
 
 
 @pytest.mark.distributed
 def test_every_method_trains_on_cuda_over_nccl():
-    assert_every_method_trains(run_distributed(workers.train_every_method, 1, 150, "cuda", backend="nccl", timeout=900))
+    workers.assert_every_method_trains(
+        run_distributed(workers.train_every_method, 1, 150, "cuda", backend="nccl", timeout=900)
+    )

@@ -78,8 +78,7 @@ namespace {
 /// from the control words); returns the receive buffer and each rank's offset in it.
 Buffer allgather_messages(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes,
                           std::vector<size_t>& offsets) {
-  offsets.assign(sizes.size() + 1, 0);
-  for (size_t r = 0; r < sizes.size(); ++r) offsets[r + 1] = offsets[r] + sizes[r];
+  offsets = block_offsets(sizes);
   Buffer recv = device.allocate(offsets.back());
   transport.allgatherv(device, mine.message.data(), recv.data(), sizes);
   return recv;
@@ -233,12 +232,12 @@ std::vector<int64_t> split_by_owner(Device& device, const BucketView& bucket, co
                  idx;
     }
   });
-  offsets.assign(static_cast<size_t>(p) + 1, 0);
+  std::vector<size_t> sizes(static_cast<size_t>(p));
   for (int o = 0; o < p; ++o) {
     counts[o] = begin[o + 1] - begin[o];
-    offsets[o + 1] =
-        offsets[o] + MessageLayout(static_cast<uint64_t>(counts[o]), index_bytes, bucket.dtype).total_bytes;
+    sizes[o] = MessageLayout(static_cast<uint64_t>(counts[o]), index_bytes, bucket.dtype).total_bytes;
   }
+  offsets = block_offsets(sizes);
   out.assign(offsets.back(), 0);
   for (int o = 0; o < p; ++o) {
     unsigned char* m = out.data() + offsets[o];
@@ -308,12 +307,12 @@ ExchangeResult scatter_to_owners(Transport& transport, Device& device, const Buc
 
   // Data: each owner receives every rank's pairs in its shard (rank me + s sends to me in round s).
   const int index_bytes = index_bytes_for(static_cast<uint64_t>(shard));
-  std::vector<size_t> sizes(static_cast<size_t>(p)), at(static_cast<size_t>(p) + 1, 0);
+  std::vector<size_t> sizes(static_cast<size_t>(p));
   for (int r = 0; r < p; ++r) {
     const int64_t count = table[static_cast<size_t>(r) * row + 1 + static_cast<size_t>(me)];
     sizes[r] = MessageLayout(static_cast<uint64_t>(count), index_bytes, bucket.dtype).total_bytes;
-    at[r + 1] = at[r] + sizes[r];
   }
+  const std::vector<size_t> at = block_offsets(sizes);
   Buffer send = device.allocate(parts.size()), recv = device.allocate(at.back());
   device.copy_from_host(send.data(), parts.data(), parts.size());
   device.copy(recv.as<unsigned char>() + at[me], send.as<unsigned char>() + offsets[me], sizes[me]);

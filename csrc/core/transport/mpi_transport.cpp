@@ -157,12 +157,12 @@ void MpiTransport::allgather(const Device& device, const void* send, void* recv,
 
 void MpiTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_allgatherv(sizes, "MpiTransport");
+  const std::vector<size_t> at = block_offsets(sizes);
+  const size_t total = at.back();
   std::vector<int> counts(sizes.size()), offsets(sizes.size());
-  size_t total = 0;
   for (size_t r = 0; r < sizes.size(); ++r) {
     counts[r] = mpi_count(sizes[r], "allgatherv");
-    offsets[r] = mpi_count(total, "allgatherv");
-    total += sizes[r];
+    offsets[r] = mpi_count(at[r], "allgatherv");
   }
   const size_t mine = sizes[static_cast<size_t>(rank_)];
   Staged in(device, const_cast<void*>(send), mine, true);

@@ -171,11 +171,9 @@ void ThreadTransport::allgatherv(Device& device, const void* send, void* recv, c
                   " expected ", sizes[r], "; every rank must pass the same sizes");
   }
   if (error.empty()) {
-    size_t offset = 0;
-    for (int r = 0; r < group_->size(); ++r) {
-      if (sizes[r] > 0) std::memcpy(static_cast<char*>(recv) + offset, group_->slot(r), sizes[r]);
-      offset += sizes[r];
-    }
+    const std::vector<size_t> offsets = block_offsets(sizes);
+    for (int r = 0; r < group_->size(); ++r)
+      if (sizes[r] > 0) std::memcpy(static_cast<char*>(recv) + offsets[r], group_->slot(r), sizes[r]);
   }
   group_->barrier(rank_);
   if (!error.empty()) throw CommError(error);

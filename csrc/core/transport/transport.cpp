@@ -2,7 +2,6 @@
 #include "gradsparse/transport.h"
 
 #include <algorithm>
-#include <numeric>
 
 namespace gradsparse {
 
@@ -22,11 +21,9 @@ void Transport::allgatherv(Device& device, const void* send, void* recv, const s
   device.fill_zero(padded.data(), largest);
   device.copy(padded.data(), send, mine);
   allgather(device, padded.data(), gathered.data(), largest);
-  size_t offset = 0;
-  for (int r = 0; r < size(); ++r) {
-    device.copy(static_cast<unsigned char*>(recv) + offset, gathered.as<unsigned char>() + r * largest, sizes[r]);
-    offset += sizes[r];
-  }
+  const std::vector<size_t> offsets = block_offsets(sizes);
+  for (int r = 0; r < size(); ++r)
+    device.copy(static_cast<unsigned char*>(recv) + offsets[r], gathered.as<unsigned char>() + r * largest, sizes[r]);
 }
 
 }  // namespace gradsparse

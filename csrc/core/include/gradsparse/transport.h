@@ -23,6 +23,14 @@
 
 namespace gradsparse {
 
+/// Where each of blocks laid back to back starts: offsets[r] = sizes[0] + ... + sizes[r - 1], and
+/// offsets[sizes.size()] is their total.
+inline std::vector<size_t> block_offsets(const std::vector<size_t>& sizes) {
+  std::vector<size_t> offsets(sizes.size() + 1, 0);
+  for (size_t r = 0; r < sizes.size(); ++r) offsets[r + 1] = offsets[r] + sizes[r];
+  return offsets;
+}
+
 struct Traffic {
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
