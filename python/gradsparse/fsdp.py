@@ -44,8 +44,9 @@ def _group_layout(module: nn.Module, world_size: int) -> tuple[int, torch.dtype]
     group = groups[0]
     params = group.fsdp_params
     numel = sum(p.padded_sharded_param_size.numel() for p in params) * world_size
-    policy = group.mp_policy
-    dtype = policy.reduce_dtype or policy.param_dtype or params[0].sharded_param.dtype
+    # The mixed-precision policy: per parameter from torch 2.15 on, per group before.
+    policy = getattr(params[0], "mp_policy", None) or getattr(group, "mp_policy", None)
+    dtype = (policy and (policy.reduce_dtype or policy.param_dtype)) or params[0].sharded_param.dtype
     return numel, dtype
 
 

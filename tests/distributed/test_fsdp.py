@@ -136,11 +136,11 @@ def test_per_rank_k_methods_send_each_pair_to_its_owner_only():
 # Every method trains ---------------------------------------------------------------------------------
 
 
-def train_every_method(rank: int, world_size: int, steps: int) -> dict[str, float]:
+def train_every_method(rank: int, world_size: int, steps: int, names: list[str] | None = None) -> dict[str, float]:
     data = workers.teacher_data(rank, steps)
     out = {}
     for name, make in workers.TRAINING_METHODS.items():
-        if name == "spardl_teams" and world_size % 2:
+        if (name == "spardl_teams" and world_size % 2) or (names is not None and name not in names):
             continue
         model = sharded_model(world_size)
         state = make()
@@ -158,6 +158,14 @@ def test_every_method_trains_close_to_dense():
     """Every method trains the FSDP model on the same data as FSDP's own reduce-scatter, by the
     criterion of the DDP test (tests/distributed/test_ddp.py)."""
     workers.assert_every_method_trains(run_distributed(train_every_method, 2, 150, timeout=900))
+
+
+def test_every_exchange_trains_at_four_ranks():
+    """At 4 ranks, one method per way of reducing under FSDP: the sparse reduce-scatter (Top-k, and
+    MiCRO's exclusive gather, one owner per rank), the union exchange (ExDyna), shared indices
+    (Random-block), SparDL's own exchange (two teams), against FSDP's own reduce-scatter."""
+    names = ["dense", "topk", "micro_gather", "exdyna", "randomblock", "spardl_teams"]
+    workers.assert_every_method_trains(run_distributed(train_every_method, 4, 150, names, timeout=900))
 
 
 # Checkpoints through torch.distributed.checkpoint ------------------------------------------------------
