@@ -58,7 +58,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<unsigned char> out = fuzz::random_bucket(dtype, n, seed + 1);
   const std::vector<unsigned char> before = out;
   try {
-    device.scatter_add_message(dtype, out.data(), n, at, message.size(), 2.0f, 1);
+    device.scatter_add(read_message(device, at, message.size(), dtype, n, 1), out.data(), 2.0f);
     if (shift != 0) __builtin_trap();  // a misaligned message was accepted
   } catch (const CorruptMessageError&) {
     if (out != before) __builtin_trap();  // a rejected message wrote to the output

@@ -52,6 +52,29 @@ struct EngineDeleter {
   }
 };
 
+/// A method that keeps the indices of each selection it makes (for tests of the selections); the
+/// step itself is the wrapped method's.
+class Recorder final : public Method {
+ public:
+  explicit Recorder(Method& method) : method_(method) {}
+  std::string name() const override { return method_.name(); }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override {
+    Selection s = method_.select(device, bucket, group);
+    indices = HostMessage(device, s, bucket).index_list();
+    return s;
+  }
+  const Exchange& exchange() const override { return method_.exchange(); }
+  void observe(const BucketView& bucket, const ExchangeResult& result) override { method_.observe(bucket, result); }
+  MethodReport report() const override { return method_.report(); }
+  MethodState state() const override { return method_.state(); }
+  void load_state(const MethodState& state) override { method_.load_state(state); }
+
+  std::vector<int64_t> indices;
+
+ private:
+  Method& method_;
+};
+
 /// N ranks as threads of this process (ThreadTransport over CPU tensors), for tests that drive
 /// methods and exchanges from Python without spawning processes: each Python thread calls
 /// reduce() with its rank.
@@ -62,8 +85,11 @@ class PyThreadGroup {
     for (int r = 0; r < size; ++r) transports_.push_back(group_->transport(r));
   }
 
-  ReduceReport reduce(int rank, const at::Tensor& grad, std::optional<at::Tensor> residual,
-                      const std::shared_ptr<Method>& method, bool dense, const std::string& nonfinite, bool record) {
+  /// The report of one bucket's step, and this rank's selected indices (empty for a dense step).
+  std::pair<ReduceReport, std::vector<int64_t>> reduce(int rank, const at::Tensor& grad,
+                                                       std::optional<at::Tensor> residual,
+                                                       const std::shared_ptr<Method>& method, bool dense,
+                                                       const std::string& nonfinite, bool record, bool shard_only) {
     TORCH_CHECK_VALUE(rank >= 0 && rank < static_cast<int>(transports_.size()), "ThreadGroup.reduce: rank ", rank,
                       " is outside the group of ", transports_.size());
     TORCH_CHECK_VALUE(grad.device().is_cpu(), "ThreadGroup.reduce: CPU tensors only");
@@ -73,12 +99,15 @@ class PyThreadGroup {
     options.dense = dense;
     options.nonfinite = parse_policy(nonfinite);
     options.bucket_name = "bucket (rank " + std::to_string(rank) + ")";
-    options.record = record;
+    options.shard_only = shard_only;
     const BucketView view{torch_adapter::core_dtype(grad, "grad"), grad.numel(), grad.data_ptr(),
                           residual ? residual->data_ptr() : nullptr};
     CpuDevice device;
     py::gil_scoped_release nogil;
-    return reduce_bucket(method.get(), *transports_[rank], device, view, options);
+    if (!method || !record) return {reduce_bucket(method.get(), *transports_[rank], device, view, options), {}};
+    Recorder recorder(*method);
+    ReduceReport report = reduce_bucket(&recorder, *transports_[rank], device, view, options);
+    return {std::move(report), std::move(recorder.indices)};
   }
 
   void abort(const std::string& reason) { group_->abort(reason); }
@@ -113,6 +142,9 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<Method, std::shared_ptr<Method>>(m, "Method", "A per-bucket selection method (C++ core).")
       .def_property_readonly("name", &Method::name)
+      .def_property_readonly(
+          "exchange", [](const Method& method) { return std::string(method.exchange().name()); },
+          "The exchange its selections go through, by its glossary name (docs/architecture.md).")
       .def_property_readonly("threshold", [](const Method& method) { return method.report().threshold; })
       .def("state", &Method::state, "Checkpointable state as {name: float}.")
       .def("load_state", &Method::load_state, py::arg("state"));
@@ -147,6 +179,14 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("stages", &SIDCo::stages);
   py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
       .def(py::init<double, int>(), py::arg("density"), py::arg("teams"));
+  m.def(
+      "exchanges",
+      [] {
+        std::vector<std::string> names;
+        for (ExchangeKind kind : kExchangeKinds) names.push_back(exchange_name(kind));
+        return names;
+      },
+      "The glossary names of the exchanges (docs/architecture.md, \"Exchanges and transports\").");
   m.def("mpi_available", &mpi_available, "True when this build has MPI support (transport=\"mpi\").");
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
@@ -162,7 +202,6 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("nonfinite", &ReduceReport::nonfinite)
       .def_readonly("threshold", &ReduceReport::threshold)
       .def_readonly("imbalance", &ReduceReport::imbalance)
-      .def_readonly("indices", &ReduceReport::indices)
       .def_property_readonly("bytes_sent", [](const ReduceReport& r) { return r.traffic.bytes_sent; })
       .def_property_readonly("bytes_received", [](const ReduceReport& r) { return r.traffic.bytes_received; })
       .def_property_readonly("collectives", [](const ReduceReport& r) { return r.traffic.collectives; })
@@ -173,7 +212,10 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, double>(), py::arg("size"), py::arg("timeout_seconds") = 60.0)
       .def("reduce", &PyThreadGroup::reduce, py::arg("rank"), py::arg("grad"), py::arg("residual"), py::arg("method"),
            py::arg("dense") = false, py::arg("nonfinite") = "raise", py::arg("record") = true,
-           "Reduce one bucket as `rank`; call it from one Python thread per rank.")
+           py::arg("shard_only") = false,
+           "Reduce one bucket as `rank` (call it from one Python thread per rank); returns the report and, with "
+           "`record`, this rank's selected indices (their host copy is timed as part of the selection). With "
+           "`shard_only`, only this rank's 1/P of the bucket is the result (FSDP's reduce-scatter).")
       .def("abort", &PyThreadGroup::abort, py::arg("reason"));
 
   py::class_<Engine, std::unique_ptr<Engine, EngineDeleter>>(m, "Engine",

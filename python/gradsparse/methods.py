@@ -65,7 +65,7 @@ class Dense(State):
 
 class TopK(State):
     """Top-k: each rank sends the ``density`` fraction of each bucket with the largest magnitudes
-    (after error feedback); ties go to the lowest index. Exchange: exact-k gather."""
+    (after error feedback); ties go to the lowest index. Exchange: fixed-size gather."""
 
     OPTIONS = (_DENSITY,)
     _CORE = "TopK"

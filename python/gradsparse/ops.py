@@ -1,5 +1,11 @@
-"""Typed Python wrappers of the gradsparse TORCH_LIBRARY ops, with their fake kernels (so the
-ops trace under torch.compile and pass torch.library.opcheck)."""
+"""The toolbox: the kernels the hook runs, as PyTorch operators (TORCH_LIBRARY ``gradsparse::*``,
+CPU and CUDA) for code that compresses gradients its own way. Typed Python wrappers, with the
+ops' fake kernels (so they trace under torch.compile and pass torch.library.opcheck):
+
+- :func:`select_threshold` and :func:`select_topk`: error feedback and selection in one pass;
+- :func:`scatter_add_`: adding received pairs into a dense tensor, every index checked;
+- :func:`pack` and :func:`unpack`: the sparse message format (docs/architecture.md) and back.
+"""
 
 from __future__ import annotations
 

@@ -108,9 +108,14 @@ def gather_and_add(counts: Sequence[int], numel: int, value_bytes: int = 4, rank
     return [Collective("allgather", CONTROL_BYTES), variable_blocks(sizes, rank)]
 
 
-def exact_k(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
+def fixed_gather(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
     """Gather-and-add when every rank sends exactly k pairs (Top-k): one allgather, no control word."""
     return [Collective("allgather", message_bytes(k, numel, value_bytes))]
+
+
+def exclusive_gather(counts: Sequence[int], numel: int, value_bytes: int = 4, rank: int = 0) -> list[Collective]:
+    """Gather-and-add of selections from disjoint partitions (MiCRO, ExDyna): the same collectives."""
+    return gather_and_add(counts, numel, value_bytes, rank)
 
 
 def union_allreduce(
@@ -125,11 +130,32 @@ def union_allreduce(
     return steps
 
 
-def shared_allreduce(count: int, value_bytes: int = 4) -> list[Collective]:
+def shared_indices(count: int, value_bytes: int = 4) -> list[Collective]:
     """Random-k: control words (with the index digest), then an all-reduce of the values."""
     steps = [Collective("allgather", CONTROL_BYTES)]
     if count > 0:
         steps.append(Collective("allreduce", count * value_bytes))
+    return steps
+
+
+def sparse_reduce_scatter(
+    counts: Sequence[Sequence[int]], numel: int, value_bytes: int = 4, rank: int = 0
+) -> list[Collective]:
+    """FSDP's sparse reduce-scatter (P equal shards; ``counts[r][o]``: rank r's pairs in the shard
+    of owner o): every rank's P + 1 counts (all-gather), then P - 1 send-receive rounds, in round
+    s each rank sending the pairs of owner rank + s and receiving those of rank - s for its own."""
+    p = len(counts)
+    shard = numel // p
+    steps = [Collective("allgather", (p + 1) * 8)]
+    for s in range(1, p):
+        dst, src = (rank + s) % p, (rank - s) % p
+        steps.append(
+            Collective(
+                "sendrecv",
+                message_bytes(counts[rank][dst], shard, value_bytes),
+                message_bytes(counts[src][rank], shard, value_bytes),
+            )
+        )
     return steps
 
 
@@ -219,6 +245,19 @@ def spardl(
     return steps
 
 
+#: Every exchange's model, under its name in the library's glossary (gradsparse._C.exchanges(),
+#: docs/architecture.md "Exchanges and transports").
+EXCHANGES = {
+    "gather-and-add": gather_and_add,
+    "fixed-size gather": fixed_gather,
+    "exclusive gather": exclusive_gather,
+    "union + all-reduce": union_allreduce,
+    "shared indices": shared_indices,
+    "sparse reduce-scatter": sparse_reduce_scatter,
+    "SparDL": spardl,
+}
+
+
 # --------------------------------------------------------------------------------------------
 # The command line: every exchange at every world size, assuming the targets are hit
 # --------------------------------------------------------------------------------------------
@@ -235,10 +274,10 @@ def exchanges_at_scale(world_size: int, numel: int, density: float, teams: int =
     partitioned = band_agreement(first_step=False)
     plans = {
         "dense all-reduce": dense(numel),
-        "gather-and-add (Top-k, exact k)": exact_k(k, numel),
+        "fixed-size gather (Top-k)": fixed_gather(k, numel),
         "gather-and-add (counts exchanged)": gather_and_add([k] * world_size, numel),
         "union + all-reduce (MiCRO/ExDyna)": partitioned + union_allreduce(split, k, numel),
-        "exclusive gather (MiCRO/ExDyna)": partitioned + gather_and_add(split, numel),
+        "exclusive gather (MiCRO/ExDyna)": partitioned + exclusive_gather(split, numel),
     }
     if world_size % teams == 0:
         plans[f"SparDL (teams={teams})"] = spardl(world_size, 0, numel, density, teams=teams)
@@ -255,7 +294,7 @@ def minimum_bytes(world_size: int, numel: int, density: float) -> dict[str, int]
     allreduce = 2 * (p - 1) * k * 4 // p
     return {
         "dense all-reduce": 2 * (p - 1) * numel * 4 // p,
-        "gather-and-add (Top-k, exact k)": (p - 1) * k * pair,
+        "fixed-size gather (Top-k)": (p - 1) * k * pair,
         "gather-and-add (counts exchanged)": (p - 1) * k * pair,
         "union + all-reduce (MiCRO/ExDyna)": others * index_bytes(numel) + (allreduce if p > 1 else 0),
         "exclusive gather (MiCRO/ExDyna)": others * pair,

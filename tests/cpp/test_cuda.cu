@@ -70,8 +70,8 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
 
       std::vector<T> zeros(n, Num<T>::zero());
       DeviceVector<T> out(gpu, zeros);
-      gpu.scatter_add_message(dtype, out.data(), n, a.message.data(), a.bytes, 2.0f, 0);
-      cpu.scatter_add_message(dtype, zeros.data(), n, b.message.data(), b.bytes, 2.0f, 0);
+      gpu.scatter_add(read_message(gpu, a.message.data(), a.bytes, dtype, n, 0), out.data(), 2.0f);
+      cpu.scatter_add(read_message(cpu, b.message.data(), b.bytes, dtype, n, 0), zeros.data(), 2.0f);
       const std::vector<T> o = out.host();
       for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(o[i], zeros[i])) << i;
     }
@@ -138,7 +138,7 @@ TEST(CudaScatter, RejectsCorruptMessagesWithoutWriting) {
   Buffer bad = gpu.allocate(bytes.size());
   gpu.copy_from_host(bad.data(), bytes.data(), bytes.size());
   DeviceVector<float> out(gpu, std::vector<float>(4, 7.0f));
-  EXPECT_THROW(gpu.scatter_add_message(DType::kFloat32, out.data(), 4, bad.data(), bytes.size(), 1.0f, 1),
+  EXPECT_THROW(gpu.scatter_add(read_message(gpu, bad.data(), bytes.size(), DType::kFloat32, 4, 1), out.data(), 1.0f),
                CorruptMessageError);
   EXPECT_EQ(out.host(), std::vector<float>(4, 7.0f));
 }

@@ -1,4 +1,4 @@
-// The gather-and-add exchange and reduce_bucket over ThreadTransport, 1 to 8 ranks, against a
+// The exchanges, each alone, and reduce_bucket over ThreadTransport, 1 to 8 ranks, against a
 // reference computed from all ranks' data; mass conservation; the non-finite policy; faults.
 #include <gtest/gtest.h>
 
@@ -137,6 +137,182 @@ TEST(ScatterToOwners, RefusesABucketThatDoesNotSplitIntoEqualShards) {
       EXPECT_NE(std::string(e.what()).find("does not split into 3 equal shards"), std::string::npos) << e.what();
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Each exchange alone (exchange.h), run on hand-made selections: rank r selects the indices
+// {i : i % (r + 2) == 0} of a bucket of 60 (ranks overlap on multiples of 6, 12, ...), or, for the
+// shared and fixed-size exchanges, the same 20 indices on every rank.
+
+constexpr int64_t kSmall = 60;
+
+std::vector<int64_t> indices_of(int rank, bool shared) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < kSmall; ++i)
+    if (shared ? i % 3 == 0 : i % (rank + 2) == 0) out.push_back(i);
+  return out;
+}
+
+/// Every rank's result and residual after `exchange` ran on the selection indices_of(rank): the
+/// selection's values are the rank's residual there (gradient zero), so what the exchange moves
+/// is known from the residuals alone.
+struct Outcome {
+  std::vector<std::vector<float>> output, residual;
+  std::vector<ExchangeResult> result;
+  std::vector<Traffic> traffic;
+};
+
+Outcome run_exchange(const Exchange& exchange, int p, bool shared) {
+  Outcome o{std::vector<std::vector<float>>(p), std::vector<std::vector<float>>(p), std::vector<ExchangeResult>(p),
+            std::vector<Traffic>(p)};
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    o.output[rank].assign(kSmall, 0.0f);
+    o.residual[rank] = residual_of(rank, kSmall);
+    const BucketView bucket{DType::kFloat32, kSmall, o.output[rank].data(), o.residual[rank].data()};
+    const Selection mine = device.gather(bucket, indices_of(rank, shared));
+    if (exchange.selection_zeroes()) device.zero_at(bucket, mine.view(bucket));
+    o.result[rank] = exchange.run(transport, device, bucket, mine);
+    o.traffic[rank] = transport.traffic();
+  }));
+  return o;
+}
+
+/// sum over ranks of `value(r, i)` / P at every element some rank selected, in rank order.
+std::vector<float> average_of(int p, bool shared, const std::function<float(int, int64_t)>& value) {
+  std::vector<float> want(kSmall, 0.0f);
+  for (int r = 0; r < p; ++r)
+    for (int64_t i : indices_of(r, shared)) want[i] += value(r, i) / float(p);
+  return want;
+}
+
+TEST(EachExchange, GatherAndAddAddsEveryRanksPairs) {
+  for (int p : {1, 2, 3, 5}) {
+    const Outcome o = run_exchange(gather_and_add(), p, false);
+    const auto want = average_of(p, false, [](int r, int64_t i) { return residual_of(r, kSmall)[i]; });
+    for (int r = 0; r < p; ++r) {
+      ASSERT_EQ(o.output[r], want) << "P=" << p << " rank " << r;
+      for (int64_t i : indices_of(r, false)) ASSERT_EQ(o.residual[r][i], 0.0f);
+      EXPECT_EQ(o.result[r].union_size, o.result[r].total_count());
+      EXPECT_EQ(o.traffic[r].collectives, 2);  // control words, messages
+    }
+  }
+}
+
+TEST(EachExchange, FixedGatherIsOneCollectiveWithTheSameResult) {
+  for (int p : {1, 2, 4}) {
+    const Outcome fixed = run_exchange(fixed_gather(), p, true), gathered = run_exchange(gather_and_add(), p, true);
+    for (int r = 0; r < p; ++r) {
+      ASSERT_EQ(fixed.output[r], gathered.output[r]) << "P=" << p;
+      EXPECT_EQ(fixed.traffic[r].collectives, 1);  // the messages only: no control words
+      EXPECT_EQ(gathered.traffic[r].collectives, 2);
+      if (p > 1) EXPECT_LT(fixed.traffic[r].bytes_sent, gathered.traffic[r].bytes_sent);
+    }
+  }
+}
+
+TEST(EachExchange, UnionAllreduceSumsEveryRanksValueOnTheUnion) {
+  for (int p : {1, 2, 3, 5}) {
+    const Outcome o = run_exchange(union_allreduce(), p, false);
+    std::vector<bool> in_union(kSmall, false);
+    for (int r = 0; r < p; ++r)
+      for (int64_t i : indices_of(r, false)) in_union[i] = true;
+    std::vector<float> want(kSmall, 0.0f);
+    for (int64_t i = 0; i < kSmall; ++i) {
+      if (!in_union[i]) continue;
+      float sum = 0.0f;  // the all-reduce sums every rank's value, selected there or not
+      for (int r = 0; r < p; ++r) sum += residual_of(r, kSmall)[i];
+      want[i] = sum / float(p);
+    }
+    for (int r = 0; r < p; ++r) {
+      for (int64_t i = 0; i < kSmall; ++i) ASSERT_NEAR(o.output[r][i], want[i], 1e-6f) << "P=" << p << " i " << i;
+      ASSERT_EQ(o.output[r], o.output[0]);  // bit-identical on every rank
+      for (int64_t i = 0; i < kSmall; ++i)
+        ASSERT_EQ(o.residual[r][i], in_union[i] ? 0.0f : residual_of(r, kSmall)[i]);  // zeroed on the union
+      EXPECT_EQ(o.result[r].union_size, std::count(in_union.begin(), in_union.end(), true));
+    }
+  }
+}
+
+TEST(EachExchange, SharedIndicesAllreducesTheValuesAndRefusesOtherIndices) {
+  for (int p : {1, 2, 4}) {
+    const Outcome o = run_exchange(shared_indices(), p, true);
+    const auto want = average_of(p, true, [](int r, int64_t i) { return residual_of(r, kSmall)[i]; });
+    for (int r = 0; r < p; ++r) {
+      for (int64_t i = 0; i < kSmall; ++i) ASSERT_NEAR(o.output[r][i], want[i], 1e-6f) << "P=" << p << " i " << i;
+      EXPECT_EQ(o.traffic[r].collectives, 2);  // control words, values
+    }
+  }
+  const auto errors = run_ranks(3, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<float> out(kSmall, 0.0f), residual = residual_of(rank, kSmall);
+    const BucketView bucket{DType::kFloat32, kSmall, out.data(), residual.data()};
+    const Selection mine = device.gather(bucket, indices_of(rank, rank != 2));  // rank 2 draws others
+    shared_indices().run(transport, device, bucket, mine);
+  });
+  for (const std::exception_ptr& error : errors) EXPECT_THROW(std::rethrow_exception(error), CorruptMessageError);
+}
+
+TEST(EachExchange, SparseReduceScatterDeliversEachOwnerItsShardOfGatherAndAdd) {
+  for (int p : {1, 2, 3, 4, 5}) {  // 60 splits into 1 to 5 equal shards
+    const Outcome sharded = run_exchange(sparse_reduce_scatter(), p, false);
+    const Outcome whole = run_exchange(gather_and_add(), p, false);
+    const int64_t shard = kSmall / p;
+    for (int r = 0; r < p; ++r) {
+      for (int64_t i = 0; i < kSmall; ++i)
+        ASSERT_EQ(sharded.output[r][i], i / shard == r ? whole.output[r][i] : 0.0f) << "P=" << p << " i " << i;
+      ASSERT_EQ(sharded.residual[r], whole.residual[r]);
+    }
+  }
+  EXPECT_EQ(&gather_and_add().for_shard(), &sparse_reduce_scatter());
+  EXPECT_EQ(&fixed_gather().for_shard(), &sparse_reduce_scatter());
+  EXPECT_EQ(&union_allreduce().for_shard(), &union_allreduce());  // runs whole
+}
+
+TEST(EachExchange, SparDLAtFullSizeIsTheDenseAverage) {
+  for (int p : {1, 2, 3, 4}) {
+    for (int teams : {1, 2}) {
+      if (p % teams != 0) continue;
+      std::vector<std::vector<float>> output(p), residual(p);
+      rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+        CpuDevice device;
+        output[rank].assign(kSmall, 0.0f);
+        residual[rank] = residual_of(rank, kSmall);
+        const BucketView bucket{DType::kFloat32, kSmall, output[rank].data(), residual[rank].data()};
+        SparDLExchange exchange;
+        const int64_t chunk = (kSmall + p / teams - 1) / (p / teams);
+        exchange.sizes = SparDLExchange::Sizes{teams, chunk, chunk};  // every pair of every block
+        Selection nothing;  // SparDL's selection is the error-feedback update alone
+        const ExchangeResult result = exchange.run(transport, device, bucket, nothing);
+        EXPECT_EQ(result.merged, teams > 1 ? chunk : -1);
+      }));
+      for (int64_t i = 0; i < kSmall; ++i) {
+        float sum = 0.0f;
+        for (int r = 0; r < p; ++r) sum += residual_of(r, kSmall)[i];
+        for (int r = 0; r < p; ++r) {
+          ASSERT_NEAR(output[r][i], sum / float(p), 1e-6f) << "P=" << p << " teams " << teams << " i " << i;
+          ASSERT_EQ(residual[r][i], 0.0f);  // everything was sent
+        }
+      }
+    }
+  }
+}
+
+TEST(EachExchange, GlossaryNamesEveryExchangeOnce) {
+  std::vector<std::string> names;
+  for (ExchangeKind kind : kExchangeKinds) names.push_back(exchange_name(kind));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"gather-and-add", "fixed-size gather", "exclusive gather", "union + all-reduce",
+                                      "shared indices", "sparse reduce-scatter", "SparDL"}));
+  EXPECT_STREQ(gather_and_add().name(), "gather-and-add");
+  EXPECT_STREQ(TopK(0.1).exchange().name(), "fixed-size gather");
+  EXPECT_STREQ(RandomK(0.1, 0).exchange().name(), "shared indices");
+  EXPECT_STREQ(MiCRO(0.1, "union", false, 0).exchange().name(), "union + all-reduce");
+  EXPECT_STREQ(ExDyna(0.1, "gather", false, 0).exchange().name(), "exclusive gather");
+  EXPECT_STREQ(SAGE(0.1, "per_tensor", {}, false, 0, std::nullopt, std::nullopt).exchange().name(), "gather-and-add");
+  EXPECT_EQ(&exclusive_gather().for_shard(), &sparse_reduce_scatter());
+  EXPECT_STREQ(SparDL(0.1, 1).exchange().name(), "SparDL");
+  EXPECT_THROW(MiCRO(0.1, "shared", false, 0), ValueError);
 }
 
 TEST(GatherAdd, DensityOneEqualsDenseAverage) {
@@ -447,7 +623,7 @@ struct CorruptCase {
 // rank finishes or fails within the timeout: nothing writes out of bounds, nothing hangs.
 TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
   const std::vector<CorruptCase> cases = {
-      {"exact-k gather", [] { return std::make_unique<TopK>(0.05); }, 0},
+      {"fixed-size gather", [] { return std::make_unique<TopK>(0.05); }, 0},
       {"gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, 1},
       {"union", [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }, 1},
       {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1},

@@ -209,17 +209,17 @@ TEST(Passes, CandidatesSamplesGatherAndZeroing) {
   const Selection g = device.gather(b.view(), {7, 8, 9000});
   EXPECT_EQ(message_indices(g), (std::vector<int64_t>{7, 8, 9000}));
   std::vector<float> out(kN, 0.0f);
-  device.scatter_add_message(DType::kFloat32, out.data(), kN, g.message.data(), g.bytes, 1.0f, 0);
+  device.scatter_add(g.view(b.view()), out.data(), 1.0f);
   EXPECT_EQ(out[8], v[8]);
   EXPECT_EQ(out[9000], v[9000]);
-  device.zero_at(b.view(), g.message.data(), g.bytes);
+  device.zero_at(b.view(), g.view(b.view()));
   EXPECT_EQ(b.residual[7], 0.0f);
   EXPECT_EQ(b.residual[9000], 0.0f);
   EXPECT_EQ(b.residual[6], v[6]);
 
   const Selection e = device.emit(b.view(), {1, 4}, {2.5f, -1.0f}, true);
   std::vector<float> out2(kN, 0.0f);
-  device.scatter_add_message(DType::kFloat32, out2.data(), kN, e.message.data(), e.bytes, 1.0f, 0);
+  device.scatter_add(e.view(b.view()), out2.data(), 1.0f);
   EXPECT_EQ(out2[1], 2.5f);
   EXPECT_EQ(out2[4], -1.0f);
   EXPECT_EQ(b.residual[4], 0.0f);

@@ -2,7 +2,9 @@
 docs/methods.md (its table and one section each, with the constructor's real defaults),
 docs/method-spec.md, docs/architecture.md's classes, examples/README.md and the examples'
 --method choices. A method added, renamed or given a new
-default without its documentation fails here."""
+default without its documentation fails here. The exchanges have one glossary: the names the
+library gives them (gradsparse._C.exchanges()) are those of docs/architecture.md's table and of
+README's method table, whose rows name the exchange each method really uses."""
 
 import inspect
 import re
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import gradsparse as gs
+from gradsparse.methods import core_method
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARSE = {name: cls for name, cls in gs.METHODS.items() if name != "dense"}
@@ -90,3 +93,21 @@ def test_architecture_and_examples_readme_name_every_method():
     assert sorted(re.findall(r"`(\w+)`", classes)) == sorted(cls.__name__ for cls in SPARSE.values())
     listed = re.search(r"every gradsparse method: (.*?)\.\n", read("examples/README.md"), flags=re.DOTALL).group(1)
     assert sorted(re.findall(r"`(\w+)`", listed)) == sorted(SPARSE)
+
+
+def test_architecture_exchange_table_is_the_glossary():
+    rows = table_rows(read("docs/architecture.md"), "| exchange | used by |")
+    named = [row.split("|")[1].strip() for row in rows]
+    assert named == gs._C.exchanges(), "docs/architecture.md's exchange table and the library's exchanges differ"
+
+
+@pytest.mark.parametrize("name", sorted(SPARSE))
+def test_readme_names_the_exchange_each_method_uses(name):
+    cls = SPARSE[name]
+    row = next(row for row in table_rows(read("README.md"), "| method | class |") if f"`gs.{cls.__name__}(" in row)
+    default, under_fsdp = (cell.strip() for cell in row.split("|")[3:5])
+    method = core_method(name, **({"threshold": 1.0} if name == "threshold" else {"density": 0.1}))
+    assert default.split(" (")[0] == method.exchange, (
+        f"README: {cls.__name__} uses {default!r}, the code {method.exchange!r}"
+    )
+    assert under_fsdp.startswith(("sparse reduce-scatter", "whole exchange")), f"README: {cls.__name__}: {under_fsdp!r}"

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gradsparse import simulate
+from gradsparse import _C, simulate
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -40,10 +40,10 @@ def test_dense(world_size):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_topk_exact_k(world_size):
+def test_topk_fixed_size_gather(world_size):
     steps = run_steps(world_size, lambda r: core_method("topk", density=DENSITY), stream(world_size))
     k = math.floor(DENSITY * NUMEL)
-    check(steps, lambda t, r, s: simulate.exact_k(k, NUMEL))
+    check(steps, lambda t, r, s: simulate.fixed_gather(k, NUMEL))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -57,7 +57,7 @@ def test_gather_and_add_with_counts(world_size):
 def test_shared_indices(world_size):
     steps = run_steps(world_size, lambda r: core_method("randomk", density=DENSITY), stream(world_size))
     k = math.floor(DENSITY * NUMEL)
-    check(steps, lambda t, r, s: simulate.shared_allreduce(k))
+    check(steps, lambda t, r, s: simulate.shared_indices(k))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -83,8 +83,32 @@ def test_exclusive_gather(world_size):
     )
     check(
         steps,
-        lambda t, r, s: simulate.band_agreement(first_step=t == 0) + simulate.gather_and_add(s.counts, NUMEL, rank=r),
+        lambda t, r, s: simulate.band_agreement(first_step=t == 0) + simulate.exclusive_gather(s.counts, NUMEL, rank=r),
     )
+
+
+SHARDED = 1680  # 2^4 * 3 * 5 * 7: equal shards for most world sizes
+
+
+@pytest.mark.parametrize("world_size", [w for w in WORLD_SIZES if SHARDED % w == 0])
+def test_sparse_reduce_scatter(world_size):
+    steps = run_steps(
+        world_size,
+        lambda r: core_method("topk", density=DENSITY),
+        stream(world_size, numel=SHARDED),
+        shard_only=True,
+    )
+    shard = SHARDED // world_size
+
+    def plan(t, r, s):
+        counts = [[int((rank.indices // shard == o).sum()) for o in range(world_size)] for rank in steps[t]]
+        return simulate.sparse_reduce_scatter(counts, SHARDED, rank=r)
+
+    check(steps, plan)
+
+
+def test_every_exchange_of_the_library_has_a_model():
+    assert list(simulate.EXCHANGES) == _C.exchanges()
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -112,7 +136,7 @@ def test_scale_table_runs_and_orders_exchanges(capsys):
     plans = simulate.exchanges_at_scale(1024, 25_000_000, 0.001)
     sent = {name: sum(c.bytes_sent(1024) for c in plan) for name, plan in plans.items()}
     # gather-and-add grows with P: at 1024 ranks it moves about as much as the dense all-reduce
-    assert sent["gather-and-add (Top-k, exact k)"] > 0.9 * sent["dense all-reduce"]
+    assert sent["fixed-size gather (Top-k)"] > 0.9 * sent["dense all-reduce"]
     assert sent["SparDL (teams=1)"] < 0.01 * sent["dense all-reduce"]
     # No padding on the wire: every exchange with a closed-form payload bound is within 1.1x of it
     # (headers and control words are the rest), except where a rank's block is a few dozen pairs:

@@ -1,7 +1,6 @@
 #include "gradsparse/reduce_bucket.h"
 
 #include <chrono>
-#include <cstring>
 #include <new>
 #include <stdexcept>
 
@@ -44,20 +43,6 @@ class TransportCollective final : public Collective {
   Device& device_;
 };
 
-/// This rank's selected indices, read from its message.
-std::vector<int64_t> message_indices(Device& device, const Selection& s, const BucketView& bucket) {
-  const MessageHeader h = read_device_header(device, s.message.data(), s.bytes, bucket.dtype, bucket.numel, -1);
-  std::vector<unsigned char> raw(h.count * h.index_bytes);
-  device.copy_to_host(raw.data(), s.message.as<unsigned char>() + kMessageHeaderBytes, raw.size());
-  std::vector<int64_t> out(h.count);
-  for (size_t j = 0; j < out.size(); ++j) {
-    uint64_t v = 0;
-    std::memcpy(&v, raw.data() + j * h.index_bytes, h.index_bytes);
-    out[j] = static_cast<int64_t>(v);
-  }
-  return out;
-}
-
 /// Applies the non-finite policy after an aborted exchange (the residual is already restored).
 ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& options, const BucketView& bucket,
                         Device& device, ReduceReport report) {
@@ -71,7 +56,7 @@ ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& optio
             "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
             "construct the state with nonfinite=\"skip\" to skip such steps."));
   }
-  device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
+  clear_output(device, bucket);
   report.skipped = true;
   return report;
 }
@@ -79,8 +64,8 @@ ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& optio
 /// Runs an exchange. An allocation that fails inside it (a size no buffer can hold, or memory
 /// running out) leaves this rank out of step with the others, like a corrupt message: it is
 /// reported as one, so that the engine stops instead of going on to the next bucket.
-template <typename Exchange>
-ExchangeResult guarded(const ReduceOptions& options, const BucketView& bucket, Exchange&& run) {
+template <typename Run>
+ExchangeResult guarded(const ReduceOptions& options, const BucketView& bucket, Run&& run) {
   auto failed = [&](const std::exception& e) {
     return CorruptMessageError(str(options.bucket_name, " (", bucket.numel,
                                    " elements): an allocation failed during the exchange (", e.what(),
@@ -116,51 +101,28 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     return report;
   }
 
-  auto t0 = std::chrono::steady_clock::now();
-  if (method->runs_exchange()) {
-    const ExchangeResult result = guarded(options, bucket, [&] { return method->run(transport, device, bucket); });
-    report.exchange_seconds = seconds_since(t0);
-    report.traffic = transport.traffic() - before;
-    report.selected = result.control.empty() ? 0 : result.control[transport.rank()].count;
-    report.selected_all = result.total_count();
-    report.counts = counts_of(result);
-    report.union_size = result.union_size;
-    if (result.aborted) {
-      for (const ControlWord& w : result.control) report.nonfinite += w.nonfinite;
-      return abort_step(result, options, bucket, device, report);
-    }
-    method->observe(bucket, result);
-    report.threshold = method->report().threshold;
-    return report;
-  }
   TransportCollective group(transport, device);
-  Selection selection = method->select(device, bucket, group);
+  const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
+  auto t0 = std::chrono::steady_clock::now();
+  const Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
-  report.selected = selection.count;
   report.nonfinite = selection.nonfinite;
-  if (options.record) report.indices = message_indices(device, selection, bucket);
 
   t0 = std::chrono::steady_clock::now();
-  const ExchangeKind kind = method->exchange();
-  const ExchangeResult result = guarded(options, bucket, [&] {
-    if (options.shard_only && kind == ExchangeKind::kGather)
-      return scatter_to_owners(transport, device, bucket, selection);
-    return exchange(kind, transport, device, bucket, selection, method->fixed_count(bucket.numel));
-  });
+  const ExchangeResult result =
+      guarded(options, bucket, [&] { return exchange.run(transport, device, bucket, selection); });
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
+  report.selected = result.control[static_cast<size_t>(transport.rank())].count;
   report.selected_all = result.total_count();
   report.counts = counts_of(result);
   report.union_size = result.union_size;
 
   if (result.aborted) {
     // Restore this rank's residual: a selection that zeroed its entries gets its values back
-    // (exactly: they are added to zeros). The union exchange zeroes only after the data moved,
-    // so its selections left the residual alone.
-    if (bucket.residual != nullptr && selection.count > 0 && kind != ExchangeKind::kUnion) {
-      device.scatter_add_message(bucket.dtype, bucket.residual, bucket.numel, selection.message.data(), selection.bytes,
-                                 1.0f, transport.rank());
-    }
+    // (exactly: they are added to zeros); the others left the residual alone.
+    if (bucket.residual != nullptr && selection.count > 0 && exchange.selection_zeroes())
+      device.scatter_add(selection.view(bucket), bucket.residual, 1.0f);
     return abort_step(result, options, bucket, device, report);
   }
   method->observe(bucket, result);

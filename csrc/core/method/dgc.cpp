@@ -25,7 +25,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
   const Selection sample = device.gather(bucket, sample_distinct(stream, f, n));
   std::vector<double> x;
-  for (float v : method_util::message_values(device, sample, bucket)) x.push_back(std::fabs(v) / norm);
+  for (float v : HostMessage(device, sample, bucket).value_list()) x.push_back(std::fabs(v) / norm);
   const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
   std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
   threshold_ = x[s - 1] * norm;
@@ -34,7 +34,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
     double kth;
     out = method_util::largest_of_message(device, bucket, out, k, kth);
   }
-  device.zero_at(bucket, out.message.data(), out.bytes);
+  device.zero_at(bucket, out.view(bucket));
   out.nonfinite = m.nonfinite;
   return out;
 }

@@ -64,21 +64,6 @@ inline Selection nothing(Device& device, const BucketView& bucket, int64_t nonfi
 /// The whole bucket as a range.
 inline Range whole(const BucketView& bucket) { return Range{0, bucket.numel}; }
 
-/// The values of a message, read to the host as float.
-inline std::vector<float> message_values(Device& device, const Selection& s, const BucketView& bucket) {
-  const MessageLayout layout(static_cast<uint64_t>(s.count), index_bytes_for(bucket.numel), bucket.dtype);
-  const size_t size = dtype_size(bucket.dtype);
-  std::vector<unsigned char> raw(static_cast<size_t>(s.count) * size);
-  device.copy_to_host(raw.data(), s.message.as<unsigned char>() + layout.values_offset, raw.size());
-  std::vector<float> out(static_cast<size_t>(s.count));
-  dispatch_dtype(bucket.dtype, [&](auto t) {
-    using T = decltype(t);
-    const auto* v = reinterpret_cast<const T*>(raw.data());
-    for (size_t j = 0; j < out.size(); ++j) out[j] = Num<T>::to_float(v[j]);
-  });
-  return out;
-}
-
 /// The k-th largest of `keys` (1 <= k <= keys.size()): two counting rounds over 16-bit halves.
 inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
   GS_ASSERT(k >= 1 && k <= static_cast<int64_t>(keys.size()));
@@ -95,53 +80,22 @@ inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
   return (high << 16) | low;
 }
 
-/// A selection's message as the host sees it: in place for a CPU device, else a copy.
-class HostMessage {
- public:
-  HostMessage(Device& device, const Selection& s, const BucketView& bucket)
-      : index_bytes_(index_bytes_for(static_cast<uint64_t>(bucket.numel))),
-        layout_(static_cast<uint64_t>(s.count), index_bytes_, bucket.dtype) {
-    if (device.kind() == DeviceKind::kCPU) {
-      base_ = s.message.as<unsigned char>();
-    } else {
-      copy_.resize(layout_.total_bytes);
-      device.copy_to_host(copy_.data(), s.message.data(), copy_.size());
-      base_ = copy_.data();
-    }
-  }
-  int index_bytes() const { return index_bytes_; }
-  const MessageLayout& layout() const { return layout_; }
-  template <typename I>
-  const I* indices() const {
-    return reinterpret_cast<const I*>(base_ + layout_.indices_offset);
-  }
-  template <typename T>
-  const T* values() const {
-    return reinterpret_cast<const T*>(base_ + layout_.values_offset);
-  }
-
- private:
-  int index_bytes_;
-  MessageLayout layout_;
-  const unsigned char* base_ = nullptr;
-  std::vector<unsigned char> copy_;
-};
-
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest
 /// index), as a new message in ascending index order; `kth` gets the k-th largest magnitude. The
-/// residual is not touched. The same pairs as largest() on the message's candidates.
+/// residual is not touched.
 inline Selection largest_of_message(Device& device, const BucketView& bucket, const Selection& s, int64_t k,
                                     double& kth) {
   GS_ASSERT(k >= 1 && k <= s.count);
   const HostMessage in(device, s, bucket);
-  const MessageLayout out_layout(static_cast<uint64_t>(k), in.index_bytes(), bucket.dtype);
+  const int index_bytes = in.view().index_bytes;
+  const MessageLayout out_layout(static_cast<uint64_t>(k), index_bytes, bucket.dtype);
   std::vector<unsigned char> out(out_layout.total_bytes, 0);
   const MessageHeader h =
-      make_header(bucket.dtype, in.index_bytes(), static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(k));
+      make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(k));
   std::memcpy(out.data(), &h, sizeof(h));
   dispatch_dtype(bucket.dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch_index(in.index_bytes(), [&](auto i) {
+    dispatch_index(index_bytes, [&](auto i) {
       using I = decltype(i);
       const I* idx = in.indices<I>();
       const T* val = in.values<T>();
@@ -164,12 +118,7 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
       GS_ASSERT(o == k);
     });
   });
-  Selection sel;
-  sel.message = device.allocate(out.size());
-  sel.bytes = out.size();
-  sel.count = k;
-  device.copy_from_host(sel.message.data(), out.data(), out.size());
-  return sel;
+  return upload(device, out, k);
 }
 
 /// Sum of |v| at `positions` (repeats allowed; summed in their order) with v the selection values
@@ -181,12 +130,14 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
   std::vector<int64_t> unique(positions);
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
-  std::vector<float> value = message_values(device, device.gather(bucket, unique), bucket);  // the residual
+  const Selection residual = device.gather(bucket, unique);
+  std::vector<float> value = HostMessage(device, residual, bucket).value_list();
   if (bucket.residual != nullptr) {
     // The gradient with non-finite entries read as 0: then a = residual + 0 keeps the residual,
     // as the update does when residual + grad is not finite.
     const BucketView grad_only{bucket.dtype, bucket.numel, bucket.grad, nullptr};
-    const std::vector<float> grad = message_values(device, device.gather(grad_only, unique), bucket);
+    const Selection gathered = device.gather(grad_only, unique);
+    const std::vector<float> grad = HostMessage(device, gathered, grad_only).value_list();
     dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
       for (size_t j = 0; j < value.size(); ++j) {
@@ -203,22 +154,6 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
     sum += std::fabs(static_cast<double>(value[j]));
   }
   return sum;
-}
-
-/// Positions (into `c`) of the `k` candidates of largest magnitude (ties: lowest index), in
-/// ascending index order.
-inline std::vector<size_t> largest(const Candidates& c, size_t k) {
-  std::vector<size_t> order(c.size());
-  std::iota(order.begin(), order.end(), size_t{0});
-  k = std::min(k, order.size());
-  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
-                    [&](size_t a, size_t b) {
-                      const float ma = std::fabs(c.value[a]), mb = std::fabs(c.value[b]);
-                      return ma != mb ? ma > mb : c.index[a] < c.index[b];
-                    });
-  order.resize(k);
-  std::sort(order.begin(), order.end());
-  return order;
 }
 
 /// The candidates at the given positions, as a message.

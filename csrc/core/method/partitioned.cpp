@@ -44,10 +44,12 @@ void add_band_counts(const std::vector<double>& edges, const std::vector<float>&
 }  // namespace
 
 PartitionedMethod::PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed)
-    : density_(density), exchange_(parse_exchange(exchange)), reference_(reference), seed_(seed) {
+    : density_(density),
+      exchange_(
+          &exchange_option(exchange, {{"union", &union_allreduce()}, {"gather", &exclusive_gather()}}, "MiCRO/ExDyna")),
+      reference_(reference),
+      seed_(seed) {
   method_util::check_density("MiCRO/ExDyna", density);
-  GS_CHECK(exchange_ != ExchangeKind::kShared, ValueError,
-           "MiCRO/ExDyna: exchange must be \"union\" (default) or \"gather\", got \"shared\"");
 }
 
 Selection PartitionedMethod::select(Device& device, const BucketView& bucket, Collective& group) {
@@ -65,13 +67,13 @@ Selection PartitionedMethod::select_reference(Device& device, const BucketView& 
              : committed_.threshold * online_scaling_factor(static_cast<double>(committed_.k_prev) /
                                                             static_cast<double>(std::max<int64_t>(k, 1)));
   pending_.threshold = lambda;
-  const bool zero = exchange_ == ExchangeKind::kGather;
+  const bool zero = exchange_->selection_zeroes();
   Selection s = device.select(bucket, SelectRule{lambda, false, range, true, zero});
   const int64_t length = range.end - range.begin;
   if (s.count == 0 && length > 0) {  // the dummy element: every rank sends something
     const int64_t nonfinite = s.nonfinite;
     s = device.gather(bucket, {range.begin + t % length});
-    if (zero) device.zero_at(bucket, s.message.data(), s.bytes);
+    if (zero) device.zero_at(bucket, s.view(bucket));
     s.nonfinite = nonfinite;
   }
   return s;
@@ -93,7 +95,8 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
       for (int64_t p : sample_with_replacement(stream, samples, length)) ++multiplicity[range.begin + p];
       std::vector<int64_t> positions;
       for (const auto& [p, _] : multiplicity) positions.push_back(p);
-      const std::vector<float> values = method_util::message_values(device, device.gather(bucket, positions), bucket);
+      const Selection sample = device.gather(bucket, positions);
+      const std::vector<float> values = HostMessage(device, sample, bucket).value_list();
       const double weight = static_cast<double>(length) / static_cast<double>(samples);
       for (size_t j = 0; j < positions.size(); ++j)
         weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
@@ -114,7 +117,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   std::vector<size_t> chosen;
   for (size_t j = 0; j < c.size(); ++j)
     if (static_cast<double>(std::fabs(c.value[j])) >= lambda) chosen.push_back(j);
-  Selection s = method_util::emit_subset(device, bucket, c, chosen, exchange_ == ExchangeKind::kGather);
+  Selection s = method_util::emit_subset(device, bucket, c, chosen, exchange_->selection_zeroes());
   s.nonfinite = nonfinite;
   return s;
 }

@@ -13,7 +13,7 @@ SharedDraw::SharedDraw(const char* owner, double density, uint64_t seed) : densi
 Selection SharedDraw::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t nonfinite = method_util::update_pass(device, bucket);
   Selection s = device.gather(bucket, positions(bucket.numel));
-  device.zero_at(bucket, s.message.data(), s.bytes);
+  device.zero_at(bucket, s.view(bucket));
   s.nonfinite = nonfinite;
   return s;
 }

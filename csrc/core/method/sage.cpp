@@ -30,9 +30,9 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
     GS_CHECK(std::isfinite(*initial_) && *initial_ > 0.0, ValueError,
              "SAGE: initial_threshold must be a finite number > 0, got ", *initial_);
   }
-  exchange_ = exchange ? parse_exchange(*exchange)
-                       : (sampling_ == Sampling::kFlat ? ExchangeKind::kUnion : ExchangeKind::kGather);
-  GS_CHECK(exchange_ != ExchangeKind::kShared, ValueError, "SAGE: exchange must be \"gather\" or \"union\"");
+  exchange_ = exchange
+                  ? &exchange_option(*exchange, {{"gather", &gather_and_add()}, {"union", &union_allreduce()}}, "SAGE")
+                  : (sampling_ == Sampling::kFlat ? &union_allreduce() : &gather_and_add());
 }
 
 std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
@@ -72,7 +72,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   // The sampled scale change since the last step (1 when either mean is zero).
   double alpha = t > 0 ? sample_mean / committed_.sample_mean : 1.0;
   if (!(std::isfinite(alpha) && alpha > 0.0)) alpha = 1.0;
-  const bool zero = exchange_ != ExchangeKind::kUnion;
+  const bool zero = exchange_->selection_zeroes();
 
   Selection s;
   double lambda;
@@ -97,7 +97,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
       s = std::move(c);
       lambda = low;
     }
-    if (zero) device.zero_at(bucket, s.message.data(), s.bytes);
+    if (zero) device.zero_at(bucket, s.view(bucket));
   }
   pending_.threshold = lambda;
   pending_.sample_mean = sample_mean;

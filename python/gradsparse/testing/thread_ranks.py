@@ -31,7 +31,7 @@ class RankStep:
     state: dict  # the method's checkpointable state after the step ({} for dense)
 
 
-def _run_ranks(group, methods, buffers, residuals, nonfinite: str, t: int) -> list:
+def _run_ranks(group, methods, buffers, residuals, nonfinite: str, shard_only: bool, t: int) -> list:
     """One step: every rank reduces its buffer on its own thread; re-raises a rank's error."""
     world_size = len(methods)
     reports: list = [None] * world_size
@@ -39,7 +39,9 @@ def _run_ranks(group, methods, buffers, residuals, nonfinite: str, t: int) -> li
 
     def work(r: int) -> None:
         try:
-            reports[r] = group.reduce(r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, record=True)
+            reports[r] = group.reduce(
+                r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, shard_only=shard_only
+            )
         except BaseException as e:  # re-raised below, with the rank
             errors[r] = e
             group.abort(f"rank {r} failed: {e}")
@@ -62,12 +64,15 @@ def run_steps(
     *,
     error_feedback: bool = True,
     nonfinite: str = "raise",
+    shard_only: bool = False,
     timeout: float = 60.0,
 ) -> list[list[RankStep]]:
     """Runs ``len(grads)`` steps of one bucket on ``world_size`` thread ranks.
 
     ``grads[t][r]`` is rank r's gradient at step t (1-D CPU tensor; not modified).
-    ``make_method(r)`` builds rank r's method object (None: dense all-reduce). Returns ``steps[t][r]``.
+    ``make_method(r)`` builds rank r's method object (None: dense all-reduce). With ``shard_only``
+    the bucket is P equal shards and only rank r's shard r of the output is the result (FSDP's
+    reduce-scatter). Returns ``steps[t][r]``.
     """
     group = _C.ThreadGroup(world_size, timeout)
     methods = [make_method(r) for r in range(world_size)]
@@ -76,11 +81,11 @@ def run_steps(
     steps: list[list[RankStep]] = []
     for t, step_grads in enumerate(grads):
         buffers = [g.clone() for g in step_grads]
-        reports = _run_ranks(group, methods, buffers, residuals, nonfinite, t)
+        reports = _run_ranks(group, methods, buffers, residuals, nonfinite, shard_only, t)
         steps.append(
             [
                 RankStep(
-                    indices=torch.tensor(rep.indices, dtype=torch.int64),
+                    indices=torch.tensor(indices, dtype=torch.int64),
                     threshold=rep.threshold,
                     imbalance=rep.imbalance,
                     output=buffers[r],
@@ -92,7 +97,7 @@ def run_steps(
                     collectives=rep.collectives,
                     state={} if methods[r] is None else methods[r].state(),
                 )
-                for r, rep in enumerate(reports)
+                for r, (rep, indices) in enumerate(reports)
             ]
         )
     return steps

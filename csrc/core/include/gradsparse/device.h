@@ -56,20 +56,34 @@ class Buffer {
   std::function<void(void*)> release_;
 };
 
-/// One rank's packed selection for one bucket: a message (message.h) in device memory.
-struct Selection {
-  Buffer message;         ///< at least `bytes` bytes
-  size_t bytes = 0;       ///< size of the message
-  int64_t count = 0;      ///< number of (index, value) pairs
-  int64_t nonfinite = 0;  ///< elements whose residual + grad was NaN or Inf
-};
-
 /// A dense bucket as the core sees it: `grad` is also where the averaged result is written.
 struct BucketView {
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
   void* grad = nullptr;      ///< the bucket's gradient; overwritten with the exchange's result
   void* residual = nullptr;  ///< error-feedback residual of the same shape, or nullptr (no EF)
+};
+
+/// One rank's packed selection for one bucket: a message (message.h) in device memory.
+struct Selection {
+  Buffer message;         ///< at least `bytes` bytes
+  size_t bytes = 0;       ///< size of the message
+  int64_t count = 0;      ///< number of (index, value) pairs
+  int64_t nonfinite = 0;  ///< elements whose residual + grad was NaN or Inf
+
+  /// The view of this rank's own message, laid out here for a bucket (or block) of `dense_size`
+  /// elements of `dtype`: nothing to validate, nothing to copy.
+  MessageView view(DType dtype, int64_t dense_size) const {
+    return MessageView{message.as<unsigned char>(),
+                       dtype,
+                       dense_size,
+                       count,
+                       index_bytes_for(static_cast<uint64_t>(dense_size)),
+                       nonfinite,
+                       -1};
+  }
+  /// The same for a selection made from `bucket`.
+  MessageView view(const BucketView& bucket) const { return view(bucket.dtype, bucket.numel); }
 };
 
 /// Which elements a threshold selection takes (docs/method-spec.md section 1).
@@ -89,9 +103,12 @@ struct Candidates {
   size_t size() const { return index.size(); }
 };
 
-/// Where a bucket lives and how the core computes on it. Every pass below reads the selection
-/// values (kernels.h); `update` fuses the error-feedback update into it (the first pass of a
-/// step does; later passes read the updated residual).
+/// Where a bucket lives and how the core computes on it: memory and kernels. Every pass below
+/// reads the selection values (kernels.h); `update` fuses the error-feedback update into it (the
+/// first pass of a step does; later passes read the updated residual). Kernels that produce pairs
+/// write them through a PairSink and those that consume them take a MessageView: how a message is
+/// laid out and validated is the Message unit's business (message.h), which also provides the
+/// selections-as-messages helpers at the end of this class.
 class Device {
  public:
   virtual ~Device() = default;
@@ -99,6 +116,7 @@ class Device {
   /// Ordinal of the device (the CUDA device number; 0 for the CPU).
   virtual int index() const { return 0; }
 
+  // Memory.
   /// Memory on this device, at least 64-byte aligned.
   virtual Buffer allocate(size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
@@ -108,16 +126,16 @@ class Device {
   /// Waits until all work queued on this device by this object is done.
   virtual void synchronize() = 0;
 
-  /// Threshold selection into a packed message.
-  virtual Selection select(const BucketView& bucket, const SelectRule& rule) = 0;
-  /// Exact top-k into a packed message (ties: lowest index); with `update` the error-feedback
-  /// update is fused in. Selected residual entries are zeroed.
-  virtual Selection select_topk(const BucketView& bucket, int64_t k, bool update = true) = 0;
-  /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
-  Selection select_threshold(const BucketView& bucket, double threshold) {
-    return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
-  }
+  // Selection kernels: the pairs go to `sink` in ascending index order, indices `index_bytes` wide.
+  /// Threshold selection (SelectRule).
+  virtual SelectStats select_pairs(const BucketView& bucket, const SelectRule& rule, int index_bytes,
+                                   const PairSink& sink) = 0;
+  /// Exact top-k (ties: lowest index); with `update` the error-feedback update is fused in.
+  /// Selected residual entries are zeroed.
+  virtual SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, int index_bytes,
+                                 const PairSink& sink) = 0;
 
+  // Statistics kernels.
   /// Moments of the selection values (float64 sums).
   virtual Moments moments(const BucketView& bucket, bool update) = 0;
   /// counts[j] = number of elements of `range` with |v| >= thresholds[j] (> when strict).
@@ -132,27 +150,75 @@ class Device {
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
 
-  /// A message of the given pairs (indices ascending); zeroes the residual there when `zero`.
-  virtual Selection emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
-                         bool zero) = 0;
-  /// A message holding the selection values at `index` (ascending, host vector).
-  virtual Selection gather(const BucketView& bucket, const std::vector<int64_t>& index) = 0;
-  /// Zeroes the residual at the indices of a message (validated like a received one).
-  virtual void zero_at(const BucketView& bucket, const void* message, size_t bytes) = 0;
-  /// out[index] = value for every pair of a message (validated like a received one).
-  virtual void assign_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes) = 0;
-
-  /// Validates a received message (header; every index in range and strictly ascending) and adds
-  /// its values / divisor into `out` (numel elements of dtype). Throws CorruptMessageError without
-  /// writing on bad input.
-  virtual void scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes,
-                                   float divisor, int source_rank) = 0;
+  // Pair kernels, on messages whose header was validated (or laid out here).
+  /// values[j] = the selection value at the message's j-th index (values: count elements of dtype).
+  virtual void gather_values(const BucketView& bucket, const MessageView& at, void* values) = 0;
+  /// Zeroes the residual at the message's indices.
+  virtual void zero_at(const BucketView& bucket, const MessageView& message) = 0;
+  /// out[index] = value for every pair (out: message.dense_size elements of its dtype).
+  virtual void assign(const MessageView& message, void* out) = 0;
+  /// out[index] += value / divisor for every pair. Every index is checked first (in range,
+  /// strictly ascending): a bad one throws CorruptMessageError naming the sender, without writing.
+  virtual void scatter_add(const MessageView& message, void* out, float divisor) = 0;
   /// data /= divisor.
   virtual void divide(DType dtype, void* data, int64_t numel, float divisor) = 0;
+
+  // Selections as messages: the kernels above, laid out by the Message unit (exchange/message.cpp).
+  /// Threshold selection into a packed message.
+  Selection select(const BucketView& bucket, const SelectRule& rule);
+  /// Exact top-k into a packed message (topk_pairs).
+  Selection select_topk(const BucketView& bucket, int64_t k, bool update = true);
+  /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
+  Selection select_threshold(const BucketView& bucket, double threshold) {
+    return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
+  }
+  /// A message of the given pairs (indices ascending); zeroes the residual there when `zero`.
+  Selection emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
+                 bool zero);
+  /// A message holding the selection values at `index` (ascending, host vector).
+  Selection gather(const BucketView& bucket, const std::vector<int64_t>& index);
 };
 
-/// Reads the header of a message in device memory (one small device-to-host copy on CUDA).
-MessageHeader read_device_header(Device& device, const void* message, size_t bytes, DType dtype, uint64_t numel,
-                                 int source_rank);
+/// A message laid out on the host (`count` pairs), copied into a new buffer of `device`.
+Selection upload(Device& device, const std::vector<unsigned char>& host, int64_t count);
+
+/// Validates the header of a message of `bytes` bytes in `device`'s memory (one small copy to
+/// the host on CUDA) against the bucket it is for; returns its view. Throws CorruptMessageError
+/// naming `source_rank` and the broken field.
+MessageView read_message(Device& device, const void* data, size_t bytes, DType expected_dtype,
+                         uint64_t expected_dense_size, int source_rank);
+
+/// A message's pairs on the host: read in place from a CPU device's memory, copied from others.
+class HostMessage {
+ public:
+  HostMessage(Device& device, const MessageView& message);
+  /// A message already in host memory (read in place).
+  explicit HostMessage(const MessageView& host_message) : view_(host_message) {}
+  /// The pairs of this rank's own selection from `bucket`.
+  HostMessage(Device& device, const Selection& selection, const BucketView& bucket)
+      : HostMessage(device, selection.view(bucket)) {}
+
+  const MessageView& view() const { return view_; }
+  int64_t size() const { return view_.count; }
+  template <typename I>
+  const I* indices() const {
+    return static_cast<const I*>(view_.indices());
+  }
+  template <typename T>
+  const T* values() const {
+    return static_cast<const T*>(view_.values());
+  }
+  /// Every index, widened.
+  std::vector<int64_t> index_list() const;
+  /// Every value, exact as float.
+  std::vector<float> value_list() const;
+  /// Checks that every index lies inside the message's dense_size, strictly ascending; throws
+  /// CorruptMessageError naming the sender and the first bad position.
+  void check_indices() const;
+
+ private:
+  std::vector<unsigned char> copy_;
+  MessageView view_;
+};
 
 }  // namespace gradsparse

@@ -1,12 +1,13 @@
-// Exchanges: the sparse all-reduce algorithms (docs/method-spec.md section 3). Each moves every
-// rank's selection through a Transport and writes the averaged dense result into the bucket.
-// Every rank issues the same sequence of collectives whatever its data, and no collective is
-// ever zero-length.
+// Exchanges: the sparse all-reduce algorithms (docs/method-spec.md section 3, docs/architecture.md
+// "Exchanges"). Each is a strategy behind one interface, in a file of its own in exchange/: it moves
+// every rank's selection through a Transport and writes the averaged dense result into the bucket.
+// A method names the exchange its selections go through (Method::exchange). Every rank issues the
+// same sequence of collectives whatever its data, and no collective is ever zero-length.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/device.h"
@@ -14,15 +15,25 @@
 
 namespace gradsparse {
 
-/// The exchanges a method can ask for.
+/// The glossary of exchanges: one name each, used by the code, gradsparse.simulate and the docs.
 enum class ExchangeKind {
-  kGather,  ///< gather-and-add: every rank's pairs reach every rank; duplicates accumulate
-  kUnion,   ///< union + all-reduce: the union of the indices, every rank's own values there
-  kShared,  ///< all ranks selected the same indices: all-reduce the values
+  kGatherAndAdd,         ///< "gather-and-add": every rank's pairs reach every rank; duplicates add up
+  kFixedGather,          ///< "fixed-size gather": gather-and-add of equal, known counts (Top-k)
+  kExclusiveGather,      ///< "exclusive gather": gather-and-add of selections from disjoint partitions
+  kUnionAllreduce,       ///< "union + all-reduce": index lists, then every rank's values on their union
+  kSharedIndices,        ///< "shared indices": every rank selected the same indices; values all-reduced
+  kSparseReduceScatter,  ///< "sparse reduce-scatter": each pair to the owner of its shard only
+  kSparDL,               ///< "SparDL": Spar-Reduce-Scatter, Spar-All-Gather across teams, Bruck all-gather
 };
 
-/// Parses "gather", "union" or "shared"; ValueError naming `option` otherwise.
-ExchangeKind parse_exchange(const std::string& name, const std::string& option = "exchange");
+/// Every exchange, in the glossary's order.
+inline constexpr ExchangeKind kExchangeKinds[] = {ExchangeKind::kGatherAndAdd,    ExchangeKind::kFixedGather,
+                                                  ExchangeKind::kExclusiveGather, ExchangeKind::kUnionAllreduce,
+                                                  ExchangeKind::kSharedIndices,   ExchangeKind::kSparseReduceScatter,
+                                                  ExchangeKind::kSparDL};
+
+/// The glossary name of an exchange ("gather-and-add", ...).
+const char* exchange_name(ExchangeKind kind);
 
 /// What every exchange sends first (one allgather of 32 bytes per rank): the size of each rank's
 /// message, its pair count, whether it saw non-finite values, and a digest of its indices, so
@@ -38,11 +49,71 @@ static_assert(sizeof(ControlWord) == 32, "control word must be 32 bytes");
 struct ExchangeResult {
   std::vector<ControlWord> control;  ///< every rank's control word, by rank
   bool aborted = false;              ///< some rank saw non-finite values: nothing was exchanged
-  int64_t union_size = 0;            ///< elements written (the union for kUnion; pairs otherwise)
+  int64_t union_size = 0;            ///< elements written (the union for union + all-reduce; pairs otherwise)
+  /// SparDL with teams > 1: the pairs of this rank's block once the teams' lists were merged,
+  /// before the final top-k (the figure its adaptive h follows); -1 otherwise.
+  int64_t merged = -1;
 
   int64_t total_count() const;
   std::vector<int> nonfinite_ranks() const;
 };
+
+/// An exchange. The stateless ones are shared singletons (below); SparDL's carries the sizes of
+/// the step, set by its method.
+class Exchange {
+ public:
+  virtual ~Exchange() = default;
+  virtual ExchangeKind kind() const = 0;
+  const char* name() const { return exchange_name(kind()); }
+
+  /// Whether a selection for this exchange zeroes its own residual entries when it is made. The
+  /// union exchange zeroes the union once the data moved, so its selections leave the residual
+  /// alone; SparDL's selection is the error-feedback update alone. After an aborted step, a
+  /// selection that zeroed is added back into the residual.
+  virtual bool selection_zeroes() const { return true; }
+
+  /// The exchange to run where only this rank's shard of the result is wanted (FSDP's
+  /// reduce-scatter): the sparse reduce-scatter for the gather exchanges; the others run whole.
+  virtual const Exchange& for_shard() const { return *this; }
+
+  /// Moves every rank's selection (`mine` is this rank's) through `transport` and writes the
+  /// average into bucket.grad. Returns early (aborted, bucket untouched) when any rank reported
+  /// non-finite values.
+  virtual ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
+                             const Selection& mine) const = 0;
+};
+
+/// Gather-and-add (exchange/gather_and_add.cpp): control words, then every rank's message
+/// (allgatherv, unpadded); every rank adds every message / P in rank order (bit-identical on every
+/// rank).
+const Exchange& gather_and_add();
+/// The exclusive gather: gather-and-add of selections made in disjoint partitions (MiCRO, ExDyna
+/// with exchange="gather"), so each element comes from its owner alone and nothing adds up. The
+/// same algorithm under its own name: what it moves and costs follows from the partitions.
+const Exchange& exclusive_gather();
+/// Gather-and-add of messages of one known count (Top-k's exact k): no control words, one
+/// fixed-size all-gather; non-finite counts travel in the message headers.
+const Exchange& fixed_gather();
+/// Union + all-reduce (exchange/union_allreduce.cpp): index lists (allgatherv), their sorted union
+/// U, then one all-reduce of every rank's own values on U; every rank zeroes its residual on U.
+const Exchange& union_allreduce();
+/// Shared indices (exchange/shared_indices.cpp): every rank selected the same indices (checked by
+/// the digests of the control words), so only the values are all-reduced.
+const Exchange& shared_indices();
+/// The sparse reduce-scatter (exchange/sparse_reduce_scatter.cpp): the bucket is P equal shards,
+/// rank r owning shard r; every rank splits its selection at the shard boundaries and sends each
+/// owner only the pairs in its shard (one all-gather of P + 1 counts per rank, then P - 1 rounds of
+/// send-receive). Each owner writes the average of every rank's pairs into its shard (added in
+/// rank order) and zeros elsewhere: only its own shard is the result. A rank sends its k pairs
+/// once, about k (P - 1) / P of them over the wire, where gather-and-add makes every rank
+/// receive every rank's.
+const Exchange& sparse_reduce_scatter();
+
+/// The exchange a method's option value names among its `choices` (value, exchange); ValueError
+/// naming `owner`, `option` and the choices otherwise.
+const Exchange& exchange_option(const std::string& value,
+                                const std::vector<std::pair<std::string, const Exchange*>>& choices,
+                                const std::string& owner, const std::string& option = "exchange");
 
 /// All-gathers the control words of every rank and checks each against what it must be for
 /// `bucket` (peers are not trusted): 0 <= count <= bucket.numel, 0 <= nonfinite <= bucket.numel,
@@ -55,38 +126,37 @@ std::vector<ControlWord> exchange_control(Transport& transport, Device& device, 
 /// The check exchange_control applies to rank `source_rank`'s word (exposed for the fuzzers).
 void check_control_word(const ControlWord& word, const BucketView& bucket, bool with_message, int source_rank);
 
-/// Runs the exchange `kind` for this rank's selection and writes the average into bucket.grad.
-/// Returns early (aborted, bucket untouched) if any rank reported non-finite values.
-///
-/// - kGather: all-gather every message padded to the largest, scatter-add all pairs divided by
-///   the world size, in rank order (bit-identical on every rank). The selection zeroed its own
-///   residual entries.
-/// - kUnion: all-gather the index lists, form the sorted union U, all-reduce every rank's own
-///   selection values at U, write sum / P there, and zero every rank's residual on U (the
-///   selection must not have zeroed anything).
-/// - kShared: check that every rank selected the same indices (CorruptMessageError otherwise),
-///   all-reduce the values in place, write sum / P.
-///
-/// With `fixed_count` (kGather only: every rank's message holds exactly that many pairs), the
-/// control words are skipped: one fixed-size all-gather, and the non-finite counts travel in the
-/// message headers.
-ExchangeResult exchange(ExchangeKind kind, Transport& transport, Device& device, const BucketView& bucket,
-                        const Selection& mine, std::optional<int64_t> fixed_count = std::nullopt);
+/// The first collective of an exchange: every rank's control word (exchange_control), and
+/// `aborted` when any rank saw non-finite values.
+ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const ControlWord& mine,
+                     bool with_message = true);
 
-/// The sparse reduce-scatter (FSDP's gradient reduction, docs/architecture.md "FSDP2"): the
-/// bucket is P equal shards, rank r owning shard r. Every rank splits its selection (made with
-/// gather-and-add's semantics: residual zeroed at the selected pairs) at the shard boundaries and
-/// sends each owner only the pairs in its shard: one all-gather of P + 1 counts per rank, then
-/// P - 1 rounds of send-receive. Each owner writes the average of every rank's pairs into its
-/// shard (added in rank order) and zeros elsewhere: only its own shard is the result. A rank thus
-/// sends its k pairs once, about k (P - 1) / P of them over the wire, where gather-and-add makes
-/// every rank receive every rank's. Returns early (aborted) on non-finite values, like exchange().
-ExchangeResult scatter_to_owners(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
+/// The control word of this rank's selection.
+inline ControlWord control_word(const Selection& mine) {
+  return ControlWord{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
+}
+
+/// Reads rank r's message (the `bytes` at `data` in device memory) and checks that it holds the
+/// pairs its control word announced.
+MessageView read_announced(Device& device, const void* data, size_t bytes, const BucketView& bucket,
+                           const ControlWord& control, int r);
+
+/// Each rank's block size in a collective: `size_of(control word)`, by rank.
+template <typename SizeOf>
+std::vector<size_t> block_sizes(const ExchangeResult& result, SizeOf&& size_of) {
+  std::vector<size_t> sizes;
+  for (const ControlWord& w : result.control) sizes.push_back(static_cast<size_t>(size_of(w)));
+  return sizes;
+}
+
+/// All-gathers the first sizes[r] bytes of every rank r's message (this rank's is `mine`), laid
+/// back to back in the returned buffer (allgatherv: unpadded).
+Buffer allgather_blocks(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes);
 
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);
 
-/// A 64-bit digest of a message's indices (the shared exchange compares them across ranks).
-int64_t index_digest(Device& device, const Selection& selection, const BucketView& bucket);
+/// Zeroes the bucket's output (the exchanges write into zeros).
+void clear_output(Device& device, const BucketView& bucket);
 
 }  // namespace gradsparse

@@ -1,11 +1,11 @@
 // KernelDevice: the Device operations written once for every backend. A backend (CpuDevice,
 // CudaDevice) derives from KernelDevice<Backend> and supplies memory operations and typed kernels
-// (k_select, k_moments, ...); this class does the dtype and index-width dispatch, turns
-// thresholds into keys with the dtype's rounding, and packs messages.
+// (k_select, k_moments, ...); this class does the dtype and index-width dispatch and turns
+// thresholds into keys with the dtype's rounding. It never lays out or parses a message: the
+// selection kernels write through a sink, the pair kernels read a MessageView (message.h).
 #pragma once
 
 #include <algorithm>
-#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -18,21 +18,28 @@ namespace gradsparse {
 template <typename Backend>
 class KernelDevice : public Device {
  public:
-  Selection select(const BucketView& bucket, const SelectRule& rule) override {
+  SelectStats select_pairs(const BucketView& bucket, const SelectRule& rule, int index_bytes,
+                           const PairSink& sink) override {
     const Range range = resolve(rule.range, bucket.numel);
-    return into_message(bucket, [&](auto t, auto i, const PairSink& sink) {
+    return dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
-      using I = decltype(i);
       const uint32_t key = rule.strict ? key_above<T>(rule.threshold) : key_at_least<T>(rule.threshold);
-      return self().template k_select<T, I>(source<T>(bucket, rule.update), bucket.numel, key, range, rule.zero, sink);
+      return dispatch_index(index_bytes, [&](auto i) {
+        using I = decltype(i);
+        return self().template k_select<T, I>(source<T>(bucket, rule.update), bucket.numel, key, range, rule.zero,
+                                              sink);
+      });
     });
   }
 
-  Selection select_topk(const BucketView& bucket, int64_t k, bool update) override {
-    return into_message(bucket, [&](auto t, auto i, const PairSink& sink) {
+  SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, int index_bytes,
+                         const PairSink& sink) override {
+    return dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
-      using I = decltype(i);
-      return self().template k_topk<T, I>(source<T>(bucket, update), bucket.numel, k, sink);
+      return dispatch_index(index_bytes, [&](auto i) {
+        using I = decltype(i);
+        return self().template k_topk<T, I>(source<T>(bucket, update), bucket.numel, k, sink);
+      });
     });
   }
 
@@ -98,82 +105,43 @@ class KernelDevice : public Device {
     });
   }
 
-  Selection emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
-                 bool zero) override {
-    GS_ASSERT(index.size() == value.size());
-    Selection sel = host_message(bucket, index, &value);
-    if (zero && bucket.residual != nullptr) zero_at(bucket, sel.message.data(), sel.bytes);
-    return sel;
+  void gather_values(const BucketView& bucket, const MessageView& at, void* values) override {
+    on_pairs(at, [&](auto t, auto i) {
+      using T = decltype(t);
+      using I = decltype(i);
+      self().template k_gather<T, I>(source<T>(bucket, false), static_cast<const I*>(at.indices()), at.count,
+                                     static_cast<T*>(values));
+    });
   }
 
-  Selection gather(const BucketView& bucket, const std::vector<int64_t>& index) override {
-    Selection sel = host_message(bucket, index, nullptr);
-    auto* base = sel.message.template as<unsigned char>();
-    const MessageLayout layout(static_cast<uint64_t>(index.size()), index_bytes_for(bucket.numel), bucket.dtype);
-    if (!index.empty()) {
-      dispatch_dtype(bucket.dtype, [&](auto t) {
-        using T = decltype(t);
-        dispatch_index(index_bytes_for(bucket.numel), [&](auto i) {
-          using I = decltype(i);
-          self().template k_gather<T, I>(
-              source<T>(bucket, false), reinterpret_cast<const I*>(base + kMessageHeaderBytes),
-              static_cast<int64_t>(index.size()), reinterpret_cast<T*>(base + layout.values_offset));
-        });
-      });
-    }
-    return sel;
-  }
-
-  void zero_at(const BucketView& bucket, const void* message, size_t bytes) override {
+  void zero_at(const BucketView& bucket, const MessageView& message) override {
     if (bucket.residual == nullptr) return;
-    const MessageHeader h = read_device_header(*this, message, bytes, bucket.dtype, bucket.numel, -1);
-    const auto* base = static_cast<const unsigned char*>(message);
-    dispatch_dtype(bucket.dtype, [&](auto t) {
+    on_pairs(message, [&](auto t, auto i) {
       using T = decltype(t);
-      dispatch_index(h.index_bytes, [&](auto i) {
-        using I = decltype(i);
-        self().template k_zero_at<T, I>(static_cast<T*>(bucket.residual),
-                                        reinterpret_cast<const I*>(base + kMessageHeaderBytes),
-                                        static_cast<int64_t>(h.count));
-      });
+      using I = decltype(i);
+      self().template k_zero_at<T, I>(static_cast<T*>(bucket.residual), static_cast<const I*>(message.indices()),
+                                      message.count);
     });
   }
 
-  void assign_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes) override {
-    const MessageHeader h = read_device_header(*this, message, bytes, dtype, static_cast<uint64_t>(numel), -1);
-    const MessageLayout layout(h.count, h.index_bytes, dtype);
-    const auto* base = static_cast<const unsigned char*>(message);
-    dispatch_dtype(dtype, [&](auto t) {
+  void assign(const MessageView& message, void* out) override {
+    on_pairs(message, [&](auto t, auto i) {
       using T = decltype(t);
-      dispatch_index(h.index_bytes, [&](auto i) {
-        using I = decltype(i);
-        self().template k_assign<T, I>(
-            static_cast<T*>(out), numel, reinterpret_cast<const I*>(base + layout.indices_offset),
-            reinterpret_cast<const T*>(base + layout.values_offset), static_cast<int64_t>(h.count));
-      });
+      using I = decltype(i);
+      self().template k_assign<T, I>(static_cast<T*>(out), message.dense_size, static_cast<const I*>(message.indices()),
+                                     static_cast<const T*>(message.values()), message.count);
     });
   }
 
-  void scatter_add_message(DType dtype, void* out, int64_t numel, const void* message, size_t bytes, float divisor,
-                           int source_rank) override {
-    const MessageHeader h = read_device_header(*this, message, bytes, dtype, static_cast<uint64_t>(numel), source_rank);
-    const MessageLayout layout(h.count, h.index_bytes, dtype);
-    const auto* base = static_cast<const unsigned char*>(message);
-    try {
-      dispatch_dtype(dtype, [&](auto t) {
-        using T = decltype(t);
-        dispatch_index(h.index_bytes, [&](auto i) {
-          using I = decltype(i);
-          self().template k_scatter_add<T, I>(static_cast<T*>(out), numel,
-                                              reinterpret_cast<const I*>(base + layout.indices_offset),
-                                              reinterpret_cast<const T*>(base + layout.values_offset),
-                                              static_cast<int64_t>(h.count), divisor, /*strictly_ascending=*/true);
-        });
-      });
-    } catch (const CorruptMessageError& e) {  // name the sender
-      if (source_rank < 0) throw;
-      throw CorruptMessageError(str(message_source(source_rank), ": ", e.what()));
-    }
+  void scatter_add(const MessageView& message, void* out, float divisor) override {
+    on_pairs(message, [&](auto t, auto i) {
+      using T = decltype(t);
+      using I = decltype(i);
+      self().template k_scatter_add<T, I>(static_cast<T*>(out), message.dense_size,
+                                          static_cast<const I*>(message.indices()),
+                                          static_cast<const T*>(message.values()), message.count, divisor,
+                                          /*strictly_ascending=*/true);
+    });
   }
 
   void divide(DType dtype, void* data, int64_t numel, float divisor) override {
@@ -193,60 +161,18 @@ class KernelDevice : public Device {
     return Source<T>{static_cast<T*>(bucket.residual), static_cast<const T*>(bucket.grad), update};
   }
 
-  /// Runs `kernel(T{}, I{}, sink)` with a sink that allocates the message once the count is
-  /// known, zeroes it and writes its header.
+  /// Calls `kernel(T{}, I{})` for a message's value and index types; a CorruptMessageError a
+  /// kernel throws (a bad index) names the message's sender.
   template <typename Kernel>
-  Selection into_message(const BucketView& bucket, Kernel&& kernel) {
-    const int index_bytes = index_bytes_for(static_cast<uint64_t>(bucket.numel));
-    Selection sel;
-    const PairSink sink = [&](int64_t count) {
-      const MessageLayout layout(static_cast<uint64_t>(count), index_bytes, bucket.dtype);
-      sel.message = allocate(layout.total_bytes);
-      sel.bytes = layout.total_bytes;
-      auto* base = sel.message.template as<unsigned char>();
-      fill_zero(base, layout.total_bytes);  // deterministic padding bytes
-      const MessageHeader h =
-          make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(count));
-      copy_from_host(base, &h, sizeof(h));
-      return PairSpan{base + layout.indices_offset, base + layout.values_offset};
-    };
-    const SelectStats stats = dispatch_dtype(
-        bucket.dtype, [&](auto t) { return dispatch_index(index_bytes, [&](auto i) { return kernel(t, i, sink); }); });
-    sel.count = stats.count;
-    sel.nonfinite = stats.nonfinite;
-    return sel;
-  }
-
-  /// A message built on the host from ascending indices and (optionally) values, copied here.
-  Selection host_message(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>* value) {
-    const int index_bytes = index_bytes_for(static_cast<uint64_t>(bucket.numel));
-    const uint64_t count = index.size();
-    const MessageLayout layout(count, index_bytes, bucket.dtype);
-    std::vector<unsigned char> host(layout.total_bytes, 0);
-    const MessageHeader h = make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), count);
-    std::memcpy(host.data(), &h, sizeof(h));
-    for (size_t j = 0; j < index.size(); ++j) {
-      GS_CHECK(index[j] >= 0 && index[j] < bucket.numel && (j == 0 || index[j - 1] < index[j]), ValueError,
-               "message indices must be ascending and inside the bucket; index ", index[j], " at position ", j);
+  static void on_pairs(const MessageView& message, Kernel&& kernel) {
+    if (message.count == 0) return;
+    try {
+      dispatch_dtype(message.dtype,
+                     [&](auto t) { dispatch_index(message.index_bytes, [&](auto i) { kernel(t, i); }); });
+    } catch (const CorruptMessageError& e) {
+      if (message.source_rank < 0) throw;
+      throw CorruptMessageError(str(message_source(message.source_rank), ": ", e.what()));
     }
-    dispatch_dtype(bucket.dtype, [&](auto t) {
-      using T = decltype(t);
-      dispatch_index(index_bytes, [&](auto i) {
-        using I = decltype(i);
-        auto* idx = reinterpret_cast<I*>(host.data() + layout.indices_offset);
-        auto* val = reinterpret_cast<T*>(host.data() + layout.values_offset);
-        for (size_t j = 0; j < index.size(); ++j) {
-          idx[j] = static_cast<I>(index[j]);
-          if (value != nullptr) val[j] = Num<T>::from_float((*value)[j]);
-        }
-      });
-    });
-    Selection sel;
-    sel.message = allocate(layout.total_bytes);
-    sel.bytes = layout.total_bytes;
-    sel.count = static_cast<int64_t>(count);
-    copy_from_host(sel.message.data(), host.data(), host.size());
-    return sel;
   }
 };
 

@@ -11,8 +11,10 @@
 // - Pairs come out in ascending index order, whatever the number of threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "gradsparse/common.h"
@@ -99,7 +101,28 @@ struct Exceedance {
   double sum = 0.0;
   double sum_sq = 0.0;
   double min = 0.0;  ///< meaningful when count > 0
+
+  /// The figures of a pass made in parts: `parts` in order (a part without elements counts nothing).
+  template <typename Parts>
+  static Exceedance combine(const Parts& parts) {
+    Exceedance total;
+    total.min = std::numeric_limits<double>::infinity();
+    for (const auto& e : parts) {
+      total.count += static_cast<int64_t>(e.count);
+      total.sum += e.sum;
+      total.sum_sq += e.sum_sq;
+      total.min = std::min(total.min, static_cast<double>(e.min));
+    }
+    if (total.count == 0) total.min = 0.0;
+    return total;
+  }
 };
+
+/// Checks that `range` lies inside a bucket of n elements (ValueError naming `what` otherwise).
+inline void check_range(Range range, int64_t n, const char* what) {
+  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, what, ": range [", range.begin,
+           ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+}
 
 /// A key no finite value reaches: a selection with it selects nothing.
 constexpr uint32_t kNoKey = 0xFFFFFFFFu;

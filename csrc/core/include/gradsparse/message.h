@@ -1,5 +1,9 @@
-// The sparse message: one contiguous buffer holding a header, the indices and the values of the
-// (index, value) pairs one rank sends. Every receiver validates it before touching its output.
+// The Message unit: the one place that lays out, reads and validates the sparse message, one
+// contiguous buffer holding a header, the indices and the values of the (index, value) pairs one
+// rank sends. Every receiver validates a message's header once, on arrival (read_message,
+// view_host_message), and hands its MessageView to the kernels, which check the indices as they
+// read them. Device-side helpers (reading a message in a device's memory, host copies of its
+// pairs, selections packed as messages) are in device.h and exchange/message.cpp.
 // Indices are strictly ascending, so a message never names an element twice: receivers add
 // messages one after another, deterministically, without atomics.
 //
@@ -14,6 +18,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gradsparse/common.h"
 
@@ -119,7 +124,7 @@ inline void check_message_start(const void* data, size_t bytes, int source_rank 
            " starts at an address that is not 8-byte aligned (a preceding message's size is not a multiple of 8)");
 }
 
-/// Validates a whole message in host memory: its length, then its header.
+/// Validates a whole message in host memory: its start, its header, its length.
 inline MessageHeader read_header(const void* data, size_t bytes, DType expected_dtype, uint64_t expected_dense_size,
                                  int source_rank = -1) {
   check_message_start(data, bytes, source_rank);
@@ -127,5 +132,47 @@ inline MessageHeader read_header(const void* data, size_t bytes, DType expected_
   check_message_length(h, bytes, source_rank);
   return h;
 }
+
+/// A message whose header has been validated (or that this rank laid out itself), wherever it
+/// lives: in a device's memory or on the host. The kernels that read its pairs check every index
+/// (in range, strictly ascending) as they go, so a view is all they need: no header is read twice.
+struct MessageView {
+  const unsigned char* data = nullptr;  ///< the first byte of the header
+  DType dtype = DType::kFloat32;
+  int64_t dense_size = 0;  ///< elements of the bucket (or shard) the indices address
+  int64_t count = 0;       ///< pairs
+  int index_bytes = 4;
+  int64_t nonfinite = 0;  ///< the sender's NaN/Inf count, from the header
+  int source_rank = -1;   ///< who sent it, for error messages (-1: this rank)
+
+  MessageLayout layout() const { return MessageLayout(static_cast<uint64_t>(count), index_bytes, dtype); }
+  size_t bytes() const { return layout().total_bytes; }
+  const void* indices() const { return data + kMessageHeaderBytes; }
+  const void* values() const { return data + layout().values_offset; }
+};
+
+/// The view of a message whose (already validated) header `h` starts at `data`.
+inline MessageView view_from_header(const void* data, const MessageHeader& h, int source_rank) {
+  return MessageView{static_cast<const unsigned char*>(data),
+                     static_cast<DType>(h.dtype),
+                     static_cast<int64_t>(h.dense_size),
+                     static_cast<int64_t>(h.count),
+                     h.index_bytes,
+                     static_cast<int64_t>(h.nonfinite),
+                     source_rank};
+}
+
+/// Validates a received message of `bytes` bytes in host memory (read_header) and returns its view.
+inline MessageView view_host_message(const void* data, size_t bytes, DType expected_dtype, uint64_t expected_dense_size,
+                                     int source_rank = -1) {
+  return view_from_header(data, read_header(data, bytes, expected_dtype, expected_dense_size, source_rank),
+                          source_rank);
+}
+
+/// A message laid out on the host: `count` pairs of ascending indices (checked: inside
+/// [0, dense_size), strictly ascending; ValueError otherwise) and, when `value` is given, their
+/// values rounded to `dtype` (else zeros, for a kernel to fill).
+std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const std::vector<int64_t>& index,
+                                     const std::vector<float>* value);
 
 }  // namespace gradsparse

@@ -1,5 +1,7 @@
 // Selection methods: small per-bucket state machines that pick which elements of the
-// error-feedback-corrected gradient a rank sends (docs/method-spec.md). One instance per bucket.
+// error-feedback-corrected gradient a rank sends (docs/method-spec.md), and name the exchange
+// their selections go through. One instance per bucket. A step is select(), the exchange's
+// run(), then observe() (reduce_bucket.h).
 #pragma once
 
 #include <cmath>
@@ -41,26 +43,12 @@ class Method {
   virtual std::string name() const = 0;
 
   /// This rank's selection for one step of the bucket. The first pass over the bucket applies
-  /// the error-feedback update (device passes with `update`); the residual entries are zeroed as
-  /// the exchange requires (not at all for the union exchange, which zeroes the union).
+  /// the error-feedback update (device passes with `update`); the residual entries are zeroed
+  /// when the exchange's selections zero them (Exchange::selection_zeroes).
   virtual Selection select(Device& device, const BucketView& bucket, Collective& group) = 0;
 
-  /// The exchange this method's selections go through.
-  virtual ExchangeKind exchange() const { return ExchangeKind::kGather; }
-
-  /// When every rank always selects the same known number of pairs for a bucket of `numel`
-  /// elements (Top-k), the gather exchange skips its control words: one fixed-size all-gather,
-  /// with no count to wait for (no device-to-host synchronisation before the data moves).
-  virtual std::optional<int64_t> fixed_count(int64_t /*numel*/) const { return std::nullopt; }
-
-  /// Methods whose selection is part of their own communication schedule (SparDL) run the whole
-  /// step in run(): error feedback, selection, exchange, the averaged bucket and the residual.
-  /// Before any data moves they agree on aborting, like exchange() does; an aborted step leaves
-  /// the residual holding residual + gradient wherever that is finite.
-  virtual bool runs_exchange() const { return false; }
-  virtual ExchangeResult run(Transport& /*transport*/, Device& /*device*/, const BucketView& /*bucket*/) {
-    throw std::logic_error(str(name(), " does not run its own exchange"));
-  }
+  /// The exchange this method's selections go through (exchange.h).
+  virtual const Exchange& exchange() const { return gather_and_add(); }
 
   /// Called after a completed exchange with every rank's control word: adaptive methods commit
   /// the state of the step here, so that an aborted step leaves no trace.

@@ -19,7 +19,9 @@ class TopK final : public Method {
   explicit TopK(double density);
   std::string name() const override { return "topk"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  std::optional<int64_t> fixed_count(int64_t numel) const override { return target_count(density_, numel); }
+  /// Every rank selects exactly k: one fixed-size all-gather, no count to wait for (no
+  /// device-to-host synchronisation before the data moves).
+  const Exchange& exchange() const override { return fixed_gather(); }
 
  private:
   double density_;
@@ -46,7 +48,7 @@ class SharedDraw : public Method {
  public:
   /// Error feedback, then the values at positions() are sent and zeroed in the residual.
   Selection select(Device& device, const BucketView& bucket, Collective& group) final;
-  ExchangeKind exchange() const override { return ExchangeKind::kShared; }
+  const Exchange& exchange() const override { return shared_indices(); }
   void observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) override { ++step_; }
   MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
   void load_state(const MethodState& state) override {
@@ -138,7 +140,7 @@ class SAGE final : public Method {
        std::optional<double> initial_threshold, std::optional<std::string> exchange);
   std::string name() const override { return "sage"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  ExchangeKind exchange() const override { return exchange_; }
+  const Exchange& exchange() const override { return *exchange_; }
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
   MethodReport report() const override { return {pending_.threshold, std::numeric_limits<double>::quiet_NaN()}; }
   MethodState state() const override;
@@ -158,7 +160,7 @@ class SAGE final : public Method {
   bool reference_;
   uint64_t seed_;
   std::optional<double> initial_;
-  ExchangeKind exchange_;
+  const Exchange* exchange_;
   Step committed_;
   Step pending_;
 };
@@ -169,7 +171,7 @@ class PartitionedMethod : public Method {
  public:
   PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed);
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  ExchangeKind exchange() const override { return exchange_; }
+  const Exchange& exchange() const override { return *exchange_; }
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
   MethodReport report() const override { return {pending_.threshold, imbalance_}; }
   MethodState state() const override;
@@ -196,7 +198,7 @@ class PartitionedMethod : public Method {
   Selection select_default(Device& device, const BucketView& bucket, Collective& group, Range range, int64_t k);
 
   double density_;
-  ExchangeKind exchange_;
+  const Exchange* exchange_;
   bool reference_;
   uint64_t seed_;
   Step committed_;

@@ -1,11 +1,13 @@
 // reduce_bucket: one bucket's whole step on one rank, the unit of work the engine runs.
 //   1. the method selects (its first pass fuses the error-feedback update), possibly agreeing on
 //      a threshold with the other ranks through small all-reduces;
-//   2. the method's exchange moves every rank's selection and writes the average into the bucket;
+//   2. the exchange the method names (exchange.h) moves every rank's selection and writes the
+//      average into the bucket;
 //   3. if any rank saw NaN/Inf, every rank applies the same policy (docs/method-spec.md ruling 5):
 //      each rank restores its residual (nothing of the finite gradient is lost; non-finite
 //      elements kept their old residual), then either throws NonFiniteError (kRaise) or writes
-//      zeros into the bucket and reports the step as skipped (kSkip).
+//      zeros into the bucket and reports the step as skipped (kSkip);
+//   4. otherwise the method commits the step's state (Method::observe).
 #pragma once
 
 #include <cstdint>
@@ -28,11 +30,9 @@ struct ReduceOptions {
   /// How error messages name the bucket, e.g. "bucket 3".
   std::string bucket_name = "bucket";
   /// Only this rank's shard of the result is wanted (FSDP's reduce-scatter): the bucket is P equal
-  /// shards in rank order, and methods whose exchange is gather-and-add route their pairs to the
-  /// shards' owners (scatter_to_owners); the other exchanges run whole.
+  /// shards in rank order, and the method's exchange is replaced by its Exchange::for_shard() (the
+  /// gather exchanges route their pairs to the shards' owners; the others run whole).
   bool shard_only = false;
-  /// Keep this rank's selected indices in the report (tests and diagnostics).
-  bool record = false;
 };
 
 struct ReduceReport {
@@ -50,7 +50,6 @@ struct ReduceReport {
   Traffic traffic;                                              ///< bytes this rank moved in this step
   double select_seconds = 0.0;
   double exchange_seconds = 0.0;
-  std::vector<int64_t> indices;  ///< this rank's selection, when ReduceOptions::record
 };
 
 ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,

@@ -1,7 +1,8 @@
-// SparDL (docs/method-spec.md 4.11): sparse all-reduce by Spar-Reduce-Scatter (non-recursive, any
-// team size), Spar-All-Gather across teams, Bruck all-gather within a team, and global residual
-// collection. Selection happens inside the communication schedule, so SparDL is a Method that
-// runs its whole step itself (Method::run).
+// SparDL (docs/method-spec.md 4.11): a sparse all-reduce whose selection is part of its schedule.
+// The method (method/spardl.cpp) is small: the error-feedback update, the per-block sizes k and h
+// of the step, and h's adaptation. The exchange (exchange/spardl.cpp) is the schedule: the
+// Spar-Reduce-Scatter within a team (non-recursive, any team size), the Spar-All-Gather across
+// teams, the Bruck all-gather within a team, and global residual collection.
 #pragma once
 
 #include <cstdint>
@@ -37,20 +38,50 @@ struct BruckRound {
 /// next ones from rank + gap.
 std::vector<BruckRound> bruck_rounds(int size, int rank);
 
+/// SparDL's exchange. The bucket is cut into P' blocks of ceil(n / P') elements (P' = P / teams;
+/// block b is owned by team rank b). Within a team, the Spar-Reduce-Scatter sends the top-k of one
+/// block (accumulated with everything received for it so far) per step, so that at the end each
+/// rank's own block holds every team member's contribution, of which it keeps the top h; across
+/// the teams (teams > 1) the owners of a block merge their top-h lists and keep the top k; a Bruck
+/// all-gather then gives every rank every block's final list. The averaged bucket is the final
+/// lists / P; each rank's residual is its residual + gradient except on the final lists, where it
+/// keeps what it accumulated but did not send on. The selection it takes is the error-feedback
+/// update alone (no pairs): the residual is the accumulation's start.
+class SparDLExchange final : public Exchange {
+ public:
+  /// The per-block sizes of one step: k pairs per block in the reduce-scatter and after the
+  /// merge across teams, h of the own block before it (h = k with one team).
+  struct Sizes {
+    int teams = 1;
+    int64_t k = 0;
+    int64_t h = 0;
+  };
+
+  ExchangeKind kind() const override { return ExchangeKind::kSparDL; }
+  bool selection_zeroes() const override { return false; }
+  ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
+                     const Selection& mine) const override;
+
+  Sizes sizes;
+};
+
 class SparDL final : public Method {
  public:
   /// `teams`: the number d of teams; the world size must be a multiple of it.
   SparDL(double density, int teams);
   std::string name() const override { return "spardl"; }
+  /// The error-feedback update, and this step's block sizes for the exchange.
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  bool runs_exchange() const override { return true; }
-  ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket) override;
+  const Exchange& exchange() const override { return exchange_; }
+  /// Adapts h from the merged size of this rank's block (teams > 1).
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
   MethodState state() const override;
   void load_state(const MethodState& state) override;
 
  private:
   double density_;
   int teams_;
+  SparDLExchange exchange_;
   int64_t chunk_ = -1;  // the chunk size h was set up for
   int64_t h_ = 0;       // per-team-rank top-h size (d > 1), adapted every step
   int64_t h_step_ = 0;

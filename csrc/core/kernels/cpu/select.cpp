@@ -185,8 +185,7 @@ void update_select_f32(float* residual, const float* grad, int64_t begin, int64_
 template <typename T, typename I>
 SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
-  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "select: range [", range.begin,
-           ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  check_range(range, n, "select");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -231,8 +230,7 @@ template <typename T>
 void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
              std::vector<float>& value) {
   GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
-  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "collect: range [", range.begin,
-           ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  check_range(range, n, "collect");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) {

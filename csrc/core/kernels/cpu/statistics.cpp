@@ -375,8 +375,7 @@ template <typename T>
 void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int m, int64_t* counts) {
   check_read_only(src.update, "count_keys");
   GS_CHECK(m >= 0 && std::is_sorted(keys, keys + m), ValueError, "count_keys: keys must be ascending");
-  GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, "count_keys: range [",
-           range.begin, ", ", range.end, ") is not inside the bucket [0, ", n, ")");
+  check_range(range, n, "count_keys");
   std::fill(counts, counts + m, 0);
   if (m == 0) return;
   const KeyBins table(keys, m);
@@ -434,16 +433,7 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
     }
     return e;
   });
-  Exceedance total;
-  total.min = std::numeric_limits<double>::infinity();
-  for (const Exceedance& e : blocks) {
-    total.count += e.count;
-    total.sum += e.sum;
-    total.sum_sq += e.sum_sq;
-    total.min = std::min(total.min, e.min);
-  }
-  if (total.count == 0) total.min = 0.0;
-  return total;
+  return Exceedance::combine(blocks);
 }
 
 template <typename T>

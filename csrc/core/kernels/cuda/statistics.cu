@@ -165,22 +165,12 @@ void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const
 template <typename T>
 Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale) {
   GS_CHECK(!src.update, ValueError, "exceedance reads values only; apply the error-feedback update first");
-  Exceedance total;
-  total.min = std::numeric_limits<double>::infinity();
-  if (n > 0) {
-    const unsigned int grid = grid_for(n);
-    Scratch<ExceedancePartial> partials(device, grid);
-    exceedance_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, n, key, scale, partials.get());
-    check_launch();
-    for (const ExceedancePartial& e : to_host(device, partials.get(), grid)) {
-      total.count += static_cast<int64_t>(e.count);
-      total.sum += e.sum;
-      total.sum_sq += e.sum_sq;
-      total.min = std::min(total.min, e.min);
-    }
-  }
-  if (total.count == 0) total.min = 0.0;
-  return total;
+  if (n == 0) return Exceedance{};
+  const unsigned int grid = grid_for(n);
+  Scratch<ExceedancePartial> partials(device, grid);
+  exceedance_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, n, key, scale, partials.get());
+  check_launch();
+  return Exceedance::combine(to_host(device, partials.get(), grid));
 }
 
 template <typename T>

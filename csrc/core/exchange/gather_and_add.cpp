@@ -1,0 +1,98 @@
+// Gather-and-add and its fixed-size variant (exchange.h): every rank receives every rank's pairs
+// and adds them, divided by the world size, in rank order, so the result is bit-identical on
+// every rank.
+#include <cstddef>
+
+#include "gradsparse/exchange.h"
+
+namespace gradsparse {
+namespace {
+
+/// Reads (validates) every rank's message, laid back to back in `recv` (rank r's at offsets[r],
+/// sizes[r] bytes), against the count its control word announced.
+std::vector<MessageView> read_all(Device& device, const BucketView& bucket, const unsigned char* recv,
+                                  const std::vector<size_t>& sizes, const ExchangeResult& result) {
+  const std::vector<size_t> offsets = block_offsets(sizes);
+  std::vector<MessageView> messages;
+  for (size_t r = 0; r < sizes.size(); ++r)
+    messages.push_back(
+        read_announced(device, recv + offsets[r], sizes[r], bucket, result.control[r], static_cast<int>(r)));
+  return messages;
+}
+
+/// Adds every message / P into the cleared output, in rank order.
+void add_all(Device& device, const BucketView& bucket, const std::vector<MessageView>& messages,
+             ExchangeResult& result) {
+  clear_output(device, bucket);
+  for (const MessageView& m : messages) device.scatter_add(m, bucket.grad, static_cast<float>(messages.size()));
+  result.union_size = result.total_count();
+}
+
+/// Gather-and-add, and the exclusive gather (the same algorithm, named for disjoint selections).
+class GatherAndAdd final : public Exchange {
+ public:
+  explicit GatherAndAdd(ExchangeKind kind) : kind_(kind) {}
+  ExchangeKind kind() const override { return kind_; }
+  const Exchange& for_shard() const override { return sparse_reduce_scatter(); }
+
+  ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
+                     const Selection& mine) const override {
+    ExchangeResult result = agree(transport, device, bucket, control_word(mine));
+    if (result.aborted) return result;
+    const std::vector<size_t> sizes = block_sizes(result, [](const ControlWord& w) { return w.message_bytes; });
+    const Buffer recv = allgather_blocks(transport, device, mine, sizes);
+    add_all(device, bucket, read_all(device, bucket, recv.as<unsigned char>(), sizes, result), result);
+    return result;
+  }
+
+ private:
+  ExchangeKind kind_;
+};
+
+/// Every rank's message holds the same known count (this rank's), so one fixed-size all-gather
+/// moves them with no control words; the non-finite counts travel in the message headers, so
+/// every rank still sees every rank's count before it writes anything.
+class FixedGather final : public Exchange {
+ public:
+  ExchangeKind kind() const override { return ExchangeKind::kFixedGather; }
+  const Exchange& for_shard() const override { return sparse_reduce_scatter(); }
+
+  ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
+                     const Selection& mine) const override {
+    const int p = transport.size();
+    if (mine.nonfinite > 0) {  // rare: tell the others through the header
+      const uint64_t nonfinite = static_cast<uint64_t>(mine.nonfinite);
+      device.copy_from_host(mine.message.as<unsigned char>() + offsetof(MessageHeader, nonfinite), &nonfinite,
+                            sizeof(nonfinite));
+    }
+    Buffer recv = device.allocate(mine.bytes * p);
+    transport.allgather(device, mine.message.data(), recv.data(), mine.bytes);
+    ExchangeResult result;
+    result.control.assign(p, ControlWord{static_cast<int64_t>(mine.bytes), mine.count, 0, 0});
+    const std::vector<MessageView> messages =
+        read_all(device, bucket, recv.as<unsigned char>(), std::vector<size_t>(p, mine.bytes), result);
+    for (int r = 0; r < p; ++r) result.control[r].nonfinite = messages[r].nonfinite;
+    result.aborted = !result.nonfinite_ranks().empty();
+    if (!result.aborted) add_all(device, bucket, messages, result);
+    return result;
+  }
+};
+
+}  // namespace
+
+const Exchange& gather_and_add() {
+  static const GatherAndAdd exchange(ExchangeKind::kGatherAndAdd);
+  return exchange;
+}
+
+const Exchange& exclusive_gather() {
+  static const GatherAndAdd exchange(ExchangeKind::kExclusiveGather);
+  return exchange;
+}
+
+const Exchange& fixed_gather() {
+  static const FixedGather exchange;
+  return exchange;
+}
+
+}  // namespace gradsparse

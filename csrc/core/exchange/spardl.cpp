@@ -1,0 +1,261 @@
+// SparDL's exchange (spardl.h, docs/method-spec.md 4.11): the schedule of a step, one function per
+// phase. Every message size follows from the block sizes, k and h, which every rank knows, so no
+// counts are exchanged within the reduce-scatter; the final lists' sizes travel before them.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+
+#include "gradsparse/kernels.h"
+#include "gradsparse/spardl.h"
+
+namespace gradsparse {
+
+std::vector<SrsStep> srs_schedule(int size, int rank) {
+  std::vector<SrsStep> steps;
+  if (size <= 1) return steps;
+  int rounds = 0;
+  while ((1 << rounds) < size) ++rounds;  // R = ceil(log2 P')
+  std::vector<int> sizes{size - (1 << (rounds - 1))};
+  for (int i = rounds - 2; i >= 0; --i) sizes.push_back(1 << i);
+  for (int i = 0; i < rounds; ++i) {
+    const int gap = 1 << (rounds - 1 - i);
+    for (int j = 0; j < sizes[i]; ++j) {
+      steps.push_back(SrsStep{(rank + gap + j) % size, (rank + gap) % size, (rank + j) % size,
+                              ((rank - gap) % size + size) % size});
+    }
+  }
+  return steps;
+}
+
+std::vector<BruckRound> bruck_rounds(int size, int rank) {
+  std::vector<BruckRound> rounds;
+  for (int gap = 1; gap < size; gap *= 2) {
+    BruckRound round{((rank - gap) % size + size) % size, (rank + gap) % size, {}, {}};
+    const int count = std::min(gap, size - gap);
+    for (int b = 0; b < count; ++b) {
+      round.send.push_back((rank + b) % size);
+      round.recv.push_back((rank + gap + b) % size);
+    }
+    rounds.push_back(std::move(round));
+  }
+  return rounds;
+}
+
+namespace {
+
+/// Positions (into `c`) of the `k` candidates of largest magnitude (ties: lowest index), in
+/// ascending index order (all of them when there are at most k).
+std::vector<size_t> largest(const Candidates& c, size_t k) {
+  std::vector<size_t> order(c.size());
+  for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+  k = std::min(k, order.size());
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(k), order.end(),
+                    [&](size_t a, size_t b) {
+                      const float ma = std::fabs(c.value[a]), mb = std::fabs(c.value[b]);
+                      return ma != mb ? ma > mb : c.index[a] < c.index[b];
+                    });
+  order.resize(k);
+  std::sort(order.begin(), order.end());
+  return order;
+}
+
+/// One step of one rank: the team, the blocks, and the accumulation buffer A, which starts as
+/// this rank's residual + gradient. A selection from A zeroes what it takes, so at the end A
+/// holds exactly what this rank accumulated but did not send on.
+struct Step {
+  Transport& transport;
+  Device& device;
+  const BucketView& bucket;
+  SparDLExchange::Sizes sizes;
+  int team_size, team, me;
+  int64_t chunk;
+  Buffer accumulated;
+
+  Step(Transport& t, Device& d, const BucketView& b, SparDLExchange::Sizes s)
+      : transport(t), device(d), bucket(b), sizes(s) {
+    team_size = t.size() / s.teams;
+    team = t.rank() / team_size;
+    me = t.rank() % team_size;
+    chunk = (b.numel + team_size - 1) / team_size;
+    const size_t bytes = static_cast<size_t>(b.numel) * dtype_size(b.dtype);
+    accumulated = d.allocate(bytes);
+    d.copy(accumulated.data(), b.residual != nullptr ? b.residual : b.grad, bytes);
+  }
+
+  int global(int team_rank) const { return team * team_size + team_rank; }
+  int64_t begin(int b) const { return std::min<int64_t>(bucket.numel, b * chunk); }
+  int64_t length(int b) const { return std::min<int64_t>(bucket.numel, (b + 1) * chunk) - begin(b); }
+  void* at(void* base, int b) const {
+    return static_cast<unsigned char*>(base) + static_cast<size_t>(begin(b)) * dtype_size(bucket.dtype);
+  }
+  /// The bytes of a list of at most `pairs` pairs of block b.
+  size_t list_bytes(int b, int64_t pairs) const {
+    const int64_t count = std::min(pairs, length(b));
+    return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(length(b)), bucket.dtype).total_bytes;
+  }
+  /// The top `pairs` of block b of A (zeroed in A).
+  Selection top(int b, int64_t pairs) {
+    void* block = at(accumulated.data(), b);
+    return device.select_topk(BucketView{bucket.dtype, length(b), block, block}, std::min(pairs, length(b)),
+                              /*update=*/false);
+  }
+  MessageView view(const Selection& list, int b) const { return list.view(bucket.dtype, length(b)); }
+};
+
+/// Spar-Reduce-Scatter within the team: returns the top h of this rank's own block, holding every
+/// team member's contribution.
+Selection reduce_scatter(Step& s) {
+  const std::vector<SrsStep> schedule = srs_schedule(s.team_size, s.me);
+  if (schedule.empty()) return s.top(s.me, s.sizes.h);
+  Selection out = s.top(schedule[0].send_block, s.sizes.k);
+  for (size_t j = 0; j < schedule.size(); ++j) {
+    const SrsStep& step = schedule[j];
+    const size_t in_bytes = s.list_bytes(step.recv_block, s.sizes.k);
+    Buffer in = s.device.allocate(in_bytes);
+    s.transport.sendrecv(s.device, out.message.data(), out.bytes, s.global(step.dest), in.data(), in_bytes,
+                         s.global(step.source));
+    const MessageView m = read_message(s.device, in.data(), in_bytes, s.bucket.dtype,
+                                       static_cast<uint64_t>(s.length(step.recv_block)), s.global(step.source));
+    s.device.scatter_add(m, s.at(s.accumulated.data(), step.recv_block), 1.0f);
+    // The next block to send; after the last step, the own block (recv_block == me).
+    out = j + 1 < schedule.size() ? s.top(schedule[j + 1].send_block, s.sizes.k) : s.top(step.recv_block, s.sizes.h);
+  }
+  return out;
+}
+
+/// Spar-All-Gather across teams: the owners of block `me` in every team exchange their top-h
+/// lists (Bruck rounds among them), sum duplicates in team order (so every owner computes the
+/// same union bit for bit), and keep the top k. Returns the final list; `merged` gets the union's size.
+Selection merge_across_teams(Step& s, const Selection& own, int64_t& merged) {
+  const int teams = s.sizes.teams;
+  const size_t own_bytes = own.bytes;  // every owner's top-h list has the same size
+  std::vector<std::vector<unsigned char>> slots(teams, std::vector<unsigned char>(own_bytes));
+  s.device.copy_to_host(slots[0].data(), own.message.data(), own_bytes);
+  for (const BruckRound& round : bruck_rounds(teams, s.team)) {
+    std::vector<unsigned char> out, in(own_bytes * round.recv.size());
+    for (int b = 0; b < static_cast<int>(round.send.size()); ++b)
+      out.insert(out.end(), slots[b].begin(), slots[b].end());
+    Buffer send_buffer = s.device.allocate(out.size()), recv_buffer = s.device.allocate(in.size());
+    s.device.copy_from_host(send_buffer.data(), out.data(), out.size());
+    s.transport.sendrecv(s.device, send_buffer.data(), out.size(), round.dest * s.team_size + s.me, recv_buffer.data(),
+                         in.size(), round.source * s.team_size + s.me);
+    s.device.copy_to_host(in.data(), recv_buffer.data(), in.size());
+    const int gap = round.recv.empty() ? 0 : (round.recv[0] - round.send[0] + teams) % teams;
+    for (size_t j = 0; j < round.recv.size(); ++j)
+      std::memcpy(slots[gap + j].data(), in.data() + j * own_bytes, own_bytes);
+  }
+  // Slot j holds team (team + j) mod d's list.
+  std::map<int64_t, float> sums;
+  for (int t = 0; t < teams; ++t) {
+    const int slot = (t - s.team + teams) % teams;
+    const int source = t * s.team_size + s.me;
+    const HostMessage list(view_host_message(slots[slot].data(), slots[slot].size(), s.bucket.dtype,
+                                             static_cast<uint64_t>(s.length(s.me)), source));
+    list.check_indices();
+    const std::vector<int64_t> index = list.index_list();
+    const std::vector<float> value = list.value_list();
+    for (size_t j = 0; j < index.size(); ++j) {
+      float& v = sums[index[j]];
+      v = dispatch_dtype(s.bucket.dtype, [&](auto tt) {
+        using T = decltype(tt);
+        return Num<T>::to_float(Num<T>::from_float(v + value[j]));
+      });
+    }
+  }
+  Candidates u;
+  for (const auto& [i, v] : sums) {
+    u.index.push_back(i);
+    u.value.push_back(v);
+  }
+  merged = static_cast<int64_t>(u.size());
+  const std::vector<size_t> keep = largest(u, static_cast<size_t>(s.sizes.k));
+  std::vector<int64_t> index;
+  std::vector<float> value;
+  for (size_t j : keep) {
+    index.push_back(u.index[j]);
+    value.push_back(u.value[j]);
+  }
+  return s.device.emit(BucketView{s.bucket.dtype, s.length(s.me), nullptr, nullptr}, index, value, false);
+}
+
+/// The Bruck all-gather of the final lists within the team (sizes first: they vary when teams > 1).
+void allgather_lists(Step& s, std::vector<Selection>& lists) {
+  for (const BruckRound& round : bruck_rounds(s.team_size, s.me)) {
+    std::vector<int64_t> send_sizes, recv_sizes(round.recv.size());
+    for (int b : round.send) send_sizes.push_back(static_cast<int64_t>(lists[b].bytes));
+    Buffer ss = s.device.allocate(send_sizes.size() * 8), rs = s.device.allocate(recv_sizes.size() * 8);
+    s.device.copy_from_host(ss.data(), send_sizes.data(), send_sizes.size() * 8);
+    s.transport.sendrecv(s.device, ss.data(), send_sizes.size() * 8, s.global(round.dest), rs.data(),
+                         recv_sizes.size() * 8, s.global(round.source));
+    s.device.copy_to_host(recv_sizes.data(), rs.data(), recv_sizes.size() * 8);
+    size_t out_bytes = 0, in_bytes = 0;
+    for (int64_t b : send_sizes) out_bytes += static_cast<size_t>(b);
+    for (size_t j = 0; j < recv_sizes.size(); ++j) {
+      // A final list holds at most min(k, block length) pairs: its size is a layout within that.
+      const int64_t b = recv_sizes[j], most = static_cast<int64_t>(s.list_bytes(round.recv[j], s.sizes.k));
+      GS_CHECK(b >= static_cast<int64_t>(kMessageHeaderBytes) && b <= most && b % 8 == 0, CorruptMessageError,
+               "SparDL: rank ", s.global(round.source), " announced a ", b, "-byte list for block ", round.recv[j],
+               ", whose lists take 32 to ", most, " bytes in multiples of 8");
+      in_bytes += static_cast<size_t>(b);
+    }
+    Buffer out = s.device.allocate(out_bytes), in = s.device.allocate(in_bytes);
+    size_t at = 0;
+    for (int b : round.send) {
+      s.device.copy(out.as<unsigned char>() + at, lists[b].message.data(), lists[b].bytes);
+      at += lists[b].bytes;
+    }
+    s.transport.sendrecv(s.device, out.data(), out_bytes, s.global(round.dest), in.data(), in_bytes,
+                         s.global(round.source));
+    at = 0;
+    for (size_t j = 0; j < round.recv.size(); ++j) {
+      const int b = round.recv[j];
+      Selection& list = lists[b];
+      list.bytes = static_cast<size_t>(recv_sizes[j]);
+      list.message = s.device.allocate(list.bytes);
+      s.device.copy(list.message.data(), in.as<unsigned char>() + at, list.bytes);
+      at += list.bytes;
+      const MessageView m = read_message(s.device, list.message.data(), list.bytes, s.bucket.dtype,
+                                         static_cast<uint64_t>(s.length(b)), s.global(round.source));
+      GS_CHECK(m.bytes() == list.bytes, CorruptMessageError, message_source(m.source_rank), " holds ", m.count,
+               " pairs (", m.bytes(), " bytes) but was announced as ", list.bytes, " bytes");
+      list.count = m.count;
+    }
+  }
+}
+
+}  // namespace
+
+ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const BucketView& bucket,
+                                   const Selection& mine) const {
+  // Agree on aborting before any data moves (the selection carries the update's non-finite count).
+  ExchangeResult result = agree(transport, device, bucket, ControlWord{0, 0, mine.nonfinite, 0}, false);
+  if (result.aborted) return result;
+  Step s(transport, device, bucket, sizes);
+
+  std::vector<Selection> lists(s.team_size);
+  lists[s.me] = reduce_scatter(s);
+  if (sizes.teams > 1) lists[s.me] = merge_across_teams(s, lists[s.me], result.merged);
+  allgather_lists(s, lists);
+
+  // Output: every block's final list / P. Residual: residual + gradient, except on the final
+  // lists, where it takes what this rank accumulated and kept.
+  clear_output(device, bucket);
+  for (int b = 0; b < s.team_size; ++b) {
+    if (s.length(b) == 0) continue;
+    MessageView list = s.view(lists[b], b);
+    list.source_rank = s.global(b);  // the list of block b's owner
+    device.scatter_add(list, s.at(bucket.grad, b), static_cast<float>(transport.size()));
+    if (bucket.residual != nullptr) {
+      const Selection kept =
+          device.gather(BucketView{bucket.dtype, s.length(b), s.at(s.accumulated.data(), b), nullptr},
+                        HostMessage(device, list).index_list());
+      device.assign(s.view(kept, b), s.at(bucket.residual, b));
+    }
+    result.union_size += list.count;
+    for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = list.count;
+  }
+  return result;
+}
+
+}  // namespace gradsparse

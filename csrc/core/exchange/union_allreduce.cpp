@@ -1,0 +1,76 @@
+// Union + all-reduce (exchange.h): every rank's index list reaches every rank, and one all-reduce
+// sums every rank's own values on the sorted union of the lists, so every rank's value of every
+// selected element counts, not only the value of the rank that selected it.
+#include <algorithm>
+
+#include "gradsparse/exchange.h"
+
+namespace gradsparse {
+namespace {
+
+/// The header and indices of a message of `count` pairs (its values follow them, so they are a
+/// prefix of the message): what travels in the first collective.
+size_t index_part_bytes(int64_t count, const BucketView& bucket) {
+  return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(bucket.numel), bucket.dtype).values_offset;
+}
+
+class UnionAllreduce final : public Exchange {
+ public:
+  ExchangeKind kind() const override { return ExchangeKind::kUnionAllreduce; }
+  bool selection_zeroes() const override { return false; }
+
+  ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
+                     const Selection& mine) const override {
+    ExchangeResult result = agree(transport, device, bucket, control_word(mine));
+    if (result.aborted) return result;
+    const int p = transport.size();
+    // Only the headers and index lists travel first (a message's values follow its indices).
+    const std::vector<size_t> sizes =
+        block_sizes(result, [&](const ControlWord& w) { return index_part_bytes(w.count, bucket); });
+    const std::vector<size_t> offsets = block_offsets(sizes);
+    const Buffer recv = allgather_blocks(transport, device, mine, sizes);
+
+    std::vector<int64_t> all;
+    all.reserve(static_cast<size_t>(result.total_count()));
+    for (int r = 0; r < p; ++r) {
+      // Rank r's header and index list: its header is checked with the length of the whole
+      // message it announced, of which only the index part arrived.
+      const unsigned char* part = recv.as<unsigned char>() + offsets[r];
+      std::vector<unsigned char> host(sizes[r]);
+      device.copy_to_host(host.data(), part, host.size());
+      const MessageHeader h = parse_header(host.data(), bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
+      GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
+                   h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),
+               CorruptMessageError, "sparse message from rank ", r, " holds ", h.count, " indices of ",
+               int(h.index_bytes), " bytes but its control word announced ", result.control[r].count, " of ",
+               index_bytes_for(static_cast<uint64_t>(bucket.numel)));
+      const HostMessage indices(view_from_header(host.data(), h, r));
+      indices.check_indices();
+      const std::vector<int64_t> list = indices.index_list();
+      all.insert(all.end(), list.begin(), list.end());
+    }
+    std::sort(all.begin(), all.end());
+    all.erase(std::unique(all.begin(), all.end()), all.end());
+    result.union_size = static_cast<int64_t>(all.size());
+
+    Selection u = device.gather(bucket, all);  // this rank's own values on the union
+    const MessageView view = u.view(bucket);
+    if (u.count > 0) {  // every rank knows the union's size: all skip together
+      transport.allreduce_sum(device, u.message.as<unsigned char>() + view.layout().values_offset,
+                              static_cast<size_t>(u.count), bucket.dtype);
+    }
+    clear_output(device, bucket);
+    device.scatter_add(view, bucket.grad, static_cast<float>(p));
+    device.zero_at(bucket, view);  // every rank zeroes the whole union
+    return result;
+  }
+};
+
+}  // namespace
+
+const Exchange& union_allreduce() {
+  static const UnionAllreduce exchange;
+  return exchange;
+}
+
+}  // namespace gradsparse
