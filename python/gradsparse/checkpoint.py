@@ -1,4 +1,10 @@
-"""Checkpoints holding every rank's residuals in one file.
+"""Checkpoints of a state: the state dict's format and its checks, and every rank's residuals in
+one file.
+
+A state dict (version 2) holds ``class``, ``config``, ``step``, ``rank``, ``world_size``,
+``residuals`` (parameter name -> tensor, the model's own names), ``checksums`` (name -> CRC-32 of
+the residual's bytes), ``methods`` and ``layout`` (by bucket index: the method's state and the
+bucket's parameter names) and ``stats``; docs/architecture.md, "Checkpoints", says why.
 
 Error-feedback residuals differ from rank to rank, but most frameworks write a checkpoint from
 rank 0 only (Lightning's ``Trainer.save_checkpoint``, Accelerate's ``save_state``), from what
@@ -8,12 +14,109 @@ such a file and, on resume, gives each rank its own part back.
 
 from __future__ import annotations
 
+import zlib
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-from gradsparse.state import _STATE_DICT_VERSION, State, _checksum
+from gradsparse.wrappers import strip_wrapper_prefixes
 
 __all__ = ["AllRanks", "reshard"]
+
+STATE_DICT_VERSION = 2  # 2: residual names without wrapper prefixes, layout as lists of names
+
+
+def checksum(tensor: torch.Tensor) -> int:
+    """CRC-32 of the tensor's bytes (any dtype, on any device)."""
+    return zlib.crc32(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
+
+
+class Loaded:
+    """A state dict given to ``load_state_dict``, until the first step after the load has put
+    everything in place (``state_dict()`` returns it as it was until then)."""
+
+    def __init__(self, saved: dict) -> None:
+        self.saved = saved  # version 2, this rank's
+        self.layout: list[list[str]] = [list(names) for names in saved["layout"] if names]
+
+    def method_states(self) -> list[tuple[frozenset[str] | int, dict]]:
+        """Each saved method state, keyed by the names of its bucket's parameters (by its bucket
+        index where the layout names none)."""
+        layout = self.saved["layout"]
+        return [
+            (frozenset(layout[index]) if index < len(layout) and layout[index] else index, state)
+            for index, state in enumerate(self.saved["methods"])
+            if state is not None
+        ]
+
+
+def upgrade(owner: str, state_dict: Any) -> dict:
+    """A state dict of the current version (version 1, of gradsparse 0.1, is converted)."""
+    version = state_dict.get("version") if isinstance(state_dict, dict) else None
+    if version == STATE_DICT_VERSION:  # one rank's, or gradsparse.AllRanks' (its rank is picked at load)
+        return state_dict
+    if version == 1:
+        # Names came from DDP's inner module: strip the wrappers that could sit there.
+        layout = state_dict.get("layout", {})
+        count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
+        return {
+            **state_dict,
+            "version": STATE_DICT_VERSION,
+            "residuals": {strip_wrapper_prefixes(n): t for n, t in state_dict["residuals"].items()},
+            "layout": [[strip_wrapper_prefixes(n) for n in layout.get(i, [])] for i in range(count)],
+            "methods": [state_dict["methods"].get(i) for i in range(count)],
+        }
+    raise ValueError(
+        f"{owner}.load_state_dict: not a gradsparse state dict (got {type(state_dict).__name__} with version "
+        f"{version}); pass what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned"
+    )
+
+
+def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_rank: bool) -> dict:
+    """This rank's part of a (version 2) state dict, checked: world size, rank, and every
+    residual finite and matching its checksum."""
+    if state_dict.get("all_ranks"):
+        if state_dict["world_size"] != world_size:
+            raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+        state_dict = state_dict["ranks"][rank]
+    if state_dict["world_size"] != world_size:
+        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+    if state_dict["rank"] != rank and not any_rank:
+        raise ValueError(
+            f"{owner}.load_state_dict: the state dict holds rank {state_dict['rank']}'s residuals but this is "
+            f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
+            "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
+        )
+    _check_values(owner, state_dict)
+    return state_dict
+
+
+def _check_values(owner: str, state_dict: dict) -> None:
+    """Every residual is finite and, where the state dict has checksums (those of gradsparse 0.2
+    on), matches its own."""
+    checksums = state_dict.get("checksums", {})
+    for name, tensor in state_dict["residuals"].items():
+        if name in checksums and checksum(tensor) != checksums[name]:
+            raise ValueError(
+                f"{owner}.load_state_dict: the residual of {name} does not match its checksum: the state dict was "
+                "damaged after it was saved (a corrupt or partly written file); load an intact copy"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{owner}.load_state_dict: the residual of {name} holds NaN or Inf; a residual is gradient mass "
+                "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
+                "skip them all); load a checkpoint from before the divergence"
+            )
+
+
+def _world_size_error(owner: str, saved: int, now: int) -> str:
+    return (
+        f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
+        f"resume with {saved} ranks, or reshard a state dict holding every rank's residuals "
+        f"(gradsparse.AllRanks(state).state_dict() at {saved} ranks) with gradsparse.reshard(saved, {now}): "
+        "each rank then takes the mean of the saved residuals, which conserves the pending gradient mass"
+    )
 
 
 class AllRanks:
@@ -30,7 +133,9 @@ class AllRanks:
         >>> accelerator.register_for_checkpointing(gradsparse.AllRanks(state))
     """
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state) -> None:
+        from gradsparse.state import State
+
         if not isinstance(state, State):
             raise TypeError(
                 f"gradsparse.AllRanks: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
@@ -46,7 +151,7 @@ class AllRanks:
         gathered: list | None = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)
         return {
-            "version": _STATE_DICT_VERSION,
+            "version": STATE_DICT_VERSION,
             "all_ranks": True,
             "class": mine["class"],
             "config": mine["config"],
@@ -91,7 +196,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
         parts = [saved["residuals"][name] for saved in ranks if name in saved["residuals"]]
         total = torch.stack([p.double() for p in parts]).sum(0)  # a rank without it holds zeros
         residuals[name] = (total / len(ranks)).to(parts[0].dtype)
-    checksums = {name: _checksum(t) for name, t in residuals.items()}
+    checksums = {name: checksum(t) for name, t in residuals.items()}
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
         dict(

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradsparse.state import _STATE_DICT_VERSION, State, _checksum, _group_ranks, _same_group
+from gradsparse.binding import group_ranks, same_group
+from gradsparse.checkpoint import STATE_DICT_VERSION, checksum
+from gradsparse.state import State
 
 __all__ = ["ShardedState", "sparsify"]
 
@@ -88,7 +90,8 @@ def sparsify(model: nn.Module, state: State) -> State:
             "torch.distributed.fsdp.fully_shard on its layers and on the model first (for DistributedDataParallel "
             "use gradsparse.register)"
         )
-    if state._bound_model() is not None or state._sharded is not None or state._buckets:
+    binding = state._binding
+    if binding.model() is not None or binding.sharded is not None or state._table.buckets:
         raise ValueError(
             f"gradsparse.fsdp.sparsify: this {owner} state already serves a model; a state holds one model's "
             "residuals: create one state per model"
@@ -147,10 +150,10 @@ class _SparseReduceScatter:
                 f"{owner} cannot honour (it averages or sums); a gradient divide factor other than the world size "
                 "(set_gradient_divide_factor) makes FSDP ask for PREMUL_SUM: remove it and scale the loss instead"
             )
-        if not _same_group(group, state.process_group):
+        if not same_group(group, state.process_group):
             raise ValueError(
-                f"gradsparse.fsdp: module {self._name!r} reduce-scatters over ranks {_group_ranks(group)} but the "
-                f"{owner} state exchanges over ranks {_group_ranks(state.process_group)}; create the state with "
+                f"gradsparse.fsdp: module {self._name!r} reduce-scatters over ranks {group_ranks(group)} but the "
+                f"{owner} state exchanges over ranks {group_ranks(state.process_group)}; create the state with "
                 "process_group=<the group FSDP shards over> (for HSDP, mesh.get_group('shard'))"
             )
         world_size = state._world_size
@@ -187,7 +190,7 @@ class ShardedState:
             raise TypeError(
                 f"gradsparse.fsdp.ShardedState: state must be a gradsparse state, got {type(state).__name__}"
             )
-        if state._sharded is None:
+        if state._binding.sharded is None:
             raise TypeError(
                 f"gradsparse.fsdp.ShardedState: the {type(state).__name__} state sparsifies no FSDP model; call "
                 "gradsparse.fsdp.sparsify(model, state) first (for DistributedDataParallel, save each rank's "
@@ -215,7 +218,7 @@ class ShardedState:
         uint8 tensor of a size every rank computes alike (their keys can change with the steps:
         ExDyna's layout appears at its first step, so DCP could not load them key by key)."""
         world_size = dist.get_world_size(self.state.process_group)
-        size = (1024 + 64 * world_size) * max(1, len(self.state._param_numels))
+        size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
         text = json.dumps(methods).encode()
         if len(text) > size:
             raise RuntimeError(f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}")
@@ -230,16 +233,17 @@ class ShardedState:
         residuals = dict(saved["residuals"])
         # Before the first step (a resumed process), DCP loads into this dict: it must already
         # name every residual with its size.
-        for name, numel in state._param_numels.items():
+        binding = state._binding
+        for name, numel in binding.numels.items():
             if name not in residuals:
-                residuals[name] = torch.zeros(numel, dtype=state._sharded_dtypes[name])
+                residuals[name] = torch.zeros(numel, dtype=binding.dtypes[name])
         return {
             "version": saved["version"],
             "class": saved["class"],
             "config": saved["config"],
             "step": saved["step"],
             "world_size": saved["world_size"],
-            "layout": [[name] for name in state._param_numels],  # bucket i: the i-th module sparsified
+            "layout": [[name] for name in binding.numels],  # bucket i: the i-th module sparsified
             "residuals": {name: self._per_rank(t) for name, t in residuals.items()},
             "methods": self._per_rank(self._methods_blob(saved["methods"])),
             "stats": saved["stats"],
@@ -255,14 +259,14 @@ class ShardedState:
         state = self.state
         state.load_state_dict(
             {
-                "version": _STATE_DICT_VERSION,
+                "version": STATE_DICT_VERSION,
                 "class": state_dict["class"],
                 "config": state_dict["config"],
                 "step": state_dict["step"],
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
                 "residuals": residuals,
-                "checksums": {name: _checksum(t) for name, t in residuals.items()},
+                "checksums": {name: checksum(t) for name, t in residuals.items()},
                 "methods": _decode_methods(local(state_dict["methods"])),
                 "layout": state_dict["layout"],
                 "stats": state_dict["stats"],

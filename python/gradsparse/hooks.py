@@ -71,8 +71,8 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
     state._bind(model)
     try:
         state.setup()
-        state._bound_model().register_comm_hook(state, hook)
+        state._binding.model().register_comm_hook(state, hook)
     except BaseException:
-        state._unbind()
+        state._binding.unbind()
         raise
     return state

@@ -1,7 +1,10 @@
 """State classes of the gradsparse DDP communication hook: one per selection method.
 
-A state holds, per DDP bucket, the selection method's C++ object, the error-feedback residual and
-the statistics, and owns the engine thread that runs the exchanges.
+A state is a method's configuration, agreed on by every rank, and the step that the hook runs
+with it. What it holds lives beside it, one responsibility each: the model it serves
+(gradsparse.binding), the bucket table of methods and residuals keyed by parameter name
+(gradsparse.buckets), the checkpoint format (gradsparse.checkpoint) and the statistics
+(gradsparse.metrics). The engine thread (C++) runs the exchanges.
 
 Life of a state:
 
@@ -23,7 +26,6 @@ import contextlib
 import datetime
 import inspect
 import weakref
-import zlib
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +33,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse import _C
+from gradsparse.binding import ModelBinding, group_ranks
+from gradsparse.buckets import Bucket, BucketTable
+from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, checksum, this_ranks, upgrade
 from gradsparse.config import (
     REQUIRED,
     Option,
@@ -40,12 +45,10 @@ from gradsparse.config import (
     check_timeout,
 )
 from gradsparse.metrics import Metrics
-from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes
 
 __all__ = ["State"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_STATE_DICT_VERSION = 2  # 2: residual names without wrapper prefixes, layout as lists of names
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
 
@@ -56,44 +59,6 @@ def _close_all_states() -> None:
     # they finish, so a pending callback cannot deadlock the exit).
     for state in list(_LIVE_STATES):
         state.close()
-
-
-class _Bucket:
-    """One bucket's layout, method object and residual."""
-
-    __slots__ = ("index", "key", "method", "names", "numels", "residual")
-
-    def __init__(self, index: int, key: tuple[int, ...], names: list[str], numels: list[int], method):
-        self.index = index
-        self.key = key  # ids of the bucket's parameters, in bucket order
-        self.names = names  # the same parameters' names, for checkpoints
-        self.numels = numels
-        self.method = method  # C++ method object, or None for dense states
-        self.residual: torch.Tensor | None = None
-
-    def residual_views(self) -> dict[str, torch.Tensor]:
-        """The residual split by parameter (views)."""
-        if self.residual is None:
-            return {}
-        return dict(zip(self.names, self.residual.split(self.numels), strict=True))
-
-
-class _Pending:
-    """What load_state_dict restored, waiting for the buckets it belongs to (consumed at the first
-    step after the load; returned as it is by state_dict() until then)."""
-
-    def __init__(self, saved: dict) -> None:
-        self.saved = saved  # the state dict as given (version 2), for state_dict() before a step
-        self.residuals: dict[str, torch.Tensor] = {n: t.detach().clone() for n, t in saved["residuals"].items()}
-        # A method's state goes to the bucket holding the same parameters (by name), else to the
-        # bucket of the same index.
-        self.methods: dict[Any, dict[str, float]] = {}
-        layout = saved["layout"]
-        for index, state in enumerate(saved["methods"]):
-            if state is not None:
-                key = frozenset(layout[index]) if index < len(layout) and layout[index] else index
-                self.methods[key] = dict(state)
-        self.layout: list[list[str]] = [list(names) for names in layout if names]
 
 
 class State:
@@ -183,21 +148,13 @@ class State:
         self._world_size = 1
         self._engine = None
         self._step = 0
-        self._buckets: dict[int, _Bucket] = {}
-        self._retired: dict[int, torch.Tensor] = {}  # residual per parameter id, after a bucket rebuild
-        self._retired_methods: dict[frozenset, dict] = {}  # method state per parameter set, after a rebuild
-        self._paused = False
-        self._pending: _Pending | None = None  # from load_state_dict, until the next step
+        self._binding = ModelBinding(type(self).__name__)  # the model
+        self._table = BucketTable()  # methods and residuals, by bucket and by parameter name
+        self._loaded: Loaded | None = None  # from load_state_dict, until the next step put it in place
         self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
+        self._paused = False
         self._failed_step = False  # a bucket of this step failed: the rest go back untouched
-        self._model: weakref.ref | None = None  # the DistributedDataParallel, from register()
-        self._param_names: dict[int, str] = {}  # id(parameter) -> name in the user's module
-        self._param_numels: dict[str, int] = {}  # name -> elements, of the bound model
-        self._params: frozenset[int] | None = None  # ids of the parameters this state reduces
-        self._seen: set[int] = set()  # not bound: the parameters met so far in the first step
-        self._sharded: weakref.ref | None = None  # the FSDP model, from gradsparse.fsdp.sparsify()
-        self._sharded_dtypes: dict[str, torch.dtype] = {}  # FSDP: parameter group -> reduce dtype
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
@@ -296,7 +253,7 @@ class State:
             dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm or group)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
-                f"{owner}.setup: not every rank of the process group {_group_ranks(group)} reached the set-up of "
+                f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
                 f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
                 "same options on every rank, and register it (or run the first backward) on every rank"
             ) from e
@@ -311,9 +268,7 @@ class State:
         self._world_size = world_size
         self._rank = dist.get_rank(group)
         self._engine = self._make_engine(comm)
-        model = self._bound_model()
-        if model is not None:
-            self._check_group(model)
+        self._binding.check_group(group)
         if self._unchecked is not None:
             (saved, any_rank), self._unchecked = self._unchecked, None
             self._load(saved, any_rank)
@@ -347,105 +302,25 @@ class State:
         return _C.Engine(comm or self._process_group, timeout.total_seconds())
 
     # ----------------------------------------------------------------------------------------
-    # The model
+    # The model (gradsparse.binding)
 
     def _bind(self, model: nn.Module) -> None:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (called by
         gradsparse.register): learns the parameter names, checks the process group."""
-        owner = type(self).__name__
-        ddp = find_ddp(model)
-        if ddp is None:
-            raise TypeError(
-                f"gradsparse.register: model must be a DistributedDataParallel (or a torch.compile of one), got "
-                f"{type(model).__name__}; wrap it first (DistributedDataParallel(model)); with Accelerate, register "
-                "after accelerator.prepare(model); with Lightning, use gradsparse.lightning.Sparsify"
-            )
-        if self._sharded is not None:
-            raise ValueError(
-                f"gradsparse.register: this {owner} state already sparsifies an FSDP model "
-                "(gradsparse.fsdp.sparsify); a state holds one model's residuals: create one state per model"
-            )
-        bound = self._bound_model()
-        if bound is ddp:
-            raise ValueError(
-                f"gradsparse.register: this {owner} state is already registered on this model; register it once"
-            )
-        params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
-        if (bound is not None or self._params is not None) and params != self._params:
-            raise ValueError(
-                f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
-                "one model's residuals: create one state per model"
-            )
-        # A new DDP over the same parameters (Lightning wraps the module anew for every fit())
-        # takes the state over with its residuals.
-        self._model = weakref.ref(ddp)
-        self._param_names = parameter_names(ddp)
-        self._param_numels = {self._param_names[id(p)]: p.numel() for p in ddp.parameters()}
-        self._params = params
+        self._binding.bind(model)
         if self._engine is not None:
-            self._check_group(ddp)
-        if self._pending is not None:
-            self._check_names(self._pending.residuals)
-
-    def _unbind(self) -> None:
-        self._model, self._param_names, self._param_numels, self._params = None, {}, {}, None
-        self._sharded, self._sharded_dtypes = None, {}
+            self._binding.check_group(self._process_group)
+        if self._loaded is not None:
+            self._binding.check_names(self._loaded.saved["residuals"])
 
     def _bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
-        """Ties the state to an FSDP model (gradsparse.fsdp.sparsify): one bucket per parameter
-        group, named after its module, holding the group's flat (padded) gradient of the given
-        size and reduce dtype."""
-        self._sharded = weakref.ref(model)
-        self._param_numels = {name: numel for name, (numel, _) in groups.items()}
-        self._sharded_dtypes = {name: dtype for name, (_, dtype) in groups.items()}
-        if self._pending is not None:
-            self._check_names(self._pending.residuals)
-
-    def _bound_model(self):
-        return None if self._model is None else self._model()
-
-    def _check_group(self, ddp) -> None:
-        if not _same_group(ddp.process_group, self._process_group):
-            raise ValueError(
-                f"gradsparse: the {type(self).__name__} state was created for the process group of ranks "
-                f"{_group_ranks(self._process_group)} but the model's DistributedDataParallel reduces over ranks "
-                f"{_group_ranks(ddp.process_group)}; create the state with process_group=<the group passed to "
-                "DistributedDataParallel>"
-            )
-
-    def _check_names(self, residuals: dict[str, torch.Tensor]) -> None:
-        """Every residual must name a parameter of the bound model, with its size."""
-        owner = type(self).__name__
-        numels = self._param_numels
-        unknown = sorted(set(residuals) - set(numels))
-        if unknown:
-            hint = ""
-            stripped = {n: strip_wrapper_prefixes(n) for n in unknown}
-            if all(n in numels for n in stripped.values()):
-                prefixes = sorted({n[: len(n) - len(s)] for n, s in stripped.items()})
-                hint = (
-                    f" They carry wrapper prefixes ({', '.join(prefixes)}); gradsparse names residuals after the "
-                    f"model's own parameters: rename them, e.g. sd['residuals'] = "
-                    f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['residuals'].items()}}."
-                )
-            raise ValueError(
-                f"{owner}.load_state_dict: {len(unknown)} residual(s) name no parameter of the model: "
-                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (the model's parameters are named like "
-                f"{', '.join(list(numels)[:3])}).{hint} Load the state dict into a state registered on the model it "
-                "was saved from"
-            )
-        for name, tensor in residuals.items():
-            if tensor.numel() != numels[name]:
-                raise ValueError(
-                    f"{owner}.load_state_dict: the residual of {name} holds {tensor.numel()} elements but the "
-                    f"parameter has {numels[name]}; the state dict was saved from another model"
-                )
-
-    def _name(self, param: torch.Tensor, index: int, position: int) -> str:
-        return self._param_names.get(id(param), f"bucket{index}.param{position}")
+        """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""
+        self._binding.bind_sharded(model, groups)
+        if self._loaded is not None:
+            self._binding.check_names(self._loaded.saved["residuals"])
 
     # ----------------------------------------------------------------------------------------
-    # The hook's work
+    # The step: what gradsparse.hook does with one DDP bucket, top down
 
     def _reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Never raises: an error becomes the bucket's failed future. An exception thrown inside
@@ -471,83 +346,50 @@ class State:
             return _done(None).then(fail)
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        index = bucket.index()
+        buffer, index, last = bucket.buffer(), bucket.index(), bucket.is_last()
         if buffer.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
                 f"gradsparse: bucket {index} holds {buffer.dtype} gradients, but gradsparse sparsifies float32, "
                 "float16 and bfloat16 buckets only; convert the model (for example model.float()) before "
                 "wrapping it in DistributedDataParallel"
             )
-        self.setup()
+        self.setup()  # collective, once
         params = bucket.parameters()
-        self._check_params(params, bucket.is_last())
-        if self._pending is not None:
-            if self._model is None:
+        self._binding.check_params(params, last)  # one state, one model
+        if self._loaded is not None:  # the first step after load_state_dict: in the saved layout
+            if self._binding.model() is None:
                 raise ValueError(
                     f"gradsparse: the {type(self).__name__} state was given a state dict but does not know its "
                     "model's parameter names (it was registered with model.register_comm_hook), so the residuals "
                     "cannot be put back; register it with gradsparse.register(ddp_model, state) instead"
                 )
-            return self._defer(buffer, params, bucket.is_last())
-        entry = self._bucket(index, params, buffer)
-        return self._submit(entry, buffer, bucket.is_last())
+            return self._defer(buffer, params, last)
+        entry = self._bucket(index, params, buffer)  # its method and residual, re-mapped if DDP rebuilt
+        return self._submit(entry, buffer, last)  # error feedback, selection and exchange, on the engine
 
-    def _reduce_flat(self, index: int, name: str, flat: torch.Tensor, groups: int) -> torch.futures.Future:
-        """Reduces one FSDP parameter group's flat gradient in place (gradsparse.fsdp): bucket
-        ``index`` of ``groups`` per step, with one residual named ``name``; only this rank's shard
-        (its 1/P of ``flat``, in rank order) of the result is wanted."""
-        if flat.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(
-                f"gradsparse.fsdp: module {name!r} reduces {flat.dtype} gradients, but gradsparse sparsifies "
-                "float32, float16 and bfloat16 ones; set FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32)"
+    def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> Bucket:
+        """The bucket's entry in the table; when DDP rebuilt its buckets (after the first step, or
+        with another layout), every residual and method state is parked by parameter and the new
+        buckets are assembled from them."""
+        names = [self._binding.name(p) for p in params]
+        entry = self._table.get(index, names)
+        if entry is not None:
+            return entry
+        if index in self._table.buckets:
+            self._table.park_all()
+        numels = [p.numel() for p in params]
+        if sum(numels) != buffer.numel():
+            raise RuntimeError(
+                f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
+                "this DDP configuration is not supported"
             )
-        if index in self._sharded_called:  # a group reduced twice: the groups missing last step sent nothing
-            self._sharded_called.clear()
-            self._step += 1
-        self._sharded_called.add(index)
-        last = len(self._sharded_called) == groups
-        entry = self._buckets.get(index)
-        if entry is None:
-            numel = flat.numel()
-            if numel != self._param_numels.get(name, numel):
-                raise RuntimeError(
-                    f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
-                    f"hold {self._param_numels[name]} (padded); this FSDP configuration is not supported"
-                )
-            entry = _Bucket(index, (index,), [name], [numel], self._make_method([numel]))
-            pending = self._pending
-            if pending is not None:
-                saved = pending.residuals.pop(name, None)
-                if saved is not None:
-                    entry.residual = saved.to(device=flat.device, dtype=flat.dtype).reshape(-1)
-                for key in (frozenset([name]), index):
-                    if entry.method is not None and key in pending.methods:
-                        entry.method.load_state(pending.methods.pop(key))
-                        break
-            self._buckets[index] = entry
-        if last:
-            self._sharded_called.clear()
-            self._pending = None  # every group has taken what was saved for it
-        return self._submit(entry, flat, last, shard_only=True)
-
-    def _check_params(self, params: list[torch.Tensor], last: bool) -> None:
-        """One state, one model: a parameter outside the model's (the bound model, or those seen in
-        the first step) means the state was registered on a second model."""
-        if self._params is None:  # not bound: learn the parameters during the first step
-            self._seen.update(id(p) for p in params)
-            if last:
-                self._params = frozenset(self._seen)
-            return
-        if any(id(p) not in self._params for p in params):
-            raise ValueError(
-                f"gradsparse: this {type(self).__name__} state is registered on more than one model (a bucket holds "
-                "parameters of another model); a state holds one model's residuals: create one state per model"
-            )
+        return self._table.add(index, names, numels, lambda: self._make_method(numels), buffer)
 
     def _submit(
-        self, entry: _Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
+        self, entry: Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
     ) -> torch.futures.Future[torch.Tensor]:
+        """Hands the bucket to the engine (selection and exchange run there, C++); the future's
+        callback records the statistics and yields the reduced bucket."""
         dense = self._step < self._warmup_steps or entry.method is None
         residual = None
         if self._error_feedback and not dense:
@@ -560,8 +402,7 @@ class State:
         future = self._engine.submit(buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only)
         if last:
             self._step += 1
-            self._retired.clear()
-            self._retired_methods.clear()
+            self._table.end_step()
         element_size = buffer.element_size()
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
@@ -586,18 +427,18 @@ class State:
         return gate.then(_value)
 
     def _reduce_in_saved_layout(self, held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]):
-        pending = self._pending
         where: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (parameter, its slice of DDP's bucket)
         current: list[list[str]] = []
-        for index, (buffer, params, _) in enumerate(held):
-            names = [self._name(p, index, i) for i, p in enumerate(params)]
+        for buffer, params, _ in held:
+            names = [self._binding.name(p) for p in params]
             current.append(names)
             for name, p, view in zip(names, params, buffer.split([p.numel() for p in params]), strict=True):
                 where[name] = (p, view)
-        layout = pending.layout
+        layout = self._loaded.layout
         if layout == current or sorted(n for names in layout for n in names) != sorted(where):
             # The same layout, or one that does not cover this model: DDP's own buckets.
             layout = current
+        self._loaded = None
         futures, copies = [], []
         for index, names in enumerate(layout):
             params = [where[n][0] for n in names]
@@ -607,7 +448,6 @@ class State:
                 copies.append((buffer, views))
             entry = self._bucket(index, params, buffer)
             futures.append(self._submit(entry, buffer, index == len(layout) - 1))
-        self._pending = None  # every bucket has taken what was saved for it
 
         def deliver(done: torch.futures.Future) -> None:
             try:
@@ -627,54 +467,34 @@ class State:
 
         torch.futures.collect_all(futures).add_done_callback(deliver)
 
-    def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> _Bucket:
-        """The bucket's entry; rebuilt (residuals re-mapped by parameter) when its layout changed."""
-        key = tuple(id(p) for p in params)
-        entry = self._buckets.get(index)
-        if entry is not None and entry.key == key:
-            return entry
-        if entry is not None:
-            # DDP rebuilt its buckets (after the first step, or with another layout): keep every
-            # residual by parameter, then assemble the new buckets from those pieces; a method's
-            # state carries over to the new bucket holding the same parameters.
-            for old in self._buckets.values():
-                for pid, view in zip(old.key, old.residual_views().values(), strict=False):
-                    self._retired[pid] = view
-                if old.method is not None:
-                    self._retired_methods[frozenset(old.key)] = old.method.state()
-            self._buckets.clear()
-        names = [self._name(p, index, i) for i, p in enumerate(params)]
-        numels = [p.numel() for p in params]
-        if sum(numels) != buffer.numel():
-            raise RuntimeError(
-                f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
-                "this DDP configuration is not supported"
+    def _reduce_flat(self, index: int, name: str, flat: torch.Tensor, groups: int) -> torch.futures.Future:
+        """Reduces one FSDP parameter group's flat gradient in place (gradsparse.fsdp): bucket
+        ``index`` of ``groups`` per step, with one residual named ``name``; only this rank's shard
+        (its 1/P of ``flat``, in rank order) of the result is wanted."""
+        if flat.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(
+                f"gradsparse.fsdp: module {name!r} reduces {flat.dtype} gradients, but gradsparse sparsifies "
+                "float32, float16 and bfloat16 ones; set FSDP's MixedPrecisionPolicy(reduce_dtype=torch.float32)"
             )
-        entry = _Bucket(index, key, names, numels, self._make_method(numels))
-        pending = self._pending
-        if entry.method is not None and frozenset(key) in self._retired_methods:
-            entry.method.load_state(self._retired_methods.pop(frozenset(key)))
-        elif entry.method is not None and pending is not None:
-            for saved_key in (frozenset(names), index):
-                if saved_key in pending.methods:
-                    entry.method.load_state(pending.methods.pop(saved_key))
-                    break
-        pieces = []
-        found = False
-        for p, name, numel in zip(params, names, numels, strict=True):
-            piece = self._retired.pop(id(p), None)
-            if piece is None and pending is not None:
-                piece = pending.residuals.pop(name, None)
-            if piece is None:
-                piece = torch.zeros(numel, dtype=buffer.dtype, device=buffer.device)
-            else:
-                found = True
-                piece = piece.to(device=buffer.device, dtype=buffer.dtype).reshape(-1)
-            pieces.append(piece)
-        if found:
-            entry.residual = torch.cat(pieces)
-        self._buckets[index] = entry
-        return entry
+        if index in self._sharded_called:  # a group reduced twice: the groups missing last step sent nothing
+            self._sharded_called.clear()
+            self._step += 1
+        self._sharded_called.add(index)
+        last = len(self._sharded_called) == groups
+        entry = self._table.buckets.get(index)
+        if entry is None:
+            numel = flat.numel()
+            expected = self._binding.numels.get(name, numel)
+            if numel != expected:
+                raise RuntimeError(
+                    f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
+                    f"hold {expected} (padded); this FSDP configuration is not supported"
+                )
+            entry = self._table.add(index, [name], [numel], lambda: self._make_method([numel]), flat)
+        if last:
+            self._sharded_called.clear()
+            self._loaded = None  # every group has taken what was saved for it
+        return self._submit(entry, flat, last, shard_only=True)
 
     # ----------------------------------------------------------------------------------------
     # Public API
@@ -722,41 +542,29 @@ class State:
         owner = type(self).__name__
         if self._unchecked is not None:
             return self._unchecked[0]
-        if self._pending is not None:
-            return dict(self._pending.saved, stats=self._metrics.state_dict())
-        named = bool(self._retired) or any(
-            e.residual is not None or e.method is not None for e in self._buckets.values()
-        )
-        if named and self._model is None and self._sharded is None:
+        if self._loaded is not None:
+            return dict(self._loaded.saved, stats=self._metrics.state_dict())
+        if self._table.holds_state() and not self._binding.is_named():
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
                 "model.register_comm_hook), so its residuals cannot be saved under them; register it with "
                 "gradsparse.register(ddp_model, state) instead"
             )
-        residuals: dict[str, torch.Tensor] = {}
-        for entry in self._buckets.values():
-            residuals.update(entry.residual_views())
-        for pid, piece in self._retired.items():  # parked by a rebuild that an error interrupted
-            residuals.setdefault(self._param_names[pid], piece)
-        count = max(self._buckets, default=-1) + 1
-        checksums = {name: _checksum(t) for name, t in residuals.items()}
+        residuals = self._table.residuals()
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         return {
-            "version": _STATE_DICT_VERSION,
+            "version": STATE_DICT_VERSION,
             "class": owner,
             "config": dict(self._method_config),
             "step": self._step,
             "rank": rank,
             "world_size": world_size,
             "residuals": residuals,
-            "checksums": checksums,
-            "methods": [
-                self._buckets[i].method.state() if i in self._buckets and self._buckets[i].method else None
-                for i in range(count)
-            ],
-            "layout": [list(self._buckets[i].names) if i in self._buckets else [] for i in range(count)],
+            "checksums": {name: checksum(t) for name, t in residuals.items()},
+            "methods": self._table.methods(),
+            "layout": self._table.layout(),
             "stats": self._metrics.state_dict(),
         }
 
@@ -770,7 +578,7 @@ class State:
         before the process group exists is fine: the rank checks then run in setup().
         """
         owner = type(self).__name__
-        state_dict = _upgrade(owner, state_dict)
+        state_dict = upgrade(owner, state_dict)
         if state_dict["class"] != owner or state_dict["config"] != self._method_config:
             raise ValueError(
                 f"{owner}.load_state_dict: the state dict was saved by {state_dict['class']}"
@@ -783,29 +591,14 @@ class State:
         self._load(state_dict, any_rank)
 
     def _load(self, state_dict: dict, any_rank: bool) -> None:
-        owner = type(self).__name__
         group = self.process_group
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        if state_dict.get("all_ranks"):
-            if state_dict["world_size"] != world_size:
-                raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
-            state_dict = state_dict["ranks"][rank]
-        if state_dict["world_size"] != world_size:
-            raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
-        if state_dict["rank"] != rank and not any_rank:
-            raise ValueError(
-                f"{owner}.load_state_dict: the state dict holds rank {state_dict['rank']}'s residuals but this is "
-                f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
-                "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
-            )
-        _check_values(owner, state_dict)
-        if self._param_numels:
-            self._check_names(state_dict["residuals"])
+        state_dict = this_ranks(
+            type(self).__name__, state_dict, dist.get_rank(group), dist.get_world_size(group), any_rank
+        )
+        self._binding.check_names(state_dict["residuals"])
         self._step = int(state_dict["step"])
-        self._buckets.clear()
-        self._retired.clear()
-        self._retired_methods.clear()
-        self._pending = _Pending(state_dict)
+        self._loaded = Loaded(state_dict)
+        self._table.park(state_dict["residuals"], self._loaded.method_states())
         self._metrics.load_state_dict(state_dict["stats"])
 
     @contextlib.contextmanager
@@ -830,28 +623,6 @@ class State:
         return f"{type(self).__name__}({options})"
 
 
-def _upgrade(owner: str, state_dict: Any) -> dict:
-    """A state dict of the current version (version 1, of gradsparse 0.1, is converted)."""
-    version = state_dict.get("version") if isinstance(state_dict, dict) else None
-    if version == _STATE_DICT_VERSION:  # one rank's, or gradsparse.AllRanks' (its rank is picked in _load)
-        return state_dict
-    if version == 1:
-        # Names came from DDP's inner module: strip the wrappers that could sit there.
-        layout = state_dict.get("layout", {})
-        count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
-        return {
-            **state_dict,
-            "version": _STATE_DICT_VERSION,
-            "residuals": {strip_wrapper_prefixes(n): t for n, t in state_dict["residuals"].items()},
-            "layout": [[strip_wrapper_prefixes(n) for n in layout.get(i, [])] for i in range(count)],
-            "methods": [state_dict["methods"].get(i) for i in range(count)],
-        }
-    raise ValueError(
-        f"{owner}.load_state_dict: not a gradsparse state dict (got {type(state_dict).__name__} with version "
-        f"{version}); pass what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned"
-    )
-
-
 def _value(future: torch.futures.Future):
     return future.value()
 
@@ -860,45 +631,3 @@ def _done(value) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
     return future
-
-
-def _checksum(tensor: torch.Tensor) -> int:
-    """CRC-32 of the tensor's bytes (any dtype, on any device)."""
-    return zlib.crc32(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
-
-
-def _check_values(owner: str, state_dict: dict) -> None:
-    """Every residual is finite and, where the state dict has checksums (those of gradsparse 0.2
-    on), matches its own."""
-    checksums = state_dict.get("checksums", {})
-    for name, tensor in state_dict["residuals"].items():
-        if name in checksums and _checksum(tensor) != checksums[name]:
-            raise ValueError(
-                f"{owner}.load_state_dict: the residual of {name} does not match its checksum: the state dict was "
-                "damaged after it was saved (a corrupt or partly written file); load an intact copy"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(
-                f"{owner}.load_state_dict: the residual of {name} holds NaN or Inf; a residual is gradient mass "
-                "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
-                "skip them all); load a checkpoint from before the divergence"
-            )
-
-
-def _world_size_error(owner: str, saved: int, now: int) -> str:
-    return (
-        f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
-        f"resume with {saved} ranks, or reshard a state dict holding every rank's residuals "
-        f"(gradsparse.AllRanks(state).state_dict() at {saved} ranks) with gradsparse.reshard(saved, {now}): "
-        "each rank then takes the mean of the saved residuals, which conserves the pending gradient mass"
-    )
-
-
-def _group_ranks(group: dist.ProcessGroup) -> list[int]:
-    return dist.get_process_group_ranks(group)
-
-
-def _same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
-    a = a or dist.group.WORLD
-    b = b or dist.group.WORLD
-    return a is b or _group_ranks(a) == _group_ranks(b)

@@ -78,11 +78,11 @@ def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None)
 
         def recording(output_tensor, input_tensor, group, op, async_op=False, inner=inner, name=name):
             index = inner._index
-            entry = state._buckets.get(index)
+            entry = state._table.buckets.get(index)
             before = torch.zeros_like(input_tensor) if entry is None or entry.residual is None else entry.residual
             record = {"name": name, "step": state.step, "grad": input_tensor.clone(), "before": before.clone()}
             inner(output_tensor, input_tensor, group, op, async_op)
-            record["after"] = state._buckets[index].residual.clone()
+            record["after"] = state._table.buckets[index].residual.clone()
             record["output"] = output_tensor.clone()
             records.append(record)
 
@@ -184,10 +184,10 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
     workers.fit(model, data[:4], opt)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
-    residual_norms = [float(e.residual.norm()) for _, e in sorted(state._buckets.items())]
+    residual_norms = [float(e.residual.norm()) for _, e in sorted(state._table.buckets.items())]
     workers.fit(model, data[4:], opt)
     straight = full_params(model)
-    straight_methods = [e.method.state() for _, e in sorted(state._buckets.items())]
+    straight_methods = [e.method.state() for _, e in sorted(state._table.buckets.items())]
     state.close()
 
     model, state, opt = setup()  # a fresh process's view: no step taken, no residual yet
@@ -197,7 +197,7 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
     set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
     assert state.step == 4, state.step
     workers.fit(model, data[4:], opt)
-    methods = [e.method.state() for _, e in sorted(state._buckets.items())]
+    methods = [e.method.state() for _, e in sorted(state._table.buckets.items())]
     return {
         "straight": straight,
         "resumed": full_params(model),
@@ -241,7 +241,7 @@ def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[tuple[s
             opt.step()
 
     outcome = workers._outcome(attempt)
-    residuals = [bool(torch.isfinite(e.residual).all()) for e in state._buckets.values()]
+    residuals = [bool(torch.isfinite(e.residual).all()) for e in state._table.buckets.values()]
     return outcome, state.stats()["total"]["skipped_steps"], residuals
 
 

@@ -69,7 +69,7 @@ def recorded_topk(rank: int, world_size: int, density: float) -> list[dict]:
 
         def done(fut: torch.futures.Future) -> torch.Tensor:
             out = fut.value()
-            entry = state._buckets[record["bucket"]]
+            entry = state._table.buckets[record["bucket"]]
             record["names"] = list(entry.names)
             record["numels"] = list(entry.numels)
             record["out"] = out.clone()

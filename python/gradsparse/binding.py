@@ -1,0 +1,157 @@
+"""What a state knows of its model: the DistributedDataParallel (or the FSDP model) it serves,
+its parameters' names and sizes, and the rule that one state serves one model.
+
+A state bound by :func:`gradsparse.register` knows the names of the innermost module's
+parameters (without wrapper prefixes), under which its residuals are checkpointed. An unbound
+state (``model.register_comm_hook(state, gradsparse.hook)``) learns which parameters it reduces
+during its first step and names them by identity, which is enough to train but not to save.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes
+
+__all__ = ["ModelBinding"]
+
+
+class ModelBinding:
+    """The model of one state (see the module)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner  # the state's class name, for messages
+        self.ddp: weakref.ref | None = None  # the DistributedDataParallel, from bind()
+        self.sharded: weakref.ref | None = None  # the FSDP model, from bind_sharded()
+        self.names: dict[int, str] = {}  # id(parameter) -> name in the user's module
+        self.numels: dict[str, int] = {}  # name -> elements (FSDP: of a module's flat gradient)
+        self.dtypes: dict[str, torch.dtype] = {}  # FSDP: module -> reduce dtype
+        self.params: frozenset[int] | None = None  # ids of the parameters the state reduces
+        self._seen: set[int] = set()  # unbound: the parameters met so far in the first step
+
+    def model(self):
+        """The bound DistributedDataParallel, or None."""
+        return None if self.ddp is None else self.ddp()
+
+    def is_named(self) -> bool:
+        """Whether the state knows the names it checkpoints under."""
+        return self.ddp is not None or self.sharded is not None
+
+    def bind(self, model: nn.Module) -> nn.Module:
+        """Ties the state to the DistributedDataParallel at or inside ``model`` (gradsparse.register);
+        returns the DistributedDataParallel."""
+        owner = self.owner
+        ddp = find_ddp(model)
+        if ddp is None:
+            raise TypeError(
+                f"gradsparse.register: model must be a DistributedDataParallel (or a torch.compile of one), got "
+                f"{type(model).__name__}; wrap it first (DistributedDataParallel(model)); with Accelerate, register "
+                "after accelerator.prepare(model); with Lightning, use gradsparse.lightning.Sparsify"
+            )
+        if self.sharded is not None:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state already sparsifies an FSDP model "
+                "(gradsparse.fsdp.sparsify); a state holds one model's residuals: create one state per model"
+            )
+        bound = self.model()
+        if bound is ddp:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state is already registered on this model; register it once"
+            )
+        params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
+        if (bound is not None or self.params is not None) and params != self.params:
+            raise ValueError(
+                f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
+                "one model's residuals: create one state per model"
+            )
+        # A new DDP over the same parameters (Lightning wraps the module anew for every fit())
+        # takes the state over with its residuals.
+        self.ddp = weakref.ref(ddp)
+        self.names = parameter_names(ddp)
+        self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
+        self.params = params
+        return ddp
+
+    def bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
+        """Ties the state to an FSDP model (gradsparse.fsdp.sparsify): one bucket per parameter
+        group, named after its module, holding the group's flat (padded) gradient of the given
+        size and reduce dtype."""
+        self.sharded = weakref.ref(model)
+        self.numels = {name: numel for name, (numel, _) in groups.items()}
+        self.dtypes = {name: dtype for name, (_, dtype) in groups.items()}
+
+    def unbind(self) -> None:
+        self.ddp, self.names, self.numels, self.params = None, {}, {}, None
+        self.sharded, self.dtypes = None, {}
+
+    def name(self, param: torch.Tensor) -> str:
+        """The parameter's name; an unbound state names it by identity."""
+        return self.names.get(id(param)) or f"<parameter {id(param):#x}>"
+
+    def check_params(self, params: list[torch.Tensor], last: bool) -> None:
+        """One state, one model: a parameter outside the model's (the bound model, or those seen in
+        the first step) means the state was registered on a second model."""
+        if self.params is None:  # not bound: learn the parameters during the first step
+            self._seen.update(id(p) for p in params)
+            if last:
+                self.params = frozenset(self._seen)
+            return
+        if any(id(p) not in self.params for p in params):
+            raise ValueError(
+                f"gradsparse: this {self.owner} state is registered on more than one model (a bucket holds "
+                "parameters of another model); a state holds one model's residuals: create one state per model"
+            )
+
+    def check_group(self, group: dist.ProcessGroup) -> None:
+        """The bound DDP reduces over the state's process group."""
+        ddp = self.model()
+        if ddp is not None and not same_group(ddp.process_group, group):
+            raise ValueError(
+                f"gradsparse: the {self.owner} state was created for the process group of ranks "
+                f"{group_ranks(group)} but the model's DistributedDataParallel reduces over ranks "
+                f"{group_ranks(ddp.process_group)}; create the state with process_group=<the group passed to "
+                "DistributedDataParallel>"
+            )
+
+    def check_names(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Every residual names a parameter of the bound model, with its size."""
+        if not self.numels:
+            return
+        owner, numels = self.owner, self.numels
+        unknown = sorted(set(residuals) - set(numels))
+        if unknown:
+            hint = ""
+            stripped = {n: strip_wrapper_prefixes(n) for n in unknown}
+            if all(n in numels for n in stripped.values()):
+                prefixes = sorted({n[: len(n) - len(s)] for n, s in stripped.items()})
+                hint = (
+                    f" They carry wrapper prefixes ({', '.join(prefixes)}); gradsparse names residuals after the "
+                    f"model's own parameters: rename them, e.g. sd['residuals'] = "
+                    f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['residuals'].items()}}."
+                )
+            raise ValueError(
+                f"{owner}.load_state_dict: {len(unknown)} residual(s) name no parameter of the model: "
+                f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (the model's parameters are named like "
+                f"{', '.join(list(numels)[:3])}).{hint} Load the state dict into a state registered on the model it "
+                "was saved from"
+            )
+        for name, tensor in residuals.items():
+            if tensor.numel() != numels[name]:
+                raise ValueError(
+                    f"{owner}.load_state_dict: the residual of {name} holds {tensor.numel()} elements but the "
+                    f"parameter has {numels[name]}; the state dict was saved from another model"
+                )
+
+
+def group_ranks(group: dist.ProcessGroup) -> list[int]:
+    return dist.get_process_group_ranks(group)
+
+
+def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    a = a or dist.group.WORLD
+    b = b or dist.group.WORLD
+    return a is b or group_ranks(a) == group_ranks(b)

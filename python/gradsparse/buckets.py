@@ -1,0 +1,131 @@
+"""The bucket table of a state: the parameters each DDP bucket (or FSDP module) holds, its C++
+method object and its error-feedback residual, with every residual addressable by parameter name.
+
+DDP rebuilds its buckets after the first step, and a rebuilt bucket can hold the same parameters
+in another order; a checkpoint names residuals by parameter. So whatever is not in a bucket is
+kept by parameter name: when DDP rebuilds its buckets, and when a checkpoint is loaded, residual
+pieces and method states are *parked* (pieces under their parameter's name, method states under
+the names of the parameters their bucket held), and a new bucket assembles its residual from the
+pieces of its parameters and takes the method state parked for the same parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Bucket", "BucketTable"]
+
+
+class Bucket:
+    """One bucket: its parameters' names and sizes (in bucket order), its method object (None for
+    a dense state) and its residual (None until it first holds something)."""
+
+    __slots__ = ("index", "method", "names", "numels", "residual")
+
+    def __init__(self, index: int, names: list[str], numels: list[int], method) -> None:
+        self.index = index
+        self.names = names
+        self.numels = numels
+        self.method = method
+        self.residual: torch.Tensor | None = None
+
+    def residual_views(self) -> dict[str, torch.Tensor]:
+        """The residual split by parameter (views)."""
+        if self.residual is None:
+            return {}
+        return dict(zip(self.names, self.residual.split(self.numels), strict=True))
+
+
+class BucketTable:
+    """A state's buckets by index, and what is parked for buckets to come (see the module)."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, Bucket] = {}
+        self.parked: dict[str, torch.Tensor] = {}  # residual pieces by parameter name
+        # Method states by the names of their bucket's parameters; by bucket index where a loaded
+        # checkpoint gave no layout for it.
+        self.parked_methods: dict[frozenset[str] | int, dict[str, float]] = {}
+
+    def get(self, index: int, names: list[str]) -> Bucket | None:
+        """Bucket `index` if it still holds exactly these parameters, in this order."""
+        bucket = self.buckets.get(index)
+        return bucket if bucket is not None and bucket.names == names else None
+
+    def park_all(self) -> None:
+        """DDP rebuilt its buckets: every residual and method state waits, by parameter, for the
+        new buckets."""
+        for bucket in self.buckets.values():
+            self.parked.update(bucket.residual_views())
+            if bucket.method is not None:
+                self.parked_methods[frozenset(bucket.names)] = bucket.method.state()
+        self.buckets.clear()
+
+    def park(self, residuals: dict[str, torch.Tensor], methods: Iterable[tuple[frozenset[str] | int, dict]]) -> None:
+        """Parks what a checkpoint holds (residuals by name; method states by their parameters'
+        names, or by bucket index) in place of everything in the table."""
+        self.clear()
+        self.parked = {name: t.detach().clone() for name, t in residuals.items()}
+        self.parked_methods = {key: dict(state) for key, state in methods}
+
+    def add(
+        self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor
+    ) -> Bucket:
+        """A new bucket `index` of these parameters, its method state and residual pieces taken
+        from what is parked for them (missing pieces are zeros; no piece at all: no residual yet)."""
+        bucket = Bucket(index, names, numels, make_method())
+        if bucket.method is not None:
+            for key in (frozenset(names), index):
+                if key in self.parked_methods:
+                    bucket.method.load_state(self.parked_methods.pop(key))
+                    break
+        pieces = [self.parked.pop(name, None) for name in names]
+        if any(piece is not None for piece in pieces):
+            bucket.residual = torch.cat(
+                [
+                    torch.zeros(numel, dtype=like.dtype, device=like.device)
+                    if piece is None
+                    else piece.to(device=like.device, dtype=like.dtype).reshape(-1)
+                    for piece, numel in zip(pieces, numels, strict=True)
+                ]
+            )
+        self.buckets[index] = bucket
+        return bucket
+
+    def end_step(self) -> None:
+        """What no bucket of the step took stays behind: a parameter that left the buckets."""
+        self.parked.clear()
+        self.parked_methods.clear()
+
+    def clear(self) -> None:
+        self.buckets.clear()
+        self.end_step()
+
+    def residuals(self) -> dict[str, torch.Tensor]:
+        """Every residual by parameter name: the buckets' (views) and the parked pieces."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self.buckets.values():
+            out.update(bucket.residual_views())
+        for name, piece in self.parked.items():  # parked by a rebuild that an error interrupted
+            out.setdefault(name, piece)
+        return out
+
+    def methods(self) -> list[dict[str, float] | None]:
+        """Method states by bucket index (None for an index without a bucket or method)."""
+        return [
+            self.buckets[i].method.state() if i in self.buckets and self.buckets[i].method is not None else None
+            for i in range(self._count())
+        ]
+
+    def layout(self) -> list[list[str]]:
+        """The parameter names of each bucket, by index."""
+        return [list(self.buckets[i].names) if i in self.buckets else [] for i in range(self._count())]
+
+    def holds_state(self) -> bool:
+        """Whether anything here would be lost without parameter names."""
+        return bool(self.parked) or any(b.residual is not None or b.method is not None for b in self.buckets.values())
+
+    def _count(self) -> int:
+        return max(self.buckets, default=-1) + 1
