@@ -131,14 +131,19 @@ DRIVER_OPTIONS = ("density", "threshold", "seed")
 def method_flags() -> dict[str, tuple[dict, str]]:
     """Every other option of every gradsparse method, by name: the argparse keywords of its
     flag and its help (each method's documentation of it). Methods that share an option name
-    share its flag."""
+    share its flag (with every method's choices: a method given a choice it does not take says
+    so when it is built)."""
     flags: dict[str, tuple[dict, dict[str, list[str]]]] = {}
     for method, cls in gs.METHODS.items():
         for option in cls.OPTIONS:
             if option.name in DRIVER_OPTIONS:
                 continue
-            flag, docs = flags.setdefault(option.name, (option.flag, {}))
-            assert flag == option.flag, f"--{option.name}: {method} declares it unlike {list(docs.values())}"
+            flag, docs = flags.setdefault(option.name, (dict(option.flag), {}))
+            if "choices" in flag and "choices" in option.flag:  # the methods' choices together; each checks its own
+                flag["choices"] = (*flag["choices"], *(c for c in option.flag["choices"] if c not in flag["choices"]))
+            assert flag.keys() == option.flag.keys() and all(
+                flag[key] == option.flag[key] for key in flag if key != "choices"
+            ), f"--{option.name}: {method} declares it unlike {list(docs.values())}"
             doc = option.doc if option.default is None else f"{option.doc} (default {option.default!r})"
             docs.setdefault(doc, []).append(method)
     return {

@@ -150,18 +150,23 @@ PYBIND11_MODULE(_C, m) {
       .def("load_state", &Method::load_state, py::arg("state"));
   // No defaults here: python/gradsparse/methods.py declares every option and its default once,
   // and builds these objects with every option given (State, or gradsparse.methods.core_method).
-  py::class_<TopK, Method, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double>(), py::arg("density"));
-  py::class_<Threshold, Method, std::shared_ptr<Threshold>>(m, "Threshold")
-      .def(py::init<std::optional<double>, std::optional<double>>(), py::arg("threshold"), py::arg("density"));
+  py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod");
+  py::class_<TopK, PerRankMethod, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double, const std::string&>(),
+                                                                        py::arg("density"), py::arg("exchange"));
+  py::class_<Threshold, PerRankMethod, std::shared_ptr<Threshold>>(m, "Threshold")
+      .def(py::init<std::optional<double>, std::optional<double>, const std::string&>(), py::arg("threshold"),
+           py::arg("density"), py::arg("exchange"));
   py::class_<RandomK, Method, std::shared_ptr<RandomK>>(m, "RandomK")
       .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
   py::class_<RandomBlock, Method, std::shared_ptr<RandomBlock>>(m, "RandomBlock")
       .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
-  py::class_<GaussianK, Method, std::shared_ptr<GaussianK>>(m, "GaussianK")
-      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("variant"));
-  py::class_<DGC, Method, std::shared_ptr<DGC>>(m, "DGC").def(py::init<double, uint64_t>(), py::arg("density"),
-                                                              py::arg("seed"));
-  py::class_<RedSync, Method, std::shared_ptr<RedSync>>(m, "RedSync").def(py::init<double>(), py::arg("density"));
+  py::class_<GaussianK, PerRankMethod, std::shared_ptr<GaussianK>>(m, "GaussianK")
+      .def(py::init<double, const std::string&, const std::string&>(), py::arg("density"), py::arg("variant"),
+           py::arg("exchange"));
+  py::class_<DGC, PerRankMethod, std::shared_ptr<DGC>>(m, "DGC").def(
+      py::init<double, uint64_t, const std::string&>(), py::arg("density"), py::arg("seed"), py::arg("exchange"));
+  py::class_<RedSync, PerRankMethod, std::shared_ptr<RedSync>>(m, "RedSync")
+      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("exchange"));
   py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE").def(
       py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
                std::optional<std::string>>(),
@@ -173,9 +178,10 @@ PYBIND11_MODULE(_C, m) {
   py::class_<ExDyna, Method, std::shared_ptr<ExDyna>>(m, "ExDyna")
       .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange"),
            py::arg("reference"), py::arg("seed"));
-  py::class_<SIDCo, Method, std::shared_ptr<SIDCo>>(m, "SIDCo")
-      .def(py::init<double, const std::string&, int, double, std::optional<double>>(), py::arg("density"),
-           py::arg("fit"), py::arg("stages"), py::arg("first_ratio"), py::arg("iratio"))
+  py::class_<SIDCo, PerRankMethod, std::shared_ptr<SIDCo>>(m, "SIDCo")
+      .def(py::init<double, const std::string&, int, double, std::optional<double>, const std::string&>(),
+           py::arg("density"), py::arg("fit"), py::arg("stages"), py::arg("first_ratio"), py::arg("iratio"),
+           py::arg("exchange"))
       .def_property_readonly("stages", &SIDCo::stages);
   py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
       .def(py::init<double, int>(), py::arg("density"), py::arg("teams"));
@@ -202,6 +208,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("nonfinite", &ReduceReport::nonfinite)
       .def_readonly("threshold", &ReduceReport::threshold)
       .def_readonly("imbalance", &ReduceReport::imbalance)
+      .def_readonly("exchange", &ReduceReport::exchange)
       .def_property_readonly("bytes_sent", [](const ReduceReport& r) { return r.traffic.bytes_sent; })
       .def_property_readonly("bytes_received", [](const ReduceReport& r) { return r.traffic.bytes_received; })
       .def_property_readonly("collectives", [](const ReduceReport& r) { return r.traffic.collectives; })

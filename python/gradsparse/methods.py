@@ -49,6 +49,16 @@ _DENSITY = density_option(
 _GLOBAL_DENSITY = density_option(
     "fraction of each bucket's elements to send in all ranks together, in (0, 1] (k = floor(density * n))"
 )
+_EXCHANGE = choice_option(
+    "exchange",
+    "auto",
+    ("auto", "gather", "reduce_scatter"),
+    '"gather" (gather-and-add: every rank receives every rank\'s pairs, so the bytes grow with the '
+    'world size), "reduce_scatter" (reduce-scatter + all-gather: about 2 k pairs per rank at any world '
+    "size; the owners keep the global top k of the average and the rest returns to the residuals) or "
+    '"auto" (per bucket, the one gradsparse.simulate\'s alpha-beta model finds faster on the link '
+    "measured at set-up: gather-and-add at small world sizes)",
+)
 _PARTITION_EXCHANGE = choice_option(
     "exchange",
     "union",
@@ -65,15 +75,17 @@ class Dense(State):
 
 class TopK(State):
     """Top-k: each rank sends the ``density`` fraction of each bucket with the largest magnitudes
-    (after error feedback); ties go to the lowest index. Exchange: fixed-size gather."""
+    (after error feedback); ties go to the lowest index. Exchange: fixed-size gather, or
+    reduce-scatter + all-gather (``exchange``)."""
 
-    OPTIONS = (_DENSITY,)
+    OPTIONS = (_DENSITY, _EXCHANGE)
     _CORE = "TopK"
 
 
 class Threshold(State):
     """Hard threshold: each rank sends every element with |value| >= threshold (after error
-    feedback), compared in the bucket's dtype. Exchange: gather-and-add. Give exactly one of
+    feedback), compared in the bucket's dtype. Exchange: gather-and-add, or reduce-scatter +
+    all-gather (``exchange``). Give exactly one of
     ``threshold`` and ``density``."""
 
     OPTIONS = (
@@ -83,6 +95,7 @@ class Threshold(State):
             "k = floor(density * n) per bucket",
             default=None,
         ),
+        _EXCHANGE,
     )
     _CORE = "Threshold"
 
@@ -115,7 +128,7 @@ class RandomBlock(State):
 
 class GaussianK(State):
     """Gaussian-k: a threshold from a normal fit of the values, corrected by rescaling towards k
-    elements. Exchange: gather-and-add."""
+    elements. Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
 
     OPTIONS = (
         _DENSITY,
@@ -126,23 +139,25 @@ class GaussianK(State):
             '"spardl" (SparDL\'s compressor: signed values, up to 20 rescalings by 1.02) or "sidco" '
             "(SIDCo's gaussianksgd: normalised magnitudes, up to 3 evaluations rescaled by 0.5 or 1.5)",
         ),
+        _EXCHANGE,
     )
     _CORE = "GaussianK"
 
 
 class DGC(State):
     """DGC's sampled threshold (SIDCo's dgcsampling): the top-density quantile of a 1% random
-    sample; exceedances beyond 4k/3 are trimmed to the exact top k. Exchange: gather-and-add."""
+    sample; exceedances beyond 4k/3 are trimmed to the exact top k. Exchange: gather-and-add, or
+    reduce-scatter + all-gather (``exchange``)."""
 
-    OPTIONS = (_DENSITY, seed_option())
+    OPTIONS = (_DENSITY, seed_option(), _EXCHANGE)
     _CORE = "DGC"
 
 
 class RedSync(State):
     """RedSync: bisection of the threshold between the mean and the maximum magnitude, at most
-    three evaluations. Exchange: gather-and-add."""
+    three evaluations. Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
 
-    OPTIONS = (_DENSITY,)
+    OPTIONS = (_DENSITY, _EXCHANGE)
     _CORE = "RedSync"
 
 
@@ -166,7 +181,12 @@ class SAGE(State):
             "initial_threshold=4.73e-3",
             "the first step's threshold (None: 1 / (2 sqrt(k)))",
         ),
-        choice_option("exchange", None, ("union", "gather"), "None: union for flat sampling, gather for per_tensor"),
+        choice_option(
+            "exchange",
+            None,
+            ("union", "gather", "reduce_scatter", "auto"),
+            "None: union for flat sampling, gather for per_tensor; reduce_scatter and auto as for TopK",
+        ),
         seed_option(),
     )
     _CORE = "SAGE"
@@ -198,7 +218,7 @@ class ExDyna(_Partitioned):
 
 class SIDCo(State):
     """SIDCo: thresholds from statistical fits of the normalised magnitudes, refined over stages.
-    Exchange: gather-and-add."""
+    Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
 
     OPTIONS = (
         _DENSITY,
@@ -220,6 +240,7 @@ class SIDCo(State):
         ),
         ratio_option("first_ratio", 0.25, "first_ratio=0.25", "the first stage's target when several stages are used"),
         ratio_option("iratio", None, "iratio=0.2", "per-stage ratio for stages=0 (None: 0.2 for exp, 0.075 otherwise)"),
+        _EXCHANGE,
     )
     _CORE = "SIDCo"
 

@@ -28,10 +28,12 @@ class BucketStats:
     threshold: float = math.nan  # last threshold of a threshold-based method
     imbalance_sum: float = 0.0  # partitioned methods: sum over sparse steps of the load imbalance
     imbalance_steps: int = 0
+    exchange: str = ""  # the exchange of the last step (its glossary name, or "dense all-reduce")
 
     def record(self, report, world_size: int, element_size: int) -> None:
         self.steps += 1
         self.numel = report.numel
+        self.exchange = report.exchange
         self.elements += report.numel
         if report.dense:
             self.dense_steps += 1
@@ -56,7 +58,7 @@ class BucketStats:
 
     def add(self, other: BucketStats) -> None:
         for f in fields(self):
-            if f.name in ("numel", "threshold"):
+            if f.name in ("numel", "threshold", "exchange"):
                 continue
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
         self.numel += other.numel
@@ -93,7 +95,7 @@ class Metrics:
         out["steps"] = max((b.steps for b in self.buckets.values()), default=0)
         out["dense_steps"] = max((b.dense_steps for b in self.buckets.values()), default=0)
         out["skipped_steps"] = max((b.skipped_steps for b in self.buckets.values()), default=0)
-        del out["threshold"]
+        del out["threshold"], out["exchange"]
         return {"total": out, "buckets": {i: b.summary(world_size) for i, b in sorted(self.buckets.items())}}
 
     def reset(self) -> None:

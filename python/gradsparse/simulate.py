@@ -159,6 +159,47 @@ def sparse_reduce_scatter(
     return steps
 
 
+HISTOGRAM_BINS = 1024  # reduce-scatter + all-gather: the magnitude bins of its global threshold
+
+
+def reduce_scatter_allgather(
+    parts_out: Sequence[int],
+    parts_in: Sequence[int],
+    kept: Sequence[int],
+    counts: Sequence[int],
+    numel: int,
+    value_bytes: int = 4,
+    rank: int = 0,
+) -> list[Collective]:
+    """Reduce-scatter + all-gather on rank ``rank``: control words; P - 1 rounds of part sizes
+    (8 bytes) and P - 1 rounds of parts, in round s to the owner rank + s (``parts_out[o]``: this
+    rank's pairs in shard o) and from rank - s (``parts_in[r]``: rank r's pairs in this rank's
+    shard); the histogram all-reduce; every owner's kept count (all-gather); every owner's kept
+    pairs (``kept[o]``, all-gatherv). Shards of ceil(numel / P) elements. ``counts`` (each rank's
+    selection) only size the control words' check, not the traffic."""
+    p = len(parts_out)
+    chunk = -(-numel // p)
+
+    def shard(o: int) -> int:
+        return min(numel, (o + 1) * chunk) - min(numel, o * chunk)
+
+    steps = [Collective("allgather", CONTROL_BYTES)] + [Collective("sendrecv", 8, 8)] * (p - 1)
+    mine = shard(rank)
+    for s in range(1, p):
+        dst, src = (rank + s) % p, (rank - s) % p
+        steps.append(
+            Collective(
+                "sendrecv",
+                message_bytes(parts_out[dst], shard(dst), value_bytes),
+                message_bytes(parts_in[src], mine, value_bytes),
+            )
+        )
+    steps.append(Collective("allreduce", HISTOGRAM_BINS * FLOAT64))
+    steps.append(Collective("allgather", 8))
+    steps.append(variable_blocks([message_bytes(c, numel, value_bytes) for c in kept], rank))
+    return steps
+
+
 def band_agreement(first_step: bool) -> list[Collective]:
     """The default MiCRO/ExDyna threshold agreement: a 512-bin sampled histogram at the first
     step, then a 257-bin band count every step (float64 all-reduces)."""
@@ -254,8 +295,73 @@ EXCHANGES = {
     "union + all-reduce": union_allreduce,
     "shared indices": shared_indices,
     "sparse reduce-scatter": sparse_reduce_scatter,
+    "reduce-scatter + all-gather": reduce_scatter_allgather,
     "SparDL": spardl,
 }
+
+#: The link assumed where none was measured (a 10 Gbit/s network with 5 us of latency).
+DEFAULT_LINK = (5e-6, 1 / 1.25e9)
+
+
+def even_plan(world_size: int, numel: int, k: int) -> list[Collective]:
+    """Reduce-scatter + all-gather on rank 0 when every rank selects k pairs spread evenly over
+    the shards and the owners keep k in all."""
+    split = even_split(k, world_size)
+    return reduce_scatter_allgather(split, [split[0]] * world_size, split, [k] * world_size, numel)
+
+
+def faster_exchange(
+    world_size: int, numel: int, density: float, link: tuple[float, float] = DEFAULT_LINK, *, fixed: bool = False
+) -> str:
+    """The option value ("gather" or "reduce_scatter") of the exchange the model finds faster for
+    a bucket of ``numel`` elements of which every rank selects k = floor(density * numel):
+    gather-and-add (the fixed-size gather with ``fixed``, Top-k's) or reduce-scatter + all-gather.
+    ``link`` is (latency alpha in seconds, seconds per byte beta)."""
+    if world_size <= 1 or numel == 0:
+        return "gather"
+    k = max(1, math.floor(density * numel))
+    alpha, beta = link
+    gather = fixed_gather(k, numel) if fixed else gather_and_add([k] * world_size, numel)
+    seconds = {
+        name: sum(c.seconds(world_size, alpha, beta) for c in plan)
+        for name, plan in (("gather", gather), ("reduce_scatter", even_plan(world_size, numel, k)))
+    }
+    return min(seconds, key=lambda name: (seconds[name], name != "gather"))
+
+
+def measure_link(group=None) -> tuple[float, float]:
+    """The link of a torch.distributed group as the model sees it: latency alpha and seconds per
+    byte beta, fitted to the median time of small (8 bytes) and large (256 KB) all-reduces with
+    the ring model, and the largest over the ranks, so that every rank holds the same figures.
+    Collective: call it on every rank of the group."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    p = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+
+    def median_seconds(numel: int) -> float:
+        data = torch.zeros(numel, dtype=torch.float64, device=device)
+        times = []
+        for _ in range(5):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(data, group=group)
+            if data.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    small, large, large_bytes = median_seconds(1), median_seconds(32768), 32768 * 8
+    fitted = torch.tensor(
+        [small / (2 * (p - 1)), max(large - small, 0.0) / (2 * (p - 1) / p * large_bytes)],
+        dtype=torch.float64,
+        device=device,
+    )
+    dist.all_reduce(fitted, op=dist.ReduceOp.MAX, group=group)
+    return float(fitted[0]), float(fitted[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -278,6 +384,7 @@ def exchanges_at_scale(world_size: int, numel: int, density: float, teams: int =
         "gather-and-add (counts exchanged)": gather_and_add([k] * world_size, numel),
         "union + all-reduce (MiCRO/ExDyna)": partitioned + union_allreduce(split, k, numel),
         "exclusive gather (MiCRO/ExDyna)": partitioned + exclusive_gather(split, numel),
+        "reduce-scatter + all-gather (Top-k)": even_plan(world_size, numel, k),
     }
     if world_size % teams == 0:
         plans[f"SparDL (teams={teams})"] = spardl(world_size, 0, numel, density, teams=teams)
@@ -298,6 +405,7 @@ def minimum_bytes(world_size: int, numel: int, density: float) -> dict[str, int]
         "gather-and-add (counts exchanged)": (p - 1) * k * pair,
         "union + all-reduce (MiCRO/ExDyna)": others * index_bytes(numel) + (allreduce if p > 1 else 0),
         "exclusive gather (MiCRO/ExDyna)": others * pair,
+        "reduce-scatter + all-gather (Top-k)": 2 * others * pair,
     }
 
 

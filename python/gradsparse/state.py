@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradsparse import _C
+from gradsparse import _C, simulate
 from gradsparse.binding import ModelBinding, group_ranks
 from gradsparse.buckets import Bucket, BucketTable
 from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, checksum, this_ranks, upgrade
@@ -156,6 +156,7 @@ class State:
         self._paused = False
         self._failed_step = False  # a bucket of this step failed: the rest go back untouched
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
+        self._link: tuple[float, float] | None = None  # (alpha, beta) of exchange="auto", from setup()
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
 
@@ -203,7 +204,19 @@ class State:
         if self._CORE is None:
             return None
         extras = {"reference": self._reference, "segments": list(numels)}
-        return getattr(_C, self._CORE)(**self._method_config, **{k: extras[k] for k in self._CORE_EXTRAS})
+        config = dict(self._method_config)
+        if config.get("exchange") == "auto":
+            config["exchange"] = self._faster_exchange(sum(numels))
+        return getattr(_C, self._CORE)(**config, **{k: extras[k] for k in self._CORE_EXTRAS})
+
+    def _faster_exchange(self, numel: int) -> str:
+        """What exchange="auto" means for a bucket of ``numel`` elements: the exchange that
+        gradsparse.simulate's model finds faster at this world size on the link measured at set-up
+        (before set-up, at one rank: gather-and-add). Every rank decides alike: the same figures."""
+        density = self._method_config.get("density")
+        if density is None or self._link is None:  # a fixed threshold: no k to plan with
+            return "gather"
+        return simulate.faster_exchange(self._world_size, numel, density, self._link, fixed=self._CORE == "TopK")
 
     def _check_world_size(self, world_size: int) -> None:
         """Options that depend on the number of ranks, checked in setup() (on every rank alike)."""
@@ -267,6 +280,8 @@ class State:
         self._process_group = group
         self._world_size = world_size
         self._rank = dist.get_rank(group)
+        if "auto" in self._method_config.values() and world_size > 1 and self._link is None:
+            self._link = simulate.measure_link(comm or group)  # what exchange="auto" plans with
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
         if self._unchecked is not None:
@@ -522,7 +537,8 @@ class State:
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
         ``bytes_ratio``; ``select_seconds`` and ``exchange_seconds``; ``imbalance`` (MiCRO and
         ExDyna: the mean over steps of max count * P / total count - 1); per bucket also
-        ``numel`` and the last ``threshold`` (NaN for methods without one).
+        ``numel``, the last ``threshold`` (NaN for methods without one) and ``exchange`` (the
+        exchange of its last step, by its glossary name: what ``exchange="auto"`` chose).
         """
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
         if reset:
@@ -566,6 +582,7 @@ class State:
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             "stats": self._metrics.state_dict(),
+            "link": self._link,  # so that a resumed exchange="auto" chooses as the saved run did
         }
 
     def load_state_dict(self, state_dict: dict, *, any_rank: bool = False) -> None:
@@ -579,7 +596,9 @@ class State:
         """
         owner = type(self).__name__
         state_dict = upgrade(owner, state_dict)
-        if state_dict["class"] != owner or state_dict["config"] != self._method_config:
+        # An option added since the state dict was saved takes its default.
+        saved_config = {**{o.name: o.default for o in self.OPTIONS}, **state_dict["config"]}
+        if state_dict["class"] != owner or saved_config != self._method_config:
             raise ValueError(
                 f"{owner}.load_state_dict: the state dict was saved by {state_dict['class']}"
                 f"({state_dict['config']}) but this state is {owner}({self._method_config}); "
@@ -598,6 +617,8 @@ class State:
         self._binding.check_names(state_dict["residuals"])
         self._step = int(state_dict["step"])
         self._loaded = Loaded(state_dict)
+        if state_dict.get("link") is not None:
+            self._link = tuple(state_dict["link"])
         self._table.park(state_dict["residuals"], self._loaded.method_states())
         self._metrics.load_state_dict(state_dict["stats"])
 

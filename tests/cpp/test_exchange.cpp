@@ -269,6 +269,47 @@ TEST(EachExchange, SparseReduceScatterDeliversEachOwnerItsShardOfGatherAndAdd) {
   EXPECT_EQ(&union_allreduce().for_shard(), &union_allreduce());  // runs whole
 }
 
+// Reduce-scatter + all-gather keeps the global top K (K: the largest selection, 30 pairs here) of
+// gather-and-add's average, by whole magnitude bins: the kept elements are gather-and-add's result
+// there, bit for bit; every dropped element is below every kept one; and what a rank sent that
+// was dropped is back in its residual, so the gradient mass is conserved.
+TEST(EachExchange, ReduceScatterAllgatherKeepsTheGlobalTopKOfGatherAndAdd) {
+  for (int p : {1, 2, 3, 4, 7}) {
+    const Outcome o = run_exchange(reduce_scatter_allgather(), p, false);
+    const Outcome whole = run_exchange(gather_and_add(), p, false);
+    float smallest_kept = std::numeric_limits<float>::infinity(), largest_dropped = 0.0f;
+    int64_t kept = 0;
+    for (int64_t i = 0; i < kSmall; ++i) {
+      if (o.output[0][i] != 0.0f) {
+        ASSERT_EQ(o.output[0][i], whole.output[0][i]) << "P=" << p << " i " << i;
+        smallest_kept = std::min(smallest_kept, std::fabs(o.output[0][i]));
+        ++kept;
+      } else {
+        largest_dropped = std::max(largest_dropped, std::fabs(whole.output[0][i]));
+      }
+    }
+    EXPECT_GE(kept, std::min<int64_t>(30, std::count_if(whole.output[0].begin(), whole.output[0].end(),
+                                                        [](float v) { return v != 0.0f; })));
+    EXPECT_LT(kept, 30 * 2) << "P=" << p;  // whole bins, 2^(1/4) apart: a few more than K at most
+    EXPECT_LE(largest_dropped, smallest_kept) << "P=" << p;
+    for (int r = 0; r < p; ++r) {
+      ASSERT_EQ(o.output[r], o.output[0]);  // identical on every rank
+      EXPECT_EQ(o.result[r].union_size, kept);
+      for (int64_t i = 0; i < kSmall; ++i) {
+        const bool sent = i % (r + 2) == 0, dropped = sent && o.output[0][i] == 0.0f;
+        ASSERT_EQ(o.residual[r][i], sent && !dropped ? 0.0f : residual_of(r, kSmall)[i])
+            << "P=" << p << " rank " << r << " i " << i;
+      }
+    }
+  }
+  // Every rank selecting the same 20 indices: the union is K, everything is kept.
+  for (int p : {2, 5}) {
+    const Outcome o = run_exchange(reduce_scatter_allgather(), p, true);
+    const Outcome whole = run_exchange(gather_and_add(), p, true);
+    for (int r = 0; r < p; ++r) ASSERT_EQ(o.output[r], whole.output[r]);
+  }
+}
+
 TEST(EachExchange, SparDLAtFullSizeIsTheDenseAverage) {
   for (int p : {1, 2, 3, 4}) {
     for (int teams : {1, 2}) {
@@ -301,9 +342,12 @@ TEST(EachExchange, SparDLAtFullSizeIsTheDenseAverage) {
 TEST(EachExchange, GlossaryNamesEveryExchangeOnce) {
   std::vector<std::string> names;
   for (ExchangeKind kind : kExchangeKinds) names.push_back(exchange_name(kind));
-  EXPECT_EQ(names,
-            (std::vector<std::string>{"gather-and-add", "fixed-size gather", "exclusive gather", "union + all-reduce",
-                                      "shared indices", "sparse reduce-scatter", "SparDL"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"gather-and-add", "fixed-size gather", "exclusive gather",
+                                             "union + all-reduce", "shared indices", "sparse reduce-scatter",
+                                             "reduce-scatter + all-gather", "SparDL"}));
+  EXPECT_STREQ(TopK(0.1, "reduce_scatter").exchange().name(), "reduce-scatter + all-gather");
+  EXPECT_EQ(&reduce_scatter_allgather().for_shard(), &sparse_reduce_scatter());
+  EXPECT_THROW(TopK(0.1, "union"), ValueError);
   EXPECT_STREQ(gather_and_add().name(), "gather-and-add");
   EXPECT_STREQ(TopK(0.1).exchange().name(), "fixed-size gather");
   EXPECT_STREQ(RandomK(0.1, 0).exchange().name(), "shared indices");

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, NUMEL = 6, 1237
-FULL = {"exact_k_gather_full", "gather_and_add_full", "shared_full", "spardl_full"}
+FULL = {"fixed_size_gather_full", "gather_and_add_full", "shared_full", "spardl_full"}
 
 
 def check_exchanges(results: list[dict]) -> None:

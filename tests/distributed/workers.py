@@ -271,8 +271,8 @@ def assert_every_method_trains(results: list[dict[str, float]]) -> None:
 # name -> (method, options, world sizes it needs a divisor of). Each exercises one exchange.
 EXCHANGE_CASES = {
     "dense": ("dense", {}),
-    "exact_k_gather": ("topk", {"density": 0.05}),
-    "exact_k_gather_full": ("topk", {"density": 1.0}),
+    "fixed_size_gather": ("topk", {"density": 0.05}),
+    "fixed_size_gather_full": ("topk", {"density": 1.0}),
     "gather_and_add": ("threshold", {"threshold": 1.6}),
     "gather_and_add_full": ("threshold", {"threshold": 0.0}),
     "shared": ("randomk", {"density": 0.05}),
@@ -284,6 +284,8 @@ EXCHANGE_CASES = {
     "spardl": ("spardl", {"density": 0.05}),
     "spardl_full": ("spardl", {"density": 1.0}),
     "spardl_teams": ("spardl", {"density": 0.05, "teams": 2}),
+    "reduce_scatter_allgather": ("topk", {"density": 0.05, "exchange": "reduce_scatter"}),
+    "reduce_scatter_allgather_counts": ("threshold", {"threshold": 1.6, "exchange": "reduce_scatter"}),
 }
 
 

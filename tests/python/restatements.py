@@ -182,9 +182,9 @@ class TopK(Restatement):
 
     reports_threshold = False
 
-    def __init__(self, density: float) -> None:
+    def __init__(self, density: float, exchange: str = "gather") -> None:
         super().__init__()
-        self.density = density
+        self.density, self.exchange = density, exchange
 
     def choose(self, v, rank, world):
         n = v.numel()
@@ -195,10 +195,10 @@ class TopK(Restatement):
 class Threshold(Restatement):
     """§4.2."""
 
-    def __init__(self, threshold: float | None = None, density: float | None = None) -> None:
+    def __init__(self, threshold: float | None = None, density: float | None = None, exchange: str = "gather") -> None:
         super().__init__()
         assert (threshold is None) != (density is None)
-        self.threshold, self.density = threshold, density
+        self.threshold, self.density, self.exchange = threshold, density, exchange
 
     def choose(self, v, rank, world):
         fixed = self.threshold is not None
@@ -237,10 +237,10 @@ class RandomBlock(RandomK):
 class GaussianK(Restatement):
     """§4.4."""
 
-    def __init__(self, density: float, variant: str = "spardl") -> None:
+    def __init__(self, density: float, variant: str = "spardl", exchange: str = "gather") -> None:
         super().__init__()
         assert variant in ("spardl", "sidco")
-        self.density, self.variant = density, variant
+        self.density, self.variant, self.exchange = density, variant, exchange
 
     def choose(self, v, rank, world):
         return self.spardl(v) if self.variant == "spardl" else self.sidco(v)
@@ -296,9 +296,9 @@ class GaussianK(Restatement):
 class DGC(Restatement):
     """§4.5."""
 
-    def __init__(self, density: float, seed: int = 0) -> None:
+    def __init__(self, density: float, seed: int = 0, exchange: str = "gather") -> None:
         super().__init__()
-        self.density, self.seed = density, seed
+        self.density, self.seed, self.exchange = density, seed, exchange
 
     def choose(self, v, rank, world):
         n = v.numel()
@@ -321,9 +321,9 @@ class DGC(Restatement):
 class RedSync(Restatement):
     """§4.6."""
 
-    def __init__(self, density: float) -> None:
+    def __init__(self, density: float, exchange: str = "gather") -> None:
         super().__init__()
-        self.density = density
+        self.density, self.exchange = density, exchange
 
     def choose(self, v, rank, world):
         k = target(self.density, v.numel())
@@ -648,11 +648,18 @@ def gpareto_eta(mu: float, var: float, ratio: float) -> float:
 
 class SIDCo(Restatement):
     def __init__(
-        self, density: float, fit: str = "exp", stages: int = 1, first_ratio: float = 0.25, iratio: float | None = None
+        self,
+        density: float,
+        fit: str = "exp",
+        stages: int = 1,
+        first_ratio: float = 0.25,
+        iratio: float | None = None,
+        exchange: str = "gather",
     ) -> None:
         super().__init__()
         assert fit in ("exp", "gpareto", "gamma_gpareto")
         self.density, self.fit, self.stages, self.first_ratio = density, fit, stages, first_ratio
+        self.exchange = exchange
         self.iratio = iratio if iratio is not None else (0.2 if fit == "exp" else 0.075)
         # adaptive stages (stages < 0)
         self.m = 1 if stages < 0 else stages
@@ -834,6 +841,8 @@ def exchange(
             idx = selections[r]
             out[idx] += values[r][idx] / world
         return out, list(selections)
+    if kind == "reduce_scatter":
+        return reduce_scatter_allgather(selections, values)
     if kind == "shared":
         for s in selections[1:]:
             assert torch.equal(s, selections[0]), "shared exchange: ranks selected different indices"
@@ -846,3 +855,26 @@ def exchange(
         total += values[r][union]
     out[union] = total / world
     return out, [union] * world
+
+
+def reduce_scatter_allgather(
+    selections: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Reduce-scatter + all-gather: gather-and-add's average, kept on its global top K (K: the
+    largest selection) by whole magnitude bins (the top 10 bits of the float32 magnitude's bits,
+    1024 bins); a rank zeroes only its kept pairs (the others stay in its residual)."""
+    average, _ = exchange("gather", selections, values)
+    support = torch.unique(torch.cat(list(selections)))
+    budget = max(s.numel() for s in selections)
+    bins = average[support].float().abs().view(torch.int32) >> 21
+    histogram = torch.bincount(bins, minlength=1024).tolist()
+    first, above = 0, 0
+    for b in range(1023, 0, -1):
+        above += histogram[b]
+        if above >= budget:
+            first = b
+            break
+    kept = support[bins >= first]
+    out = torch.zeros_like(average)
+    out[kept] = average[kept]
+    return out, [s[torch.isin(s, kept)] for s in selections]

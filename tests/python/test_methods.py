@@ -277,6 +277,14 @@ def method_configs(
             ("randomk-seed-most", "RandomK", dict(density=0.7, seed=12345), False),  # drawn as the 30% left out
             ("randomblock-wraps", "RandomBlock", dict(density=0.7, seed=5), False),  # most starts wrap
             ("dgc-seed", "DGC", dict(density=0.05, seed=99), False),
+            # reduce-scatter + all-gather: the owners keep the global top K of the average
+            ("topk-reduce-scatter", "TopK", dict(density=density, exchange="reduce_scatter"), False),
+            ("threshold-reduce-scatter", "Threshold", dict(density=density, exchange="reduce_scatter"), False),
+            ("dgc-reduce-scatter", "DGC", dict(density=density, exchange="reduce_scatter"), False),
+            ("redsync-reduce-scatter", "RedSync", dict(density=density, exchange="reduce_scatter"), False),
+            ("gaussiank-reduce-scatter", "GaussianK", dict(density=density, exchange="reduce_scatter"), False),
+            ("sidco-reduce-scatter", "SIDCo", dict(density=density, stages=-1, exchange="reduce_scatter"), False),
+            ("sage-reduce-scatter", "SAGE", dict(density=density, exchange="reduce_scatter"), False),
         ]
     for ref in (True, False):
         mode = "ref" if ref else "default"

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+import gradsparse
 from gradsparse import _C, simulate
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
@@ -107,6 +108,65 @@ def test_sparse_reduce_scatter(world_size):
     check(steps, plan)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("method", ["topk", "dgc"])
+def test_reduce_scatter_allgather(world_size, method):
+    steps = run_steps(
+        world_size, lambda r: core_method(method, density=DENSITY, exchange="reduce_scatter"), stream(world_size)
+    )
+    chunk = -(-NUMEL // world_size)
+
+    def plan(t, r, s):
+        ranks = steps[t]
+        parts = [[int((rank.indices // chunk == o).sum()) for o in range(world_size)] for rank in ranks]
+        support = s.output.nonzero().flatten()  # every kept index (a sum of random values is never 0)
+        kept = [int((support // chunk == o).sum()) for o in range(world_size)]
+        counts = [int(rank.indices.numel()) for rank in ranks]
+        return simulate.reduce_scatter_allgather(
+            parts[r], [parts[q][r] for q in range(world_size)], kept, counts, NUMEL, rank=r
+        )
+
+    check(steps, plan)
+
+
+def state_with_default_exchange(name: str, world_size: int, numel: int):
+    """The C++ method object of method ``name`` with every default, as a state made at
+    ``world_size`` ranks on the default link builds it for a bucket of ``numel`` elements."""
+    cls = gradsparse.METHODS[name]
+    state = cls(density=0.001)
+    state._world_size, state._link = world_size, simulate.DEFAULT_LINK
+    return state._make_method([numel])
+
+
+@pytest.mark.parametrize("world_size", [64, 512, 1024])
+@pytest.mark.parametrize("name", [n for n in gradsparse.METHODS if n != "dense"])
+def test_no_default_sends_more_than_6k_per_rank_at_scale(name, world_size):
+    """At 25M elements and density 0.001, every method's default exchange (exchange="auto"
+    resolved by the model) sends at most 6 k (P - 1) / P elements (4 bytes each) per rank."""
+    numel, density = 25_000_000, 0.001
+    k = math.floor(density * numel)
+    method = state_with_default_exchange(name, world_size, numel)
+    split = simulate.even_split(k, world_size)
+    plans = {
+        "fixed-size gather": lambda: simulate.fixed_gather(k, numel),
+        "gather-and-add": lambda: simulate.gather_and_add([k] * world_size, numel),
+        "reduce-scatter + all-gather": lambda: simulate.even_plan(world_size, numel, k),
+        "union + all-reduce": lambda: simulate.band_agreement(False) + simulate.union_allreduce(split, k, numel),
+        "shared indices": lambda: simulate.shared_indices(k),
+        "SparDL": lambda: simulate.spardl(world_size, 0, numel, density),
+    }
+    sent = sum(c.bytes_sent(world_size) for c in plans[method.exchange]())
+    assert sent / 4 <= 6 * k * (world_size - 1) / world_size, (method.exchange, sent)
+
+
+def test_auto_picks_gather_and_add_at_small_scale_and_reduce_scatter_at_large_scale():
+    assert simulate.faster_exchange(4, 80_000, 0.01, (1e-3, 1.6e-7), fixed=True) == "gather"
+    assert simulate.faster_exchange(1024, 25_000_000, 0.001) == "reduce_scatter"
+    assert simulate.faster_exchange(1, 25_000_000, 0.001) == "gather"
+    # Before set-up (one rank known, no link): gather-and-add, which the restatements test.
+    assert gradsparse.TopK(density=0.01)._make_method([1000]).exchange == "fixed-size gather"
+
+
 def test_every_exchange_of_the_library_has_a_model():
     assert list(simulate.EXCHANGES) == _C.exchanges()
 
@@ -140,12 +200,14 @@ def test_scale_table_runs_and_orders_exchanges(capsys):
     assert sent["SparDL (teams=1)"] < 0.01 * sent["dense all-reduce"]
     # No padding on the wire: every exchange with a closed-form payload bound is within 1.1x of it
     # (headers and control words are the rest), except where a rank's block is a few dozen pairs:
-    # the partitioned exchanges at P >= 512 (k / P = 49 or 24 pairs; docs/benchmarks.md).
+    # the partitioned exchanges and reduce-scatter + all-gather at P >= 512 (k / P = 49 or 24
+    # pairs per part, each with its 32-byte header; docs/benchmarks.md).
     for p in (8, 64, 512, 1024):
         plans = simulate.exchanges_at_scale(p, 25_000_000, 0.001)
         for name, minimum in simulate.minimum_bytes(p, 25_000_000, 0.001).items():
             sent = sum(c.bytes_sent(p) for c in plans[name])
-            bound = 1.1 if p <= 64 or "MiCRO" not in name else 1.4
+            per_part = "MiCRO" in name or "reduce-scatter" in name
+            bound = 1.1 if p <= 64 or not per_part else 1.4
             assert minimum <= sent <= bound * minimum, (p, name, sent, minimum)
 
 

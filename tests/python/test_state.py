@@ -42,7 +42,7 @@ def one_rank_group():
         (
             lambda: gs.TopK(),
             TypeError,
-            "TopK: missing a required argument: 'density'; call it as TopK(density, **options)",
+            "TopK: missing a required argument: 'density'; call it as TopK(density, *, exchange='auto', **options)",
         ),
         (lambda: gs.TopK(0.1, 0.2), TypeError, "TopK: too many positional arguments"),
         (lambda: gs.Threshold(), ValueError, "Threshold: give exactly one of threshold"),
@@ -67,7 +67,7 @@ def test_a_method_is_declared_once():
     import inspect
 
     params = inspect.signature(gs.SIDCo).parameters
-    assert list(params) == ["density", "fit", "stages", "first_ratio", "iratio", "options"]
+    assert list(params) == ["density", "fit", "stages", "first_ratio", "iratio", "exchange", "options"]
     assert params["density"].default is inspect.Parameter.empty
     assert params["stages"].kind is inspect.Parameter.KEYWORD_ONLY and params["stages"].default == -1
     assert "        stages: -1, -2, -3: the adaptive modes" in gs.SIDCo.__doc__
@@ -163,7 +163,7 @@ def test_state_dict_round_trip_restores_residuals_by_name():
     sd = state.state_dict()
     names = {name for name, _ in ddp.module.named_parameters()}
     assert set(sd["residuals"]) == names
-    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05}
+    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05, "exchange": "auto"}
     assert any(t.abs().sum() > 0 for t in sd["residuals"].values())
     saved = {k: v.clone() for k, v in sd["residuals"].items()}
 
@@ -184,7 +184,9 @@ def test_load_state_dict_rejects_another_method_or_config():
     ddp = _hooked(state)
     _train(ddp, 1)
     sd = state.state_dict()
-    with pytest.raises(ValueError, match=r"saved by TopK\(\{'density': 0.05\}\) but this state is TopK"):
+    with pytest.raises(
+        ValueError, match=r"saved by TopK\(\{'density': 0.05, 'exchange': 'auto'\}\) but this state is TopK"
+    ):
         gs.TopK(density=0.1).load_state_dict(sd)
     with pytest.raises(ValueError, match="saved by TopK"):
         gs.Threshold(threshold=0.1).load_state_dict(sd)
@@ -192,9 +194,24 @@ def test_load_state_dict_rejects_another_method_or_config():
         gs.TopK(density=0.05).load_state_dict({"version": 99})
 
 
+def test_a_state_dict_saved_before_an_option_existed_loads_with_its_default():
+    state = gs.TopK(density=0.05)
+    ddp = _hooked(state)
+    _train(ddp, 1)
+    sd = state.state_dict()
+    sd["config"] = {"density": 0.05}  # as gradsparse saved TopK before it had `exchange`
+    fresh = gs.TopK(density=0.05)
+    fresh.load_state_dict(sd)
+    assert fresh.step == 1
+    with pytest.raises(ValueError, match="saved by TopK"):
+        gs.TopK(density=0.05, exchange="reduce_scatter").load_state_dict(sd)
+
+
 def test_repr_and_config():
     state = gs.Threshold(threshold=0.5, warmup_steps=3)
-    assert repr(state).startswith("Threshold(threshold=0.5, density=None, warmup_steps=3, error_feedback=True")
+    assert repr(state).startswith(
+        "Threshold(threshold=0.5, density=None, exchange='auto', warmup_steps=3, error_feedback=True"
+    )
     assert state.config()["nonfinite"] == "raise"
 
 

@@ -18,6 +18,8 @@ const char* exchange_name(ExchangeKind kind) {
       return "shared indices";
     case ExchangeKind::kSparseReduceScatter:
       return "sparse reduce-scatter";
+    case ExchangeKind::kReduceScatterAllgather:
+      return "reduce-scatter + all-gather";
     case ExchangeKind::kSparDL:
       return "SparDL";
   }
@@ -97,6 +99,25 @@ Buffer allgather_blocks(Transport& transport, Device& device, const Selection& m
   Buffer recv = device.allocate(block_offsets(sizes).back());
   transport.allgatherv(device, mine.message.data(), recv.data(), sizes);
   return recv;
+}
+
+void allreduce_host(Transport& transport, Device& device, std::vector<double>& values) {
+  if (values.empty()) return;
+  const size_t bytes = values.size() * sizeof(double);
+  Buffer buffer = device.allocate(bytes);
+  device.copy_from_host(buffer.data(), values.data(), bytes);
+  transport.allreduce_sum(device, buffer.data(), values.size(), DType::kFloat64);
+  device.copy_to_host(values.data(), buffer.data(), bytes);
+}
+
+std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64_t value) {
+  const int p = transport.size();
+  Buffer send = device.allocate(8), recv = device.allocate(8 * static_cast<size_t>(p));
+  device.copy_from_host(send.data(), &value, 8);
+  transport.allgather(device, send.data(), recv.data(), 8);
+  std::vector<int64_t> out(static_cast<size_t>(p));
+  device.copy_to_host(out.data(), recv.data(), 8 * static_cast<size_t>(p));
+  return out;
 }
 
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {

@@ -29,14 +29,7 @@ class TransportCollective final : public Collective {
   TransportCollective(Transport& transport, Device& device) : transport_(transport), device_(device) {}
   int rank() const override { return transport_.rank(); }
   int size() const override { return transport_.size(); }
-  void sum(std::vector<double>& values) override {
-    if (values.empty()) return;
-    const size_t bytes = values.size() * sizeof(double);
-    Buffer buffer = device_.allocate(bytes);
-    device_.copy_from_host(buffer.data(), values.data(), bytes);
-    transport_.allreduce_sum(device_, buffer.data(), values.size(), DType::kFloat64);
-    device_.copy_to_host(values.data(), buffer.data(), bytes);
-  }
+  void sum(std::vector<double>& values) override { allreduce_host(transport_, device_, values); }
 
  private:
   Transport& transport_;
@@ -93,6 +86,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
 
   if (options.dense || method == nullptr) {
     report.dense = true;
+    report.exchange = "dense all-reduce";
     const auto t0 = std::chrono::steady_clock::now();
     dense_allreduce(transport, device, bucket);
     report.exchange_seconds = seconds_since(t0);
@@ -103,6 +97,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
 
   TransportCollective group(transport, device);
   const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
+  report.exchange = exchange.name();
   auto t0 = std::chrono::steady_clock::now();
   const Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);

@@ -11,7 +11,10 @@
 
 namespace gradsparse {
 
-DGC::DGC(double density, uint64_t seed) : density_(density), seed_(seed) { method_util::check_density("DGC", density); }
+DGC::DGC(double density, uint64_t seed, const std::string& exchange)
+    : PerRankMethod("DGC", exchange, gather_and_add()), density_(density), seed_(seed) {
+  method_util::check_density("DGC", density);
+}
 
 Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;

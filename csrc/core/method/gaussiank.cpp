@@ -8,7 +8,8 @@
 
 namespace gradsparse {
 
-GaussianK::GaussianK(double density, const std::string& variant) : density_(density) {
+GaussianK::GaussianK(double density, const std::string& variant, const std::string& exchange)
+    : PerRankMethod("GaussianK", exchange, gather_and_add()), density_(density) {
   method_util::check_density("GaussianK", density);
   if (variant == "spardl") {
     variant_ = Variant::kSparDL;

@@ -8,7 +8,10 @@
 
 namespace gradsparse {
 
-RedSync::RedSync(double density) : density_(density) { method_util::check_density("RedSync", density); }
+RedSync::RedSync(double density, const std::string& exchange)
+    : PerRankMethod("RedSync", exchange, gather_and_add()), density_(density) {
+  method_util::check_density("RedSync", density);
+}
 
 Selection RedSync::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;

@@ -30,9 +30,12 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
     GS_CHECK(std::isfinite(*initial_) && *initial_ > 0.0, ValueError,
              "SAGE: initial_threshold must be a finite number > 0, got ", *initial_);
   }
-  exchange_ = exchange
-                  ? &exchange_option(*exchange, {{"gather", &gather_and_add()}, {"union", &union_allreduce()}}, "SAGE")
-                  : (sampling_ == Sampling::kFlat ? &union_allreduce() : &gather_and_add());
+  exchange_ = exchange ? &exchange_option(*exchange,
+                                          {{"gather", &gather_and_add()},
+                                           {"union", &union_allreduce()},
+                                           {"reduce_scatter", &reduce_scatter_allgather()}},
+                                          "SAGE")
+                       : (sampling_ == Sampling::kFlat ? &union_allreduce() : &gather_and_add());
 }
 
 std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {

@@ -17,8 +17,13 @@ SidcoFit parse_fit(const std::string& fit) {
 }
 }  // namespace
 
-SIDCo::SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio)
-    : density_(density), fit_(parse_fit(fit)), stages_(stages), first_ratio_(first_ratio) {
+SIDCo::SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio,
+             const std::string& exchange)
+    : PerRankMethod("SIDCo", exchange, gather_and_add()),
+      density_(density),
+      fit_(parse_fit(fit)),
+      stages_(stages),
+      first_ratio_(first_ratio) {
   method_util::check_density("SIDCo", density);
   GS_CHECK(stages >= -3, ValueError, "SIDCo: stages must be >= 1 (fixed), 0 (fixed per-stage ratio) or -1, -2, -3 ",
            "(adaptive), got ", stages);

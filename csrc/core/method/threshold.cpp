@@ -6,8 +6,8 @@
 
 namespace gradsparse {
 
-Threshold::Threshold(std::optional<double> threshold, std::optional<double> density)
-    : fixed_(threshold), density_(density) {
+Threshold::Threshold(std::optional<double> threshold, std::optional<double> density, const std::string& exchange)
+    : PerRankMethod("Threshold", exchange, gather_and_add()), fixed_(threshold), density_(density) {
   GS_CHECK(threshold.has_value() != density.has_value(), ValueError,
            "Threshold: give exactly one of threshold (a magnitude) and density (then threshold = 1/(2 sqrt(k)))");
   if (threshold) {

@@ -4,7 +4,10 @@
 
 namespace gradsparse {
 
-TopK::TopK(double density) : density_(density) { method_util::check_density("TopK", density); }
+TopK::TopK(double density, const std::string& exchange)
+    : PerRankMethod("TopK", exchange, fixed_gather()), density_(density) {
+  method_util::check_density("TopK", density);
+}
 
 Selection TopK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   return device.select_topk(bucket, target_count(density_, bucket.numel));

@@ -17,20 +17,21 @@ namespace gradsparse {
 
 /// The glossary of exchanges: one name each, used by the code, gradsparse.simulate and the docs.
 enum class ExchangeKind {
-  kGatherAndAdd,         ///< "gather-and-add": every rank's pairs reach every rank; duplicates add up
-  kFixedGather,          ///< "fixed-size gather": gather-and-add of equal, known counts (Top-k)
-  kExclusiveGather,      ///< "exclusive gather": gather-and-add of selections from disjoint partitions
-  kUnionAllreduce,       ///< "union + all-reduce": index lists, then every rank's values on their union
-  kSharedIndices,        ///< "shared indices": every rank selected the same indices; values all-reduced
-  kSparseReduceScatter,  ///< "sparse reduce-scatter": each pair to the owner of its shard only
-  kSparDL,               ///< "SparDL": Spar-Reduce-Scatter, Spar-All-Gather across teams, Bruck all-gather
+  kGatherAndAdd,            ///< "gather-and-add": every rank's pairs reach every rank; duplicates add up
+  kFixedGather,             ///< "fixed-size gather": gather-and-add of equal, known counts (Top-k)
+  kExclusiveGather,         ///< "exclusive gather": gather-and-add of selections from disjoint partitions
+  kUnionAllreduce,          ///< "union + all-reduce": index lists, then every rank's values on their union
+  kSharedIndices,           ///< "shared indices": every rank selected the same indices; values all-reduced
+  kSparseReduceScatter,     ///< "sparse reduce-scatter": each pair to the owner of its shard only
+  kReduceScatterAllgather,  ///< "reduce-scatter + all-gather": owners reduce and keep the global top K
+  kSparDL,                  ///< "SparDL": Spar-Reduce-Scatter, Spar-All-Gather across teams, Bruck all-gather
 };
 
 /// Every exchange, in the glossary's order.
-inline constexpr ExchangeKind kExchangeKinds[] = {ExchangeKind::kGatherAndAdd,    ExchangeKind::kFixedGather,
-                                                  ExchangeKind::kExclusiveGather, ExchangeKind::kUnionAllreduce,
-                                                  ExchangeKind::kSharedIndices,   ExchangeKind::kSparseReduceScatter,
-                                                  ExchangeKind::kSparDL};
+inline constexpr ExchangeKind kExchangeKinds[] = {
+    ExchangeKind::kGatherAndAdd,           ExchangeKind::kFixedGather,   ExchangeKind::kExclusiveGather,
+    ExchangeKind::kUnionAllreduce,         ExchangeKind::kSharedIndices, ExchangeKind::kSparseReduceScatter,
+    ExchangeKind::kReduceScatterAllgather, ExchangeKind::kSparDL};
 
 /// The glossary name of an exchange ("gather-and-add", ...).
 const char* exchange_name(ExchangeKind kind);
@@ -109,6 +110,17 @@ const Exchange& shared_indices();
 /// receive every rank's.
 const Exchange& sparse_reduce_scatter();
 
+/// Reduce-scatter + all-gather (exchange/reduce_scatter_allgather.cpp), for methods that select
+/// k pairs per rank: a sparse all-reduce whose bytes per rank do not grow with P. Control words;
+/// each pair to the owner of its shard (P - 1 rounds of send-receive, sizes first); each owner
+/// averages what it received and keeps the values in the global top K of the average (K: the
+/// largest count of any rank; one threshold for all owners, from an all-reduced histogram of
+/// magnitudes in 1024 bins 2^(1/4) apart, so a few more than K when a bin straddles it); every
+/// rank all-gathers every owner's kept pairs (counts first). What a rank sent that no owner kept
+/// goes back into its residual. About 4 k (P - 1) / P values and indices per rank, where
+/// gather-and-add moves 2 k (P - 1); the average is gather-and-add's, restricted to the top K.
+const Exchange& reduce_scatter_allgather();
+
 /// The exchange a method's option value names among its `choices` (value, exchange); ValueError
 /// naming `owner`, `option` and the choices otherwise.
 const Exchange& exchange_option(const std::string& value,
@@ -152,6 +164,12 @@ std::vector<size_t> block_sizes(const ExchangeResult& result, SizeOf&& size_of) 
 /// All-gathers the first sizes[r] bytes of every rank r's message (this rank's is `mine`), laid
 /// back to back in the returned buffer (allgatherv: unpadded).
 Buffer allgather_blocks(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes);
+
+/// In-place sum over all ranks of a host vector of float64 (every rank passes as many values).
+void allreduce_host(Transport& transport, Device& device, std::vector<double>& values);
+
+/// Every rank's `value`, by rank (one all-gather of 8 bytes per rank).
+std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64_t value);
 
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);

@@ -13,24 +13,40 @@
 
 namespace gradsparse {
 
-/// Top-k (method-spec 4.1).
-class TopK final : public Method {
+/// A method that selects about k pairs on every rank. Its selections go through its gather
+/// (option "gather": gather-and-add, or Top-k's fixed-size gather) or through reduce-scatter +
+/// all-gather ("reduce_scatter"), whose bytes per rank do not grow with the world size. (The
+/// Python option "auto" picks one of the two per bucket before the object is made.)
+class PerRankMethod : public Method {
  public:
-  explicit TopK(double density);
+  const Exchange& exchange() const override { return *exchange_; }
+
+ protected:
+  PerRankMethod(const std::string& owner, const std::string& exchange, const Exchange& gather)
+      : exchange_(&exchange_option(exchange, {{"gather", &gather}, {"reduce_scatter", &reduce_scatter_allgather()}},
+                                   owner)) {}
+
+ private:
+  const Exchange* exchange_;
+};
+
+/// Top-k (method-spec 4.1). Every rank selects exactly k, so its gather is the fixed-size
+/// gather: one all-gather, no count to wait for (no device-to-host synchronisation before the
+/// data moves).
+class TopK final : public PerRankMethod {
+ public:
+  explicit TopK(double density, const std::string& exchange = "gather");
   std::string name() const override { return "topk"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  /// Every rank selects exactly k: one fixed-size all-gather, no count to wait for (no
-  /// device-to-host synchronisation before the data moves).
-  const Exchange& exchange() const override { return fixed_gather(); }
 
  private:
   double density_;
 };
 
 /// Hard threshold (4.2): a fixed threshold, or 1/(2 sqrt(k)) from a density.
-class Threshold final : public Method {
+class Threshold final : public PerRankMethod {
  public:
-  Threshold(std::optional<double> threshold, std::optional<double> density);
+  Threshold(std::optional<double> threshold, std::optional<double> density, const std::string& exchange = "gather");
   explicit Threshold(double threshold) : Threshold(threshold, std::nullopt) {}
   std::string name() const override { return "threshold"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
@@ -86,10 +102,10 @@ class RandomBlock final : public SharedDraw {
 };
 
 /// Gaussian-k (4.4), SparDL's or SIDCo's variant.
-class GaussianK final : public Method {
+class GaussianK final : public PerRankMethod {
  public:
   enum class Variant { kSparDL, kSIDCo };
-  GaussianK(double density, const std::string& variant);
+  GaussianK(double density, const std::string& variant, const std::string& exchange = "gather");
   std::string name() const override { return "gaussiank"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
@@ -101,9 +117,9 @@ class GaussianK final : public Method {
 };
 
 /// DGC's sampled threshold (4.5).
-class DGC final : public Method {
+class DGC final : public PerRankMethod {
  public:
-  DGC(double density, uint64_t seed);
+  DGC(double density, uint64_t seed, const std::string& exchange = "gather");
   std::string name() const override { return "dgc"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
@@ -119,9 +135,9 @@ class DGC final : public Method {
 };
 
 /// RedSync's bisection threshold (4.6).
-class RedSync final : public Method {
+class RedSync final : public PerRankMethod {
  public:
-  explicit RedSync(double density);
+  explicit RedSync(double density, const std::string& exchange = "gather");
   std::string name() const override { return "redsync"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
@@ -235,9 +251,10 @@ class ExDyna final : public PartitionedMethod {
 };
 
 /// SIDCo (4.10): multi-stage statistical fits.
-class SIDCo final : public Method {
+class SIDCo final : public PerRankMethod {
  public:
-  SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio);
+  SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio,
+        const std::string& exchange = "gather");
   std::string name() const override { return "sidco"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   void observe(const BucketView& bucket, const ExchangeResult& result) override;

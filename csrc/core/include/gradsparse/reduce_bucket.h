@@ -48,6 +48,7 @@ struct ReduceReport {
   double threshold = std::numeric_limits<double>::quiet_NaN();
   double imbalance = std::numeric_limits<double>::quiet_NaN();  ///< max count * P / total - 1
   Traffic traffic;                                              ///< bytes this rank moved in this step
+  std::string exchange;  ///< the exchange that ran (exchange_name), or "dense all-reduce"
   double select_seconds = 0.0;
   double exchange_seconds = 0.0;
 };

@@ -1,0 +1,111 @@
+// Routing pairs to the owners of their shards (owners.h).
+#include "gradsparse/owners.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace gradsparse {
+
+OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Selection& mine, const Shards& shards) {
+  const int p = shards.p;
+  const HostMessage in(device, mine, bucket);
+  const MessageView& whole = in.view();
+  const size_t value_size = dtype_size(bucket.dtype);
+  std::vector<int64_t> begin(static_cast<size_t>(p) + 1);
+  dispatch_index(whole.index_bytes, [&](auto i) {
+    using I = decltype(i);
+    const I* idx = in.indices<I>();
+    for (int o = 0; o <= p; ++o) {
+      const uint64_t bound = static_cast<uint64_t>(o < p ? shards.begin(o) : shards.n);
+      begin[o] = std::lower_bound(idx, idx + whole.count, bound,
+                                  [](I index, uint64_t b) { return static_cast<uint64_t>(index) < b; }) -
+                 idx;
+    }
+  });
+  OwnerParts out;
+  std::vector<size_t> sizes(static_cast<size_t>(p));
+  for (int o = 0; o < p; ++o) {
+    out.counts.push_back(begin[o + 1] - begin[o]);
+    sizes[o] = MessageLayout(static_cast<uint64_t>(out.counts[o]), index_bytes_for(shards.length(o)), bucket.dtype)
+                   .total_bytes;
+  }
+  out.offsets = block_offsets(sizes);
+  out.bytes.assign(out.offsets.back(), 0);
+  for (int o = 0; o < p; ++o) {
+    unsigned char* m = out.bytes.data() + out.offsets[o];
+    const uint64_t count = static_cast<uint64_t>(out.counts[o]);
+    const int index_bytes = index_bytes_for(static_cast<uint64_t>(shards.length(o)));
+    const MessageHeader sub = make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(shards.length(o)), count);
+    std::memcpy(m, &sub, sizeof(sub));
+    const MessageLayout part(count, index_bytes, bucket.dtype);
+    const uint64_t first = static_cast<uint64_t>(shards.begin(o));
+    dispatch_index(whole.index_bytes, [&](auto i) {
+      using I = decltype(i);
+      const I* idx = in.indices<I>() + begin[o];
+      dispatch_index(index_bytes, [&](auto j) {
+        using J = decltype(j);
+        J* local = reinterpret_cast<J*>(m + part.indices_offset);
+        for (uint64_t n = 0; n < count; ++n) local[n] = static_cast<J>(static_cast<uint64_t>(idx[n]) - first);
+      });
+    });
+    std::memcpy(m + part.values_offset,
+                static_cast<const unsigned char*>(whole.values()) + static_cast<size_t>(begin[o]) * value_size,
+                count * value_size);
+  }
+  return out;
+}
+
+std::vector<size_t> exchange_part_sizes(Transport& transport, Device& device, const BucketView& bucket,
+                                        const OwnerParts& parts, const Shards& shards,
+                                        const std::vector<int64_t>& most) {
+  const int p = shards.p, me = transport.rank();
+  std::vector<int64_t> sizes(static_cast<size_t>(p), 0);
+  sizes[me] = static_cast<int64_t>(parts.size(me));
+  Buffer send = device.allocate(8), recv = device.allocate(8);
+  for (int s = 1; s < p; ++s) {
+    const int dst = (me + s) % p, src = (me - s + p) % p;
+    const int64_t out = static_cast<int64_t>(parts.size(dst));
+    device.copy_from_host(send.data(), &out, 8);
+    transport.sendrecv(device, send.data(), 8, dst, recv.data(), 8, src);
+    device.copy_to_host(&sizes[src], recv.data(), 8);
+  }
+  const int64_t length = shards.length(me);
+  std::vector<size_t> out;
+  for (int r = 0; r < p; ++r) {
+    const int64_t largest = static_cast<int64_t>(
+        MessageLayout(static_cast<uint64_t>(std::min(most[r], length)), index_bytes_for(length), bucket.dtype)
+            .total_bytes);
+    GS_CHECK(sizes[r] >= static_cast<int64_t>(kMessageHeaderBytes) && sizes[r] <= largest && sizes[r] % 8 == 0,
+             CorruptMessageError, "rank ", r, " announced a ", sizes[r], "-byte part for the shard of rank ", me,
+             ", whose parts from it take 32 to ", largest, " bytes in multiples of 8");
+    out.push_back(static_cast<size_t>(sizes[r]));
+  }
+  return out;
+}
+
+std::vector<MessageView> route_to_owners(Transport& transport, Device& device, const BucketView& bucket,
+                                         const OwnerParts& parts, const Shards& shards,
+                                         const std::vector<size_t>& sizes, Buffer& storage) {
+  const int p = shards.p, me = transport.rank();
+  const std::vector<size_t> at = block_offsets(sizes);
+  Buffer send = device.allocate(parts.bytes.size());
+  storage = device.allocate(at.back());
+  device.copy_from_host(send.data(), parts.bytes.data(), parts.bytes.size());
+  device.copy(storage.as<unsigned char>() + at[me], send.as<unsigned char>() + parts.offsets[me], sizes[me]);
+  for (int s = 1; s < p; ++s) {
+    const int dst = (me + s) % p, src = (me - s + p) % p;
+    transport.sendrecv(device, send.as<unsigned char>() + parts.offsets[dst], parts.size(dst), dst,
+                       storage.as<unsigned char>() + at[src], sizes[src], src);
+  }
+  std::vector<MessageView> received;
+  for (int r = 0; r < p; ++r) {
+    const MessageView m = read_message(device, storage.as<unsigned char>() + at[r], sizes[r], bucket.dtype,
+                                       static_cast<uint64_t>(shards.length(me)), r);
+    GS_CHECK(m.bytes() == sizes[r], CorruptMessageError, message_source(r), " holds ", m.count, " pairs (", m.bytes(),
+             " bytes) but was announced as ", sizes[r], " bytes");
+    received.push_back(m);
+  }
+  return received;
+}
+
+}  // namespace gradsparse
