@@ -178,6 +178,7 @@ class Communication:
         self.method = method
         self.state: gs.State | None = None
         self.torch_state = None
+        self.exchanges: dict[int, str] = {}  # the exchange of each bucket, as last reported
         module = parallel if args.fsdp else parallel.module
         numel = sum(p.numel() for p in module.parameters())
         # Bytes sent per byte reduced: a ring all-reduce's 2 (P - 1) / P (gradsparse's rule), or
@@ -215,7 +216,14 @@ class Communication:
                 "select_seconds": 0.0,
                 "exchange_seconds": 0.0,
             }
-        total = self.state.stats(reset=True)["total"]
+        stats = self.state.stats(reset=True)
+        exchanges = {i: b["exchange"] for i, b in stats["buckets"].items()}
+        if exchanges != self.exchanges and dist.get_rank() == 0:  # what exchange="auto" chose, for one
+            names = sorted(set(exchanges.values()))
+            where = names[0] if len(names) == 1 else ", ".join(f"bucket {i}: {e}" for i, e in exchanges.items())
+            print(f"[{self.method:>9}] exchange: {where}", flush=True)
+        self.exchanges = exchanges
+        total = stats["total"]
         density = total["achieved_density"]
         return {
             "density": 1.0 if math.isnan(density) else density,

@@ -51,13 +51,13 @@ _GLOBAL_DENSITY = density_option(
 )
 _EXCHANGE = choice_option(
     "exchange",
-    "auto",
-    ("auto", "gather", "reduce_scatter"),
+    "gather",
+    ("gather", "reduce_scatter", "auto"),
     '"gather" (gather-and-add: every rank receives every rank\'s pairs, so the bytes grow with the '
     'world size), "reduce_scatter" (reduce-scatter + all-gather: about 2 k pairs per rank at any world '
     "size; the owners keep the global top k of the average and the rest returns to the residuals) or "
     '"auto" (per bucket, the one gradsparse.simulate\'s alpha-beta model finds faster on the link '
-    "measured at set-up: gather-and-add at small world sizes)",
+    "measured at set-up; the model does not count the exchanges' CPU work, docs/results.md)",
 )
 _PARTITION_EXCHANGE = choice_option(
     "exchange",

@@ -42,7 +42,7 @@ def one_rank_group():
         (
             lambda: gs.TopK(),
             TypeError,
-            "TopK: missing a required argument: 'density'; call it as TopK(density, *, exchange='auto', **options)",
+            "TopK: missing a required argument: 'density'; call it as TopK(density, *, exchange='gather', **options)",
         ),
         (lambda: gs.TopK(0.1, 0.2), TypeError, "TopK: too many positional arguments"),
         (lambda: gs.Threshold(), ValueError, "Threshold: give exactly one of threshold"),
@@ -163,7 +163,7 @@ def test_state_dict_round_trip_restores_residuals_by_name():
     sd = state.state_dict()
     names = {name for name, _ in ddp.module.named_parameters()}
     assert set(sd["residuals"]) == names
-    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05, "exchange": "auto"}
+    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05, "exchange": "gather"}
     assert any(t.abs().sum() > 0 for t in sd["residuals"].values())
     saved = {k: v.clone() for k, v in sd["residuals"].items()}
 
@@ -185,7 +185,7 @@ def test_load_state_dict_rejects_another_method_or_config():
     _train(ddp, 1)
     sd = state.state_dict()
     with pytest.raises(
-        ValueError, match=r"saved by TopK\(\{'density': 0.05, 'exchange': 'auto'\}\) but this state is TopK"
+        ValueError, match=r"saved by TopK\(\{'density': 0.05, 'exchange': 'gather'\}\) but this state is TopK"
     ):
         gs.TopK(density=0.1).load_state_dict(sd)
     with pytest.raises(ValueError, match="saved by TopK"):
@@ -210,7 +210,7 @@ def test_a_state_dict_saved_before_an_option_existed_loads_with_its_default():
 def test_repr_and_config():
     state = gs.Threshold(threshold=0.5, warmup_steps=3)
     assert repr(state).startswith(
-        "Threshold(threshold=0.5, density=None, exchange='auto', warmup_steps=3, error_feedback=True"
+        "Threshold(threshold=0.5, density=None, exchange='gather', warmup_steps=3, error_feedback=True"
     )
     assert state.config()["nonfinite"] == "raise"
 
