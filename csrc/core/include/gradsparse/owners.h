@@ -3,6 +3,7 @@
 // ceil(n / P) elements (the last shorter, possibly empty); rank o owns shard o.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
