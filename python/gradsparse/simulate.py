@@ -166,7 +166,6 @@ def reduce_scatter_allgather(
     parts_out: Sequence[int],
     parts_in: Sequence[int],
     kept: Sequence[int],
-    counts: Sequence[int],
     numel: int,
     value_bytes: int = 4,
     rank: int = 0,
@@ -175,8 +174,7 @@ def reduce_scatter_allgather(
     (8 bytes) and P - 1 rounds of parts, in round s to the owner rank + s (``parts_out[o]``: this
     rank's pairs in shard o) and from rank - s (``parts_in[r]``: rank r's pairs in this rank's
     shard); the histogram all-reduce; every owner's kept count (all-gather); every owner's kept
-    pairs (``kept[o]``, all-gatherv). Shards of ceil(numel / P) elements. ``counts`` (each rank's
-    selection) only size the control words' check, not the traffic."""
+    pairs (``kept[o]``, all-gatherv). Shards of ceil(numel / P) elements."""
     p = len(parts_out)
     chunk = -(-numel // p)
 
@@ -307,7 +305,7 @@ def even_plan(world_size: int, numel: int, k: int) -> list[Collective]:
     """Reduce-scatter + all-gather on rank 0 when every rank selects k pairs spread evenly over
     the shards and the owners keep k in all."""
     split = even_split(k, world_size)
-    return reduce_scatter_allgather(split, [split[0]] * world_size, split, [k] * world_size, numel)
+    return reduce_scatter_allgather(split, [split[0]] * world_size, split, numel)
 
 
 def faster_exchange(

@@ -101,8 +101,7 @@ std::vector<MessageView> route_to_owners(Transport& transport, Device& device, c
   for (int r = 0; r < p; ++r) {
     const MessageView m = read_message(device, storage.as<unsigned char>() + at[r], sizes[r], bucket.dtype,
                                        static_cast<uint64_t>(shards.length(me)), r);
-    GS_CHECK(m.bytes() == sizes[r], CorruptMessageError, message_source(r), " holds ", m.count, " pairs (", m.bytes(),
-             " bytes) but was announced as ", sizes[r], " bytes");
+    check_message_size(m, sizes[r]);
     received.push_back(m);
   }
   return received;

@@ -40,14 +40,13 @@ class ReduceScatterAllgather final : public Exchange {
     if (result.aborted) return result;
     const int p = transport.size(), me = transport.rank();
     const Shards shards(bucket.numel, p);
-    int64_t budget = 0;
-    for (const ControlWord& w : result.control) budget = std::max(budget, w.count);
+    std::vector<int64_t> counts_by_rank;  // each rank's selection: the most it can send an owner
+    for (const ControlWord& w : result.control) counts_by_rank.push_back(w.count);
+    const int64_t budget = *std::max_element(counts_by_rank.begin(), counts_by_rank.end());
 
     // 1. Reduce-scatter: every rank's pairs in this rank's shard, averaged.
     const OwnerParts parts = split_by_owner(device, bucket, mine, shards);
-    std::vector<int64_t> most;  // what each rank can have sent: its whole selection
-    for (const ControlWord& w : result.control) most.push_back(w.count);
-    const std::vector<size_t> sizes_in = exchange_part_sizes(transport, device, bucket, parts, shards, most);
+    const std::vector<size_t> sizes_in = exchange_part_sizes(transport, device, bucket, parts, shards, counts_by_rank);
     Buffer received;
     const std::vector<MessageView> incoming =
         route_to_owners(transport, device, bucket, parts, shards, sizes_in, received);
@@ -100,10 +99,8 @@ class ReduceScatterAllgather final : public Exchange {
                                          static_cast<uint64_t>(bucket.numel), r);
       GS_CHECK(m.count == counts[r], CorruptMessageError, message_source(r), " holds ", m.count,
                " pairs but announced ", counts[r]);
-      device.scatter_add(m, bucket.grad, 1.0f);
-      const HostMessage list(device, m);
-      list.check_indices();
-      const std::vector<int64_t> index = list.index_list();
+      device.scatter_add(m, bucket.grad, 1.0f);  // checks every index first (in range, ascending)
+      const std::vector<int64_t> index = HostMessage(device, m).index_list();
       GS_CHECK(index.empty() || (index.front() >= shards.begin(r) && index.back() < shards.begin(r) + shards.length(r)),
                CorruptMessageError, message_source(r), " holds pairs outside its shard");
       global.insert(global.end(), index.begin(), index.end());

@@ -217,8 +217,7 @@ void allgather_lists(Step& s, std::vector<Selection>& lists) {
       at += list.bytes;
       const MessageView m = read_message(s.device, list.message.data(), list.bytes, s.bucket.dtype,
                                          static_cast<uint64_t>(s.length(b)), s.global(round.source));
-      GS_CHECK(m.bytes() == list.bytes, CorruptMessageError, message_source(m.source_rank), " holds ", m.count,
-               " pairs (", m.bytes(), " bytes) but was announced as ", list.bytes, " bytes");
+      check_message_size(m, list.bytes);
       list.count = m.count;
     }
   }

@@ -108,13 +108,6 @@ inline void check_message_length(const MessageHeader& h, size_t bytes, int sourc
            " pairs (", layout.total_bytes, " bytes) but only ", bytes, " bytes arrived");
 }
 
-/// Checks that a message whose header is `h` is exactly `bytes` long (where its size was announced).
-inline void check_message_size(const MessageHeader& h, size_t bytes, int source_rank = -1) {
-  const MessageLayout layout(h.count, h.index_bytes, static_cast<DType>(h.dtype));
-  GS_CHECK(layout.total_bytes == bytes, CorruptMessageError, message_source(source_rank), " holds ", h.count,
-           " pairs (", layout.total_bytes, " bytes) but was announced as ", bytes, " bytes");
-}
-
 /// Checks that a message of `bytes` bytes at `data` can hold its header and starts 8-byte aligned,
 /// so that its indices and values (at multiples of 8 from the start) are read aligned.
 inline void check_message_start(const void* data, size_t bytes, int source_rank = -1) {
@@ -160,6 +153,12 @@ inline MessageView view_from_header(const void* data, const MessageHeader& h, in
                      h.index_bytes,
                      static_cast<int64_t>(h.nonfinite),
                      source_rank};
+}
+
+/// Checks that a received message is exactly the `bytes` its sender announced.
+inline void check_message_size(const MessageView& m, size_t bytes) {
+  GS_CHECK(m.bytes() == bytes, CorruptMessageError, message_source(m.source_rank), " holds ", m.count, " pairs (",
+           m.bytes(), " bytes) but was announced as ", bytes, " bytes");
 }
 
 /// Validates a received message of `bytes` bytes in host memory (read_header) and returns its view.
