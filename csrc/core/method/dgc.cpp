@@ -18,12 +18,13 @@ DGC::DGC(double density, uint64_t seed, const std::string& exchange)
 
 Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;
-  const Moments m = device.moments(bucket, /*update=*/true);
+  const double dn = static_cast<double>(n);
+  const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
+  OnePass pass(device, bucket, bound_, k);
+  const Moments& m = pass.moments();
   const double norm = std::sqrt(m.sum_sq);
   threshold_ = std::numeric_limits<double>::quiet_NaN();
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
-  const double dn = static_cast<double>(n);
-  const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
   const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
   const Selection sample = device.gather(bucket, sample_distinct(stream, f, n));
@@ -32,13 +33,14 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
   std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
   threshold_ = x[s - 1] * norm;
-  Selection out = device.select(bucket, SelectRule{threshold_, true, method_util::whole(bucket), false, false});
+  Selection out = pass.select(threshold_, true, false);
   if (static_cast<double>(out.count) > 4.0 * k / 3.0) {
     double kth;
     out = method_util::largest_of_message(device, bucket, out, k, kth);
   }
   device.zero_at(bucket, out.view(bucket));
   out.nonfinite = m.nonfinite;
+  bound_.learn(pass);
   return out;
 }
 

@@ -1,6 +1,6 @@
 // Gaussian-k (docs/method-spec.md 4.4): a normal fit of the values gives a first threshold, then
-// a few rescalings steer the count towards k. All candidate thresholds of the rescaling are known
-// in advance, so one counting pass serves every evaluation.
+// a few rescalings steer the count towards k. The counts come from the step's one pass
+// (gradsparse/one_pass.h).
 #include <cmath>
 
 #include "gradsparse/methods.h"
@@ -22,10 +22,11 @@ GaussianK::GaussianK(double density, const std::string& variant, const std::stri
 
 Selection GaussianK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;
-  const Moments m = device.moments(bucket, /*update=*/true);
+  const int64_t k = target_count(density_, n);
+  OnePass pass(device, bucket, bound_, k);
+  const Moments& m = pass.moments();
   threshold_ = std::numeric_limits<double>::quiet_NaN();
   if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
-  const int64_t k = target_count(density_, n);
   const double z = normal_quantile(1.0 - density_ / 2.0);
 
   if (variant_ == Variant::kSparDL) {
@@ -35,7 +36,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     std::vector<double> thresholds{start};
     for (double t = start, i = 0; i < 20; ++i) thresholds.push_back(t /= 1.02);
     for (double t = start, i = 0; i < 20; ++i) thresholds.push_back(t *= 1.02);
-    const std::vector<int64_t> counts = device.count(bucket, method_util::whole(bucket), thresholds, true);
+    OnePass::Counts counts = pass.counts(thresholds, true);
     const int64_t low = 3 * k / 4, high = 5 * k / 4;
     size_t at = 0;
     if (counts[0] < low) {
@@ -59,7 +60,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     }
     std::vector<double> thresholds(rho.size());
     for (size_t i = 0; i < rho.size(); ++i) thresholds[i] = rho[i] * norm;
-    const std::vector<int64_t> counts = device.count(bucket, method_util::whole(bucket), thresholds, true);
+    OnePass::Counts counts = pass.counts(thresholds, true);
     size_t node = 0;
     for (int evaluation = 0; evaluation < 3; ++evaluation) {
       const double c = static_cast<double>(counts[node]);
@@ -76,8 +77,9 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     }
     threshold_ = thresholds[node];
   }
-  Selection s = device.select(bucket, SelectRule{threshold_, true, Range{0, n}, false, true});
+  Selection s = pass.select(threshold_, true, true);
   s.nonfinite = m.nonfinite;
+  bound_.learn(pass);
   return s;
 }
 

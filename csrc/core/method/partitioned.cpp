@@ -82,9 +82,19 @@ Selection PartitionedMethod::select_reference(Device& device, const BucketView& 
 Selection PartitionedMethod::select_default(Device& device, const BucketView& bucket, Collective& group, Range range,
                                             int64_t k) {
   const int64_t t = committed_.t;
-  const int64_t nonfinite = method_util::update_pass(device, bucket);
-  double prediction;
-  if (t == 0) {
+  int64_t nonfinite = 0;
+  Candidates c;
+  std::vector<double> edges;
+  if (t > 0) {
+    // The prediction needs no look at this step's values: one pass updates and lists the band.
+    edges =
+        BandController::band_edges(BandController::predict_from_trend(committed_.estimate, committed_.before_last, t),
+                                   BandController::band_factor(t));
+    Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/-1);
+    nonfinite = scan.moments.nonfinite;
+    c = std::move(scan.candidates);
+  } else {
+    nonfinite = method_util::update_pass(device, bucket);
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
     const int64_t length = range.end - range.begin;
     const int64_t samples = std::min<int64_t>(4096, length);
@@ -102,12 +112,10 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
         weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
     }
     group.sum(weights);
-    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
-  } else {
-    prediction = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
+    edges = BandController::band_edges(BandController::predict_from_samples(weights, static_cast<double>(k)),
+                                       BandController::band_factor(t));
+    c = device.collect(bucket, range, edges[0], false);
   }
-  const std::vector<double> edges = BandController::band_edges(prediction, BandController::band_factor(t));
-  const Candidates c = device.collect(bucket, range, edges[0], false);
   std::vector<double> counts(BandController::kBandBins + 1, 0.0);
   add_band_counts(edges, c.value, counts);
   group.sum(counts);

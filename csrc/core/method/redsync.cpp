@@ -1,5 +1,5 @@
 // RedSync (docs/method-spec.md 4.6, SIDCo's redsync): bisection of the threshold between the mean
-// and the maximum magnitude; the at most three evaluations are counted in one pass.
+// and the maximum magnitude; the at most three evaluations are counted from the step's one pass.
 #include <cmath>
 #include <map>
 
@@ -15,7 +15,8 @@ RedSync::RedSync(double density, const std::string& exchange)
 
 Selection RedSync::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;
-  const Moments m = device.moments(bucket, /*update=*/true);
+  OnePass pass(device, bucket, bound_, target_count(density_, n));
+  const Moments& m = pass.moments();
   threshold_ = std::numeric_limits<double>::quiet_NaN();
   if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
   const double k = static_cast<double>(target_count(density_, n));
@@ -25,14 +26,14 @@ Selection RedSync::select(Device& device, const BucketView& bucket, Collective& 
   const std::vector<double> mids{0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875};
   std::vector<double> thresholds;
   for (double mid : mids) thresholds.push_back(threshold_at(mid));
-  const std::vector<int64_t> counts = device.count(bucket, method_util::whole(bucket), thresholds, true);
-  std::map<double, double> count_at;
-  for (size_t i = 0; i < mids.size(); ++i) count_at[mids[i]] = static_cast<double>(counts[i]);
+  OnePass::Counts counts = pass.counts(thresholds, true);
+  std::map<double, size_t> at;
+  for (size_t i = 0; i < mids.size(); ++i) at[mids[i]] = i;
   double lo = 0.0, hi = 1.0;
   while (hi - lo > 0.2) {
     const double mid = lo + (hi - lo) / 2.0;
     threshold_ = threshold_at(mid);
-    const double c = count_at.at(mid);
+    const double c = static_cast<double>(counts[at.at(mid)]);
     if (k < c && c < 2.0 * k) break;
     if (c < k / 2.0) {
       hi = mid;
@@ -40,8 +41,9 @@ Selection RedSync::select(Device& device, const BucketView& bucket, Collective& 
       lo = mid;
     }
   }
-  Selection s = device.select(bucket, SelectRule{threshold_, true, Range{0, n}, false, true});
+  Selection s = pass.select(threshold_, true, true);
   s.nonfinite = m.nonfinite;
+  bound_.learn(pass);
   return s;
 }
 

@@ -42,7 +42,8 @@ double SIDCo::stage_threshold(double mean, double variance, double mean_log, dou
 
 Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;
-  const Moments m = device.moments(bucket, /*update=*/true);
+  OnePass pass(device, bucket, bound_, target_count(density_, n));
+  const Moments& m = pass.moments();
   const double norm = std::sqrt(m.sum_sq);
   numel_ = n;
   selected_ = 0;
@@ -75,7 +76,7 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
     double floor_eta = eta;
     for (int i = loops; i > 0; --i) {
       const double stage_ratio = (i == 1 && stages == 0) ? remaining / std::pow(ratio, loops - 1) : ratio;
-      const Exceedance e = device.exceedance(bucket, floor_eta * norm, /*strict=*/true, 1.0 / norm);
+      const Exceedance e = pass.exceedance(floor_eta * norm, /*strict=*/true, 1.0 / norm);
       if (e.count == 0) break;
       const double c = static_cast<double>(e.count);
       const double shifted_mean = e.sum / c - e.min;
@@ -86,7 +87,8 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
     }
   }
   threshold_ = eta * norm;
-  Selection s = device.select(bucket, SelectRule{threshold_, true, Range{0, n}, false, true});
+  Selection s = pass.select(threshold_, true, true);
+  bound_.learn(pass);
   selected_ = s.count;
   s.nonfinite = m.nonfinite;
   return s;

@@ -10,7 +10,12 @@ TopK::TopK(double density, const std::string& exchange)
 }
 
 Selection TopK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
-  return device.select_topk(bucket, target_count(density_, bucket.numel));
+  OnePass pass(device, bucket, bound_, target_count(density_, bucket.numel));
+  double kth;
+  Selection s = pass.largest(target_count(density_, bucket.numel), kth);
+  s.nonfinite = pass.moments().nonfinite;
+  bound_.learn(pass);
+  return s;
 }
 
 }  // namespace gradsparse

@@ -18,6 +18,9 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   void fill_zero(void* dst, size_t bytes) override;
   void synchronize() override {}
 
+  /// One fused pass (cpu::scan).
+  Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) override;
+
   // Typed kernels used by KernelDevice.
   template <typename T, typename I>
   SelectStats k_select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {

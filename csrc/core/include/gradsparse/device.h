@@ -103,6 +103,15 @@ struct Candidates {
   size_t size() const { return index.size(); }
 };
 
+/// What one pass over a bucket tells a threshold estimator (Device::scan).
+struct Scan {
+  Moments moments;        ///< of the whole bucket
+  double lower = 0.0;     ///< the candidates are the elements of the range with |v| >= lower
+  int64_t above = 0;      ///< how many there are
+  Candidates candidates;  ///< all of them, or none when they exceeded the capacity
+  bool complete() const { return static_cast<int64_t>(candidates.size()) == above; }
+};
+
 /// Where a bucket lives and how the core computes on it: memory and kernels. Every pass below
 /// reads the selection values (kernels.h); `update` fuses the error-feedback update into it (the
 /// first pass of a step does; later passes read the updated residual). Kernels that produce pairs
@@ -147,6 +156,10 @@ class Device {
   virtual double log_sum(const BucketView& bucket, double scale, double eps) = 0;
   /// The elements of `range` with |v| >= threshold (> when strict).
   virtual Candidates collect(const BucketView& bucket, Range range, double threshold, bool strict) = 0;
+  /// One pass for a threshold estimator (with `update`: the first pass of a step): the moments of
+  /// the whole bucket and the elements of `range` with |v| >= lower, listed when they are at most
+  /// `capacity` (< 0: any number). This default makes the passes one by one; a device may fuse them.
+  virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity);
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
 

@@ -9,6 +9,7 @@
 
 #include "gradsparse/estimators.h"
 #include "gradsparse/method.h"
+#include "gradsparse/one_pass.h"
 #include "gradsparse/partition.h"
 
 namespace gradsparse {
@@ -40,6 +41,7 @@ class TopK final : public PerRankMethod {
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
 
  private:
+  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
 };
 
@@ -111,6 +113,7 @@ class GaussianK final : public PerRankMethod {
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
 
  private:
+  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
   Variant variant_;
   double threshold_ = std::numeric_limits<double>::quiet_NaN();
@@ -128,6 +131,7 @@ class DGC final : public PerRankMethod {
   void load_state(const MethodState& state) override;
 
  private:
+  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
   uint64_t seed_;
   int64_t step_ = 0;
@@ -143,6 +147,7 @@ class RedSync final : public PerRankMethod {
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
 
  private:
+  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
   double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
@@ -264,6 +269,7 @@ class SIDCo final : public PerRankMethod {
   int stages() const { return adaptive_ ? adaptive_->stages() : stages_; }
 
  private:
+  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double stage_threshold(double mean, double variance, double mean_log, double ratio, bool first) const;
 
   double density_;

@@ -27,4 +27,17 @@ void CpuDevice::fill_zero(void* dst, size_t bytes) {
   if (bytes > 0) std::memset(dst, 0, bytes);
 }
 
+Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
+  if (range.end < 0) range.end = bucket.numel;
+  return dispatch_dtype(bucket.dtype, [&](auto t) {
+    using T = decltype(t);
+    Scan s;
+    s.lower = lower;
+    const Source<T> src{static_cast<T*>(bucket.residual), static_cast<const T*>(bucket.grad), update};
+    s.moments = cpu::scan<T>(src, bucket.numel, range, key_at_least<T>(lower), capacity, s.above, s.candidates.index,
+                             s.candidates.value);
+    return s;
+  });
+}
+
 }  // namespace gradsparse

@@ -6,6 +6,7 @@
 // at or above a key found with vector comparisons. They add in exactly the portable code's order
 // (moments: MomentLanes; exceedance: one by one in index order), so both paths give the same bits.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -315,51 +316,52 @@ bool avx2_f32(Source<T> src, F&& f) {
   return false;
 }
 
-}  // namespace
-
+/// moments() of the block [begin, end) (with `src.update`: fused with the update of the block).
 template <typename T>
-Moments moments(Source<T> src, int64_t n) {
-  const auto blocks = per_block<Moments>(n, [&](int64_t begin, int64_t end) {
-    Moments m;
-    // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
-    if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
-          m = moments_f32_avx2<decltype(read)::value>(reinterpret_cast<float*>(src.residual),
-                                                      reinterpret_cast<const float*>(src.grad), begin, end);
-        }))
-      return m;
-    if (src.update && src.residual != nullptr) {
-      for (int64_t i = begin; i < end; ++i) {
-        bool finite;
-        ef_accumulate(src.residual[i], src.grad[i], finite);
-        m.nonfinite += !finite;
-      }
-    } else if (src.residual == nullptr) {
-      for (int64_t i = begin; i < end; ++i) m.nonfinite += !is_finite(src.grad[i]);
-    }
-    if constexpr (std::is_same_v<T, float>) {
-      if (src.residual != nullptr) {
-        const int64_t nonfinite = m.nonfinite;
-        m = moments_f32_portable(src, begin, end);
-        m.nonfinite = nonfinite;
-        return m;
-      }
-    }
-    double sum_abs = 0.0, sum = 0.0, sum_sq = 0.0, max_abs = 0.0;
-#pragma omp simd reduction(+ : sum_abs, sum, sum_sq) reduction(max : max_abs)
-    for (int64_t i = begin; i < end; ++i) {
-      const double v = Num<T>::to_float(src.value(i));
-      const double a = std::fabs(v);
-      sum_abs += a;
-      sum += v;
-      sum_sq += v * v;
-      max_abs = std::max(max_abs, a);
-    }
-    m.sum_abs = sum_abs;
-    m.sum = sum;
-    m.sum_sq = sum_sq;
-    m.max_abs = max_abs;
+Moments block_moments(Source<T> src, int64_t begin, int64_t end) {
+  Moments m;
+  // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
+  if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
+        m = moments_f32_avx2<decltype(read)::value>(reinterpret_cast<float*>(src.residual),
+                                                    reinterpret_cast<const float*>(src.grad), begin, end);
+      }))
     return m;
-  });
+  if (src.update && src.residual != nullptr) {
+    for (int64_t i = begin; i < end; ++i) {
+      bool finite;
+      ef_accumulate(src.residual[i], src.grad[i], finite);
+      m.nonfinite += !finite;
+    }
+  } else if (src.residual == nullptr) {
+    for (int64_t i = begin; i < end; ++i) m.nonfinite += !is_finite(src.grad[i]);
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (src.residual != nullptr) {
+      const int64_t nonfinite = m.nonfinite;
+      m = moments_f32_portable(src, begin, end);
+      m.nonfinite = nonfinite;
+      return m;
+    }
+  }
+  double sum_abs = 0.0, sum = 0.0, sum_sq = 0.0, max_abs = 0.0;
+#pragma omp simd reduction(+ : sum_abs, sum, sum_sq) reduction(max : max_abs)
+  for (int64_t i = begin; i < end; ++i) {
+    const double v = Num<T>::to_float(src.value(i));
+    const double a = std::fabs(v);
+    sum_abs += a;
+    sum += v;
+    sum_sq += v * v;
+    max_abs = std::max(max_abs, a);
+  }
+  m.sum_abs = sum_abs;
+  m.sum = sum;
+  m.sum_sq = sum_sq;
+  m.max_abs = max_abs;
+  return m;
+}
+
+/// The moments of a pass made in blocks: the blocks' figures added in block order.
+Moments combine_moments(const std::vector<Moments>& blocks) {
   Moments total;
   for (const Moments& m : blocks) {
     total.sum_abs += m.sum_abs;
@@ -369,6 +371,81 @@ Moments moments(Source<T> src, int64_t n) {
     total.nonfinite += m.nonfinite;
   }
   return total;
+}
+
+/// Per-calling-thread candidate buffers of scan(), one per block; their capacity is kept.
+struct ScanBlock {
+  std::vector<int64_t> index;
+  std::vector<float> value;
+  int64_t above = 0;
+};
+
+}  // namespace
+
+template <typename T>
+Moments moments(Source<T> src, int64_t n) {
+  return combine_moments(
+      per_block<Moments>(n, [&](int64_t begin, int64_t end) { return block_moments(src, begin, end); }));
+}
+
+template <typename T>
+Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, int64_t& above,
+             std::vector<int64_t>& index, std::vector<float>& value) {
+  GS_CHECK(n >= 0, ValueError, "scan: n must be >= 0, got ", n);
+  check_range(range, n, "scan");
+  const int64_t nblocks = num_blocks(n);
+  thread_local std::vector<ScanBlock> per_thread;  // the calling thread's; workers use it by reference
+  std::vector<ScanBlock>& workspace = per_thread;
+  if (static_cast<int64_t>(workspace.size()) < nblocks) workspace.resize(nblocks);
+  std::vector<Moments> moments(static_cast<size_t>(nblocks));
+  std::atomic<int64_t> stored{0};  // candidates found by the finished blocks
+  Source<T> read = src;            // the block's second look, from cache, sees the updated values
+  read.update = false;
+  parallel_blocks(nblocks, [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    moments[b] = block_moments(src, begin, end);
+    ScanBlock& p = workspace[b];
+    p.index.clear();
+    p.value.clear();
+    p.above = 0;
+    const int64_t lo = std::clamp(range.begin, begin, end), hi = std::clamp(range.end, begin, end);
+    // A block lists its candidates while the blocks before it (in finishing order) have listed
+    // no more than the capacity, so at most capacity + one block per thread are ever listed.
+    const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
+    const auto take = [&](int64_t i, T v) {
+      ++p.above;
+      if (listing) {
+        p.index.push_back(i);
+        p.value.push_back(Num<T>::to_float(v));
+      }
+    };
+#if GS_HAVE_AVX2_PATHS
+    if constexpr (std::is_same_v<T, float>) {
+      if (src.residual != nullptr && use_avx2()) {
+        const float* r = src.residual;
+        scan_keys_avx2(r, lo, hi, key, [&](int64_t i) { take(i, r[i]); });
+        stored.fetch_add(p.above, std::memory_order_relaxed);
+        return;
+      }
+    }
+#endif
+    for (int64_t i = lo; i < hi; ++i) {
+      const T v = read.value(i);
+      if (Num<T>::key(v) >= key) take(i, v);
+    }
+    stored.fetch_add(p.above, std::memory_order_relaxed);
+  });
+  above = 0;
+  for (int64_t b = 0; b < nblocks; ++b) above += workspace[b].above;
+  index.clear();
+  value.clear();
+  if (capacity < 0 || above <= capacity) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      index.insert(index.end(), workspace[b].index.begin(), workspace[b].index.end());
+      value.insert(value.end(), workspace[b].value.begin(), workspace[b].value.end());
+    }
+  }
+  return combine_moments(moments);
 }
 
 template <typename T>
@@ -470,12 +547,14 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   return total;
 }
 
-#define GS_INSTANTIATE_STATISTICS(T)                                                      \
-  template Moments moments<T>(Source<T>, int64_t);                                        \
-  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*); \
-  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double);                \
-  template double log_sum<T>(Source<T>, int64_t, double, double);                         \
-  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                  \
+#define GS_INSTANTIATE_STATISTICS(T)                                                                      \
+  template Moments moments<T>(Source<T>, int64_t);                                                        \
+  template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, int64_t&, std::vector<int64_t>&, \
+                           std::vector<float>&);                                                          \
+  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                 \
+  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double);                                \
+  template double log_sum<T>(Source<T>, int64_t, double, double);                                         \
+  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                  \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 
 GS_INSTANTIATE_STATISTICS(float)

@@ -1,0 +1,119 @@
+// One pass per step for the threshold estimators (docs/architecture.md, "One pass").
+//
+// An estimating method needs statistics of the whole bucket (moments), then counts or exceedance
+// moments at thresholds it computes from them, then the selection. Made one after another these
+// read the bucket two or three times. OnePass reads it once: Device::scan updates the residual,
+// adds the moments and lists the candidates, the elements at or above a lower bound that the
+// method's CandidateBound learned from its earlier steps. Every later question about a threshold
+// at or above that bound is answered from the candidates, exactly as a pass over the bucket would
+// answer it; a question below the bound (or after too many candidates) makes that pass, read-only.
+// So the results never depend on the bound: only the time does.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "gradsparse/device.h"
+
+namespace gradsparse {
+
+class OnePass;
+
+/// Where a method's next step starts listing candidates: a factor below the lowest threshold its
+/// last step asked about, tightened when the candidates were many more than that question needed
+/// and widened when a question fell below them. Not part of a checkpoint (it changes the time of a step, never its
+/// result).
+class CandidateBound {
+ public:
+  /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
+  double lower() const { return lower_; }
+  /// How many candidates are listed at most for a target of k elements.
+  static int64_t capacity(int64_t k) { return 4 * k + 1024; }
+  /// Learns from a finished step.
+  void learn(const OnePass& pass);
+
+ private:
+  double factor_ = 0.85;
+  double lower_ = std::numeric_limits<double>::infinity();
+};
+
+/// One step's pass over a bucket and the questions a threshold estimator asks about it. The
+/// constructor makes the pass (with the error-feedback update); every answer is exact.
+class OnePass {
+ public:
+  OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Range range = {0, -1});
+
+  const Moments& moments() const { return scan_.moments; }
+
+  /// Counts at several thresholds (|v| >= t, or > t when strict) asked one at a time: those the
+  /// candidates cover come from them; the first one they do not cover counts all the uncovered
+  /// ones in one read-only pass.
+  class Counts {
+   public:
+    int64_t operator[](size_t j);
+
+   private:
+    friend class OnePass;
+    Counts(OnePass& pass, std::vector<double> thresholds, bool strict);
+    OnePass& pass_;
+    std::vector<double> thresholds_;
+    std::vector<uint32_t> keys_;
+    bool strict_;
+    std::vector<int64_t> value_;
+    std::vector<bool> known_;
+  };
+  Counts counts(std::vector<double> thresholds, bool strict) { return Counts(*this, std::move(thresholds), strict); }
+
+  /// Moments of y = |v| * scale over the elements with |v| >= threshold (> when strict).
+  Exceedance exceedance(double threshold, bool strict, double scale);
+  /// The elements of the range with |v| >= threshold (> when strict), as a message; zeroes their
+  /// residual when `zero`.
+  Selection select(double threshold, bool strict, bool zero);
+  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual;
+  /// `kth` gets the k-th largest magnitude (0 when k = 0).
+  Selection largest(int64_t k, double& kth);
+
+  /// The lowest threshold of a question whose answer held at most the capacity of elements (the
+  /// others cannot be answered from candidates at any bound); +inf when none did.
+  double lowest_asked() const { return lowest_asked_; }
+  /// Whether such a question fell below the candidates and needed a pass over the bucket.
+  bool missed() const { return missed_; }
+  /// How many elements the answer at lowest_asked() held.
+  int64_t lowest_answer() const { return lowest_answer_; }
+  /// How many candidates the scan found.
+  int64_t candidates() const { return scan_.above; }
+  /// Whether the candidates were too many to list.
+  bool overflowed() const { return !scan_.complete(); }
+
+ private:
+  /// The key a question's elements reach (|v| >= t, or > t when strict; t rounded to the dtype, as
+  /// every pass compares, kernels.h).
+  uint32_t key_of(double threshold, bool strict) const;
+  /// True when the candidates hold every element of the range whose key reaches `key`.
+  bool covers(uint32_t key) const { return scan_.complete() && !stale_ && key >= lower_key_; }
+  /// After a selection that zeroed residual entries: the chosen candidates become zero (a
+  /// selection made by a pass over the bucket leaves the candidates stale: later answers pass
+  /// over the bucket too).
+  void zeroed(const std::vector<size_t>& chosen);
+  /// Notes a question at `threshold` whose answer holds `elements` elements.
+  void asked(double threshold, int64_t elements, bool covered);
+  /// The candidates' keys in the bucket's dtype (computed on first use).
+  const std::vector<uint32_t>& keys();
+  /// The candidates whose key reaches `key`, as positions in the candidate lists.
+  std::vector<size_t> reaching(uint32_t key);
+
+  Device& device_;
+  BucketView bucket_;
+  Range range_;
+  int64_t capacity_;
+  Scan scan_;
+  uint32_t lower_key_;
+  std::vector<uint32_t> keys_;
+  int64_t lowest_answer_ = 0;
+  double lowest_asked_ = std::numeric_limits<double>::infinity();
+  bool missed_ = false;
+  bool stale_ = false;
+};
+
+}  // namespace gradsparse

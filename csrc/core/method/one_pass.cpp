@@ -1,0 +1,211 @@
+// OnePass and CandidateBound (gradsparse/one_pass.h), and Device::scan's unfused default.
+//
+// Every comparison here is one of keys in the bucket's dtype, with the threshold rounded to that
+// dtype as the kernels round it (key_at_least, key_above), so an answer from the candidates is
+// the answer of a pass over the bucket, element for element.
+#include "gradsparse/one_pass.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "gradsparse/key_bins.h"
+#include "gradsparse/parallel.h"
+#include "method_util.h"
+
+namespace gradsparse {
+
+Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
+  Scan s;
+  s.lower = lower;
+  s.moments = moments(bucket, update);
+  s.above = count(bucket, range, {lower}, false)[0];
+  if (capacity < 0 || s.above <= capacity) s.candidates = collect(bucket, range, lower, false);
+  return s;
+}
+
+void CandidateBound::learn(const OnePass& pass) {
+  // Too many candidates (then every question missed them) or far more than needed: start closer.
+  if (pass.overflowed() || (!pass.missed() && pass.candidates() > 3 * std::max<int64_t>(pass.lowest_answer(), 64))) {
+    factor_ = std::min(0.98, 1.0 - (1.0 - factor_) / 2.0);
+  } else if (pass.missed()) {
+    factor_ = std::max(0.25, factor_ * 0.8);  // a question fell below the candidates: start lower
+  }
+  const double t = pass.lowest_asked();
+  lower_ = std::isfinite(t) && t > 0.0 ? factor_ * t : std::numeric_limits<double>::infinity();
+}
+
+OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Range range)
+    : device_(device),
+      bucket_(bucket),
+      range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
+      capacity_(CandidateBound::capacity(k)) {
+  scan_ = device.scan(bucket, /*update=*/true, range_, bound.lower(), capacity_);
+  lower_key_ = key_of(bound.lower(), false);
+}
+
+uint32_t OnePass::key_of(double threshold, bool strict) const {
+  return dispatch_dtype(bucket_.dtype, [&](auto t) {
+    using T = decltype(t);
+    return strict ? key_above<T>(threshold) : key_at_least<T>(threshold);
+  });
+}
+
+void OnePass::asked(double threshold, int64_t elements, bool covered) {
+  if (elements > capacity_) return;  // no bound could have listed them
+  if (threshold < lowest_asked_) {
+    lowest_asked_ = threshold;
+    lowest_answer_ = elements;
+  }
+  missed_ = missed_ || !covered;
+}
+
+void OnePass::zeroed(const std::vector<size_t>& chosen) {
+  if (bucket_.residual == nullptr) return;  // nothing is zeroed without a residual
+  keys();
+  for (size_t j : chosen) {
+    scan_.candidates.value[j] = 0.0f;
+    keys_[j] = 0;
+  }
+}
+
+const std::vector<uint32_t>& OnePass::keys() {
+  if (keys_.size() != scan_.candidates.size()) {
+    keys_.resize(scan_.candidates.size());
+    dispatch_dtype(bucket_.dtype, [&](auto t) {
+      using T = decltype(t);
+      for (size_t j = 0; j < keys_.size(); ++j) keys_[j] = Num<T>::key(Num<T>::from_float(scan_.candidates.value[j]));
+    });
+  }
+  return keys_;
+}
+
+std::vector<size_t> OnePass::reaching(uint32_t key) {
+  const std::vector<uint32_t>& k = keys();
+  std::vector<size_t> out;
+  for (size_t j = 0; j < k.size(); ++j)
+    if (k[j] >= key) out.push_back(j);
+  return out;
+}
+
+OnePass::Counts::Counts(OnePass& pass, std::vector<double> thresholds, bool strict)
+    : pass_(pass),
+      thresholds_(std::move(thresholds)),
+      strict_(strict),
+      value_(thresholds_.size(), 0),
+      known_(thresholds_.size(), false) {
+  for (double t : thresholds_) keys_.push_back(pass_.key_of(t, strict_));
+}
+
+int64_t OnePass::Counts::operator[](size_t j) {
+  if (!known_[j]) {
+    const bool covered = pass_.covers(keys_[j]);
+    // Every threshold not known yet on the same side of the bound as this one, in one look:
+    // the covered ones over the candidates, the others in one read-only pass over the bucket.
+    std::vector<size_t> which;
+    for (size_t i = 0; i < thresholds_.size(); ++i)
+      if (!known_[i] && pass_.covers(keys_[i]) == covered) which.push_back(i);
+    std::vector<int64_t> counts(which.size(), 0);
+    if (covered) {
+      std::vector<uint32_t> sorted;
+      for (size_t i : which) sorted.push_back(keys_[i]);
+      std::sort(sorted.begin(), sorted.end());
+      sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+      std::vector<int64_t> in_bin(sorted.size(), 0);  // candidates between one key and the next
+      const KeyBins bins(sorted.data(), static_cast<int>(sorted.size()));
+      for (uint32_t key : pass_.keys())
+        if (key >= sorted[0]) ++in_bin[static_cast<size_t>(bins.bin(key))];
+      for (size_t b = sorted.size() - 1; b > 0; --b) in_bin[b - 1] += in_bin[b];  // now: at or above
+      for (size_t i = 0; i < which.size(); ++i) {
+        const uint32_t key = keys_[which[i]];
+        counts[i] = key == kNoKey ? 0 : in_bin[std::lower_bound(sorted.begin(), sorted.end(), key) - sorted.begin()];
+      }
+    } else {
+      std::vector<double> thresholds;
+      for (size_t i : which) thresholds.push_back(thresholds_[i]);
+      counts = pass_.device_.count(pass_.bucket_, pass_.range_, thresholds, strict_);
+    }
+    for (size_t i = 0; i < which.size(); ++i) {
+      value_[which[i]] = counts[i];
+      known_[which[i]] = true;
+    }
+  }
+  pass_.asked(thresholds_[j], value_[j], pass_.covers(keys_[j]));
+  return value_[j];
+}
+
+Exceedance OnePass::exceedance(double threshold, bool strict, double scale) {
+  GS_ASSERT(range_.begin == 0 && range_.end == bucket_.numel);
+  const uint32_t key = key_of(threshold, strict);
+  if (!covers(key)) {
+    const Exceedance e = device_.exceedance(bucket_, threshold, strict, scale);
+    asked(threshold, e.count, false);
+    return e;
+  }
+  // In the CPU kernel's order: element by element within each block, then the blocks in order.
+  std::vector<Exceedance> parts;
+  int64_t block = -1;
+  for (size_t j : reaching(key)) {
+    if (scan_.candidates.index[j] / kCpuBlock != block) {
+      block = scan_.candidates.index[j] / kCpuBlock;
+      parts.push_back(Exceedance{0, 0.0, 0.0, std::numeric_limits<double>::infinity()});
+    }
+    Exceedance& e = parts.back();
+    const double y = std::fabs(static_cast<double>(scan_.candidates.value[j])) * scale;
+    ++e.count;
+    e.sum += y;
+    e.sum_sq += y * y;
+    e.min = std::min(e.min, y);
+  }
+  const Exceedance e = Exceedance::combine(parts);
+  asked(threshold, e.count, true);
+  return e;
+}
+
+Selection OnePass::select(double threshold, bool strict, bool zero) {
+  const uint32_t key = key_of(threshold, strict);
+  if (!covers(key)) {
+    Selection s = device_.select(bucket_, SelectRule{threshold, strict, range_, false, zero});
+    asked(threshold, s.count, false);
+    stale_ = stale_ || zero;
+    return s;
+  }
+  const std::vector<size_t> chosen = reaching(key);
+  asked(threshold, static_cast<int64_t>(chosen.size()), true);
+  Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, zero);
+  if (zero) zeroed(chosen);
+  return s;
+}
+
+Selection OnePass::largest(int64_t k, double& kth) {
+  GS_ASSERT(range_.begin == 0 && range_.end == bucket_.numel);
+  k = std::min(k, bucket_.numel);
+  kth = 0.0;
+  if (k <= 0) return device_.emit(bucket_, {}, {}, false);
+  if (!scan_.complete() || scan_.above < k) {  // the k-th largest lies below the candidates
+    Selection s = device_.select_topk(bucket_, k, /*update=*/false);
+    const std::vector<float> values = HostMessage(device_, s, bucket_).value_list();
+    kth = std::numeric_limits<double>::infinity();
+    for (float v : values) kth = std::min(kth, std::fabs(static_cast<double>(v)));
+    asked(kth, k, false);
+    stale_ = true;
+    return s;
+  }
+  const std::vector<uint32_t>& key = keys();
+  const uint32_t kth_key = method_util::kth_largest_key(key, k);
+  kth = dispatch_dtype(bucket_.dtype, [&](auto t) {
+    using T = decltype(t);
+    return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
+  });
+  asked(kth, k, true);
+  int64_t ties = k;  // elements at the k-th key that are taken (the lowest indices)
+  for (uint32_t x : key) ties -= x > kth_key;
+  std::vector<size_t> chosen;
+  chosen.reserve(static_cast<size_t>(k));
+  for (size_t j = 0; j < key.size(); ++j)
+    if (key[j] > kth_key || (key[j] == kth_key && ties-- > 0)) chosen.push_back(j);
+  Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
+  zeroed(chosen);
+  return s;
+}
+
+}  // namespace gradsparse

@@ -1,0 +1,226 @@
+// One pass per step (gradsparse/one_pass.h): Device::scan against the passes it fuses, OnePass's
+// answers against plain passes at every kind of bound (none, below, near, above the answer, too
+// many candidates), and the methods built on it: their results never depend on the bound.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
+#include "gradsparse/one_pass.h"
+#include "gradsparse/parallel.h"
+#include "gradsparse/reduce_bucket.h"
+#include "reference.h"
+#include "threads.h"
+
+using namespace gradsparse;
+namespace ref = gradsparse::reference;
+
+namespace {
+
+template <typename T>
+DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, Half>) return DType::kFloat16;
+  return DType::kBFloat16;
+}
+
+constexpr int64_t kN = 3 * kCpuBlock + 77;
+
+/// A bucket of dtype T with a residual (or none).
+template <typename T>
+struct Bucket {
+  std::vector<T> grad, residual;
+  bool with_residual;
+  explicit Bucket(bool with_residual_, uint64_t seed = 1) : with_residual(with_residual_) {
+    for (float v : ref::random_vector<float>(kN, seed)) grad.push_back(Num<T>::from_float(v));
+    for (float v : ref::random_vector<float>(kN, seed + 1, 0.5f)) residual.push_back(Num<T>::from_float(v));
+  }
+  BucketView view() { return BucketView{dtype_of<T>(), kN, grad.data(), with_residual ? residual.data() : nullptr}; }
+};
+
+std::vector<unsigned char> bytes(const Selection& s) {
+  const auto* p = s.message.as<unsigned char>();
+  return std::vector<unsigned char>(p, p + s.bytes);
+}
+
+void expect_same_moments(const Moments& a, const Moments& b) {
+  EXPECT_EQ(a.sum, b.sum);
+  EXPECT_EQ(a.sum_abs, b.sum_abs);
+  EXPECT_EQ(a.sum_sq, b.sum_sq);
+  EXPECT_EQ(a.max_abs, b.max_abs);
+  EXPECT_EQ(a.nonfinite, b.nonfinite);
+}
+
+template <typename T>
+void scan_matches_the_passes_it_fuses() {
+  for (bool with_residual : {true, false}) {
+    for (Range range : {Range{0, kN}, Range{kCpuBlock - 5, 2 * kCpuBlock + 9}}) {
+      for (int64_t capacity : {int64_t{-1}, int64_t{0}, int64_t{100}, int64_t{1} << 20}) {
+        Bucket<T> fused(with_residual), plain(with_residual);
+        plain.grad[7] = fused.grad[7] = Num<T>::from_float(INFINITY);  // a non-finite sum keeps its residual
+        CpuDevice device;
+        const double lower = 1.5;
+        const Scan s = device.scan(fused.view(), true, range, lower, capacity);
+        const Moments m = device.moments(plain.view(), true);
+        const Candidates c = device.collect(plain.view(), range, lower, false);
+        expect_same_moments(s.moments, m);
+        EXPECT_EQ(s.above, static_cast<int64_t>(c.size()));
+        EXPECT_GT(s.above, 100);
+        if (capacity < 0 || s.above <= capacity) {
+          EXPECT_TRUE(s.complete());
+          EXPECT_EQ(s.candidates.index, c.index);
+          EXPECT_EQ(s.candidates.value, c.value);
+        } else {
+          EXPECT_FALSE(s.complete());
+          EXPECT_EQ(s.candidates.size(), 0u);
+        }
+        EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
+        // The unfused default that other devices inherit gives the same.
+        Bucket<T> composed(with_residual);
+        composed.grad[7] = Num<T>::from_float(INFINITY);
+        const Scan d = device.Device::scan(composed.view(), true, range, lower, capacity);
+        expect_same_moments(d.moments, m);
+        EXPECT_EQ(d.above, s.above);
+        EXPECT_EQ(d.candidates.index, s.candidates.index);
+      }
+    }
+  }
+}
+
+TEST(OnePass, ScanMatchesThePassesItFusesFloat32) { scan_matches_the_passes_it_fuses<float>(); }
+TEST(OnePass, ScanMatchesThePassesItFusesFloat16) { scan_matches_the_passes_it_fuses<Half>(); }
+TEST(OnePass, ScanMatchesThePassesItFusesBFloat16) { scan_matches_the_passes_it_fuses<BFloat16>(); }
+
+/// A bound at `lower` for the next pass, learned from a first step (which has no candidates, so
+/// its bound widens from 0.85 to 0.68 of the lowest question).
+CandidateBound bound_at(double lower) {
+  CandidateBound bound;
+  if (!std::isfinite(lower)) return bound;
+  Bucket<float> b(true);
+  CpuDevice device;
+  OnePass pass(device, b.view(), bound, 1000);
+  pass.counts({lower / 0.68}, false)[0];  // an answer within the capacity
+  bound.learn(pass);
+  EXPECT_DOUBLE_EQ(bound.lower(), lower);
+  return bound;
+}
+
+TEST(OnePass, AnswersEqualPlainPasses) {
+  // Values ~ N(0, 1.12^2), 98 thousand of them; k = 500 lists at most 3024 candidates, so the
+  // answers at 2.5 and above fit (about 2.5%) and a bound at 2.0 finds too many (about 7%).
+  const int64_t k = 500;
+  struct Case {
+    double lower;
+    bool overflowed, missed;
+  };
+  // No bound, above every question, above some, below all of them, too low.
+  for (const Case& c : {Case{INFINITY, false, true}, Case{3.2, false, true}, Case{2.55, false, true},
+                        Case{2.45, false, false}, Case{2.0, true, true}}) {
+    SCOPED_TRACE(c.lower);
+    const CandidateBound bound = bound_at(c.lower);
+    Bucket<float> one(true), plain(true);
+    CpuDevice device;
+    OnePass pass(device, one.view(), bound, k);
+    expect_same_moments(pass.moments(), device.moments(plain.view(), true));
+    const std::vector<double> thresholds{2.6, 2.5, 3.0, 2.8};
+    for (bool strict : {false, true}) {
+      OnePass::Counts counts = pass.counts(thresholds, strict);
+      const std::vector<int64_t> want = device.count(plain.view(), Range{0, kN}, thresholds, strict);
+      for (size_t j : {size_t{2}, size_t{0}, size_t{1}, size_t{3}}) EXPECT_EQ(counts[j], want[j]) << thresholds[j];
+    }
+    for (double t : {2.6, 2.5}) {
+      const Exceedance e = pass.exceedance(t, true, 0.5), f = device.exceedance(plain.view(), t, true, 0.5);
+      EXPECT_EQ(e.count, f.count);
+      EXPECT_EQ(e.sum, f.sum);  // the CPU kernel's order, to the bit
+      EXPECT_EQ(e.sum_sq, f.sum_sq);
+      EXPECT_EQ(e.min, f.min);
+    }
+    // Largest first (it zeroes what it takes), then a threshold selection of what is left.
+    double kth;
+    const Selection top = pass.largest(k, kth);
+    const Selection want_top = device.select_topk(plain.view(), k, false);
+    EXPECT_EQ(bytes(top), bytes(want_top));
+    EXPECT_GT(kth, 2.6);
+    const Selection s = pass.select(2.5, false, true);
+    const Selection want = device.select(plain.view(), SelectRule{2.5, false, Range{0, kN}, false, true});
+    EXPECT_EQ(bytes(s), bytes(want));
+    EXPECT_GT(s.count, 100);
+    EXPECT_EQ(one.residual, plain.residual);
+    EXPECT_EQ(pass.overflowed(), c.overflowed);
+    EXPECT_EQ(pass.missed(), c.missed);
+  }
+}
+
+TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
+  CandidateBound bound;
+  const int64_t k = 300;
+  bool settled = false;
+  for (int step = 0; step < 6; ++step) {
+    Bucket<float> b(true, 10 + step);
+    CpuDevice device;
+    OnePass pass(device, b.view(), bound, k);
+    double kth;
+    pass.largest(k, kth);
+    if (step >= 3) settled = !pass.missed() && !pass.overflowed();
+    EXPECT_FALSE(step == 0 && !pass.missed()) << "the first step has no candidates";
+    bound.learn(pass);
+    EXPECT_LT(bound.lower(), kth);
+  }
+  EXPECT_TRUE(settled);
+}
+
+using Factory = std::function<std::unique_ptr<Method>()>;
+
+/// Steps of one method on one rank: the method kept across steps (its bound learned) against a
+/// fresh method with the same state each step (no bound: every answer from passes over the
+/// bucket). The averaged gradient and the residual agree to the bit every step, through a drift,
+/// a jump up (answers below the bound) and a jump down (too many candidates).
+void same_with_and_without_bound(const Factory& make) {
+  const int64_t n = kN;
+  std::vector<float> residual_kept(n, 0.0f), residual_fresh(n, 0.0f);
+  std::unique_ptr<Method> kept = make();
+  const std::vector<float> scale{1.0f, 1.02f, 1.05f, 1.03f, 20.0f, 19.0f, 0.01f, 0.011f, 0.012f};
+  for (size_t t = 0; t < scale.size(); ++t) {
+    std::vector<float> grad = ref::random_vector<float>(n, 100 + t, scale[t]);
+    for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;  // a heavier tail
+    std::vector<float> out_kept = grad, out_fresh = grad;
+    std::unique_ptr<Method> fresh = make();
+    fresh->load_state(kept->state());
+    gradsparse::testing::rethrow_first(gradsparse::testing::run_ranks(1, [&](int, Transport& transport) {
+      CpuDevice device;
+      BucketView a{DType::kFloat32, n, out_kept.data(), residual_kept.data()};
+      BucketView b{DType::kFloat32, n, out_fresh.data(), residual_fresh.data()};
+      reduce_bucket(kept.get(), transport, device, a, ReduceOptions{});
+      reduce_bucket(fresh.get(), transport, device, b, ReduceOptions{});
+    }));
+    ASSERT_EQ(out_kept, out_fresh) << "step " << t;
+    ASSERT_EQ(residual_kept, residual_fresh) << "step " << t;
+  }
+}
+
+TEST(OnePass, TopKDoesNotDependOnTheBound) {
+  same_with_and_without_bound([] { return std::make_unique<TopK>(0.01); });
+}
+TEST(OnePass, GaussianKDoesNotDependOnTheBound) {
+  same_with_and_without_bound([] { return std::make_unique<GaussianK>(0.01, "spardl"); });
+  same_with_and_without_bound([] { return std::make_unique<GaussianK>(0.01, "sidco"); });
+}
+TEST(OnePass, DGCDoesNotDependOnTheBound) {
+  same_with_and_without_bound([] { return std::make_unique<DGC>(0.01, 3); });
+}
+TEST(OnePass, RedSyncDoesNotDependOnTheBound) {
+  same_with_and_without_bound([] { return std::make_unique<RedSync>(0.01); });
+}
+TEST(OnePass, SIDCoDoesNotDependOnTheBound) {
+  for (const char* fit : {"exp", "gpareto", "gamma_gpareto"})
+    for (int stages : {1, 2, 0, -1})
+      same_with_and_without_bound([=] { return std::make_unique<SIDCo>(0.01, fit, stages, 0.25, std::nullopt); });
+}
+
+}  // namespace
