@@ -409,8 +409,8 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     p.value.clear();
     p.above = 0;
     const int64_t lo = std::clamp(range.begin, begin, end), hi = std::clamp(range.end, begin, end);
-    // A block lists its candidates while the blocks before it (in finishing order) have listed
-    // no more than the capacity, so at most capacity + one block per thread are ever listed.
+    // A block lists its candidates while the blocks finished before it have found no more than
+    // the capacity, so at most the capacity and one block per thread are ever listed.
     const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
     const auto take = [&](int64_t i, T v) {
       ++p.above;
