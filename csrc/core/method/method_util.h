@@ -80,6 +80,19 @@ inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
   return (high << 16) | low;
 }
 
+/// The positions of the k largest of `keys` (1 <= k <= keys.size(); ties: the lowest positions),
+/// ascending; `kth_key` gets the k-th largest key.
+inline std::vector<size_t> largest_positions(const std::vector<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
+  kth_key = kth_largest_key(keys, k);
+  int64_t ties = k;  // how many elements at the k-th key are taken: k minus those above it
+  for (uint32_t key : keys) ties -= key > kth_key;
+  std::vector<size_t> out;
+  out.reserve(static_cast<size_t>(k));
+  for (size_t j = 0; j < keys.size(); ++j)
+    if (keys[j] > kth_key || (keys[j] == kth_key && ties-- > 0)) out.push_back(j);
+  return out;
+}
+
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest
 /// index), as a new message in ascending index order; `kth` gets the k-th largest magnitude. The
 /// residual is not touched.
@@ -101,21 +114,16 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
       const T* val = in.values<T>();
       std::vector<uint32_t> keys(static_cast<size_t>(s.count));
       for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<T>::key(val[j]);
-      const uint32_t kth_key = kth_largest_key(keys, k);
+      uint32_t kth_key;
+      const std::vector<size_t> chosen = largest_positions(keys, k, kth_key);
       kth = static_cast<double>(Num<T>::to_float(from_key<T>(kth_key)));
-      int64_t ties = k;  // how many elements at the k-th key are taken: k minus those above it
-      for (uint32_t key : keys) ties -= key > kth_key;
+      GS_ASSERT(static_cast<int64_t>(chosen.size()) == k);
       I* out_idx = reinterpret_cast<I*>(out.data() + out_layout.indices_offset);
       T* out_val = reinterpret_cast<T*>(out.data() + out_layout.values_offset);
-      int64_t o = 0;
-      for (size_t j = 0; j < keys.size(); ++j) {
-        if (keys[j] > kth_key || (keys[j] == kth_key && ties-- > 0)) {
-          out_idx[o] = idx[j];
-          out_val[o] = val[j];
-          ++o;
-        }
+      for (size_t o = 0; o < chosen.size(); ++o) {
+        out_idx[o] = idx[chosen[o]];
+        out_val[o] = val[chosen[o]];
       }
-      GS_ASSERT(o == k);
     });
   });
   return upload(device, out, k);

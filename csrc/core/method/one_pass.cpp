@@ -16,7 +16,6 @@ namespace gradsparse {
 
 Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
   Scan s;
-  s.lower = lower;
   s.moments = moments(bucket, update);
   s.above = count(bucket, range, {lower}, false)[0];
   if (capacity < 0 || s.above <= capacity) s.candidates = collect(bucket, range, lower, false);
@@ -191,18 +190,13 @@ Selection OnePass::largest(int64_t k, double& kth) {
     return s;
   }
   const std::vector<uint32_t>& key = keys();
-  const uint32_t kth_key = method_util::kth_largest_key(key, k);
+  uint32_t kth_key;
+  const std::vector<size_t> chosen = method_util::largest_positions(key, k, kth_key);
   kth = dispatch_dtype(bucket_.dtype, [&](auto t) {
     using T = decltype(t);
     return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
   });
   asked(kth, k, true);
-  int64_t ties = k;  // elements at the k-th key that are taken (the lowest indices)
-  for (uint32_t x : key) ties -= x > kth_key;
-  std::vector<size_t> chosen;
-  chosen.reserve(static_cast<size_t>(k));
-  for (size_t j = 0; j < key.size(); ++j)
-    if (key[j] > kth_key || (key[j] == kth_key && ties-- > 0)) chosen.push_back(j);
   Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   zeroed(chosen);
   return s;

@@ -106,8 +106,7 @@ struct Candidates {
 /// What one pass over a bucket tells a threshold estimator (Device::scan).
 struct Scan {
   Moments moments;        ///< of the whole bucket
-  double lower = 0.0;     ///< the candidates are the elements of the range with |v| >= lower
-  int64_t above = 0;      ///< how many there are
+  int64_t above = 0;      ///< elements of the range with |v| >= the scan's lower bound
   Candidates candidates;  ///< all of them, or none when they exceeded the capacity
   bool complete() const { return static_cast<int64_t>(candidates.size()) == above; }
 };
