@@ -33,26 +33,31 @@ WARMUP = 50
 
 
 def methods(density: float) -> dict[str, callable]:
-    """Method factories, by the name printed in the tables."""
+    """Method factories, by the name printed in the tables: each method with modes in its default
+    mode and with ``reference=True`` (the original rule)."""
+
+    def both(name: str, core: str, **options) -> dict[str, callable]:
+        return {
+            name: lambda r: core_method(core, density=density, **options),
+            f"{name} reference": lambda r: core_method(core, density=density, reference=True, **options),
+        }
+
     return {
         "TopK": lambda r: core_method("topk", density=density),
         "RandomK": lambda r: core_method("randomk", density=density),
         "RandomBlock": lambda r: core_method("randomblock", density=density),
         "Threshold (1/(2 sqrt k))": lambda r: core_method("threshold", density=density),
-        "GaussianK spardl": lambda r: core_method("gaussiank", density=density, variant="spardl"),
-        "GaussianK sidco": lambda r: core_method("gaussiank", density=density, variant="sidco"),
-        "DGC": lambda r: core_method("dgc", density=density),
-        "RedSync": lambda r: core_method("redsync", density=density),
-        "SAGE": lambda r: core_method("sage", density=density),
-        "SAGE reference": lambda r: core_method("sage", density=density, reference=True),
-        "MiCRO": lambda r: core_method("micro", density=density),
-        "MiCRO reference": lambda r: core_method("micro", density=density, reference=True),
-        "ExDyna": lambda r: core_method("exdyna", density=density),
-        "ExDyna reference": lambda r: core_method("exdyna", density=density, reference=True),
-        "SIDCo exp": lambda r: core_method("sidco", density=density, fit="exp", stages=1),
-        "SIDCo gpareto 2": lambda r: core_method("sidco", density=density, fit="gpareto", stages=2),
-        "SIDCo gamma_gpareto 2": lambda r: core_method("sidco", density=density, fit="gamma_gpareto", stages=2),
-        "SIDCo exp adaptive": lambda r: core_method("sidco", density=density, fit="exp", stages=-1),
+        **both("GaussianK spardl", "gaussiank", variant="spardl"),
+        **both("GaussianK sidco", "gaussiank", variant="sidco"),
+        **both("DGC", "dgc"),
+        **both("RedSync", "redsync"),
+        **both("SAGE", "sage"),
+        **both("MiCRO", "micro"),
+        **both("ExDyna", "exdyna"),
+        **both("SIDCo exp", "sidco", fit="exp", stages=1),
+        **both("SIDCo gpareto 2", "sidco", fit="gpareto", stages=2),
+        **both("SIDCo gamma_gpareto 2", "sidco", fit="gamma_gpareto", stages=2),
+        **both("SIDCo exp adaptive", "sidco", fit="exp", stages=-1),
         "SparDL": lambda r: core_method("spardl", density=density),
     }
 

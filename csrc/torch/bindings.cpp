@@ -161,12 +161,13 @@ PYBIND11_MODULE(_C, m) {
   py::class_<RandomBlock, Method, std::shared_ptr<RandomBlock>>(m, "RandomBlock")
       .def(py::init<double, uint64_t>(), py::arg("density"), py::arg("seed"));
   py::class_<GaussianK, PerRankMethod, std::shared_ptr<GaussianK>>(m, "GaussianK")
-      .def(py::init<double, const std::string&, const std::string&>(), py::arg("density"), py::arg("variant"),
-           py::arg("exchange"));
+      .def(py::init<double, const std::string&, const std::string&, bool>(), py::arg("density"), py::arg("variant"),
+           py::arg("exchange"), py::arg("reference"));
   py::class_<DGC, PerRankMethod, std::shared_ptr<DGC>>(m, "DGC").def(
-      py::init<double, uint64_t, const std::string&>(), py::arg("density"), py::arg("seed"), py::arg("exchange"));
+      py::init<double, uint64_t, const std::string&, bool>(), py::arg("density"), py::arg("seed"), py::arg("exchange"),
+      py::arg("reference"));
   py::class_<RedSync, PerRankMethod, std::shared_ptr<RedSync>>(m, "RedSync")
-      .def(py::init<double, const std::string&>(), py::arg("density"), py::arg("exchange"));
+      .def(py::init<double, const std::string&, bool>(), py::arg("density"), py::arg("exchange"), py::arg("reference"));
   py::class_<SAGE, Method, std::shared_ptr<SAGE>>(m, "SAGE").def(
       py::init<double, const std::string&, std::vector<int64_t>, bool, uint64_t, std::optional<double>,
                std::optional<std::string>>(),
@@ -179,9 +180,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<double, const std::string&, bool, uint64_t>(), py::arg("density"), py::arg("exchange"),
            py::arg("reference"), py::arg("seed"));
   py::class_<SIDCo, PerRankMethod, std::shared_ptr<SIDCo>>(m, "SIDCo")
-      .def(py::init<double, const std::string&, int, double, std::optional<double>, const std::string&>(),
+      .def(py::init<double, const std::string&, int, double, std::optional<double>, const std::string&, bool>(),
            py::arg("density"), py::arg("fit"), py::arg("stages"), py::arg("first_ratio"), py::arg("iratio"),
-           py::arg("exchange"))
+           py::arg("exchange"), py::arg("reference"))
       .def_property_readonly("stages", &SIDCo::stages);
   py::class_<SparDL, Method, std::shared_ptr<SparDL>>(m, "SparDL")
       .def(py::init<double, int>(), py::arg("density"), py::arg("teams"));

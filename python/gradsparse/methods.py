@@ -127,8 +127,10 @@ class RandomBlock(State):
 
 
 class GaussianK(State):
-    """Gaussian-k: a threshold from a normal fit of the values, corrected by rescaling towards k
-    elements. Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
+    """Gaussian-k: a threshold from a normal fit of the values. Default mode: the fit's threshold
+    steered to k elements by the density control (docs/methods.md); ``reference=True``: the
+    variant's own rescalings towards k. Exchange: gather-and-add, or reduce-scatter + all-gather
+    (``exchange``)."""
 
     OPTIONS = (
         _DENSITY,
@@ -142,23 +144,29 @@ class GaussianK(State):
         _EXCHANGE,
     )
     _CORE = "GaussianK"
+    _CORE_EXTRAS = ("reference",)
 
 
 class DGC(State):
     """DGC's sampled threshold (SIDCo's dgcsampling): the top-density quantile of a 1% random
-    sample; exceedances beyond 4k/3 are trimmed to the exact top k. Exchange: gather-and-add, or
+    sample. Default mode: steered to k elements by the density control; ``reference=True``:
+    exceedances beyond 4k/3 are trimmed to the exact top k. Exchange: gather-and-add, or
     reduce-scatter + all-gather (``exchange``)."""
 
     OPTIONS = (_DENSITY, seed_option(), _EXCHANGE)
     _CORE = "DGC"
+    _CORE_EXTRAS = ("reference",)
 
 
 class RedSync(State):
-    """RedSync: bisection of the threshold between the mean and the maximum magnitude, at most
-    three evaluations. Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
+    """RedSync: a threshold between the mean and the maximum magnitude. Default mode: the
+    midpoint steered to k elements by the density control; ``reference=True``: RedSync's
+    bisection, at most three evaluations. Exchange: gather-and-add, or reduce-scatter + all-gather
+    (``exchange``)."""
 
     OPTIONS = (_DENSITY, _EXCHANGE)
     _CORE = "RedSync"
+    _CORE_EXTRAS = ("reference",)
 
 
 class SAGE(State):
@@ -218,7 +226,9 @@ class ExDyna(_Partitioned):
 
 class SIDCo(State):
     """SIDCo: thresholds from statistical fits of the normalised magnitudes, refined over stages.
-    Exchange: gather-and-add, or reduce-scatter + all-gather (``exchange``)."""
+    Default mode: the last stage's threshold steered to k elements by the density control;
+    ``reference=True``: the fits' threshold as it is. Exchange: gather-and-add, or reduce-scatter +
+    all-gather (``exchange``)."""
 
     OPTIONS = (
         _DENSITY,
@@ -243,6 +253,7 @@ class SIDCo(State):
         _EXCHANGE,
     )
     _CORE = "SIDCo"
+    _CORE_EXTRAS = ("reference",)
 
 
 class SparDL(State):

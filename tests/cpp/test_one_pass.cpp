@@ -175,6 +175,31 @@ TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
   EXPECT_TRUE(settled);
 }
 
+/// From estimates off by a factor of up to 10 either way, the density control's threshold holds
+/// k elements within its 2% (random normal values: no ties); the next step starts where this one
+/// ended, so the same estimate needs no further count.
+TEST(DensityControl, SteersAnEstimateToKElements) {
+  const int64_t k = 300;
+  for (double off : {1.0, 0.5, 2.0, 0.1, 10.0}) {
+    Bucket<float> b(true, 40);
+    CpuDevice device;
+    OnePass pass(device, b.view(), CandidateBound{}, k);
+    double kth;
+    {
+      Bucket<float> copy(true, 40);
+      OnePass exact(device, copy.view(), CandidateBound{}, k);
+      exact.largest(k, kth);
+    }
+    DensityControl control;
+    const double t = control.threshold(pass, kth * off, k);
+    const int64_t c = pass.counts({t}, true)[0];
+    EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << "estimate x" << off << ": " << c;
+    Bucket<float> again(true, 40);
+    OnePass next(device, again.view(), CandidateBound{}, k);
+    EXPECT_EQ(control.threshold(next, kth * off, k), t) << "estimate x" << off;
+  }
+}
+
 using Factory = std::function<std::unique_ptr<Method>()>;
 
 /// Steps of one method on one rank: the method kept across steps (its bound learned) against a
@@ -207,20 +232,27 @@ void same_with_and_without_bound(const Factory& make) {
 TEST(OnePass, TopKDoesNotDependOnTheBound) {
   same_with_and_without_bound([] { return std::make_unique<TopK>(0.01); });
 }
+// Both modes of the estimators; in the default mode the fresh method also gets the density
+// control's state from the checkpoint (state()), so this checks that nothing else carries over.
 TEST(OnePass, GaussianKDoesNotDependOnTheBound) {
-  same_with_and_without_bound([] { return std::make_unique<GaussianK>(0.01, "spardl"); });
-  same_with_and_without_bound([] { return std::make_unique<GaussianK>(0.01, "sidco"); });
+  for (bool reference : {false, true})
+    for (const char* variant : {"spardl", "sidco"})
+      same_with_and_without_bound([=] { return std::make_unique<GaussianK>(0.01, variant, "gather", reference); });
 }
 TEST(OnePass, DGCDoesNotDependOnTheBound) {
-  same_with_and_without_bound([] { return std::make_unique<DGC>(0.01, 3); });
+  for (bool reference : {false, true})
+    same_with_and_without_bound([=] { return std::make_unique<DGC>(0.01, 3, "gather", reference); });
 }
 TEST(OnePass, RedSyncDoesNotDependOnTheBound) {
-  same_with_and_without_bound([] { return std::make_unique<RedSync>(0.01); });
+  for (bool reference : {false, true})
+    same_with_and_without_bound([=] { return std::make_unique<RedSync>(0.01, "gather", reference); });
 }
 TEST(OnePass, SIDCoDoesNotDependOnTheBound) {
-  for (const char* fit : {"exp", "gpareto", "gamma_gpareto"})
-    for (int stages : {1, 2, 0, -1})
-      same_with_and_without_bound([=] { return std::make_unique<SIDCo>(0.01, fit, stages, 0.25, std::nullopt); });
+  for (bool reference : {false, true})
+    for (const char* fit : {"exp", "gpareto", "gamma_gpareto"})
+      for (int stages : {1, 2, 0, -1})
+        same_with_and_without_bound(
+            [=] { return std::make_unique<SIDCo>(0.01, fit, stages, 0.25, std::nullopt, "gather", reference); });
 }
 
 }  // namespace

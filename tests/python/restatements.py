@@ -234,11 +234,72 @@ class RandomBlock(RandomK):
         return torch.tensor(positions, dtype=torch.int64), NAN
 
 
-class GaussianK(Restatement):
+class DensityControl:
+    """Ruling 9: the estimating methods' default mode steers an estimate to k elements."""
+
+    TOLERANCE, STEPS, MARGIN = 0.02, 8, 1e-9
+
+    def __init__(self) -> None:
+        self.scale, self.slope = 1.0, 2.0
+
+    def threshold(self, v: torch.Tensor, estimate: float, k: int) -> float:
+        if not (estimate > 0 and math.isfinite(estimate)):
+            return estimate
+
+        def count(tau: float) -> float:
+            return float(above(v, tau).sum())
+
+        def log_count(c: float) -> float:
+            return math.log(max(c, 0.5))
+
+        tau = estimate * self.scale
+        c = count(tau)
+        best_tau, best_c = tau, c
+        low, high = 0.0, math.inf  # thresholds known to hold too many, too few
+        for _ in range(self.STEPS):
+            if abs(c - k) <= self.TOLERANCE * k:
+                break
+            if c > k:
+                low = max(low, tau)
+            if c < k:
+                high = min(high, tau)
+            nxt = tau * math.exp((log_count(c) - math.log(k)) / self.slope)
+            inside = low * (1 + self.MARGIN) < nxt < high * (1 - self.MARGIN)
+            if not inside and low > 0 and math.isfinite(high):
+                nxt = math.sqrt(low * high)  # outside what is known: the middle in log space
+            if not (nxt > 0 and math.isfinite(nxt)) or abs(nxt - tau) <= self.MARGIN * tau:
+                break
+            c_next = count(nxt)
+            if c_next != c:
+                slope = (log_count(c) - log_count(c_next)) / (math.log(nxt) - math.log(tau))
+                self.slope = min(max(slope, 0.25), 64.0)
+            tau, c = nxt, c_next
+            if abs(c - k) < abs(best_c - k):
+                best_tau, best_c = tau, c
+        self.scale = best_tau / estimate
+        return best_tau
+
+
+class Estimating(Restatement):
+    """A method whose default mode steers its estimate with the density control (ruling 9)."""
+
+    def __init__(self, reference: bool) -> None:
+        super().__init__()
+        self.reference = reference
+        self.control = DensityControl()
+
+    def steered(self, v: torch.Tensor, estimate: float, k: int) -> tuple[torch.Tensor, float]:
+        tau = self.control.threshold(v, estimate, k)
+        return where(above(v, tau)), tau
+
+
+class GaussianK(Estimating):
     """§4.4."""
 
-    def __init__(self, density: float, variant: str = "spardl", exchange: str = "gather") -> None:
-        super().__init__()
+    def __init__(
+        self, density: float, variant: str = "spardl", exchange: str = "gather", reference: bool = False
+    ) -> None:
+        super().__init__(reference)
         assert variant in ("spardl", "sidco")
         self.density, self.variant, self.exchange = density, variant, exchange
 
@@ -250,6 +311,8 @@ class GaussianK(Restatement):
         # 1. statistics of the signed values
         mu, sigma = mean64(v), math.sqrt(var64(v))
         tau = mu + phi_inv(1 - self.density / 2) * sigma
+        if not self.reference:
+            return self.steered(v, tau, k)
 
         def count(tau: float) -> int:
             return int(above(v, tau).sum())
@@ -280,6 +343,8 @@ class GaussianK(Restatement):
         x = v.double().abs() / norm
         mu, sigma = mean64(x), math.sqrt(var64(x))
         rho = mu + phi_inv(1 - self.density / 2) * sigma
+        if not self.reference:
+            return self.steered(v, rho * norm, k)
         for _ in range(3):  # at most 3 evaluations; the last one's set is the selection
             tau = rho * norm
             selected = where(above(v, tau))
@@ -293,11 +358,11 @@ class GaussianK(Restatement):
         return selected, tau
 
 
-class DGC(Restatement):
+class DGC(Estimating):
     """§4.5."""
 
-    def __init__(self, density: float, seed: int = 0, exchange: str = "gather") -> None:
-        super().__init__()
+    def __init__(self, density: float, seed: int = 0, exchange: str = "gather", reference: bool = False) -> None:
+        super().__init__(reference)
         self.density, self.seed, self.exchange = density, seed, exchange
 
     def choose(self, v, rank, world):
@@ -312,23 +377,29 @@ class DGC(Restatement):
         x_samples = v[samples].double().abs() / norm
         rho = float(torch.sort(x_samples, descending=True).values[s - 1])
         tau = rho * norm
+        if not self.reference:
+            return self.steered(v, tau, k)
         candidates = where(above(v, tau))
         if candidates.numel() > 4 * k / 3:
             return largest(v, candidates, k), tau
         return candidates, tau
 
 
-class RedSync(Restatement):
+class RedSync(Estimating):
     """§4.6."""
 
-    def __init__(self, density: float, exchange: str = "gather") -> None:
-        super().__init__()
+    def __init__(self, density: float, exchange: str = "gather", reference: bool = False) -> None:
+        super().__init__(reference)
         self.density, self.exchange = density, exchange
 
     def choose(self, v, rank, world):
         k = target(self.density, v.numel())
         mags = v.double().abs()
         m, big = mean64(mags), float(mags.max()) if mags.numel() else NAN
+        if not self.reference:
+            if v.numel() == 0:
+                return torch.zeros(0, dtype=torch.int64), NAN
+            return self.steered(v, m + 0.5 * (big - m), k)  # the bisection's first midpoint
         low, high = 0.0, 1.0
         selected, tau = torch.zeros(0, dtype=torch.int64), NAN
         while high - low > 0.2:
@@ -646,7 +717,7 @@ def gpareto_eta(mu: float, var: float, ratio: float) -> float:
     return sigma * (1 - ratio**kappa) / kappa
 
 
-class SIDCo(Restatement):
+class SIDCo(Estimating):
     def __init__(
         self,
         density: float,
@@ -655,8 +726,9 @@ class SIDCo(Restatement):
         first_ratio: float = 0.25,
         iratio: float | None = None,
         exchange: str = "gather",
+        reference: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(reference)
         assert fit in ("exp", "gpareto", "gamma_gpareto")
         self.density, self.fit, self.stages, self.first_ratio = density, fit, stages, first_ratio
         self.exchange = exchange
@@ -716,8 +788,11 @@ class SIDCo(Restatement):
                 break
             eta = self.later_stage(y, ratio)
             etas.append(eta)
-        tau = eta * norm
-        selected = where(above(v, tau))
+        if self.reference:
+            tau = eta * norm
+            selected = where(above(v, tau))
+        else:
+            selected, tau = self.steered(v, eta * norm, target(delta, v.numel()))
         self.last_count = selected.numel()
         return selected, tau
 

@@ -266,11 +266,15 @@ def method_configs(
         ("threshold-density", "Threshold", dict(density=density), False),
         ("randomk", "RandomK", dict(density=density), False),
         ("randomblock", "RandomBlock", dict(density=density), False),
-        ("gaussiank-spardl", "GaussianK", dict(density=density, variant="spardl"), False),
-        ("gaussiank-sidco", "GaussianK", dict(density=density, variant="sidco"), False),
-        ("dgc", "DGC", dict(density=density), False),
-        ("redsync", "RedSync", dict(density=density), False),
     ]
+    for ref in (True, False):  # the estimators' original rules, and their default density control
+        mode = "-ref" if ref else ""
+        out += [
+            (f"gaussiank-spardl{mode}", "GaussianK", dict(density=density, variant="spardl", reference=ref), False),
+            (f"gaussiank-sidco{mode}", "GaussianK", dict(density=density, variant="sidco", reference=ref), False),
+            (f"dgc{mode}", "DGC", dict(density=density, reference=ref), False),
+            (f"redsync{mode}", "RedSync", dict(density=density, reference=ref), False),
+        ]
     if full:
         out += [
             ("topk-dense", "TopK", dict(density=0.3), False),
@@ -304,22 +308,26 @@ def method_configs(
             out.append((f"exdyna-{exchange}-{mode}", "ExDyna", kwargs, True))
     for fit in ("exp", "gpareto", "gamma_gpareto"):
         for stages in sidco_stages:
-            out.append((f"sidco-{fit}-stages{stages}", "SIDCo", dict(density=density, fit=fit, stages=stages), False))
+            kwargs = dict(density=density, fit=fit, stages=stages, reference=True)
+            out.append((f"sidco-{fit}-stages{stages}-ref", "SIDCo", kwargs, False))
+            if stages in (1, 3, -1):  # the default mode's control after the stages
+                kwargs = dict(density=density, fit=fit, stages=stages)
+                out.append((f"sidco-{fit}-stages{stages}", "SIDCo", kwargs, False))
     if full:
         out += [
             (
                 "sidco-exp-options",
                 "SIDCo",
-                dict(density=density, fit="exp", stages=0, first_ratio=0.1, iratio=0.3),
+                dict(density=density, fit="exp", stages=0, first_ratio=0.1, iratio=0.3, reference=True),
                 False,
             ),
             # δ >= first_ratio: the later stages lower the threshold, so max(η_1, ...) is not the last η
-            ("sidco-gpareto-dense", "SIDCo", dict(density=0.3, fit="gpareto", stages=3), False),
-            ("sidco-exp-dense", "SIDCo", dict(density=0.3, fit="exp", stages=4), False),
+            ("sidco-gpareto-dense", "SIDCo", dict(density=0.3, fit="gpareto", stages=3, reference=True), False),
+            ("sidco-exp-dense", "SIDCo", dict(density=0.3, fit="exp", stages=4, reference=True), False),
             (
                 "sidco-gamma-options",
                 "SIDCo",
-                dict(density=0.002, fit="gamma_gpareto", stages=-2, first_ratio=0.4),
+                dict(density=0.002, fit="gamma_gpareto", stages=-2, first_ratio=0.4, reference=True),
                 False,
             ),
         ]
@@ -416,10 +424,11 @@ def test_degenerate_input_matches_restatement(case, world):
     compare(name, kwargs, make(n), world, partitioned=partitioned)
 
 
-def test_sidco_default_adapts_its_stages_to_hit_the_density():
+def test_sidco_adaptive_stages_move_towards_the_density():
     """On normal gradients one exponential stage (the original scripts' default) sends about 1%
-    of the elements asked for; the default adaptive mode adds stages until the achieved density
-    comes close to the target (it then moves between two stage counts)."""
+    of the elements asked for; the adaptive stages (the default) add stages until the achieved
+    density comes close to the target (it then moves between two stage counts). The default
+    mode's density control then steers the last stage's threshold to k."""
     density, n, world = 0.01, 20_000, 2
     g = torch.Generator().manual_seed(SEED)
     grads = [[torch.randn(n, generator=g) for _ in range(world)] for _ in range(60)]
@@ -429,8 +438,10 @@ def test_sidco_default_adapts_its_stages_to_hit_the_density():
         achieved = [sum(rank.indices.numel() for rank in step) / (world * n) for step in steps[30:]]
         return sum(achieved) / len(achieved) / density
 
-    assert mean_ratio(stages=1) < 0.05
-    assert 0.6 < mean_ratio() < 1.3
+    assert mean_ratio(stages=1, reference=True) < 0.05
+    assert 0.6 < mean_ratio(reference=True) < 1.3
+    assert abs(mean_ratio(stages=1) - 1) < 0.02
+    assert abs(mean_ratio() - 1) < 0.02
     assert inspect.signature(gs.SIDCo).parameters["stages"].default == -1  # the same default for users
 
 

@@ -11,8 +11,8 @@
 
 namespace gradsparse {
 
-DGC::DGC(double density, uint64_t seed, const std::string& exchange)
-    : PerRankMethod("DGC", exchange, gather_and_add()), density_(density), seed_(seed) {
+DGC::DGC(double density, uint64_t seed, const std::string& exchange, bool reference)
+    : EstimatingMethod("DGC", exchange, reference), density_(density), seed_(seed) {
   method_util::check_density("DGC", density);
 }
 
@@ -32,6 +32,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   for (float v : HostMessage(device, sample, bucket).value_list()) x.push_back(std::fabs(v) / norm);
   const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
   std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
+  if (!reference_) return finish(pass, control_.threshold(pass, x[s - 1] * norm, k), m.nonfinite);
   threshold_ = x[s - 1] * norm;
   Selection out = pass.select(threshold_, true, false);
   if (static_cast<double>(out.count) > 4.0 * k / 3.0) {
@@ -46,7 +47,14 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
 
 void DGC::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) { ++step_; }
 
+MethodState DGC::state() const {
+  MethodState state = EstimatingMethod::state();
+  state["step"] = static_cast<double>(step_);
+  return state;
+}
+
 void DGC::load_state(const MethodState& state) {
+  EstimatingMethod::load_state(state);
   if (auto it = state.find("step"); it != state.end()) step_ = static_cast<int64_t>(it->second);
 }
 

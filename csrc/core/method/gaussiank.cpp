@@ -8,8 +8,8 @@
 
 namespace gradsparse {
 
-GaussianK::GaussianK(double density, const std::string& variant, const std::string& exchange)
-    : PerRankMethod("GaussianK", exchange, gather_and_add()), density_(density) {
+GaussianK::GaussianK(double density, const std::string& variant, const std::string& exchange, bool reference)
+    : EstimatingMethod("GaussianK", exchange, reference), density_(density) {
   method_util::check_density("GaussianK", density);
   if (variant == "spardl") {
     variant_ = Variant::kSparDL;
@@ -32,6 +32,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
   if (variant_ == Variant::kSparDL) {
     const double mean = m.sum / static_cast<double>(n);
     const double start = mean + z * std::sqrt(unbiased_variance(static_cast<double>(n), m.sum, m.sum_sq));
+    if (!reference_) return finish(pass, control_.threshold(pass, start, k), m.nonfinite);
     // thresholds[0] = start, [1..20] = start / 1.02^i, [21..40] = start * 1.02^i (repeated steps).
     std::vector<double> thresholds{start};
     for (double t = start, i = 0; i < 20; ++i) thresholds.push_back(t /= 1.02);
@@ -52,6 +53,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     const double mean = m.sum_abs / (dn * norm);
     const double var = unbiased_variance(dn, m.sum_abs / norm, m.sum_sq / (norm * norm));
     const double start = mean + z * std::sqrt(var);
+    if (!reference_) return finish(pass, control_.threshold(pass, start * norm, k), m.nonfinite);
     // The at most three evaluations form a binary tree of rescalings (x0.5 down, x1.5 up).
     std::vector<double> rho{start};
     for (size_t i = 0; i < 3; ++i) {
@@ -77,10 +79,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     }
     threshold_ = thresholds[node];
   }
-  Selection s = pass.select(threshold_, true, true);
-  s.nonfinite = m.nonfinite;
-  bound_.learn(pass);
-  return s;
+  return finish(pass, threshold_, m.nonfinite);
 }
 
 }  // namespace gradsparse

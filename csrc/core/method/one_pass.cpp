@@ -1,4 +1,5 @@
-// OnePass and CandidateBound (gradsparse/one_pass.h), and Device::scan's unfused default.
+// OnePass, CandidateBound and DensityControl (gradsparse/one_pass.h), the estimating methods'
+// checkpointed control, and Device::scan's unfused default.
 //
 // Every comparison here is one of keys in the bucket's dtype, with the threshold rounded to that
 // dtype as the kernels round it (key_at_least, key_above), so an answer from the candidates is
@@ -9,6 +10,7 @@
 #include <cmath>
 
 #include "gradsparse/key_bins.h"
+#include "gradsparse/methods.h"
 #include "gradsparse/parallel.h"
 #include "method_util.h"
 
@@ -31,6 +33,66 @@ void CandidateBound::learn(const OnePass& pass) {
   }
   const double t = pass.lowest_asked();
   lower_ = std::isfinite(t) && t > 0.0 ? factor_ * t : std::numeric_limits<double>::infinity();
+}
+
+double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
+  if (!(estimate > 0.0) || !std::isfinite(estimate)) return estimate;
+  const double target = static_cast<double>(k);
+  auto count = [&](double t) { return static_cast<double>(pass.counts({t}, /*strict=*/true)[0]); };
+  auto log_count = [](double c) { return std::log(std::max(c, 0.5)); };  // no count is 0 in log space
+  double t = estimate * scale_, c = count(t);
+  double best_t = t, best_c = c;
+  double low = 0.0, high = std::numeric_limits<double>::infinity();  // thresholds known too low, too high
+  for (int step = 0; step < kSteps && std::fabs(c - target) > kTolerance * target; ++step) {
+    if (c > target) low = std::max(low, t);
+    if (c < target) high = std::min(high, t);
+    // count ~ t^-slope: the threshold that would hold k; outside what is known (or on its edge,
+    // where a secant step returns), the middle in log space. The relative margins keep rounding
+    // in the last bits of the estimate from changing a decision.
+    double next = t * std::exp((log_count(c) - std::log(target)) / slope_);
+    const bool inside = next > low * (1.0 + kMargin) && next < high * (1.0 - kMargin);
+    if (!inside && low > 0.0 && std::isfinite(high)) next = std::sqrt(low * high);
+    if (!(next > 0.0) || !std::isfinite(next) || std::fabs(next - t) <= kMargin * t) break;
+    const double c_next = count(next);
+    if (c_next != c)
+      slope_ = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), 0.25, 64.0);
+    t = next;
+    c = c_next;
+    if (std::fabs(c - target) < std::fabs(best_c - target)) {
+      best_t = t;
+      best_c = c;
+    }
+  }
+  scale_ = best_t / estimate;
+  return best_t;
+}
+
+void DensityControl::save(std::map<std::string, double>& state) const {
+  state["control.scale"] = scale_;
+  state["control.slope"] = slope_;
+}
+
+void DensityControl::load(const std::map<std::string, double>& state) {
+  if (auto it = state.find("control.scale"); it != state.end()) scale_ = it->second;
+  if (auto it = state.find("control.slope"); it != state.end()) slope_ = it->second;
+}
+
+MethodState EstimatingMethod::state() const {
+  MethodState state;
+  if (!reference_) control_.save(state);
+  return state;
+}
+
+void EstimatingMethod::load_state(const MethodState& state) {
+  if (!reference_) control_.load(state);
+}
+
+Selection EstimatingMethod::finish(OnePass& pass, double threshold, int64_t nonfinite) {
+  threshold_ = threshold;
+  Selection s = pass.select(threshold, /*strict=*/true, /*zero=*/true);
+  s.nonfinite = nonfinite;
+  bound_.learn(pass);
+  return s;
 }
 
 OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Range range)

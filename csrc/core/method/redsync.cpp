@@ -8,8 +8,8 @@
 
 namespace gradsparse {
 
-RedSync::RedSync(double density, const std::string& exchange)
-    : PerRankMethod("RedSync", exchange, gather_and_add()), density_(density) {
+RedSync::RedSync(double density, const std::string& exchange, bool reference)
+    : EstimatingMethod("RedSync", exchange, reference), density_(density) {
   method_util::check_density("RedSync", density);
 }
 
@@ -22,6 +22,9 @@ Selection RedSync::select(Device& device, const BucketView& bucket, Collective& 
   const double k = static_cast<double>(target_count(density_, n));
   const double mean = m.sum_abs / static_cast<double>(n), max = m.max_abs;
   auto threshold_at = [&](double mid) { return mean + mid * (max - mean); };
+  // Default mode: the bisection's first midpoint is the estimate.
+  if (!reference_)
+    return finish(pass, control_.threshold(pass, threshold_at(0.5), target_count(density_, n)), m.nonfinite);
   // Every midpoint the bisection can visit in three steps.
   const std::vector<double> mids{0.5, 0.25, 0.75, 0.125, 0.375, 0.625, 0.875};
   std::vector<double> thresholds;
@@ -41,10 +44,7 @@ Selection RedSync::select(Device& device, const BucketView& bucket, Collective& 
       lo = mid;
     }
   }
-  Selection s = pass.select(threshold_, true, true);
-  s.nonfinite = m.nonfinite;
-  bound_.learn(pass);
-  return s;
+  return finish(pass, threshold_, m.nonfinite);
 }
 
 }  // namespace gradsparse

@@ -18,8 +18,8 @@ SidcoFit parse_fit(const std::string& fit) {
 }  // namespace
 
 SIDCo::SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio,
-             const std::string& exchange)
-    : PerRankMethod("SIDCo", exchange, gather_and_add()),
+             const std::string& exchange, bool reference)
+    : EstimatingMethod("SIDCo", exchange, reference),
       density_(density),
       fit_(parse_fit(fit)),
       stages_(stages),
@@ -42,7 +42,8 @@ double SIDCo::stage_threshold(double mean, double variance, double mean_log, dou
 
 Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t n = bucket.numel;
-  OnePass pass(device, bucket, bound_, target_count(density_, n));
+  const int64_t k = target_count(density_, n);
+  OnePass pass(device, bucket, bound_, k);
   const Moments& m = pass.moments();
   const double norm = std::sqrt(m.sum_sq);
   numel_ = n;
@@ -86,11 +87,8 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
       floor_eta = std::max(floor_eta, eta);
     }
   }
-  threshold_ = eta * norm;
-  Selection s = pass.select(threshold_, true, true);
-  bound_.learn(pass);
+  Selection s = finish(pass, reference_ ? eta * norm : control_.threshold(pass, eta * norm, k), m.nonfinite);
   selected_ = s.count;
-  s.nonfinite = m.nonfinite;
   return s;
 }
 
@@ -100,15 +98,19 @@ void SIDCo::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result
 }
 
 MethodState SIDCo::state() const {
-  if (!adaptive_) return {};
-  return {{"stages", static_cast<double>(adaptive_->stages_)},
-          {"direction", static_cast<double>(adaptive_->direction_)},
-          {"sum", adaptive_->sum_},
-          {"calls", static_cast<double>(adaptive_->calls_)},
-          {"last_estimate", adaptive_->last_estimate_}};
+  MethodState state = EstimatingMethod::state();
+  if (adaptive_) {
+    state["stages"] = adaptive_->stages_;
+    state["direction"] = adaptive_->direction_;
+    state["sum"] = adaptive_->sum_;
+    state["calls"] = adaptive_->calls_;
+    state["last_estimate"] = adaptive_->last_estimate_;
+  }
+  return state;
 }
 
 void SIDCo::load_state(const MethodState& state) {
+  EstimatingMethod::load_state(state);
   if (!adaptive_) return;
   adaptive_->stages_ = static_cast<int>(state.at("stages"));
   adaptive_->direction_ = static_cast<int>(state.at("direction"));

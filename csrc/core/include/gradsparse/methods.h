@@ -31,6 +31,29 @@ class PerRankMethod : public Method {
   const Exchange* exchange_;
 };
 
+/// A per-rank method whose threshold is a statistical estimate (Gaussian-k, DGC, RedSync, SIDCo).
+/// Default mode: DensityControl steers the estimate to k elements (ruling 9); `reference`: the
+/// original rule, with its own corrections, exactly.
+class EstimatingMethod : public PerRankMethod {
+ public:
+  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+  MethodState state() const override;
+  void load_state(const MethodState& state) override;
+
+ protected:
+  EstimatingMethod(const std::string& owner, const std::string& exchange, bool reference)
+      : PerRankMethod(owner, exchange, gather_and_add()), reference_(reference) {}
+
+  /// Selects |v| > threshold (zeroing the residual there), records the threshold and the
+  /// non-finite count, and lets the candidate bound learn from the step.
+  Selection finish(OnePass& pass, double threshold, int64_t nonfinite);
+
+  CandidateBound bound_;    ///< where the next step's one pass starts listing candidates
+  DensityControl control_;  ///< default mode only
+  bool reference_;
+  double threshold_ = std::numeric_limits<double>::quiet_NaN();
+};
+
 /// Top-k (method-spec 4.1). Every rank selects exactly k, so its gather is the fixed-size
 /// gather: one all-gather, no count to wait for (no device-to-host synchronisation before the
 /// data moves).
@@ -104,52 +127,43 @@ class RandomBlock final : public SharedDraw {
 };
 
 /// Gaussian-k (4.4), SparDL's or SIDCo's variant.
-class GaussianK final : public PerRankMethod {
+class GaussianK final : public EstimatingMethod {
  public:
   enum class Variant { kSparDL, kSIDCo };
-  GaussianK(double density, const std::string& variant, const std::string& exchange = "gather");
+  GaussianK(double density, const std::string& variant, const std::string& exchange = "gather", bool reference = false);
   std::string name() const override { return "gaussiank"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
 
  private:
-  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
   Variant variant_;
-  double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// DGC's sampled threshold (4.5).
-class DGC final : public PerRankMethod {
+class DGC final : public EstimatingMethod {
  public:
-  DGC(double density, uint64_t seed, const std::string& exchange = "gather");
+  DGC(double density, uint64_t seed, const std::string& exchange = "gather", bool reference = false);
   std::string name() const override { return "dgc"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
-  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
-  MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
+  MethodState state() const override;
   void load_state(const MethodState& state) override;
 
  private:
-  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
   uint64_t seed_;
   int64_t step_ = 0;
-  double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// RedSync's bisection threshold (4.6).
-class RedSync final : public PerRankMethod {
+class RedSync final : public EstimatingMethod {
  public:
-  explicit RedSync(double density, const std::string& exchange = "gather");
+  explicit RedSync(double density, const std::string& exchange = "gather", bool reference = false);
   std::string name() const override { return "redsync"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
 
  private:
-  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double density_;
-  double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// SAGE (4.7): sampled-scale threshold scaling.
@@ -256,20 +270,18 @@ class ExDyna final : public PartitionedMethod {
 };
 
 /// SIDCo (4.10): multi-stage statistical fits.
-class SIDCo final : public PerRankMethod {
+class SIDCo final : public EstimatingMethod {
  public:
   SIDCo(double density, const std::string& fit, int stages, double first_ratio, std::optional<double> iratio,
-        const std::string& exchange = "gather");
+        const std::string& exchange = "gather", bool reference = false);
   std::string name() const override { return "sidco"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
-  MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
   MethodState state() const override;
   void load_state(const MethodState& state) override;
   int stages() const { return adaptive_ ? adaptive_->stages() : stages_; }
 
  private:
-  CandidateBound bound_;  ///< where the next step's one pass starts listing candidates
   double stage_threshold(double mean, double variance, double mean_log, double ratio, bool first) const;
 
   double density_;
@@ -278,7 +290,6 @@ class SIDCo final : public PerRankMethod {
   double first_ratio_;
   double iratio_;
   std::optional<SidcoStages> adaptive_;
-  double threshold_ = std::numeric_limits<double>::quiet_NaN();
   int64_t selected_ = 0;
   int64_t numel_ = 0;
 };

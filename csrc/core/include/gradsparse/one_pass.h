@@ -12,6 +12,8 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "gradsparse/device.h"
@@ -36,6 +38,27 @@ class CandidateBound {
  private:
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
+};
+
+/// The statistical estimators' default mode (docs/method-spec.md ruling 9): a method's estimate
+/// of the threshold, times a factor learned from its earlier steps, then moved by secant steps in
+/// log space on the exact counts (from the step's candidates) until the count is within 2% of k,
+/// at most eight more counts. Its two numbers are part of a checkpoint: they change the result.
+class DensityControl {
+ public:
+  static constexpr double kTolerance = 0.02;  ///< |count - k| <= kTolerance * k stops the steps
+  static constexpr int kSteps = 8;            ///< at most this many counts after the first
+  static constexpr double kMargin = 1e-9;     ///< thresholds closer than this (relative) are one
+  /// The threshold to select at (|v| > threshold) for k elements; the estimate itself when it is
+  /// not a positive finite number.
+  double threshold(OnePass& pass, double estimate, int64_t k);
+  void save(std::map<std::string, double>& state) const;
+  /// Reads what save() wrote; keeps the initial values when the keys are absent.
+  void load(const std::map<std::string, double>& state);
+
+ private:
+  double scale_ = 1.0;  ///< last step's chosen threshold / its estimate
+  double slope_ = 2.0;  ///< last step's -d log(count) / d log(threshold)
 };
 
 /// One step's pass over a bucket and the questions a threshold estimator asks about it. The
