@@ -11,8 +11,10 @@ import contextlib
 import faulthandler
 import io
 import os
+import random
 import signal
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +32,33 @@ class DistributedError(RuntimeError):
         self.results = results or {}
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A port on 127.0.0.1 that is free now and outside the kernel's ephemeral range.
+
+    A port the kernel hands out (bind to 0) is in the ephemeral range, where any outgoing
+    connection (a TCPStore client of another test, say) may take it between this pick and the
+    store's listen: the store then fails with "address already in use". Ports below the range
+    are only ever taken by an explicit bind."""
+    low, high = _ephemeral_range()
+    candidates = list(range(10000, low)) if low > 11000 else list(range(high + 1, 65536))
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for port in rng.sample(candidates, min(200, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every sampled port is taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -86,7 +113,6 @@ def run_distributed(
         p.start()
     results: dict[int, tuple[bool, Any]] = {}
     import queue as queue_module
-    import time
 
     deadline = time.monotonic() + timeout
     try:
