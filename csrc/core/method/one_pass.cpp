@@ -16,6 +16,10 @@
 
 namespace gradsparse {
 
+namespace {
+constexpr size_t kFewKeys = 8;  ///< counts at up to this many keys compare every candidate with each
+}  // namespace
+
 Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
   Scan s;
   s.moments = moments(bucket, update);
@@ -142,9 +146,15 @@ const std::vector<uint32_t>& OnePass::keys() {
 
 std::vector<size_t> OnePass::reaching(uint32_t key) {
   const std::vector<uint32_t>& k = keys();
-  std::vector<size_t> out;
-  for (size_t j = 0; j < k.size(); ++j)
-    if (k[j] >= key) out.push_back(j);
+  // Without a branch: whether a candidate reaches the key is as good as random, and a mispredicted
+  // branch per candidate cost more than the rest of the selection.
+  std::vector<size_t> out(k.size());
+  size_t n = 0;
+  for (size_t j = 0; j < k.size(); ++j) {
+    out[n] = j;
+    n += k[j] >= key ? 1 : 0;
+  }
+  out.resize(n);
   return out;
 }
 
@@ -167,18 +177,34 @@ int64_t OnePass::Counts::operator[](size_t j) {
       if (!known_[i] && pass_.covers(keys_[i]) == covered) which.push_back(i);
     std::vector<int64_t> counts(which.size(), 0);
     if (covered) {
-      std::vector<uint32_t> sorted;
-      for (size_t i : which) sorted.push_back(keys_[i]);
-      std::sort(sorted.begin(), sorted.end());
-      sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
-      std::vector<int64_t> in_bin(sorted.size(), 0);  // candidates between one key and the next
-      const KeyBins bins(sorted.data(), static_cast<int>(sorted.size()));
-      for (uint32_t key : pass_.keys())
-        if (key >= sorted[0]) ++in_bin[static_cast<size_t>(bins.bin(key))];
-      for (size_t b = sorted.size() - 1; b > 0; --b) in_bin[b - 1] += in_bin[b];  // now: at or above
-      for (size_t i = 0; i < which.size(); ++i) {
-        const uint32_t key = keys_[which[i]];
-        counts[i] = key == kNoKey ? 0 : in_bin[std::lower_bound(sorted.begin(), sorted.end(), key) - sorted.begin()];
+      // No branch on a candidate's key: whether it reaches a key is as good as random, and a
+      // mispredicted branch per candidate cost more than the count. A few keys: one vectorised
+      // comparison loop per key; more: one look-up per candidate in a table of bins.
+      const std::vector<uint32_t>& keys = pass_.keys();
+      if (which.size() <= kFewKeys) {
+        for (size_t i = 0; i < which.size(); ++i) {
+          const uint32_t at = keys_[which[i]];
+          int64_t c = 0;  // 0 for kNoKey, which no key reaches
+          for (uint32_t key : keys) c += key >= at ? 1 : 0;
+          counts[i] = c;
+        }
+      } else {
+        std::vector<uint32_t> sorted;
+        for (size_t i : which) sorted.push_back(keys_[i]);
+        std::sort(sorted.begin(), sorted.end());
+        sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+        // in_bin[b + 1]: candidates from sorted[b] up to the next key; in_bin[0]: those below all.
+        std::vector<int64_t> in_bin(sorted.size() + 1, 0);
+        const KeyBins bins(sorted.data(), static_cast<int>(sorted.size()));
+        for (uint32_t key : keys) {
+          const size_t b = static_cast<size_t>(bins.bin(std::max(key, sorted[0]))) + 1;
+          ++in_bin[key >= sorted[0] ? b : 0];
+        }
+        for (size_t b = sorted.size(); b > 1; --b) in_bin[b - 1] += in_bin[b];  // now: at or above
+        for (size_t i = 0; i < which.size(); ++i) {
+          const uint32_t key = keys_[which[i]];
+          counts[i] = key == kNoKey ? 0 : in_bin[std::lower_bound(sorted.begin(), sorted.end(), key) - sorted.begin() + 1];
+        }
       }
     } else {
       std::vector<double> thresholds;

@@ -259,6 +259,10 @@ void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<in
   });
   index.clear();
   value.clear();
+  size_t total = 0;
+  for (int64_t b = 0; b < nblocks; ++b) total += blocks[b].offsets.size();
+  index.reserve(total);  // one allocation each, not one per doubling
+  value.reserve(total);
   for (int64_t b = 0; b < nblocks; ++b) {
     for (size_t j = 0; j < blocks[b].offsets.size(); ++j) {
       index.push_back(b * kCpuBlock + blocks[b].offsets[j]);

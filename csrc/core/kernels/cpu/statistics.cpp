@@ -440,6 +440,8 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
   index.clear();
   value.clear();
   if (capacity < 0 || above <= capacity) {
+    index.reserve(static_cast<size_t>(above));  // one allocation each, not one per doubling
+    value.reserve(static_cast<size_t>(above));
     for (int64_t b = 0; b < nblocks; ++b) {
       index.insert(index.end(), workspace[b].index.begin(), workspace[b].index.end());
       value.insert(value.end(), workspace[b].value.begin(), workspace[b].value.end());
