@@ -203,7 +203,8 @@ int64_t OnePass::Counts::operator[](size_t j) {
         for (size_t b = sorted.size(); b > 1; --b) in_bin[b - 1] += in_bin[b];  // now: at or above
         for (size_t i = 0; i < which.size(); ++i) {
           const uint32_t key = keys_[which[i]];
-          counts[i] = key == kNoKey ? 0 : in_bin[std::lower_bound(sorted.begin(), sorted.end(), key) - sorted.begin() + 1];
+          counts[i] =
+              key == kNoKey ? 0 : in_bin[std::lower_bound(sorted.begin(), sorted.end(), key) - sorted.begin() + 1];
         }
       }
     } else {
