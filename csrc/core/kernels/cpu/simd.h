@@ -34,30 +34,68 @@ inline bool use_avx2() {
 }
 
 #if GS_HAVE_AVX2_PATHS
+/// Bit q of the result is set when the key (|v| bits) of v[q], q < 32, is above `below` (a key
+/// minus one, compared as signed: keys are at most 0x7fffffff).
+GS_TARGET_AVX2 inline uint32_t keys_above32_avx2(const float* v, __m256i below) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  uint32_t bits = 0;
+  for (int q = 0; q < 4; ++q) {
+    const __m256i k = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(v + 8 * q)), magnitude);
+    bits |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, below)))) << (8 * q);
+  }
+  return bits;
+}
+
 /// Calls hit(j), in ascending order, for every j in [begin, end) whose float32 value v[j] has
 /// key (|v| bits) >= `key`: 32 keys compared per step, so elements below the key cost little.
 template <typename Hit>
 GS_TARGET_AVX2 inline void scan_keys_avx2(const float* v, int64_t begin, int64_t end, uint32_t key, Hit&& hit) {
   if (key > 0x7fffffffu) return;  // above every finite key (and keys are compared as signed)
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(static_cast<int>(key) - 1);
   int64_t j = begin;
   for (; j + 32 <= end; j += 32) {
-    uint32_t bits = 0;
-    for (int q = 0; q < 4; ++q) {
-      const __m256i k = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(v + j + 8 * q)), magnitude);
-      bits |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, below)))) << (8 * q);
-    }
-    while (bits != 0) {
-      hit(j + __builtin_ctz(bits));
-      bits &= bits - 1;
-    }
+    for (uint32_t bits = keys_above32_avx2(v + j, below); bits != 0; bits &= bits - 1) hit(j + __builtin_ctz(bits));
   }
   for (; j < end; ++j) {
     uint32_t bits;
     std::memcpy(&bits, v + j, sizeof(bits));
     if ((bits & 0x7fffffffu) >= key) hit(j);
   }
+}
+
+/// Writes j to index[] and v[j] to value[], in ascending order, for every j in [begin, end) whose
+/// key (|v| bits) is >= `key`, and returns how many. The first two such elements of each 32 are
+/// written without a branch (a chunk's position and value are stored whether or not they count),
+/// so at the densities of candidates, where most chunks hold none or one and which is as good as
+/// random, no branch is mispredicted. index and value need room for end - begin + 2 entries.
+GS_TARGET_AVX2 inline int64_t list_keys_avx2(const float* v, int64_t begin, int64_t end, uint32_t key, int64_t* index,
+                                             float* value) {
+  if (key > 0x7fffffffu) return 0;
+  const __m256i below = _mm256_set1_epi32(static_cast<int>(key) - 1);
+  int64_t n = 0, j = begin;
+  for (; j + 32 <= end; j += 32) {
+    uint32_t bits = keys_above32_avx2(v + j, below);
+    for (int first = 0; first < 2; ++first) {  // without a branch: n moves on only for a hit
+      const int64_t i = j + __builtin_ctz(bits | 0x80000000u);
+      index[n] = i;
+      value[n] = v[i];
+      n += bits != 0;
+      bits &= bits - 1;
+    }
+    for (; bits != 0; bits &= bits - 1, ++n) {  // a third and more: rare below a few percent
+      const int64_t i = j + __builtin_ctz(bits);
+      index[n] = i;
+      value[n] = v[i];
+    }
+  }
+  for (; j < end; ++j) {
+    uint32_t bits;
+    std::memcpy(&bits, v + j, sizeof(bits));
+    index[n] = j;
+    value[n] = v[j];
+    n += (bits & 0x7fffffffu) >= key;
+  }
+  return n;
 }
 #endif
 

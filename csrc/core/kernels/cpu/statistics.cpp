@@ -373,11 +373,22 @@ Moments combine_moments(const std::vector<Moments>& blocks) {
   return total;
 }
 
-/// Per-calling-thread candidate buffers of scan(), one per block; their capacity is kept.
-struct ScanBlock {
-  std::vector<int64_t> index;
+/// One worker thread's candidates in scan(): its blocks' positions and values in block order.
+/// Kept from call to call (per calling thread), so steady steps allocate nothing.
+struct ScanList {
+  std::vector<int64_t> index;  ///< the first `size` entries are candidates, the rest room
   std::vector<float> value;
-  int64_t above = 0;
+  int64_t size = 0;
+  int64_t above = 0;  ///< candidates of its blocks, listed or not
+  int64_t first_block = -1, blocks = 0;
+  void clear() { size = above = blocks = 0, first_block = -1; }
+  /// Room for m more entries after the listed ones.
+  void room(int64_t m) {
+    if (size + m > static_cast<int64_t>(index.size())) {
+      index.resize(static_cast<size_t>(std::max<int64_t>(size + m, 2 * static_cast<int64_t>(index.size()))));
+      value.resize(index.size());
+    }
+  }
 };
 
 }  // namespace
@@ -394,58 +405,81 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
   GS_CHECK(n >= 0, ValueError, "scan: n must be >= 0, got ", n);
   check_range(range, n, "scan");
   const int64_t nblocks = num_blocks(n);
-  thread_local std::vector<ScanBlock> per_thread;  // the calling thread's; workers use it by reference
-  std::vector<ScanBlock>& workspace = per_thread;
-  if (static_cast<int64_t>(workspace.size()) < nblocks) workspace.resize(nblocks);
+  const int threads = cpu_threads();
+  thread_local std::vector<ScanList> per_thread;  // the calling thread's; workers use it by reference
+  std::vector<ScanList>& lists = per_thread;
+  if (static_cast<int>(lists.size()) < threads) lists.resize(static_cast<size_t>(threads));
+  for (ScanList& list : lists) list.clear();
   std::vector<Moments> moments(static_cast<size_t>(nblocks));
   std::atomic<int64_t> stored{0};  // candidates found by the finished blocks
   Source<T> read = src;            // the block's second look, from cache, sees the updated values
   read.update = false;
-  parallel_blocks(nblocks, [&](int64_t b) {
+  // schedule(static): each thread takes one contiguous run of blocks, in ascending order, so the
+  // threads' lists joined in the order of their first blocks list the candidates in index order.
+  parallel_blocks(nblocks, threads, [&](int64_t b, int thread) {
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
     moments[b] = block_moments(src, begin, end);
-    ScanBlock& p = workspace[b];
-    p.index.clear();
-    p.value.clear();
-    p.above = 0;
+    ScanList& p = lists[static_cast<size_t>(thread)];
+    if (p.blocks++ == 0) p.first_block = b;
     const int64_t lo = std::clamp(range.begin, begin, end), hi = std::clamp(range.end, begin, end);
     // A block lists its candidates while the blocks finished before it have found no more than
     // the capacity, so at most the capacity and one block per thread are ever listed.
     const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
-    const auto take = [&](int64_t i, T v) {
-      ++p.above;
-      if (listing) {
-        p.index.push_back(i);
-        p.value.push_back(Num<T>::to_float(v));
-      }
-    };
+    int64_t found = 0;
+    if (listing) p.room(hi - lo + 2);
 #if GS_HAVE_AVX2_PATHS
     if constexpr (std::is_same_v<T, float>) {
       if (src.residual != nullptr && use_avx2()) {
         const float* r = src.residual;
-        scan_keys_avx2(r, lo, hi, key, [&](int64_t i) { take(i, r[i]); });
-        stored.fetch_add(p.above, std::memory_order_relaxed);
+        if (listing) {
+          found = list_keys_avx2(r, lo, hi, key, p.index.data() + p.size, p.value.data() + p.size);
+          p.size += found;
+        } else {
+          count_few_keys_avx2(r, lo, hi, &key, 1, &found);
+        }
+        p.above += found;
+        stored.fetch_add(found, std::memory_order_relaxed);
         return;
       }
     }
 #endif
     for (int64_t i = lo; i < hi; ++i) {
       const T v = read.value(i);
-      if (Num<T>::key(v) >= key) take(i, v);
+      if (Num<T>::key(v) < key) continue;
+      ++found;
+      if (listing) {
+        p.index[static_cast<size_t>(p.size)] = i;
+        p.value[static_cast<size_t>(p.size++)] = Num<T>::to_float(v);
+      }
     }
-    stored.fetch_add(p.above, std::memory_order_relaxed);
+    p.above += found;
+    stored.fetch_add(found, std::memory_order_relaxed);
   });
+  std::vector<const ScanList*> order;  // the threads that took blocks, by their first block
   above = 0;
-  for (int64_t b = 0; b < nblocks; ++b) above += workspace[b].above;
+  for (const ScanList& list : lists) {
+    if (list.blocks == 0) continue;
+    order.push_back(&list);
+    above += list.above;
+  }
+  std::sort(order.begin(), order.end(),
+            [](const ScanList* x, const ScanList* y) { return x->first_block < y->first_block; });
+  for (size_t t = 0; t + 1 < order.size(); ++t)
+    GS_CHECK(order[t]->first_block + order[t]->blocks == order[t + 1]->first_block, std::logic_error,
+             "scan: the threads' blocks are not contiguous runs (an OpenMP runtime without schedule(static)'s "
+             "order); run with GRADSPARSE_NUM_THREADS=1");
   index.clear();
   value.clear();
   if (capacity < 0 || above <= capacity) {
-    index.reserve(static_cast<size_t>(above));  // one allocation each, not one per doubling
-    value.reserve(static_cast<size_t>(above));
-    for (int64_t b = 0; b < nblocks; ++b) {
-      index.insert(index.end(), workspace[b].index.begin(), workspace[b].index.end());
-      value.insert(value.end(), workspace[b].value.begin(), workspace[b].value.end());
-    }
+    std::vector<int64_t> at(order.size() + 1, 0);  // where each thread's candidates go
+    for (size_t t = 0; t < order.size(); ++t) at[t + 1] = at[t] + order[t]->size;
+    index.resize(static_cast<size_t>(above));
+    value.resize(static_cast<size_t>(above));
+    parallel_blocks(static_cast<int64_t>(order.size()), [&](int64_t t) {
+      const ScanList& list = *order[static_cast<size_t>(t)];
+      std::copy_n(list.index.begin(), list.size, index.begin() + at[t]);
+      std::copy_n(list.value.begin(), list.size, value.begin() + at[t]);
+    });
   }
   return combine_moments(moments);
 }
