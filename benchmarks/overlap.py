@@ -15,7 +15,9 @@ step, measured in the same processes, the three modes taking turns step by step)
 exchange = serial - compute; the overlap goal is overlapped < compute + exchange (= serial), and
 "hidden" is the share of the exchange time that disappeared. At most min(compute, exchange) can
 disappear: on a slow link (exchange > compute) overlapped / serial stays above
-exchange / (compute + exchange), and "hidden" below compute / exchange.
+exchange / (compute + exchange), and "hidden" below compute / exchange. Two more ratios answer
+what a user asks: overlapped / compute, the step against one that sends nothing (1 when the
+exchange is all hidden), and overlapped / dense's, the step against dense's in the same run.
 
 By default the Gloo processes are spawned here and talk over loopback (--world-size). When RANK
 is set (with WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun, or set by hand), each process is
@@ -134,9 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         network = args.network or f"env:// rendezvous at {os.environ['MASTER_ADDR']}"
     params = sum(p.numel() for p in make_model(args.width, args.depth).parameters())
     rows = []
+    # the slowest rank sets the pace of a synchronous step
+    slowest = {method: {mode: max(r[method][mode] for r in per_rank) for mode in MODES} for method in methods}
     for method in methods:
-        # the slowest rank sets the pace of a synchronous step
-        t = {mode: max(r[method][mode] for r in per_rank) for mode in MODES}
+        t = slowest[method]
         exchange = t["serial"] - t["compute"]
         hidden = (t["serial"] - t["overlapped"]) / exchange if exchange > 0 else float("nan")
         rows.append(
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
                 1e3 * t["overlapped"],
                 t["overlapped"] / t["serial"],
                 f"{100 * hidden:.0f}%",
+                t["overlapped"] / t["compute"],
+                t["overlapped"] / slowest["dense"]["overlapped"] if "dense" in slowest else float("nan"),
             ]
         )
     table = markdown_table(
@@ -161,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
             "overlapped ms",
             "overlapped / (compute + exchange)",
             "exchange hidden",
+            "overlapped / compute",
+            "overlapped / dense's",
         ],
         rows,
     )

@@ -52,3 +52,6 @@ def test_overlap_times_every_mode(tmp_path):
         buckets, compute, exchange, serial, overlapped = numbers(text, method)[:5]
         assert buckets >= 1 and compute > 0 and overlapped > 0
         assert serial == pytest.approx(compute + exchange, rel=0.01, abs=0.01)  # printed to 3 digits
+        to_compute, to_dense = numbers(text, method)[-2:]
+        assert to_compute == pytest.approx(overlapped / compute, rel=0.02)
+        assert to_dense == pytest.approx(overlapped / numbers(text, "dense")[4], rel=0.02)
