@@ -14,13 +14,15 @@ For each size N and density d, on the same float32 gradient and residual:
 The residual is restored before every timed call, so each call does the same work.
 
 With --methods, a second table: every method's selection step (all its passes over the bucket,
-as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add.
+as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add, the add timed
+between the method's steps (its median is the row's "add ms").
 """
 
 from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 
 import torch
 
@@ -75,28 +77,31 @@ def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[ob
 
 
 def method_rows(n: int, density: float, repeat: int) -> list[list[object]]:
-    """Every method's selection time on one rank, relative to the plain add, in one run."""
+    """Every method's selection time on one rank, relative to the plain add, in one run. The add
+    is timed again next to every step of every method (add, step, add, step, ...), so the ratio
+    compares the two under the same conditions: on a shared machine the add alone moves by 40%
+    between minutes."""
     from benchmarks.density import methods
 
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     start = torch.randn(n, generator=gen) * 5e-4
     residual = start.clone()
-    t_add = median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), repeat)
     group = _C.ThreadGroup(1, 600.0)
     rows = []
     for name, make in methods(density).items():
         method = make(0)
         if method.exchange == "SparDL":  # it selects block by block inside its exchange: no step to time alone
             continue
-        times = []
+        times, adds = [], []
         for i in range(repeat + 2):  # two warm-up steps: some methods start differently
+            adds.append(median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), 1))
             residual.copy_(start)
             report, _ = group.reduce(0, grad.clone(), residual, method, record=False)
             if i >= 2:
                 times.append(report.select_seconds)
-        t = sorted(times)[len(times) // 2]
-        rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, t / t_add])
+        t, t_add = statistics.median(times), statistics.median(adds[2:])
+        rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, 1e3 * t_add, t / t_add])
     return rows
 
 
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> str:
         ]
         text += (
             "\n## Selection step of every method (one rank)\n\n"
-            + markdown_table(["N", "density", "method", "select ms", "/ add"], method_table)
+            + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add"], method_table)
             + "\nSparDL is not listed: it selects block by block inside its exchange.\n"
         )
     print(text)

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 #include <vector>
 
 #include "gradsparse/estimators.h"
@@ -143,5 +144,32 @@ TEST(Rng, DrawsAreReproducibleAndDistinctSamplingIsDistinct) {
     ASSERT_EQ(static_cast<int64_t>(s.size()), std::min<int64_t>(count, 100));
     for (size_t i = 1; i < s.size(); ++i) ASSERT_LT(s[i - 1], s[i]);
     for (int64_t v : s) ASSERT_TRUE(v >= 0 && v < 100);
+  }
+}
+
+TEST(Rng, SampleDistinctIsTheFirstDistinctDrawsInEveryForm) {
+  // Every path (the walk on a bitmap or a hash set, the positions left out, all of them) and the
+  // bitmap form give the first `count` distinct values of draw(stream, i) % n.
+  for (int64_t n : {int64_t{1}, int64_t{63}, int64_t{64}, int64_t{1000}, int64_t{100003}}) {
+    for (int64_t count : {int64_t{0}, int64_t{1}, n / 3000, n / 7, n / 2, n / 2 + 1, n - 1, n, n + 5}) {
+      SCOPED_TRACE(::testing::Message() << "n " << n << ", count " << count);
+      std::set<int64_t> want;
+      if (count > n / 2) {  // all but the first n - count distinct draws
+        std::set<int64_t> left_out;
+        for (uint64_t i = 0; static_cast<int64_t>(left_out.size()) < std::max<int64_t>(n - count, 0); ++i)
+          left_out.insert(static_cast<int64_t>(rng_draw(5, i) % static_cast<uint64_t>(n)));
+        for (int64_t p = 0; p < n; ++p)
+          if (left_out.count(p) == 0) want.insert(p);
+      } else {
+        for (uint64_t i = 0; static_cast<int64_t>(want.size()) < count; ++i)
+          want.insert(static_cast<int64_t>(rng_draw(5, i) % static_cast<uint64_t>(n)));
+      }
+      const std::vector<int64_t> got = sample_distinct(5, count, n);
+      EXPECT_EQ(got, std::vector<int64_t>(want.begin(), want.end()));
+      std::vector<uint64_t> bits{~uint64_t{0}};  // stale contents are cleared
+      sample_distinct_bits(5, count, n, bits);
+      EXPECT_EQ(bits.size(), static_cast<size_t>((n + 63) / 64));
+      EXPECT_EQ(set_positions(bits), got);
+    }
   }
 }

@@ -3,6 +3,7 @@
 // many candidates), and the methods built on it: their results never depend on the bound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -15,6 +16,7 @@
 #include "gradsparse/one_pass.h"
 #include "gradsparse/parallel.h"
 #include "gradsparse/reduce_bucket.h"
+#include "gradsparse/rng.h"
 #include "reference.h"
 #include "threads.h"
 
@@ -152,6 +154,15 @@ TEST(OnePass, AnswersEqualPlainPasses) {
       EXPECT_EQ(e.sum_sq, f.sum_sq);
       EXPECT_EQ(e.min, f.min);
     }
+    // The 12th largest of a 2% sample (3.11): from the candidates at the bounds below it, by
+    // gathering the sample at the others (at 3.2 only 11 sampled elements are candidates).
+    std::vector<uint64_t> sampled;
+    sample_distinct_bits(9, kN / 50, kN, sampled);
+    std::vector<float> sample;
+    for (int64_t i : sample_distinct(9, kN / 50, kN)) sample.push_back(std::fabs(plain.residual[i]));
+    std::sort(sample.begin(), sample.end(), std::greater<float>());
+    EXPECT_EQ(pass.kth_sampled(sampled, kN / 50, 12), sample[11]);
+    EXPECT_GT(sample[11], 2.6);
     // Largest first (it zeroes what it takes), then a threshold selection of what is left.
     double kth;
     const Selection top = pass.largest(k, kth);

@@ -31,6 +31,9 @@ def test_select_reports_every_method(tmp_path):
     for name in ("TopK", "RandomK", "GaussianK spardl", "DGC", "RedSync", "SAGE", "MiCRO", "ExDyna", "SIDCo exp"):
         assert f"| {name} |" in text, name
     assert "| SparDL |" not in text  # selects inside its exchange: no separate step
+    _density, select_ms, add_ms, ratio = numbers(text, "0.02M | 0.01 | DGC")
+    assert select_ms > 0 and add_ms > 0
+    assert ratio == pytest.approx(select_ms / add_ms, rel=0.02)  # against the add timed beside it (3 digits each)
 
 
 def test_density_reports_errors_and_imbalance(tmp_path):

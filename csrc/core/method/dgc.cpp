@@ -27,13 +27,11 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
   const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
-  const Selection sample = device.gather(bucket, sample_distinct(stream, f, n));
-  std::vector<double> x;
-  for (float v : HostMessage(device, sample, bucket).value_list()) x.push_back(std::fabs(v) / norm);
-  const size_t s = static_cast<size_t>(std::ceil(static_cast<double>(x.size()) * density_));
-  std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(s - 1), x.end(), std::greater<double>());
-  if (!reference_) return finish(pass, control_.threshold(pass, x[s - 1] * norm, k), m.nonfinite);
-  threshold_ = x[s - 1] * norm;
+  sample_distinct_bits(stream, f, n, sampled_);
+  const int64_t s = static_cast<int64_t>(std::ceil(static_cast<double>(f) * density_));
+  const double x = pass.kth_sampled(sampled_, f, s) / norm;  // the s-th largest of the sample's |v| / ||v||
+  if (!reference_) return finish(pass, control_.threshold(pass, x * norm, k), m.nonfinite);
+  threshold_ = x * norm;
   Selection out = pass.select(threshold_, true, false);
   if (static_cast<double>(out.count) > 4.0 * k / 3.0) {
     double kth;

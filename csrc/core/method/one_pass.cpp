@@ -12,6 +12,7 @@
 #include "gradsparse/key_bins.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/parallel.h"
+#include "gradsparse/rng.h"
 #include "method_util.h"
 
 namespace gradsparse {
@@ -289,6 +290,30 @@ Selection OnePass::largest(int64_t k, double& kth) {
   Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   zeroed(chosen);
   return s;
+}
+
+double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s) {
+  GS_ASSERT(s >= 1 && s <= count);
+  std::vector<float> magnitude;
+  const bool listed = scan_.complete() && !stale_;
+  if (listed) {
+    const Candidates& c = scan_.candidates;
+    for (size_t j = 0; j < c.size(); ++j) {
+      const auto p = static_cast<uint64_t>(c.index[j]);
+      if ((sampled[p >> 6] >> (p & 63)) & 1) magnitude.push_back(std::fabs(c.value[j]));
+    }
+  }
+  const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
+  if (!covered) {
+    magnitude.clear();
+    const Selection all = device_.gather(bucket_, set_positions(sampled));
+    for (float v : HostMessage(device_, all, bucket_).value_list()) magnitude.push_back(std::fabs(v));
+  }
+  std::nth_element(magnitude.begin(), magnitude.begin() + (s - 1), magnitude.end(), std::greater<float>());
+  const double kth = magnitude[static_cast<size_t>(s - 1)];
+  // About s / count of the range lies at or above it: the question a threshold there asks.
+  asked(kth, s * (range_.end - range_.begin) / count, covered);
+  return kth;
 }
 
 }  // namespace gradsparse

@@ -153,6 +153,7 @@ class DGC final : public EstimatingMethod {
   double density_;
   uint64_t seed_;
   int64_t step_ = 0;
+  std::vector<uint64_t> sampled_;  ///< the step's sample as a bitmap (kept only to allocate once)
 };
 
 /// RedSync's bisection threshold (4.6).

@@ -96,6 +96,12 @@ class OnePass {
   /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual;
   /// `kth` gets the k-th largest magnitude (0 when k = 0).
   Selection largest(int64_t k, double& kth);
+  /// The s-th largest magnitude |v| among a sample of the range: the elements whose bit is set
+  /// in `sampled` (a bitmap over the bucket's positions, as sample_distinct_bits writes it; `count`
+  /// bits set, all inside the range, 1 <= s <= count). From the candidates when at least s sampled
+  /// elements are among them (those left out lie below every candidate), else by gathering every
+  /// sampled element.
+  double kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s);
 
   /// The lowest threshold of a question whose answer held at most the capacity of elements (the
   /// others cannot be answered from candidates at any bound); +inf when none did.

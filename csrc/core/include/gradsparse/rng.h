@@ -38,48 +38,54 @@ inline std::vector<int64_t> sample_with_replacement(uint64_t stream, int64_t cou
   return out;
 }
 
+/// The positions of sample_distinct(stream, count, n) below, as a bitmap of [0, n) (bit p of
+/// word p / 64), written into `bits` (resized and cleared here, so a caller that keeps it across
+/// steps allocates once). A method that only asks whether a position was drawn tests a bit
+/// instead of reading out and searching a list.
+inline void sample_distinct_bits(uint64_t stream, int64_t count, int64_t n, std::vector<uint64_t>& bits) {
+  bits.assign(static_cast<size_t>(n > 0 ? (n + 63) / 64 : 0), 0);
+  if (n <= 0 || count <= 0) return;
+  if (count >= n || count > n / 2) {
+    // All of [0, n), less the n - count positions drawn to be left out (so the walk stays short).
+    std::vector<uint64_t> left_out;
+    if (count < n) sample_distinct_bits(stream, n - count, n, left_out);
+    for (size_t w = 0; w < bits.size(); ++w) bits[w] = ~(count < n ? left_out[w] : 0);
+    if (n % 64 != 0) bits.back() &= (uint64_t{1} << (n % 64)) - 1;
+    return;
+  }
+  // The first distinct values of draw(stream, i) % n: one bit test per draw.
+  int64_t found = 0;
+  for (uint64_t i = 0; found < count; ++i) {
+    const uint64_t p = rng_draw(stream, i) % static_cast<uint64_t>(n);
+    uint64_t& word = bits[p >> 6];
+    const uint64_t bit = uint64_t{1} << (p & 63);
+    found += (word & bit) == 0;
+    word |= bit;
+  }
+}
+
+/// The set positions of a bitmap of [0, n), ascending.
+inline std::vector<int64_t> set_positions(const std::vector<uint64_t>& bits) {
+  std::vector<int64_t> out;
+  for (size_t w = 0; w < bits.size(); ++w) {
+    for (uint64_t b = bits[w]; b != 0; b &= b - 1)
+      out.push_back(static_cast<int64_t>(w * 64 + static_cast<size_t>(__builtin_ctzll(b))));
+  }
+  return out;
+}
+
 /// `count` distinct positions in [0, n), ascending: the first distinct values of draw(stream, i) % n
 /// for i = 0, 1, ...; all of [0, n) when count >= n; when count > n / 2, the n - count positions
 /// to leave out are drawn that way instead (so the walk stays short).
 inline std::vector<int64_t> sample_distinct(uint64_t stream, int64_t count, int64_t n) {
   std::vector<int64_t> out;
   if (n <= 0 || count <= 0) return out;
-  if (count >= n) {
-    out.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = i;
-    return out;
-  }
-  if (count > n / 2) {
-    const std::vector<int64_t> left_out = sample_distinct(stream, n - count, n);
-    out.reserve(static_cast<size_t>(count));
-    size_t j = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (j < left_out.size() && left_out[j] == i) {
-        ++j;
-      } else {
-        out.push_back(i);
-      }
-    }
-    return out;
-  }
-  if (n / 64 <= 16 * count) {
-    // Dense enough for a bitmap of [0, n): one bit test per draw, and the ascending order
-    // comes from reading the bitmap (no hashing, no sort). Same positions as below.
-    std::vector<uint64_t> taken(static_cast<size_t>((n + 63) / 64), 0);
-    int64_t found = 0;
-    for (uint64_t i = 0; found < count; ++i) {
-      const uint64_t p = rng_draw(stream, i) % static_cast<uint64_t>(n);
-      uint64_t& word = taken[p >> 6];
-      const uint64_t bit = uint64_t{1} << (p & 63);
-      found += (word & bit) == 0;
-      word |= bit;
-    }
-    out.reserve(static_cast<size_t>(count));
-    for (size_t w = 0; w < taken.size(); ++w) {
-      for (uint64_t bits = taken[w]; bits != 0; bits &= bits - 1)
-        out.push_back(static_cast<int64_t>(w * 64 + static_cast<size_t>(__builtin_ctzll(bits))));
-    }
-    return out;
+  if (count > n / 2 || n / 64 <= 16 * count) {
+    // Dense enough for a bitmap of [0, n): no hashing, and the ascending order comes from reading
+    // the bitmap (no sort). Same positions as below.
+    std::vector<uint64_t> bits;
+    sample_distinct_bits(stream, count, n, bits);
+    return set_positions(bits);
   }
   std::unordered_set<int64_t> taken;
   taken.reserve(static_cast<size_t>(count) * 2);
