@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -117,9 +118,20 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
   EXPECT_NEAR(e.sum_sq, ess, 1e-9 * ess);
   EXPECT_EQ(e.min, emin);
 
-  double ls = 0;
-  for (float x : v) ls += std::log(std::fabs(double(x)) * 0.25 + 1e-3);
-  EXPECT_NEAR(device.log_sum(b.view(), 0.25, 1e-3), ls, 1e-9 * std::fabs(ls));
+  // Logs of products per block, or one by one where a product would leave the normal numbers:
+  // a huge scale (overflow), a tiny one without eps (underflow), a zero without eps (-inf).
+  for (const auto& [scale, eps] : {std::pair{0.25, 1e-3}, std::pair{1e300, 0.0}, std::pair{1e-300, 0.0}}) {
+    double ls = 0;
+    for (float x : v) ls += std::log(std::fabs(double(x)) * scale + eps);
+    EXPECT_NEAR(device.log_sum(b.view(), scale, eps), ls, 1e-12 * std::fabs(ls)) << scale;
+  }
+  b.residual[kN - 3] = 0.0f;  // in the last block's tail
+  EXPECT_EQ(device.log_sum(b.view(), 1.0, 0.0), -INFINITY);
+  b.residual[kN - 3] = 1.0f;
+  b.residual[5] = NAN;  // a NaN in the first block
+  EXPECT_TRUE(std::isnan(device.log_sum(b.view(), 1.0, 1e-3)));
+  b.residual[5] = INFINITY;
+  EXPECT_EQ(device.log_sum(b.view(), 1.0, 1e-3), INFINITY);
 }
 
 // float32 sums are defined to the bit (so that the AVX2 and the portable paths, and any thread
