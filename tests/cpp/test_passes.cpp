@@ -136,8 +136,9 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
 
 // float32 sums are defined to the bit (so that the AVX2 and the portable paths, and any thread
 // count, agree): per block of kCpuBlock elements, moments add in four lanes (element i in lane
-// (i - begin) % 4, the block's last len % 4 elements in lane 0, lanes in order), exceedances one
-// by one in index order; the blocks' sums are added in block order.
+// (i - begin) % 4, the block's last len % 4 elements in lane 0, lanes in order), exceedances in
+// four lanes too (the t-th element taken in lane t % 4, lanes in order); the blocks' sums are
+// added in block order.
 TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
   for (const int64_t n : {kN, 2 * kCpuBlock + 6, int64_t{3}, int64_t{6}, int64_t{7}, int64_t{13}, int64_t{301}}) {
     Bucket b;
@@ -171,16 +172,18 @@ TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
       double sum = 0, sum_sq = 0;
       int64_t count = 0;
       for (int64_t begin = 0; begin < n; begin += kCpuBlock) {
-        double bs = 0, bss = 0;
+        double bs[4] = {}, bss[4] = {};
+        int64_t taken = 0;
         for (int64_t i = begin; i < std::min(n, begin + kCpuBlock); ++i) {
           if (std::fabs(b.residual[i]) < static_cast<float>(threshold)) continue;
           const double y = std::fabs(double(b.residual[i])) * 0.7;
-          ++count;
-          bs += y;
-          bss += y * y;
+          bs[taken % 4] += y;
+          bss[taken % 4] += y * y;
+          ++taken;
         }
-        sum += bs;
-        sum_sq += bss;
+        count += taken;
+        sum += ((bs[0] + bs[1]) + bs[2]) + bs[3];
+        sum_sq += ((bss[0] + bss[1]) + bss[2]) + bss[3];
       }
       EXPECT_EQ(e.count, count) << n << " " << threshold;
       EXPECT_EQ(e.sum, sum) << n << " " << threshold;

@@ -230,21 +230,19 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale) {
     asked(threshold, e.count, false);
     return e;
   }
-  // In the CPU kernel's order: element by element within each block, then the blocks in order.
+  // In the CPU kernel's order: ExceedanceLanes' within each block, then the blocks in order.
   std::vector<Exceedance> parts;
-  int64_t block = -1;
+  ExceedanceLanes block;
+  int64_t at = -1;
   for (size_t j : reaching(key)) {
-    if (scan_.candidates.index[j] / kCpuBlock != block) {
-      block = scan_.candidates.index[j] / kCpuBlock;
-      parts.push_back(Exceedance{0, 0.0, 0.0, std::numeric_limits<double>::infinity()});
+    if (scan_.candidates.index[j] / kCpuBlock != at) {
+      if (at >= 0) parts.push_back(block.total());
+      at = scan_.candidates.index[j] / kCpuBlock;
+      block = ExceedanceLanes{};
     }
-    Exceedance& e = parts.back();
-    const double y = std::fabs(static_cast<double>(scan_.candidates.value[j])) * scale;
-    ++e.count;
-    e.sum += y;
-    e.sum_sq += y * y;
-    e.min = std::min(e.min, y);
+    block.take(std::fabs(static_cast<double>(scan_.candidates.value[j])) * scale);
   }
+  if (at >= 0) parts.push_back(block.total());
   const Exceedance e = Exceedance::combine(parts);
   asked(threshold, e.count, true);
   return e;

@@ -118,6 +118,33 @@ struct Exceedance {
   }
 };
 
+/// The CPU's order of an exceedance's sums within a block of kCpuBlock elements: the t-th element
+/// taken (in index order, from 0) adds to lane t % 4, and the lanes add in lane order. Every CPU
+/// path that takes the same elements (the AVX2 pass adds four at a time, the portable pass and
+/// OnePass's answers from candidates one at a time) gets the same bits.
+struct ExceedanceLanes {
+  double sum[4] = {};
+  double sum_sq[4] = {};
+  double min = std::numeric_limits<double>::infinity();
+  int64_t count = 0;
+
+  void take(double y) {
+    const int64_t lane = count & 3;
+    sum[lane] += y;
+    sum_sq[lane] += y * y;
+    min = std::min(min, y);
+    ++count;
+  }
+  Exceedance total() const {
+    Exceedance e;
+    e.count = count;
+    e.sum = ((sum[0] + sum[1]) + sum[2]) + sum[3];
+    e.sum_sq = ((sum_sq[0] + sum_sq[1]) + sum_sq[2]) + sum_sq[3];
+    e.min = min;
+    return e;
+  }
+};
+
 /// Checks that `range` lies inside a bucket of n elements (ValueError naming `what` otherwise).
 inline void check_range(Range range, int64_t n, const char* what) {
   GS_CHECK(0 <= range.begin && range.begin <= range.end && range.end <= n, ValueError, what, ": range [", range.begin,

@@ -236,30 +236,38 @@ struct PackTable {
   }
 };
 
+/// Adds |x| * scale of buffer[0, n / 4 * 4) to four float64 lanes (buffer[t] to lane t % 4):
+/// acc[0] the sums, acc[1] the sums of squares, acc[2] the minima; moves the last n % 4 values to
+/// the front of the buffer and returns how many it added.
+GS_TARGET_AVX2 inline int add_exceedances4(float* buffer, int n, double scale, __m256d* acc) {
+  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  const __m256d by = _mm256_set1_pd(scale);
+  const int added = n & ~3;
+  for (int t = 0; t < added; t += 4) {
+    const __m256d y = _mm256_mul_pd(_mm256_and_pd(_mm256_cvtps_pd(_mm_loadu_ps(buffer + t)), abs_mask), by);
+    acc[0] = _mm256_add_pd(acc[0], y);
+    acc[1] = _mm256_add_pd(acc[1], _mm256_mul_pd(y, y));
+    acc[2] = _mm256_min_pd(y, acc[2]);  // y < acc ? y : acc, as std::min(acc, y) (a NaN keeps acc)
+  }
+  for (int t = added; t < n; ++t) buffer[t - added] = buffer[t];
+  return added;
+}
+
 /// exceedance() of a float32 block: vector comparisons find the elements at or above the key and
-/// pack them into a buffer, whose values are then added one by one in index order, as the
-/// portable loop adds them (no branch per element: a quarter of the elements can be hits).
+/// pack them into a buffer, whose values are then added four at a time in ExceedanceLanes' order
+/// (no branch per element: a quarter of the elements can be hits; and no chain of one addition
+/// after another: the four lanes add at once).
 template <Read kRead>
 GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t begin, int64_t end, uint32_t key,
                                               double scale) {
-  Exceedance e;
-  e.min = std::numeric_limits<double>::infinity();
-  const auto take = [&](float v) {
-    const double y = std::fabs(static_cast<double>(v)) * scale;
-    ++e.count;
-    e.sum += y;
-    e.sum_sq += y * y;
-    e.min = std::min(e.min, y);
-  };
-  if (key > 0x7fffffffu) return e;
+  ExceedanceLanes lanes;
+  if (key > 0x7fffffffu) return lanes.total();
   static const PackTable pack;
   constexpr int kBuffer = 1024;
   float buffer[kBuffer + 8];
   int buffered = 0;
-  const auto flush = [&] {
-    for (int t = 0; t < buffered; ++t) take(buffer[t]);
-    buffered = 0;
-  };
+  __m256d acc[3] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_set1_pd(lanes.min)};
+  int64_t taken = 0;  // by the vector lanes: a multiple of 4, so buffer[t] goes to lane t % 4
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(below_key(key));
   __m256i unused = _mm256_setzero_si256();
@@ -269,18 +277,29 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t 
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
     const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
     if (bits == 0) continue;
-    const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(pack.lanes[bits]));
-    _mm256_storeu_ps(buffer + buffered, _mm256_permutevar8x32_ps(v, lanes));
+    const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(pack.lanes[bits]));
+    _mm256_storeu_ps(buffer + buffered, _mm256_permutevar8x32_ps(v, order));
     buffered += __builtin_popcount(static_cast<unsigned>(bits));
-    if (buffered > kBuffer - 8) flush();
+    if (buffered > kBuffer - 8) {
+      taken += add_exceedances4(buffer, buffered, scale, acc);
+      buffered &= 3;
+    }
   }
-  flush();
+  taken += add_exceedances4(buffer, buffered, scale, acc);
+  buffered &= 3;
+  _mm256_storeu_pd(lanes.sum, acc[0]);
+  _mm256_storeu_pd(lanes.sum_sq, acc[1]);
+  alignas(32) double m[4];
+  _mm256_store_pd(m, acc[2]);
+  lanes.min = std::min(std::min(m[0], m[1]), std::min(m[2], m[3]));
+  lanes.count = taken;
+  for (int t = 0; t < buffered; ++t) lanes.take(std::fabs(static_cast<double>(buffer[t])) * scale);
   int64_t ignored = 0;
   for (; j < end; ++j) {
     const float v = value1<kRead>(r, g, j, ignored);
-    if (Num<float>::key(v) >= key) take(v);
+    if (Num<float>::key(v) >= key) lanes.take(std::fabs(static_cast<double>(v)) * scale);
   }
-  return e;
+  return lanes.total();
 }
 
 #else   // only named by code that never runs without AVX2 paths
@@ -535,17 +554,12 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
               reinterpret_cast<float*>(src.residual), reinterpret_cast<const float*>(src.grad), begin, end, key, scale);
         }))
       return e;
-    e.min = std::numeric_limits<double>::infinity();
+    ExceedanceLanes lanes;
     for (int64_t i = begin; i < end; ++i) {
       const T v = src.value(i);
-      if (Num<T>::key(v) < key) continue;
-      const double y = std::fabs(static_cast<double>(Num<T>::to_float(v))) * scale;
-      ++e.count;
-      e.sum += y;
-      e.sum_sq += y * y;
-      e.min = std::min(e.min, y);
+      if (Num<T>::key(v) >= key) lanes.take(std::fabs(static_cast<double>(Num<T>::to_float(v))) * scale);
     }
-    return e;
+    return lanes.total();
   });
   return Exceedance::combine(blocks);
 }
@@ -575,7 +589,7 @@ double log_sum(Source<T> src, int64_t n, double scale, double eps) {
         uint64_t bits;
         std::memcpy(&bits, &p, sizeof bits);
         const int64_t e = static_cast<int64_t>(bits >> 52);  // with the sign bit: 0 for zero and subnormals
-        if (e == 0 || e >= 0x7ff) {  // not a positive normal number
+        if (e == 0 || e >= 0x7ff) {                          // not a positive normal number
           double s = 0.0;
           for (int64_t j = begin; j < end; ++j) s += std::log(y(j));
           return s;
