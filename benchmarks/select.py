@@ -2,7 +2,7 @@
 step, against a plain residual add and against torch.topk, as ratios measured in one run.
 
     python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N] [--methods]
-                                [--device cpu|cuda]
+                                [--rounds R] [--device cpu|cuda]
 
 For each size N and density d, on the same float32 gradient and residual:
 - add:        residual.add_(grad), the memory traffic any error feedback needs (baseline);
@@ -15,7 +15,9 @@ The residual is restored before every timed call, so each call does the same wor
 
 With --methods, a second table: every method's selection step (all its passes over the bucket,
 as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add, the add timed
-between the method's steps (its median is the row's "add ms").
+between the method's steps (its median is the row's "add ms"). With --rounds R every method is
+timed R times, in turn with the others, and the medians pool all its steps: the machine's speed
+drifts over minutes, which one round per method cannot average out.
 """
 
 from __future__ import annotations
@@ -76,11 +78,11 @@ def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[ob
     ]
 
 
-def method_rows(n: int, density: float, repeat: int) -> list[list[object]]:
+def method_rows(n: int, density: float, repeat: int, rounds: int = 1) -> list[list[object]]:
     """Every method's selection time on one rank, relative to the plain add, in one run. The add
-    is timed again next to every step of every method (add, step, add, step, ...), so the ratio
-    compares the two under the same conditions: on a shared machine the add alone moves by 40%
-    between minutes."""
+    is timed again next to every step of every method (add, step, add, step, ...), so the two are
+    compared under the same conditions; with several rounds every method is timed once per round
+    and its steps and adds pooled, since this machine's speed drifts over minutes."""
     from benchmarks.density import methods
 
     gen = torch.Generator().manual_seed(0)
@@ -88,19 +90,22 @@ def method_rows(n: int, density: float, repeat: int) -> list[list[object]]:
     start = torch.randn(n, generator=gen) * 5e-4
     residual = start.clone()
     group = _C.ThreadGroup(1, 600.0)
+    factories = {name: make for name, make in methods(density).items() if make(0).exchange != "SparDL"}
+    times: dict[str, list[float]] = {name: [] for name in factories}  # SparDL selects inside its exchange
+    adds: dict[str, list[float]] = {name: [] for name in factories}
+    for _ in range(rounds):
+        for name, make in factories.items():
+            method = make(0)
+            for i in range(repeat + 2):  # two warm-up steps: some methods start differently
+                add = median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), 1)
+                residual.copy_(start)
+                report, _ = group.reduce(0, grad.clone(), residual, method, record=False)
+                if i >= 2:
+                    times[name].append(report.select_seconds)
+                    adds[name].append(add)
     rows = []
-    for name, make in methods(density).items():
-        method = make(0)
-        if method.exchange == "SparDL":  # it selects block by block inside its exchange: no step to time alone
-            continue
-        times, adds = [], []
-        for i in range(repeat + 2):  # two warm-up steps: some methods start differently
-            adds.append(median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), 1))
-            residual.copy_(start)
-            report, _ = group.reduce(0, grad.clone(), residual, method, record=False)
-            if i >= 2:
-                times.append(report.select_seconds)
-        t, t_add = statistics.median(times), statistics.median(adds[2:])
+    for name in factories:
+        t, t_add = statistics.median(times[name]), statistics.median(adds[name])
         rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, 1e3 * t_add, t / t_add])
     return rows
 
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--threads", type=int, default=0, help="threads for torch and gradsparse (0: default)")
     parser.add_argument("--repeat", type=int, default=7)
     parser.add_argument("--methods", action="store_true", help="also time every method's selection step")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="times every method is timed, in turn with the others (times pooled)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
@@ -153,12 +161,13 @@ def main(argv: list[str] | None = None) -> str:
             row
             for n in args.sizes.split(",")
             for d in args.densities.split(",")
-            for row in method_rows(int(float(n)), float(d), args.repeat)
+            for row in method_rows(int(float(n)), float(d), args.repeat, args.rounds)
         ]
         text += (
             "\n## Selection step of every method (one rank)\n\n"
             + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add"], method_table)
-            + "\nSparDL is not listed: it selects block by block inside its exchange.\n"
+            + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method. "
+            + "SparDL is not listed: it selects block by block inside its exchange.\n"
         )
     print(text)
     print(f"written to {write_result(args.output, text)}")

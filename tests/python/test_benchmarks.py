@@ -22,7 +22,7 @@ def numbers(text: str, row_start: str) -> list[float]:
 
 
 def test_select_reports_every_method(tmp_path):
-    text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods",
+    text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--rounds", "2",
                         "--output", str(tmp_path / "select.md")])  # fmt: skip
     assert (tmp_path / "select.md").read_text() == text
     _density, achieved, *times = numbers(text, "0.02M")  # the size cell is not a number
