@@ -198,11 +198,36 @@ def reduce_scatter_allgather(
     return steps
 
 
-def band_agreement(first_step: bool) -> list[Collective]:
-    """The default MiCRO/ExDyna threshold agreement: a 512-bin sampled histogram at the first
-    step, then a 257-bin band count every step (float64 all-reduces)."""
+BAND_BINS = 257  # MiCRO/ExDyna's band counts
+
+
+def band_tally_width(numel: int) -> int:
+    """Bytes of one count when the band counts travel folded (csrc/core/method/partitioned.cpp)."""
+    return 4 if numel < 2**32 else 8
+
+
+def band_agreement_folded(world_size: int, numel: int) -> bool:
+    """Whether the band counts travel with the control words: where one all-gather of every
+    rank's counts sends no more bytes than the all-reduce and the control words it replaces (up
+    to 4 ranks)."""
+    folded = Collective("allgather", (2 + BAND_BINS) * band_tally_width(numel))
+    apart = [Collective("allreduce", BAND_BINS * FLOAT64), Collective("allgather", CONTROL_BYTES)]
+    return folded.bytes_sent(world_size) <= sum(c.bytes_sent(world_size) for c in apart)
+
+
+def band_agreement(
+    exchange: list[Collective], world_size: int, numel: int, first_step: bool = False
+) -> list[Collective]:
+    """A default-mode MiCRO/ExDyna step: a 512-bin sampled histogram (float64 all-reduce) at the
+    first step, the agreement on the threshold from the 257 band counts, then ``exchange`` (its
+    plan, which starts with the control words). Folded (band_agreement_folded): one all-gather of
+    every rank's counts with its non-finite and below-band counts, from which every rank knows
+    every control word, so the exchange sends none; else a float64 all-reduce of the counts."""
     steps = [Collective("allreduce", 512 * FLOAT64)] if first_step else []
-    return [*steps, Collective("allreduce", 257 * FLOAT64)]
+    if band_agreement_folded(world_size, numel):
+        assert exchange[0] == Collective("allgather", CONTROL_BYTES), exchange[0]
+        return [*steps, Collective("allgather", (2 + BAND_BINS) * band_tally_width(numel)), *exchange[1:]]
+    return [*steps, Collective("allreduce", BAND_BINS * FLOAT64), *exchange]
 
 
 def srs_schedule(size: int, rank: int) -> list[tuple[int, int, int, int]]:
@@ -375,13 +400,12 @@ def exchanges_at_scale(world_size: int, numel: int, density: float, teams: int =
     """Rank 0's collectives in one steady-state step of each exchange (float32 values)."""
     k = max(1, math.floor(density * numel))
     split = even_split(k, world_size)
-    partitioned = band_agreement(first_step=False)
     plans = {
         "dense all-reduce": dense(numel),
         "fixed-size gather (Top-k)": fixed_gather(k, numel),
         "gather-and-add (counts exchanged)": gather_and_add([k] * world_size, numel),
-        "union + all-reduce (MiCRO/ExDyna)": partitioned + union_allreduce(split, k, numel),
-        "exclusive gather (MiCRO/ExDyna)": partitioned + exclusive_gather(split, numel),
+        "union + all-reduce (MiCRO/ExDyna)": band_agreement(union_allreduce(split, k, numel), world_size, numel),
+        "exclusive gather (MiCRO/ExDyna)": band_agreement(exclusive_gather(split, numel), world_size, numel),
         "reduce-scatter + all-gather (Top-k)": even_plan(world_size, numel, k),
     }
     if world_size % teams == 0:

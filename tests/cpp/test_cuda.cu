@@ -2,6 +2,7 @@
 // present; CI compiles and links this file with nvcc, users with a GPU run it.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -78,12 +79,13 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
   }
 }
 
-/// One rank: every all-reduce is the identity.
+/// One rank: every all-reduce and all-gather is the identity.
 class SoloGroup final : public Collective {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
   void sum(std::vector<double>&) override {}
+  void allgather(const void* mine, void* all, size_t bytes) override { std::memcpy(all, mine, bytes); }
 };
 
 // Every method selects the same pairs on the GPU as on the CPU (one rank, three steps), and

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <vector>
 
@@ -489,46 +490,53 @@ TEST(DenseAllreduce, AveragesLikeDdp) {
 }
 
 // A NaN on one rank: every rank raises (default) or every rank skips, and each rank's residual
-// keeps all of its finite mass.
+// keeps all of its finite mass. The news travels in the control words, or (MiCRO, ExDyna up to 4
+// ranks) in the band counts that carry them; reference MiCRO keeps them apart.
 TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
   const int p = 3;
-  for (NonFinitePolicy policy : {NonFinitePolicy::kRaise, NonFinitePolicy::kSkip}) {
-    std::vector<std::vector<float>> outputs(p), residuals(p);
-    std::vector<ReduceReport> reports(p);
-    const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
-      CpuDevice device;
-      outputs[rank] = grad_of(rank, 1000);
-      if (rank == 1) outputs[rank][17] = std::numeric_limits<float>::quiet_NaN();
-      residuals[rank] = residual_of(rank, 1000);
-      TopK method(0.05);
-      BucketView bucket{DType::kFloat32, 1000, outputs[rank].data(), residuals[rank].data()};
-      ReduceOptions options;
-      options.nonfinite = policy;
-      options.bucket_name = "bucket 5";
-      reports[rank] = reduce_bucket(&method, transport, device, bucket, options);
-    });
-    for (int r = 0; r < p; ++r) {
-      if (policy == NonFinitePolicy::kRaise) {
-        ASSERT_TRUE(errors[r]) << "rank " << r << " did not raise";
-        try {
-          std::rethrow_exception(errors[r]);
-        } catch (const NonFiniteError& e) {
-          EXPECT_NE(std::string(e.what()).find("bucket 5"), std::string::npos);
-          EXPECT_NE(std::string(e.what()).find("rank(s) 1"), std::string::npos);
+  const std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<TopK>(0.05); }, [] { return std::make_unique<MiCRO>(0.05, "union", false, 0); },
+      [] { return std::make_unique<ExDyna>(0.05, "gather", false, 0); },
+      [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }};
+  for (const auto& make : makers)
+    for (NonFinitePolicy policy : {NonFinitePolicy::kRaise, NonFinitePolicy::kSkip}) {
+      std::vector<std::vector<float>> outputs(p), residuals(p);
+      std::vector<ReduceReport> reports(p);
+      const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+        CpuDevice device;
+        outputs[rank] = grad_of(rank, 1000);
+        if (rank == 1) outputs[rank][17] = std::numeric_limits<float>::quiet_NaN();
+        residuals[rank] = residual_of(rank, 1000);
+        const std::unique_ptr<Method> method = make();
+        BucketView bucket{DType::kFloat32, 1000, outputs[rank].data(), residuals[rank].data()};
+        ReduceOptions options;
+        options.nonfinite = policy;
+        options.bucket_name = "bucket 5";
+        reports[rank] = reduce_bucket(method.get(), transport, device, bucket, options);
+      });
+      for (int r = 0; r < p; ++r) {
+        SCOPED_TRACE(make()->name());
+        if (policy == NonFinitePolicy::kRaise) {
+          ASSERT_TRUE(errors[r]) << "rank " << r << " did not raise";
+          try {
+            std::rethrow_exception(errors[r]);
+          } catch (const NonFiniteError& e) {
+            EXPECT_NE(std::string(e.what()).find("bucket 5"), std::string::npos);
+            EXPECT_NE(std::string(e.what()).find("rank(s) 1"), std::string::npos);
+          }
+        } else {
+          ASSERT_FALSE(errors[r]);
+          EXPECT_TRUE(reports[r].skipped);
+          EXPECT_EQ(outputs[r], std::vector<float>(1000, 0.0f));
         }
-      } else {
-        ASSERT_FALSE(errors[r]);
-        EXPECT_TRUE(reports[r].skipped);
-        EXPECT_EQ(outputs[r], std::vector<float>(1000, 0.0f));
-      }
-      // Residual = old residual + grad wherever that is finite, else old residual.
-      const std::vector<float> g = grad_of(r, 1000), old = residual_of(r, 1000);
-      for (int i = 0; i < 1000; ++i) {
-        const float want = (r == 1 && i == 17) ? old[i] : old[i] + g[i];
-        ASSERT_EQ(residuals[r][i], want) << "rank " << r << " element " << i;
+        // Residual = old residual + grad wherever that is finite, else old residual.
+        const std::vector<float> g = grad_of(r, 1000), old = residual_of(r, 1000);
+        for (int i = 0; i < 1000; ++i) {
+          const float want = (r == 1 && i == 17) ? old[i] : old[i] + g[i];
+          ASSERT_EQ(residuals[r][i], want) << "rank " << r << " element " << i;
+        }
       }
     }
-  }
 }
 
 TEST(Faults, AMissingRankMakesTheOthersFailWithinTheTimeout) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -50,6 +51,7 @@ std::vector<Case> all_methods() {
       {"micro_reference_gather", [=] { return std::make_unique<MiCRO>(d, "gather", true, 3); }},
       {"exdyna", [=] { return std::make_unique<ExDyna>(d, "union", false, 3); }},
       {"exdyna_reference", [=] { return std::make_unique<ExDyna>(d, "union", true, 3); }},
+      {"exdyna_gather", [=] { return std::make_unique<ExDyna>(d, "gather", false, 3); }},
       {"sidco_exp", [=] { return std::make_unique<SIDCo>(d, "exp", 1, 0.25, std::nullopt); }},
       {"sidco_gpareto_2", [=] { return std::make_unique<SIDCo>(d, "gpareto", 2, 0.25, std::nullopt); }},
       {"sidco_gamma_0", [=] { return std::make_unique<SIDCo>(d, "gamma_gpareto", 0, 0.25, std::nullopt); }},
@@ -125,6 +127,81 @@ TEST(Methods, RejectBadOptions) {
   EXPECT_THROW(SIDCo(0.1, "exp", -4, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "weibull", 1, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "exp", 1, 1.5, std::nullopt), ValueError);
+}
+
+/// Rank 0 of two, whose peer sent rank 0's own band counts as `forge` altered them (the sums of
+/// the sampling histogram are rank 0's doubled).
+class ForgedPeer final : public Collective {
+ public:
+  explicit ForgedPeer(std::function<void(unsigned char*)> forge) : forge_(std::move(forge)) {}
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void sum(std::vector<double>& values) override {
+    for (double& v : values) v *= 2.0;
+  }
+  void allgather(const void* mine, void* all, size_t bytes) override {
+    auto* out = static_cast<unsigned char*>(all);
+    std::memcpy(out, mine, bytes);
+    std::memcpy(out + bytes, mine, bytes);
+    forge_(out + bytes);
+  }
+
+ private:
+  std::function<void(unsigned char*)> forge_;
+};
+
+// MiCRO's band counts from a peer carry its control word (two ranks): a count no bucket of this
+// size can hold is a CorruptMessageError naming the rank; an honest copy gives both ranks the
+// same word.
+TEST(Methods, BandCountsFromPeersAreChecked) {
+  const int64_t n = 1000;
+  for (int forged : {0, 1}) {
+    std::vector<float> g = ref::random_vector<float>(n, 3), residual(n, 0.0f);
+    BucketView bucket{DType::kFloat32, n, g.data(), residual.data()};
+    CpuDevice device;
+    MiCRO method(0.05, "union", false, 0);
+    ForgedPeer group([&](unsigned char* row) {
+      const uint32_t huge = 5000;  // 4-byte counts; position 2 is the first band bin
+      if (forged) std::memcpy(row + 2 * 4, &huge, 4);
+    });
+    if (forged) {
+      try {
+        method.select(device, bucket, group);
+        FAIL() << "forged band counts were accepted";
+      } catch (const CorruptMessageError& e) {
+        EXPECT_NE(std::string(e.what()).find("band counts from rank 1 hold 5000"), std::string::npos) << e.what();
+      }
+    } else {
+      const Selection s = method.select(device, bucket, group);
+      ASSERT_EQ(s.agreed.size(), 2u);
+      EXPECT_EQ(s.agreed[0].count, s.count);
+      EXPECT_EQ(s.agreed[1].count, s.count);
+      EXPECT_EQ(s.agreed[0].message_bytes, static_cast<int64_t>(s.bytes));
+    }
+  }
+}
+
+// A candidate can sit below the band: the band's lower edge is rounded to the bucket's dtype where
+// candidates are listed, and compared in float64 where they are chosen. Every |v| of this bfloat16
+// bucket is 1, the band starts at 1.001 (1 in bfloat16) and density 0.6 makes its lowest edge the
+// threshold: nothing reaches it, and the agreed words say so (each rank's count at the threshold
+// leaves out its candidates below the band).
+TEST(Methods, AgreedCountsLeaveOutCandidatesBelowTheBand) {
+  const int64_t n = 1000;
+  std::vector<uint16_t> g(n), residual(n, 0);
+  for (int64_t i = 0; i < n; ++i) g[i] = i % 3 ? 0x3F80 : 0xBF80;  // +1 and -1
+  BucketView bucket{DType::kBFloat16, n, g.data(), residual.data()};
+  CpuDevice device;
+  MiCRO method(0.6, "union", false, 0);
+  const double estimate = 1.25 * 1.001;  // a steady trend: the prediction, so the band is [1.001, 1.5645)
+  method.load_state(
+      {{"step", 5.0}, {"threshold", estimate}, {"estimate", estimate}, {"before_last", estimate}, {"k_prev", 600.0}});
+  ForgedPeer group([](unsigned char*) {});
+  const Selection s = method.select(device, bucket, group);
+  EXPECT_EQ(s.count, 0);
+  ASSERT_EQ(s.agreed.size(), 2u);
+  EXPECT_EQ(s.agreed[0].count, 0);
+  EXPECT_EQ(s.agreed[1].count, 0);
 }
 
 }  // namespace

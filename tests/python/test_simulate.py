@@ -71,10 +71,17 @@ def test_union_allreduce(world_size, reference):
     )
 
     def plan(t, r, s):
-        agreement = [] if reference else simulate.band_agreement(first_step=t == 0)
-        return agreement + simulate.union_allreduce(s.counts, s.union_size, NUMEL, rank=r)
+        exchange = simulate.union_allreduce(s.counts, s.union_size, NUMEL, rank=r)
+        return exchange if reference else simulate.band_agreement(exchange, world_size, NUMEL, first_step=t == 0)
 
     check(steps, plan)
+
+
+def test_band_agreement_folds_where_it_sends_no_more_bytes():
+    """The two tests above cover both forms: folded up to 4 ranks, apart from 5 (4-byte counts)."""
+    assert [simulate.band_agreement_folded(p, NUMEL) for p in WORLD_SIZES] == [p <= 4 for p in WORLD_SIZES]
+    # 8-byte counts (buckets of 2^32 elements or more): folded at 2 ranks only
+    assert [simulate.band_agreement_folded(p, 2**32) for p in (2, 3)] == [True, False]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -84,7 +91,9 @@ def test_exclusive_gather(world_size):
     )
     check(
         steps,
-        lambda t, r, s: simulate.band_agreement(first_step=t == 0) + simulate.exclusive_gather(s.counts, NUMEL, rank=r),
+        lambda t, r, s: simulate.band_agreement(
+            simulate.exclusive_gather(s.counts, NUMEL, rank=r), world_size, NUMEL, first_step=t == 0
+        ),
     )
 
 
@@ -153,7 +162,9 @@ def test_no_method_sends_more_than_6k_per_rank_at_scale(name, world_size):
         "fixed-size gather": lambda: simulate.fixed_gather(k, numel),
         "gather-and-add": lambda: simulate.gather_and_add([k] * world_size, numel),
         "reduce-scatter + all-gather": lambda: simulate.even_plan(world_size, numel, k),
-        "union + all-reduce": lambda: simulate.band_agreement(False) + simulate.union_allreduce(split, k, numel),
+        "union + all-reduce": lambda: simulate.band_agreement(
+            simulate.union_allreduce(split, k, numel), world_size, numel
+        ),
         "shared indices": lambda: simulate.shared_indices(k),
         "SparDL": lambda: simulate.spardl(world_size, 0, numel, density),
     }

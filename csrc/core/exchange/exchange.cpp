@@ -87,6 +87,23 @@ ExchangeResult agree(Transport& transport, Device& device, const BucketView& buc
   return result;
 }
 
+ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine) {
+  if (mine.agreed.empty()) return agree(transport, device, bucket, control_word(mine));
+  const int p = transport.size(), me = transport.rank();
+  GS_CHECK(static_cast<int>(mine.agreed.size()) == p, CorruptMessageError, "the selection carries ", mine.agreed.size(),
+           " agreed control words for ", p, " ranks");
+  ExchangeResult result;
+  result.control = mine.agreed;
+  for (int r = 0; r < p; ++r) check_control_word(result.control[r], bucket, true, r);
+  result.aborted = !result.nonfinite_ranks().empty();
+  const ControlWord own = control_word(mine), agreed = result.control[me];
+  GS_CHECK(result.aborted || (agreed.count == own.count && agreed.message_bytes == own.message_bytes &&
+                              agreed.nonfinite == own.nonfinite),
+           CorruptMessageError, "rank ", me, " selected ", own.count, " pairs where the agreed control word says ",
+           agreed.count);
+  return result;
+}
+
 MessageView read_announced(Device& device, const void* data, size_t bytes, const BucketView& bucket,
                            const ControlWord& control, int r) {
   const MessageView m = read_message(device, data, bytes, bucket.dtype, static_cast<uint64_t>(bucket.numel), r);

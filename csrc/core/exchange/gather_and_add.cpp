@@ -37,7 +37,7 @@ class GatherAndAdd final : public Exchange {
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {
-    ExchangeResult result = agree(transport, device, bucket, control_word(mine));
+    ExchangeResult result = agree(transport, device, bucket, mine);
     if (result.aborted) return result;
     const std::vector<size_t> sizes = block_sizes(result, [](const ControlWord& w) { return w.message_bytes; });
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);

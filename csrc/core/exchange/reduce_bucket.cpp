@@ -30,6 +30,13 @@ class TransportCollective final : public Collective {
   int rank() const override { return transport_.rank(); }
   int size() const override { return transport_.size(); }
   void sum(std::vector<double>& values) override { allreduce_host(transport_, device_, values); }
+  void allgather(const void* mine, void* all, size_t bytes) override {
+    Buffer send = device_.allocate(bytes);
+    Buffer recv = device_.allocate(bytes * static_cast<size_t>(transport_.size()));
+    device_.copy_from_host(send.data(), mine, bytes);
+    transport_.allgather(device_, send.data(), recv.data(), bytes);
+    device_.copy_to_host(all, recv.data(), recv.bytes());
+  }
 
  private:
   Transport& transport_;

@@ -36,7 +36,7 @@ class ReduceScatterAllgather final : public Exchange {
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {
-    ExchangeResult result = agree(transport, device, bucket, control_word(mine));
+    ExchangeResult result = agree(transport, device, bucket, mine);
     if (result.aborted) return result;
     const int p = transport.size(), me = transport.rank();
     const Shards shards(bucket.numel, p);

@@ -21,7 +21,7 @@ class UnionAllreduce final : public Exchange {
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {
-    ExchangeResult result = agree(transport, device, bucket, control_word(mine));
+    ExchangeResult result = agree(transport, device, bucket, mine);
     if (result.aborted) return result;
     const int p = transport.size();
     // Only the headers and index lists travel first (a message's values follow its indices).

@@ -173,8 +173,8 @@ int BandController::band_bin(const std::vector<double>& edges, double magnitude)
   return std::clamp(b, 0, kBandBins);
 }
 
-double BandController::choose(const std::vector<double>& edges, const std::vector<double>& counts, double target) {
-  GS_ASSERT(static_cast<int>(counts.size()) == kBandBins + 1 && static_cast<int>(edges.size()) == kBandBins + 1);
+int BandController::choose(const std::vector<double>& counts, double target) {
+  GS_ASSERT(static_cast<int>(counts.size()) == kBandBins + 1);
   double above = 0.0;  // G(b)
   int best = kBandBins;
   double best_error = std::numeric_limits<double>::infinity();
@@ -186,7 +186,7 @@ double BandController::choose(const std::vector<double>& edges, const std::vecto
       best = b;
     }
   }
-  return edges[best];
+  return best;
 }
 
 double BandController::estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,

@@ -5,9 +5,11 @@
 // from the previous step's total count, and a rank that selects nothing sends one dummy element.
 // The default agrees on the threshold every step: a prediction (a sampled histogram at the first
 // step, then the trend of the agreed thresholds), candidates inside a band around it, and one
-// all-reduce of their counts in fine bins, from which every rank picks the same threshold.
+// collective of their counts in fine bins, from which every rank picks the same threshold (and,
+// up to 4 ranks, learns every rank's count: the exchange's control words travel with it).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 
 #include "gradsparse/key_bins.h"
@@ -19,16 +21,27 @@ namespace gradsparse {
 
 namespace {
 
-/// counts[BandController::band_bin(edges, |v|)] += 1 for every value. The values are float32 (exact
-/// for every bucket dtype) and, for such a value, |v| >= edges[b] in float64 is |v| >= the
-/// smallest float32 at or above edges[b] (method_util::dtype_ceil), a comparison of keys: so the
-/// bin is a KeyBins look-up rather than a binary search of the edges per value.
-void add_band_counts(const std::vector<double>& edges, const std::vector<float>& values, std::vector<double>& counts) {
-  const bool plain = std::is_sorted(edges.begin(), edges.end()) &&
-                     std::none_of(edges.begin(), edges.end(), [](double e) { return std::isnan(e); });
-  if (!plain) {  // not expected; band_bin defines the bins
-    for (float v : values) counts[BandController::band_bin(edges, std::fabs(v))] += 1.0;
-    return;
+/// Whether the edges are the plain comparisons band_bin makes (sorted, no NaN): always, unless a
+/// prediction went wrong.
+bool plain_edges(const std::vector<double>& edges) {
+  return std::is_sorted(edges.begin(), edges.end()) &&
+         std::none_of(edges.begin(), edges.end(), [](double e) { return std::isnan(e); });
+}
+
+/// counts[BandController::band_bin(edges, |v|)] += 1 for every value; returns how many of them are
+/// below the band (|v| < edges[0], counted in bin 0). The values are float32 (exact for every
+/// bucket dtype) and, for such a value, |v| >= edges[b] in float64 is |v| >= the smallest float32
+/// at or above edges[b] (method_util::dtype_ceil), a comparison of keys: so the bin is a KeyBins
+/// look-up rather than a binary search of the edges per value.
+int64_t add_band_counts(const std::vector<double>& edges, const std::vector<float>& values,
+                        std::vector<double>& counts) {
+  int64_t below = 0;
+  if (!plain_edges(edges)) {  // not expected; band_bin defines the bins
+    for (float v : values) {
+      counts[BandController::band_bin(edges, std::fabs(v))] += 1.0;
+      below += std::fabs(v) < edges[0] ? 1 : 0;
+    }
+    return below;
   }
   std::vector<uint32_t> keys(edges.size());
   for (size_t b = 0; b < edges.size(); ++b)
@@ -37,8 +50,91 @@ void add_band_counts(const std::vector<double>& edges, const std::vector<float>&
   const int last = BandController::kBandBins;
   for (float v : values) {
     const uint32_t key = Num<float>::key(v);
-    counts[key < keys[0] ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
+    const bool under = key < keys[0];
+    counts[under ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
+    below += under ? 1 : 0;
   }
+  return below;
+}
+
+constexpr int kBins = BandController::kBandBins + 1;
+
+/// Bytes of one count in the folded agreement: 4 where the bucket has fewer than 2^32 elements.
+size_t tally_width(int64_t numel) { return numel < (int64_t{1} << 32) ? 4 : 8; }
+
+/// Whether the band counts travel folded (agree_on_band): where that sends no more bytes, by
+/// transport.h's accounting, than the all-reduce of the 257 float64 counts and the all-gather of
+/// the control words it replaces, which holds up to 4 ranks (4-byte counts); beyond, the
+/// all-gather of every rank's counts would grow with P.
+bool fold_agreement(int p, int64_t numel) {
+  const int64_t folded = (p - 1) * (2 + kBins) * static_cast<int64_t>(tally_width(numel));
+  const int64_t apart = 2 * (p - 1) * kBins * 8 / p + (p - 1) * static_cast<int64_t>(sizeof(ControlWord));
+  return folded <= apart;
+}
+
+/// The bin of the agreed threshold from every rank's band counts (`counts`: this rank's, summed
+/// over the ranks on return). Folded, every rank's counts travel in one all-gather with its
+/// non-finite count and its candidates below the band, so every rank's count at the threshold is
+/// known: `agreed` receives every rank's control word, and the exchange sends none (one
+/// collective instead of two). Apart, one all-reduce of the counts, and `agreed` stays empty.
+int agree_on_band(Collective& group, const BucketView& bucket, const std::vector<double>& edges,
+                  std::vector<double>& counts, int64_t below, int64_t nonfinite, int64_t k,
+                  std::vector<ControlWord>& agreed) {
+  const int p = group.size();
+  if (!fold_agreement(p, bucket.numel) || !plain_edges(edges)) {
+    group.sum(counts);
+    return BandController::choose(counts, static_cast<double>(k));
+  }
+  const size_t width = tally_width(bucket.numel), row = (2 + kBins) * width;
+  auto put = [&](unsigned char* at, uint64_t v) {
+    if (width == 4) {
+      const auto v32 = static_cast<uint32_t>(v);
+      std::memcpy(at, &v32, 4);
+    } else {
+      std::memcpy(at, &v, 8);
+    }
+  };
+  auto get = [&](const unsigned char* at) {
+    uint64_t v = 0;
+    if (width == 4) {
+      uint32_t v32 = 0;
+      std::memcpy(&v32, at, 4);
+      v = v32;
+    } else {
+      std::memcpy(&v, at, 8);
+    }
+    return v;
+  };
+  std::vector<unsigned char> mine(row);
+  put(mine.data(), static_cast<uint64_t>(nonfinite));
+  put(mine.data() + width, static_cast<uint64_t>(below));
+  for (int b = 0; b < kBins; ++b) put(mine.data() + (2 + b) * width, static_cast<uint64_t>(counts[b]));
+  std::vector<unsigned char> all(row * static_cast<size_t>(p));
+  group.allgather(mine.data(), all.data(), row);
+
+  // rows[r]: rank r's non-finite count, below-band count and 257 band counts (peers are not trusted)
+  std::vector<std::vector<int64_t>> rows(p, std::vector<int64_t>(2 + kBins));
+  std::fill(counts.begin(), counts.end(), 0.0);
+  for (int r = 0; r < p; ++r) {
+    for (int j = 0; j < 2 + kBins; ++j) {
+      const uint64_t v = get(all.data() + static_cast<size_t>(r) * row + static_cast<size_t>(j) * width);
+      GS_CHECK(v <= static_cast<uint64_t>(bucket.numel), CorruptMessageError, "band counts from rank ", r, " hold ", v,
+               " at position ", j, " for a bucket of ", bucket.numel, " elements");
+      rows[r][j] = static_cast<int64_t>(v);
+    }
+    for (int b = 0; b < kBins; ++b) counts[b] += static_cast<double>(rows[r][2 + b]);
+  }
+  const int best = BandController::choose(counts, static_cast<double>(k));
+  agreed.clear();
+  for (int r = 0; r < p; ++r) {
+    int64_t count = best == 0 ? -rows[r][1] : 0;  // bin 0 also holds the candidates below the band
+    for (int b = best; b < kBins; ++b) count += rows[r][2 + b];
+    const auto bytes = MessageLayout(static_cast<uint64_t>(std::max<int64_t>(count, 0)),
+                                     index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype)
+                           .total_bytes;
+    agreed.push_back(ControlWord{static_cast<int64_t>(bytes), count, rows[r][0], 0});
+  }
+  return best;
 }
 
 }  // namespace
@@ -116,10 +212,10 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
                                        BandController::band_factor(t));
     c = device.collect(bucket, range, edges[0], false);
   }
-  std::vector<double> counts(BandController::kBandBins + 1, 0.0);
-  add_band_counts(edges, c.value, counts);
-  group.sum(counts);
-  const double lambda = BandController::choose(edges, counts, static_cast<double>(k));
+  std::vector<double> counts(kBins, 0.0);
+  const int64_t below = add_band_counts(edges, c.value, counts);
+  std::vector<ControlWord> agreed;
+  const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
   pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
   // Without a branch: the band straddles lambda, so whether a candidate reaches it is as good as
@@ -134,6 +230,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   chosen.resize(n);
   Selection s = method_util::emit_subset(device, bucket, c, chosen, exchange_->selection_zeroes());
   s.nonfinite = nonfinite;
+  s.agreed = std::move(agreed);
   return s;
 }
 

@@ -70,6 +70,10 @@ struct Selection {
   size_t bytes = 0;       ///< size of the message
   int64_t count = 0;      ///< number of (index, value) pairs
   int64_t nonfinite = 0;  ///< elements whose residual + grad was NaN or Inf
+  /// Every rank's control word, by rank, when the method already agreed them in a collective of
+  /// its selection (MiCRO and ExDyna, with their band counts): the exchange then skips its own
+  /// (agree). Empty otherwise.
+  std::vector<ControlWord> agreed;
 
   /// The view of this rank's own message, laid out here for a bucket (or block) of `dense_size`
   /// elements of `dtype`: nothing to validate, nothing to copy.

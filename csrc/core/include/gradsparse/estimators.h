@@ -58,9 +58,9 @@ class BandController {
   /// The band bin of a candidate magnitude: b with e_b <= m < e_{b+1}, 256 above the last edge,
   /// 0 below the first.
   static int band_bin(const std::vector<double>& edges, double magnitude);
-  /// The agreed threshold from the global band counts (257 bins): e_{b*} with b* minimising
+  /// The bin of the agreed threshold e_{b*} from the global band counts (257 bins): b* minimising
   /// |G(b) - target| (ties: the larger b), G(b) the count in bins b..256.
-  static double choose(const std::vector<double>& edges, const std::vector<double>& counts, double target);
+  static int choose(const std::vector<double>& counts, double target);
   /// The estimate of the threshold that would have hit `target`, for the next prediction: the
   /// chosen threshold when it is inside the band; outside, an extrapolation along the slope of
   /// the counts in log-log scale (method-spec 4.8).

@@ -36,17 +36,6 @@ inline constexpr ExchangeKind kExchangeKinds[] = {
 /// The glossary name of an exchange ("gather-and-add", ...).
 const char* exchange_name(ExchangeKind kind);
 
-/// What every exchange sends first (one allgather of 32 bytes per rank): the size of each rank's
-/// message, its pair count, whether it saw non-finite values, and a digest of its indices, so
-/// that all ranks agree on buffer sizes and on aborting the step before any data moves.
-struct ControlWord {
-  int64_t message_bytes = 0;
-  int64_t count = 0;
-  int64_t nonfinite = 0;
-  int64_t index_digest = 0;  ///< hash of the selected indices (checked by the shared exchange)
-};
-static_assert(sizeof(ControlWord) == 32, "control word must be 32 bytes");
-
 struct ExchangeResult {
   std::vector<ControlWord> control;  ///< every rank's control word, by rank
   bool aborted = false;              ///< some rank saw non-finite values: nothing was exchanged
@@ -147,6 +136,10 @@ ExchangeResult agree(Transport& transport, Device& device, const BucketView& buc
 inline ControlWord control_word(const Selection& mine) {
   return ControlWord{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
 }
+
+/// agree() on this rank's selection: its control word, or the words the method already agreed
+/// (Selection::agreed), checked like received ones and with no collective.
+ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
 
 /// Reads rank r's message (the `bytes` at `data` in device memory) and checks that it holds the
 /// pairs its control word announced.

@@ -174,4 +174,16 @@ inline MessageView view_host_message(const void* data, size_t bytes, DType expec
 std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const std::vector<int64_t>& index,
                                      const std::vector<float>* value);
 
+/// What every exchange sends first (one allgather of 32 bytes per rank, unless the ranks agreed
+/// them while selecting: Selection::agreed): the size of each rank's message, its pair count,
+/// whether it saw non-finite values, and a digest of its indices, so that all ranks agree on
+/// buffer sizes and on aborting the step before any data moves.
+struct ControlWord {
+  int64_t message_bytes = 0;
+  int64_t count = 0;
+  int64_t nonfinite = 0;
+  int64_t index_digest = 0;  ///< hash of the selected indices (checked by the shared exchange)
+};
+static_assert(sizeof(ControlWord) == 32, "control word must be 32 bytes");
+
 }  // namespace gradsparse

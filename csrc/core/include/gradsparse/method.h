@@ -29,6 +29,9 @@ class Collective {
   virtual int size() const = 0;
   /// In-place sum over all ranks; every rank passes the same number of values.
   virtual void sum(std::vector<double>& values) = 0;
+  /// Every rank's `bytes` bytes at `mine`, by rank, into `all` (size() * bytes); every rank
+  /// passes the same `bytes`.
+  virtual void allgather(const void* mine, void* all, size_t bytes) = 0;
 };
 
 /// The outcome of one step, as reported in statistics.
