@@ -9,7 +9,6 @@
 // up to 4 ranks, learns every rank's count: the exchange's control words travel with it).
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 
 #include "gradsparse/key_bins.h"
@@ -72,6 +71,26 @@ bool fold_agreement(int p, int64_t numel) {
   return folded <= apart;
 }
 
+/// Every rank's row of counts (`mine` is this rank's), all-gathered as `Count`s. Peers are not
+/// trusted: a count above the bucket's size is a CorruptMessageError naming the rank.
+template <typename Count>
+std::vector<std::vector<int64_t>> allgather_counts(Collective& group, const std::vector<int64_t>& mine, int64_t numel) {
+  const size_t n = mine.size();
+  const std::vector<Count> send(mine.begin(), mine.end());
+  std::vector<Count> all(n * static_cast<size_t>(group.size()));
+  group.allgather(send.data(), all.data(), n * sizeof(Count));
+  std::vector<std::vector<int64_t>> rows(group.size(), std::vector<int64_t>(n));
+  for (int r = 0; r < group.size(); ++r) {
+    for (size_t j = 0; j < n; ++j) {
+      const Count v = all[static_cast<size_t>(r) * n + j];
+      GS_CHECK(v <= static_cast<uint64_t>(numel), CorruptMessageError, "band counts from rank ", r, " hold ", v,
+               " at position ", j, " for a bucket of ", numel, " elements");
+      rows[r][j] = static_cast<int64_t>(v);
+    }
+  }
+  return rows;
+}
+
 /// The bin of the agreed threshold from every rank's band counts (`counts`: this rank's, summed
 /// over the ranks on return). Folded, every rank's counts travel in one all-gather with its
 /// non-finite count and its candidates below the band, so every rank's count at the threshold is
@@ -85,45 +104,15 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
     group.sum(counts);
     return BandController::choose(counts, static_cast<double>(k));
   }
-  const size_t width = tally_width(bucket.numel), row = (2 + kBins) * width;
-  auto put = [&](unsigned char* at, uint64_t v) {
-    if (width == 4) {
-      const auto v32 = static_cast<uint32_t>(v);
-      std::memcpy(at, &v32, 4);
-    } else {
-      std::memcpy(at, &v, 8);
-    }
-  };
-  auto get = [&](const unsigned char* at) {
-    uint64_t v = 0;
-    if (width == 4) {
-      uint32_t v32 = 0;
-      std::memcpy(&v32, at, 4);
-      v = v32;
-    } else {
-      std::memcpy(&v, at, 8);
-    }
-    return v;
-  };
-  std::vector<unsigned char> mine(row);
-  put(mine.data(), static_cast<uint64_t>(nonfinite));
-  put(mine.data() + width, static_cast<uint64_t>(below));
-  for (int b = 0; b < kBins; ++b) put(mine.data() + (2 + b) * width, static_cast<uint64_t>(counts[b]));
-  std::vector<unsigned char> all(row * static_cast<size_t>(p));
-  group.allgather(mine.data(), all.data(), row);
-
-  // rows[r]: rank r's non-finite count, below-band count and 257 band counts (peers are not trusted)
-  std::vector<std::vector<int64_t>> rows(p, std::vector<int64_t>(2 + kBins));
+  std::vector<int64_t> mine{nonfinite, below};
+  for (double c : counts) mine.push_back(static_cast<int64_t>(c));
+  // rows[r]: rank r's non-finite count, below-band count and 257 band counts
+  const std::vector<std::vector<int64_t>> rows = tally_width(bucket.numel) == 4
+                                                     ? allgather_counts<uint32_t>(group, mine, bucket.numel)
+                                                     : allgather_counts<uint64_t>(group, mine, bucket.numel);
   std::fill(counts.begin(), counts.end(), 0.0);
-  for (int r = 0; r < p; ++r) {
-    for (int j = 0; j < 2 + kBins; ++j) {
-      const uint64_t v = get(all.data() + static_cast<size_t>(r) * row + static_cast<size_t>(j) * width);
-      GS_CHECK(v <= static_cast<uint64_t>(bucket.numel), CorruptMessageError, "band counts from rank ", r, " hold ", v,
-               " at position ", j, " for a bucket of ", bucket.numel, " elements");
-      rows[r][j] = static_cast<int64_t>(v);
-    }
-    for (int b = 0; b < kBins; ++b) counts[b] += static_cast<double>(rows[r][2 + b]);
-  }
+  for (const auto& row : rows)
+    for (int b = 0; b < kBins; ++b) counts[b] += static_cast<double>(row[2 + b]);
   const int best = BandController::choose(counts, static_cast<double>(k));
   agreed.clear();
   for (int r = 0; r < p; ++r) {
