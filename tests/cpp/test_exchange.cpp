@@ -637,7 +637,7 @@ class Corrupting final : public Transport {
 /// Runs one bucket of `make()` on 2 ranks where rank 0's transport corrupts call `call` as
 /// `Corrupting` does; returns rank 0's error.
 std::exception_ptr corrupted_run(const std::function<std::unique_ptr<Method>()>& make, int call, size_t offset,
-                                 uint64_t value, size_t width = 4) {
+                                 uint64_t value, size_t width = 4, bool shard_only = false) {
   const auto errors = run_ranks(
       2,
       [&](int rank, Transport& transport) {
@@ -645,8 +645,9 @@ std::exception_ptr corrupted_run(const std::function<std::unique_ptr<Method>()>&
         CpuDevice device;
         std::vector<float> g = grad_of(rank, 1000);
         std::unique_ptr<Method> method = make();
-        reduce_bucket(method.get(), corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr},
-                      ReduceOptions{});
+        ReduceOptions options;
+        options.shard_only = shard_only;
+        reduce_bucket(method.get(), corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr}, options);
       },
       std::chrono::milliseconds(1000));
   return errors[0];
@@ -668,7 +669,10 @@ struct CorruptCase {
   const char* name;
   std::function<std::unique_ptr<Method>()> make;
   int call;  // which allgather/sendrecv carries the data (0 is the control word where there is one)
+  bool shard_only = false;
 };
+
+const auto topk_reduce_scatter = [] { return std::make_unique<TopK>(0.05, "reduce_scatter"); };
 
 // A corrupt message (bad magic, an index outside the bucket, a count that disagrees with its
 // control word) is rejected with CorruptMessageError on the rank that received it; every other
@@ -681,6 +685,11 @@ TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
       {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1},
       {"SparDL reduce-scatter", [] { return std::make_unique<SparDL>(0.05, 1); }, 1},
       {"SparDL all-gather", [] { return std::make_unique<SparDL>(0.05, 1); }, 3},
+      // control words, part sizes, then the parts; a histogram all-reduce; kept counts, kept pairs
+      {"reduce-scatter + all-gather: a part", topk_reduce_scatter, 2},
+      {"reduce-scatter + all-gather: kept pairs", topk_reduce_scatter, 4},
+      // one row of counts per rank, then the parts
+      {"sparse reduce-scatter", [] { return std::make_unique<Threshold>(1.0); }, 1, true},
   };
   struct Mutation {
     const char* name;
@@ -691,7 +700,8 @@ TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
       {"magic", 0, 0xDEADBEEFu}, {"count", 16, 0x7FFFFFu}, {"first index", 32, 0xFFFFFFF0u}};
   for (const CorruptCase& c : cases) {
     for (const Mutation& m : mutations) {
-      expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, m.offset, m.value), std::string(c.name) + ", " + m.name);
+      expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, m.offset, m.value, 4, c.shard_only),
+                                 std::string(c.name) + ", " + m.name);
     }
   }
 }
@@ -711,8 +721,11 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
     int call;
     size_t offset;
     uint64_t value;
+    bool shard_only = false;
   };
-  // Control word: message_bytes at 0, count at 8, nonfinite at 16.
+  const auto threshold = gather;
+  // Control word: message_bytes at 0, count at 8, nonfinite at 16. The sparse reduce-scatter's
+  // row: nonfinite at 0, then the pairs for each owner's shard (500 elements each).
   const std::vector<Case> cases = {
       {"gather: huge message_bytes", gather, 0, 0, kHuge},
       {"gather: message_bytes not a multiple of 8", gather, 0, 0, 45},
@@ -727,8 +740,18 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
       {"SparDL: huge Bruck list size", spardl, 2, 0, kHuge},
       {"SparDL: Bruck list size not a multiple of 8", spardl, 2, 0, 44},
       {"SparDL: Bruck list size below the header", spardl, 2, 0, 8},
+      {"reduce-scatter + all-gather: huge part size", topk_reduce_scatter, 1, 0, kHuge},
+      {"reduce-scatter + all-gather: part size not a multiple of 8", topk_reduce_scatter, 1, 0, 44},
+      {"reduce-scatter + all-gather: part size above the sender's selection", topk_reduce_scatter, 1, 0, 4096},
+      {"reduce-scatter + all-gather: part size below the header", topk_reduce_scatter, 1, 0, 8},
+      {"reduce-scatter + all-gather: kept count above the owner's shard", topk_reduce_scatter, 3, 0, 501},
+      {"reduce-scatter + all-gather: negative kept count", topk_reduce_scatter, 3, 0, ~uint64_t{0}},
+      {"sparse reduce-scatter: huge non-finite count", threshold, 0, 0, kHuge, true},
+      {"sparse reduce-scatter: pairs above an owner's shard", threshold, 0, 8, 501, true},
+      {"sparse reduce-scatter: negative pairs for an owner", threshold, 0, 16, ~uint64_t{0}, true},
   };
-  for (const Case& c : cases) expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8), c.name);
+  for (const Case& c : cases)
+    expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8, c.shard_only), c.name);
 }
 
 /// A transport whose `target_call`-th allgather fails to allocate.
