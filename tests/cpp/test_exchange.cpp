@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -268,6 +269,55 @@ TEST(EachExchange, SparseReduceScatterDeliversEachOwnerItsShardOfGatherAndAdd) {
   EXPECT_EQ(&gather_and_add().for_shard(), &sparse_reduce_scatter());
   EXPECT_EQ(&fixed_gather().for_shard(), &sparse_reduce_scatter());
   EXPECT_EQ(&union_allreduce().for_shard(), &union_allreduce());  // runs whole
+}
+
+/// A transport that records the kind of every collective: 'R' all-reduce, 'G' all-gather, 'S' send-receive.
+class Recording final : public Transport {
+ public:
+  explicit Recording(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
+    calls += 'G';
+    inner_.allgather(device, send, recv, bytes);
+  }
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    calls += 'R';
+    inner_.allreduce_sum(device, data, count, dtype);
+  }
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override {
+    calls += 'S';
+    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+  }
+  std::string calls;
+
+ private:
+  Transport& inner_;
+};
+
+// MiCRO's band counts carry the control words (one all-gather instead of an all-reduce, 2 ranks)
+// only where the exchange reads them: its exclusive gather does, the sparse reduce-scatter that
+// replaces it for FSDP's shards does not, so there the counts stay an all-reduce. The first step
+// starts with the sampled histogram's all-reduce.
+TEST(EachExchange, BandCountsCarryControlWordsOnlyWhereTheExchangeReadsThem) {
+  for (bool shard_only : {false, true}) {
+    std::vector<std::string> calls(2);
+    rethrow_first(run_ranks(2, [&](int rank, Transport& transport) {
+      Recording recording(transport);
+      CpuDevice device;
+      std::vector<float> g = grad_of(rank, 1000);
+      MiCRO method(0.05, "gather", false, 0);
+      ReduceOptions options;
+      options.shard_only = shard_only;
+      reduce_bucket(&method, recording, device, BucketView{DType::kFloat32, 1000, g.data(), nullptr}, options);
+      calls[rank] = recording.calls;
+    }));
+    EXPECT_EQ(calls[0], calls[1]);
+    // folded: the counts' all-gather, then the messages; apart: the counts' all-reduce, then the
+    // sparse reduce-scatter's row of counts and its one round of send-receive
+    EXPECT_EQ(calls[0], shard_only ? "RRGS" : "RGG") << (shard_only ? "shard only" : "whole");
+  }
 }
 
 // Reduce-scatter + all-gather keeps the global top K (K: the largest selection, 30 pairs here) of

@@ -145,6 +145,7 @@ class ForgedPeer final : public Collective {
     std::memcpy(out + bytes, mine, bytes);
     forge_(out + bytes);
   }
+  bool exchange_takes_agreed_words() const override { return true; }
 
  private:
   std::function<void(unsigned char*)> forge_;

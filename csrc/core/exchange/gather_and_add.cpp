@@ -34,6 +34,7 @@ class GatherAndAdd final : public Exchange {
   explicit GatherAndAdd(ExchangeKind kind) : kind_(kind) {}
   ExchangeKind kind() const override { return kind_; }
   const Exchange& for_shard() const override { return sparse_reduce_scatter(); }
+  bool takes_agreed_words() const override { return true; }
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {

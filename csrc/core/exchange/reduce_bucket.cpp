@@ -26,7 +26,8 @@ std::string join(const std::vector<int>& v) {
 /// A method's all-reduces, through the transport, on float64 buffers of the bucket's device.
 class TransportCollective final : public Collective {
  public:
-  TransportCollective(Transport& transport, Device& device) : transport_(transport), device_(device) {}
+  TransportCollective(Transport& transport, Device& device, const Exchange& exchange)
+      : transport_(transport), device_(device), exchange_(exchange) {}
   int rank() const override { return transport_.rank(); }
   int size() const override { return transport_.size(); }
   void sum(std::vector<double>& values) override { allreduce_host(transport_, device_, values); }
@@ -37,10 +38,12 @@ class TransportCollective final : public Collective {
     transport_.allgather(device_, send.data(), recv.data(), bytes);
     device_.copy_to_host(all, recv.data(), recv.bytes());
   }
+  bool exchange_takes_agreed_words() const override { return exchange_.takes_agreed_words(); }
 
  private:
   Transport& transport_;
   Device& device_;
+  const Exchange& exchange_;
 };
 
 /// Applies the non-finite policy after an aborted exchange (the residual is already restored).
@@ -102,8 +105,8 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     return report;
   }
 
-  TransportCollective group(transport, device);
   const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
+  TransportCollective group(transport, device, exchange);
   report.exchange = exchange.name();
   auto t0 = std::chrono::steady_clock::now();
   const Selection selection = method->select(device, bucket, group);

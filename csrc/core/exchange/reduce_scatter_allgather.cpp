@@ -33,6 +33,7 @@ class ReduceScatterAllgather final : public Exchange {
  public:
   ExchangeKind kind() const override { return ExchangeKind::kReduceScatterAllgather; }
   const Exchange& for_shard() const override { return sparse_reduce_scatter(); }
+  bool takes_agreed_words() const override { return true; }
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {

@@ -18,6 +18,7 @@ class UnionAllreduce final : public Exchange {
  public:
   ExchangeKind kind() const override { return ExchangeKind::kUnionAllreduce; }
   bool selection_zeroes() const override { return false; }
+  bool takes_agreed_words() const override { return true; }
 
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {

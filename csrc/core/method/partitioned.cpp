@@ -92,7 +92,8 @@ std::vector<std::vector<int64_t>> allgather_counts(Collective& group, const std:
 }
 
 /// The bin of the agreed threshold from every rank's band counts (`counts`: this rank's, summed
-/// over the ranks on return). Folded, every rank's counts travel in one all-gather with its
+/// over the ranks on return). Folded (where the exchange reads agreed control words and
+/// fold_agreement holds), every rank's counts travel in one all-gather with its
 /// non-finite count and its candidates below the band, so every rank's count at the threshold is
 /// known: `agreed` receives every rank's control word, and the exchange sends none (one
 /// collective instead of two). Apart, one all-reduce of the counts, and `agreed` stays empty.
@@ -100,7 +101,7 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
                   std::vector<double>& counts, int64_t below, int64_t nonfinite, int64_t k,
                   std::vector<ControlWord>& agreed) {
   const int p = group.size();
-  if (!fold_agreement(p, bucket.numel) || !plain_edges(edges)) {
+  if (!group.exchange_takes_agreed_words() || !fold_agreement(p, bucket.numel) || !plain_edges(edges)) {
     group.sum(counts);
     return BandController::choose(counts, static_cast<double>(k));
   }

@@ -66,6 +66,11 @@ class Exchange {
   /// reduce-scatter): the sparse reduce-scatter for the gather exchanges; the others run whole.
   virtual const Exchange& for_shard() const { return *this; }
 
+  /// Whether run() takes every rank's control word from Selection::agreed when the method agreed
+  /// them while selecting (its first collective is agree() on the selection), instead of an
+  /// all-gather of its own.
+  virtual bool takes_agreed_words() const { return false; }
+
   /// Moves every rank's selection (`mine` is this rank's) through `transport` and writes the
   /// average into bucket.grad. Returns early (aborted, bucket untouched) when any rank reported
   /// non-finite values.

@@ -32,6 +32,10 @@ class Collective {
   /// Every rank's `bytes` bytes at `mine`, by rank, into `all` (size() * bytes); every rank
   /// passes the same `bytes`.
   virtual void allgather(const void* mine, void* all, size_t bytes) = 0;
+  /// Whether the exchange that follows this selection reads Selection::agreed
+  /// (Exchange::takes_agreed_words): only then does a method agree the control words while it
+  /// selects. The same on every rank.
+  virtual bool exchange_takes_agreed_words() const = 0;
 };
 
 /// The outcome of one step, as reported in statistics.
