@@ -22,6 +22,7 @@
 
 using namespace gradsparse;
 namespace ref = gradsparse::reference;
+using gradsparse::testing::Forwarding;
 using gradsparse::testing::rethrow_first;
 using gradsparse::testing::run_ranks;
 
@@ -272,28 +273,23 @@ TEST(EachExchange, SparseReduceScatterDeliversEachOwnerItsShardOfGatherAndAdd) {
 }
 
 /// A transport that records the kind of every collective: 'R' all-reduce, 'G' all-gather, 'S' send-receive.
-class Recording final : public Transport {
+class Recording final : public Forwarding {
  public:
-  explicit Recording(Transport& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
+  using Forwarding::Forwarding;
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
     calls += 'G';
-    inner_.allgather(device, send, recv, bytes);
+    Forwarding::allgather(device, send, recv, bytes);
   }
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
     calls += 'R';
-    inner_.allreduce_sum(device, data, count, dtype);
+    Forwarding::allreduce_sum(device, data, count, dtype);
   }
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override {
     calls += 'S';
-    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+    Forwarding::sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
   }
   std::string calls;
-
- private:
-  Transport& inner_;
 };
 
 // MiCRO's band counts carry the control words (one all-gather instead of an all-reduce, 2 ranks)
@@ -457,27 +453,14 @@ TEST(GatherAdd, UnequalCountsAndEmptySelectionsNeverIssueZeroLengthCollectives) 
   }
 }
 
-/// Forwards everything but allgatherv, which takes the base class's padded path.
-class WithoutAllgatherv final : public Transport {
+/// Forwards everything but allgatherv, which takes the base class's padded path (counted here).
+class WithoutAllgatherv final : public Forwarding {
  public:
-  explicit WithoutAllgatherv(Transport& inner) : inner_(inner) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
+  using Forwarding::Forwarding;
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
-    inner_.allgather(device, send, recv, bytes);
-    count(bytes);
+    Forwarding::allgather(device, send, recv, bytes);
+    count_allgather(bytes);
   }
-  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
-    inner_.allreduce_sum(device, data, count, dtype);
-  }
-  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
-                int src) override {
-    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
-  }
-  void count(size_t bytes) { count_allgather(bytes); }
-
- private:
-  Transport& inner_;
 };
 
 // allgatherv delivers every rank's block back to back, zero-length blocks included, natively
@@ -651,23 +634,18 @@ namespace {
 
 /// A transport that corrupts what this rank receives from its next peer in one chosen data
 /// collective (allgathers and sendrecvs are counted; all-reduces pass untouched).
-class Corrupting final : public Transport {
+class Corrupting final : public Forwarding {
  public:
   /// Overwrites `width` bytes (4 or 8) at `offset` with `value`.
   Corrupting(Transport& inner, int target_call, size_t offset, uint64_t value, size_t width = 4)
-      : inner_(inner), target_(target_call), offset_(offset), value_(value), width_(width) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
+      : Forwarding(inner), target_(target_call), offset_(offset), value_(value), width_(width) {}
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
-    inner_.allgather(device, send, recv, bytes);
+    Forwarding::allgather(device, send, recv, bytes);
     if (calls_++ == target_) corrupt(static_cast<unsigned char*>(recv) + bytes * ((rank() + 1) % size()), bytes);
-  }
-  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
-    inner_.allreduce_sum(device, data, count, dtype);
   }
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override {
-    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+    Forwarding::sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
     if (calls_++ == target_) corrupt(static_cast<unsigned char*>(recv), recv_bytes);
   }
 
@@ -676,7 +654,6 @@ class Corrupting final : public Transport {
     ASSERT_GE(bytes, offset_ + width_);
     std::memcpy(message + offset_, &value_, width_);  // little-endian: the low bytes first
   }
-  Transport& inner_;
   int target_;
   size_t offset_;
   uint64_t value_;
@@ -805,25 +782,15 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
 }
 
 /// A transport whose `target_call`-th allgather fails to allocate.
-class FailingAllocation final : public Transport {
+class FailingAllocation final : public Forwarding {
  public:
-  FailingAllocation(Transport& inner, int target_call) : inner_(inner), target_(target_call) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
+  FailingAllocation(Transport& inner, int target_call) : Forwarding(inner), target_(target_call) {}
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
     if (calls_++ == target_) throw std::bad_alloc();
-    inner_.allgather(device, send, recv, bytes);
-  }
-  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
-    inner_.allreduce_sum(device, data, count, dtype);
-  }
-  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
-                int src) override {
-    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+    Forwarding::allgather(device, send, recv, bytes);
   }
 
  private:
-  Transport& inner_;
   int target_;
   int calls_ = 0;
 };

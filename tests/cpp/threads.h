@@ -32,6 +32,29 @@ inline std::vector<std::exception_ptr> run_ranks(int world_size,
   return errors;
 }
 
+/// Forwards every collective to `inner` (a rank of run_ranks' group); tests derive from it to
+/// watch or alter one kind of collective. allgatherv is not forwarded: it takes the base class's
+/// path through allgather, which the derived class sees.
+class Forwarding : public Transport {
+ public:
+  explicit Forwarding(Transport& inner) : inner_(inner) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
+    inner_.allgather(device, send, recv, bytes);
+  }
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    inner_.allreduce_sum(device, data, count, dtype);
+  }
+  void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
+                int src) override {
+    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+  }
+
+ private:
+  Transport& inner_;
+};
+
 inline void rethrow_first(const std::vector<std::exception_ptr>& errors) {
   for (const auto& e : errors)
     if (e) std::rethrow_exception(e);

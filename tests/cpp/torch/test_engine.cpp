@@ -15,6 +15,7 @@
 #include "gradsparse/methods.h"
 
 using namespace gradsparse;
+using gradsparse::testing::Forwarding;
 using gradsparse::testing::rethrow_first;
 using gradsparse::testing::run_ranks;
 using gradsparse::torch_adapter::Engine;
@@ -23,24 +24,22 @@ namespace {
 
 /// Forwards to a transport this test keeps alive, and fails every collective from `fail_from` on:
 /// with a CommError, or with std::bad_alloc (an allocation failing inside the exchange).
-class Failing final : public Transport {
+class Failing final : public Forwarding {
  public:
   Failing(Transport& inner, int fail_from, bool bad_alloc)
-      : inner_(inner), fail_from_(fail_from), bad_alloc_(bad_alloc) {}
-  int rank() const override { return inner_.rank(); }
-  int size() const override { return inner_.size(); }
+      : Forwarding(inner), fail_from_(fail_from), bad_alloc_(bad_alloc) {}
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
     check();
-    inner_.allgather(device, send, recv, bytes);
+    Forwarding::allgather(device, send, recv, bytes);
   }
   void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
     check();
-    inner_.allreduce_sum(device, data, count, dtype);
+    Forwarding::allreduce_sum(device, data, count, dtype);
   }
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override {
     check();
-    inner_.sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
+    Forwarding::sendrecv(device, send, send_bytes, dst, recv, recv_bytes, src);
   }
 
  private:
@@ -49,7 +48,6 @@ class Failing final : public Transport {
     if (bad_alloc_) throw std::bad_alloc();
     throw CommError("injected failure");
   }
-  Transport& inner_;
   int fail_from_;
   bool bad_alloc_;
   int calls_ = 0;
