@@ -56,10 +56,7 @@ void check_control_word(const ControlWord& w, const BucketView& bucket, bool wit
            " pairs for a bucket of ", n, " elements");
   GS_CHECK(w.nonfinite >= 0 && w.nonfinite <= n, CorruptMessageError, "control word from rank ", r, " announces ",
            w.nonfinite, " non-finite values in a bucket of ", n, " elements");
-  const int64_t expected =
-      with_message ? static_cast<int64_t>(
-                         MessageLayout(static_cast<uint64_t>(w.count), index_bytes_for(n), bucket.dtype).total_bytes)
-                   : 0;
+  const int64_t expected = with_message ? message_bytes(w.count, bucket) : 0;
   GS_CHECK(w.message_bytes == expected && (with_message || w.count == 0), CorruptMessageError,
            "control word from rank ", r, " announces a ", w.message_bytes, "-byte message of ", w.count,
            " pairs, where that count takes ", expected, " bytes in a bucket of ", n, " elements of ",

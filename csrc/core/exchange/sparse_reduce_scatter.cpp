@@ -44,8 +44,7 @@ class SparseReduceScatter final : public Exchange {
       }
       GS_CHECK(words[0] >= 0 && words[0] <= bucket.numel, CorruptMessageError, "control word from rank ", r,
                " announces ", words[0], " non-finite values in a bucket of ", bucket.numel, " elements");
-      const auto bytes = MessageLayout(static_cast<uint64_t>(total), index_bytes_for(bucket.numel), bucket.dtype);
-      result.control[r] = ControlWord{static_cast<int64_t>(bytes.total_bytes), total, words[0], 0};
+      result.control[r] = ControlWord{message_bytes(total, bucket), total, words[0], 0};
     }
     if (!result.nonfinite_ranks().empty()) {
       result.aborted = true;

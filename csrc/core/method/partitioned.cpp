@@ -119,10 +119,8 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
   for (int r = 0; r < p; ++r) {
     int64_t count = best == 0 ? -rows[r][1] : 0;  // bin 0 also holds the candidates below the band
     for (int b = best; b < kBins; ++b) count += rows[r][2 + b];
-    const auto bytes = MessageLayout(static_cast<uint64_t>(std::max<int64_t>(count, 0)),
-                                     index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype)
-                           .total_bytes;
-    agreed.push_back(ControlWord{static_cast<int64_t>(bytes), count, rows[r][0], 0});
+    // a negative count (forged) keeps its sign for agree()'s check of the word
+    agreed.push_back(ControlWord{message_bytes(std::max<int64_t>(count, 0), bucket), count, rows[r][0], 0});
   }
   return best;
 }

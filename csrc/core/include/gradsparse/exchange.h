@@ -137,6 +137,13 @@ void check_control_word(const ControlWord& word, const BucketView& bucket, bool 
 ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const ControlWord& mine,
                      bool with_message = true);
 
+/// The bytes of a message of `count` (>= 0) pairs for `bucket`: what a control word announces.
+inline int64_t message_bytes(int64_t count, const BucketView& bucket) {
+  return static_cast<int64_t>(
+      MessageLayout(static_cast<uint64_t>(count), index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype)
+          .total_bytes);
+}
+
 /// The control word of this rank's selection.
 inline ControlWord control_word(const Selection& mine) {
   return ControlWord{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
