@@ -38,6 +38,15 @@ inline std::vector<int64_t> sample_with_replacement(uint64_t stream, int64_t cou
   return out;
 }
 
+/// A hint that `*address` is written soon (no effect where the compiler has no prefetch).
+inline void prefetch_for_write(const void* address) {
+#if defined(__GNUC__)
+  __builtin_prefetch(address, 1, 0);
+#else
+  (void)address;
+#endif
+}
+
 /// The positions of sample_distinct(stream, count, n) below, as a bitmap of [0, n) (bit p of
 /// word p / 64), written into `bits` (resized and cleared here, so a caller that keeps it across
 /// steps allocates once). A method that only asks whether a position was drawn tests a bit
@@ -53,10 +62,22 @@ inline void sample_distinct_bits(uint64_t stream, int64_t count, int64_t n, std:
     if (n % 64 != 0) bits.back() &= (uint64_t{1} << (n % 64)) - 1;
     return;
   }
-  // The first distinct values of draw(stream, i) % n: one bit test per draw.
+  // The first distinct values of draw(stream, i) % n: one bit test per draw. A draw does not
+  // depend on the bitmap, so each word is prefetched kAhead draws before its test: at large n the
+  // bitmap outgrows the caches (3 MB at n = 25M) and the tests, one after the other, would each
+  // wait on memory (2.2 ms against 1.6 ms for 250 thousand draws at n = 25M, this draw order).
+  constexpr uint64_t kAhead = 32;
+  const auto draw = [&](uint64_t i) { return rng_draw(stream, i) % static_cast<uint64_t>(n); };
+  uint64_t ahead[kAhead];
+  for (uint64_t i = 0; i < kAhead; ++i) {
+    ahead[i] = draw(i);
+    prefetch_for_write(&bits[ahead[i] >> 6]);
+  }
   int64_t found = 0;
   for (uint64_t i = 0; found < count; ++i) {
-    const uint64_t p = rng_draw(stream, i) % static_cast<uint64_t>(n);
+    const uint64_t p = ahead[i % kAhead];
+    ahead[i % kAhead] = draw(i + kAhead);
+    prefetch_for_write(&bits[ahead[i % kAhead] >> 6]);
     uint64_t& word = bits[p >> 6];
     const uint64_t bit = uint64_t{1} << (p & 63);
     found += (word & bit) == 0;
