@@ -65,7 +65,7 @@ inline void sample_distinct_bits(uint64_t stream, int64_t count, int64_t n, std:
   // The first distinct values of draw(stream, i) % n: one bit test per draw. A draw does not
   // depend on the bitmap, so each word is prefetched kAhead draws before its test: at large n the
   // bitmap outgrows the caches (3 MB at n = 25M) and the tests, one after the other, would each
-  // wait on memory (2.2 ms against 1.6 ms for 250 thousand draws at n = 25M, this draw order).
+  // wait on memory (250 thousand draws at n = 25M: 2.2 ms without the prefetch, 1.6 ms with it).
   constexpr uint64_t kAhead = 32;
   const auto draw = [&](uint64_t i) { return rng_draw(stream, i) % static_cast<uint64_t>(n); };
   uint64_t ahead[kAhead];
