@@ -1,5 +1,5 @@
 """Functions run on every rank by tests/distributed/test_frameworks.py: gradsparse inside Lightning,
-Accelerate and torch.compile (module level, so spawn can import them).
+Accelerate and torch.compile (module level, so the ranks can import them by name).
 
 No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """

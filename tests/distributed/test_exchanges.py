@@ -1,4 +1,4 @@
-"""Every exchange on real transports: torch.distributed Gloo process groups (2 to 4 spawned
+"""Every exchange on real transports: torch.distributed Gloo process groups (2 to 4
 processes) and gradsparse's own MpiTransport under ``mpirun -np 2..4``.
 
 A known gradient stream goes through DDP and the hook. Per exchange and step, on every rank:

@@ -1,4 +1,4 @@
-"""Functions run on every rank by the distributed tests (module level, so spawn can import them).
+"""Functions run on every rank by the distributed tests (module level, so the ranks can import them by name).
 
 No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """

@@ -3,6 +3,12 @@
 Each process gets ``fn(rank, world_size, *args)`` after ``init_process_group`` (Gloo by default)
 and sends back its return value (picklable) or its exception. The whole run is bounded by a
 timeout: processes still alive then are killed and the call raises, so a test never hangs.
+
+The processes start from a fork server that has imported torch and gradsparse once (where the
+platform has one; elsewhere they are spawned): importing torch takes seconds of CPU per process,
+which made up most of a short multi-process test. A fork server's children are forked from a
+process that has run nothing but those imports, so they start as clean as spawned ones; each
+gets the caller's environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -63,7 +69,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context():
+    """The fork server of this process, started on first use with torch and gradsparse imported;
+    spawn where the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "gradsparse"])
+    return ctx
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue, env: dict) -> None:
+    # A fork server's child inherits the server's environment, from when it started: set the caller's.
+    os.environ.clear()
     os.environ.update(env)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on timeout
     import torch
@@ -95,18 +113,20 @@ def run_distributed(
     env: dict[str, str] | None = None,
     expect_errors: bool = False,
 ) -> list[Any]:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` new processes, with the caller's
+    environment plus ``env`` (torch is imported before: variables it reads at import do not apply).
 
     Returns the per-rank results. Raises DistributedError if any rank raised (unless
     ``expect_errors``: then the per-rank error texts are returned in place of results, None for
     ranks that succeeded... and successful results are returned as they are), or if the run
     exceeded ``timeout`` seconds.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
+    environment = {**os.environ, **(env or {})}
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, dict(env or {})), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, environment), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -136,6 +156,8 @@ def run_distributed(
             os.kill(p.pid, signal.SIGUSR1)
         if stuck:
             time.sleep(1.0)
+        for p in stuck:
+            p.kill()
         for p in procs:
             p.join(timeout=5.0)
         for p in procs:
