@@ -1,5 +1,5 @@
 """gradsparse.fsdp: sparse reduce-scatters with error feedback in FSDP2 (fully_shard), on 2 and 4
-Gloo ranks on the CPU. The worker functions are module level, so spawn can import them."""
+Gloo ranks on the CPU. The worker functions are module level, so the ranks can import them by name."""
 
 import pytest
 import torch
@@ -19,13 +19,16 @@ pytestmark = pytest.mark.distributed
 WORLD_SIZES = [2, 4]
 
 
-def sharded_model(world_size: int, seed: int = 3, reduce_dtype: torch.dtype | None = None) -> nn.Module:
+def sharded_model(
+    world_size: int, seed: int = 3, reduce_dtype: torch.dtype | None = None, per_layer: bool = True
+) -> nn.Module:
     """workers.make_model with each Linear and the root under fully_shard (the root holds no
-    parameters of its own; the last layer's 6 rows are padded to 8 on 4 ranks)."""
+    parameters of its own; the last layer's 6 rows are padded to 8 on 4 ranks), or with
+    ``per_layer=False`` the root alone (one reduce-scatter per step, a third of the time)."""
     mesh = init_device_mesh("cpu", (world_size,))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     model = workers.make_model(seed)
-    for layer in model:
+    for layer in model if per_layer else ():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
@@ -137,12 +140,14 @@ def test_per_rank_k_methods_send_each_pair_to_its_owner_only():
 
 
 def train_every_method(rank: int, world_size: int, steps: int, names: list[str] | None = None) -> dict[str, float]:
+    """Trains each method on the model as one FSDP unit: how a method learns does not depend on
+    how the model is cut into units (the tests above cover several), and each step costs a third."""
     data = workers.teacher_data(rank, steps)
     out = {}
     for name, make in workers.TRAINING_METHODS.items():
         if (name == "spardl_teams" and world_size % 2) or (names is not None and name not in names):
             continue
-        model = sharded_model(world_size)
+        model = sharded_model(world_size, per_layer=False)
         state = make()
         if state is not None:
             gs.fsdp.sparsify(model, state)
