@@ -290,6 +290,14 @@ def _powersgd_elements(model: nn.Module, rank: int) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def count(text: str) -> int:
+    """argparse type of the options where 0 means "all" or "none": a negative number is refused."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or a positive number")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("method")
     g.add_argument(
@@ -314,7 +322,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="shard the model with FSDP2 (fully_shard) instead of DDP: the method replaces FSDP's reduce-scatter",
     )
-    g.add_argument("--sparse-warmup-steps", type=int, default=0, help="dense steps before sparsification")
+    g.add_argument("--sparse-warmup-steps", type=count, default=0, help="dense steps before sparsification")
     g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
     g.add_argument(
         "--transport",
@@ -334,8 +342,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip", type=float, default=0.0, help="gradient norm clipping (0: none)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-steps", type=int, default=0, help="stop (with a checkpoint) after this many steps")
-    g.add_argument("--threads", type=int, default=0, help="CPU threads per worker (0: cores / local workers)")
+    g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
+    g.add_argument("--threads", type=count, default=0, help="CPU threads per worker (0: cores / local workers)")
     g.add_argument(
         "--backend",
         choices=("auto", "nccl", "gloo", "mpi"),
@@ -345,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--data-dir", default=None, help="folder holding the dataset files")
     g.add_argument("--out", default=None, help="run folder (default runs/<task>)")
-    g.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    g.add_argument("--checkpoint-every", type=count, default=0, help="also checkpoint every N steps")
     g.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument(

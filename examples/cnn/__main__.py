@@ -73,6 +73,8 @@ class ImageClassification(driver.Task):
             self.x_train, self.y_train, self.x_test, self.y_test = data.fashion_mnist(args.data_dir)
         else:
             self.x_train, self.y_train, self.x_test, self.y_test = data.cifar(args.dataset, args.data_dir)
+        if args.test_samples:
+            self.x_test, self.y_test = self.x_test[: args.test_samples], self.y_test[: args.test_samples]
         self.name = f"{args.model} on {driver.dataset_label(args)}"
         self.model_args = (args.model, channels, classes, size)
         self.augment = args.dataset != "fashion-mnist" and not args.no_augment
@@ -121,6 +123,9 @@ def add_task_arguments(group) -> None:
     group.add_argument("--model", choices=models.MODELS, default="smallcnn")
     group.add_argument("--dataset", choices=tuple(DATASETS), default="fashion-mnist")
     group.add_argument("--no-augment", action="store_true", help="CIFAR: no random crops and flips")
+    group.add_argument(
+        "--test-samples", type=driver.count, default=0, help="evaluate on the first N test images only (0: all)"
+    )
 
 
 def main(argv: list[str] | None = None):

@@ -184,8 +184,10 @@ def add_task_arguments(group) -> None:
     group.add_argument("--dropout", type=float, default=0.4)
     group.add_argument("--bptt", type=int, default=30, help="tokens per batch and back-propagation window")
     group.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True, help="decoder = embedding")
-    group.add_argument("--train-tokens", type=int, default=0, help="train on the first N tokens only (0: all)")
-    group.add_argument("--eval-tokens", type=int, default=0, help="evaluate on the first N tokens only (0: all)")
+    group.add_argument("--train-tokens", type=driver.count, default=0, help="train on the first N tokens only (0: all)")
+    group.add_argument(
+        "--eval-tokens", type=driver.count, default=0, help="evaluate on the first N tokens only (0: all)"
+    )
     # Language models train with plain SGD at a large rate and clip the gradient norm.
     group.set_defaults(batch_size=20, lr=20.0, momentum=0.0, clip=0.25, preset="kjv-small")
 

@@ -1,6 +1,7 @@
 """The CNN example's data readers on fixture files written here in the official formats, the
 augmentation, and the models' shapes."""
 
+import argparse
 import gzip
 import pickle
 import struct
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from examples.cnn import data, models
+from examples.cnn.__main__ import ImageClassification, main
 
 
 def write_idx(path, array: np.ndarray) -> None:
@@ -141,3 +143,14 @@ def test_synthetic_images_have_the_requested_shapes_and_are_deterministic():
     assert int(y.min()) >= 0 and int(y.max()) < 10
     again, _ = data.synthetic(20, 3, 32, 10, seed=4)
     assert torch.equal(x, again)
+
+
+def test_test_samples_evaluates_on_the_first_images_only(capsys):
+    args = argparse.Namespace(dataset="cifar10", synthetic_data=True, seed=0, model="smallcnn", data_dir=None,
+                              no_augment=False, batch_size=8, test_samples=300)  # fmt: skip
+    task = ImageClassification(args)
+    assert task.x_test.shape == (300, 3, 32, 32) and task.y_test.shape == (300,)
+    assert len(task.x_train) == 50_000
+    with pytest.raises(SystemExit):
+        main(["--test-samples", "-1"])
+    assert "argument --test-samples: -1 is negative: give 0 or a positive number" in capsys.readouterr().err

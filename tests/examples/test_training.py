@@ -21,11 +21,12 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY_METHOD = ",".join(driver.METHODS)  # dense, torch's hooks and every gradsparse method
-# Tiny settings per task, on the data that installs offline. The LSTM's epoch is 8 steps (2,000
+# Tiny settings per task, on the data that installs offline (evaluation on part of the test data:
+# it would take most of a 3-step run's time). The LSTM's epoch is 8 steps (2,000
 # tokens, 2 workers x 4 columns of 250 tokens, 30-token windows), so that the resumed run of
 # test_resume_is_exact stops inside an epoch and then crosses into the next.
 TASKS = {
-    "cnn": ["--preset", "demo", "--batch-size", "32"],
+    "cnn": ["--preset", "demo", "--batch-size", "32", "--test-samples", "2000"],
     "lstm": ["--preset", "kjv-small", "--emb", "32", "--hidden", "32", "--batch-size", "4", "--train-tokens", "2000",
              "--eval-tokens", "2000"],
     "ncf": ["--preset", "ml100k", "--factors", "8", "--layers", "16,8", "--batch-size", "64"],
@@ -189,7 +190,7 @@ def test_synthetic_data_measures_steps_without_evaluation_or_checkpoints(tmp_pat
         assert len(read_csv(tmp_path / method / "steps.csv")) == 3
 
 
-# The two DDP checks below run in a spawned process (gradsparse.testing.run_distributed, one
+# The two DDP checks below run in a new process (gradsparse.testing.run_distributed, one
 # rank): a process group and DDP's reducer never live in the pytest process, and the run is
 # bounded by a timeout even where a collective blocks inside C++.
 
