@@ -68,8 +68,6 @@ class Recommendation(driver.Task):
         self.betas = _floats(args.adam_betas)
         if len(self.betas) != 2:
             raise SystemExit(f"--adam-betas {args.adam_betas!r}: two comma-separated numbers, for example 0.9,0.999")
-        if args.negatives < 0:
-            raise SystemExit("--negatives must be 0 or more")
         d = self.data
         self.name = (
             f"NeuMF on {driver.dataset_label(args)} ({d.n_users:,} users, {d.n_items:,} items, "
@@ -136,7 +134,7 @@ def add_task_arguments(group) -> None:
         "--layers", default="64,32,16", help="MLP sizes, the first being the two MLP embeddings side by side"
     )
     group.add_argument("--dropout", type=float, default=0.0, help="after each MLP layer")
-    group.add_argument("--negatives", type=int, default=4, help="sampled negatives per training positive")
+    group.add_argument("--negatives", type=driver.count, default=4, help="sampled negatives per training positive")
     group.add_argument("--eval-negatives", type=int, default=100, help="items the test item is ranked against")
     group.add_argument("--adam-betas", default="0.9,0.999", help="Adam's beta1,beta2")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")

@@ -317,6 +317,13 @@ def test_batch_too_large_for_the_data(tmp_path):
         task.steps_per_epoch(2)
 
 
+def test_negative_sample_counts_are_refused_at_parsing(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        make_args(tmp_path, "--negatives", "-1")
+    assert "argument --negatives: -1 is negative: give 0 or a positive number" in capsys.readouterr().err
+    assert make_args(tmp_path, "--negatives", "0").negatives == 0  # 0: positives only
+
+
 def test_neumf_shapes_and_seed_parameter_count():
     model = NeuMF(10, 20, factors=8, layers=(16, 8, 4), dropout=0.5)
     logits = model(torch.tensor([0, 9, 3]), torch.tensor([19, 0, 5]))
