@@ -298,6 +298,14 @@ def count(text: str) -> int:
     return value
 
 
+def positive(text: str) -> int:
+    """argparse type of sizes and counts that must be at least 1 (epochs, batch size, widths)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive: give 1 or more")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("method")
     g.add_argument(
@@ -310,7 +318,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=1e-3, help="threshold: magnitude threshold")
     for name, (flag, help_text) in method_flags().items():  # default None: the method's own default
         g.add_argument("--" + name.replace("_", "-"), default=None, help=help_text, **flag)
-    g.add_argument("--powersgd-rank", type=int, default=4, help="powersgd: matrix approximation rank")
+    g.add_argument("--powersgd-rank", type=positive, default=4, help="powersgd: matrix approximation rank")
     g.add_argument(
         "--bucket-cap-mb",
         type=float,
@@ -333,8 +341,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("training")
     g.add_argument("--preset", default=None, help="named settings of the original benchmarks (see --list-presets)")
     g.add_argument("--list-presets", action="store_true", help="print the presets and exit")
-    g.add_argument("--epochs", type=int, default=2)
-    g.add_argument("--batch-size", type=int, default=64, help="per worker")
+    g.add_argument("--epochs", type=positive, default=2)
+    g.add_argument("--batch-size", type=positive, default=64, help="per worker")
     g.add_argument("--lr", type=float, default=0.05, help="peak learning rate")
     g.add_argument("--lr-warmup-epochs", type=float, default=0.0, help="linear warm-up from lr / 10")
     g.add_argument("--lr-milestones", default="", help="comma-separated epochs at which the lr drops x0.1")

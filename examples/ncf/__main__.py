@@ -129,13 +129,15 @@ class Recommendation(driver.Task):
 
 def add_task_arguments(group) -> None:
     group.add_argument("--dataset", choices=data.DATASETS, default="ml-100k")
-    group.add_argument("--factors", type=int, default=32, help="GMF embedding width")
+    group.add_argument("--factors", type=driver.positive, default=32, help="GMF embedding width")
     group.add_argument(
         "--layers", default="64,32,16", help="MLP sizes, the first being the two MLP embeddings side by side"
     )
     group.add_argument("--dropout", type=float, default=0.0, help="after each MLP layer")
     group.add_argument("--negatives", type=driver.count, default=4, help="sampled negatives per training positive")
-    group.add_argument("--eval-negatives", type=int, default=100, help="items the test item is ranked against")
+    group.add_argument(
+        "--eval-negatives", type=driver.positive, default=100, help="items the test item is ranked against"
+    )
     group.add_argument("--adam-betas", default="0.9,0.999", help="Adam's beta1,beta2")
     group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
     # The ml100k preset is the default; its settings also replace the driver's defaults (which

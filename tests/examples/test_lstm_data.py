@@ -240,6 +240,16 @@ def test_task_defaults_are_those_of_language_models(tmp_path):
     assert task.samples_per_batch == 15
 
 
+def test_model_sizes_must_be_positive(capsys):
+    parser = argparse.ArgumentParser()
+    lstm_main.add_task_arguments(parser.add_argument_group("task"))
+    for option in ("--emb", "--hidden", "--layers", "--bptt"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([option, "0"])
+        assert f"argument {option}: 0 is not positive: give 1 or more" in capsys.readouterr().err
+    assert parser.parse_args(["--bptt", "1"]).bptt == 1
+
+
 def test_tied_sizes_must_match(tmp_path):
     with pytest.raises(SystemExit, match="--no-tied"):
         make_task(tmp_path, "--emb", "8")

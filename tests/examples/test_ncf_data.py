@@ -322,6 +322,10 @@ def test_negative_sample_counts_are_refused_at_parsing(tmp_path, capsys):
         make_args(tmp_path, "--negatives", "-1")
     assert "argument --negatives: -1 is negative: give 0 or a positive number" in capsys.readouterr().err
     assert make_args(tmp_path, "--negatives", "0").negatives == 0  # 0: positives only
+    for option in ("--factors", "--eval-negatives", "--epochs", "--batch-size"):  # sizes: at least 1
+        with pytest.raises(SystemExit):
+            make_args(tmp_path, option, "0")
+        assert f"argument {option}: 0 is not positive: give 1 or more" in capsys.readouterr().err
 
 
 def test_neumf_shapes_and_seed_parameter_count():
