@@ -93,10 +93,10 @@ def test_exchanges_on_mpi(tmp_path, world_size):
 @pytest.mark.parametrize(
     "method,stall", [("topk", False), ("micro", False), ("spardl", False), ("topk", True), ("spardl", True)]
 )
-def test_a_rank_that_exits_or_stalls_mid_step_fails_the_others_within_the_timeout(method, stall):
+def test_a_rank_that_exits_or_stalls_mid_step_fails_the_others_within_the_timeout(tmp_path, method, stall):
     timeout = 20.0 if not stall else 5.0
     with pytest.raises(DistributedError) as info:
-        run_distributed(workers.peer_exits, 3, method, timeout, "process_group", stall, timeout=120)
+        run_distributed(workers.peer_exits, 3, method, timeout, "process_group", stall, str(tmp_path), timeout=120)
     errors = info.value.errors
     assert set(errors) == {1} and "exited with code 3" in errors[1], errors
     survivors = info.value.results

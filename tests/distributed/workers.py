@@ -353,13 +353,23 @@ def exchange_stream(rank: int, world_size: int, transport: str, steps: int = 6, 
 
 
 def peer_exits(
-    rank: int, world_size: int, method: str, timeout: float, transport: str = "process_group", stall: bool = False
+    rank: int,
+    world_size: int,
+    method: str,
+    timeout: float,
+    transport: str = "process_group",
+    stall: bool = False,
+    reports: str = "",
 ) -> dict:
-    """Rank 1 exits in the middle of step 3 (after its forward pass), or with ``stall`` stops
-    there for three timeouts first; the others report what their training loop saw and how long
-    it took to see it."""
+    """Rank 1 exits in the middle of step 3 (after its forward pass), or with ``stall`` first
+    stays there, alive and silent, until every other rank has seen its error (each leaves a file
+    in the folder ``reports``; at most three timeouts); the others report what their training
+    loop saw and how long it took to see it."""
     import os
     import time
+
+    def reported(r: int) -> str:
+        return os.path.join(reports, f"rank{r}")
 
     ddp = DDP(make_model(), bucket_cap_mb=0.004)
     state = gs.METHODS[method](density=0.1, timeout=float(timeout), transport=transport)
@@ -371,14 +381,20 @@ def peer_exits(
             loss = nn.functional.cross_entropy(ddp(x), y)
             if step == 3 and rank == 1:
                 if stall:
-                    time.sleep(3 * float(timeout))
+                    deadline = time.monotonic() + 3 * float(timeout)
+                    others = [reported(r) for r in range(world_size) if r != rank]
+                    while time.monotonic() < deadline and not all(map(os.path.exists, others)):
+                        time.sleep(0.05)
                 print(f"rank 1 exits at {time.time():.3f}", flush=True)  # read by the mpirun test
                 os._exit(3)
             opt.zero_grad()
             loss.backward()
             opt.step()
         except Exception as e:  # the test checks the type, the message and the time
-            return {"step": step, "error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+            seconds = time.monotonic() - start
+            if reports:
+                open(reported(rank), "w").close()
+            return {"step": step, "error": type(e).__name__, "message": str(e), "seconds": seconds}
     return {"step": None}
 
 
