@@ -317,7 +317,7 @@ def test_batch_too_large_for_the_data(tmp_path):
         task.steps_per_epoch(2)
 
 
-def test_negative_sample_counts_are_refused_at_parsing(tmp_path, capsys):
+def test_negative_counts_and_zero_sizes_are_refused_at_parsing(tmp_path, capsys):
     with pytest.raises(SystemExit):
         make_args(tmp_path, "--negatives", "-1")
     assert "argument --negatives: -1 is negative: give 0 or a positive number" in capsys.readouterr().err
