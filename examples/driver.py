@@ -159,6 +159,8 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
         "reference": args.reference,
         "transport": args.transport,
     }
+    if args.momentum_correction:
+        options["momentum"] = args.momentum
     if method == "threshold":
         options["threshold"] = args.threshold
     elif method != "dense":
@@ -168,6 +170,14 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
         if option.name not in DRIVER_OPTIONS and value is not None:
             options[option.name] = value
     return options
+
+
+def optimizer_args(method: str, args: argparse.Namespace) -> argparse.Namespace:
+    """The arguments the optimizer is built from: with --momentum-correction a gradsparse method
+    applies the momentum (gradsparse_options), so the optimizer's is 0."""
+    if args.momentum_correction and method in gs.METHODS:
+        return argparse.Namespace(**{**vars(args), "momentum": 0.0})
+    return args
 
 
 class Communication:
@@ -332,6 +342,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--sparse-warmup-steps", type=count, default=0, help="dense steps before sparsification")
     g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
+    g.add_argument(
+        "--momentum-correction",
+        action="store_true",
+        help="gradsparse methods apply --momentum themselves (momentum correction: each rank's velocity is "
+        "sparsified, with error feedback) and the optimizer runs without it; torch's hooks keep it in the optimizer",
+    )
     g.add_argument(
         "--transport",
         choices=("process_group", "mpi"),
@@ -560,7 +576,12 @@ class Run:
                 self.model, init_sync=not args.synthetic_data, **ddp_options(method, self.model, args.bucket_cap_mb)
             )
         self.comm = Communication(method, self.parallel, args, world)
-        self.optimizer = task.make_optimizer(self.parallel.parameters(), args)
+        self.optimizer = task.make_optimizer(self.parallel.parameters(), optimizer_args(method, args))
+        if args.momentum_correction and not isinstance(self.optimizer, torch.optim.SGD):
+            raise SystemExit(
+                f"--momentum-correction moves SGD's momentum into the method, but this task trains with "
+                f"{type(self.optimizer).__name__}; drop the flag"
+            )
         self.steps_per_epoch = task.steps_per_epoch(world)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.steps_per_epoch, args)

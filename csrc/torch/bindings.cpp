@@ -246,19 +246,25 @@ PYBIND11_MODULE(_C, m) {
           "submit",
           [](Engine& engine, const at::Tensor& grad, std::optional<at::Tensor> residual, std::shared_ptr<Method> method,
              bool dense, const std::string& nonfinite, const std::string& bucket_name,
-             std::shared_ptr<ReduceReport> report, bool shard_only) {
+             std::shared_ptr<ReduceReport> report, bool shard_only, std::optional<at::Tensor> velocity, double momentum,
+             bool momentum_masking) {
             ReduceOptions options;
             options.dense = dense;
             options.shard_only = shard_only;
             options.nonfinite = parse_policy(nonfinite);
             options.bucket_name = bucket_name;
-            auto future = engine.submit(grad, std::move(residual), std::move(method), options, std::move(report));
+            options.momentum = static_cast<float>(momentum);
+            options.momentum_masking = momentum_masking;
+            auto future = engine.submit(grad, std::move(residual), std::move(velocity), std::move(method), options,
+                                        std::move(report));
             return torch::jit::toPyObject(c10::IValue(future));
           },
           py::arg("grad"), py::arg("residual"), py::arg("method"), py::arg("dense"), py::arg("nonfinite"),
-          py::arg("bucket_name"), py::arg("report"), py::arg("shard_only") = false,
+          py::arg("bucket_name"), py::arg("report"), py::arg("shard_only") = false, py::arg("velocity") = py::none(),
+          py::arg("momentum") = 0.0, py::arg("momentum_masking") = false,
           "Queue one bucket; returns a torch.futures.Future holding `grad`, reduced in place (with `shard_only`, "
-          "only this rank's 1/P of it, in rank order).")
+          "only this rank's 1/P of it, in rank order). With a `velocity`, momentum correction with factor "
+          "`momentum` runs first (`momentum_masking`: where the residual is zero the velocity restarts).")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finish queued work and stop the thread.");
 }

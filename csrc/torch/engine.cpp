@@ -18,9 +18,10 @@ class CpuJobDevice final : public JobDevice {
   CpuDevice device_;
 };
 
-BucketView bucket_view(const at::Tensor& grad, const std::optional<at::Tensor>& residual) {
+BucketView bucket_view(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
+                       const std::optional<at::Tensor>& velocity) {
   return BucketView{core_dtype(grad, "bucket"), grad.numel(), grad.data_ptr(),
-                    residual ? residual->data_ptr() : nullptr};
+                    residual ? residual->data_ptr() : nullptr, velocity ? velocity->data_ptr() : nullptr};
 }
 
 }  // namespace
@@ -28,7 +29,7 @@ BucketView bucket_view(const at::Tensor& grad, const std::optional<at::Tensor>& 
 std::unique_ptr<JobDevice> make_cpu_job_device() { return std::make_unique<CpuJobDevice>(); }
 
 #if !defined(GRADSPARSE_WITH_CUDA)
-std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>&) {
+std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::vector<at::Tensor>&) {
   TORCH_CHECK(
       false, "gradsparse: this build has no CUDA support, but the bucket is on ", grad.device(),
       ". Reinstall with a CUDA build of PyTorch and the CUDA toolkit present, or force it with GRADSPARSE_CUDA=1 "
@@ -40,6 +41,7 @@ struct Engine::Shared {
   struct Job {
     at::Tensor grad;
     std::optional<at::Tensor> residual;
+    std::optional<at::Tensor> velocity;
     std::shared_ptr<Method> method;
     ReduceOptions options;
     std::shared_ptr<ReduceReport> report;
@@ -94,19 +96,24 @@ void Engine::shutdown() {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Engine::submit(at::Tensor grad, std::optional<at::Tensor> residual,
+                                                       std::optional<at::Tensor> velocity,
                                                        std::shared_ptr<Method> method, ReduceOptions options,
                                                        std::shared_ptr<ReduceReport> report) {
   core_dtype(grad, "bucket");
   check_flat(grad, "bucket");
-  if (residual) {
-    check_same(grad, "bucket", *residual, "residual");
-    check_flat(*residual, "residual");
+  std::vector<at::Tensor> state;
+  for (const auto& [t, name] : {std::pair{&residual, "residual"}, std::pair{&velocity, "velocity"}}) {
+    if (!*t) continue;
+    check_same(grad, "bucket", **t, name);
+    check_flat(**t, name);
+    state.push_back(**t);
   }
   Shared::Job job;
-  job.device = grad.is_cuda() ? make_cuda_job_device(grad, residual) : make_cpu_job_device();
+  job.device = grad.is_cuda() ? make_cuda_job_device(grad, state) : make_cpu_job_device();
   job.future = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get(), job.device->future_devices());
   job.grad = std::move(grad);
   job.residual = std::move(residual);
+  job.velocity = std::move(velocity);
   job.method = std::move(method);
   job.options = std::move(options);
   job.report = report ? std::move(report) : std::make_shared<ReduceReport>();
@@ -147,8 +154,8 @@ void Engine::Shared::run(Job& job) {
   }
   try {
     job.device->run([&](Device& device) {
-      *job.report =
-          reduce_bucket(job.method.get(), transport, device, bucket_view(job.grad, job.residual), job.options);
+      *job.report = reduce_bucket(job.method.get(), transport, device,
+                                  bucket_view(job.grad, job.residual, job.velocity), job.options);
       job.future->markCompleted(c10::IValue(job.grad));
     });
   } catch (const NonFiniteError& e) {

@@ -39,7 +39,8 @@ class JobDevice {
 
 std::unique_ptr<JobDevice> make_cpu_job_device();
 /// Defined in engine_cuda.cpp when built with CUDA; otherwise throws a clear error.
-std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>& residual);
+/// `state`: the bucket's residual and velocity, where it has them.
+std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::vector<at::Tensor>& state);
 
 class Engine {
  public:
@@ -55,11 +56,12 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   /// Queues the reduction of one bucket. `grad` is reduced in place and is the future's value.
-  /// `method` null (or options.dense) means a dense average. `report` is filled in before the
-  /// future completes.
+  /// `method` null (or options.dense) means a dense average. `residual` (error feedback) and
+  /// `velocity` (momentum correction) have the bucket's shape and dtype. `report` is filled in
+  /// before the future completes.
   c10::intrusive_ptr<c10::ivalue::Future> submit(at::Tensor grad, std::optional<at::Tensor> residual,
-                                                 std::shared_ptr<Method> method, ReduceOptions options,
-                                                 std::shared_ptr<ReduceReport> report);
+                                                 std::optional<at::Tensor> velocity, std::shared_ptr<Method> method,
+                                                 ReduceOptions options, std::shared_ptr<ReduceReport> report);
 
   /// Finishes queued jobs and joins the thread. Idempotent; also called by the destructor.
   void shutdown();

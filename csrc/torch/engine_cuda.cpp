@@ -11,8 +11,8 @@ namespace {
 
 class CudaJobDevice final : public JobDevice {
  public:
-  CudaJobDevice(const at::Tensor& grad, const std::optional<at::Tensor>& residual)
-      : device_index_(grad.device().index()), grad_(grad), residual_(residual) {
+  CudaJobDevice(const at::Tensor& grad, const std::vector<at::Tensor>& state)
+      : device_index_(grad.device().index()), grad_(grad), state_(state) {
     c10::cuda::CUDAGuard guard(device_index_);
     GS_CUDA_CHECK(cudaEventCreateWithFlags(&submitted_, cudaEventDisableTiming));
     GS_CUDA_CHECK(cudaEventRecord(submitted_, c10::cuda::getCurrentCUDAStream(device_index_).stream()));
@@ -25,9 +25,9 @@ class CudaJobDevice final : public JobDevice {
     c10::cuda::CUDAGuard guard(device_index_);
     c10::cuda::CUDAStream stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_index_);
     GS_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), submitted_, 0));
-    // The bucket and residual are used on our stream; tell the caching allocator.
+    // The bucket, residual and velocity are used on our stream; tell the caching allocator.
     c10::cuda::CUDACachingAllocator::recordStream(grad_.storage().data_ptr(), stream);
-    if (residual_) c10::cuda::CUDACachingAllocator::recordStream(residual_->storage().data_ptr(), stream);
+    for (const at::Tensor& t : state_) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
     c10::cuda::CUDAStreamGuard stream_guard(stream);
     CudaDevice device = torch_cuda_device(stream);
     body(device);
@@ -38,14 +38,14 @@ class CudaJobDevice final : public JobDevice {
  private:
   c10::DeviceIndex device_index_;
   at::Tensor grad_;
-  std::optional<at::Tensor> residual_;
+  std::vector<at::Tensor> state_;    // residual and velocity
   cudaEvent_t submitted_ = nullptr;  // recorded on the submitting stream
 };
 
 }  // namespace
 
-std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::optional<at::Tensor>& residual) {
-  return std::make_unique<CudaJobDevice>(grad, residual);
+std::unique_ptr<JobDevice> make_cuda_job_device(const at::Tensor& grad, const std::vector<at::Tensor>& state) {
+  return std::make_unique<CudaJobDevice>(grad, state);
 }
 
 }  // namespace gradsparse::torch_adapter

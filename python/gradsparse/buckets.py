@@ -1,12 +1,14 @@
 """The bucket table of a state: the parameters each DDP bucket (or FSDP module) holds, its C++
-method object and its error-feedback residual, with every residual addressable by parameter name.
+method object and its per-element state (the error-feedback residual, and the velocity of
+momentum correction), with every such tensor addressable by parameter name.
 
 DDP rebuilds its buckets after the first step, and a rebuilt bucket can hold the same parameters
-in another order; a checkpoint names residuals by parameter. So whatever is not in a bucket is
-kept by parameter name: when DDP rebuilds its buckets, and when a checkpoint is loaded, residual
-pieces and method states are *parked* (pieces under their parameter's name, method states under
-the names of the parameters their bucket held), and a new bucket assembles its residual from the
-pieces of its parameters and takes the method state parked for the same parameters.
+in another order; a checkpoint names residuals and velocities by parameter. So whatever is not in
+a bucket is kept by parameter name: when DDP rebuilds its buckets, and when a checkpoint is
+loaded, the pieces and method states are *parked* (pieces under their parameter's name, method
+states under the names of the parameters their bucket held), and a new bucket assembles its
+residual and velocity from the pieces of its parameters and takes the method state parked for
+the same parameters.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "BucketTable"]
+__all__ = ["KINDS", "Bucket", "BucketTable"]
+
+#: A bucket's per-element state, by kind: a tensor of the bucket's shape each, or None.
+KINDS = ("residual", "velocity")
 
 
 class Bucket:
     """One bucket: its parameters' names and sizes (in bucket order), its method object (None for
-    a dense state) and its residual (None until it first holds something)."""
+    a dense state), its residual and its velocity (each None until it first holds something)."""
 
-    __slots__ = ("index", "method", "names", "numels", "residual")
+    __slots__ = ("index", "method", "names", "numels", "residual", "velocity")
 
     def __init__(self, index: int, names: list[str], numels: list[int], method) -> None:
         self.index = index
@@ -31,12 +36,14 @@ class Bucket:
         self.numels = numels
         self.method = method
         self.residual: torch.Tensor | None = None
+        self.velocity: torch.Tensor | None = None
 
-    def residual_views(self) -> dict[str, torch.Tensor]:
-        """The residual split by parameter (views)."""
-        if self.residual is None:
+    def views(self, kind: str) -> dict[str, torch.Tensor]:
+        """The residual or the velocity (``kind``) split by parameter (views)."""
+        tensor = getattr(self, kind)
+        if tensor is None:
             return {}
-        return dict(zip(self.names, self.residual.split(self.numels), strict=True))
+        return dict(zip(self.names, tensor.split(self.numels), strict=True))
 
 
 class BucketTable:
@@ -44,7 +51,7 @@ class BucketTable:
 
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
-        self.parked: dict[str, torch.Tensor] = {}  # residual pieces by parameter name
+        self.parked: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}  # kind -> name -> piece
         # Method states by the names of their bucket's parameters; by bucket index where a loaded
         # checkpoint gave no layout for it.
         self.parked_methods: dict[frozenset[str] | int, dict[str, float]] = {}
@@ -55,60 +62,68 @@ class BucketTable:
         return bucket if bucket is not None and bucket.names == names else None
 
     def park_all(self) -> None:
-        """DDP rebuilt its buckets: every residual and method state waits, by parameter, for the
-        new buckets."""
+        """DDP rebuilt its buckets: every residual, velocity and method state waits, by parameter,
+        for the new buckets."""
         for bucket in self.buckets.values():
-            self.parked.update(bucket.residual_views())
+            for kind in KINDS:
+                self.parked[kind].update(bucket.views(kind))
             if bucket.method is not None:
                 self.parked_methods[frozenset(bucket.names)] = bucket.method.state()
         self.buckets.clear()
 
-    def park(self, residuals: dict[str, torch.Tensor], methods: Iterable[tuple[frozenset[str] | int, dict]]) -> None:
-        """Parks what a checkpoint holds (residuals by name; method states by their parameters'
-        names, or by bucket index) in place of everything in the table."""
+    def park(
+        self, tensors: dict[str, dict[str, torch.Tensor]], methods: Iterable[tuple[frozenset[str] | int, dict]]
+    ) -> None:
+        """Parks what a checkpoint holds (residuals and velocities by kind and name; method states
+        by their parameters' names, or by bucket index) in place of everything in the table."""
         self.clear()
-        self.parked = {name: t.detach().clone() for name, t in residuals.items()}
+        for kind in KINDS:
+            self.parked[kind] = {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()}
         self.parked_methods = {key: dict(state) for key, state in methods}
 
     def add(
         self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor
     ) -> Bucket:
-        """A new bucket `index` of these parameters, its method state and residual pieces taken
-        from what is parked for them (missing pieces are zeros; no piece at all: no residual yet)."""
+        """A new bucket `index` of these parameters, its method state, residual and velocity taken
+        from what is parked for them (missing pieces are zeros; no piece at all: none yet)."""
         bucket = Bucket(index, names, numels, make_method())
         if bucket.method is not None:
             for key in (frozenset(names), index):
                 if key in self.parked_methods:
                     bucket.method.load_state(self.parked_methods.pop(key))
                     break
-        pieces = [self.parked.pop(name, None) for name in names]
-        if any(piece is not None for piece in pieces):
-            bucket.residual = torch.cat(
-                [
-                    torch.zeros(numel, dtype=like.dtype, device=like.device)
-                    if piece is None
-                    else piece.to(device=like.device, dtype=like.dtype).reshape(-1)
-                    for piece, numel in zip(pieces, numels, strict=True)
-                ]
-            )
+        for kind in KINDS:
+            pieces = [self.parked[kind].pop(name, None) for name in names]
+            if any(piece is not None for piece in pieces):
+                whole = torch.cat(
+                    [
+                        torch.zeros(numel, dtype=like.dtype, device=like.device)
+                        if piece is None
+                        else piece.to(device=like.device, dtype=like.dtype).reshape(-1)
+                        for piece, numel in zip(pieces, numels, strict=True)
+                    ]
+                )
+                setattr(bucket, kind, whole)
         self.buckets[index] = bucket
         return bucket
 
     def end_step(self) -> None:
         """What no bucket of the step took stays behind: a parameter that left the buckets."""
-        self.parked.clear()
+        for parked in self.parked.values():
+            parked.clear()
         self.parked_methods.clear()
 
     def clear(self) -> None:
         self.buckets.clear()
         self.end_step()
 
-    def residuals(self) -> dict[str, torch.Tensor]:
-        """Every residual by parameter name: the buckets' (views) and the parked pieces."""
+    def tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """Every residual or velocity (``kind``) by parameter name: the buckets' (views) and the
+        parked pieces."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.buckets.values():
-            out.update(bucket.residual_views())
-        for name, piece in self.parked.items():  # parked by a rebuild that an error interrupted
+            out.update(bucket.views(kind))
+        for name, piece in self.parked[kind].items():  # parked by a rebuild that an error interrupted
             out.setdefault(name, piece)
         return out
 
@@ -125,7 +140,9 @@ class BucketTable:
 
     def holds_state(self) -> bool:
         """Whether anything here would be lost without parameter names."""
-        return bool(self.parked) or any(b.residual is not None or b.method is not None for b in self.buckets.values())
+        return any(self.parked.values()) or any(
+            b.method is not None or any(getattr(b, kind) is not None for kind in KINDS) for b in self.buckets.values()
+        )
 
     def _count(self) -> int:
         return max(self.buckets, default=-1) + 1

@@ -3,8 +3,10 @@ one file.
 
 A state dict (version 2) holds ``class``, ``config``, ``step``, ``rank``, ``world_size``,
 ``residuals`` (parameter name -> tensor, the model's own names), ``checksums`` (name -> CRC-32 of
-the residual's bytes), ``methods`` and ``layout`` (by bucket index: the method's state and the
-bucket's parameter names) and ``stats``; docs/architecture.md, "Checkpoints", says why.
+the residual's bytes), ``velocities`` and ``velocity_checksums`` (the same for momentum
+correction's velocities; absent or empty without it), ``methods`` and ``layout`` (by bucket
+index: the method's state and the bucket's parameter names) and ``stats``; docs/architecture.md,
+"Checkpoints", says why.
 
 Error-feedback residuals differ from rank to rank, but most frameworks write a checkpoint from
 rank 0 only (Lightning's ``Trainer.save_checkpoint``, Accelerate's ``save_state``), from what
@@ -93,21 +95,24 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
 
 
 def _check_values(owner: str, state_dict: dict) -> None:
-    """Every residual is finite and, where the state dict has checksums (those of gradsparse 0.2
-    on), matches its own."""
-    checksums = state_dict.get("checksums", {})
-    for name, tensor in state_dict["residuals"].items():
-        if name in checksums and checksum(tensor) != checksums[name]:
-            raise ValueError(
-                f"{owner}.load_state_dict: the residual of {name} does not match its checksum: the state dict was "
-                "damaged after it was saved (a corrupt or partly written file); load an intact copy"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ValueError(
-                f"{owner}.load_state_dict: the residual of {name} holds NaN or Inf; a residual is gradient mass "
-                "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
-                "skip them all); load a checkpoint from before the divergence"
-            )
+    """Every residual and velocity is finite and, where the state dict has checksums (those of
+    gradsparse 0.2 on), matches its own."""
+    for kind, tensors, checksums in (
+        ("residual", state_dict["residuals"], state_dict.get("checksums", {})),
+        ("velocity", state_dict.get("velocities", {}), state_dict.get("velocity_checksums", {})),
+    ):
+        for name, tensor in tensors.items():
+            if name in checksums and checksum(tensor) != checksums[name]:
+                raise ValueError(
+                    f"{owner}.load_state_dict: the {kind} of {name} does not match its checksum: the state dict was "
+                    "damaged after it was saved (a corrupt or partly written file); load an intact copy"
+                )
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(
+                    f"{owner}.load_state_dict: the {kind} of {name} holds NaN or Inf; a {kind} is gradient mass "
+                    "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
+                    "skip them all); load a checkpoint from before the divergence"
+                )
 
 
 def _world_size_error(owner: str, saved: int, now: int) -> str:
@@ -173,7 +178,8 @@ def reshard(state_dict: dict, world_size: int) -> dict:
 
     Every new rank takes the mean of the saved ranks' residuals. The exchanges average over the
     ranks, so the gradient mass still to be applied, (1/P) sum_r e_r, is conserved:
-    (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Method states depend on the number of ranks (MiCRO's
+    (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Momentum correction's velocities are averaged alike
+    (their mean is the momentum the ranks apply together). Method states depend on the number of ranks (MiCRO's
     and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run; the step and rank
     0's statistics are kept.
 
@@ -190,21 +196,33 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"gradsparse.reshard: world_size must be an integer >= 1, got {world_size!r}")
     ranks = state_dict["ranks"]
-    names = sorted({name for saved in ranks for name in saved["residuals"]})
-    residuals = {}
-    for name in names:
-        parts = [saved["residuals"][name] for saved in ranks if name in saved["residuals"]]
-        total = torch.stack([p.double() for p in parts]).sum(0)  # a rank without it holds zeros
-        residuals[name] = (total / len(ranks)).to(parts[0].dtype)
-    checksums = {name: checksum(t) for name, t in residuals.items()}
+    residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
+    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
         dict(
-            ranks[0], rank=rank, world_size=world_size, residuals=residuals, checksums=checksums, methods=[], layout=[]
+            ranks[0],
+            rank=rank,
+            world_size=world_size,
+            residuals=residuals,
+            checksums={name: checksum(t) for name, t in residuals.items()},
+            velocities=velocities,
+            velocity_checksums={name: checksum(t) for name, t in velocities.items()},
+            methods=[],
+            layout=[],
         )
         for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)
+
+
+def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """By name, the mean of the ranks' tensors (a rank without one holds zeros)."""
+    out = {}
+    for name in sorted({name for tensors in per_rank for name in tensors}):
+        parts = [tensors[name] for tensors in per_rank if name in tensors]
+        out[name] = (torch.stack([p.double() for p in parts]).sum(0) / len(per_rank)).to(parts[0].dtype)
+    return out
 
 
 def _to_cpu(value):

@@ -49,6 +49,15 @@ def check_int(owner: str, name: str, value: object, minimum: int, example: str) 
     return int(value)
 
 
+def check_momentum(owner: str, name: str, value: object) -> float:
+    """A momentum factor in [0, 1)."""
+    example = f"{name}=0.9, with the optimizer's momentum set to 0"
+    v = check_real(owner, name, value, example)
+    if not (0.0 <= v < 1.0):  # also rejects NaN
+        raise ValueError(f"{owner}: {name} must be in [0, 1), got {value!r}; for example {example}")
+    return v
+
+
 def check_bool(owner: str, name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}: {name} must be True or False, got {_describe(value)}")

@@ -213,6 +213,10 @@ class ShardedState:
             local, self._mesh(local.device), [Shard(0)], run_check=False, shape=shape, stride=(1,)
         )
 
+    def _tensor_keys(self) -> tuple[str, ...]:
+        """The per-element state this state checkpoints: residuals, and velocities with momentum."""
+        return ("residuals", "velocities") if self.state._momentum else ("residuals",)
+
     def _methods_blob(self, methods: list) -> torch.Tensor:
         """This rank's method states (a list of {name: float} or None) as JSON in a zero-padded
         uint8 tensor of a size every rank computes alike (their keys can change with the steps:
@@ -230,13 +234,15 @@ class ShardedState:
         state = self.state
         state.setup()
         saved = state.state_dict()
-        residuals = dict(saved["residuals"])
-        # Before the first step (a resumed process), DCP loads into this dict: it must already
-        # name every residual with its size.
         binding = state._binding
-        for name, numel in binding.numels.items():
-            if name not in residuals:
-                residuals[name] = torch.zeros(numel, dtype=binding.dtypes[name])
+        tensors = {}
+        for key in self._tensor_keys():
+            tensors[key] = dict(saved.get(key, {}))
+            # Before the first step (a resumed process), DCP loads into this dict: it must already
+            # name every residual (and velocity) with its size.
+            for name, numel in binding.numels.items():
+                if name not in tensors[key]:
+                    tensors[key][name] = torch.zeros(numel, dtype=binding.dtypes[name])
         return {
             "version": saved["version"],
             "class": saved["class"],
@@ -244,7 +250,7 @@ class ShardedState:
             "step": saved["step"],
             "world_size": saved["world_size"],
             "layout": [[name] for name in binding.numels],  # bucket i: the i-th module sparsified
-            "residuals": {name: self._per_rank(t) for name, t in residuals.items()},
+            **{key: {name: self._per_rank(t) for name, t in held.items()} for key, held in tensors.items()},
             "methods": self._per_rank(self._methods_blob(saved["methods"])),
             "stats": saved["stats"],
         }
@@ -255,7 +261,10 @@ class ShardedState:
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t
 
-        residuals = {name: local(t).detach().clone() for name, t in state_dict["residuals"].items()}
+        tensors = {
+            key: {name: local(t).detach().clone() for name, t in state_dict.get(key, {}).items()}
+            for key in ("residuals", "velocities")
+        }
         state = self.state
         state.load_state_dict(
             {
@@ -265,8 +274,9 @@ class ShardedState:
                 "step": state_dict["step"],
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
-                "residuals": residuals,
-                "checksums": {name: checksum(t) for name, t in residuals.items()},
+                **tensors,
+                "checksums": {name: checksum(t) for name, t in tensors["residuals"].items()},
+                "velocity_checksums": {name: checksum(t) for name, t in tensors["velocities"].items()},
                 "methods": _decode_methods(local(state_dict["methods"])),
                 "layout": state_dict["layout"],
                 "stats": state_dict["stats"],

@@ -42,6 +42,7 @@ from gradsparse.config import (
     check_bool,
     check_choice,
     check_int,
+    check_momentum,
     check_timeout,
 )
 from gradsparse.metrics import Metrics
@@ -73,6 +74,12 @@ class State:
       when that happens, so no warm-up is needed for correctness.
     - ``error_feedback`` (True): keep what was not sent in a residual and add it to the next
       gradient (docs/method-spec.md 1). Without it, unsent gradient is dropped.
+    - ``momentum`` (0.0): momentum correction (docs/method-spec.md 1): each rank keeps a velocity
+      ``u = momentum * u + gradient`` and sends from the residual of velocities, so that delayed
+      coordinates carry their momentum; where a step emptied the residual the velocity restarts
+      from zero (momentum factor masking). Give the optimizer's momentum here and build the
+      optimizer with momentum 0 (plain SGD). Warm-up steps, and the Dense state, apply it too:
+      there it is momentum SGD.
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf:
       "raise" an error naming the bucket, or "skip" the bucket's update for that step. Either
       way the residuals keep every finite value (docs/method-spec.md ruling 5).
@@ -104,6 +111,7 @@ class State:
         "process_group",
         "warmup_steps",
         "error_feedback",
+        "momentum",
         "nonfinite",
         "timeout",
         "reference",
@@ -179,6 +187,13 @@ class State:
             )
         self._warmup_steps = check_int(owner, "warmup_steps", options.get("warmup_steps", 0), 0, "warmup_steps=10")
         self._error_feedback = check_bool(owner, "error_feedback", options.get("error_feedback", True))
+        self._momentum = check_momentum(owner, "momentum", options.get("momentum", 0.0))
+        if self._momentum and not self._error_feedback and self._CORE is not None:
+            raise ValueError(
+                f"{owner}: momentum={self._momentum!r} needs error_feedback=True: momentum correction keeps its "
+                "velocity where the residual holds what was not sent; drop error_feedback=False, or give the "
+                "momentum to the optimizer instead (momentum=0 here)"
+            )
         self._nonfinite = check_choice(owner, "nonfinite", options.get("nonfinite", "raise"), ("raise", "skip"))
         self._timeout = check_timeout(owner, "timeout", options.get("timeout"))
         self._reference = check_bool(owner, "reference", options.get("reference", False))
@@ -227,6 +242,7 @@ class State:
             **self._method_config,
             "warmup_steps": self._warmup_steps,
             "error_feedback": self._error_feedback,
+            "momentum": self._momentum,
             "nonfinite": self._nonfinite,
             "timeout": None if self._timeout is None else self._timeout.total_seconds(),
             "reference": self._reference,
@@ -411,10 +427,18 @@ class State:
             if entry.residual is None:
                 entry.residual = torch.zeros_like(buffer)
             residual = entry.residual
+        if self._momentum and entry.velocity is None:
+            entry.velocity = torch.zeros_like(buffer)
+        # Momentum factor masking reads the residual's zeros as the previous step's sent positions:
+        # only when that step was sparse (a warm-up step leaves the residual alone).
+        masking = not dense and self._step > self._warmup_steps
         report = _C.ReduceReport()
         index = entry.index
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
-        future = self._engine.submit(buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only)
+        future = self._engine.submit(
+            buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only,
+            entry.velocity, self._momentum, masking,
+        )  # fmt: skip
         if last:
             self._step += 1
             self._table.end_step()
@@ -568,7 +592,8 @@ class State:
                 "model.register_comm_hook), so its residuals cannot be saved under them; register it with "
                 "gradsparse.register(ddp_model, state) instead"
             )
-        residuals = self._table.residuals()
+        residuals = self._table.tensors("residual")
+        velocities = self._table.tensors("velocity")
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
@@ -581,6 +606,8 @@ class State:
             "world_size": world_size,
             "residuals": residuals,
             "checksums": {name: checksum(t) for name, t in residuals.items()},
+            "velocities": velocities,  # momentum correction's (empty without it)
+            "velocity_checksums": {name: checksum(t) for name, t in velocities.items()},
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             "stats": self._metrics.state_dict(),
@@ -621,7 +648,10 @@ class State:
         self._loaded = Loaded(state_dict)
         if state_dict.get("link") is not None:
             self._link = tuple(state_dict["link"])
-        self._table.park(state_dict["residuals"], self._loaded.method_states())
+        # A velocity saved with momentum is dropped when this state has none (and starts at zero
+        # in the opposite case), as an optimizer's momentum buffers are when the momentum changes.
+        velocities = state_dict.get("velocities", {}) if self._momentum else {}
+        self._table.park({"residual": state_dict["residuals"], "velocity": velocities}, self._loaded.method_states())
         self._metrics.load_state_dict(state_dict["stats"])
 
     @contextlib.contextmanager

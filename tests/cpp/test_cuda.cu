@@ -2,8 +2,10 @@
 // present; CI compiles and links this file with nvcc, users with a GPU run it.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -127,6 +129,31 @@ TEST(CudaMethods, SelectLikeTheCpu) {
       on_gpu->observe(BucketView{}, result);
       on_cpu->observe(BucketView{}, result);
     }
+  }
+}
+
+TEST(CudaMomentum, MatchesTheCpu) {
+  GS_REQUIRE_GPU();
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 100003;
+  std::vector<float> grad(n), velocity(n), residual(n);
+  for (int64_t i = 0; i < n; ++i) {
+    grad[i] = static_cast<float>((i * 7919) % 2001 - 1000) * 1e-3f;
+    velocity[i] = static_cast<float>((i * 104729) % 1999 - 999) * 1e-3f;
+    residual[i] = i % 3 == 0 ? 0.0f : 1.0f;  // a third emptied by the last step
+  }
+  grad[5] = std::numeric_limits<float>::quiet_NaN();
+  for (bool masking : {false, true}) {
+    DeviceVector<float> g(gpu, grad), u(gpu, velocity), r(gpu, residual);
+    gpu.momentum(BucketView{DType::kFloat32, n, g.data(), r.data(), u.data()}, 0.9f, masking);
+    std::vector<float> cg = grad, cu = velocity, cr = residual;
+    cpu.momentum(BucketView{DType::kFloat32, n, cg.data(), cr.data(), cu.data()}, 0.9f, masking);
+    EXPECT_EQ(u.host(), cu);
+    const std::vector<float> gg = g.host();
+    EXPECT_TRUE(std::isnan(gg[5]));
+    for (int64_t i = 0; i < n; ++i)
+      if (i != 5) EXPECT_EQ(gg[i], cg[i]) << i;
   }
 }
 

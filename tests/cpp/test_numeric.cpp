@@ -122,3 +122,36 @@ TEST(Numeric, ErrorFeedbackKeepsResidualWhenSumIsNotFinite) {
   EXPECT_FALSE(finite);
   EXPECT_EQ(Num<Half>::to_float(h), 60000.0f);
 }
+
+TEST(Numeric, MomentumStepDecaysTakesTheGradientAndMasksWhereTheResidualIsEmpty) {
+  float grad[3] = {1.0f, 2.0f, 4.0f};
+  float velocity[3] = {10.0f, 10.0f, 10.0f};
+  const float residual[3] = {0.5f, 0.0f, -0.0f};
+  for (int64_t i = 0; i < 3; ++i) momentum_step(grad, velocity, residual, i, 0.5f, /*masking=*/true);
+  // Element 0 keeps its velocity (residual not empty); 1 and 2 restart from zero (+0 and -0).
+  EXPECT_EQ(velocity[0], 6.0f);
+  EXPECT_EQ(grad[0], 6.0f);
+  EXPECT_EQ(velocity[1], 2.0f);
+  EXPECT_EQ(grad[1], 2.0f);
+  EXPECT_EQ(velocity[2], 4.0f);
+  // Without masking (or without a residual) every velocity decays.
+  float g2[2] = {1.0f, 1.0f};
+  float u2[2] = {2.0f, 2.0f};
+  momentum_step(g2, u2, residual + 1, 0, 0.5f, /*masking=*/false);
+  momentum_step(g2, u2, static_cast<const float*>(nullptr), 1, 0.5f, /*masking=*/true);
+  EXPECT_EQ(u2[0], 2.0f);
+  EXPECT_EQ(u2[1], 2.0f);
+}
+
+TEST(Numeric, MomentumStepKeepsTheVelocityWhenTheResultIsNotFinite) {
+  float grad[1] = {std::numeric_limits<float>::quiet_NaN()};
+  float velocity[1] = {3.0f};
+  momentum_step(grad, velocity, static_cast<const float*>(nullptr), 0, 0.9f, false);
+  EXPECT_EQ(velocity[0], 3.0f);
+  EXPECT_TRUE(std::isnan(grad[0]));  // the step's non-finite policy sees it
+  Half hg[1] = {Num<Half>::from_float(60000.0f)};
+  Half hu[1] = {Num<Half>::from_float(60000.0f)};
+  momentum_step(hg, hu, static_cast<const Half*>(nullptr), 0, 0.9f, false);  // overflows float16
+  EXPECT_EQ(Num<Half>::to_float(hu[0]), 60000.0f);
+  EXPECT_FALSE(is_finite(hg[0]));
+}

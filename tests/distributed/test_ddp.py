@@ -31,11 +31,12 @@ def test_a_topk_density_one_equals_ddp_without_hook(world_size):
             assert torch.equal(a, b)
 
 
-def _reference_topk(logs: list[list[dict]], density: float):
+def _reference_topk(logs: list[list[dict]], density: float, momentum: float = 0.0):
     """Re-computes every bucket of every step from all ranks' recorded gradients, and checks
-    the library's outputs, residuals and the conservation of gradient mass."""
+    the library's outputs, residuals (and velocities) and the conservation of gradient mass."""
     world_size = len(logs)
     residual = [dict() for _ in range(world_size)]  # per rank: parameter name -> residual
+    velocity = [dict() for _ in range(world_size)]  # per rank: parameter name -> velocity
     steps = len(logs[0])
     assert all(len(log) == steps for log in logs)
     for call in range(steps):
@@ -48,8 +49,16 @@ def _reference_topk(logs: list[list[dict]], density: float):
         for r, rec in enumerate(records):
             assert rec["names"] == names and rec["step"] == records[0]["step"]
             old = torch.cat([residual[r].get(name, torch.zeros(k)) for name, k in zip(names, numels, strict=True)])
-            a = old + rec["grad"]
-            mass_before += old.double() + rec["grad"].double()
+            grad = rec["grad"]
+            if momentum:  # the velocity restarts where the previous step emptied the residual
+                u = torch.cat([velocity[r].get(name, torch.zeros(k)) for name, k in zip(names, numels, strict=True)])
+                if rec["step"] > 0:
+                    u = torch.where(old == 0, 0.0, u)
+                grad = momentum * u + grad
+                assert torch.equal(torch.cat([rec["velocity"][name] for name in names]), grad), f"rank {r}: velocity"
+                velocity[r].update(zip(names, grad.split(numels), strict=True))
+            a = old + grad
+            mass_before += old.double() + grad.double()
             k = max(1, math.floor(density * n))
             order = torch.sort(a.abs(), descending=True, stable=True).indices[:k]
             chosen = torch.sort(order).values
@@ -69,10 +78,12 @@ def _reference_topk(logs: list[list[dict]], density: float):
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("density", [0.01, 0.2])
-def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density):
-    logs = run_distributed(workers.recorded_topk, world_size, density)
-    calls = _reference_topk(logs, density)
+@pytest.mark.parametrize("density,momentum", [(0.01, 0.0), (0.2, 0.0), (0.2, 0.9)])
+def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, momentum):
+    """With momentum correction the mass conserved is the velocities': the gradient in the
+    identity becomes the rank's velocity, u = momentum * u + gradient."""
+    logs = run_distributed(workers.recorded_topk, world_size, density, momentum)
+    calls = _reference_topk(logs, density, momentum)
     steps = {rec["step"] for rec in logs[0]}
     assert steps == set(range(workers.STEPS))
     assert calls > workers.STEPS  # several buckets per step, across DDP's bucket rebuild
@@ -120,11 +131,15 @@ def test_nonfinite_gradient_raises_on_every_rank():
         assert "rank(s) 1 saw" in text and "NaN/Inf" in text and 'nonfinite="skip"' in text
 
 
-def test_nonfinite_gradient_skip_policy_skips_on_every_rank():
-    outcomes = run_distributed(workers.nonfinite_gradient, 2, "skip")
-    for (kind, text), (skipped,) in outcomes:
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_nonfinite_gradient_skip_policy_skips_on_every_rank(momentum):
+    """With momentum correction too: the velocity keeps its old value where the gradient is not
+    finite, so nothing non-finite stays behind."""
+    outcomes = run_distributed(workers.nonfinite_gradient, 2, "skip", momentum)
+    for (kind, text), (skipped, finite, velocities) in outcomes:
         assert kind == "ok", text
-        assert skipped == 1
+        assert skipped == 1 and finite
+        assert velocities == (6 if momentum else 0)  # every parameter's
 
 
 def test_dense_state_equals_ddp_without_hook():

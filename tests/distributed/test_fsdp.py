@@ -176,12 +176,15 @@ def test_every_exchange_trains_at_four_ranks():
 # Checkpoints through torch.distributed.checkpoint ------------------------------------------------------
 
 
+DCP_METHODS = {**workers.TRAINING_METHODS, "dgc_momentum": lambda: gs.DGC(density=0.05, momentum=0.9)}
+
+
 def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> dict:
     data = workers.teacher_data(rank, 8)
 
     def setup():
         model = sharded_model(world_size)
-        state = gs.fsdp.sparsify(model, workers.TRAINING_METHODS[method]())
+        state = gs.fsdp.sparsify(model, DCP_METHODS[method]())
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
         return model, state, opt
 
@@ -190,6 +193,7 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
     residual_norms = [float(e.residual.norm()) for _, e in sorted(state._table.buckets.items())]
+    velocities = [e.velocity is not None for _, e in sorted(state._table.buckets.items())]
     workers.fit(model, data[4:], opt)
     straight = full_params(model)
     straight_methods = [e.method.state() for _, e in sorted(state._table.buckets.items())]
@@ -207,11 +211,12 @@ def resume_through_dcp(rank: int, world_size: int, path: str, method: str) -> di
         "straight": straight,
         "resumed": full_params(model),
         "residual_norms": residual_norms,
+        "velocities": velocities,
         "methods": (straight_methods, methods),
     }
 
 
-@pytest.mark.parametrize("method", ["topk", "exdyna", "dgc"])
+@pytest.mark.parametrize("method", ["topk", "exdyna", "dgc", "dgc_momentum"])
 def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
     """Saved after 4 steps with dcp.save (model, optimizer, gradsparse.fsdp.ShardedState) and loaded
     into a new model and state, 4 more steps give the parameters of the uninterrupted run, bit for
@@ -224,6 +229,7 @@ def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
         assert methods == straight_methods, f"rank {rank}: method states differ"
         if method == "exdyna":  # its partition layout is part of its state from the first step
             assert all("blocks.0" in m for m in methods)
+        assert all(r["velocities"]) == (method == "dgc_momentum") and any(r["velocities"]) == all(r["velocities"])
     assert results[0]["residual_norms"] != results[1]["residual_norms"]  # per-rank residuals
 
 

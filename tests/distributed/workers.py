@@ -56,12 +56,12 @@ def topk_full_density_vs_no_hook(rank: int, world_size: int) -> tuple[list, list
 # (b), (c) recording every bucket the hook sees -------------------------------------------------
 
 
-def recorded_topk(rank: int, world_size: int, density: float) -> list[dict]:
+def recorded_topk(rank: int, world_size: int, density: float, momentum: float = 0.0) -> list[dict]:
     """Trains with Top-k and records, per hook call: step, bucket, parameter names and sizes, the
-    gradient in, the averaged bucket out, and this rank's residual after the call."""
+    gradient in, the averaged bucket out, and this rank's residual (and velocity) after the call."""
     model = make_model()
     ddp = DDP(model, bucket_cap_mb=0.004)
-    state = gs.TopK(density=density)
+    state = gs.TopK(density=density, momentum=momentum)
     log: list[dict] = []
 
     def recording_hook(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -73,7 +73,8 @@ def recorded_topk(rank: int, world_size: int, density: float) -> list[dict]:
             record["names"] = list(entry.names)
             record["numels"] = list(entry.numels)
             record["out"] = out.clone()
-            record["residual"] = {k: v.clone() for k, v in entry.residual_views().items()}
+            record["residual"] = {k: v.clone() for k, v in entry.views("residual").items()}
+            record["velocity"] = {k: v.clone() for k, v in entry.views("velocity").items()}
             log.append(record)
             return out
 
@@ -127,12 +128,14 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
     return _outcome(run)
 
 
-def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[tuple[str, str], list]:
+def nonfinite_gradient(rank: int, world_size: int, policy: str, momentum: float = 0.0) -> tuple[tuple[str, str], list]:
+    """The outcome, the skipped steps, and whether every residual and velocity is finite after."""
     ddp = DDP(make_model())
-    state = gs.TopK(density=0.1, nonfinite=policy)
-    ddp.register_comm_hook(state, gs.hook)
+    state = gs.register(ddp, gs.TopK(density=0.1, nonfinite=policy, momentum=momentum))
     outcome = _outcome(lambda: train(ddp, rank, steps=4, nan_at=(2, 1)))
-    return outcome, [state.stats()["total"]["skipped_steps"]]
+    saved = state.state_dict()
+    finite = all(bool(t.isfinite().all()) for kind in ("residuals", "velocities") for t in saved[kind].values())
+    return outcome, [state.stats()["total"]["skipped_steps"], finite, len(saved["velocities"])]
 
 
 def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list, dict]:
@@ -418,6 +421,7 @@ class Shuffled(nn.Module):
 
 RESUME_METHODS = {
     "topk": lambda: gs.TopK(density=0.05),
+    "topk_momentum": lambda: gs.TopK(density=0.05, momentum=0.9),
     "exdyna": lambda: gs.ExDyna(density=0.05),
     "spardl": lambda: gs.SparDL(density=0.05),
     "micro": lambda: gs.MiCRO(density=0.05),
@@ -442,7 +446,8 @@ def resume_exactly(rank: int, world_size: int, method: str, path: str) -> dict:
             return gs.hook(state, bucket)
 
         state = gs.register(ddp, RESUME_METHODS[method](), hook=recording)
-        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        momentum = 0.0 if state.config()["momentum"] else 0.9  # momentum correction replaces the optimizer's
+        return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
 
     def run(ddp, opt, part) -> None:
         for x, y in part:

@@ -1,6 +1,7 @@
 """The Python API in one process (a one-rank Gloo group): option validation, the hook on a real
 DDP model, statistics, state_dict round trips."""
 
+import copy
 import math
 import subprocess
 import sys
@@ -37,6 +38,13 @@ def one_rank_group():
         (lambda: gs.TopK(density=0.1, warmup_steps=1.5), TypeError, "warmup_steps must be an integer"),
         (lambda: gs.TopK(density=0.1, error_feedback="yes"), TypeError, "error_feedback must be True or False"),
         (lambda: gs.TopK(density=0.1, nonfinite="ignore"), ValueError, "nonfinite must be one of 'raise', 'skip'"),
+        (lambda: gs.TopK(density=0.1, momentum=1.0), ValueError, "TopK: momentum must be in [0, 1), got 1.0; for"),
+        (lambda: gs.TopK(density=0.1, momentum="0.9"), TypeError, "momentum must be a number, got '0.9' (str)"),
+        (
+            lambda: gs.DGC(density=0.1, momentum=0.9, error_feedback=False),
+            ValueError,
+            "DGC: momentum=0.9 needs error_feedback=True: momentum correction keeps its velocity where the residual",
+        ),
         (lambda: gs.TopK(density=0.1, timeout=-3), ValueError, "timeout must be a positive number of seconds"),
         (lambda: gs.TopK(density=0.1, process_group="world"), TypeError, "process_group must be a"),
         (
@@ -501,3 +509,105 @@ print("after:", own.step, sorted(own.state_dict()["residuals"]))
     assert "before: 2" in out.stdout
     assert "other: TopK.load_state_dict: the state dict holds rank 1's residuals but this is rank 0" in out.stdout
     assert f"after: 3 {sorted(sd['residuals'])}" in out.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Momentum correction
+
+
+def _train_momentum(ddp, steps, momentum, switch_at=None, seed=0):
+    """_train with SGD at this momentum; from step ``switch_at`` on, a fresh SGD without it."""
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        if step == switch_at:
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_momentum_in_a_dense_state_is_momentum_sgd():
+    hooked, plain = _hooked(gs.Dense(momentum=0.9)), DDP(_model())
+    _train_momentum(hooked, 6, momentum=0.0)
+    _train_momentum(plain, 6, momentum=0.9)
+    for a, b in zip(hooked.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_momentum_correction_at_density_one_is_momentum_sgd_in_warmup_and_plain_sgd_after():
+    """Warm-up steps and the first sparse step apply momentum (u = 0.9 u + g, all of it sent);
+    from then on every velocity restarts from zero, since the previous step emptied the whole
+    residual (momentum factor masking): plain SGD."""
+    hooked, plain = _hooked(gs.TopK(density=1.0, momentum=0.9, warmup_steps=2)), DDP(_model())
+    _train_momentum(hooked, 6, momentum=0.0)
+    _train_momentum(plain, 6, momentum=0.9, switch_at=3)
+    for a, b in zip(hooked.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _saved_with_momentum(steps=3, seed=0):
+    state = gs.TopK(density=0.05, momentum=0.9)
+    ddp = _hooked(state)
+    _train_momentum(ddp, steps, momentum=0.0, seed=seed)
+    return state, ddp
+
+
+def test_velocities_are_saved_by_name_and_resume_exactly():
+    state, ddp = _saved_with_momentum()
+    sd = copy.deepcopy(state.state_dict())  # the live tensors move on with the training below
+    names = {name for name, _ in ddp.module.named_parameters()}
+    assert set(sd["velocities"]) == set(sd["velocity_checksums"]) == names
+    assert all(t.abs().sum() > 0 for t in sd["velocities"].values())
+    resumed = gs.TopK(density=0.05, momentum=0.9)
+    ddp2 = _hooked(resumed, weights_of=ddp)
+    resumed.load_state_dict(sd)
+    _train_momentum(ddp2, 2, momentum=0.0, seed=5)
+    _train_momentum(ddp, 2, momentum=0.0, seed=5)
+    for kind in ("residuals", "velocities"):
+        for name, value in state.state_dict()[kind].items():
+            assert torch.equal(value, resumed.state_dict()[kind][name]), (kind, name)
+    # A state without momentum drops saved velocities (as an optimizer drops momentum buffers).
+    plain = gs.TopK(density=0.05)
+    ddp3 = _hooked(plain, weights_of=ddp)
+    plain.load_state_dict(sd)
+    _train(ddp3, 1)
+    assert plain.state_dict()["velocities"] == {}
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda sd: dict(
+                sd, velocities={**sd["velocities"], "0.bias": torch.full((32,), math.inf)}, velocity_checksums={}
+            ),
+            "the velocity of 0.bias holds NaN or Inf",
+        ),
+        (
+            lambda sd: dict(sd, velocities={**sd["velocities"], "2.weight": -sd["velocities"]["2.weight"]}),
+            "the velocity of 2.weight does not match its checksum",
+        ),
+    ],
+)
+def test_a_damaged_velocity_is_refused(change, message):
+    state, _ = _saved_with_momentum()
+    fresh = gs.TopK(density=0.05, momentum=0.9)
+    _hooked(fresh)
+    with pytest.raises(ValueError, match=message):
+        fresh.load_state_dict(change(state.state_dict()))
+
+
+def test_reshard_averages_the_velocities():
+    first, second = _saved_with_momentum(seed=0)[0].state_dict(), _saved_with_momentum(seed=1)[0].state_dict()
+    saved = {"version": 2, "all_ranks": True, "class": "TopK", "config": first["config"], "world_size": 2,
+             "ranks": [dict(first, world_size=2), dict(second, rank=1, world_size=2)]}  # fmt: skip
+    one = gs.reshard(saved, 1)["ranks"][0]
+    for name, value in one["velocities"].items():
+        expected = (first["velocities"][name].double() + second["velocities"][name].double()) / 2
+        torch.testing.assert_close(value, expected.float(), rtol=0, atol=1e-7)
+    state = gs.TopK(density=0.05, momentum=0.9)
+    _hooked(state)
+    state.load_state_dict(gs.reshard(saved, 1))  # checksums match

@@ -93,6 +93,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   ReduceReport report;
   report.numel = bucket.numel;
   const Traffic before = transport.traffic();
+  if (bucket.velocity != nullptr) device.momentum(bucket, options.momentum, options.momentum_masking);
 
   if (options.dense || method == nullptr) {
     report.dense = true;

@@ -78,7 +78,8 @@ TEST(Engine, ReducesQueuedBucketsIdenticallyOnEveryRank) {
       reports.push_back(std::make_shared<ReduceReport>());
       ReduceOptions options;
       options.bucket_name = "bucket " + std::to_string(b);
-      futures.push_back(engine.submit(results[rank].back(), residuals.back(), method, options, reports.back()));
+      futures.push_back(
+          engine.submit(results[rank].back(), residuals.back(), std::nullopt, method, options, reports.back()));
     }
     for (auto& f : futures) {
       f->wait();
@@ -108,7 +109,8 @@ TEST_P(EngineFailure, FailsEveryLaterBucket) {
     auto method = std::shared_ptr<Method>(std::make_unique<Threshold>(1.0));
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     for (int b = 0; b < kBuckets; ++b)
-      futures.push_back(engine.submit(bucket_of(rank, b, kN), std::nullopt, method, ReduceOptions{}, nullptr));
+      futures.push_back(
+          engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, method, ReduceOptions{}, nullptr));
     for (auto& f : futures) {
       f->wait();
       errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
@@ -132,7 +134,8 @@ TEST(Engine, ShutdownDrainsTheQueue) {
     auto engine = std::make_unique<Engine>(group->transport(rank));
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     for (int b = 0; b < kBuckets; ++b)
-      futures.push_back(engine->submit(bucket_of(rank, b, kN), std::nullopt, nullptr, ReduceOptions{}, nullptr));
+      futures.push_back(
+          engine->submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, nullptr, ReduceOptions{}, nullptr));
     engine.reset();
     for (auto& f : futures) {
       ASSERT_TRUE(f->completed());

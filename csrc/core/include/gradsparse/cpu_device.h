@@ -76,6 +76,10 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   void k_divide(T* data, int64_t n, float divisor) {
     cpu::divide<T>(data, n, divisor);
   }
+  template <typename T>
+  void k_momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
+    cpu::momentum<T>(grad, velocity, residual, n, factor, masking);
+  }
 };
 
 }  // namespace gradsparse

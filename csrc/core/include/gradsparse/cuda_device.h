@@ -59,6 +59,8 @@ template <typename T, typename I>
 void assign(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count);
 template <typename T>
 void divide(CudaDevice& device, T* data, int64_t n, float divisor);
+template <typename T>
+void momentum(CudaDevice& device, T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking);
 }  // namespace cuda
 
 class CudaDevice final : public KernelDevice<CudaDevice> {
@@ -134,6 +136,10 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
   template <typename T>
   void k_divide(T* data, int64_t n, float divisor) {
     cuda::divide<T>(*this, data, n, divisor);
+  }
+  template <typename T>
+  void k_momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
+    cuda::momentum<T>(*this, grad, velocity, residual, n, factor, masking);
   }
 
  private:

@@ -62,6 +62,7 @@ struct BucketView {
   int64_t numel = 0;
   void* grad = nullptr;      ///< the bucket's gradient; overwritten with the exchange's result
   void* residual = nullptr;  ///< error-feedback residual of the same shape, or nullptr (no EF)
+  void* velocity = nullptr;  ///< momentum correction's velocity of the same shape, or nullptr (none)
 };
 
 /// One rank's packed selection for one bucket: a message (message.h) in device memory.
@@ -178,6 +179,10 @@ class Device {
   virtual void scatter_add(const MessageView& message, void* out, float divisor) = 0;
   /// data /= divisor.
   virtual void divide(DType dtype, void* data, int64_t numel, float divisor) = 0;
+  /// Momentum correction (kernels.h momentum_step): velocity = factor * velocity + grad, then
+  /// grad = velocity, element by element; with `masking`, a velocity where the residual is zero
+  /// starts from zero.
+  virtual void momentum(const BucketView& bucket, float factor, bool masking) = 0;
 
   // Selections as messages: the kernels above, laid out by the Message unit (exchange/message.cpp).
   /// Threshold selection into a packed message.

@@ -151,6 +151,14 @@ class KernelDevice : public Device {
     });
   }
 
+  void momentum(const BucketView& bucket, float factor, bool masking) override {
+    dispatch_dtype(bucket.dtype, [&](auto t) {
+      using T = decltype(t);
+      self().template k_momentum<T>(static_cast<T*>(bucket.grad), static_cast<T*>(bucket.velocity),
+                                    static_cast<const T*>(bucket.residual), bucket.numel, factor, masking);
+    });
+  }
+
  private:
   Backend& self() { return static_cast<Backend&>(*this); }
 

@@ -252,6 +252,10 @@ void assign(T* out, int64_t n, const I* indices, const T* values, int64_t count)
 template <typename T>
 void divide(T* data, int64_t n, float divisor);
 
+/// momentum_step (numeric.h) for every element; `residual` may be null (no masking then).
+template <typename T>
+void momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking);
+
 /// Number of elements that are NaN or Inf.
 template <typename T>
 int64_t count_nonfinite(const T* data, int64_t n);

@@ -151,6 +151,21 @@ GS_HD inline void ef_accumulate(T& residual, T grad, bool& finite) {
   if (finite) residual = a;
 }
 
+/// Momentum correction of element i (docs/method-spec.md section 1): the velocity, emptied first
+/// where the previous step emptied the residual when `masking` (momentum factor masking: where the
+/// residual is exactly zero), decays by `factor` and takes the gradient, rounded to T; the bucket
+/// then holds the velocity, which the error-feedback update adds to the residual. When the result
+/// is not finite the velocity keeps its old value and the bucket the non-finite result, so the
+/// step's non-finite policy sees it.
+template <typename T>
+GS_HD inline void momentum_step(T* grad, T* velocity, const T* residual, int64_t i, float factor, bool masking) {
+  const bool emptied = masking && residual != nullptr && Num<T>::key(residual[i]) == 0;
+  const float u = emptied ? 0.0f : Num<T>::to_float(velocity[i]);
+  const T a = Num<T>::from_float(factor * u + Num<T>::to_float(grad[i]));
+  grad[i] = a;
+  if (is_finite(a)) velocity[i] = a;
+}
+
 /// The value a selection sees for element i once the update is done: the residual (error
 /// feedback) or, without a residual, the gradient with non-finite values read as zero. It is
 /// always finite, and reading it again gives the same value, so multi-pass kernels agree.

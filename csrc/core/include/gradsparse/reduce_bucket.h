@@ -1,4 +1,5 @@
 // reduce_bucket: one bucket's whole step on one rank, the unit of work the engine runs.
+//   0. with a velocity (momentum correction), the bucket becomes the rank's velocity (Device::momentum);
 //   1. the method selects (its first pass fuses the error-feedback update), possibly agreeing on
 //      a threshold with the other ranks through small all-reduces;
 //   2. the exchange the method names (exchange.h) moves every rank's selection and writes the
@@ -33,6 +34,11 @@ struct ReduceOptions {
   /// shards in rank order, and the method's exchange is replaced by its Exchange::for_shard() (the
   /// gather exchanges route their pairs to the shards' owners; the others run whole).
   bool shard_only = false;
+  /// Momentum correction's factor (used when the bucket has a velocity).
+  float momentum = 0.0f;
+  /// Momentum factor masking: the velocity restarts from zero where the residual is zero, which is
+  /// where the previous step emptied it (set when the previous step was sparse).
+  bool momentum_masking = false;
 };
 
 struct ReduceReport {

@@ -76,6 +76,14 @@ void divide(T* data, int64_t n, float divisor) {
   });
 }
 
+template <typename T>
+void momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) momentum_step(grad, velocity, residual, i, factor, masking);
+  });
+}
+
 template <typename T, typename I>
 void gather(Source<T> src, const I* indices, int64_t count, T* out) {
   parallel_blocks(num_blocks(count), [&](int64_t b) {
@@ -97,12 +105,13 @@ void zero_at(T* residual, const I* indices, int64_t count) {
   template void assign<T, I>(T*, int64_t, const I*, const T*, int64_t);                   \
   template void gather<T, I>(Source<T>, const I*, int64_t, T*);                           \
   template void zero_at<T, I>(T*, const I*, int64_t);
-#define GS_INSTANTIATE_SCATTER_TYPE(T) \
-  GS_INSTANTIATE_SCATTER(T, uint32_t)  \
-  GS_INSTANTIATE_SCATTER(T, uint64_t)  \
-  GS_INSTANTIATE_SCATTER(T, int32_t)   \
-  GS_INSTANTIATE_SCATTER(T, int64_t)   \
-  template void divide<T>(T*, int64_t, float);
+#define GS_INSTANTIATE_SCATTER_TYPE(T)         \
+  GS_INSTANTIATE_SCATTER(T, uint32_t)          \
+  GS_INSTANTIATE_SCATTER(T, uint64_t)          \
+  GS_INSTANTIATE_SCATTER(T, int32_t)           \
+  GS_INSTANTIATE_SCATTER(T, int64_t)           \
+  template void divide<T>(T*, int64_t, float); \
+  template void momentum<T>(T*, T*, const T*, int64_t, float, bool);
 
 GS_INSTANTIATE_SCATTER_TYPE(float)
 GS_INSTANTIATE_SCATTER_TYPE(Half)

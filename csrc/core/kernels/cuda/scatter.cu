@@ -69,6 +69,13 @@ __global__ void divide_kernel(T* data, int64_t n, float divisor) {
     data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
 }
 
+template <typename T>
+__global__ void momentum_kernel(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    momentum_step(grad, velocity, residual, i, factor, masking);
+}
+
 }  // namespace
 
 /// Checks every index on the device (in range; strictly ascending when asked); throws
@@ -150,17 +157,27 @@ void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
   GS_CUDA_CHECK(cudaGetLastError());
 }
 
+template <typename T>
+void momentum(CudaDevice& device, T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
+  if (n == 0) return;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  momentum_kernel<T><<<static_cast<unsigned int>(blocks < 65535 ? blocks : 65535), kThreads, 0, device.stream()>>>(
+      grad, velocity, residual, n, factor, masking);
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
 #define GS_INSTANTIATE_CUDA_SCATTER(T, I)                                                              \
   template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool); \
   template void gather<T, I>(CudaDevice&, Source<T>, const I*, int64_t, T*);                           \
   template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);                                     \
   template void assign<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t);
-#define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T) \
-  GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)  \
-  GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)  \
-  GS_INSTANTIATE_CUDA_SCATTER(T, int32_t)   \
-  GS_INSTANTIATE_CUDA_SCATTER(T, int64_t)   \
-  template void divide<T>(CudaDevice&, T*, int64_t, float);
+#define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T)                 \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)                  \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)                  \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int32_t)                   \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int64_t)                   \
+  template void divide<T>(CudaDevice&, T*, int64_t, float); \
+  template void momentum<T>(CudaDevice&, T*, T*, const T*, int64_t, float, bool);
 
 GS_INSTANTIATE_CUDA_SCATTER_TYPE(float)
 GS_INSTANTIATE_CUDA_SCATTER_TYPE(Half)
