@@ -17,7 +17,9 @@ With --methods, a second table: every method's selection step (all its passes ov
 as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add, the add timed
 between the method's steps (its median is the row's "add ms"). With --rounds R every method is
 timed R times, in turn with the others, and the medians pool all its steps: the machine's speed
-drifts over minutes, which one round per method cannot average out.
+drifts over minutes, which one round per method cannot average out. With --momentum M every
+method is also timed with momentum correction at factor M (its velocity pass counts as part of
+the selection step), on a row of its own, in turn with the rest.
 """
 
 from __future__ import annotations
@@ -78,7 +80,9 @@ def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[ob
     ]
 
 
-def method_rows(n: int, density: float, repeat: int, rounds: int = 1) -> list[list[object]]:
+def method_rows(
+    n: int, density: float, repeat: int, rounds: int = 1, momentum: float = 0.0, only: str = ""
+) -> list[list[object]]:
     """Every method's selection time on one rank, relative to the plain add, in one run. The add
     is timed again next to every step of every method (add, step, add, step, ...), so the two are
     compared under the same conditions; with several rounds every method is timed once per round
@@ -88,18 +92,33 @@ def method_rows(n: int, density: float, repeat: int, rounds: int = 1) -> list[li
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     start = torch.randn(n, generator=gen) * 5e-4
-    residual = start.clone()
+    residual, velocity = start.clone(), torch.zeros(n)
     group = _C.ThreadGroup(1, 600.0)
-    factories = {name: make for name, make in methods(density).items() if make(0).exchange != "SparDL"}
-    times: dict[str, list[float]] = {name: [] for name in factories}  # SparDL selects inside its exchange
+    factories = {}  # SparDL selects inside its exchange
+    chosen = methods(density)
+    if only:
+        unknown = set(only.split(",")) - set(chosen)
+        if unknown:
+            raise SystemExit(f"--only: unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(chosen)}")
+        chosen = {name: chosen[name] for name in only.split(",")}
+    for name, make in chosen.items():
+        if make(0).exchange != "SparDL":
+            factories[name] = (make, 0.0)
+            if momentum:
+                factories[f"{name} + momentum {momentum:g}"] = (make, momentum)
+    times: dict[str, list[float]] = {name: [] for name in factories}
     adds: dict[str, list[float]] = {name: [] for name in factories}
     for _ in range(rounds):
-        for name, make in factories.items():
+        for name, (make, factor) in factories.items():
             method = make(0)
             for i in range(repeat + 2):  # two warm-up steps: some methods start differently
                 add = median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), 1)
                 residual.copy_(start)
-                report, _ = group.reduce(0, grad.clone(), residual, method, record=False)
+                velocity.copy_(start)
+                report, _ = group.reduce(
+                    0, grad.clone(), residual, method, record=False, velocity=velocity if factor else None,
+                    momentum=factor, momentum_masking=True,
+                )  # fmt: skip
                 if i >= 2:
                     times[name].append(report.select_seconds)
                     adds[name].append(add)
@@ -120,6 +139,10 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--rounds", type=int, default=1, help="times every method is timed, in turn with the others (times pooled)"
     )
+    parser.add_argument(
+        "--momentum", type=float, default=0.0, help="also time every method with momentum correction at this factor"
+    )
+    parser.add_argument("--only", default="", help="comma-separated methods for --methods (default: every one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
@@ -161,7 +184,7 @@ def main(argv: list[str] | None = None) -> str:
             row
             for n in args.sizes.split(",")
             for d in args.densities.split(",")
-            for row in method_rows(int(float(n)), float(d), args.repeat, args.rounds)
+            for row in method_rows(int(float(n)), float(d), args.repeat, args.rounds, args.momentum, args.only)
         ]
         text += (
             "\n## Selection step of every method (one rank)\n\n"

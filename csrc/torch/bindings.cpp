@@ -89,19 +89,24 @@ class PyThreadGroup {
   std::pair<ReduceReport, std::vector<int64_t>> reduce(int rank, const at::Tensor& grad,
                                                        std::optional<at::Tensor> residual,
                                                        const std::shared_ptr<Method>& method, bool dense,
-                                                       const std::string& nonfinite, bool record, bool shard_only) {
+                                                       const std::string& nonfinite, bool record, bool shard_only,
+                                                       std::optional<at::Tensor> velocity, double momentum,
+                                                       bool momentum_masking) {
     TORCH_CHECK_VALUE(rank >= 0 && rank < static_cast<int>(transports_.size()), "ThreadGroup.reduce: rank ", rank,
                       " is outside the group of ", transports_.size());
     TORCH_CHECK_VALUE(grad.device().is_cpu(), "ThreadGroup.reduce: CPU tensors only");
     torch_adapter::check_flat(grad, "grad");
     if (residual) torch_adapter::check_same(grad, "grad", *residual, "residual");
+    if (velocity) torch_adapter::check_same(grad, "grad", *velocity, "velocity");
     ReduceOptions options;
     options.dense = dense;
     options.nonfinite = parse_policy(nonfinite);
     options.bucket_name = "bucket (rank " + std::to_string(rank) + ")";
     options.shard_only = shard_only;
+    options.momentum = static_cast<float>(momentum);
+    options.momentum_masking = momentum_masking;
     const BucketView view{torch_adapter::core_dtype(grad, "grad"), grad.numel(), grad.data_ptr(),
-                          residual ? residual->data_ptr() : nullptr};
+                          residual ? residual->data_ptr() : nullptr, velocity ? velocity->data_ptr() : nullptr};
     CpuDevice device;
     py::gil_scoped_release nogil;
     if (!method || !record) return {reduce_bucket(method.get(), *transports_[rank], device, view, options), {}};
@@ -220,10 +225,12 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init<int, double>(), py::arg("size"), py::arg("timeout_seconds") = 60.0)
       .def("reduce", &PyThreadGroup::reduce, py::arg("rank"), py::arg("grad"), py::arg("residual"), py::arg("method"),
            py::arg("dense") = false, py::arg("nonfinite") = "raise", py::arg("record") = true,
-           py::arg("shard_only") = false,
+           py::arg("shard_only") = false, py::arg("velocity") = py::none(), py::arg("momentum") = 0.0,
+           py::arg("momentum_masking") = false,
            "Reduce one bucket as `rank` (call it from one Python thread per rank); returns the report and, with "
            "`record`, this rank's selected indices (their host copy is timed as part of the selection). With "
-           "`shard_only`, only this rank's 1/P of the bucket is the result (FSDP's reduce-scatter).")
+           "`shard_only`, only this rank's 1/P of the bucket is the result (FSDP's reduce-scatter). With a "
+           "`velocity`, momentum correction runs first (timed as part of the selection).")
       .def("abort", &PyThreadGroup::abort, py::arg("reason"));
 
   py::class_<Engine, std::unique_ptr<Engine, EngineDeleter>>(m, "Engine",

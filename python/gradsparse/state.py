@@ -559,7 +559,7 @@ class State:
         one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
         (one target for all ranks together), ``density`` for the others; ``bytes_sent`` and ``bytes_received`` by this
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
-        ``bytes_ratio``; ``select_seconds`` (this rank's selection) and ``exchange_seconds``
+        ``bytes_ratio``; ``select_seconds`` (this rank's selection, momentum correction included) and ``exchange_seconds``
         (this rank's time in the exchange's collectives, which includes waiting for the slowest
         rank to arrive: a rank whose backward ends first shows the longest exchange); ``imbalance`` (MiCRO and
         ExDyna: the mean over steps of max count * P / total count - 1); per bucket also

@@ -36,6 +36,17 @@ def test_select_reports_every_method(tmp_path):
     assert ratio == pytest.approx(select_ms / add_ms, rel=0.02)  # against the add timed beside it (3 digits each)
 
 
+def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
+    text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--only", "TopK,DGC",
+                        "--momentum", "0.9", "--output", str(tmp_path / "select.md")])  # fmt: skip
+    for name in ("TopK", "TopK + momentum 0.9", "DGC", "DGC + momentum 0.9"):
+        _density, select_ms, add_ms, _ratio = numbers(text, f"0.02M | 0.01 | {name}")
+        assert select_ms > 0 and add_ms > 0, name
+    assert "| RandomK |" not in text
+    with pytest.raises(SystemExit, match="--only: unknown method"):
+        select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
+
+
 def test_density_reports_errors_and_imbalance(tmp_path):
     text = density.main(["--steps", "60", "--world-size", "2", "--densities", "0.01", "--streams", "drift",
                          "--methods", ",".join(DRIFT_METHODS), "--output", str(tmp_path / "density.md")])  # fmt: skip

@@ -251,3 +251,21 @@ def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket():
     (their gradients are far smaller); the ml100k preset's bucket size keeps them apart."""
     (holding,) = run_distributed(_ncf_tables_per_bucket, 1, timeout=300)
     assert sorted(len(h) for h in holding if h) == [1, 1, 1, 1], holding
+
+
+def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
+    import argparse
+
+    from examples.cnn import __main__ as cnn
+
+    parser = argparse.ArgumentParser()
+    driver.add_arguments(parser)
+    cnn.add_task_arguments(parser.add_argument_group("task"))
+    args = parser.parse_args(["--momentum", "0.8", "--momentum-correction"])
+    assert driver.gradsparse_options("dgc", args)["momentum"] == 0.8
+    assert driver.gradsparse_options("dense", args)["momentum"] == 0.8  # gradsparse's Dense: momentum SGD
+    assert driver.optimizer_args("dgc", args).momentum == 0.0
+    assert driver.optimizer_args("fp16", args).momentum == 0.8  # torch's hooks keep it in the optimizer
+    plain = parser.parse_args(["--momentum", "0.8"])
+    assert "momentum" not in driver.gradsparse_options("dgc", plain)
+    assert driver.optimizer_args("dgc", plain).momentum == 0.8

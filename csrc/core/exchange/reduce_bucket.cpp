@@ -93,12 +93,13 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   ReduceReport report;
   report.numel = bucket.numel;
   const Traffic before = transport.traffic();
+  auto t0 = std::chrono::steady_clock::now();
   if (bucket.velocity != nullptr) device.momentum(bucket, options.momentum, options.momentum_masking);
 
   if (options.dense || method == nullptr) {
     report.dense = true;
     report.exchange = "dense all-reduce";
-    const auto t0 = std::chrono::steady_clock::now();
+    t0 = std::chrono::steady_clock::now();
     dense_allreduce(transport, device, bucket);
     report.exchange_seconds = seconds_since(t0);
     report.selected = report.selected_all = report.union_size = bucket.numel;
@@ -109,7 +110,6 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
   TransportCollective group(transport, device, exchange);
   report.exchange = exchange.name();
-  auto t0 = std::chrono::steady_clock::now();
   const Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
   report.nonfinite = selection.nonfinite;
