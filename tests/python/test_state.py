@@ -120,10 +120,13 @@ def test_hook_rejects_a_foreign_state():
         gs.hook(object(), None)
 
 
-def _train(ddp, steps, seed=0):
+def _train(ddp, steps, seed=0, momentum=0.0, switch_at=None):
+    """SGD at this momentum; from step ``switch_at`` on, a fresh SGD without it."""
     torch.manual_seed(seed)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    for _ in range(steps):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=momentum)
+    for step in range(steps):
+        if step == switch_at:
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad()
@@ -515,24 +518,10 @@ print("after:", own.step, sorted(own.state_dict()["residuals"]))
 # Momentum correction
 
 
-def _train_momentum(ddp, steps, momentum, switch_at=None, seed=0):
-    """_train with SGD at this momentum; from step ``switch_at`` on, a fresh SGD without it."""
-    torch.manual_seed(seed)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=momentum)
-    for step in range(steps):
-        if step == switch_at:
-            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 def test_momentum_in_a_dense_state_is_momentum_sgd():
     hooked, plain = _hooked(gs.Dense(momentum=0.9)), DDP(_model())
-    _train_momentum(hooked, 6, momentum=0.0)
-    _train_momentum(plain, 6, momentum=0.9)
+    _train(hooked, 6, momentum=0.0)
+    _train(plain, 6, momentum=0.9)
     for a, b in zip(hooked.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -542,8 +531,8 @@ def test_momentum_correction_at_density_one_is_momentum_sgd_in_warmup_and_plain_
     from then on every velocity restarts from zero, since the previous step emptied the whole
     residual (momentum factor masking): plain SGD."""
     hooked, plain = _hooked(gs.TopK(density=1.0, momentum=0.9, warmup_steps=2)), DDP(_model())
-    _train_momentum(hooked, 6, momentum=0.0)
-    _train_momentum(plain, 6, momentum=0.9, switch_at=3)
+    _train(hooked, 6, momentum=0.0)
+    _train(plain, 6, momentum=0.9, switch_at=3)
     for a, b in zip(hooked.parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -551,7 +540,7 @@ def test_momentum_correction_at_density_one_is_momentum_sgd_in_warmup_and_plain_
 def _saved_with_momentum(steps=3, seed=0):
     state = gs.TopK(density=0.05, momentum=0.9)
     ddp = _hooked(state)
-    _train_momentum(ddp, steps, momentum=0.0, seed=seed)
+    _train(ddp, steps, momentum=0.0, seed=seed)
     return state, ddp
 
 
@@ -564,8 +553,8 @@ def test_velocities_are_saved_by_name_and_resume_exactly():
     resumed = gs.TopK(density=0.05, momentum=0.9)
     ddp2 = _hooked(resumed, weights_of=ddp)
     resumed.load_state_dict(sd)
-    _train_momentum(ddp2, 2, momentum=0.0, seed=5)
-    _train_momentum(ddp, 2, momentum=0.0, seed=5)
+    _train(ddp2, 2, momentum=0.0, seed=5)
+    _train(ddp, 2, momentum=0.0, seed=5)
     for kind in ("residuals", "velocities"):
         for name, value in state.state_dict()[kind].items():
             assert torch.equal(value, resumed.state_dict()[kind][name]), (kind, name)
