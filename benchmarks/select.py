@@ -92,7 +92,7 @@ def method_rows(
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     start = torch.randn(n, generator=gen) * 5e-4
-    residual, velocity = start.clone(), torch.zeros(n)
+    residual, velocity = start.clone(), start.clone()
     group = _C.ThreadGroup(1, 600.0)
     factories = {}  # SparDL selects inside its exchange
     chosen = methods(density)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradsparse.checkpoint import TENSORS
 from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes
 
 __all__ = ["ModelBinding"]
@@ -117,32 +118,37 @@ class ModelBinding:
                 "DistributedDataParallel>"
             )
 
-    def check_names(self, residuals: dict[str, torch.Tensor]) -> None:
-        """Every residual names a parameter of the bound model, with its size."""
+    def check_names(self, state_dict: dict) -> None:
+        """Every residual and velocity of the state dict names a parameter of the bound model,
+        with its size."""
         if not self.numels:
             return
+        for kind, key, _ in TENSORS:
+            self._check_tensor_names(state_dict.get(key, {}), kind, key)
+
+    def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str) -> None:
         owner, numels = self.owner, self.numels
-        unknown = sorted(set(residuals) - set(numels))
+        unknown = sorted(set(tensors) - set(numels))
         if unknown:
             hint = ""
             stripped = {n: strip_wrapper_prefixes(n) for n in unknown}
             if all(n in numels for n in stripped.values()):
                 prefixes = sorted({n[: len(n) - len(s)] for n, s in stripped.items()})
                 hint = (
-                    f" They carry wrapper prefixes ({', '.join(prefixes)}); gradsparse names residuals after the "
-                    f"model's own parameters: rename them, e.g. sd['residuals'] = "
-                    f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['residuals'].items()}}."
+                    f" They carry wrapper prefixes ({', '.join(prefixes)}); gradsparse names {key} after the "
+                    f"model's own parameters: rename them, e.g. sd['{key}'] = "
+                    f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['{key}'].items()}}."
                 )
             raise ValueError(
-                f"{owner}.load_state_dict: {len(unknown)} residual(s) name no parameter of the model: "
+                f"{owner}.load_state_dict: {len(unknown)} {kind}(s) name no parameter of the model: "
                 f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (the model's parameters are named like "
                 f"{', '.join(list(numels)[:3])}).{hint} Load the state dict into a state registered on the model it "
                 "was saved from"
             )
-        for name, tensor in residuals.items():
+        for name, tensor in tensors.items():
             if tensor.numel() != numels[name]:
                 raise ValueError(
-                    f"{owner}.load_state_dict: the residual of {name} holds {tensor.numel()} elements but the "
+                    f"{owner}.load_state_dict: the {kind} of {name} holds {tensor.numel()} elements but the "
                     f"parameter has {numels[name]}; the state dict was saved from another model"
                 )
 

@@ -29,6 +29,10 @@ __all__ = ["AllRanks", "reshard"]
 STATE_DICT_VERSION = 2  # 2: residual names without wrapper prefixes, layout as lists of names
 
 
+#: The per-element tensors of a state dict: (kind, key of the tensors by name, key of their checksums).
+TENSORS = (("residual", "residuals", "checksums"), ("velocity", "velocities", "velocity_checksums"))
+
+
 def checksum(tensor: torch.Tensor) -> int:
     """CRC-32 of the tensor's bytes (any dtype, on any device)."""
     return zlib.crc32(tensor.detach().contiguous().cpu().view(torch.uint8).numpy())
@@ -51,6 +55,15 @@ class Loaded:
             for index, state in enumerate(self.saved["methods"])
             if state is not None
         ]
+
+
+def with_checksums(residuals: dict[str, torch.Tensor], velocities: dict[str, torch.Tensor]) -> dict:
+    """The state dict's entries for these residuals and velocities, each with its checksums."""
+    entries = {}
+    for (_, key, checksums_key), tensors in zip(TENSORS, (residuals, velocities), strict=True):
+        entries[key] = tensors
+        entries[checksums_key] = {name: checksum(t) for name, t in tensors.items()}
+    return entries
 
 
 def upgrade(owner: str, state_dict: Any) -> dict:
@@ -97,11 +110,9 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
 def _check_values(owner: str, state_dict: dict) -> None:
     """Every residual and velocity is finite and, where the state dict has checksums (those of
     gradsparse 0.2 on), matches its own."""
-    for kind, tensors, checksums in (
-        ("residual", state_dict["residuals"], state_dict.get("checksums", {})),
-        ("velocity", state_dict.get("velocities", {}), state_dict.get("velocity_checksums", {})),
-    ):
-        for name, tensor in tensors.items():
+    for kind, key, checksums_key in TENSORS:
+        checksums = state_dict.get(checksums_key, {})
+        for name, tensor in state_dict.get(key, {}).items():
             if name in checksums and checksum(tensor) != checksums[name]:
                 raise ValueError(
                     f"{owner}.load_state_dict: the {kind} of {name} does not match its checksum: the state dict was "
@@ -198,20 +209,10 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     ranks = state_dict["ranks"]
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
     velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])
+    entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
-        dict(
-            ranks[0],
-            rank=rank,
-            world_size=world_size,
-            residuals=residuals,
-            checksums={name: checksum(t) for name, t in residuals.items()},
-            velocities=velocities,
-            velocity_checksums={name: checksum(t) for name, t in velocities.items()},
-            methods=[],
-            layout=[],
-        )
-        for rank in range(world_size)
+        dict(ranks[0], rank=rank, world_size=world_size, **entries, methods=[], layout=[]) for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse.binding import group_ranks, same_group
-from gradsparse.checkpoint import STATE_DICT_VERSION, checksum
+from gradsparse.checkpoint import STATE_DICT_VERSION, with_checksums
 from gradsparse.state import State
 
 __all__ = ["ShardedState", "sparsify"]
@@ -274,9 +274,7 @@ class ShardedState:
                 "step": state_dict["step"],
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
-                **tensors,
-                "checksums": {name: checksum(t) for name, t in tensors["residuals"].items()},
-                "velocity_checksums": {name: checksum(t) for name, t in tensors["velocities"].items()},
+                **with_checksums(tensors["residuals"], tensors["velocities"]),
                 "methods": _decode_methods(local(state_dict["methods"])),
                 "layout": state_dict["layout"],
                 "stats": state_dict["stats"],

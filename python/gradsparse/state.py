@@ -35,7 +35,7 @@ import torch.nn as nn
 from gradsparse import _C, simulate
 from gradsparse.binding import ModelBinding, group_ranks
 from gradsparse.buckets import Bucket, BucketTable
-from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, checksum, this_ranks, upgrade
+from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, this_ranks, upgrade, with_checksums
 from gradsparse.config import (
     REQUIRED,
     Option,
@@ -342,13 +342,13 @@ class State:
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
-            self._binding.check_names(self._loaded.saved["residuals"])
+            self._binding.check_names(self._loaded.saved)
 
     def _bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""
         self._binding.bind_sharded(model, groups)
         if self._loaded is not None:
-            self._binding.check_names(self._loaded.saved["residuals"])
+            self._binding.check_names(self._loaded.saved)
 
     # ----------------------------------------------------------------------------------------
     # The step: what gradsparse.hook does with one DDP bucket, top down
@@ -604,10 +604,7 @@ class State:
             "step": self._step,
             "rank": rank,
             "world_size": world_size,
-            "residuals": residuals,
-            "checksums": {name: checksum(t) for name, t in residuals.items()},
-            "velocities": velocities,  # momentum correction's (empty without it)
-            "velocity_checksums": {name: checksum(t) for name, t in velocities.items()},
+            **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             "stats": self._metrics.state_dict(),
@@ -643,7 +640,7 @@ class State:
         state_dict = this_ranks(
             type(self).__name__, state_dict, dist.get_rank(group), dist.get_world_size(group), any_rank
         )
-        self._binding.check_names(state_dict["residuals"])
+        self._binding.check_names(state_dict)
         self._step = int(state_dict["step"])
         self._loaded = Loaded(state_dict)
         if state_dict.get("link") is not None:

@@ -576,6 +576,10 @@ def test_velocities_are_saved_by_name_and_resume_exactly():
             "the velocity of 0.bias holds NaN or Inf",
         ),
         (
+            lambda sd: dict(sd, velocities={**sd["velocities"], "0.weight": torch.zeros(3)}, velocity_checksums={}),
+            "the velocity of 0.weight holds 3 elements but the parameter has 256",
+        ),
+        (
             lambda sd: dict(sd, velocities={**sd["velocities"], "2.weight": -sd["velocities"]["2.weight"]}),
             "the velocity of 2.weight does not match its checksum",
         ),
