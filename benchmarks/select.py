@@ -18,8 +18,8 @@ as reduce_bucket's select_seconds reports it on one rank) as a multiple of the a
 between the method's steps (its median is the row's "add ms"). With --rounds R every method is
 timed R times, in turn with the others, and the medians pool all its steps: the machine's speed
 drifts over minutes, which one round per method cannot average out. With --momentum M every
-method is also timed with momentum correction at factor M (its velocity pass counts as part of
-the selection step), on a row of its own, in turn with the rest.
+method is also timed with momentum correction at factor M (the velocity's update, fused into the
+method's first pass, is part of the selection step), on a row of its own, in turn with the rest.
 """
 
 from __future__ import annotations

@@ -113,21 +113,27 @@ TEST(CudaMethods, SelectLikeTheCpu) {
   CudaDevice gpu(0, nullptr);
   CpuDevice cpu;
   SoloGroup group;
-  for (auto& make : makers) {
-    auto on_gpu = make(), on_cpu = make();
-    std::vector<float> residual(n, 0.0f);
-    DeviceVector<float> r(gpu, residual);
-    for (int t = 0; t < 3; ++t) {
-      std::vector<float> grad = ref::random_vector<float>(n, 40 + t);
-      DeviceVector<float> g(gpu, grad);
-      const Selection a = on_gpu->select(gpu, BucketView{DType::kFloat32, n, g.data(), r.data()}, group);
-      const Selection b = on_cpu->select(cpu, BucketView{DType::kFloat32, n, grad.data(), residual.data()}, group);
-      ASSERT_EQ(to_host(gpu, a), to_host(cpu, b)) << on_cpu->name() << " step " << t;
-      ASSERT_EQ(r.host(), residual) << on_cpu->name() << " step " << t;
-      ExchangeResult result;
-      result.control = {ControlWord{static_cast<int64_t>(b.bytes), b.count, 0, 0}};
-      on_gpu->observe(BucketView{}, result);
-      on_cpu->observe(BucketView{}, result);
+  for (const bool momentum : {false, true}) {  // with a velocity: momentum correction fused in
+    for (auto& make : makers) {
+      auto on_gpu = make(), on_cpu = make();
+      std::vector<float> residual(n, 0.0f), velocity(n, 0.0f);
+      DeviceVector<float> r(gpu, residual), u(gpu, velocity);
+      for (int t = 0; t < 3; ++t) {
+        std::vector<float> grad = ref::random_vector<float>(n, 40 + t);
+        DeviceVector<float> g(gpu, grad);
+        BucketView on_device{DType::kFloat32, n, g.data(), r.data(), momentum ? u.data() : nullptr, 0.9f, t > 0};
+        BucketView on_host{
+            DType::kFloat32, n, grad.data(), residual.data(), momentum ? velocity.data() : nullptr, 0.9f, t > 0};
+        const Selection a = on_gpu->select(gpu, on_device, group);
+        const Selection b = on_cpu->select(cpu, on_host, group);
+        ASSERT_EQ(to_host(gpu, a), to_host(cpu, b)) << on_cpu->name() << " step " << t << " momentum " << momentum;
+        ASSERT_EQ(r.host(), residual) << on_cpu->name() << " step " << t << " momentum " << momentum;
+        ASSERT_EQ(u.host(), velocity) << on_cpu->name() << " step " << t << " momentum " << momentum;
+        ExchangeResult result;
+        result.control = {ControlWord{static_cast<int64_t>(b.bytes), b.count, 0, 0}};
+        on_gpu->observe(BucketView{}, result);
+        on_cpu->observe(BucketView{}, result);
+      }
     }
   }
 }
@@ -146,9 +152,9 @@ TEST(CudaMomentum, MatchesTheCpu) {
   grad[5] = std::numeric_limits<float>::quiet_NaN();
   for (bool masking : {false, true}) {
     DeviceVector<float> g(gpu, grad), u(gpu, velocity), r(gpu, residual);
-    gpu.momentum(BucketView{DType::kFloat32, n, g.data(), r.data(), u.data()}, 0.9f, masking);
+    gpu.momentum(BucketView{DType::kFloat32, n, g.data(), r.data(), u.data(), 0.9f, masking});
     std::vector<float> cg = grad, cu = velocity, cr = residual;
-    cpu.momentum(BucketView{DType::kFloat32, n, cg.data(), cr.data(), cu.data()}, 0.9f, masking);
+    cpu.momentum(BucketView{DType::kFloat32, n, cg.data(), cr.data(), cu.data(), 0.9f, masking});
     EXPECT_EQ(u.host(), cu);
     const std::vector<float> gg = g.host();
     EXPECT_TRUE(std::isnan(gg[5]));

@@ -600,6 +600,38 @@ TEST(Faults, MismatchedCollectivesAreDetected) {
   EXPECT_TRUE(errors[1]);
 }
 
+// A sparse step fuses momentum correction into the error-feedback update: a velocity without a
+// residual is refused on every rank before any collective (a dense step takes it: momentum SGD).
+TEST(Methods, RefuseAVelocityWithoutAResidualOnSparseSteps) {
+  for (const bool dense : {false, true}) {
+    const auto errors = run_ranks(2, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      std::vector<float> grad = grad_of(rank, 1000), velocity(1000, 1.0f);
+      TopK method(0.01);
+      ReduceOptions options;
+      options.dense = dense;
+      options.momentum = 0.5f;
+      reduce_bucket(&method, transport, device,
+                    BucketView{DType::kFloat32, 1000, grad.data(), nullptr, velocity.data()}, options);
+      if (dense) EXPECT_EQ(velocity[0], 0.5f + grad_of(rank, 1000)[0]);
+    });
+    for (const std::exception_ptr& error : errors) {
+      if (dense) {
+        EXPECT_FALSE(error);
+        continue;
+      }
+      ASSERT_TRUE(error);
+      try {
+        std::rethrow_exception(error);
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("momentum correction needs the error-feedback residual"),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  }
+}
+
 TEST(Methods, RejectBadArguments) {
   for (double d : {0.0, -0.1, 1.5, std::nan("")}) EXPECT_THROW(TopK{d}, ValueError) << d;
   for (double t : {-1.0, std::nan(""), std::numeric_limits<double>::infinity()}) EXPECT_THROW(Threshold{t}, ValueError);

@@ -384,6 +384,76 @@ def test_exdyna_rebalancing_reaches_the_minimum_partition(world, steps):
 
 
 # ----------------------------------------------------------------------------------------------
+# Momentum correction (docs/method-spec.md section 1), fused into every method's first pass
+
+
+MOMENTUM = 0.9
+MOMENTUM_STEPS = 12
+
+
+def momentum_cases() -> list:
+    """Every method and mode (SIDCo's fits with one and with adaptive stages), ExDyna on the large
+    bucket, and SparDL."""
+    out = []
+    for method_id, name, kwargs, _ in method_configs(N, 0.01, sidco_stages=(1, -1)):
+        n = N_LARGE if name == "ExDyna" else N
+        out.append((method_id, name, kwargs, n))
+    out.append(("spardl", "SparDL", dict(density=0.01), N))
+    return out
+
+
+HALF_MOMENTUM_CASES = {"topk", "dgc", "sage-flat-default", "micro-gather-default"}
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "dtype"),
+    [pytest.param(c, w, torch.float32, id=f"{c[0]}-P{w}") for c in momentum_cases() for w in (2, 3)]
+    + [
+        pytest.param(c, 2, dtype, id=f"{c[0]}-P2-{str(dtype)[6:]}")
+        for c in momentum_cases()
+        if c[0] in HALF_MOMENTUM_CASES
+        for dtype in (torch.float16, torch.bfloat16)
+    ],
+)
+def test_momentum_correction_in_the_first_pass_equals_a_pass_of_its_own(case, world, dtype):
+    """Each rank's velocity u = 0.9 (emptied ? 0 : u) + g, emptied where the previous step left the
+    residual at zero, then the method on u: the library fuses the velocity into its first pass;
+    the same method handed u, computed here with torch's operations (in float32, then rounded once
+    to the bucket's dtype), must agree at every step and rank to the bit (selection, threshold,
+    output, residual, velocity)."""
+    method_id, name, kwargs, n = case
+    grads = [[g.to(dtype) for g in step[:world]] for step in gradient_stream(n, MOMENTUM_STEPS, SEED + 5)]
+    options = {k: v for k, v in kwargs.items() if k != "segments"}
+
+    def make(_rank):
+        return core_method(name, kwargs.get("segments", ()), **options)
+
+    fused = run_steps(world, make, grads, momentum=MOMENTUM)
+    velocities = [[torch.zeros(n, dtype=dtype) for _ in range(world)]]  # velocities[t + 1][r]: after step t
+
+    def corrected(t, r, grad, residual):
+        if r == 0:
+            velocities.append(list(velocities[-1]))
+        emptied = residual == 0 if t > 0 else torch.zeros(n, dtype=torch.bool)
+        u = (torch.where(emptied, 0.0, velocities[t][r].float()) * MOMENTUM + grad.float()).to(dtype)
+        velocities[t + 1][r] = torch.where(torch.isfinite(u), u, velocities[t][r])
+        return u
+
+    separate = run_steps(world, make, grads, before_step=corrected)
+    for t, (got_step, want_step) in enumerate(zip(fused, separate, strict=True)):
+        masked = sum(int((s.residual == 0).sum()) for s in want_step)
+        assert t == 0 or masked > 0, f"{method_id} step {t}: no residual emptied, the masking is not exercised"
+        for r, (got, want) in enumerate(zip(got_step, want_step, strict=True)):
+            at = f"{method_id} P={world} step {t} rank {r}"
+            assert torch.equal(got.indices, want.indices), f"{at}: {describe_difference(got.indices, want.indices)}"
+            assert thresholds_agree(got.threshold, want.threshold), f"{at}: {got.threshold} != {want.threshold}"
+            for what in ("output", "residual"):
+                a, b = getattr(got, what), getattr(want, what)
+                assert torch.equal(a, b), f"{at}: {what} differs at {torch.nonzero(a != b).flatten()[:8].tolist()}"
+            assert torch.equal(got.velocity, velocities[t + 1][r]), f"{at}: velocity differs"
+
+
+# ----------------------------------------------------------------------------------------------
 # Degenerate inputs (docs/method-spec.md ruling 4) and awkward values
 
 

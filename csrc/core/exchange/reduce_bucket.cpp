@@ -86,19 +86,22 @@ ExchangeResult guarded(const ReduceOptions& options, const BucketView& bucket, R
 
 }  // namespace
 
-ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,
+ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& given,
                            const ReduceOptions& options) {
-  GS_CHECK(bucket.numel >= 0, ValueError, options.bucket_name, ": numel must be >= 0, got ", bucket.numel);
-  GS_CHECK(bucket.grad != nullptr || bucket.numel == 0, ValueError, options.bucket_name, ": gradient is null");
+  GS_CHECK(given.numel >= 0, ValueError, options.bucket_name, ": numel must be >= 0, got ", given.numel);
+  GS_CHECK(given.grad != nullptr || given.numel == 0, ValueError, options.bucket_name, ": gradient is null");
+  BucketView bucket = given;
+  bucket.momentum = options.momentum;
+  bucket.momentum_masking = options.momentum_masking;
   ReduceReport report;
   report.numel = bucket.numel;
   const Traffic before = transport.traffic();
   auto t0 = std::chrono::steady_clock::now();
-  if (bucket.velocity != nullptr) device.momentum(bucket, options.momentum, options.momentum_masking);
 
   if (options.dense || method == nullptr) {
     report.dense = true;
     report.exchange = "dense all-reduce";
+    if (bucket.velocity != nullptr) device.momentum(bucket);
     t0 = std::chrono::steady_clock::now();
     dense_allreduce(transport, device, bucket);
     report.exchange_seconds = seconds_since(t0);
@@ -107,6 +110,10 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     return report;
   }
 
+  // A sparse step fuses momentum correction into the method's first pass (the update), which
+  // needs the residual.
+  GS_CHECK(bucket.velocity == nullptr || bucket.residual != nullptr, ValueError, options.bucket_name,
+           ": momentum correction needs the error-feedback residual on sparse steps; pass a residual or no velocity");
   const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
   TransportCollective group(transport, device, exchange);
   report.exchange = exchange.name();

@@ -130,8 +130,9 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
 }
 
 /// Sum of |v| at `positions` (repeats allowed; summed in their order) with v the selection values
-/// after the error-feedback update, read before the update runs: the update of those elements is
-/// computed here (as the kernels compute it), so a later pass can fuse the update of the bucket.
+/// after the error-feedback update (with momentum correction when the bucket has a velocity), read
+/// before the update runs: the update of those elements is computed here (as the kernels compute
+/// it), so a later pass can fuse the update of the bucket.
 /// Equal to Device::sample_abs_sum after the update.
 inline double sample_abs_sum_before_update(Device& device, const BucketView& bucket,
                                            const std::vector<int64_t>& positions) {
@@ -141,17 +142,27 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
   const Selection residual = device.gather(bucket, unique);
   std::vector<float> value = HostMessage(device, residual, bucket).value_list();
   if (bucket.residual != nullptr) {
-    // The gradient with non-finite entries read as 0: then a = residual + 0 keeps the residual,
-    // as the update does when residual + grad is not finite.
-    const BucketView grad_only{bucket.dtype, bucket.numel, bucket.grad, nullptr};
-    const Selection gathered = device.gather(grad_only, unique);
-    const std::vector<float> grad = HostMessage(device, gathered, grad_only).value_list();
+    // Gathered values read a non-finite gradient as 0. Without momentum the sum then keeps the
+    // residual there, as the update does; with it the sum differs from the update's, but a
+    // non-finite gradient aborts the step on every rank (ruling 5), so the sample is not used.
+    auto at_positions = [&](void* data) {
+      const BucketView only{bucket.dtype, bucket.numel, data, nullptr};
+      return HostMessage(device, device.gather(only, unique), only).value_list();
+    };
+    const std::vector<float> grad = at_positions(bucket.grad);
+    const std::vector<float> velocity =
+        bucket.velocity != nullptr ? at_positions(bucket.velocity) : std::vector<float>{};
     dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
       for (size_t j = 0; j < value.size(); ++j) {
         T r = Num<T>::from_float(value[j]);  // exact: the values came from T
+        T addend = Num<T>::from_float(grad[j]);
+        if (!velocity.empty()) {  // momentum correction, on a copy of the velocity
+          T u = Num<T>::from_float(velocity[j]);
+          addend = momentum_value(addend, u, momentum_emptied(bucket.momentum_masking, r), bucket.momentum);
+        }
         bool finite;
-        ef_accumulate(r, Num<T>::from_float(grad[j]), finite);
+        ef_accumulate(r, addend, finite);
         value[j] = Num<T>::to_float(r);
       }
     });

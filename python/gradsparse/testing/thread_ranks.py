@@ -23,6 +23,7 @@ class RankStep:
     imbalance: float  # partitioned methods: max count * P / total - 1
     output: torch.Tensor  # the averaged bucket this rank received
     residual: torch.Tensor | None  # the residual after the step (None without error feedback)
+    velocity: torch.Tensor | None  # momentum correction's velocity after the step (None without)
     selected_all: int  # pairs sent by all ranks together
     counts: list[int]  # pairs each rank sent (SparDL: each block's final list)
     union_size: int  # elements the exchange wrote
@@ -31,7 +32,9 @@ class RankStep:
     state: dict  # the method's checkpointable state after the step ({} for dense)
 
 
-def _run_ranks(group, methods, buffers, residuals, nonfinite: str, shard_only: bool, t: int) -> list:
+def _run_ranks(
+    group, methods, buffers, residuals, velocities, momentum: float, nonfinite: str, shard_only: bool, t: int
+) -> list:
     """One step: every rank reduces its buffer on its own thread; re-raises a rank's error."""
     world_size = len(methods)
     reports: list = [None] * world_size
@@ -40,7 +43,15 @@ def _run_ranks(group, methods, buffers, residuals, nonfinite: str, shard_only: b
     def work(r: int) -> None:
         try:
             reports[r] = group.reduce(
-                r, buffers[r], residuals[r], methods[r], nonfinite=nonfinite, shard_only=shard_only
+                r,
+                buffers[r],
+                residuals[r],
+                methods[r],
+                nonfinite=nonfinite,
+                shard_only=shard_only,
+                velocity=velocities[r],
+                momentum=momentum,
+                momentum_masking=t > 0,  # every step is sparse: from the second on, the masking applies
             )
         except BaseException as e:  # re-raised below, with the rank
             errors[r] = e
@@ -65,6 +76,8 @@ def run_steps(
     error_feedback: bool = True,
     nonfinite: str = "raise",
     shard_only: bool = False,
+    momentum: float = 0.0,
+    before_step: Callable[[int, int, torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None,
     timeout: float = 60.0,
 ) -> list[list[RankStep]]:
     """Runs ``len(grads)`` steps of one bucket on ``world_size`` thread ranks.
@@ -72,16 +85,23 @@ def run_steps(
     ``grads[t][r]`` is rank r's gradient at step t (1-D CPU tensor; not modified).
     ``make_method(r)`` builds rank r's method object (None: dense all-reduce). With ``shard_only``
     the bucket is P equal shards and only rank r's shard r of the output is the result (FSDP's
-    reduce-scatter). Returns ``steps[t][r]``.
+    reduce-scatter). With ``momentum`` every rank keeps a velocity (momentum correction, masked
+    from the second step on). ``before_step(t, r, grad, residual)``, when given, returns the buffer
+    that rank r reduces at step t (a test's own treatment of the gradient). Returns ``steps[t][r]``.
     """
     group = _C.ThreadGroup(world_size, timeout)
     methods = [make_method(r) for r in range(world_size)]
     n = grads[0][0].numel()
-    residuals = [torch.zeros(n, dtype=grads[0][0].dtype) if error_feedback else None for _ in range(world_size)]
+    dtype = grads[0][0].dtype
+    residuals = [torch.zeros(n, dtype=dtype) if error_feedback else None for _ in range(world_size)]
+    velocities = [torch.zeros(n, dtype=dtype) if momentum else None for _ in range(world_size)]
     steps: list[list[RankStep]] = []
     for t, step_grads in enumerate(grads):
-        buffers = [g.clone() for g in step_grads]
-        reports = _run_ranks(group, methods, buffers, residuals, nonfinite, shard_only, t)
+        if before_step is None:
+            buffers = [g.clone() for g in step_grads]
+        else:
+            buffers = [before_step(t, r, g.clone(), residuals[r]) for r, g in enumerate(step_grads)]
+        reports = _run_ranks(group, methods, buffers, residuals, velocities, momentum, nonfinite, shard_only, t)
         steps.append(
             [
                 RankStep(
@@ -90,6 +110,7 @@ def run_steps(
                     imbalance=rep.imbalance,
                     output=buffers[r],
                     residual=None if residuals[r] is None else residuals[r].clone(),
+                    velocity=None if velocities[r] is None else velocities[r].clone(),
                     selected_all=rep.selected_all,
                     counts=list(rep.counts),
                     union_size=rep.union_size,

@@ -60,9 +60,11 @@ class Buffer {
 struct BucketView {
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
-  void* grad = nullptr;      ///< the bucket's gradient; overwritten with the exchange's result
-  void* residual = nullptr;  ///< error-feedback residual of the same shape, or nullptr (no EF)
-  void* velocity = nullptr;  ///< momentum correction's velocity of the same shape, or nullptr (none)
+  void* grad = nullptr;           ///< the bucket's gradient; overwritten with the exchange's result
+  void* residual = nullptr;       ///< error-feedback residual of the same shape, or nullptr (no EF)
+  void* velocity = nullptr;       ///< momentum correction's velocity of the same shape, or nullptr (none)
+  float momentum = 0.0f;          ///< the velocity's factor (used when there is a velocity)
+  bool momentum_masking = false;  ///< the velocity restarts where the residual is zero (numeric.h)
 };
 
 /// One rank's packed selection for one bucket: a message (message.h) in device memory.
@@ -179,10 +181,11 @@ class Device {
   virtual void scatter_add(const MessageView& message, void* out, float divisor) = 0;
   /// data /= divisor.
   virtual void divide(DType dtype, void* data, int64_t numel, float divisor) = 0;
-  /// Momentum correction (kernels.h momentum_step): velocity = factor * velocity + grad, then
-  /// grad = velocity, element by element; with `masking`, a velocity where the residual is zero
-  /// starts from zero.
-  virtual void momentum(const BucketView& bucket, float factor, bool masking) = 0;
+  /// Momentum correction as a pass of its own (numeric.h momentum_step), for dense steps:
+  /// velocity = factor * velocity + grad, then grad = velocity, element by element, with the
+  /// bucket's factor and masking. Sparse steps fuse it into their first pass instead (every
+  /// kernel's update: kernels.h Source::update_element).
+  virtual void momentum(const BucketView& bucket) = 0;
 
   // Selections as messages: the kernels above, laid out by the Message unit (exchange/message.cpp).
   /// Threshold selection into a packed message.

@@ -151,23 +151,33 @@ class KernelDevice : public Device {
     });
   }
 
-  void momentum(const BucketView& bucket, float factor, bool masking) override {
+  void momentum(const BucketView& bucket) override {
     dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
       self().template k_momentum<T>(static_cast<T*>(bucket.grad), static_cast<T*>(bucket.velocity),
-                                    static_cast<const T*>(bucket.residual), bucket.numel, factor, masking);
+                                    static_cast<const T*>(bucket.residual), bucket.numel, bucket.momentum,
+                                    bucket.momentum_masking);
     });
+  }
+
+ protected:
+  /// Where a kernel reads the bucket (kernels.h Source); the update, when asked, applies the
+  /// bucket's momentum correction too.
+  template <typename T>
+  static Source<T> source(const BucketView& bucket, bool update) {
+    const bool momentum = update && bucket.velocity != nullptr;
+    return Source<T>{static_cast<T*>(bucket.residual),
+                     static_cast<const T*>(bucket.grad),
+                     update,
+                     momentum ? static_cast<T*>(bucket.velocity) : nullptr,
+                     bucket.momentum,
+                     bucket.momentum_masking};
   }
 
  private:
   Backend& self() { return static_cast<Backend&>(*this); }
 
   static Range resolve(Range r, int64_t n) { return r.end < 0 ? Range{r.begin, n} : r; }
-
-  template <typename T>
-  static Source<T> source(const BucketView& bucket, bool update) {
-    return Source<T>{static_cast<T*>(bucket.residual), static_cast<const T*>(bucket.grad), update};
-  }
 
   /// Calls `kernel(T{}, I{})` for a message's value and index types; a CorruptMessageError a
   /// kernel throws (a bad index) names the message's sender.

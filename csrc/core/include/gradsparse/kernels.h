@@ -69,15 +69,32 @@ GS_HD inline bool index_in_range(I index, int64_t n) {
 }
 
 /// Where a kernel reads the values a selection sees (the header comment above), and whether it
-/// first applies the error-feedback update.
+/// first applies the error-feedback update, with momentum correction fused in when there is a
+/// velocity.
 template <typename T>
 struct Source {
   T* residual = nullptr;    ///< error-feedback residual (updated and zeroed in place), or nullptr
   const T* grad = nullptr;  ///< the gradient (unused when `residual` is set and `update` is false)
   bool update = false;      ///< fuse residual += grad into this pass (the first pass of a step)
+  /// Momentum correction, applied by the update (needs a residual): the velocity (updated in
+  /// place), its factor, and momentum factor masking (numeric.h momentum_value).
+  T* velocity = nullptr;
+  float momentum = 0.0f;
+  bool masking = false;
 
   /// The selection value of element i once the update is done.
   GS_HD T value(int64_t i) const { return selection_value<T>(residual, grad, i); }
+
+  /// What the update adds to the residual at element i: the gradient, or with a velocity the new
+  /// velocity (stored; read before the residual changes, for the masking).
+  GS_HD T addend(int64_t i) const {
+    if (velocity == nullptr) return grad[i];
+    return momentum_value(grad[i], velocity[i], momentum_emptied(masking, residual[i]), momentum);
+  }
+
+  /// The update of element i (with a residual): residual += addend(i); false `finite` when the
+  /// sum is not finite (the residual then keeps its value).
+  GS_HD void update_element(int64_t i, bool& finite) const { ef_accumulate(residual[i], addend(i), finite); }
 };
 
 /// A sub-range [begin, end) of a bucket.

@@ -151,19 +151,41 @@ GS_HD inline void ef_accumulate(T& residual, T grad, bool& finite) {
   if (finite) residual = a;
 }
 
-/// Momentum correction of element i (docs/method-spec.md section 1): the velocity, emptied first
-/// where the previous step emptied the residual when `masking` (momentum factor masking: where the
-/// residual is exactly zero), decays by `factor` and takes the gradient, rounded to T; the bucket
-/// then holds the velocity, which the error-feedback update adds to the residual. When the result
-/// is not finite the velocity keeps its old value and the bucket the non-finite result, so the
-/// step's non-finite policy sees it.
+/// factor * u + g in float, each operation rounded on its own: no fused multiply-add, so that the
+/// CPU and the GPU (where nvcc would contract the expression) compute the same bits.
+GS_HD inline float scale_add(float factor, float u, float g) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(factor, u), g);
+#else
+  return factor * u + g;  // host code is built with -ffp-contract=off
+#endif
+}
+
+/// Momentum correction of one element (docs/method-spec.md section 1): the velocity, emptied first
+/// when `emptied` (momentum factor masking: the previous step emptied the residual there), decays
+/// by `factor` and takes the gradient, rounded to T. Returns the result, which error feedback adds
+/// to the residual; when it is not finite the velocity keeps its old value, and the result carries
+/// the non-finite value on, so that the step's non-finite policy sees it.
+template <typename T>
+GS_HD inline T momentum_value(T grad, T& velocity, bool emptied, float factor) {
+  const float u = emptied ? 0.0f : Num<T>::to_float(velocity);
+  const T a = Num<T>::from_float(scale_add(factor, u, Num<T>::to_float(grad)));
+  if (is_finite(a)) velocity = a;
+  return a;
+}
+
+/// Whether momentum factor masking restarts the velocity of an element whose residual is `r`:
+/// with `masking`, where the residual is exactly zero (either sign).
+template <typename T>
+GS_HD inline bool momentum_emptied(bool masking, T r) {
+  return masking && Num<T>::key(r) == 0;
+}
+
+/// Momentum correction of element i as a pass of its own (dense steps): the bucket then holds the
+/// velocity. `residual` may be null (no masking then).
 template <typename T>
 GS_HD inline void momentum_step(T* grad, T* velocity, const T* residual, int64_t i, float factor, bool masking) {
-  const bool emptied = masking && residual != nullptr && Num<T>::key(residual[i]) == 0;
-  const float u = emptied ? 0.0f : Num<T>::to_float(velocity[i]);
-  const T a = Num<T>::from_float(factor * u + Num<T>::to_float(grad[i]));
-  grad[i] = a;
-  if (is_finite(a)) velocity[i] = a;
+  grad[i] = momentum_value(grad[i], velocity[i], residual != nullptr && momentum_emptied(masking, residual[i]), factor);
 }
 
 /// The value a selection sees for element i once the update is done: the residual (error

@@ -1,5 +1,6 @@
 // reduce_bucket: one bucket's whole step on one rank, the unit of work the engine runs.
-//   0. with a velocity (momentum correction), the bucket becomes the rank's velocity (Device::momentum);
+//   0. with a velocity (momentum correction) the gradient becomes the rank's velocity: fused into the
+//      method's first pass on sparse steps (kernels.h Source), a pass of its own on dense steps;
 //   1. the method selects (its first pass fuses the error-feedback update), possibly agreeing on
 //      a threshold with the other ranks through small all-reduces;
 //   2. the exchange the method names (exchange.h) moves every rank's selection and writes the

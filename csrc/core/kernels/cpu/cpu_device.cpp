@@ -32,9 +32,8 @@ Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double 
   return dispatch_dtype(bucket.dtype, [&](auto t) {
     using T = decltype(t);
     Scan s;
-    const Source<T> src{static_cast<T*>(bucket.residual), static_cast<const T*>(bucket.grad), update};
-    s.moments = cpu::scan<T>(src, bucket.numel, range, key_at_least<T>(lower), capacity, s.above, s.candidates.index,
-                             s.candidates.value);
+    s.moments = cpu::scan<T>(source<T>(bucket, update), bucket.numel, range, key_at_least<T>(lower), capacity, s.above,
+                             s.candidates.index, s.candidates.value);
     return s;
   });
 }

@@ -90,7 +90,7 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
   if (src.update && src.residual != nullptr) {
     for (int64_t i = begin; i < end; ++i) {
       bool finite;
-      ef_accumulate(src.residual[i], src.grad[i], finite);
+      src.update_element(i, finite);
       nonfinite += !finite;
       visit(i, src.residual[i]);
     }
@@ -102,18 +102,19 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
   }
 }
 
-// float32 with error feedback, the hot path. One pass updates the residual and writes, per 8
-// elements, a bit mask of the elements whose sum reaches the threshold key (a non-finite sum always
-// does); a second look at the masks, from cache, collects the few selected pairs. The pass runs as
-// AVX2 code when the CPU has it (chosen at run time), else as portable code.
-int64_t update_block_f32_portable(float* __restrict r, const float* __restrict g, int64_t len, uint32_t tkey,
+// float32 with error feedback, the hot path. One pass updates the residual (and the velocity, with
+// momentum correction) and writes, per 8 elements, a bit mask of the elements whose new residual
+// reaches the threshold key; a second look at the masks, from cache, collects the few selected
+// pairs. The pass runs as AVX2 code when the CPU has it (chosen at run time), else as portable code.
+int64_t update_block_f32_portable(const Source<float>& src, int64_t begin, int64_t len, uint32_t tkey,
                                   uint8_t* __restrict mask) {
+  float* r = src.residual + begin;  // not restrict: src.addend reads the residual too (masking)
   int64_t bad = 0;
   for (int64_t j0 = 0; j0 < len; j0 += 8) {
     uint32_t bits = 0;
     const int64_t n = std::min<int64_t>(8, len - j0);
     for (int64_t k = 0; k < n; ++k) {
-      const float a = r[j0 + k] + g[j0 + k];
+      const float a = r[j0 + k] + src.addend(begin + j0 + k);
       const uint32_t key = float_bits(a) & 0x7fffffffu;
       const uint32_t finite = key < 0x7f800000u;
       r[j0 + k] = finite ? a : r[j0 + k];
@@ -126,30 +127,26 @@ int64_t update_block_f32_portable(float* __restrict r, const float* __restrict g
 }
 
 #if GS_HAVE_AVX2_PATHS
-GS_TARGET_AVX2 int64_t update_block_f32_avx2(float* __restrict r, const float* __restrict g, int64_t len, uint32_t tkey,
+GS_TARGET_AVX2 int64_t update_block_f32_avx2(const Source<float>& src, int64_t begin, int64_t len, uint32_t tkey,
                                              uint8_t* __restrict mask) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
   // key >= tkey as a signed comparison (keys are < 2^31); kNoKey must match nothing.
   const __m256i below_threshold = _mm256_set1_epi32(tkey > 0x7fffffffu ? 0x7fffffff : static_cast<int>(tkey) - 1);
   int64_t bad = 0;
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
-    const __m256 old = _mm256_loadu_ps(r + j);
-    const __m256 a = _mm256_add_ps(old, _mm256_loadu_ps(g + j));
-    const __m256i key = _mm256_and_si256(_mm256_castps_si256(a), magnitude);
-    const __m256i nonfinite = _mm256_cmpgt_epi32(key, below_inf);
-    _mm256_storeu_ps(r + j, _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite)));
-    const __m256i hit = _mm256_cmpgt_epi32(key, below_threshold);
+    __m256i nonfinite;
+    const __m256 v = update8_avx2(src, begin + j, nonfinite);
+    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below_threshold);
     mask[j / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
     bad += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nonfinite))));
   }
-  if (j < len) bad += update_block_f32_portable(r + j, g + j, len - j, tkey, mask + j / 8);
+  if (j < len) bad += update_block_f32_portable(src, begin + j, len - j, tkey, mask + j / 8);
   return bad;
 }
 #endif
 
-using UpdateBlockF32 = int64_t (*)(float*, const float*, int64_t, uint32_t, uint8_t*);
+using UpdateBlockF32 = int64_t (*)(const Source<float>&, int64_t, int64_t, uint32_t, uint8_t*);
 
 UpdateBlockF32 pick_update_block_f32() {
 #if GS_HAVE_AVX2_PATHS
@@ -161,12 +158,13 @@ UpdateBlockF32 pick_update_block_f32() {
 /// The float32 update of [begin, end) with selection by `tkey` (kNoKey: update only); calls
 /// visit(i, value) for the selected elements.
 template <typename Visit>
-void update_select_f32(float* residual, const float* grad, int64_t begin, int64_t end, uint32_t tkey,
-                       int64_t& nonfinite, Visit&& visit) {
+void update_select_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t tkey, int64_t& nonfinite,
+                       Visit&& visit) {
   static const UpdateBlockF32 update = pick_update_block_f32();
   uint8_t mask[kCpuBlock / 8 + 8] = {};
   const int64_t len = end - begin;
-  nonfinite += update(residual + begin, grad + begin, len, tkey, mask);
+  const float* residual = src.residual;
+  nonfinite += update(src, begin, len, tkey, mask);
   for (int64_t w = 0; w * 64 < len; ++w) {  // 64 elements (8 mask bytes) at a time
     uint64_t word;
     std::memcpy(&word, mask + w * 8, sizeof(word));
@@ -200,9 +198,9 @@ SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zer
     };
     if constexpr (std::is_same_v<T, float>) {
       if (src.update && src.residual != nullptr) {
-        update_select_f32(src.residual, src.grad, begin, lo, kNoKey, p.nonfinite, take);
-        update_select_f32(src.residual, src.grad, lo, hi, key, p.nonfinite, take);
-        update_select_f32(src.residual, src.grad, hi, end, kNoKey, p.nonfinite, take);
+        update_select_f32(src, begin, lo, kNoKey, p.nonfinite, take);
+        update_select_f32(src, lo, hi, key, p.nonfinite, take);
+        update_select_f32(src, hi, end, kNoKey, p.nonfinite, take);
         return;
       }
 #if GS_HAVE_AVX2_PATHS

@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gradsparse/kernels.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define GS_HAVE_AVX2_PATHS 1
@@ -33,7 +35,50 @@ inline bool use_avx2() {
 #endif
 }
 
+/// A float32 view of a source of any type (for code instantiated for every type but run for
+/// float32 only).
+template <typename T>
+Source<float> as_f32(const Source<T>& s) {
+  return Source<float>{reinterpret_cast<float*>(s.residual),
+                       reinterpret_cast<const float*>(s.grad),
+                       s.update,
+                       reinterpret_cast<float*>(s.velocity),
+                       s.momentum,
+                       s.masking};
+}
+
 #if GS_HAVE_AVX2_PATHS
+/// The first pass's update of float32 elements j..j+7 (Source::update_element in 8 lanes, to the
+/// bit): momentum correction when the source has a velocity, then residual += addend where the
+/// sum is finite. Returns the residual's new values; `nonfinite` holds -1 in the lanes whose sum
+/// is not finite (their residual is kept).
+GS_TARGET_AVX2 inline __m256i not_finite8_avx2(__m256 x) {  // -1 in the lanes holding NaN or +-Inf
+  return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)),
+                            _mm256_set1_epi32(0x7f800000 - 1));
+}
+
+GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, __m256i& nonfinite) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256 old = _mm256_loadu_ps(src.residual + j);
+  __m256 addend = _mm256_loadu_ps(src.grad + j);
+  if (src.velocity != nullptr) {
+    const __m256 u = _mm256_loadu_ps(src.velocity + j);
+    __m256 kept = u;
+    if (src.masking) {  // +0 where the residual is +-0 (momentum_emptied)
+      const __m256i empty =
+          _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(old), magnitude), _mm256_setzero_si256());
+      kept = _mm256_andnot_ps(_mm256_castsi256_ps(empty), u);
+    }
+    addend = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(src.momentum), kept), addend);  // scale_add
+    _mm256_storeu_ps(src.velocity + j, _mm256_blendv_ps(addend, u, _mm256_castsi256_ps(not_finite8_avx2(addend))));
+  }
+  const __m256 a = _mm256_add_ps(old, addend);
+  nonfinite = not_finite8_avx2(a);
+  const __m256 v = _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite));
+  _mm256_storeu_ps(src.residual + j, v);
+  return v;
+}
+
 /// Bit q of the result is set when the key (|v| bits) of v[q], q < 32, is above `below` (a key
 /// minus one, compared as signed: keys are at most 0x7fffffff).
 GS_TARGET_AVX2 inline uint32_t keys_above32_avx2(const float* v, __m256i below) {

@@ -102,17 +102,17 @@ enum class Read { kUpdate, kResidual, kGrad };
 /// The selection value of element j, read as `kRead` says (scalar; the AVX2 passes' last few
 /// elements); counts a non-finite sum (or gradient) into `bad`.
 template <Read kRead>
-float value1(float* r, const float* g, int64_t j, int64_t& bad) {
+float value1(const Source<float>& src, int64_t j, int64_t& bad) {
   if constexpr (kRead == Read::kUpdate) {
     bool finite;
-    ef_accumulate(r[j], g[j], finite);
+    src.update_element(j, finite);
     bad += !finite;
-    return r[j];
+    return src.residual[j];
   } else if constexpr (kRead == Read::kResidual) {
-    return r[j];
+    return src.residual[j];
   } else {
-    bad += !is_finite(g[j]);
-    return is_finite(g[j]) ? g[j] : 0.0f;
+    bad += !is_finite(src.grad[j]);
+    return src.value(j);
   }
 }
 
@@ -121,27 +121,18 @@ float value1(float* r, const float* g, int64_t j, int64_t& bad) {
 /// The selection values of elements j..j+7; counts non-finite sums (or gradients) into `bad` as
 /// -1 lanes.
 template <Read kRead>
-GS_TARGET_AVX2 inline __m256 values8(float* r, const float* g, int64_t j, __m256i& bad) {
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  const __m256i below_inf = _mm256_set1_epi32(0x7f800000 - 1);
+GS_TARGET_AVX2 inline __m256 values8(const Source<float>& src, int64_t j, __m256i& bad) {
   if constexpr (kRead == Read::kResidual) {
-    (void)g;
     (void)bad;
-    (void)magnitude;
-    (void)below_inf;
-    return _mm256_loadu_ps(r + j);
+    return _mm256_loadu_ps(src.residual + j);
   } else if constexpr (kRead == Read::kUpdate) {
-    const __m256 old = _mm256_loadu_ps(r + j);
-    const __m256 a = _mm256_add_ps(old, _mm256_loadu_ps(g + j));
-    const __m256i nonfinite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(a), magnitude), below_inf);
-    const __m256 v = _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite));
-    _mm256_storeu_ps(r + j, v);
+    __m256i nonfinite;
+    const __m256 v = update8_avx2(src, j, nonfinite);
     bad = _mm256_add_epi32(bad, nonfinite);
     return v;
   } else {
-    (void)r;
-    const __m256 x = _mm256_loadu_ps(g + j);
-    const __m256i nonfinite = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(x), magnitude), below_inf);
+    const __m256 x = _mm256_loadu_ps(src.grad + j);
+    const __m256i nonfinite = not_finite8_avx2(x);
     bad = _mm256_add_epi32(bad, nonfinite);
     return _mm256_andnot_ps(_mm256_castsi256_ps(nonfinite), x);
   }
@@ -189,13 +180,13 @@ GS_TARGET_AVX2 void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, 
 /// MomentLanes' lanes (elements j..j+3 are added, then j+4..j+7), so the sums are the portable
 /// path's to the bit.
 template <Read kRead>
-GS_TARGET_AVX2 Moments moments_f32_avx2(float* r, const float* g, int64_t begin, int64_t end) {
+GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end) {
   const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
   __m256d s = _mm256_setzero_pd(), a = s, q = s, mx = s;
   __m256i bad = _mm256_setzero_si256();
   int64_t j = begin;
   for (; j + 8 <= end; j += 8) {
-    const __m256 v = values8<kRead>(r, g, j, bad);
+    const __m256 v = values8<kRead>(src, j, bad);
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
     const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
     const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
@@ -214,7 +205,7 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(float* r, const float* g, int64_t begin,
   int64_t nonfinite = count_lanes(bad);
   float rest[8];
   int count = 0;
-  for (; j < end; ++j) rest[count++] = value1<kRead>(r, g, j, nonfinite);
+  for (; j < end; ++j) rest[count++] = value1<kRead>(src, j, nonfinite);
   if (count >= 4) lanes.add4(rest);
   lanes.add_rest(rest + (count & 4), count & 3);
   Moments m = lanes.total();
@@ -258,7 +249,7 @@ GS_TARGET_AVX2 inline int add_exceedances4(float* buffer, int n, double scale, _
 /// (no branch per element: a quarter of the elements can be hits; and no chain of one addition
 /// after another: the four lanes add at once).
 template <Read kRead>
-GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t begin, int64_t end, uint32_t key,
+GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
                                               double scale) {
   ExceedanceLanes lanes;
   if (key > 0x7fffffffu) return lanes.total();
@@ -273,7 +264,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t 
   __m256i unused = _mm256_setzero_si256();
   int64_t j = begin;
   for (; j + 8 <= end; j += 8) {
-    const __m256 v = values8<kRead>(r, g, j, unused);
+    const __m256 v = values8<kRead>(src, j, unused);
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
     const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
     if (bits == 0) continue;
@@ -296,7 +287,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t 
   for (int t = 0; t < buffered; ++t) lanes.take(std::fabs(static_cast<double>(buffer[t])) * scale);
   int64_t ignored = 0;
   for (; j < end; ++j) {
-    const float v = value1<kRead>(r, g, j, ignored);
+    const float v = value1<kRead>(src, j, ignored);
     if (Num<float>::key(v) >= key) lanes.take(std::fabs(static_cast<double>(v)) * scale);
   }
   return lanes.total();
@@ -304,9 +295,9 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t 
 
 #else   // only named by code that never runs without AVX2 paths
 template <Read kRead>
-Moments moments_f32_avx2(float* r, const float* g, int64_t begin, int64_t end);
+Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end);
 template <Read kRead>
-Exceedance exceedance_f32_avx2(float* r, const float* g, int64_t begin, int64_t end, uint32_t key, double scale);
+Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
 #endif  // GS_HAVE_AVX2_PATHS
 
 /// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
@@ -341,15 +332,13 @@ template <typename T>
 Moments block_moments(Source<T> src, int64_t begin, int64_t end) {
   Moments m;
   // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
-  if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
-        m = moments_f32_avx2<decltype(read)::value>(reinterpret_cast<float*>(src.residual),
-                                                    reinterpret_cast<const float*>(src.grad), begin, end);
-      }))
+  if (src.residual != nullptr &&
+      avx2_f32<true>(src, [&](auto read) { m = moments_f32_avx2<decltype(read)::value>(as_f32(src), begin, end); }))
     return m;
   if (src.update && src.residual != nullptr) {
     for (int64_t i = begin; i < end; ++i) {
       bool finite;
-      ef_accumulate(src.residual[i], src.grad[i], finite);
+      src.update_element(i, finite);
       m.nonfinite += !finite;
     }
   } else if (src.residual == nullptr) {
@@ -550,8 +539,7 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
   const auto blocks = per_block<Exceedance>(n, [&](int64_t begin, int64_t end) {
     Exceedance e;
     if (avx2_f32(src, [&](auto read) {
-          e = exceedance_f32_avx2<decltype(read)::value>(
-              reinterpret_cast<float*>(src.residual), reinterpret_cast<const float*>(src.grad), begin, end, key, scale);
+          e = exceedance_f32_avx2<decltype(read)::value>(as_f32(src), begin, end, key, scale);
         }))
       return e;
     ExceedanceLanes lanes;

@@ -42,7 +42,7 @@ __global__ void select_count_kernel(Source<T> src, int64_t n, uint32_t key, Rang
     if (i >= n) break;
     if (src.update && src.residual != nullptr) {
       bool finite;
-      ef_accumulate(src.residual[i], src.grad[i], finite);
+      src.update_element(i, finite);
       bad += !finite;
     } else if (src.residual == nullptr) {
       bad += !is_finite(src.grad[i]);
@@ -91,7 +91,7 @@ __global__ void topk_keys_kernel(Source<T> src, int64_t n, K* keys, I* indices, 
   if (i < n) {
     if (src.update && src.residual != nullptr) {
       bool finite;
-      ef_accumulate(src.residual[i], src.grad[i], finite);
+      src.update_element(i, finite);
       bad = !finite;
     } else if (src.residual == nullptr) {
       bad = !is_finite(src.grad[i]);

@@ -32,7 +32,7 @@ __global__ void moments_kernel(Source<T> src, int64_t n, MomentsPartial* partial
        i += static_cast<int64_t>(gridDim.x) * kThreads) {
     if (src.update && src.residual != nullptr) {
       bool finite;
-      ef_accumulate(src.residual[i], src.grad[i], finite);
+      src.update_element(i, finite);
       m.nonfinite += !finite;
     } else if (src.residual == nullptr) {
       m.nonfinite += !is_finite(src.grad[i]);
