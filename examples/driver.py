@@ -344,9 +344,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reference", action="store_true", help="the original code's rules (docs/methods.md)")
     g.add_argument(
         "--momentum-correction",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="gradsparse methods apply --momentum themselves (momentum correction: each rank's velocity is "
-        "sparsified, with error feedback) and the optimizer runs without it; torch's hooks keep it in the optimizer",
+        "sparsified, with error feedback) and the optimizer runs without it; torch's hooks keep it in the optimizer. "
+        "On in the CNN's demo preset (--no-momentum-correction turns it off)",
     )
     g.add_argument(
         "--transport",
@@ -388,6 +390,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def preset_flag(key: str, value: Any) -> str:
+    """A preset's setting as the command line gives it (a switch as --x or --no-x)."""
+    flag = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
+
+
 def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, presets: dict, argv) -> None:
     """Fills the preset's settings into every argument the command line did not give."""
     if args.preset is None:
@@ -395,6 +405,7 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, pres
     if args.preset not in presets:
         parser.error(f"--preset: unknown preset {args.preset!r}; choose from {', '.join(sorted(presets))}")
     given = {a.split("=")[0] for a in (argv or []) if a.startswith("--")}
+    given |= {"--" + a[len("--no-") :] for a in given if a.startswith("--no-")}  # --no-x gives x too
     for key, value in presets[args.preset].items():
         if "--" + key.replace("_", "-") not in given:
             setattr(args, key, value)
@@ -925,7 +936,7 @@ def main(
     presets = presets or {}
     if args.list_presets:
         for name, settings in sorted(presets.items()):
-            print(f"{name}: " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in settings.items()))
+            print(f"{name}: " + " ".join(preset_flag(k, v) for k, v in settings.items()))
         return {}
     apply_preset(parser, args, presets, argv)
     methods = [m.strip() for m in args.method.split(",") if m.strip()]

@@ -253,7 +253,7 @@ def test_the_ncf_recipe_gives_every_embedding_table_its_own_bucket():
     assert sorted(len(h) for h in holding if h) == [1, 1, 1, 1], holding
 
 
-def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
+def _cnn_parser():
     import argparse
 
     from examples.cnn import __main__ as cnn
@@ -261,6 +261,21 @@ def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
     parser = argparse.ArgumentParser()
     driver.add_arguments(parser)
     cnn.add_task_arguments(parser.add_argument_group("task"))
+    return parser
+
+
+def _cnn_args(argv: list[str]):
+    """The CNN's arguments as its main() sees them: parsed, then the preset filled in."""
+    from examples.cnn import __main__ as cnn
+
+    parser = _cnn_parser()
+    args = parser.parse_args(argv)
+    driver.apply_preset(parser, args, cnn.PRESETS, argv)
+    return args
+
+
+def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
+    parser = _cnn_parser()  # no preset filled in
     args = parser.parse_args(["--momentum", "0.8", "--momentum-correction"])
     assert driver.gradsparse_options("dgc", args)["momentum"] == 0.8
     assert driver.gradsparse_options("dense", args)["momentum"] == 0.8  # gradsparse's Dense: momentum SGD
@@ -269,3 +284,25 @@ def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
     plain = parser.parse_args(["--momentum", "0.8"])
     assert "momentum" not in driver.gradsparse_options("dgc", plain)
     assert driver.optimizer_args("dgc", plain).momentum == 0.8
+
+
+def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
+    """A CNN run without --preset is the main job: the demo with momentum correction and the rate's
+    drop before the last epoch; the command line wins, a switch's --no- form included; another
+    preset replaces it; --list-presets prints each preset as flags that parse back to it."""
+    from examples.cnn import __main__ as cnn
+
+    main_job = _cnn_args([])
+    assert (main_job.preset, main_job.epochs, main_job.lr_milestones, main_job.momentum_correction) == (
+        "main-job",
+        4,
+        "3",
+        True,
+    )
+    assert _cnn_args(["--no-momentum-correction", "--epochs", "2"]).momentum_correction is False
+    demo = _cnn_args(["--preset", "demo"])
+    assert (demo.epochs, demo.lr_milestones, demo.momentum_correction) == (4, "", False)
+    for name, settings in cnn.PRESETS.items():
+        flags = " ".join(driver.preset_flag(k, v) for k, v in settings.items()).split()
+        parsed = _cnn_args(["--preset", "sidco-resnet20-cifar10", *flags])  # the flags win over a preset
+        assert {k: getattr(parsed, k) for k in settings} == settings, name

@@ -48,15 +48,15 @@ Source<float> as_f32(const Source<T>& s) {
 }
 
 #if GS_HAVE_AVX2_PATHS
-/// The first pass's update of float32 elements j..j+7 (Source::update_element in 8 lanes, to the
-/// bit): momentum correction when the source has a velocity, then residual += addend where the
-/// sum is finite. Returns the residual's new values; `nonfinite` holds -1 in the lanes whose sum
-/// is not finite (their residual is kept).
 GS_TARGET_AVX2 inline __m256i not_finite8_avx2(__m256 x) {  // -1 in the lanes holding NaN or +-Inf
   return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(0x7fffffff)),
                             _mm256_set1_epi32(0x7f800000 - 1));
 }
 
+/// The first pass's update of float32 elements j..j+7 (Source::update_element in 8 lanes, to the
+/// bit): momentum correction when the source has a velocity, then residual += addend where the
+/// sum is finite. Returns the residual's new values; `nonfinite` holds -1 in the lanes whose sum
+/// is not finite (their residual is kept).
 GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, __m256i& nonfinite) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256 old = _mm256_loadu_ps(src.residual + j);
