@@ -103,8 +103,9 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
 }
 
 // float32 with error feedback, the hot path. One pass updates the residual (and the velocity, with
-// momentum correction) and writes, per 8 elements, a bit mask of the elements whose new residual
-// reaches the threshold key; a second look at the masks, from cache, collects the few selected
+// momentum correction) and writes, per 8 elements, a bit mask of the candidates: the elements whose
+// new residual reaches the threshold key (the portable code also marks a non-finite sum); a second
+// look at the masks, from cache, checks each candidate's residual and collects the few selected
 // pairs. The pass runs as AVX2 code when the CPU has it (chosen at run time), else as portable code.
 int64_t update_block_f32_portable(const Source<float>& src, int64_t begin, int64_t len, uint32_t tkey,
                                   uint8_t* __restrict mask) {
