@@ -348,7 +348,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="gradsparse methods apply --momentum themselves (momentum correction: each rank's velocity is "
         "sparsified, with error feedback) and the optimizer runs without it; torch's hooks keep it in the optimizer. "
-        "On in the CNN's demo preset (--no-momentum-correction turns it off)",
+        "On in the CNN's main-job preset, which a run without --preset takes (--no-momentum-correction turns it off)",
     )
     g.add_argument(
         "--transport",
