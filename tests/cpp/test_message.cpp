@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -49,6 +50,58 @@ TEST(Message, LayoutIsHeaderThenIndicesThenValues) {
   std::memcpy(val, m.bytes.data() + layout.values_offset, sizeof(val));
   EXPECT_EQ(std::vector<uint32_t>(idx, idx + 3), (std::vector<uint32_t>{1, 3, 4}));
   EXPECT_EQ(std::vector<float>(val, val + 3), (std::vector<float>{3.0f, -4.0f, 1.0f}));
+}
+
+TEST(Message, PaddingBytesAreZero) {
+  const Packed m = pack_threshold({0.0f, 3.0f, -0.5f, -4.0f, 1.0f}, 1.0);  // 3 pairs: 4 + 4 bytes of padding
+  const MessageLayout layout(3, 4, DType::kFloat32);
+  for (size_t b = 32 + 12; b < layout.values_offset; ++b) EXPECT_EQ(m.bytes[b], 0) << "byte " << b;
+  for (size_t b = layout.values_offset + 12; b < layout.total_bytes; ++b) EXPECT_EQ(m.bytes[b], 0) << "byte " << b;
+}
+
+/// Device::emit lays a subset of candidates out in place, in parallel blocks of pairs: the same
+/// bytes as the selection kernel's message of the same pairs, and a bad index in any block is
+/// named with its position.
+TEST(Message, EmittedSubsetIsTheKernelsMessage) {
+  const int64_t n = 1'000'003;
+  std::vector<float> grad(static_cast<size_t>(n), 0.25f);
+  std::vector<int64_t> index;  // candidates: every 7th element
+  std::vector<float> value;
+  std::vector<size_t> chosen;  // of which every other one, 71,429 pairs: three blocks of pairs
+  for (int64_t i = 0; i < n; i += 7) {
+    if (index.size() % 2 == 0) {
+      chosen.push_back(index.size());
+      grad[static_cast<size_t>(i)] = 1.0f + static_cast<float>(i % 13);
+    }
+    index.push_back(i);
+    value.push_back(grad[static_cast<size_t>(i)]);
+  }
+  CpuDevice device;
+  BucketView bucket{DType::kFloat32, n, grad.data(), nullptr};
+  HostPairs pairs(index, &value);
+  pairs.at = chosen.data();
+  pairs.count = chosen.size();
+  const Selection emitted = device.emit(bucket, pairs, false);
+  const Packed kernel = pack_threshold(grad, 1.0);
+  ASSERT_EQ(emitted.count, static_cast<int64_t>(chosen.size()));
+  ASSERT_EQ(kernel.count, emitted.count);
+  const auto* p = emitted.message.as<unsigned char>();
+  EXPECT_EQ(std::vector<unsigned char>(p, p + emitted.bytes), kernel.bytes);
+
+  for (size_t at : {size_t{5}, size_t{40'000}, chosen.size() - 1}) {  // in the first, second and last block
+    std::vector<int64_t> bad = index;
+    bad[chosen[at]] = at + 1 < chosen.size() ? index[chosen[at + 1]] : n;  // a repeat, or past the end
+    HostPairs b(bad, &value);
+    b.at = chosen.data();
+    b.count = chosen.size();
+    const size_t named = at + 1 < chosen.size() ? at + 1 : at;
+    try {
+      device.emit(bucket, b, false);
+      ADD_FAILURE() << "no error for a bad index at position " << at;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("at position " + std::to_string(named)), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Message, EmptySelectionIsAValidHeaderOnlyMessage) {

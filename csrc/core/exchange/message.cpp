@@ -2,37 +2,62 @@
 // kernel writes to), reading them on arrival, and their pairs on the host.
 #include "gradsparse/message.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "gradsparse/device.h"
 #include "gradsparse/kernels.h"
+#include "gradsparse/parallel.h"
 
 namespace gradsparse {
 
-std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const std::vector<int64_t>& index,
-                                     const std::vector<float>* value) {
+void pack_pairs(DType dtype, int64_t dense_size, const HostPairs& pairs, unsigned char* dst) {
   const int index_bytes = index_bytes_for(static_cast<uint64_t>(dense_size));
-  const uint64_t count = index.size();
+  const uint64_t count = pairs.count;
   const MessageLayout layout(count, index_bytes, dtype);
-  std::vector<unsigned char> host(layout.total_bytes, 0);
   const MessageHeader h = make_header(dtype, index_bytes, static_cast<uint64_t>(dense_size), count);
-  std::memcpy(host.data(), &h, sizeof(h));
-  for (size_t j = 0; j < index.size(); ++j) {
-    GS_CHECK(index[j] >= 0 && index[j] < dense_size && (j == 0 || index[j - 1] < index[j]), ValueError,
-             "message indices must be ascending and inside the bucket; index ", index[j], " at position ", j);
-  }
+  std::memcpy(dst, &h, sizeof(h));
+  const size_t index_end = layout.indices_offset + count * static_cast<size_t>(index_bytes);
+  std::memset(dst + index_end, 0, layout.values_offset - index_end);
+  const size_t value_end = layout.values_offset + count * dtype_size(dtype);
+  std::memset(dst + value_end, 0, layout.total_bytes - value_end);
+  constexpr int64_t kPairs = int64_t{1} << 15;  // pairs per parallel block
+  const int64_t blocks = (static_cast<int64_t>(count) + kPairs - 1) / kPairs;
+  std::vector<char> bad(static_cast<size_t>(blocks), 0);
   dispatch_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_index(index_bytes, [&](auto i) {
       using I = decltype(i);
-      auto* idx = reinterpret_cast<I*>(host.data() + layout.indices_offset);
-      auto* val = reinterpret_cast<T*>(host.data() + layout.values_offset);
-      for (size_t j = 0; j < index.size(); ++j) {
-        idx[j] = static_cast<I>(index[j]);
-        if (value != nullptr) val[j] = Num<T>::from_float((*value)[j]);
-      }
+      auto* idx = reinterpret_cast<I*>(dst + layout.indices_offset);
+      auto* val = reinterpret_cast<T*>(dst + layout.values_offset);
+      parallel_blocks(blocks, [&](int64_t b) {
+        const size_t begin = static_cast<size_t>(b * kPairs), end = std::min<size_t>(count, begin + kPairs);
+        int64_t previous = begin == 0 ? -1 : pairs.index[pairs.source(begin - 1)];
+        bool ok = true;
+        for (size_t j = begin; j < end; ++j) {
+          const size_t from = pairs.source(j);
+          const int64_t at = pairs.index[from];
+          ok &= at > previous && at < dense_size;
+          previous = at;
+          idx[j] = static_cast<I>(at);
+          val[j] = pairs.value == nullptr ? T{} : Num<T>::from_float(pairs.value[from]);
+        }
+        bad[static_cast<size_t>(b)] = !ok;
+      });
     });
   });
+  if (std::find(bad.begin(), bad.end(), 1) == bad.end()) return;
+  for (size_t j = 0; j < count; ++j) {  // name the first bad index
+    const int64_t at = pairs.index[pairs.source(j)];
+    GS_CHECK(at >= 0 && at < dense_size && (j == 0 || pairs.index[pairs.source(j - 1)] < at), ValueError,
+             "message indices must be ascending and inside the bucket; index ", at, " at position ", j);
+  }
+}
+
+std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const HostPairs& pairs) {
+  const MessageLayout layout(pairs.count, index_bytes_for(static_cast<uint64_t>(dense_size)), dtype);
+  std::vector<unsigned char> host(layout.total_bytes);
+  pack_pairs(dtype, dense_size, pairs, host.data());
   return host;
 }
 
@@ -88,15 +113,18 @@ void HostMessage::check_indices() const {
 
 namespace {
 
-/// A sink that allocates `out`'s message on `device` once the count is known, zeroes it
-/// (deterministic padding bytes) and writes its header.
+/// A sink that allocates `out`'s message on `device` once the count is known, zeroes its padding
+/// (deterministic bytes; the kernel writes every pair) and writes its header.
 PairSink message_sink(Device& device, const BucketView& bucket, int index_bytes, Selection& out) {
   return [&device, &bucket, index_bytes, &out](int64_t count) {
     const MessageLayout layout(static_cast<uint64_t>(count), index_bytes, bucket.dtype);
     out.message = device.allocate(layout.total_bytes);
     out.bytes = layout.total_bytes;
     auto* base = out.message.as<unsigned char>();
-    device.fill_zero(base, layout.total_bytes);
+    const size_t index_end = layout.indices_offset + static_cast<size_t>(count) * index_bytes;
+    const size_t value_end = layout.values_offset + static_cast<size_t>(count) * dtype_size(bucket.dtype);
+    device.fill_zero(base + index_end, layout.values_offset - index_end);
+    device.fill_zero(base + value_end, layout.total_bytes - value_end);
     const MessageHeader h =
         make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(count));
     device.copy_from_host(base, &h, sizeof(h));
@@ -138,18 +166,24 @@ Selection Device::select_topk(const BucketView& bucket, int64_t k, bool update) 
   });
 }
 
-Selection Device::emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
-                       bool zero) {
-  GS_ASSERT(index.size() == value.size());
-  Selection out =
-      upload(*this, pack_host(bucket.dtype, bucket.numel, index, &value), static_cast<int64_t>(index.size()));
+Selection Device::emit(const BucketView& bucket, const HostPairs& pairs, bool zero) {
+  Selection out;
+  if (kind() == DeviceKind::kCPU) {  // laid out in place: no host copy to upload
+    const MessageLayout layout(pairs.count, index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype);
+    out.message = allocate(layout.total_bytes);
+    out.bytes = layout.total_bytes;
+    out.count = static_cast<int64_t>(pairs.count);
+    pack_pairs(bucket.dtype, bucket.numel, pairs, out.message.as<unsigned char>());
+  } else {
+    out = upload(*this, pack_host(bucket.dtype, bucket.numel, pairs), static_cast<int64_t>(pairs.count));
+  }
   if (zero && bucket.residual != nullptr) zero_at(bucket, out.view(bucket.dtype, bucket.numel));
   return out;
 }
 
 Selection Device::gather(const BucketView& bucket, const std::vector<int64_t>& index) {
-  Selection out =
-      upload(*this, pack_host(bucket.dtype, bucket.numel, index, nullptr), static_cast<int64_t>(index.size()));
+  Selection out = upload(*this, pack_host(bucket.dtype, bucket.numel, HostPairs(index, nullptr)),
+                         static_cast<int64_t>(index.size()));
   if (!index.empty()) {
     const MessageView view = out.view(bucket.dtype, bucket.numel);
     gather_values(bucket, view, out.message.as<unsigned char>() + view.layout().values_offset);

@@ -178,13 +178,10 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
 /// The candidates at the given positions, as a message.
 inline Selection emit_subset(Device& device, const BucketView& bucket, const Candidates& c,
                              const std::vector<size_t>& positions, bool zero) {
-  std::vector<int64_t> index(positions.size());
-  std::vector<float> value(positions.size());
-  for (size_t j = 0; j < positions.size(); ++j) {
-    index[j] = c.index[positions[j]];
-    value[j] = c.value[positions[j]];
-  }
-  return device.emit(bucket, index, value, zero);
+  HostPairs pairs(c.index, &c.value);
+  pairs.at = positions.data();
+  pairs.count = positions.size();
+  return device.emit(bucket, pairs, zero);
 }
 
 }  // namespace gradsparse::method_util

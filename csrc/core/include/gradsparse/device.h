@@ -197,8 +197,11 @@ class Device {
     return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
   }
   /// A message of the given pairs (indices ascending); zeroes the residual there when `zero`.
+  Selection emit(const BucketView& bucket, const HostPairs& pairs, bool zero);
   Selection emit(const BucketView& bucket, const std::vector<int64_t>& index, const std::vector<float>& value,
-                 bool zero);
+                 bool zero) {
+    return emit(bucket, HostPairs(index, &value), zero);
+  }
   /// A message holding the selection values at `index` (ascending, host vector).
   Selection gather(const BucketView& bucket, const std::vector<int64_t>& index);
 };

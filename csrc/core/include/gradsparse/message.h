@@ -168,11 +168,30 @@ inline MessageView view_host_message(const void* data, size_t bytes, DType expec
                           source_rank);
 }
 
-/// A message laid out on the host: `count` pairs of ascending indices (checked: inside
-/// [0, dense_size), strictly ascending; ValueError otherwise) and, when `value` is given, their
-/// values rounded to `dtype` (else zeros, for a kernel to fill).
-std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const std::vector<int64_t>& index,
-                                     const std::vector<float>* value);
+/// Pairs in host memory to lay out as a message: pair j is (index[j], value[j]), or with `at`,
+/// (index[at[j]], value[at[j]]) (a subset of candidates without copying it out first).
+struct HostPairs {
+  const int64_t* index = nullptr;
+  const float* value = nullptr;  ///< null: the values are left zero, for a kernel to fill
+  const size_t* at = nullptr;
+  size_t count = 0;
+
+  HostPairs() = default;
+  HostPairs(const std::vector<int64_t>& i, const std::vector<float>* v)
+      : index(i.data()), value(v == nullptr ? nullptr : v->data()), count(i.size()) {
+    GS_ASSERT(v == nullptr || v->size() == i.size());
+  }
+  size_t source(size_t j) const { return at == nullptr ? j : at[j]; }
+};
+
+/// Lays out `pairs` as a message at `dst` (MessageLayout's total_bytes for their count): the
+/// header, the indices (checked: inside [0, dense_size), strictly ascending; ValueError
+/// otherwise), the values rounded to `dtype` (zeros without values) and zero padding. In host
+/// memory; parallel over blocks of pairs.
+void pack_pairs(DType dtype, int64_t dense_size, const HostPairs& pairs, unsigned char* dst);
+
+/// pack_pairs into a new host buffer.
+std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const HostPairs& pairs);
 
 /// What every exchange sends first (one allgather of 32 bytes per rank, unless the ranks agreed
 /// them while selecting: Selection::agreed): the size of each rank's message, its pair count,
