@@ -190,9 +190,12 @@ TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
       EXPECT_EQ(e.sum_sq, sum_sq) << n << " " << threshold;
     }
 
-    // Few thresholds (compared with every element), repeated ones, and many (found by a table).
+    // Few thresholds (compared with every element: 1, 2, 4 or 8 comparisons), repeated ones, and
+    // many (found by a table).
     for (const std::vector<double>& thresholds :
-         {std::vector<double>{0.4}, std::vector<double>{0.1, 0.1, 2.0, 1e30}, std::vector<double>{1.5, 0.2, 0.9},
+         {std::vector<double>{0.4}, std::vector<double>{1.1, 0.3}, std::vector<double>{0.1, 0.1, 2.0, 1e30},
+          std::vector<double>{1.5, 0.2, 0.9}, std::vector<double>{0.05, 0.1, 0.2, 0.4, 0.8, 1.6},
+          std::vector<double>{0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4},
           std::vector<double>{0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8}}) {
       const auto counts = device.count(view, Range{n / 5, n - n / 7}, thresholds, false);
       for (size_t j = 0; j < thresholds.size(); ++j) {

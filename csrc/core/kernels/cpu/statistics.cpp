@@ -153,27 +153,37 @@ inline int below_key(uint32_t key) { return key > 0x7fffffffu ? 0x7fffffff : sta
 /// count_keys() with at most kFewKeys keys: every element of [lo, hi) is compared with every key,
 /// 8 elements at a time and with no branch per element (the hit-by-hit path costs a branch and a
 /// table look-up per element at or above the lowest key, which can be most of them);
-/// at_least[j] gets the number of elements whose key is >= keys[j].
+/// at_least[j] gets the number of elements whose key is >= keys[j]. kKeys (>= m) comparisons per
+/// element: count_few_keys_avx2 picks the fewest of 1, 2, 4 or 8.
 constexpr int kFewKeys = 8;
 
-GS_TARGET_AVX2 void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t* keys, int m,
-                                        int64_t* at_least) {
+template <int kKeys>
+GS_TARGET_AVX2 void count_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t* keys, int m,
+                                    int64_t* at_least) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  __m256i below[kFewKeys], acc[kFewKeys];
-  for (int j = 0; j < kFewKeys; ++j) {
+  __m256i below[kKeys], acc[kKeys];
+  for (int j = 0; j < kKeys; ++j) {
     below[j] = _mm256_set1_epi32(below_key(j < m ? keys[j] : kNoKey));  // unused keys match nothing
     acc[j] = _mm256_setzero_si256();
   }
   int64_t i = lo;
   for (; i + 8 <= hi; i += 8) {  // at most kCpuBlock / 8 steps: the int32 lanes cannot overflow
     const __m256i key = _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(v + i)), magnitude);
-    for (int j = 0; j < kFewKeys; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_cmpgt_epi32(key, below[j]));
+    for (int j = 0; j < kKeys; ++j) acc[j] = _mm256_add_epi32(acc[j], _mm256_cmpgt_epi32(key, below[j]));
   }
   for (int j = 0; j < m; ++j) {
     int64_t c = count_lanes(acc[j]);
     for (int64_t t = i; t < hi; ++t) c += Num<float>::key(v[t]) >= keys[j];
     at_least[j] = c;
   }
+}
+
+void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t* keys, int m, int64_t* at_least) {
+  GS_ASSERT(m <= kFewKeys);
+  if (m <= 1) return count_keys_avx2<1>(v, lo, hi, keys, m, at_least);
+  if (m <= 2) return count_keys_avx2<2>(v, lo, hi, keys, m, at_least);
+  if (m <= 4) return count_keys_avx2<4>(v, lo, hi, keys, m, at_least);
+  count_keys_avx2<kFewKeys>(v, lo, hi, keys, m, at_least);
 }
 
 /// moments() of a float32 block, 8 elements a step: the four float64 lanes of a vector are
