@@ -1,0 +1,98 @@
+// One method's selection step against a plain residual add, in C++ (target `select_step` of the
+// CMake build). For comparing two builds of the core binary against binary without rebuilding the
+// Python extension: build each (cmake -S <tree> -B <dir> -DCMAKE_BUILD_TYPE=Release, then
+// ninja -C <dir> select_step) and run the two binaries in turn, several times:
+//
+//     OMP_NUM_THREADS=2 <dir>/select_step gaussiank 0.01 [steps=20] [n=25e6]
+//
+// Every step restores the residual first (the same work each step, as benchmarks/select.py does),
+// times a residual add on the same data just before the step, and reads the step's
+// select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
+// and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, micro, exdyna, in their
+// default modes.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gradsparse/cpu_device.h"
+#include "gradsparse/methods.h"
+#include "gradsparse/parallel.h"
+#include "gradsparse/reduce_bucket.h"
+#include "gradsparse/transport.h"
+
+using namespace gradsparse;
+
+namespace {
+
+std::unique_ptr<Method> make(const std::string& name, double density) {
+  if (name == "topk") return std::make_unique<TopK>(density);
+  if (name == "gaussiank") return std::make_unique<GaussianK>(density, "spardl");
+  if (name == "dgc") return std::make_unique<DGC>(density, 1);
+  if (name == "redsync") return std::make_unique<RedSync>(density);
+  if (name == "micro") return std::make_unique<MiCRO>(density, "union", false, 0);
+  if (name == "exdyna") return std::make_unique<ExDyna>(density, "union", false, 0);
+  return nullptr;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: select_step METHOD DENSITY [STEPS] [N]\n");
+    return 2;
+  }
+  const std::string name = argv[1];
+  const double density = std::stod(argv[2]);
+  const int steps = argc > 3 ? std::stoi(argv[3]) : 20;
+  const auto n = static_cast<int64_t>(argc > 4 ? std::stod(argv[4]) : 25e6);
+  std::unique_ptr<Method> method = make(name, density);
+  if (method == nullptr || steps < 1 || n < 1) {
+    std::fprintf(stderr,
+                 "select_step: unknown method %s (topk, gaussiank, dgc, redsync, micro, exdyna), or STEPS/N < 1\n",
+                 name.c_str());
+    return 2;
+  }
+  std::vector<float> grad(static_cast<size_t>(n)), start(grad.size()), residual(grad.size()), out(grad.size());
+  std::mt19937 rng(0);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (size_t i = 0; i < grad.size(); ++i) {
+    grad[i] = normal(rng) * 1e-3f;
+    start[i] = normal(rng) * 5e-4f;
+  }
+  auto group = ThreadGroup::create(1);
+  auto transport = group->transport(0);
+  CpuDevice device;
+  const int threads = cpu_threads();  // the add runs on the kernels' threads
+  std::vector<double> select, add, exchange;
+  for (int s = 0; s < steps + 2; ++s) {  // two warm-up steps: some methods start differently
+    std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
+    const auto t0 = std::chrono::steady_clock::now();
+    float* r = residual.data();
+    const float* g = grad.data();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n; ++i) r[i] += g[i];
+    const double t_add = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
+    std::memcpy(out.data(), grad.data(), out.size() * sizeof(float));
+    BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};
+    const ReduceReport report = reduce_bucket(method.get(), *transport, device, bucket, ReduceOptions{});
+    if (s < 2) continue;
+    select.push_back(report.select_seconds);
+    add.push_back(t_add);
+    exchange.push_back(report.exchange_seconds);
+  }
+  std::printf("%s density %g, N %lld, %d steps: select %.2f ms, add %.2f ms, select / add %.2f, exchange %.2f ms\n",
+              name.c_str(), density, static_cast<long long>(n), steps, 1e3 * median(select), 1e3 * median(add),
+              median(select) / median(add), 1e3 * median(exchange));
+  return 0;
+}
