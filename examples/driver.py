@@ -13,7 +13,8 @@ Every run writes to ``--out`` (one folder per method when several are given):
     tb/                     TensorBoard event files (when tensorboard is installed)
     checkpoint-rank<r>.pt   model, optimizer, schedule, gradsparse state (residuals), RNG states
 
-A run whose folder holds checkpoints resumes from them (``--fresh`` starts over).
+A run whose folder holds checkpoints resumes from them (``--fresh`` starts over), with the options
+it was saved with: changing one that shapes the training (all but :data:`RESUMABLE`) is refused.
 
 ``--synthetic-data`` replaces the dataset with random inputs of its shapes and sizes, so that the
 seeds' models can be measured at their real sizes where their data cannot be downloaded: such a
@@ -571,6 +572,29 @@ def _local(value: Any) -> Any:
     return value
 
 
+# Options a resumed run may change: where it is written, how long it goes on, how it is launched
+# and shown. Every other option shapes the training, and a checkpoint keeps the values it ran with.
+RESUMABLE = frozenset(
+    {"out", "fresh", "no_progress", "list_presets", "preset", "method", "epochs", "max_steps", "checkpoint_every",
+     "threads", "data_dir", "backend", "transport"}
+)  # fmt: skip
+
+
+def run_options(args: argparse.Namespace) -> dict:
+    """The options that shape a run's training (all but RESUMABLE), as saved in its checkpoints."""
+    return {key: value for key, value in sorted(vars(args).items()) if key not in RESUMABLE}
+
+
+def changed_options(saved: dict, now: dict) -> list[str]:
+    """The options whose value differs between a checkpoint and this run, as the command line
+    gives them (an option added since the checkpoint was saved is not compared)."""
+    return [
+        f"--{key.replace('_', '-')} {saved[key]!r} in the checkpoint, {now[key]!r} now"
+        for key in sorted(saved.keys() & now.keys())
+        if saved[key] != now[key]
+    ]
+
+
 class Run:
     """One method's training run, resumable."""
 
@@ -618,6 +642,7 @@ class Run:
         state = {
             "method": self.method,
             "world_size": self.world,
+            "options": run_options(self.args),
             "step": self.step,
             "elapsed": self.elapsed,
             "bytes_total": self.bytes_total,
@@ -673,6 +698,12 @@ class Run:
             raise SystemExit(
                 f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers, this run "
                 f"is {self.method} on {self.world}; use another --out or pass --fresh"
+            )
+        changed = changed_options(state.get("options", {}), run_options(self.args))
+        if changed:  # resuming would continue the saved run as if it had been this one
+            raise SystemExit(
+                f"{self.folder}: the checkpoint's run was trained with other options ({'; '.join(changed)}); "
+                "resume with the saved values, use another --out, or pass --fresh"
             )
         self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
@@ -954,15 +985,16 @@ def main(
         folder = os.path.join(out, method) if len(methods) > 1 else out
         if rank == 0:
             os.makedirs(folder, exist_ok=True)
+        dist.barrier()
+        run = Run(task, method, args, folder, rank, world)
+        resumed = not args.fresh and run.try_resume()
+        if rank == 0:  # after the checks, so that a refused resume leaves the saved run's config
             with open(os.path.join(folder, "config.json"), "w") as f:
                 json.dump(
                     {**vars(args), "method": method, "world_size": world, "task": task.name, "parameters": n},
                     f,
                     indent=2,
                 )
-        dist.barrier()
-        run = Run(task, method, args, folder, rank, world)
-        resumed = not args.fresh and run.try_resume()
         if resumed and rank == 0:
             print(f"[{method:>9}] resuming from step {run.step} ({folder})", flush=True)
         recorder = Recorder(folder, _metric_fields(task), rank, resumed)

@@ -33,10 +33,14 @@ TASKS = {
 }  # fmt: skip
 
 
-def launch(command: list[str], args: list[str], timeout: float = 900) -> str:
+def start(command: list[str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([*command, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([*command, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(command: list[str], args: list[str], timeout: float = 900) -> str:
+    done = start(command, args, timeout)
     assert done.returncode == 0, f"{' '.join(command + args)}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done.stdout
 
@@ -135,6 +139,24 @@ def test_resume_is_exact(tmp_path, task):
             assert_same(resumed[key], straight[key], f"{method}: {key}")
         steps = read_csv(tmp_path / "resumed" / method / "steps.csv")
         assert [int(r["step"]) for r in steps] == list(range(1, 10))
+
+
+def test_a_run_folder_resumes_only_with_the_options_it_was_trained_with(tmp_path):
+    """A new --seed or learning rate on an existing folder is refused on every rank, naming each
+    changed option, and leaves the saved run (checkpoints, config.json) as it was; the options
+    that do not shape the training (length, checkpointing, threads) may change."""
+    args = [*TASKS["cnn"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
+    launch(torchrun("cnn"), [*args, "--max-steps", "2"])
+    config = (tmp_path / "config.json").read_text()
+    refused = start(torchrun("cnn"), [*args, "--max-steps", "3", "--seed", "1", "--lr", "0.1"])
+    assert refused.returncode != 0
+    for option in ("--seed 0 in the checkpoint, 1 now", "--lr 0.05 in the checkpoint, 0.1 now"):
+        assert (refused.stdout + refused.stderr).count(option) == 2, (option, refused.stderr[-3000:])  # both ranks
+    assert (tmp_path / "config.json").read_text() == config
+    assert torch.load(tmp_path / "checkpoint-rank0.pt", weights_only=False)["step"] == 2
+    out = launch(torchrun("cnn"), [*args, "--max-steps", "3", "--checkpoint-every", "1", "--threads", "1"])
+    assert "resuming from step 2" in out
+    assert torch.load(tmp_path / "checkpoint-rank0.pt", weights_only=False)["step"] == 3
 
 
 @pytest.mark.parametrize("task", ["cnn", "lstm"])
