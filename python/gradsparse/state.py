@@ -209,6 +209,15 @@ class State:
         self._method_config = {o.name: o.validate(owner, options.get(o.name, o.default)) for o in self.OPTIONS}
         self._check_options(self._method_config)
 
+    # The shared options that decide what state a rank keeps: saved with the method's options and
+    # checked when a state dict is loaded.
+    _STATE_OPTIONS = ("error_feedback", "momentum")
+
+    def _saved_config(self) -> dict[str, Any]:
+        """The options a state dict records and load_state_dict() requires to match."""
+        shared = self.config()
+        return {**self._method_config, **{k: shared[k] for k in self._STATE_OPTIONS}}
+
     def _check_options(self, config: dict[str, Any]) -> None:
         """Rules that tie several of the method's options together (each option is checked alone
         by its declaration)."""
@@ -600,7 +609,7 @@ class State:
         return {
             "version": STATE_DICT_VERSION,
             "class": owner,
-            "config": dict(self._method_config),
+            "config": self._saved_config(),
             "step": self._step,
             "rank": rank,
             "world_size": world_size,
@@ -612,8 +621,9 @@ class State:
         }
 
     def load_state_dict(self, state_dict: dict, *, any_rank: bool = False) -> None:
-        """Restores a state dict saved by the same method with the same options, on the same rank
-        of the same world size (``any_rank=True`` accepts another rank's). A state dict of
+        """Restores a state dict saved by the same method with the same options (the method's, and
+        ``error_feedback`` and ``momentum``, which decide what state is kept), on the same rank of
+        the same world size (``any_rank=True`` accepts another rank's). A state dict of
         :class:`gradsparse.AllRanks` gives each rank its own part.
 
         Residuals are put back by parameter name at the next step; that step is reduced in the
@@ -622,13 +632,32 @@ class State:
         """
         owner = type(self).__name__
         state_dict = upgrade(owner, state_dict)
-        # An option added since the state dict was saved takes its default.
-        saved_config = {**{o.name: o.default for o in self.OPTIONS}, **state_dict["config"]}
-        if state_dict["class"] != owner or saved_config != self._method_config:
+        mine = self._saved_config()
+        # A method option added since the state dict was saved takes its default; error feedback and
+        # momentum, which older state dicts do not name, are not compared with theirs.
+        saved_config = {
+            **{o.name: o.default for o in self.OPTIONS},
+            **{k: mine[k] for k in self._STATE_OPTIONS},
+            **state_dict["config"],
+        }
+        if state_dict["class"] != owner:
             raise ValueError(
                 f"{owner}.load_state_dict: the state dict was saved by {state_dict['class']}"
-                f"({state_dict['config']}) but this state is {owner}({self._method_config}); "
-                "create the same method with the same options before loading"
+                f"({state_dict['config']}) but this state is {owner}({mine}); create the same method with the same "
+                "options before loading"
+            )
+        differ = [k for k in sorted(saved_config.keys() | mine.keys()) if saved_config.get(k) != mine.get(k)]
+        if differ:
+            raise ValueError(
+                f"{owner}.load_state_dict: the state dict was saved with other options ("
+                + ", ".join(f"{k}={saved_config.get(k)!r} saved, {mine.get(k)!r} here" for k in differ)
+                + f"); create {owner} with the saved options before loading"
+                + (
+                    " (to change the momentum on purpose, set the state dict's config['momentum'] first: the saved "
+                    "velocities are then dropped, or start at zero)"
+                    if "momentum" in differ
+                    else ""
+                )
             )
         if self._engine is None and not (dist.is_available() and dist.is_initialized()):
             self._unchecked = (state_dict, any_rank)  # checked against this rank in setup()
@@ -645,8 +674,8 @@ class State:
         self._loaded = Loaded(state_dict)
         if state_dict.get("link") is not None:
             self._link = tuple(state_dict["link"])
-        # A velocity saved with momentum is dropped when this state has none (and starts at zero
-        # in the opposite case), as an optimizer's momentum buffers are when the momentum changes.
+        # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
+        # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
         self._table.park({"residual": state_dict["residuals"], "velocity": velocities}, self._loaded.method_states())
         self._metrics.load_state_dict(state_dict["stats"])

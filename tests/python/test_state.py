@@ -174,7 +174,11 @@ def test_state_dict_round_trip_restores_residuals_by_name():
     sd = state.state_dict()
     names = {name for name, _ in ddp.module.named_parameters()}
     assert set(sd["residuals"]) == names
-    assert sd["step"] == 3 and sd["class"] == "TopK" and sd["config"] == {"density": 0.05, "exchange": "gather"}
+    assert (
+        sd["step"] == 3
+        and sd["class"] == "TopK"
+        and sd["config"] == {"density": 0.05, "exchange": "gather", "error_feedback": True, "momentum": 0.0}
+    )
     assert any(t.abs().sum() > 0 for t in sd["residuals"].values())
     saved = {k: v.clone() for k, v in sd["residuals"].items()}
 
@@ -195,9 +199,7 @@ def test_load_state_dict_rejects_another_method_or_config():
     ddp = _hooked(state)
     _train(ddp, 1)
     sd = state.state_dict()
-    with pytest.raises(
-        ValueError, match=r"saved by TopK\(\{'density': 0.05, 'exchange': 'gather'\}\) but this state is TopK"
-    ):
+    with pytest.raises(ValueError, match=r"saved with other options \(density=0.05 saved, 0.1 here\); create TopK"):
         gs.TopK(density=0.1).load_state_dict(sd)
     with pytest.raises(ValueError, match="saved by TopK"):
         gs.Threshold(threshold=0.1).load_state_dict(sd)
@@ -210,12 +212,13 @@ def test_a_state_dict_saved_before_an_option_existed_loads_with_its_default():
     ddp = _hooked(state)
     _train(ddp, 1)
     sd = state.state_dict()
-    sd["config"] = {"density": 0.05}  # as gradsparse saved TopK before it had `exchange`
+    sd["config"] = {"density": 0.05}  # as gradsparse saved TopK before it had `exchange` (and named momentum)
     fresh = gs.TopK(density=0.05)
     fresh.load_state_dict(sd)
     assert fresh.step == 1
-    with pytest.raises(ValueError, match="saved by TopK"):
+    with pytest.raises(ValueError, match="exchange='gather' saved, 'reduce_scatter' here"):
         gs.TopK(density=0.05, exchange="reduce_scatter").load_state_dict(sd)
+    gs.TopK(density=0.05, momentum=0.9).load_state_dict(sd)  # an older state dict's momentum is not known
 
 
 def test_repr_and_config():
@@ -558,12 +561,17 @@ def test_velocities_are_saved_by_name_and_resume_exactly():
     for kind in ("residuals", "velocities"):
         for name, value in state.state_dict()[kind].items():
             assert torch.equal(value, resumed.state_dict()[kind][name]), (kind, name)
-    # A state without momentum drops saved velocities (as an optimizer drops momentum buffers).
+    # Another momentum is refused on load, naming it; changed on purpose in the state dict's
+    # config, it loads and the saved velocities are dropped.
     plain = gs.TopK(density=0.05)
     ddp3 = _hooked(plain, weights_of=ddp)
-    plain.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"momentum=0\.9 saved, 0\.0 here.*config\['momentum'\]"):
+        plain.load_state_dict(sd)
+    plain.load_state_dict(dict(sd, config=dict(sd["config"], momentum=0.0)))
     _train(ddp3, 1)
     assert plain.state_dict()["velocities"] == {}
+    with pytest.raises(ValueError, match=r"error_feedback=True saved, False here"):
+        gs.TopK(density=0.05, error_feedback=False).load_state_dict(dict(sd, config=dict(sd["config"], momentum=0.0)))
 
 
 @pytest.mark.parametrize(
