@@ -47,9 +47,8 @@ at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t den
   if (count > 0) {
     // uint32 indices are stored as int32 bit patterns (two's complement truncation).
     const at::Tensor idx = indices.to(index_bytes == 4 ? at::kInt : at::kLong).contiguous();
-    message.slice(0, layout.indices_offset, layout.indices_offset + count * index_bytes).copy_(idx.view(at::kByte));
-    message.slice(0, layout.values_offset, layout.values_offset + count * dtype_size(dtype))
-        .copy_(values.contiguous().view(at::kByte));
+    message.slice(0, layout.indices_offset, layout.indices_end).copy_(idx.view(at::kByte));
+    message.slice(0, layout.values_offset, layout.values_end).copy_(values.contiguous().view(at::kByte));
   }
   return message;
 }
@@ -71,14 +70,12 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
     return header;
   });
   const MessageLayout layout(h.count, h.index_bytes, core);
-  const int64_t count = static_cast<int64_t>(h.count);
-  at::Tensor indices = bytes.slice(0, layout.indices_offset, layout.indices_offset + count * h.index_bytes)
+  at::Tensor indices = bytes.slice(0, layout.indices_offset, layout.indices_end)
                            .view(h.index_bytes == 4 ? at::kInt : at::kLong)
                            .to(at::kLong, /*non_blocking=*/false, /*copy=*/true);
   if (h.index_bytes == 4) indices = indices.bitwise_and(0xffffffffLL);  // the stored values are uint32
   check_message_indices(indices, dense_size, "unpack");
-  at::Tensor values =
-      bytes.slice(0, layout.values_offset, layout.values_offset + count * dtype_size(core)).view(dtype).clone();
+  at::Tensor values = bytes.slice(0, layout.values_offset, layout.values_end).view(dtype).clone();
   return {indices, values};
 }
 

@@ -17,10 +17,8 @@ void pack_pairs(DType dtype, int64_t dense_size, const HostPairs& pairs, unsigne
   const MessageLayout layout(count, index_bytes, dtype);
   const MessageHeader h = make_header(dtype, index_bytes, static_cast<uint64_t>(dense_size), count);
   std::memcpy(dst, &h, sizeof(h));
-  const size_t index_end = layout.indices_offset + count * static_cast<size_t>(index_bytes);
-  std::memset(dst + index_end, 0, layout.values_offset - index_end);
-  const size_t value_end = layout.values_offset + count * dtype_size(dtype);
-  std::memset(dst + value_end, 0, layout.total_bytes - value_end);
+  std::memset(dst + layout.indices_end, 0, layout.values_offset - layout.indices_end);
+  std::memset(dst + layout.values_end, 0, layout.total_bytes - layout.values_end);
   constexpr int64_t kPairs = int64_t{1} << 15;  // pairs per parallel block
   const int64_t blocks = (static_cast<int64_t>(count) + kPairs - 1) / kPairs;
   std::vector<char> bad(static_cast<size_t>(blocks), 0);
@@ -121,10 +119,8 @@ PairSink message_sink(Device& device, const BucketView& bucket, int index_bytes,
     out.message = device.allocate(layout.total_bytes);
     out.bytes = layout.total_bytes;
     auto* base = out.message.as<unsigned char>();
-    const size_t index_end = layout.indices_offset + static_cast<size_t>(count) * index_bytes;
-    const size_t value_end = layout.values_offset + static_cast<size_t>(count) * dtype_size(bucket.dtype);
-    device.fill_zero(base + index_end, layout.values_offset - index_end);
-    device.fill_zero(base + value_end, layout.total_bytes - value_end);
+    device.fill_zero(base + layout.indices_end, layout.values_offset - layout.indices_end);
+    device.fill_zero(base + layout.values_end, layout.total_bytes - layout.values_end);
     const MessageHeader h =
         make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(count));
     device.copy_from_host(base, &h, sizeof(h));

@@ -178,10 +178,7 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
 /// The candidates at the given positions, as a message.
 inline Selection emit_subset(Device& device, const BucketView& bucket, const Candidates& c,
                              const std::vector<size_t>& positions, bool zero) {
-  HostPairs pairs(c.index, &c.value);
-  pairs.at = positions.data();
-  pairs.count = positions.size();
-  return device.emit(bucket, pairs, zero);
+  return device.emit(bucket, HostPairs(c.index, c.value, positions), zero);
 }
 
 }  // namespace gradsparse::method_util

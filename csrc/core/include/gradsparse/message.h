@@ -45,15 +45,21 @@ inline size_t pad8(size_t bytes) { return (bytes + 7) & ~static_cast<size_t>(7);
 /// Index width for a bucket of `dense_size` elements: 4 bytes when every index (< dense_size) fits in uint32.
 inline int index_bytes_for(uint64_t dense_size) { return dense_size <= 0x100000000ull ? 4 : 8; }
 
-/// Where each part of a message with these parameters lives.
+/// Where each part of a message with these parameters lives: the header, the indices from
+/// indices_offset to indices_end, zero padding up to values_offset, the values up to values_end,
+/// zero padding up to total_bytes (a multiple of 8).
 struct MessageLayout {
   size_t indices_offset = kMessageHeaderBytes;
+  size_t indices_end = 0;
   size_t values_offset = 0;
+  size_t values_end = 0;
   size_t total_bytes = 0;
 
   MessageLayout(uint64_t count, int index_bytes, DType dtype)
-      : values_offset(kMessageHeaderBytes + pad8(count * index_bytes)),
-        total_bytes(values_offset + pad8(count * dtype_size(dtype))) {}
+      : indices_end(kMessageHeaderBytes + count * index_bytes),
+        values_offset(pad8(indices_end)),
+        values_end(values_offset + count * dtype_size(dtype)),
+        total_bytes(pad8(values_end)) {}
 };
 
 /// Builds a header after checking its fields; throws ValueError on inconsistent arguments.
@@ -180,6 +186,11 @@ struct HostPairs {
   HostPairs(const std::vector<int64_t>& i, const std::vector<float>* v)
       : index(i.data()), value(v == nullptr ? nullptr : v->data()), count(i.size()) {
     GS_ASSERT(v == nullptr || v->size() == i.size());
+  }
+  /// The pairs at `positions` of `i` and `v`, in that order.
+  HostPairs(const std::vector<int64_t>& i, const std::vector<float>& v, const std::vector<size_t>& positions)
+      : index(i.data()), value(v.data()), at(positions.data()), count(positions.size()) {
+    GS_ASSERT(v.size() == i.size());
   }
   size_t source(size_t j) const { return at == nullptr ? j : at[j]; }
 };
