@@ -3,9 +3,9 @@
     python -m benchmarks.density [--steps 500] [--world-size 4] [--densities 0.01,0.001]
 
 Streams (every rank gets its own gradients; error feedback on, as in training):
-- drift: synthetic, n = 200,000 in 8 "layers" of different scales; the global scale swings by a
-  factor of 9 over about 20 steps (docs/method-spec.md ruling 1) and the shape moves between a normal
-  and a heavy-tailed Student-t;
+- drift: synthetic, n = 200,000 (--drift-size) in 8 "layers" of different scales; the global scale
+  swings by a factor of 9 over about 20 steps (docs/method-spec.md ruling 1) and the shape moves
+  between a normal and a heavy-tailed Student-t;
 - cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
   SGD, one mini-batch per rank and step).
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
@@ -159,6 +159,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--densities", default="0.01,0.001")
     parser.add_argument("--streams", default="drift,cnn")
+    parser.add_argument(
+        "--drift-size",
+        type=float,
+        default=200_000,
+        help="elements of the drift stream (from 128 blocks of 32768, about 4.2M, SIDCo's default mode samples)",
+    )
     parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
     parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")
     parser.add_argument("--output", default="density.md", help="file name under benchmarks/results/")
@@ -168,7 +174,10 @@ def main(argv: list[str] | None = None) -> str:
     gs.set_num_threads(1)  # the ranks are threads already
     text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"
     for stream_name in args.streams.split(","):
-        stream = (drift_stream if stream_name == "drift" else cnn_stream)(args.steps, args.world_size)
+        if stream_name == "drift":
+            stream = drift_stream(args.steps, args.world_size, n=int(args.drift_size))
+        else:
+            stream = cnn_stream(args.steps, args.world_size)
         rows = []
         for density in (float(d) for d in args.densities.split(",")):
             for name, make in methods(density).items():

@@ -8,8 +8,8 @@
 // Every step restores the residual first (the same work each step, as benchmarks/select.py does),
 // times a residual add on the same data just before the step, and reads the step's
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
-// and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, micro, exdyna, in their
-// default modes.
+// and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, micro, exdyna, sidco (exp,
+// adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -36,6 +36,9 @@ std::unique_ptr<Method> make(const std::string& name, double density) {
   if (name == "redsync") return std::make_unique<RedSync>(density);
   if (name == "micro") return std::make_unique<MiCRO>(density, "union", false, 0);
   if (name == "exdyna") return std::make_unique<ExDyna>(density, "union", false, 0);
+  if (name == "sidco") return std::make_unique<SIDCo>(density, "exp", -1, 0.25, std::nullopt);
+  if (name == "sidco_gpareto") return std::make_unique<SIDCo>(density, "gpareto", 2, 0.25, std::nullopt);
+  if (name == "sidco_gamma") return std::make_unique<SIDCo>(density, "gamma_gpareto", 2, 0.25, std::nullopt);
   return nullptr;
 }
 
@@ -58,7 +61,8 @@ int main(int argc, char** argv) {
   std::unique_ptr<Method> method = make(name, density);
   if (method == nullptr || steps < 1 || n < 1) {
     std::fprintf(stderr,
-                 "select_step: unknown method %s (topk, gaussiank, dgc, redsync, micro, exdyna), or STEPS/N < 1\n",
+                 "select_step: unknown method %s (topk, gaussiank, dgc, redsync, micro, exdyna, sidco, sidco_gpareto, "
+                 "sidco_gamma), or STEPS/N < 1\n",
                  name.c_str());
     return 2;
   }

@@ -163,6 +163,30 @@ TEST(CudaMomentum, MatchesTheCpu) {
   }
 }
 
+// The statistics a method asks after its pass, over the whole bucket and over a sample of its
+// blocks (SIDCo's default mode).
+TEST(CudaStatistics, ExceedancesAndLogSumsMatchTheCpu) {
+  GS_REQUIRE_GPU();
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 5 * kCpuBlock + 123;
+  std::vector<float> values = ref::random_vector<float>(n, 11);
+  DeviceVector<float> d(gpu, values);
+  const BucketView on_device{DType::kFloat32, n, d.data(), nullptr};
+  const BucketView on_host{DType::kFloat32, n, values.data(), nullptr};
+  for (const int64_t every : {1, 2, 4}) {
+    const BlockSample sample{every};
+    const Exceedance a = gpu.exceedance(on_device, 0.8, true, 0.25, sample);
+    const Exceedance b = cpu.exceedance(on_host, 0.8, true, 0.25, sample);
+    EXPECT_EQ(a.count, b.count) << every;
+    EXPECT_NEAR(a.sum, b.sum, 1e-12 * b.sum) << every;
+    EXPECT_NEAR(a.sum_sq, b.sum_sq, 1e-12 * b.sum_sq) << every;
+    EXPECT_EQ(a.min, b.min) << every;
+    const double la = gpu.log_sum(on_device, 0.25, 1e-6, sample), lb = cpu.log_sum(on_host, 0.25, 1e-6, sample);
+    EXPECT_NEAR(la, lb, 1e-11 * std::fabs(lb)) << every;
+  }
+}
+
 TEST(CudaScatter, RejectsCorruptMessagesWithoutWriting) {
   GS_REQUIRE_GPU();
   CudaDevice gpu(0, nullptr);

@@ -147,8 +147,10 @@ TEST(OnePass, AnswersEqualPlainPasses) {
       const std::vector<int64_t> want = device.count(plain.view(), Range{0, kN}, thresholds, strict);
       for (size_t j : {size_t{2}, size_t{0}, size_t{1}, size_t{3}}) EXPECT_EQ(counts[j], want[j]) << thresholds[j];
     }
-    for (double t : {2.6, 2.5}) {
-      const Exceedance e = pass.exceedance(t, true, 0.5), f = device.exceedance(plain.view(), t, true, 0.5);
+    for (const auto& [t, every] : {std::pair{2.6, 1}, std::pair{2.5, 1}, std::pair{2.5, 2}}) {
+      const BlockSample sample{every};  // a sample of the candidates, or of the bucket
+      const Exceedance e = pass.exceedance(t, true, 0.5, sample);
+      const Exceedance f = device.exceedance(plain.view(), t, true, 0.5, sample);
       EXPECT_EQ(e.count, f.count);
       EXPECT_EQ(e.sum, f.sum);  // the CPU kernel's order, to the bit
       EXPECT_EQ(e.sum_sq, f.sum_sq);

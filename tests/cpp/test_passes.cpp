@@ -102,7 +102,7 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
     EXPECT_EQ(counts[j], want) << j;
   }
 
-  const Exceedance e = device.exceedance(b.view(), 1.0, false, 0.5);
+  const Exceedance e = device.exceedance(b.view(), 1.0, false, 0.5, BlockSample{});
   int64_t c = 0;
   double es = 0, ess = 0, emin = 1e300;
   for (float x : v) {
@@ -123,15 +123,50 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
   for (const auto& [scale, eps] : {std::pair{0.25, 1e-3}, std::pair{1e300, 0.0}, std::pair{1e-300, 0.0}}) {
     double ls = 0;
     for (float x : v) ls += std::log(std::fabs(double(x)) * scale + eps);
-    EXPECT_NEAR(device.log_sum(b.view(), scale, eps), ls, 1e-12 * std::fabs(ls)) << scale;
+    EXPECT_NEAR(device.log_sum(b.view(), scale, eps, BlockSample{}), ls, 1e-12 * std::fabs(ls)) << scale;
   }
   b.residual[kN - 3] = 0.0f;  // in the last block's tail
-  EXPECT_EQ(device.log_sum(b.view(), 1.0, 0.0), -INFINITY);
+  EXPECT_EQ(device.log_sum(b.view(), 1.0, 0.0, BlockSample{}), -INFINITY);
   b.residual[kN - 3] = 1.0f;
   b.residual[5] = NAN;  // a NaN in the first block
-  EXPECT_TRUE(std::isnan(device.log_sum(b.view(), 1.0, 1e-3)));
+  EXPECT_TRUE(std::isnan(device.log_sum(b.view(), 1.0, 1e-3, BlockSample{})));
   b.residual[5] = INFINITY;
-  EXPECT_EQ(device.log_sum(b.view(), 1.0, 1e-3), INFINITY);
+  EXPECT_EQ(device.log_sum(b.view(), 1.0, 1e-3, BlockSample{}), INFINITY);
+}
+
+// A sample of every few blocks: which elements it reads, how many, and the statistics over them.
+TEST(Passes, BlockSamplesReadEveryFewBlocks) {
+  EXPECT_EQ(BlockSample::at_least(kN, 2).every, 2);  // 4 blocks
+  EXPECT_EQ(BlockSample::at_least(kN, 3).every, 1);
+  EXPECT_EQ(BlockSample::at_least(0, 64).every, 1);
+  EXPECT_EQ(BlockSample::at_least(763 * kCpuBlock, 64).every, 11);  // 70 blocks read
+  for (const int64_t every : {1, 2, 3, 5}) {
+    const BlockSample sample{every};
+    for (const int64_t n : {int64_t{0}, int64_t{1}, kCpuBlock, kCpuBlock + 1, 2 * kCpuBlock, kN}) {
+      std::vector<int64_t> read;
+      for (int64_t i = 0; i < n; ++i)
+        if (sample.holds(i)) read.push_back(i);
+      ASSERT_EQ(sample.size(n), static_cast<int64_t>(read.size())) << every << " " << n;
+      for (size_t j = 0; j < read.size(); ++j) ASSERT_EQ(sample.element(static_cast<int64_t>(j)), read[j]);
+    }
+  }
+  Bucket b;
+  CpuDevice device;
+  const BucketView view{DType::kFloat32, kN, b.grad.data(), b.residual.data()};
+  const BlockSample sample{3};  // blocks 0 and 3 (the short last one)
+  double ls = 0, es = 0;
+  int64_t count = 0;
+  for (int64_t i = 0; i < kN; ++i) {
+    if (!sample.holds(i)) continue;
+    const double y = std::fabs(double(b.residual[i]));
+    ls += std::log(y * 0.5 + 1e-3);
+    if (y >= 1.0) ++count, es += y * 0.5;
+  }
+  EXPECT_NEAR(device.log_sum(view, 0.5, 1e-3, sample), ls, 1e-12 * std::fabs(ls));
+  const Exceedance e = device.exceedance(view, 1.0, false, 0.5, sample);
+  EXPECT_EQ(e.count, count);
+  EXPECT_NEAR(e.sum, es, 1e-12 * es);
+  EXPECT_LT(count, device.exceedance(view, 1.0, false, 0.5, BlockSample{}).count);
 }
 
 // float32 sums are defined to the bit (so that the AVX2 and the portable paths, and any thread
@@ -168,10 +203,11 @@ TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
     EXPECT_EQ(m.sum_sq, want.sum_sq) << n;
 
     for (const double threshold : {0.0, 0.3, 1.2, 1e30}) {
-      const Exceedance e = device.exceedance(view, threshold, false, 0.7);
+      const int64_t every = threshold == 0.3 ? 2 : 1;  // a sample reads whole blocks, in the same order
+      const Exceedance e = device.exceedance(view, threshold, false, 0.7, BlockSample{every});
       double sum = 0, sum_sq = 0;
       int64_t count = 0;
-      for (int64_t begin = 0; begin < n; begin += kCpuBlock) {
+      for (int64_t begin = 0; begin < n; begin += every * kCpuBlock) {
         double bs[4] = {}, bss[4] = {};
         int64_t taken = 0;
         for (int64_t i = begin; i < std::min(n, begin + kCpuBlock); ++i) {

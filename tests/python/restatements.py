@@ -703,6 +703,15 @@ class ExDyna(Partitioned):
 # §4.10 SIDCo
 
 TINY = 2.0**-52
+CPU_BLOCK = 1 << 15  # elements per block of the core's CPU passes
+SAMPLE_BLOCKS = 64  # the default mode's later statistics read at least this many blocks
+
+
+def block_sample(n: int) -> torch.Tensor:
+    """The positions the default mode's later statistics read (§4.10 ruling): the blocks of
+    CPU_BLOCK elements numbered 0, e, 2e, ... with e = max(1, blocks // SAMPLE_BLOCKS)."""
+    every = max(1, -(-n // CPU_BLOCK) // SAMPLE_BLOCKS)
+    return (torch.arange(n) // CPU_BLOCK) % every == 0
 
 
 def gpareto_eta(mu: float, var: float, ratio: float) -> float:
@@ -741,13 +750,13 @@ class SIDCo(Estimating):
         self.e_prev = 0.0
         self.last_count = 0
 
-    def first_stage(self, x: torch.Tensor, ratio: float) -> float:
+    def first_stage(self, x: torch.Tensor, ratio: float, held: torch.Tensor) -> float:
         mu = mean64(x)
         if self.fit == "exp":
             return -mu * math.log(ratio)
         if self.fit == "gpareto":
             return gpareto_eta(mu, var64(x), ratio)
-        big_l = math.log(mu) - mean64(torch.log(x + TINY)) if mu > 0 else NAN
+        big_l = math.log(mu) - mean64(torch.log(x[held] + TINY)) if mu > 0 else NAN
         if not (math.isfinite(big_l) and big_l > 0):
             return mu
         a = (3 - big_l + math.sqrt((big_l - 3) ** 2 + 24 * big_l)) / (12 * big_l)
@@ -767,9 +776,11 @@ class SIDCo(Estimating):
         inv = 1 / norm
         mags = v.double().abs()
         x = mags * inv
+        # the sample that the stages after the moments read (the whole vector for the reference)
+        held = torch.ones_like(v, dtype=torch.bool) if self.reference else block_sample(v.numel())
         big_m, fr, delta = self.m, self.first_ratio, self.density
         first = delta if (big_m == 1 or delta >= fr) else fr
-        eta = self.first_stage(x, first)
+        eta = self.first_stage(x, first, held)
         etas = [eta]
         loops, ratios = 0, []
         if big_m > 1:
@@ -783,7 +794,7 @@ class SIDCo(Estimating):
                 ratios[-1] = (delta / fr) / rho ** (loops - 1)
         for ratio in ratios:
             tau = max(etas) * norm
-            y = mags[above(v, tau)] * inv
+            y = mags[above(v, tau) & held] * inv
             if y.numel() == 0:
                 break
             eta = self.later_stage(y, ratio)

@@ -222,12 +222,18 @@ int64_t OnePass::Counts::operator[](size_t j) {
   return value_[j];
 }
 
-Exceedance OnePass::exceedance(double threshold, bool strict, double scale) {
+Exceedance OnePass::exceedance(double threshold, bool strict, double scale, BlockSample sample) {
   GS_ASSERT(range_.begin == 0 && range_.end == bucket_.numel);
   const uint32_t key = key_of(threshold, strict);
+  // The bound learns how many elements of the whole bucket a question holds.
+  auto whole = [&](int64_t count) {
+    if (sample.every == 1) return count;
+    const double read = static_cast<double>(sample.size(bucket_.numel));
+    return static_cast<int64_t>(std::llround(static_cast<double>(count) * static_cast<double>(bucket_.numel) / read));
+  };
   if (!covers(key)) {
-    const Exceedance e = device_.exceedance(bucket_, threshold, strict, scale);
-    asked(threshold, e.count, false);
+    const Exceedance e = device_.exceedance(bucket_, threshold, strict, scale, sample);
+    asked(threshold, whole(e.count), false);
     return e;
   }
   // In the CPU kernel's order: ExceedanceLanes' within each block, then the blocks in order.
@@ -235,6 +241,7 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale) {
   ExceedanceLanes block;
   int64_t at = -1;
   for (size_t j : reaching(key)) {
+    if (!sample.holds(scan_.candidates.index[j])) continue;
     if (scan_.candidates.index[j] / kCpuBlock != at) {
       if (at >= 0) parts.push_back(block.total());
       at = scan_.candidates.index[j] / kCpuBlock;
@@ -244,7 +251,7 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale) {
   }
   if (at >= 0) parts.push_back(block.total());
   const Exceedance e = Exceedance::combine(parts);
-  asked(threshold, e.count, true);
+  asked(threshold, whole(e.count), true);
   return e;
 }
 

@@ -9,6 +9,13 @@
 namespace gradsparse {
 
 namespace {
+/// The default mode's statistics beyond the fused pass's moments (the exceedances of every later
+/// stage, gamma's sum of logs) read at least this many blocks of kCpuBlock elements, spread over
+/// the bucket (BlockSample), instead of the whole bucket: 2M elements estimate a mean, variance or
+/// mean log well enough for the density control that follows, and a bucket of 25M elements is
+/// then read once, not two or three times. The reference mode reads everything.
+constexpr int64_t kSampleBlocks = 64;
+
 SidcoFit parse_fit(const std::string& fit) {
   if (fit == "exp") return SidcoFit::kExp;
   if (fit == "gpareto") return SidcoFit::kGPareto;
@@ -52,14 +59,16 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
   const double dn = static_cast<double>(n);
   const int stages = this->stages();
+  const BlockSample sample = reference_ ? BlockSample{} : BlockSample::at_least(n, kSampleBlocks);
 
   // Stage 1 on the whole vector.
   const double first = (stages == 1 || density_ >= first_ratio_) ? density_ : first_ratio_;
   const double mean = m.sum_abs / (dn * norm);
   const double variance = unbiased_variance(dn, m.sum_abs / norm, m.sum_sq / (norm * norm));
-  const double mean_log = fit_ == SidcoFit::kGammaGPareto
-                              ? device.log_sum(bucket, 1.0 / norm, std::ldexp(1.0, -52)) / dn
-                              : std::numeric_limits<double>::quiet_NaN();
+  const double mean_log =
+      fit_ == SidcoFit::kGammaGPareto
+          ? device.log_sum(bucket, 1.0 / norm, std::ldexp(1.0, -52), sample) / static_cast<double>(sample.size(n))
+          : std::numeric_limits<double>::quiet_NaN();
   double eta = stage_threshold(mean, variance, mean_log, first, true);
 
   // Further stages on the exceedances (x above every threshold so far).
@@ -77,7 +86,7 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
     double floor_eta = eta;
     for (int i = loops; i > 0; --i) {
       const double stage_ratio = (i == 1 && stages == 0) ? remaining / std::pow(ratio, loops - 1) : ratio;
-      const Exceedance e = pass.exceedance(floor_eta * norm, /*strict=*/true, 1.0 / norm);
+      const Exceedance e = pass.exceedance(floor_eta * norm, /*strict=*/true, 1.0 / norm, sample);
       if (e.count == 0) break;
       const double c = static_cast<double>(e.count);
       const double shifted_mean = e.sum / c - e.min;

@@ -39,12 +39,12 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
     cpu::count_keys<T>(src, n, range, keys.data(), static_cast<int>(keys.size()), counts.data());
   }
   template <typename T>
-  Exceedance k_exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
-    return cpu::exceedance<T>(src, n, key, scale);
+  Exceedance k_exceedance(Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample) {
+    return cpu::exceedance<T>(src, n, key, scale, sample);
   }
   template <typename T>
-  double k_log_sum(Source<T> src, int64_t n, double scale, double eps) {
-    return cpu::log_sum<T>(src, n, scale, eps);
+  double k_log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample sample) {
+    return cpu::log_sum<T>(src, n, scale, eps, sample);
   }
   template <typename T>
   void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,

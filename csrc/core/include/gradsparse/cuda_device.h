@@ -38,9 +38,9 @@ template <typename T>
 void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const std::vector<uint32_t>& keys,
                 std::vector<int64_t>& counts);
 template <typename T>
-Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale);
+Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample);
 template <typename T>
-double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps);
+double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps, BlockSample sample);
 template <typename T>
 void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
              std::vector<float>& value);
@@ -100,12 +100,12 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
     cuda::count_keys<T>(*this, src, n, range, keys, counts);
   }
   template <typename T>
-  Exceedance k_exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
-    return cuda::exceedance<T>(*this, src, n, key, scale);
+  Exceedance k_exceedance(Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample) {
+    return cuda::exceedance<T>(*this, src, n, key, scale, sample);
   }
   template <typename T>
-  double k_log_sum(Source<T> src, int64_t n, double scale, double eps) {
-    return cuda::log_sum<T>(*this, src, n, scale, eps);
+  double k_log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample sample) {
+    return cuda::log_sum<T>(*this, src, n, scale, eps, sample);
   }
   template <typename T>
   void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,

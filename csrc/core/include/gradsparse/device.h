@@ -156,10 +156,11 @@ class Device {
   /// counts[j] = number of elements of `range` with |v| >= thresholds[j] (> when strict).
   virtual std::vector<int64_t> count(const BucketView& bucket, Range range, const std::vector<double>& thresholds,
                                      bool strict) = 0;
-  /// Moments of y = |v| * scale over the elements with |v| >= threshold (> when strict).
-  virtual Exceedance exceedance(const BucketView& bucket, double threshold, bool strict, double scale) = 0;
-  /// Sum of ln(|v| * scale + eps) over the bucket.
-  virtual double log_sum(const BucketView& bucket, double scale, double eps) = 0;
+  /// Moments of y = |v| * scale over the elements of `sample` with |v| >= threshold (> when strict).
+  virtual Exceedance exceedance(const BucketView& bucket, double threshold, bool strict, double scale,
+                                BlockSample sample) = 0;
+  /// Sum of ln(|v| * scale + eps) over the elements of `sample`.
+  virtual double log_sum(const BucketView& bucket, double scale, double eps, BlockSample sample) = 0;
   /// The elements of `range` with |v| >= threshold (> when strict).
   virtual Candidates collect(const BucketView& bucket, Range range, double threshold, bool strict) = 0;
   /// One pass for a threshold estimator (with `update`: the first pass of a step): the moments of

@@ -70,18 +70,19 @@ class KernelDevice : public Device {
     });
   }
 
-  Exceedance exceedance(const BucketView& bucket, double threshold, bool strict, double scale) override {
+  Exceedance exceedance(const BucketView& bucket, double threshold, bool strict, double scale,
+                        BlockSample sample) override {
     return dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
       const uint32_t key = strict ? key_above<T>(threshold) : key_at_least<T>(threshold);
-      return self().template k_exceedance<T>(source<T>(bucket, false), bucket.numel, key, scale);
+      return self().template k_exceedance<T>(source<T>(bucket, false), bucket.numel, key, scale, sample);
     });
   }
 
-  double log_sum(const BucketView& bucket, double scale, double eps) override {
+  double log_sum(const BucketView& bucket, double scale, double eps, BlockSample sample) override {
     return dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
-      return self().template k_log_sum<T>(source<T>(bucket, false), bucket.numel, scale, eps);
+      return self().template k_log_sum<T>(source<T>(bucket, false), bucket.numel, scale, eps, sample);
     });
   }
 

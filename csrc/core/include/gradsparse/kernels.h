@@ -19,6 +19,7 @@
 
 #include "gradsparse/common.h"
 #include "gradsparse/numeric.h"
+#include "gradsparse/parallel.h"
 
 namespace gradsparse {
 
@@ -101,6 +102,28 @@ struct Source {
 struct Range {
   int64_t begin = 0;
   int64_t end = 0;
+};
+
+/// The part of a bucket that a sampled statistic reads: the blocks of kCpuBlock elements whose
+/// number is a multiple of `every` (blocks 0, every, 2 every, ...); every = 1 is the whole bucket.
+/// Whole blocks keep the CPU kernels' order of addition; spread evenly over the bucket, they take
+/// a share of every tensor of a few blocks or more.
+struct BlockSample {
+  int64_t every = 1;
+
+  /// At least `blocks` blocks of a bucket of n elements: every block when it has fewer than 2 * blocks.
+  static BlockSample at_least(int64_t n, int64_t blocks) {
+    return BlockSample{std::max<int64_t>(1, num_blocks(n) / blocks)};
+  }
+  bool holds(int64_t index) const { return (index / kCpuBlock) % every == 0; }
+  /// The bucket position of the j-th element read (j < size(n)).
+  GS_HD int64_t element(int64_t j) const { return j / kCpuBlock * every * kCpuBlock + j % kCpuBlock; }
+  /// How many of a bucket's n elements it reads.
+  int64_t size(int64_t n) const {
+    if (n <= 0) return 0;
+    const int64_t last = (num_blocks(n) - 1) / every * every;  // the last block read
+    return last / every * kCpuBlock + std::min(n, (last + 1) * kCpuBlock) - last * kCpuBlock;
+  }
 };
 
 /// Moments of the selection values: sums in float64 (docs/method-spec.md ruling 8).
@@ -227,13 +250,13 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
 template <typename T>
 void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int m, int64_t* counts);
 
-/// Exceedance moments of y = |v| * scale over the elements with key >= `key`, read-only.
+/// Exceedance moments of y = |v| * scale over the elements of `sample` with key >= `key`, read-only.
 template <typename T>
-Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale);
+Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample);
 
-/// Sum over the bucket of ln(|v| * scale + eps), in float64, read-only.
+/// Sum over the elements of `sample` of ln(|v| * scale + eps), in float64, read-only.
 template <typename T>
-double log_sum(Source<T> src, int64_t n, double scale, double eps);
+double log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample sample);
 
 /// The elements of `range` with key >= `key`, ascending, read-only (values exact as float).
 template <typename T>

@@ -88,8 +88,9 @@ class OnePass {
   };
   Counts counts(std::vector<double> thresholds, bool strict) { return Counts(*this, std::move(thresholds), strict); }
 
-  /// Moments of y = |v| * scale over the elements with |v| >= threshold (> when strict).
-  Exceedance exceedance(double threshold, bool strict, double scale);
+  /// Moments of y = |v| * scale over the elements of `sample` with |v| >= threshold (> when
+  /// strict).
+  Exceedance exceedance(double threshold, bool strict, double scale, BlockSample sample = {});
   /// The elements of the range with |v| >= threshold (> when strict), as a message; zeroes their
   /// residual when `zero`.
   Selection select(double threshold, bool strict, bool zero);

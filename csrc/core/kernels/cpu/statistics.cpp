@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/kernels.h"
@@ -22,13 +23,23 @@ namespace gradsparse {
 namespace cpu {
 namespace {
 
-/// Runs f(begin, end, block) over the blocks of [0, n) and returns the per-block results.
+/// Runs f(begin, end) over the blocks of [0, n) that `sample` holds and returns their results in
+/// block order.
+template <typename R, typename F>
+std::vector<R> per_block(int64_t n, BlockSample sample, F&& f) {
+  const int64_t every = sample.every;
+  std::vector<R> out(static_cast<size_t>((num_blocks(n) + every - 1) / every));
+  parallel_blocks(static_cast<int64_t>(out.size()), [&](int64_t j) {
+    const int64_t b = j * every;
+    out[j] = f(b * kCpuBlock, std::min(n, (b + 1) * kCpuBlock));
+  });
+  return out;
+}
+
+/// per_block over every block of [0, n).
 template <typename R, typename F>
 std::vector<R> per_block(int64_t n, F&& f) {
-  const int64_t nblocks = num_blocks(n);
-  std::vector<R> out(static_cast<size_t>(nblocks));
-  parallel_blocks(nblocks, [&](int64_t b) { out[b] = f(b * kCpuBlock, std::min(n, (b + 1) * kCpuBlock)); });
-  return out;
+  return per_block<R>(n, BlockSample{}, std::forward<F>(f));
 }
 
 void check_read_only(bool update, const char* what) {
@@ -544,9 +555,9 @@ void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int
 }
 
 template <typename T>
-Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
+Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample) {
   check_read_only(src.update, "exceedance");
-  const auto blocks = per_block<Exceedance>(n, [&](int64_t begin, int64_t end) {
+  const auto blocks = per_block<Exceedance>(n, sample, [&](int64_t begin, int64_t end) {
     Exceedance e;
     if (avx2_f32(src, [&](auto read) {
           e = exceedance_f32_avx2<decltype(read)::value>(as_f32(src), begin, end, key, scale);
@@ -563,7 +574,7 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale) {
 }
 
 template <typename T>
-double log_sum(Source<T> src, int64_t n, double scale, double eps) {
+double log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample sample) {
   check_read_only(src.update, "log_sum");
   auto y = [&](int64_t i) { return std::fabs(static_cast<double>(Num<T>::to_float(src.value(i)))) * scale + eps; };
   // A log per element would cost ten times the read. The sum of logs is the log of a product
@@ -575,7 +586,7 @@ double log_sum(Source<T> src, int64_t n, double scale, double eps) {
   // each product against one per log).
   constexpr int64_t kLanes = 8, kRounds = 8;
   constexpr uint64_t kMantissa = (uint64_t{1} << 52) - 1, kOne = uint64_t{1023} << 52;
-  const auto blocks = per_block<double>(n, [&](int64_t begin, int64_t end) {
+  const auto blocks = per_block<double>(n, sample, [&](int64_t begin, int64_t end) {
     double product[kLanes];
     std::fill(product, product + kLanes, 1.0);
     int64_t exponent = 0;
@@ -632,8 +643,8 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, int64_t&, std::vector<int64_t>&, \
                            std::vector<float>&);                                                          \
   template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                 \
-  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double);                                \
-  template double log_sum<T>(Source<T>, int64_t, double, double);                                         \
+  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                   \
+  template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                            \
   template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                  \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 

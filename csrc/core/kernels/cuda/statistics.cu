@@ -86,13 +86,14 @@ struct ExceedanceOp {
 };
 
 template <typename T>
-__global__ void exceedance_kernel(Source<T> src, int64_t n, uint32_t key, double scale, ExceedancePartial* partials) {
+__global__ void exceedance_kernel(Source<T> src, int64_t m, BlockSample sample, uint32_t key, double scale,
+                                  ExceedancePartial* partials) {
   using Reduce = cub::BlockReduce<ExceedancePartial, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   ExceedancePartial e{0, 0.0, 0.0, INFINITY};
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const T v = src.value(i);
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const T v = src.value(sample.element(j));
     if (Num<T>::key(v) < key) continue;
     const double y = fabs(static_cast<double>(Num<T>::to_float(v))) * scale;
     e.count += 1;
@@ -105,13 +106,14 @@ __global__ void exceedance_kernel(Source<T> src, int64_t n, uint32_t key, double
 }
 
 template <typename T>
-__global__ void log_sum_kernel(Source<T> src, int64_t n, double scale, double eps, double* partials) {
+__global__ void log_sum_kernel(Source<T> src, int64_t m, BlockSample sample, double scale, double eps,
+                               double* partials) {
   using Reduce = cub::BlockReduce<double, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   double s = 0.0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * kThreads)
-    s += log(fabs(static_cast<double>(Num<T>::to_float(src.value(i)))) * scale + eps);
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < m;
+       j += static_cast<int64_t>(gridDim.x) * kThreads)
+    s += log(fabs(static_cast<double>(Num<T>::to_float(src.value(sample.element(j))))) * scale + eps);
   const double total = Reduce(storage).Sum(s);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
@@ -163,23 +165,25 @@ void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const
 }
 
 template <typename T>
-Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale) {
+Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, double scale, BlockSample sample) {
   GS_CHECK(!src.update, ValueError, "exceedance reads values only; apply the error-feedback update first");
-  if (n == 0) return Exceedance{};
-  const unsigned int grid = grid_for(n);
+  const int64_t m = sample.size(n);
+  if (m == 0) return Exceedance{};
+  const unsigned int grid = grid_for(m);
   Scratch<ExceedancePartial> partials(device, grid);
-  exceedance_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, n, key, scale, partials.get());
+  exceedance_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, m, sample, key, scale, partials.get());
   check_launch();
   return Exceedance::combine(to_host(device, partials.get(), grid));
 }
 
 template <typename T>
-double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps) {
+double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps, BlockSample sample) {
   GS_CHECK(!src.update, ValueError, "log_sum reads values only; apply the error-feedback update first");
-  if (n == 0) return 0.0;
-  const unsigned int grid = grid_for(n);
+  const int64_t m = sample.size(n);
+  if (m == 0) return 0.0;
+  const unsigned int grid = grid_for(m);
   Scratch<double> partials(device, grid);
-  log_sum_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, n, scale, eps, partials.get());
+  log_sum_kernel<T><<<grid, kThreads, 0, device.stream()>>>(src, m, sample, scale, eps, partials.get());
   check_launch();
   double total = 0.0;
   for (double s : to_host(device, partials.get(), grid)) total += s;
@@ -202,12 +206,12 @@ double sample_abs_sum(CudaDevice& device, Source<T> src, const std::vector<int64
   return total;
 }
 
-#define GS_INSTANTIATE_CUDA_STATISTICS(T)                                                           \
-  template Moments moments<T>(CudaDevice&, Source<T>, int64_t);                                     \
-  template void count_keys<T>(CudaDevice&, Source<T>, int64_t, Range, const std::vector<uint32_t>&, \
-                              std::vector<int64_t>&);                                               \
-  template Exceedance exceedance<T>(CudaDevice&, Source<T>, int64_t, uint32_t, double);             \
-  template double log_sum<T>(CudaDevice&, Source<T>, int64_t, double, double);                      \
+#define GS_INSTANTIATE_CUDA_STATISTICS(T)                                                            \
+  template Moments moments<T>(CudaDevice&, Source<T>, int64_t);                                      \
+  template void count_keys<T>(CudaDevice&, Source<T>, int64_t, Range, const std::vector<uint32_t>&,  \
+                              std::vector<int64_t>&);                                                \
+  template Exceedance exceedance<T>(CudaDevice&, Source<T>, int64_t, uint32_t, double, BlockSample); \
+  template double log_sum<T>(CudaDevice&, Source<T>, int64_t, double, double, BlockSample);          \
   template double sample_abs_sum<T>(CudaDevice&, Source<T>, const std::vector<int64_t>&);
 
 GS_INSTANTIATE_CUDA_STATISTICS(float)
