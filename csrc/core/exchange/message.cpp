@@ -139,8 +139,7 @@ Selection into_message(Device& device, const BucketView& bucket, Kernel&& kernel
   return out;
 }
 
-}  // namespace
-
+/// A message laid out on the host (`count` pairs), copied into a new buffer of `device`.
 Selection upload(Device& device, const std::vector<unsigned char>& host, int64_t count) {
   Selection out;
   out.message = device.allocate(host.size());
@@ -149,6 +148,8 @@ Selection upload(Device& device, const std::vector<unsigned char>& host, int64_t
   device.copy_from_host(out.message.data(), host.data(), host.size());
   return out;
 }
+
+}  // namespace
 
 Selection Device::select(const BucketView& bucket, const SelectRule& rule) {
   return into_message(*this, bucket, [&](int index_bytes, const PairSink& sink) {

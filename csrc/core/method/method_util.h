@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <type_traits>
@@ -100,33 +99,14 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
                                     double& kth) {
   GS_ASSERT(k >= 1 && k <= s.count);
   const HostMessage in(device, s, bucket);
-  const int index_bytes = in.view().index_bytes;
-  const MessageLayout out_layout(static_cast<uint64_t>(k), index_bytes, bucket.dtype);
-  std::vector<unsigned char> out(out_layout.total_bytes, 0);
-  const MessageHeader h =
-      make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(bucket.numel), static_cast<uint64_t>(k));
-  std::memcpy(out.data(), &h, sizeof(h));
-  dispatch_dtype(bucket.dtype, [&](auto t) {
-    using T = decltype(t);
-    dispatch_index(index_bytes, [&](auto i) {
-      using I = decltype(i);
-      const I* idx = in.indices<I>();
-      const T* val = in.values<T>();
-      std::vector<uint32_t> keys(static_cast<size_t>(s.count));
-      for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<T>::key(val[j]);
-      uint32_t kth_key;
-      const std::vector<size_t> chosen = largest_positions(keys, k, kth_key);
-      kth = static_cast<double>(Num<T>::to_float(from_key<T>(kth_key)));
-      GS_ASSERT(static_cast<int64_t>(chosen.size()) == k);
-      I* out_idx = reinterpret_cast<I*>(out.data() + out_layout.indices_offset);
-      T* out_val = reinterpret_cast<T*>(out.data() + out_layout.values_offset);
-      for (size_t o = 0; o < chosen.size(); ++o) {
-        out_idx[o] = idx[chosen[o]];
-        out_val[o] = val[chosen[o]];
-      }
-    });
-  });
-  return upload(device, out, k);
+  const std::vector<int64_t> index = in.index_list();
+  const std::vector<float> value = in.value_list();  // exact for every bucket dtype, in the same order
+  std::vector<uint32_t> keys(value.size());
+  for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<float>::key(value[j]);
+  uint32_t kth_key;
+  const std::vector<size_t> chosen = largest_positions(keys, k, kth_key);
+  kth = static_cast<double>(from_key<float>(kth_key));
+  return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);
 }
 
 /// Sum of |v| at `positions` (repeats allowed; summed in their order) with v the selection values

@@ -207,9 +207,6 @@ class Device {
   Selection gather(const BucketView& bucket, const std::vector<int64_t>& index);
 };
 
-/// A message laid out on the host (`count` pairs), copied into a new buffer of `device`.
-Selection upload(Device& device, const std::vector<unsigned char>& host, int64_t count);
-
 /// Validates the header of a message of `bytes` bytes in `device`'s memory (one small copy to
 /// the host on CUDA) against the bucket it is for; returns its view. Throws CorruptMessageError
 /// naming `source_rank` and the broken field.
