@@ -107,7 +107,7 @@ struct Range {
 /// The part of a bucket that a sampled statistic reads: the blocks of kCpuBlock elements whose
 /// number is a multiple of `every` (blocks 0, every, 2 every, ...); every = 1 is the whole bucket.
 /// Whole blocks keep the CPU kernels' order of addition; spread evenly over the bucket, they take
-/// a share of every tensor of a few blocks or more.
+/// a share of every tensor at least `every` blocks long (a shorter one may be left out).
 struct BlockSample {
   int64_t every = 1;
 
