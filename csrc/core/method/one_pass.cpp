@@ -237,19 +237,21 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale, Bloc
     return e;
   }
   // In the CPU kernel's order: ExceedanceLanes' within each block, then the blocks in order.
+  // The candidates ascend, so whether the sample holds them is asked once per block.
   std::vector<Exceedance> parts;
   ExceedanceLanes block;
   int64_t at = -1;
+  bool held = false;
   for (size_t j : reaching(key)) {
-    if (!sample.holds(scan_.candidates.index[j])) continue;
     if (scan_.candidates.index[j] / kCpuBlock != at) {
-      if (at >= 0) parts.push_back(block.total());
+      if (held) parts.push_back(block.total());
       at = scan_.candidates.index[j] / kCpuBlock;
+      held = sample.holds(scan_.candidates.index[j]);
       block = ExceedanceLanes{};
     }
-    block.take(std::fabs(static_cast<double>(scan_.candidates.value[j])) * scale);
+    if (held) block.take(std::fabs(static_cast<double>(scan_.candidates.value[j])) * scale);
   }
-  if (at >= 0) parts.push_back(block.total());
+  if (held) parts.push_back(block.total());
   const Exceedance e = Exceedance::combine(parts);
   asked(threshold, whole(e.count), true);
   return e;
