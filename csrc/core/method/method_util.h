@@ -106,6 +106,7 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
   uint32_t kth_key;
   const std::vector<size_t> chosen = largest_positions(keys, k, kth_key);
   kth = static_cast<double>(from_key<float>(kth_key));
+  GS_ASSERT(static_cast<int64_t>(chosen.size()) == k);
   return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);
 }
 
