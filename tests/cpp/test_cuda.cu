@@ -81,6 +81,45 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
   }
 }
 
+// The selection's mask at its edges: every element selected (full mask words), non-finite
+// gradients (counted, their residuals kept; without a residual they read as zero), no residual,
+// and a sub-range without the update, over a bucket whose last tile is partial.
+TYPED_TEST(CudaSelect, EdgesMatchTheCpu) {
+  GS_REQUIRE_GPU();
+  using T = TypeParam;
+  const DType dtype = std::is_same_v<T, float>  ? DType::kFloat32
+                      : std::is_same_v<T, Half> ? DType::kFloat16
+                                                : DType::kBFloat16;
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 50001;
+  std::vector<T> poisoned = ref::random_vector<T>(n, 11);
+  for (int64_t i = 0; i < n; i += 997) poisoned[i] = Num<T>::from_float(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t i = 5; i < n; i += 1009) poisoned[i] = Num<T>::from_float(-std::numeric_limits<float>::infinity());
+  struct Case {
+    const char* name;
+    bool with_residual;
+    SelectRule rule;
+  };
+  for (const Case& c : {Case{"everything", true, SelectRule{1e-30, false, Range{0, -1}, true, true}},
+                        Case{"non-finite", true, SelectRule{1.0, false, Range{0, -1}, true, true}},
+                        Case{"no residual", false, SelectRule{1.0, false, Range{0, -1}, true, false}},
+                        Case{"range", true, SelectRule{0.5, true, Range{1000, 40000}, false, false}}}) {
+    std::vector<T> grad = poisoned, residual = ref::random_vector<T>(n, 12, 0.5f);
+    DeviceVector<T> g(gpu, grad), r(gpu, residual);
+    T* r_cpu = c.with_residual ? residual.data() : nullptr;
+    const Selection a = gpu.select(BucketView{dtype, n, g.data(), c.with_residual ? r.data() : nullptr}, c.rule);
+    const Selection b = cpu.select(BucketView{dtype, n, grad.data(), r_cpu}, c.rule);
+    EXPECT_GT(b.count, 0) << c.name;
+    if (c.rule.update || !c.with_residual) EXPECT_GT(b.nonfinite, 0) << c.name;
+    EXPECT_EQ(a.count, b.count) << c.name;
+    EXPECT_EQ(a.nonfinite, b.nonfinite) << c.name;
+    EXPECT_EQ(to_host(gpu, a), to_host(cpu, b)) << c.name;
+    const std::vector<T> rr = r.host();
+    for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(rr[i], residual[i])) << c.name << " " << i;
+  }
+}
+
 /// One rank: every all-reduce and all-gather is the identity.
 class SoloGroup final : public Collective {
  public:

@@ -1,10 +1,12 @@
 // CUDA selection kernels. The per-element logic (error-feedback update, selection value, key) is
 // the same __host__ __device__ code the CPU kernels run (numeric.h, kernels.h).
 //
-// Selection by key (also used to collect candidates): pass 1 applies the update where asked and
-// counts the selected elements per tile; a device scan turns the counts into output offsets;
-// pass 2 re-reads each tile's selection values (identical by construction, see selection_value)
-// and writes the pairs in index order.
+// Selection by key (also used to collect candidates): pass 1 reads each tile once, applies the
+// update where asked, counts the selected elements per tile and records them in a bit mask (one
+// bit per element, 1/32 of a float32 bucket's bytes); a device scan turns the tile counts into
+// output offsets; pass 2 reads the mask and only the selected elements, and writes the pairs in
+// index order. The host waits once, for the count (the sink sizes the output by it); the scratch
+// is released in stream order, so the call returns with pass 2 still queued.
 // Top-k: keys of the selection values are radix-sorted descending with their indices (stable, so
 // equal magnitudes keep the lowest indices first), the first k indices are sorted ascending, and
 // the pairs are gathered.
@@ -17,38 +19,71 @@ namespace {
 using namespace detail;
 constexpr int kItems = 16;  // elements per thread per tile
 constexpr int64_t kTile = int64_t{kThreads} * kItems;
+constexpr int kWarp = 32;
+constexpr int kMaskWords = static_cast<int>(kTile / kWarp);  // 32-bit mask words per tile
 
 /// Element `item` of thread `t` in tile `tile`: striped, so each row of 256 is coalesced and the
-/// rows are visited in index order.
+/// rows are visited in index order; the 32 elements of one warp in one row are one mask word,
+/// word i / 32.
 __device__ __forceinline__ int64_t tile_element(int64_t tile, int item, int t) {
   return tile * kTile + int64_t{item} * kThreads + t;
 }
 
-template <typename T>
-__device__ __forceinline__ bool selected(Source<T> src, int64_t i, Range range, uint32_t key, T& v) {
-  v = src.value(i);
-  return i >= range.begin && i < range.end && Num<T>::key(v) >= key;
-}
-
+/// Pass 1: the update (where asked) and the selection of one tile. Every item is read before any
+/// is written, so a thread has all its loads in flight at once; the update itself is the shared
+/// element rule, applied to registers.
 template <typename T>
 __global__ void select_count_kernel(Source<T> src, int64_t n, uint32_t key, Range range,
-                                    unsigned long long* tile_counts, unsigned long long* nonfinite) {
+                                    unsigned long long* tile_counts, unsigned int* mask,
+                                    unsigned long long* nonfinite) {
   using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
   const int64_t tile = blockIdx.x;
+  const bool update = src.update && src.residual != nullptr;
   unsigned long long hits = 0, bad = 0;
+  T value[kItems];
+  if (update) {
+    T residual[kItems], grad[kItems], velocity[kItems];
+#pragma unroll
+    for (int item = 0; item < kItems; ++item) {
+      const int64_t i = tile_element(tile, item, threadIdx.x);
+      if (i < n) {
+        residual[item] = src.residual[i];
+        grad[item] = src.grad[i];
+        if (src.velocity != nullptr) velocity[item] = src.velocity[i];
+      }
+    }
+#pragma unroll
+    for (int item = 0; item < kItems; ++item) {
+      const int64_t i = tile_element(tile, item, threadIdx.x);
+      if (i < n) {
+        const Source<T> one{&residual[item], &grad[item], true, src.velocity != nullptr ? &velocity[item] : nullptr,
+                            src.momentum,    src.masking};
+        bool finite;
+        one.update_element(0, finite);
+        bad += !finite;
+        value[item] = residual[item];
+        src.residual[i] = residual[item];
+        if (src.velocity != nullptr) src.velocity[i] = velocity[item];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int item = 0; item < kItems; ++item) {
+      const int64_t i = tile_element(tile, item, threadIdx.x);
+      if (i < n) {
+        value[item] = src.value(i);
+        if (src.residual == nullptr) bad += !is_finite(src.grad[i]);
+      }
+    }
+  }
+#pragma unroll
   for (int item = 0; item < kItems; ++item) {
     const int64_t i = tile_element(tile, item, threadIdx.x);
-    if (i >= n) break;
-    if (src.update && src.residual != nullptr) {
-      bool finite;
-      src.update_element(i, finite);
-      bad += !finite;
-    } else if (src.residual == nullptr) {
-      bad += !is_finite(src.grad[i]);
-    }
-    T v;
-    hits += selected(src, i, range, key, v);
+    const bool flag = i < n && i >= range.begin && i < range.end && Num<T>::key(value[item]) >= key;
+    const unsigned int word = __ballot_sync(0xffffffffu, flag);
+    if (threadIdx.x % kWarp == 0) mask[i / kWarp] = word;
+    hits += flag;
   }
   const unsigned long long tile_hits = Reduce(storage).Sum(hits);
   __syncthreads();
@@ -59,26 +94,26 @@ __global__ void select_count_kernel(Source<T> src, int64_t n, uint32_t key, Rang
   }
 }
 
+/// Pass 2: one thread per mask word of a tile (kMaskWords threads); a tile without selected
+/// elements returns at once. The values are read again (the updated residual, or the gradient);
+/// they are the values pass 1 selected by (selection_value reads the same value every time).
 template <typename T, typename I>
-__global__ void select_write_kernel(Source<T> src, int64_t n, uint32_t key, Range range, bool zero,
-                                    const unsigned long long* tile_offsets, I* out_idx, T* out_val) {
-  using Scan = cub::BlockScan<unsigned int, kThreads>;
+__global__ void select_write_kernel(Source<T> src, bool zero, const unsigned long long* tile_offsets,
+                                    const unsigned int* mask, I* out_idx, T* out_val) {
+  using Scan = cub::BlockScan<unsigned int, kMaskWords>;
   __shared__ typename Scan::TempStorage storage;
   const int64_t tile = blockIdx.x;
-  unsigned long long position = tile_offsets[tile];
-  for (int item = 0; item < kItems; ++item) {
-    const int64_t i = tile_element(tile, item, threadIdx.x);
-    T v{};
-    const unsigned int flag = i < n ? selected(src, i, range, key, v) : 0u;
-    unsigned int offset, row_total;
-    Scan(storage).ExclusiveSum(flag, offset, row_total);
-    __syncthreads();
-    if (flag) {
-      out_idx[position + offset] = static_cast<I>(i);
-      out_val[position + offset] = v;
-      if (zero && src.residual != nullptr) src.residual[i] = Num<T>::zero();
-    }
-    position += row_total;
+  const unsigned long long first = tile_offsets[tile];
+  if (tile_offsets[tile + 1] == first) return;  // the same for the whole block
+  const int64_t word = tile * kMaskWords + threadIdx.x;
+  unsigned int bits = mask[word], offset;
+  Scan(storage).ExclusiveSum(static_cast<unsigned int>(__popc(bits)), offset);
+  unsigned long long position = first + offset;
+  for (; bits != 0; bits &= bits - 1, ++position) {
+    const int64_t i = word * kWarp + (__ffs(bits) - 1);
+    out_idx[position] = static_cast<I>(i);
+    out_val[position] = src.value(i);
+    if (zero && src.residual != nullptr) src.residual[i] = Num<T>::zero();
   }
 }
 
@@ -113,26 +148,43 @@ __global__ void topk_gather_kernel(Source<T> src, const I* chosen, int64_t k, I*
   if (src.residual != nullptr) src.residual[i] = Num<T>::zero();
 }
 
-/// Pass 1 and the scan: per-tile offsets (tiles + 1 entries, the last being the total) and the
-/// non-finite count.
-template <typename T>
-void count_tiles(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, Range range,
-                 Scratch<unsigned long long>& offsets, int64_t& total, int64_t& nonfinite) {
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  Scratch<unsigned long long> counts(device, tiles + 2);  // [tiles] = 0 sentinel, [tiles + 1] = nonfinite
-  device.fill_zero(counts.get(), (tiles + 2) * sizeof(unsigned long long));
-  select_count_kernel<T><<<static_cast<unsigned int>(tiles), kThreads, 0, device.stream()>>>(
-      src, n, key, range, counts.get(), counts.get() + tiles + 1);
-  check_launch();
-  size_t temp_bytes = 0;
-  GS_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts.get(), offsets.get(), tiles + 1, device.stream()));
-  Scratch<unsigned char> temp(device, temp_bytes);
-  GS_CUDA_CHECK(
-      cub::DeviceScan::ExclusiveSum(temp.get(), temp_bytes, counts.get(), offsets.get(), tiles + 1, device.stream()));
-  total = static_cast<int64_t>(read_scalar(device, offsets.get() + tiles));
-  nonfinite = static_cast<int64_t>(read_scalar(device, counts.get() + tiles + 1));
-}
+/// Pass 1 and the scan, with their scratch: per-tile offsets (tiles + 1 entries, the last being
+/// the total) followed by the non-finite count, so one read brings both to the host.
+struct TileCounts {
+  int64_t tiles;
+  Scratch<unsigned long long> words;  // [0, tiles]: counts, 0 sentinel; [tiles + 1, 2 tiles + 2]: offsets, nonfinite
+  Scratch<unsigned int> mask;
+  int64_t total = 0, nonfinite = 0;
+
+  template <typename T>
+  TileCounts(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, Range range)
+      : tiles((n + kTile - 1) / kTile), words(device, 2 * tiles + 3), mask(device, tiles * kMaskWords) {
+    unsigned long long* counts = words.get();
+    device.fill_zero(counts, (2 * tiles + 3) * sizeof(unsigned long long));
+    select_count_kernel<T><<<static_cast<unsigned int>(tiles), kThreads, 0, device.stream()>>>(
+        src, n, key, range, counts, mask.get(), offsets() + tiles + 1);
+    check_launch();
+    size_t temp_bytes = 0;
+    GS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, temp_bytes, counts, offsets(), tiles + 1, device.stream()));
+    Scratch<unsigned char> temp(device, temp_bytes);
+    GS_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.get(), temp_bytes, counts, offsets(), tiles + 1, device.stream()));
+    unsigned long long both[2];
+    device.copy_to_host(both, offsets() + tiles, sizeof(both));
+    total = static_cast<int64_t>(both[0]);
+    nonfinite = static_cast<int64_t>(both[1]);
+  }
+  unsigned long long* offsets() const { return words.get() + tiles + 1; }
+
+  /// Pass 2: the pairs of the selected elements, in index order, into `out_idx` / `out_val`.
+  template <typename T, typename I>
+  void write(CudaDevice& device, Source<T> src, bool zero, I* out_idx, T* out_val) const {
+    if (total == 0) return;
+    src.update = false;  // the update is done: pass 2 reads the updated values
+    select_write_kernel<T, I><<<static_cast<unsigned int>(tiles), kMaskWords, 0, device.stream()>>>(
+        src, zero, offsets(), mask.get(), out_idx, out_val);
+    check_launch();
+  }
+};
 
 }  // namespace
 
@@ -145,19 +197,12 @@ SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, R
     sink(0);
     return stats;
   }
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  Scratch<unsigned long long> offsets(device, tiles + 1);
-  count_tiles<T>(device, src, n, key, range, offsets, stats.count, stats.nonfinite);
+  const TileCounts counts(device, src, n, key, range);
+  stats.count = counts.total;
+  stats.nonfinite = counts.nonfinite;
   const PairSpan span = sink(stats.count);
-  if (stats.count > 0) {
-    Source<T> read = src;
-    read.update = false;  // the update is done: pass 2 reads the updated values
-    select_write_kernel<T, I><<<static_cast<unsigned int>(tiles), kThreads, 0, device.stream()>>>(
-        read, n, key, range, zero, offsets.get(), static_cast<I*>(span.indices), static_cast<T*>(span.values));
-    check_launch();
-  }
-  device.synchronize();  // scratch is released on return
-  return stats;
+  counts.write(device, src, zero, static_cast<I*>(span.indices), static_cast<T*>(span.values));
+  return stats;  // no wait: the scratch goes back to the stream-ordered allocator behind pass 2
 }
 
 template <typename T>
@@ -167,18 +212,13 @@ void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t
   index.clear();
   value.clear();
   if (n == 0) return;
-  const int64_t tiles = (n + kTile - 1) / kTile;
-  Scratch<unsigned long long> offsets(device, tiles + 1);
-  int64_t total = 0, nonfinite = 0;
-  count_tiles<T>(device, src, n, key, range, offsets, total, nonfinite);
-  if (total == 0) return;
-  Scratch<int64_t> idx(device, total);
-  Scratch<T> val(device, total);
-  select_write_kernel<T, int64_t><<<static_cast<unsigned int>(tiles), kThreads, 0, device.stream()>>>(
-      src, n, key, range, false, offsets.get(), idx.get(), val.get());
-  check_launch();
-  index = to_host(device, idx.get(), total);
-  const std::vector<T> raw = to_host(device, val.get(), total);
+  const TileCounts counts(device, src, n, key, range);
+  if (counts.total == 0) return;
+  Scratch<int64_t> idx(device, counts.total);
+  Scratch<T> val(device, counts.total);
+  counts.write(device, src, false, idx.get(), val.get());
+  index = to_host(device, idx.get(), counts.total);
+  const std::vector<T> raw = to_host(device, val.get(), counts.total);
   value.resize(raw.size());
   for (size_t j = 0; j < raw.size(); ++j) value[j] = Num<T>::to_float(raw[j]);
 }
@@ -216,9 +256,8 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
     Scratch<unsigned char> temp2(device, temp2_bytes);
     GS_CUDA_CHECK(cub::DeviceRadixSort::SortKeys(temp2.get(), temp2_bytes, idx_out.get(), chosen.get(), k, 0,
                                                  int(sizeof(I) * 8), stream));
-    device.synchronize();
   }
-  stats.nonfinite = static_cast<int64_t>(read_scalar(device, bad.get()));
+  stats.nonfinite = static_cast<int64_t>(read_scalar(device, bad.get()));  // waits for the sorts
   stats.count = k;
   const PairSpan span = sink(k);
   if (k > 0) {
@@ -228,8 +267,7 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
         read, chosen.get(), k, static_cast<I*>(span.indices), static_cast<T*>(span.values));
     check_launch();
   }
-  device.synchronize();  // scratch is released on return
-  return stats;
+  return stats;  // no wait: the scratch goes back to the stream-ordered allocator behind the gather
 }
 
 #define GS_INSTANTIATE_CUDA_SELECT(T, I)                                                                      \
