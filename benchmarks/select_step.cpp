@@ -8,7 +8,7 @@
 // Every step restores the residual first (the same work each step, as benchmarks/select.py does),
 // times a residual add on the same data just before the step, and reads the step's
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
-// and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, micro, exdyna, sidco (exp,
+// and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, sage, micro, exdyna, sidco (exp,
 // adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes.
 #include <algorithm>
 #include <chrono>
@@ -34,6 +34,8 @@ std::unique_ptr<Method> make(const std::string& name, double density) {
   if (name == "gaussiank") return std::make_unique<GaussianK>(density, "spardl");
   if (name == "dgc") return std::make_unique<DGC>(density, 1);
   if (name == "redsync") return std::make_unique<RedSync>(density);
+  if (name == "sage")
+    return std::make_unique<SAGE>(density, "flat", std::vector<int64_t>{}, false, 0, std::nullopt, std::nullopt);
   if (name == "micro") return std::make_unique<MiCRO>(density, "union", false, 0);
   if (name == "exdyna") return std::make_unique<ExDyna>(density, "union", false, 0);
   if (name == "sidco") return std::make_unique<SIDCo>(density, "exp", -1, 0.25, std::nullopt);
