@@ -45,6 +45,12 @@ std::vector<unsigned char> to_host(Device& device, const Selection& s) {
   return out;
 }
 
+/// The bucket dtype of a core element type.
+template <typename T>
+constexpr DType dtype_of() {
+  return std::is_same_v<T, float> ? DType::kFloat32 : std::is_same_v<T, Half> ? DType::kFloat16 : DType::kBFloat16;
+}
+
 template <typename T>
 class CudaSelect : public ::testing::Test {};
 using Types = ::testing::Types<float, Half, BFloat16>;
@@ -53,9 +59,7 @@ TYPED_TEST_SUITE(CudaSelect, Types);
 TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
   GS_REQUIRE_GPU();
   using T = TypeParam;
-  const DType dtype = std::is_same_v<T, float>  ? DType::kFloat32
-                      : std::is_same_v<T, Half> ? DType::kFloat16
-                                                : DType::kBFloat16;
+  const DType dtype = dtype_of<T>();
   CudaDevice gpu(0, nullptr);
   CpuDevice cpu;
   for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100003}}) {
@@ -87,9 +91,7 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
 TYPED_TEST(CudaSelect, EdgesMatchTheCpu) {
   GS_REQUIRE_GPU();
   using T = TypeParam;
-  const DType dtype = std::is_same_v<T, float>  ? DType::kFloat32
-                      : std::is_same_v<T, Half> ? DType::kFloat16
-                                                : DType::kBFloat16;
+  const DType dtype = dtype_of<T>();
   CudaDevice gpu(0, nullptr);
   CpuDevice cpu;
   const int64_t n = 50001;
