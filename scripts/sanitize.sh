@@ -6,12 +6,19 @@
 #         engine) under ThreadSanitizer (gcc; OpenMP off, since libgomp is not instrumented);
 #   fuzz  each libFuzzer target of fuzz/ for FUZZ_SECONDS seconds (default 60) under ASan and
 #         UBSan (clang); a finding leaves its input in build/fuzz/ and fails the script.
-# Usage: bash scripts/sanitize.sh [asan] [tsan] [fuzz]   (all three when none is named)
+# Usage: bash scripts/sanitize.sh [--build-only] [asan] [tsan] [fuzz]   (all three when none is named)
+#   --build-only  configure and build the steps' executables without running them (CI builds them
+#                 in the background while the main test suite runs, then runs this script again)
 # Needs the interpreter scripts/setup.sh installed torch into (for the engine's test), and
 # clang with libFuzzer (installed here with apt-get when missing and running as root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
+build_only=0
+if [ "${1:-}" = --build-only ]; then
+  build_only=1
+  shift
+fi
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(asan tsan fuzz)
 torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
@@ -28,6 +35,7 @@ for step in "${steps[@]}"; do
       echo "== the C++ suite under AddressSanitizer + UndefinedBehaviorSanitizer"
       cmake -S . -B build/asan "${common[@]}" -DGRADSPARSE_SANITIZE=address,undefined > /dev/null
       cmake --build build/asan
+      [ "$build_only" = 0 ] || continue
       ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
         ctest --test-dir build/asan --output-on-failure -j2
       ;;
@@ -36,6 +44,7 @@ for step in "${steps[@]}"; do
       cmake -S . -B build/tsan "${common[@]}" -DGRADSPARSE_SANITIZE=thread -DGRADSPARSE_OPENMP=OFF \
         -DGRADSPARSE_MPI=OFF > /dev/null
       cmake --build build/tsan --target test_exchange test_spardl test_engine
+      [ "$build_only" = 0 ] || continue
       for t in test_exchange test_spardl test_engine; do
         TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1
       done
@@ -52,7 +61,8 @@ for step in "${steps[@]}"; do
       cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
         -DGRADSPARSE_FUZZ=ON -DGRADSPARSE_SANITIZE=address,undefined -DGRADSPARSE_TESTS=OFF -DGRADSPARSE_MPI=OFF \
         -DGRADSPARSE_OPENMP=OFF > /dev/null
-      cmake --build build/fuzz
+      cmake --build build/fuzz --target fuzz_message fuzz_exchange
+      [ "$build_only" = 0 ] || continue
       for fuzzer in fuzz_message fuzz_exchange; do
         mkdir -p "build/fuzz/corpus/$fuzzer"
         # -malloc_limit_mb: no allocation beyond what a bucket's layout needs (buckets here are small).

@@ -9,5 +9,5 @@ torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADSPARSE_TORCH_TESTS=ON \
   "-DCMAKE_PREFIX_PATH=$torch_prefix" > /dev/null
 cmake --build build/cmake
-ctest --test-dir build/cmake --output-on-failure
+ctest --test-dir build/cmake --output-on-failure -j2
 "$PYTHON" -m pytest -ra
