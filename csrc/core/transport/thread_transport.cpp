@@ -34,7 +34,12 @@ class ThreadTransport final : public Transport {
 class ThreadGroupImpl final : public ThreadGroup {
  public:
   ThreadGroupImpl(int size, std::chrono::milliseconds timeout)
-      : size_(size), timeout_(timeout), slots_(size), sizes_(size), mailbox_(static_cast<size_t>(size) * size) {}
+      : size_(size),
+        timeout_(timeout),
+        inbox_(static_cast<size_t>(size)),
+        slots_(size),
+        sizes_(size),
+        mailbox_(static_cast<size_t>(size) * size) {}
 
   std::unique_ptr<Transport> transport(int rank) override {
     GS_CHECK(rank >= 0 && rank < size_, ValueError, "ThreadGroup.transport: rank ", rank, " is outside [0, ", size_,
@@ -45,7 +50,7 @@ class ThreadGroupImpl final : public ThreadGroup {
   void abort(const std::string& reason) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (aborted_.empty()) aborted_ = reason.empty() ? "aborted" : reason;
-    cv_.notify_all();
+    wake_all();
   }
 
   int size() const { return size_; }
@@ -55,17 +60,18 @@ class ThreadGroupImpl final : public ThreadGroup {
     std::lock_guard<std::mutex> lock(mu_);
     mailbox_[static_cast<size_t>(from) * size_ + to].emplace_back(static_cast<const char*>(data),
                                                                   static_cast<const char*>(data) + bytes);
-    cv_.notify_all();
+    inbox_[static_cast<size_t>(to)].notify_all();  // only `to` waits on its inbox
   }
 
   std::vector<char> take(int from, int to) {
     std::unique_lock<std::mutex> lock(mu_);
     auto& box = mailbox_[static_cast<size_t>(from) * size_ + to];
-    const bool arrived = cv_.wait_for(lock, timeout_, [&] { return !box.empty() || !aborted_.empty(); });
+    const bool arrived =
+        inbox_[static_cast<size_t>(to)].wait_for(lock, timeout_, [&] { return !box.empty() || !aborted_.empty(); });
     throw_if_aborted(to);
     if (!arrived) {
       aborted_ = str("rank ", to, " waited ", timeout_.count(), " ms for a message from rank ", from);
-      cv_.notify_all();
+      wake_all();
       throw_if_aborted(to);
     }
     std::vector<char> message = std::move(box.front());
@@ -102,12 +108,17 @@ class ThreadGroupImpl final : public ThreadGroup {
     if (!done && aborted_.empty()) {
       aborted_ = str("rank ", rank, " waited ", timeout_.count(),
                      " ms for the other ranks at a collective; a rank has stopped or took another path");
-      cv_.notify_all();
+      wake_all();
     }
     throw_if_aborted(rank);
   }
 
  private:
+  /// After an abort: every rank waiting anywhere wakes up and throws. Called with mu_ held.
+  void wake_all() {
+    cv_.notify_all();
+    for (std::condition_variable& inbox : inbox_) inbox.notify_all();
+  }
   void throw_if_aborted(int rank) const {
     if (!aborted_.empty()) throw CommError(str("ThreadTransport rank ", rank, ": ", aborted_));
   }
@@ -115,7 +126,8 @@ class ThreadGroupImpl final : public ThreadGroup {
   const int size_;
   const std::chrono::milliseconds timeout_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;                  ///< the barrier's
+  std::vector<std::condition_variable> inbox_;  ///< each rank's, for the messages posted to it
   int arrived_ = 0;
   uint64_t generation_ = 0;
   std::string aborted_;
