@@ -81,32 +81,40 @@ TEST(SparDLSchedule, BruckDeliversEveryBlock) {
   }
 }
 
-/// Runs SparDL for `steps` steps; checks conservation each step and that all ranks agree.
+/// Runs SparDL for `steps` steps; checks conservation each step and that all ranks agree. Each
+/// rank runs every step on one thread and records its output and residual after each step (a
+/// thread per rank and step made the test slow under ThreadSanitizer, where starting a thread is
+/// costly); the checks follow.
 void run_spardl(int p, int teams, int64_t n, double density, int steps, bool compare_dense) {
-  std::vector<std::unique_ptr<SparDL>> methods;
-  for (int r = 0; r < p; ++r) methods.push_back(std::make_unique<SparDL>(density, teams));
-  std::vector<std::vector<float>> residual(p, std::vector<float>(n, 0.0f));
+  auto grad = [&](int t, int r) { return ref::random_vector<float>(n, 100 * t + r); };
+  using PerRank = std::vector<std::vector<float>>;
+  std::vector<PerRank> out(steps, PerRank(p)), residual(steps, PerRank(p));  // after each step
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    SparDL method(density, teams);
+    CpuDevice device;
+    std::vector<float> r(n, 0.0f);
+    for (int t = 0; t < steps; ++t) {
+      std::vector<float> g = grad(t, rank);
+      reduce_bucket(&method, transport, device, BucketView{DType::kFloat32, n, g.data(), r.data()}, ReduceOptions{});
+      out[t][rank] = std::move(g);
+      residual[t][rank] = r;
+    }
+  }));
   for (int t = 0; t < steps; ++t) {
-    std::vector<std::vector<float>> out(p);
     std::vector<double> before(n, 0.0), dense(n, 0.0);
     for (int r = 0; r < p; ++r) {
-      out[r] = ref::random_vector<float>(n, 100 * t + r);
+      const std::vector<float> g = grad(t, r);
       for (int64_t i = 0; i < n; ++i) {
-        before[i] += double(out[r][i]) + residual[r][i];
-        dense[i] += double(out[r][i]) / p;
+        before[i] += double(g[i]) + (t > 0 ? residual[t - 1][r][i] : 0.0f);
+        dense[i] += double(g[i]) / p;
       }
     }
-    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
-      CpuDevice device;
-      reduce_bucket(methods[rank].get(), transport, device,
-                    BucketView{DType::kFloat32, n, out[rank].data(), residual[rank].data()}, ReduceOptions{});
-    }));
-    for (int r = 1; r < p; ++r) ASSERT_EQ(out[r], out[0]) << "P=" << p << " d=" << teams;
+    for (int r = 1; r < p; ++r) ASSERT_EQ(out[t][r], out[t][0]) << "P=" << p << " d=" << teams << " step " << t;
     for (int64_t i = 0; i < n; ++i) {
-      double after = double(p) * out[0][i];
-      for (int r = 0; r < p; ++r) after += residual[r][i];
+      double after = double(p) * out[t][0][i];
+      for (int r = 0; r < p; ++r) after += residual[t][r][i];
       ASSERT_NEAR(after, before[i], 1e-4 * (1.0 + std::fabs(before[i]))) << "P=" << p << " d=" << teams << " i=" << i;
-      if (compare_dense && t == 0) ASSERT_NEAR(out[0][i], dense[i], 1e-5 * (1.0 + std::fabs(dense[i]))) << i;
+      if (compare_dense && t == 0) ASSERT_NEAR(out[t][0][i], dense[i], 1e-5 * (1.0 + std::fabs(dense[i]))) << i;
     }
   }
 }
