@@ -60,11 +60,14 @@ class Buffer {
 struct BucketView {
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
-  void* grad = nullptr;           ///< the bucket's gradient; overwritten with the exchange's result
-  void* residual = nullptr;       ///< error-feedback residual of the same shape, or nullptr (no EF)
-  void* velocity = nullptr;       ///< momentum correction's velocity of the same shape, or nullptr (none)
-  float momentum = 0.0f;          ///< the velocity's factor (used when there is a velocity)
-  bool momentum_masking = false;  ///< the velocity restarts where the residual is zero (numeric.h)
+  void* grad = nullptr;      ///< the bucket's gradient; overwritten with the exchange's result
+  void* residual = nullptr;  ///< error-feedback residual of the same shape, or nullptr (no EF)
+  void* velocity = nullptr;  ///< momentum correction's velocity of the same shape, or nullptr (none)
+  /// The velocity's factor (used when there is a velocity) and momentum factor masking (the
+  /// velocity restarts where the residual is zero, numeric.h), for the Device calls that take the
+  /// view. reduce_bucket overwrites both from its ReduceOptions, the one place its callers set them.
+  float momentum = 0.0f;
+  bool momentum_masking = false;
 };
 
 /// One rank's packed selection for one bucket: a message (message.h) in device memory.
