@@ -82,9 +82,8 @@ TEST(SparDLSchedule, BruckDeliversEveryBlock) {
 }
 
 /// Runs SparDL for `steps` steps; checks conservation each step and that all ranks agree. Each
-/// rank runs every step on one thread and records its output and residual after each step (a
-/// thread per rank and step made the test slow under ThreadSanitizer, where starting a thread is
-/// costly); the checks follow.
+/// rank runs every step on one thread, keeping its method and residual as a real rank does, and
+/// records its output and residual after each step; the checks follow.
 void run_spardl(int p, int teams, int64_t n, double density, int steps, bool compare_dense) {
   auto grad = [&](int t, int r) { return ref::random_vector<float>(n, 100 * t + r); };
   using PerRank = std::vector<std::vector<float>>;
