@@ -122,6 +122,68 @@ TYPED_TEST(CudaSelect, EdgesMatchTheCpu) {
   }
 }
 
+// A bucket that starts one element past an aligned address takes the element-wise loads instead
+// of 16-byte runs, and selects the same (the selection by key and top-k).
+TYPED_TEST(CudaSelect, UnalignedBucketsMatchTheCpu) {
+  GS_REQUIRE_GPU();
+  using T = TypeParam;
+  const DType dtype = dtype_of<T>();
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 30011;
+  for (bool use_topk : {false, true}) {
+    std::vector<T> grad = ref::random_vector<T>(n + 1, 31), residual = ref::random_vector<T>(n + 1, 32, 0.5f);
+    DeviceVector<T> g(gpu, grad), r(gpu, residual);
+    const BucketView on_gpu{dtype, n, g.data() + 1, r.data() + 1};
+    const BucketView on_cpu{dtype, n, grad.data() + 1, residual.data() + 1};
+    const Selection a = use_topk ? gpu.select_topk(on_gpu, 999) : gpu.select_threshold(on_gpu, 1.5);
+    const Selection b = use_topk ? cpu.select_topk(on_cpu, 999) : cpu.select_threshold(on_cpu, 1.5);
+    EXPECT_GT(b.count, 0);
+    EXPECT_EQ(a.count, b.count);
+    EXPECT_EQ(to_host(gpu, a), to_host(cpu, b));
+    const std::vector<T> rr = r.host();
+    for (int64_t i = 0; i <= n; ++i) ASSERT_TRUE(ref::same_bits(rr[i], residual[i])) << i;
+  }
+}
+
+// Top-k's radix select at its edges: many equal magnitudes (the k-th key shared by ties spread
+// over several tiles, of which the lowest indices win), k = 0, k = n and k > n, non-finite
+// gradients with and without a residual, and a bucket whose last tile is partial.
+TYPED_TEST(CudaSelect, TopkEdgesMatchTheCpu) {
+  GS_REQUIRE_GPU();
+  using T = TypeParam;
+  const DType dtype = dtype_of<T>();
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 50001;
+  std::vector<T> steps(n), poisoned = ref::random_vector<T>(n, 21);
+  for (int64_t i = 0; i < n; ++i) steps[i] = Num<T>::from_float(0.25f * static_cast<float>(i * 7919 % 9) - 1.0f);
+  for (int64_t i = 3; i < n; i += 1013) poisoned[i] = Num<T>::from_float(std::numeric_limits<float>::quiet_NaN());
+  for (int64_t i = 8; i < n; i += 2003) poisoned[i] = Num<T>::from_float(std::numeric_limits<float>::infinity());
+  struct Case {
+    const char* name;
+    const std::vector<T>& grad;
+    bool with_residual;
+    int64_t k;
+  };
+  for (const Case& c :
+       {Case{"ties", steps, true, 12345}, Case{"ties, no residual", steps, false, 30000}, Case{"k = 0", steps, true, 0},
+        Case{"k = n", poisoned, true, n}, Case{"k > n", steps, false, n + 5}, Case{"non-finite", poisoned, true, 777},
+        Case{"non-finite, no residual", poisoned, false, 777}}) {
+    std::vector<T> grad = c.grad, residual = c.with_residual ? ref::random_vector<T>(n, 22, 0.01f) : std::vector<T>(n);
+    DeviceVector<T> g(gpu, grad), r(gpu, residual);
+    const Selection a = gpu.select_topk(BucketView{dtype, n, g.data(), c.with_residual ? r.data() : nullptr}, c.k);
+    const Selection b =
+        cpu.select_topk(BucketView{dtype, n, grad.data(), c.with_residual ? residual.data() : nullptr}, c.k);
+    EXPECT_EQ(b.count, std::min(c.k, n)) << c.name;
+    EXPECT_EQ(a.count, b.count) << c.name;
+    EXPECT_EQ(a.nonfinite, b.nonfinite) << c.name;
+    EXPECT_EQ(to_host(gpu, a), to_host(cpu, b)) << c.name;
+    const std::vector<T> rr = r.host();
+    for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(rr[i], residual[i])) << c.name << " " << i;
+  }
+}
+
 /// One rank: every all-reduce and all-gather is the identity.
 class SoloGroup final : public Collective {
  public:

