@@ -125,8 +125,25 @@ TEST(SparDL, DensityOneIsTheDenseAverage) {
   for (int p : {1, 2, 3, 5, 6, 8}) run_spardl(p, 1, 1000, 1.0, 1, true);
 }
 
+// Under ThreadSanitizer (CI's threaded-tests step), where starting the rank threads dominates, a
+// subset of the world sizes that keeps every team count and odd and prime sizes: 166 rank threads
+// per step instead of 293. The Release and ASan suites run all sixteen.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kEveryWorldSize = false;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kEveryWorldSize = false;
+#else
+constexpr bool kEveryWorldSize = true;
+#endif
+#else
+constexpr bool kEveryWorldSize = true;
+#endif
+
 TEST(SparDL, ConservesMassForEveryWorldSizeAndTeamCount) {
   for (int p = 1; p <= 16; ++p) {
+    if (!kEveryWorldSize && p != 1 && p != 2 && p != 3 && p != 4 && p != 5 && p != 6 && p != 8 && p != 12 && p != 16)
+      continue;
     for (int teams : {1, 2, 3, 4}) {
       if (p % teams != 0) continue;
       SCOPED_TRACE(::testing::Message() << "P=" << p << " teams=" << teams);
