@@ -206,13 +206,22 @@ __device__ __forceinline__ void write_mask_words(unsigned int bits, int64_t i, u
     const unsigned int word = __ballot_sync(0xffffffffu, bits != 0);
     if (lane == 0) mask[start / kWarp] = word;
   } else {
-    constexpr int kLanesPerWord = kWarp / W;  // word q gathers the bits of the lanes that hold its elements
+    constexpr int kLanesPerWord = kWarp / W;  // word q gathers the bits of lanes [q, q + 1) * kLanesPerWord
+#if __CUDA_ARCH__ >= 800
 #pragma unroll
     for (int q = 0; q < W; ++q) {
       const unsigned int word =
           __reduce_or_sync(0xffffffffu, lane / kLanesPerWord == q ? bits << (lane % kLanesPerWord * W) : 0u);
       if (lane == 0) mask[start / kWarp + q] = word;
     }
+#else
+    // Before sm_80 (no __reduce_or_sync): the same words by shuffles within each group of lanes,
+    // whose first lane writes its word. (Compiled in CI for sm_75; not yet run on such a GPU.)
+    unsigned int word = bits << (lane % kLanesPerWord * W);
+#pragma unroll
+    for (int d = 1; d < kLanesPerWord; d <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, d);
+    if (lane % kLanesPerWord == 0) mask[start / kWarp + lane / kLanesPerWord] = word;
+#endif
   }
 }
 
