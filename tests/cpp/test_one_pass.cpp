@@ -229,8 +229,9 @@ using Factory = std::function<std::unique_ptr<Method>()>;
 /// Steps of one method on one rank: the method kept across steps (its bound learned) against a
 /// fresh method with the same state each step (no bound: every answer from passes over the
 /// bucket). The averaged gradient and the residual agree to the bit every step, through a drift,
-/// a jump up (answers below the bound) and a jump down (too many candidates).
-void same_with_and_without_bound(const Factory& make) {
+/// a jump up (answers below the bound) and a jump down (too many candidates). With `ties`, the
+/// gradients take a few values only, so many elements tie at any threshold.
+void same_with_and_without_bound(const Factory& make, bool ties = false) {
   const int64_t n = kN;
   std::vector<float> residual_kept(n, 0.0f), residual_fresh(n, 0.0f);
   std::unique_ptr<Method> kept = make();
@@ -238,6 +239,8 @@ void same_with_and_without_bound(const Factory& make) {
   for (size_t t = 0; t < scale.size(); ++t) {
     std::vector<float> grad = ref::random_vector<float>(n, 100 + t, scale[t]);
     for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;  // a heavier tail
+    if (ties)
+      for (float& g : grad) g = std::round(g / scale[t] * 2.0f) * scale[t] / 2.0f;
     std::vector<float> out_kept = grad, out_fresh = grad;
     std::unique_ptr<Method> fresh = make();
     fresh->load_state(kept->state());
@@ -255,6 +258,29 @@ void same_with_and_without_bound(const Factory& make) {
 
 TEST(OnePass, TopKDoesNotDependOnTheBound) {
   same_with_and_without_bound([] { return std::make_unique<TopK>(0.01); });
+}
+// Ties at the k-th largest, in several blocks: the kept method takes the lowest positions among
+// the candidates' ties, the fresh one the kernel's (lowest indices).
+TEST(OnePass, TopKTakesTheSameTiesWithAndWithoutTheBound) {
+  same_with_and_without_bound([] { return std::make_unique<TopK>(0.01); }, /*ties=*/true);
+}
+
+// Against a plain filter: across block edges, for several thread counts, keeping none, some or all.
+TEST(Parallel, PositionsWhereMatchesAFilter) {
+  for (int threads : {1, 2, 3}) {
+    set_cpu_threads(threads);
+    for (int64_t n : {int64_t{0}, int64_t{1}, kCpuBlock, 3 * kCpuBlock + 5}) {
+      const std::vector<float> v = ref::random_vector<float>(n, 7);
+      for (float cut : {-1e30f, 1.0f, 1e30f}) {
+        const auto keep = [&](size_t j) { return v[j] > cut; };
+        std::vector<size_t> want;
+        for (size_t j = 0; j < v.size(); ++j)
+          if (keep(j)) want.push_back(j);
+        EXPECT_EQ(positions_where(v.size(), keep), want) << threads << " threads, n " << n << ", cut " << cut;
+      }
+    }
+  }
+  set_cpu_threads(0);
 }
 // Both modes of the estimators; in the default mode the fresh method also gets the density
 // control's state from the checkpoint (state()), so this checks that nothing else carries over.

@@ -11,6 +11,7 @@
 
 #include "gradsparse/device.h"
 #include "gradsparse/message.h"
+#include "gradsparse/parallel.h"
 
 namespace gradsparse::method_util {
 
@@ -83,12 +84,16 @@ inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
 /// ascending; `kth_key` gets the k-th largest key.
 inline std::vector<size_t> largest_positions(const std::vector<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
   kth_key = kth_largest_key(keys, k);
-  int64_t ties = k;  // how many elements at the k-th key are taken: k minus those above it
-  for (uint32_t key : keys) ties -= key > kth_key;
-  std::vector<size_t> out;
-  out.reserve(static_cast<size_t>(k));
-  for (size_t j = 0; j < keys.size(); ++j)
-    if (keys[j] > kth_key || (keys[j] == kth_key && ties-- > 0)) out.push_back(j);
+  const uint32_t kth = kth_key;
+  std::vector<size_t> out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
+  if (static_cast<int64_t>(out.size()) > k) {  // more ties at the k-th key than are taken
+    int64_t ties = k;                          // those taken: k minus the keys above the k-th
+    for (size_t j : out) ties -= keys[j] > kth ? 1 : 0;
+    size_t kept = 0;  // the lowest positions among the ties
+    for (size_t j : out)
+      if (keys[j] > kth || ties-- > 0) out[kept++] = j;
+    out.resize(kept);
+  }
   return out;
 }
 

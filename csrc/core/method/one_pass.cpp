@@ -147,16 +147,7 @@ const std::vector<uint32_t>& OnePass::keys() {
 
 std::vector<size_t> OnePass::reaching(uint32_t key) {
   const std::vector<uint32_t>& k = keys();
-  // Without a branch: whether a candidate reaches the key is as good as random, and a mispredicted
-  // branch per candidate cost more than the rest of the selection.
-  std::vector<size_t> out(k.size());
-  size_t n = 0;
-  for (size_t j = 0; j < k.size(); ++j) {
-    out[n] = j;
-    n += k[j] >= key ? 1 : 0;
-  }
-  out.resize(n);
-  return out;
+  return positions_where(k.size(), [&](size_t j) { return k[j] >= key; });
 }
 
 OnePass::Counts::Counts(OnePass& pass, std::vector<double> thresholds, bool strict)

@@ -2,7 +2,10 @@
 // not depend on the thread count, so every kernel's output is identical for any number of threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 
 #if defined(_OPENMP)
 #include <omp.h>
@@ -40,6 +43,34 @@ void parallel_blocks(int64_t blocks, int threads, F&& f) {
 template <typename F>
 void parallel_blocks(int64_t blocks, F&& f) {
   parallel_blocks(blocks, cpu_threads(), [&](int64_t b, int) { f(b); });
+}
+
+/// The positions j in [0, n) with keep(j), ascending: a count per block, then each block writes
+/// its positions from its offset, both in parallel. No branch on keep(j) (for selections from
+/// candidates, where keep is as good as random: a mispredicted branch per candidate cost MiCRO
+/// 4.1 ms against 1.1 ms for the whole loop over 980 thousand candidates). keep must be cheap and
+/// free of side effects: it runs twice per position.
+template <typename Keep>
+std::vector<size_t> positions_where(size_t n, const Keep& keep) {
+  const int64_t blocks = num_blocks(static_cast<int64_t>(n));
+  auto block_end = [&](int64_t b) { return std::min(n, static_cast<size_t>((b + 1) * kCpuBlock)); };
+  std::vector<size_t> at(static_cast<size_t>(blocks) + 1, 0);  // where each block's positions go
+  parallel_blocks(blocks, [&](int64_t b) {
+    size_t count = 0;
+    for (size_t j = static_cast<size_t>(b * kCpuBlock); j < block_end(b); ++j) count += keep(j) ? 1 : 0;
+    at[static_cast<size_t>(b) + 1] = count;
+  });
+  std::partial_sum(at.begin(), at.end(), at.begin());
+  std::vector<size_t> out(at.back());
+  parallel_blocks(blocks, [&](int64_t b) {
+    // Every write lands in the block's share: the loop ends at the block's last kept position.
+    size_t o = at[static_cast<size_t>(b)];
+    for (size_t j = static_cast<size_t>(b * kCpuBlock); o < at[static_cast<size_t>(b) + 1]; ++j) {
+      out[o] = j;
+      o += keep(j) ? 1 : 0;
+    }
+  });
+  return out;
 }
 
 }  // namespace gradsparse

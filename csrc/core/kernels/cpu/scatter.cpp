@@ -95,8 +95,14 @@ void gather(Source<T> src, const I* indices, int64_t count, T* out) {
 template <typename T, typename I>
 void zero_at(T* residual, const I* indices, int64_t count) {
   parallel_blocks(num_blocks(count), [&](int64_t b) {
-    for (int64_t j = b * kCpuBlock; j < std::min(count, (b + 1) * kCpuBlock); ++j)
+    const int64_t end = std::min(count, (b + 1) * kCpuBlock);
+    for (int64_t j = b * kCpuBlock; j < end; ++j) {
+      // The residual's lines are mostly out of the caches by now: ask for them a few writes ahead
+      // (250 thousand ascending positions in 25M after an add over all of them, best of 7 in
+      // each of 4 runs: 1.30 to 1.90 ms without, 1.04 to 1.78 ms with).
+      if (j + 16 < end) __builtin_prefetch(residual + indices[j + 16], 1);
       residual[indices[j]] = Num<T>::zero();
+    }
   });
 }
 
