@@ -104,13 +104,24 @@ else
   failed+=(pytest train bench)
 fi
 
+# The git tree of the files as they are here (tracked, and untracked but not ignored), hashed into
+# a scratch index: names the contents exactly even where the checkout's .git is out of date (a
+# copy of a working tree sent to a GPU machine).
+files_tree() {
+  local index
+  index=$(mktemp -u)
+  GIT_INDEX_FILE=$index git add -A . > /dev/null 2>&1 && GIT_INDEX_FILE=$index git write-tree 2> /dev/null || echo unknown
+  rm -f "$index"
+}
+
 {
   echo "# gradsparse GPU check"
   echo
   echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
   echo "- $("$PYTHON" -c "import torch, sys; print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), Python {sys.version.split()[0]}')")"
   echo "- nvcc: $(nvcc --version 2>/dev/null | grep -o 'release [0-9.]*' || echo 'not found')"
-  echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+  echo "- files: git tree $(files_tree) (equals \`git rev-parse HEAD^{tree}\` of the commit with these contents;" \
+    "the copy's own HEAD, $(git rev-parse --short HEAD 2>/dev/null || echo unknown), can be stale)"
   echo
   echo "| stage | result | time |"
   echo "|---|---|---|"
