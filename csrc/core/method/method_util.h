@@ -97,6 +97,14 @@ inline std::vector<size_t> largest_positions(const std::vector<uint32_t>& keys, 
   return out;
 }
 
+/// The float32 keys (|v| bits) of values: for values of any bucket dtype, exact as floats, they
+/// order as the dtype's keys do.
+inline std::vector<uint32_t> float_keys(const std::vector<float>& values) {
+  std::vector<uint32_t> keys(values.size());
+  for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<float>::key(values[j]);
+  return keys;
+}
+
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest
 /// index), as a new message in ascending index order; `kth` gets the k-th largest magnitude. The
 /// residual is not touched.
@@ -106,10 +114,8 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
   const HostMessage in(device, s, bucket);
   const std::vector<int64_t> index = in.index_list();
   const std::vector<float> value = in.value_list();  // exact for every bucket dtype, in the same order
-  std::vector<uint32_t> keys(value.size());
-  for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<float>::key(value[j]);
   uint32_t kth_key;
-  const std::vector<size_t> chosen = largest_positions(keys, k, kth_key);
+  const std::vector<size_t> chosen = largest_positions(float_keys(value), k, kth_key);
   kth = static_cast<double>(from_key<float>(kth_key));
   GS_ASSERT(static_cast<int64_t>(chosen.size()) == k);
   return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);

@@ -3,6 +3,7 @@
 // the default predicts with the sampled scale ratio and then takes the exact top k inside a band
 // around the prediction.
 #include <cmath>
+#include <numeric>
 #include <utility>
 
 #include "gradsparse/methods.h"
@@ -91,16 +92,22 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   } else {
     const double prediction = t > 0 ? committed_.threshold * alpha : start;
     const double low = prediction / BandController::band_factor(t);
-    // The candidates (|v| >= low) in one pass with the update; then the exact top k among them.
-    Selection c = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), true, false});
-    nonfinite = c.nonfinite;
-    if (c.count >= k) {
-      s = method_util::largest_of_message(device, bucket, c, k, lambda);
+    // The candidates (|v| >= low) listed in one pass with the update; then the exact top k
+    // among them, or all of them where they are fewer.
+    const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1);
+    nonfinite = scan.moments.nonfinite;
+    const Candidates& c = scan.candidates;
+    std::vector<size_t> chosen;
+    if (static_cast<int64_t>(c.size()) >= k) {
+      uint32_t kth_key;
+      chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
+      lambda = static_cast<double>(method_util::from_key<float>(kth_key));
     } else {
-      s = std::move(c);
+      chosen.resize(c.size());
+      std::iota(chosen.begin(), chosen.end(), size_t{0});
       lambda = low;
     }
-    if (zero) device.zero_at(bucket, s.view(bucket));
+    s = method_util::emit_subset(device, bucket, c, chosen, zero);
   }
   pending_.threshold = lambda;
   pending_.sample_mean = sample_mean;
