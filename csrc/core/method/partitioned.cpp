@@ -46,15 +46,19 @@ int64_t add_band_counts(const std::vector<double>& edges, const std::vector<floa
   std::vector<uint32_t> keys(edges.size());
   for (size_t b = 0; b < edges.size(); ++b)
     keys[b] = Num<float>::key(static_cast<float>(method_util::dtype_ceil(DType::kFloat32, edges[b])));
-  const KeyBins bins(keys.data(), static_cast<int>(keys.size()));
+  const KeyBins table(keys.data(), static_cast<int>(keys.size()));
+  const KeyBins::Lookup bins = table.lookup();
   const int last = BandController::kBandBins;
+  const uint32_t lowest = keys[0];
+  double* count = counts.data();
+  int64_t under_band = 0;  // locals: through `below` and `keys`, every candidate reloaded them
   for (float v : values) {
     const uint32_t key = Num<float>::key(v);
-    const bool under = key < keys[0];
-    counts[under ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
-    below += under ? 1 : 0;
+    const bool under = key < lowest;
+    count[under ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
+    under_band += under ? 1 : 0;
   }
-  return below;
+  return below + under_band;
 }
 
 constexpr int kBins = BandController::kBandBins + 1;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 namespace gradsparse {
@@ -13,24 +14,49 @@ namespace gradsparse {
 /// must outlive the table.
 class KeyBins {
  public:
+  /// The table as plain values. Hot loops copy it into a local first (`const auto bins =
+  /// table.lookup();`) so that its fields stay in registers: read through the table, they were
+  /// loaded again for every key, since the loop's own stores might alias them.
+  struct Lookup {
+    const uint32_t* keys;
+    const int* slot;       ///< per slot: the last j with keys[j] <= the slot's first key
+    const uint32_t* next;  ///< per slot: keys[slot + 1], or the largest uint32 past the last key
+    uint32_t base;
+    int shift;
+    size_t last_slot;
+    int m;
+
+    /// The last j with keys[j] <= key, for key >= keys[0]. The first step past the slot's key
+    /// is taken without a branch: where a slot holds a key (MiCRO's band: one slot in ten),
+    /// whether a key lies past it is as good as random. Further steps (slots holding several
+    /// keys) are rare. Over a million band keys: 4.0 ms through the table's fields with a branch,
+    /// 2.8 ms from a local copy without it (a C++ loop, four runs).
+    int bin(uint32_t key) const {
+      const size_t t = std::min(static_cast<size_t>((key - base) >> shift), last_slot);
+      int j = slot[t] + (key >= next[t] ? 1 : 0);
+      while (j + 1 < m && keys[j + 1] <= key) ++j;
+      return j;
+    }
+  };
+
   KeyBins(const uint32_t* keys, int m) : keys_(keys), m_(m) {
     if (m == 0) return;
     base_ = keys[0];
     const uint32_t span = keys[m - 1] - keys[0];
     while ((span >> shift_) >= kSlots) ++shift_;
     slot_.resize(static_cast<size_t>(span >> shift_) + 1);
+    next_.resize(slot_.size());
     for (size_t t = 0; t < slot_.size(); ++t) {
       const uint32_t start = base_ + (static_cast<uint32_t>(t) << shift_);
       slot_[t] = static_cast<int>(std::upper_bound(keys, keys + m, start) - keys) - 1;
+      next_[t] = slot_[t] + 1 < m ? keys[slot_[t] + 1] : std::numeric_limits<uint32_t>::max();
     }
   }
-  /// The last j with keys[j] <= key, for key >= keys[0].
-  int bin(uint32_t key) const {
-    const size_t t = std::min(static_cast<size_t>((key - base_) >> shift_), slot_.size() - 1);
-    int j = slot_[t];
-    while (j + 1 < m_ && keys_[j + 1] <= key) ++j;
-    return j;
+  Lookup lookup() const {
+    return Lookup{keys_, slot_.data(), next_.data(), base_, shift_, slot_.empty() ? 0 : slot_.size() - 1, m_};
   }
+  /// The last j with keys[j] <= key, for key >= keys[0] (Lookup::bin).
+  int bin(uint32_t key) const { return lookup().bin(key); }
 
  private:
   static constexpr uint32_t kSlots = 4096;
@@ -39,6 +65,7 @@ class KeyBins {
   uint32_t base_ = 0;
   int shift_ = 0;
   std::vector<int> slot_;
+  std::vector<uint32_t> next_;
 };
 
 }  // namespace gradsparse

@@ -521,8 +521,9 @@ void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int
   check_range(range, n, "count_keys");
   std::fill(counts, counts + m, 0);
   if (m == 0) return;
-  const KeyBins table(keys, m);
+  const KeyBins key_bins(keys, m);
   const auto blocks = per_block<std::vector<int64_t>>(n, [&](int64_t begin, int64_t end) {
+    const KeyBins::Lookup table = key_bins.lookup();       // a local copy (KeyBins::Lookup)
     std::vector<int64_t> bins(static_cast<size_t>(m), 0);  // bins[j]: keys in [keys[j], keys[j+1])
     const int64_t lo = std::max(begin, range.begin), hi = std::min(end, range.end);
     if (lo >= hi) return bins;
