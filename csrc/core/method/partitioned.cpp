@@ -49,16 +49,15 @@ int64_t add_band_counts(const std::vector<double>& edges, const std::vector<floa
   const KeyBins table(keys.data(), static_cast<int>(keys.size()));
   const KeyBins::Lookup bins = table.lookup();
   const int last = BandController::kBandBins;
-  const uint32_t lowest = keys[0];
+  const uint32_t lowest = keys[0];  // locals: read through the vectors, they were loaded for every value
   double* count = counts.data();
-  int64_t under_band = 0;  // locals: through `below` and `keys`, every candidate reloaded them
   for (float v : values) {
     const uint32_t key = Num<float>::key(v);
     const bool under = key < lowest;
     count[under ? 0 : std::min(bins.bin(key), last)] += 1.0;  // band_bin clamps to [0, last]
-    under_band += under ? 1 : 0;
+    below += under ? 1 : 0;
   }
-  return below + under_band;
+  return below;
 }
 
 constexpr int kBins = BandController::kBandBins + 1;

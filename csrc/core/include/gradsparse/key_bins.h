@@ -55,8 +55,6 @@ class KeyBins {
   Lookup lookup() const {
     return Lookup{keys_, slot_.data(), next_.data(), base_, shift_, slot_.empty() ? 0 : slot_.size() - 1, m_};
   }
-  /// The last j with keys[j] <= key, for key >= keys[0] (Lookup::bin).
-  int bin(uint32_t key) const { return lookup().bin(key); }
 
  private:
   static constexpr uint32_t kSlots = 4096;
