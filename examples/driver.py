@@ -189,7 +189,8 @@ class Communication:
         self.method = method
         self.state: gs.State | None = None
         self.torch_state = None
-        self.exchanges: dict[int, str] = {}  # the exchange of each bucket, as last reported
+        self.exchanges = ""  # the exchanges of the buckets, as last reported
+        self.auto_trial = False  # whether exchange="auto" times its exchanges in this run
         module = parallel if args.fsdp else parallel.module
         numel = sum(p.numel() for p in module.parameters())
         # Bytes sent per byte reduced: a ring all-reduce's 2 (P - 1) / P (gradsparse's rule), or
@@ -204,6 +205,7 @@ class Communication:
         if method in gs.METHODS and not (args.fsdp and method == "dense"):  # dense FSDP: its own reduce-scatter
             state = gs.METHODS[method](**gradsparse_options(method, args))
             self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
+            self.auto_trial = state.config().get("exchange") == "auto" and world_size > 1 and not args.fsdp
         elif method == "fp16":
             parallel.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)
@@ -228,12 +230,23 @@ class Communication:
                 "exchange_seconds": 0.0,
             }
         stats = self.state.stats(reset=True)
-        exchanges = {i: b["exchange"] for i, b in stats["buckets"].items()}
-        if exchanges != self.exchanges and dist.get_rank() == 0:  # what exchange="auto" chose, for one
-            names = sorted(set(exchanges.values()))
-            where = names[0] if len(names) == 1 else ", ".join(f"bucket {i}: {e}" for i, e in exchanges.items())
-            print(f"[{self.method:>9}] exchange: {where}", flush=True)
-        self.exchanges = exchanges
+        # The exchanges, whenever they change (DDP's first rebuild of its buckets included): what
+        # exchange="auto" chose, for one. At several ranks it alternates its two exchanges while
+        # it times them (gradsparse.exchange_trial), and is reported once it has decided.
+        trial = stats.get("exchange_trial")
+        if dist.get_rank() == 0 and not (self.auto_trial and not trial):
+            names = {b["exchange"] for b in stats["buckets"].values()}
+            where = ", ".join(f"bucket {i}: {b['exchange']}" for i, b in stats["buckets"].items())
+            where = names.pop() if len(names) == 1 else where
+            if trial:
+                timed = "; ".join(
+                    f"bucket {i}: " + ", ".join(f"{name} {1e3 * seconds:.1f}" for name, seconds in means.items())
+                    for i, means in trial.items()
+                )
+                where += f" (timed, ms: {timed})"
+            if where != self.exchanges:
+                print(f"[{self.method:>9}] exchange: {where}", flush=True)
+            self.exchanges = where
         total = stats["total"]
         density = total["achieved_density"]
         return {

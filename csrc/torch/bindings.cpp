@@ -155,7 +155,9 @@ PYBIND11_MODULE(_C, m) {
       .def("load_state", &Method::load_state, py::arg("state"));
   // No defaults here: python/gradsparse/methods.py declares every option and its default once,
   // and builds these objects with every option given (State, or gradsparse.methods.core_method).
-  py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod");
+  py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod")
+      .def("set_exchange", &PerRankMethod::set_exchange, py::arg("exchange"),
+           "The exchange of the steps to come: \"gather\" or \"reduce_scatter\" (exchange=\"auto\" times both).");
   py::class_<TopK, PerRankMethod, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double, const std::string&>(),
                                                                         py::arg("density"), py::arg("exchange"));
   py::class_<Threshold, PerRankMethod, std::shared_ptr<Threshold>>(m, "Threshold")

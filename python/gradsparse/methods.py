@@ -56,8 +56,10 @@ _EXCHANGE = choice_option(
     '"gather" (gather-and-add: every rank receives every rank\'s pairs, so the bytes grow with the '
     'world size), "reduce_scatter" (reduce-scatter + all-gather: about 2 k pairs per rank at any world '
     "size; the owners keep the global top k of the average and the rest returns to the residuals) or "
-    '"auto" (per bucket, the one gradsparse.simulate\'s alpha-beta model finds faster on the link '
-    "measured at set-up; the model does not count the exchanges' CPU work, docs/results.md)",
+    '"auto" (per bucket, the faster of the two as timed on the training\'s own steps: they alternate on the '
+    "six sparse steps after the first, then every rank keeps the one with the lower mean time; until then "
+    "the one gradsparse.simulate's alpha-beta model finds faster on the link measured at set-up; "
+    "gradsparse.exchange_trial)",
 )
 _PARTITION_EXCHANGE = choice_option(
     "exchange",

@@ -45,6 +45,7 @@ from gradsparse.config import (
     check_momentum,
     check_timeout,
 )
+from gradsparse.exchange_trial import ExchangeTrial
 from gradsparse.metrics import Metrics
 
 __all__ = ["State"]
@@ -165,6 +166,7 @@ class State:
         self._failed_step = False  # a bucket of this step failed: the rest go back untouched
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._link: tuple[float, float] | None = None  # (alpha, beta) of exchange="auto", from setup()
+        self._trial: ExchangeTrial | None = None  # exchange="auto" at several ranks: the exchanges timed
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
 
@@ -234,9 +236,10 @@ class State:
         return getattr(_C, self._CORE)(**config, **{k: extras[k] for k in self._CORE_EXTRAS})
 
     def _faster_exchange(self, numel: int) -> str:
-        """What exchange="auto" means for a bucket of ``numel`` elements: the exchange that
-        gradsparse.simulate's model finds faster at this world size on the link measured at set-up
-        (before set-up, at one rank: gather-and-add). Every rank decides alike: the same figures."""
+        """What exchange="auto" means for a bucket of ``numel`` elements until its exchanges are
+        timed (gradsparse.exchange_trial): the exchange that gradsparse.simulate's model finds
+        faster at this world size on the link measured at set-up (before set-up, at one rank:
+        gather-and-add). Every rank decides alike: the same figures."""
         density = self._method_config.get("density")
         if density is None or self._link is None:  # a fixed threshold: no k to plan with
             return "gather"
@@ -305,8 +308,10 @@ class State:
         self._process_group = group
         self._world_size = world_size
         self._rank = dist.get_rank(group)
-        if "auto" in self._method_config.values() and world_size > 1 and self._link is None:
-            self._link = simulate.measure_link(comm or group)  # what exchange="auto" plans with
+        if "auto" in self._method_config.values() and world_size > 1:
+            if self._link is None:
+                self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
+            self._trial = ExchangeTrial(max(self._step, self._warmup_steps))
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
         if self._unchecked is not None:
@@ -443,6 +448,7 @@ class State:
         masking = not dense and self._step > self._warmup_steps
         report = _C.ReduceReport()
         index = entry.index
+        timed = self._choose_exchange(entry) if not dense and not shard_only else None
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
         future = self._engine.submit(
             buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only,
@@ -456,9 +462,28 @@ class State:
         def finish(fut: torch.futures.Future) -> torch.Tensor:
             value = fut.value()  # raises the engine's error, if any
             self._metrics.record(index, report, self._world_size, element_size)
+            if timed is not None and not report.skipped:
+                self._trial.record(index, timed, report.exchange_seconds)
             return value
 
         return future.then(finish)
+
+    def _choose_exchange(self, entry: Bucket) -> str | None:
+        """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
+        (gradsparse.exchange_trial); at the first bucket after the trial the ranks agree on the
+        faster ones first. Returns the exchange when this step is one of the trial's timed ones."""
+        if self._trial is None or not isinstance(entry.method, _C.PerRankMethod):
+            return None
+        if self._trial.due(self._step):
+            figures = self._trial.medians(max(self._table.buckets) + 1)
+            report = _C.ReduceReport()  # the dense all-reduce averages them, queued like a bucket
+            done = self._engine.submit(
+                figures, None, None, True, "raise", "the timings of exchange=auto", report, False, None, 0.0, False
+            )  # fmt: skip
+            self._trial.decide(done.wait())
+        timed = self._trial.exchange_at(entry.index, self._step)
+        entry.method.set_exchange(timed or self._faster_exchange(sum(entry.numels)))
+        return None if self._trial.decided else timed
 
     def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], last: bool) -> torch.futures.Future:
         """The first step after load_state_dict: DDP hands its buckets in the layout of a fresh
@@ -573,9 +598,13 @@ class State:
         rank to arrive: a rank whose backward ends first shows the longest exchange); ``imbalance`` (MiCRO and
         ExDyna: the mean over steps of max count * P / total count - 1); per bucket also
         ``numel``, the last ``threshold`` (NaN for methods without one) and ``exchange`` (the
-        exchange of its last step, by its glossary name: what ``exchange="auto"`` chose).
+        exchange of its last step, by its glossary name: what ``exchange="auto"`` chose). With
+        ``exchange="auto"`` at several ranks, once its trial has decided, ``exchange_trial``:
+        per bucket index, each exchange's median seconds in the trial, averaged over the ranks.
         """
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
+        if self._trial is not None and self._trial.means:
+            summary["exchange_trial"] = {i: dict(means) for i, means in self._trial.means.items()}
         if reset:
             self._metrics.reset()
         return summary
@@ -617,7 +646,9 @@ class State:
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             "stats": self._metrics.state_dict(),
-            "link": self._link,  # so that a resumed exchange="auto" chooses as the saved run did
+            # exchange="auto": the link its first picks come from, and what its trial kept
+            "link": self._link,
+            "exchanges": dict(self._trial.chosen) if self._trial is not None and self._trial.decided else None,
         }
 
     def load_state_dict(self, state_dict: dict, *, any_rank: bool = False) -> None:
@@ -674,6 +705,9 @@ class State:
         self._loaded = Loaded(state_dict)
         if state_dict.get("link") is not None:
             self._link = tuple(state_dict["link"])
+        if self._trial is not None:  # exchange="auto": the saved decision, or a new trial
+            chosen = state_dict.get("exchanges")
+            self._trial = ExchangeTrial(max(self._step, self._warmup_steps), chosen)
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}

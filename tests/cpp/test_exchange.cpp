@@ -386,6 +386,19 @@ TEST(EachExchange, SparDLAtFullSizeIsTheDenseAverage) {
   }
 }
 
+TEST(EachExchange, APerRankMethodSwitchesItsExchangeByOptionValue) {
+  TopK topk(0.1, "gather");
+  topk.set_exchange("reduce_scatter");
+  EXPECT_STREQ(topk.exchange().name(), "reduce-scatter + all-gather");
+  topk.set_exchange("gather");  // Top-k's own gather, not gather-and-add
+  EXPECT_STREQ(topk.exchange().name(), "fixed-size gather");
+  EXPECT_THROW(topk.set_exchange("union"), ValueError);
+  EXPECT_STREQ(topk.exchange().name(), "fixed-size gather");  // a refused value changes nothing
+  GaussianK gaussiank(0.1, "spardl", "reduce_scatter");
+  gaussiank.set_exchange("gather");
+  EXPECT_STREQ(gaussiank.exchange().name(), "gather-and-add");
+}
+
 TEST(EachExchange, GlossaryNamesEveryExchangeOnce) {
   std::vector<std::string> names;
   for (ExchangeKind kind : kExchangeKinds) names.push_back(exchange_name(kind));

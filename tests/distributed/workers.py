@@ -148,38 +148,77 @@ def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list,
     return params_of(hooked.module), params_of(plain.module), state.stats()["total"]
 
 
+def train_with_resume(rank: int, make, steps: int, save_at: int | None, path: str, after_step=None) -> tuple:
+    """Trains ``make(seed)``'s (model, ddp, state, optimizer) for ``steps`` steps; before step
+    ``save_at`` saves model, optimizer and state to ``path``, then builds a new one with other
+    weights (seed 123: the load must restore them) and loads what was saved. ``after_step(state)``
+    runs after every step. Returns the final model and state, and the state dict saved (or None)."""
+    torch.manual_seed(0)
+    model, ddp, state, opt = make(0)
+    saved = None
+    for i, (x, y) in enumerate(batches(rank, steps)):
+        if i == save_at:
+            saved = state.state_dict()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gs": saved}, path)
+            model, ddp, state, opt = make(123)
+            loaded = torch.load(path, weights_only=False)
+            model.load_state_dict(loaded["model"])
+            opt.load_state_dict(loaded["opt"])
+            state.load_state_dict(loaded["gs"])
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if after_step is not None:
+            after_step(state)
+    return model, state, saved
+
+
+def hooked_model(seed: int, method):
+    """make_model(seed) in a DDP of several buckets with ``method()`` registered, and its SGD."""
+    model = make_model(seed)
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.register(ddp, method())
+    return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+
 def checkpoint_resume(rank: int, world_size: int, path: str) -> tuple[list, list]:
     """Trains 6 steps straight, and 3 + save + new model/state + load + 3: same parameters.
     Threshold selection is elementwise, so the result cannot depend on how DDP lays out its
     buckets (the new DDP starts with its initial layout): any difference is lost state."""
 
-    def run(split: bool) -> list:
-        torch.manual_seed(0)
-        model = make_model()
-        ddp = DDP(model, bucket_cap_mb=0.004)
-        state = gs.register(ddp, gs.Threshold(threshold=0.01))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        data = list(batches(rank, 6))
-        for i, (x, y) in enumerate(data):
-            if split and i == 3:
-                torch.save(
-                    {"model": model.state_dict(), "opt": opt.state_dict(), "gs": state.state_dict()}, f"{path}.{rank}"
-                )
-                model = make_model(seed=123)  # different weights: the load must restore them
-                ddp = DDP(model, bucket_cap_mb=0.004)
-                state = gs.register(ddp, gs.Threshold(threshold=0.01))
-                opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-                saved = torch.load(f"{path}.{rank}")
-                model.load_state_dict(saved["model"])
-                opt.load_state_dict(saved["opt"])
-                state.load_state_dict(saved["gs"])
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return params_of(model)
+    def make(seed: int):
+        return hooked_model(seed, lambda: gs.Threshold(threshold=0.01))
 
-    return run(False), run(True)
+    straight, _, _ = train_with_resume(rank, make, 6, None, f"{path}.{rank}")
+    resumed, _, _ = train_with_resume(rank, make, 6, 3, f"{path}.{rank}")
+    return params_of(straight), params_of(resumed)
+
+
+def auto_exchange(rank: int, world_size: int, path: str) -> list[dict]:
+    """Top-k with exchange="auto" (gradsparse.exchange_trial), 12 steps, recording each step's
+    exchange per bucket: straight through; saved after step 9 (once the trial has decided) and
+    after step 4 (during it), each time loaded into a new model and state that go on."""
+
+    def make(seed: int):
+        return hooked_model(seed, lambda: gs.TopK(density=0.1, exchange="auto"))
+
+    def run(save_at: int | None) -> dict:
+        steps = []
+
+        def record(state) -> None:
+            steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+
+        model, state, saved = train_with_resume(rank, make, 12, save_at, f"{path}.{save_at}.{rank}", record)
+        return {
+            "steps": steps,
+            "trial": state.stats().get("exchange_trial"),
+            "chosen": state.state_dict()["exchanges"],
+            "saved": None if saved is None else saved["exchanges"],
+            "params": params_of(model),
+        }
+
+    return [run(None), run(9), run(4)]
 
 
 # Every method trains ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 import gradsparse
 from gradsparse import _C, simulate
+from gradsparse.exchange_trial import ExchangeTrial
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -178,6 +179,28 @@ def test_auto_picks_gather_and_add_at_small_scale_and_reduce_scatter_at_large_sc
     assert simulate.faster_exchange(1, 25_000_000, 0.001) == "gather"
     # Before set-up (one rank known, no link): gather-and-add, which the restatements test.
     assert gradsparse.TopK(density=0.01, exchange="auto")._make_method([1000]).exchange == "fixed-size gather"
+
+
+def test_the_exchange_trial_alternates_then_keeps_the_faster_where_every_rank_timed_it():
+    trial = ExchangeTrial(first_sparse_step=2)  # warm-up until step 2: timed from step 3
+    assert [trial.exchange_at(0, step) for step in range(2, 10)] == [None] + ["gather", "reduce_scatter"] * 3 + [None]
+    assert not trial.due(8) and trial.due(9)
+    for t in range(3):
+        trial.record(0, "gather", 0.010 + t)  # medians: 1.010 and 1.020
+        trial.record(0, "reduce_scatter", 0.020 + t)
+        trial.record(1, "gather", 0.030)
+        trial.record(1, "reduce_scatter", 0.005)
+    trial.record(2, "gather", 0.001)  # bucket 2 lacks times (a skipped step): it keeps the model's pick
+    mine = trial.medians(3)
+    assert mine.tolist() == pytest.approx([1.010, 1.020, 0, 0.030, 0.005, 0, 0, 0, 1])
+    other_rank = mine.clone()
+    other_rank[[0, 1]] = torch.tensor([3.0, 1.0])  # another rank timed bucket 0 the other way round
+    trial.decide((mine + other_rank) / 2)
+    assert trial.chosen == {0: "reduce_scatter", 1: "reduce_scatter"} and trial.decided
+    assert trial.means[0] == pytest.approx({"gather": 2.005, "reduce_scatter": 1.010})
+    assert trial.exchange_at(0, 20) == "reduce_scatter" and trial.exchange_at(2, 20) is None
+    resumed = ExchangeTrial(first_sparse_step=30, chosen={"1": "gather"})  # keys as some checkpointers write them
+    assert resumed.decided and resumed.exchange_at(1, 31) == "gather" and resumed.exchange_at(0, 31) is None
 
 
 def test_every_exchange_of_the_library_has_a_model():

@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/estimators.h"
@@ -17,17 +18,27 @@ namespace gradsparse {
 /// A method that selects about k pairs on every rank. Its selections go through its gather
 /// (option "gather": gather-and-add, or Top-k's fixed-size gather) or through reduce-scatter +
 /// all-gather ("reduce_scatter"), whose bytes per rank do not grow with the world size. (The
-/// Python option "auto" picks one of the two per bucket before the object is made.)
+/// Python option "auto" picks one of the two per bucket, and switches them between steps while
+/// it times both: set_exchange.)
 class PerRankMethod : public Method {
  public:
   const Exchange& exchange() const override { return *exchange_; }
 
+  /// The exchange of the steps to come, by option value ("gather" or "reduce_scatter"). Both
+  /// leave a step's state complete, so the switch may come between any two steps, on every rank.
+  void set_exchange(const std::string& exchange) { exchange_ = &choose(exchange); }
+
  protected:
-  PerRankMethod(const std::string& owner, const std::string& exchange, const Exchange& gather)
-      : exchange_(&exchange_option(exchange, {{"gather", &gather}, {"reduce_scatter", &reduce_scatter_allgather()}},
-                                   owner)) {}
+  PerRankMethod(std::string owner, const std::string& exchange, const Exchange& gather)
+      : owner_(std::move(owner)), gather_(&gather), exchange_(&choose(exchange)) {}
 
  private:
+  const Exchange& choose(const std::string& exchange) const {
+    return exchange_option(exchange, {{"gather", gather_}, {"reduce_scatter", &reduce_scatter_allgather()}}, owner_);
+  }
+
+  std::string owner_;
+  const Exchange* gather_;
   const Exchange* exchange_;
 };
 

@@ -1,0 +1,87 @@
+"""``exchange="auto"``: per bucket, the faster of gather-and-add and reduce-scatter + all-gather,
+chosen by timing both on the training's own steps.
+
+The first pick is gradsparse.simulate's alpha-beta model on the link measured at set-up. The
+model counts bytes and one latency per round; it does not see the exchanges' CPU work (the
+owners' sorting and merging in reduce-scatter + all-gather, the packing of messages) nor what
+each round costs when the workers' cores are busy with the backward pass. On the emulated
+cluster it chose reduce-scatter + all-gather for the LSTM's bucket where that exchange took 1.8x
+gather-and-add's time (docs/results.md, "Top-k's exchanges on the LSTM"). So the state then
+measures:
+
+1. From the second sparse step on (the first pays for allocations that would weigh on whichever
+   exchange ran it), ``STEPS_EACH`` steps per exchange, alternating, every bucket alike.
+2. At the next step, before its first bucket, every rank's median exchange time per bucket and
+   exchange is averaged over the ranks: one small all-reduce through the engine, queued like a
+   bucket, so every rank holds the same figures and takes the same decision.
+3. Each bucket keeps the exchange with the lower mean (gather-and-add on a tie) for the rest of
+   the run. The decision is saved in the state dict; a resumed run keeps it (one saved during
+   the trial times again).
+
+Both exchanges complete a step's state (residual, method state), so switching between steps
+changes nothing but the exchange. At one rank nothing is timed: the model's pick stays.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+__all__ = ["CHOICES", "STEPS_EACH", "ExchangeTrial"]
+
+#: The option values that exchange="auto" chooses between, gather-and-add first (the tie's pick).
+CHOICES = ("gather", "reduce_scatter")
+#: Timed steps per exchange and bucket.
+STEPS_EACH = 3
+
+
+class ExchangeTrial:
+    """The trial of one state: when it runs, what it measured, what it decided (see the module)."""
+
+    def __init__(self, first_sparse_step: int, chosen: dict[int, str] | None = None) -> None:
+        self.first_step = first_sparse_step + 1  # the trial's first step
+        self.seconds: dict[int, dict[str, list[float]]] = {}  # bucket index -> exchange -> this rank's times
+        self.chosen = {int(i): str(name) for i, name in (chosen or {}).items()}  # bucket index -> exchange
+        self.means: dict[int, dict[str, float]] = {}  # bucket index -> exchange -> mean over the ranks
+        self.decided = chosen is not None
+
+    def exchange_at(self, index: int, step: int) -> str | None:
+        """The exchange bucket ``index`` runs at ``step``: the trial's alternation, the decision,
+        or None (the method's own: the model's pick)."""
+        if self.decided:
+            return self.chosen.get(index)
+        t = step - self.first_step
+        return CHOICES[t % 2] if 0 <= t < 2 * STEPS_EACH else None
+
+    def due(self, step: int) -> bool:
+        """Whether the ranks agree now (at the first bucket of the step after the trial)."""
+        return not self.decided and step >= self.first_step + 2 * STEPS_EACH
+
+    def record(self, index: int, exchange: str, seconds: float) -> None:
+        """One timed step of bucket ``index`` (called when its exchange completed)."""
+        self.seconds.setdefault(index, {name: [] for name in CHOICES})[exchange].append(seconds)
+
+    def medians(self, buckets: int) -> torch.Tensor:
+        """This rank's figures for buckets 0 to ``buckets - 1``: per bucket the median time of
+        each exchange, and a flag that is 1 where some time is missing (a step skipped or
+        failed, or the bucket is new) and 0 where all are there, so that its average over the
+        ranks is exactly 0 only where every rank timed every step."""
+        rows = []
+        for index in range(buckets):
+            times = self.seconds.get(index, {})
+            complete = all(len(times.get(name, ())) >= STEPS_EACH for name in CHOICES)
+            medians = [statistics.median(times[name]) if complete else 0.0 for name in CHOICES]
+            rows.append([*medians, 0.0 if complete else 1.0])
+        return torch.tensor(rows, dtype=torch.float32).reshape(-1)
+
+    def decide(self, averaged: torch.Tensor) -> None:
+        """Takes the ranks' averaged figures (``medians`` after the all-reduce): each bucket timed
+        on every rank keeps the faster exchange."""
+        rows = averaged.reshape(-1, len(CHOICES) + 1).tolist()
+        for index, (*means, missing) in enumerate(rows):
+            if missing == 0.0:
+                self.means[index] = dict(zip(CHOICES, means, strict=True))
+                self.chosen[index] = min(CHOICES, key=lambda name: self.means[index][name])
+        self.seconds.clear()
+        self.decided = True
