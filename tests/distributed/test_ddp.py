@@ -157,36 +157,7 @@ def test_checkpoint_resume_is_exact(tmp_path):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_auto_times_both_exchanges_then_keeps_the_faster_on_every_rank_and_across_a_resume(tmp_path, world_size):
-    """exchange="auto": steps 1 to 6 alternate the two exchanges in every bucket; then each
-    bucket keeps the one with the lower mean time, on every rank alike. A state dict saved after
-    the decision carries it (the resumed run does not time again); one saved during the trial
-    does not (the resumed run times again, from its second step)."""
-    names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
-    results = run_distributed(workers.auto_exchange, world_size, str(tmp_path / "ckpt"))
-    for runs in zip(*results, strict=True):  # the same run on every rank
-        first = runs[0]
-        for other in runs[1:]:
-            assert other["steps"] == first["steps"] and other["trial"] == first["trial"]
-            assert other["chosen"] == first["chosen"] and other["saved"] == first["saved"]
-            for a, b in zip(first["params"], other["params"], strict=True):
-                assert torch.equal(a, b)  # the replicas stay equal through every switch
-    straight, after_decision, during_trial = results[0]
-    buckets = sorted(straight["steps"][-1])
-    assert len(buckets) > 1
-    alternation = [("gather", "reduce_scatter")[t % 2] for t in range(6)]
-    assert [set(step.values()) for step in straight["steps"][1:7]] == [{names[n]} for n in alternation]
-    chosen = straight["chosen"]
-    assert sorted(chosen) == buckets == sorted(straight["trial"])
-    for b in buckets:
-        means = straight["trial"][b]
-        assert means["gather"] > 0 and means["reduce_scatter"] > 0
-        assert chosen[b] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
-        assert all(step[b] == names[chosen[b]] for step in straight["steps"][7:])
-    assert after_decision["saved"] == after_decision["chosen"] is not None
-    assert all(step[b] == names[after_decision["saved"][b]] for step in after_decision["steps"][9:] for b in step)
-    assert during_trial["saved"] is None
-    assert [set(step.values()) for step in during_trial["steps"][5:11]] == [{names[n]} for n in alternation]
-    assert during_trial["chosen"] is not None and during_trial["trial"] is not None
+    workers.check_auto_exchange(run_distributed(workers.auto_exchange, world_size, str(tmp_path / "ckpt")))
 
 
 def test_every_method_trains_close_to_dense():

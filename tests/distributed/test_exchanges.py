@@ -90,6 +90,12 @@ def test_exchanges_on_mpi(tmp_path, world_size):
     check_exchanges(run_under_mpirun(tmp_path, world_size, "exchange_stream", "mpi"))
 
 
+def test_auto_exchange_on_mpi(tmp_path):
+    """exchange="auto" with transport="mpi": the agreement on the timings goes through MpiTransport."""
+    results = run_under_mpirun(tmp_path, 3, "auto_exchange", str(tmp_path / "ckpt"), "mpi")
+    workers.check_auto_exchange(results)
+
+
 @pytest.mark.parametrize(
     "method,stall", [("topk", False), ("micro", False), ("spardl", False), ("topk", True), ("spardl", True)]
 )
