@@ -160,6 +160,21 @@ def test_auto_times_both_exchanges_then_keeps_the_faster_on_every_rank_and_acros
     workers.check_auto_exchange(run_distributed(workers.auto_exchange, world_size, str(tmp_path / "ckpt")))
 
 
+@pytest.mark.parametrize("method", sorted(workers.UNEVEN_METHODS))
+def test_uneven_inputs_under_ddp_join(method):
+    """Ranks with 6, 9 and 12 batches inside DDP's join(): nothing hangs, every rank counts the
+    12 steps (a rank that ran out takes part in the others' exchanges, with zero gradients),
+    the replicas end equal (DDP's final sync), and a rank that ran out keeps sending what its
+    residual holds, so the residual shrinks while it waits."""
+    results = run_distributed(workers.uneven_inputs, 3, method)
+    for r in results:
+        assert r["steps"] == 12
+        for a, b in zip(results[0]["params"], r["params"], strict=True):
+            assert torch.equal(a, b)
+    for r in results[:2]:  # ranks 0 and 1 ran out before the end
+        assert r["at_end"] < r["at_join"], r
+
+
 def test_every_method_trains_close_to_dense():
     """Each method trains the same small model on the same data as dense DDP."""
     workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, timeout=600))

@@ -253,6 +253,35 @@ def check_auto_exchange(results: list[list[dict]]) -> None:
     assert during_trial["chosen"] is not None and during_trial["trial"] is not None
 
 
+UNEVEN_METHODS = {
+    "topk": lambda: gs.TopK(density=0.1),
+    "topk_auto": lambda: gs.TopK(density=0.1, exchange="auto"),
+    "micro": lambda: gs.MiCRO(density=0.1),
+    "spardl": lambda: gs.SparDL(density=0.1),
+}
+
+
+def uneven_inputs(rank: int, world_size: int, method: str) -> dict:
+    """Rank r trains 6 + 3 r batches inside DDP's join() (uneven inputs): a rank that has run
+    out shadows the others' steps, with DDP calling the hook on zero gradients."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.register(ddp, UNEVEN_METHODS[method]())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    def residual_mass() -> float:
+        return sum(float(t.abs().sum()) for t in state.state_dict()["residuals"].values())
+
+    with ddp.join():
+        for x, y in batches(rank, 6 + 3 * rank):
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        at_join = residual_mass()
+    return {"params": params_of(model), "steps": state.step, "at_join": at_join, "at_end": residual_mass()}
+
+
 # Every method trains ----------------------------------------------------------------------------
 
 TRAINING_METHODS = {
