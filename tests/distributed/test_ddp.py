@@ -77,6 +77,16 @@ def _reference_topk(logs: list[list[dict]], density: float, momentum: float = 0.
     return steps
 
 
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_a_gradient_accumulation_under_no_sync_equals_ddp_without_hook(static_graph):
+    """The hook sees the gradient accumulated under no_sync() once per optimizer step: at density
+    1.0 the same as DDP without a hook, and the state counts the synchronised steps only."""
+    for hooked, plain, steps in run_distributed(workers.accumulation_full_density_vs_no_hook, 2, static_graph):
+        assert steps == 4
+        for h, p in zip(hooked, plain, strict=True):
+            assert torch.equal(h, p)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("density,momentum", [(0.01, 0.0), (0.2, 0.0), (0.2, 0.9)])
 def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, momentum):

@@ -3,6 +3,7 @@
 No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """
 
+import contextlib
 import math
 
 import torch
@@ -51,6 +52,28 @@ def topk_full_density_vs_no_hook(rank: int, world_size: int) -> tuple[list, list
     plain = DDP(make_model(), bucket_cap_mb=0.004)
     train(plain, rank)
     return params_of(hooked.module), params_of(plain.module)
+
+
+def accumulation_full_density_vs_no_hook(rank: int, world_size: int, static_graph: bool) -> tuple[list, list, int]:
+    """Gradient accumulation: 3 batches per optimizer step, the first two under no_sync() (the
+    first iteration synchronises: DDP's static graph needs it). Top-k at density 1.0 against DDP
+    without a hook, and the steps the state counted."""
+
+    def run(hooked: bool) -> tuple[list, int]:
+        ddp = DDP(make_model(), bucket_cap_mb=0.004, static_graph=static_graph)
+        state = gs.register(ddp, gs.TopK(density=1.0)) if hooked else None
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(batches(rank, 12)):
+            sync = i % 3 == 0
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            if sync:
+                opt.step()
+                opt.zero_grad()
+        return params_of(ddp.module), state.step if hooked else 0
+
+    (hooked, steps), (plain, _) = run(True), run(False)
+    return hooked, plain, steps
 
 
 # (b), (c) recording every bucket the hook sees -------------------------------------------------
