@@ -87,6 +87,17 @@ def test_a_gradient_accumulation_under_no_sync_equals_ddp_without_hook(static_gr
             assert torch.equal(h, p)
 
 
+@pytest.mark.parametrize("density", [1.0, 0.1])
+def test_a_find_unused_parameters_with_a_head_unused_every_other_step(density):
+    """DDP hands the unused head's bucket over with zero gradients: at density 1.0 the result is
+    DDP's without a hook; sparse, the replicas stay equal and every parameter moved."""
+    results = run_distributed(workers.unused_parameters_vs_no_hook, 2, density)
+    for hooked, plain, initial in results:
+        for h, p, first, other in zip(hooked, plain, initial, results[0][0], strict=True):
+            assert torch.equal(h, other)
+            assert torch.equal(h, p) if density == 1.0 else not torch.equal(h, first)
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("density,momentum", [(0.01, 0.0), (0.2, 0.0), (0.2, 0.9)])
 def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, momentum):

@@ -76,6 +76,35 @@ def accumulation_full_density_vs_no_hook(rank: int, world_size: int, static_grap
     return hooked, plain, steps
 
 
+class TwoHeads(nn.Module):
+    """A trunk and two heads, one used at even steps and the other at odd ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.even, self.odd = nn.Linear(16, 48), nn.Linear(48, 6), nn.Linear(48, 6)
+
+    def forward(self, x: torch.Tensor, even: bool) -> torch.Tensor:
+        return (self.even if even else self.odd)(torch.relu(self.trunk(x)))
+
+
+def unused_parameters_vs_no_hook(rank: int, world_size: int, density: float) -> tuple[list, list, list]:
+    """DDP(find_unused_parameters=True) on TwoHeads: with Top-k at ``density``, and without a hook."""
+
+    def run(hooked: bool) -> list:
+        ddp = DDP(TwoHeads(), find_unused_parameters=True, bucket_cap_mb=0.001)
+        if hooked:
+            gs.register(ddp, gs.TopK(density=density))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for i, (x, y) in enumerate(batches(rank, 8)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x, i % 2 == 0), y).backward()
+            opt.step()
+        return params_of(ddp.module)
+
+    return run(True), run(False), [p.detach().clone() for p in TwoHeads().parameters()]
+
+
 # (b), (c) recording every bucket the hook sees -------------------------------------------------
 
 
