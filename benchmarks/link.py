@@ -1,4 +1,5 @@
-"""The link as exchange="auto" sees it, and the time each kind of collective takes on it.
+"""The link as exchange="auto"'s first pick sees it (before it times the exchanges themselves),
+and the time each kind of collective takes on it.
 
     torchrun --standalone --nproc-per-node=4 -m benchmarks.link
     sudo python -m benchmarks.cluster --hosts 4 --rate 50mbit -- -m benchmarks.link

@@ -151,13 +151,14 @@ PYBIND11_MODULE(_C, m) {
           "exchange", [](const Method& method) { return std::string(method.exchange().name()); },
           "The exchange its selections go through, by its glossary name (docs/architecture.md).")
       .def_property_readonly("threshold", [](const Method& method) { return method.report().threshold; })
+      .def("set_exchange", &Method::set_exchange, py::arg("exchange"),
+           "The exchange of the steps to come, by option value, where the exchange option offers \"auto\" "
+           "(which times \"gather\" and \"reduce_scatter\" on the first steps); ValueError for the others.")
       .def("state", &Method::state, "Checkpointable state as {name: float}.")
       .def("load_state", &Method::load_state, py::arg("state"));
   // No defaults here: python/gradsparse/methods.py declares every option and its default once,
   // and builds these objects with every option given (State, or gradsparse.methods.core_method).
-  py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod")
-      .def("set_exchange", &PerRankMethod::set_exchange, py::arg("exchange"),
-           "The exchange of the steps to come: \"gather\" or \"reduce_scatter\" (exchange=\"auto\" times both).");
+  py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod");
   py::class_<TopK, PerRankMethod, std::shared_ptr<TopK>>(m, "TopK").def(py::init<double, const std::string&>(),
                                                                         py::arg("density"), py::arg("exchange"));
   py::class_<Threshold, PerRankMethod, std::shared_ptr<Threshold>>(m, "Threshold")

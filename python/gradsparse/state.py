@@ -308,7 +308,7 @@ class State:
         self._process_group = group
         self._world_size = world_size
         self._rank = dist.get_rank(group)
-        if "auto" in self._method_config.values() and world_size > 1:
+        if self._method_config.get("exchange") == "auto" and world_size > 1:
             if self._link is None:
                 self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
             self._trial = ExchangeTrial(max(self._step, self._warmup_steps))
@@ -472,7 +472,7 @@ class State:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
         (gradsparse.exchange_trial); at the first bucket after the trial the ranks agree on the
         faster ones first. Returns the exchange when this step is one of the trial's timed ones."""
-        if self._trial is None or not isinstance(entry.method, _C.PerRankMethod):
+        if self._trial is None:
             return None
         if self._trial.due(self._step):
             figures = self._trial.medians(max(self._table.buckets) + 1)

@@ -386,7 +386,7 @@ TEST(EachExchange, SparDLAtFullSizeIsTheDenseAverage) {
   }
 }
 
-TEST(EachExchange, APerRankMethodSwitchesItsExchangeByOptionValue) {
+TEST(EachExchange, AMethodWithAutoSwitchesItsExchangeByOptionValue) {
   TopK topk(0.1, "gather");
   topk.set_exchange("reduce_scatter");
   EXPECT_STREQ(topk.exchange().name(), "reduce-scatter + all-gather");
@@ -397,6 +397,12 @@ TEST(EachExchange, APerRankMethodSwitchesItsExchangeByOptionValue) {
   GaussianK gaussiank(0.1, "spardl", "reduce_scatter");
   gaussiank.set_exchange("gather");
   EXPECT_STREQ(gaussiank.exchange().name(), "gather-and-add");
+  SAGE sage(0.1, "per_tensor", {}, false, 0, std::nullopt, std::nullopt);
+  sage.set_exchange("reduce_scatter");
+  EXPECT_STREQ(sage.exchange().name(), "reduce-scatter + all-gather");
+  RandomK randomk(0.1, 0);  // shared indices only: its exchange cannot change
+  EXPECT_THROW(randomk.set_exchange("gather"), ValueError);
+  EXPECT_STREQ(randomk.exchange().name(), "shared indices");
 }
 
 TEST(EachExchange, GlossaryNamesEveryExchangeOnce) {

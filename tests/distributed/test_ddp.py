@@ -176,9 +176,12 @@ def test_checkpoint_resume_is_exact(tmp_path):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_auto_times_both_exchanges_then_keeps_the_faster_on_every_rank_and_across_a_resume(tmp_path, world_size):
-    workers.check_auto_exchange(run_distributed(workers.auto_exchange, world_size, str(tmp_path / "ckpt")))
+@pytest.mark.parametrize("world_size,method", [(2, "topk"), (3, "topk"), (3, "sage")])
+def test_auto_times_both_exchanges_then_keeps_the_faster_on_every_rank_and_across_a_resume(
+    tmp_path, world_size, method
+):
+    results = run_distributed(workers.auto_exchange, world_size, str(tmp_path / "ckpt"), method)
+    workers.check_auto_exchange(results, method)
 
 
 @pytest.mark.parametrize("method", sorted(workers.UNEVEN_METHODS))

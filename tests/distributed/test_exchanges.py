@@ -92,8 +92,8 @@ def test_exchanges_on_mpi(tmp_path, world_size):
 
 def test_auto_exchange_on_mpi(tmp_path):
     """exchange="auto" with transport="mpi": the agreement on the timings goes through MpiTransport."""
-    results = run_under_mpirun(tmp_path, 3, "auto_exchange", str(tmp_path / "ckpt"), "mpi")
-    workers.check_auto_exchange(results)
+    results = run_under_mpirun(tmp_path, 3, "auto_exchange", str(tmp_path / "ckpt"), "topk", "mpi")
+    workers.check_auto_exchange(results, "topk")
 
 
 @pytest.mark.parametrize(

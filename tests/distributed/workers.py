@@ -247,13 +247,22 @@ def checkpoint_resume(rank: int, world_size: int, path: str) -> tuple[list, list
     return params_of(straight), params_of(resumed)
 
 
-def auto_exchange(rank: int, world_size: int, path: str, transport: str = "process_group") -> list[dict]:
-    """Top-k with exchange="auto" (gradsparse.exchange_trial), 12 steps, recording each step's
-    exchange per bucket: straight through; saved after step 9 (once the trial has decided) and
-    after step 4 (during it), each time loaded into a new model and state that go on."""
+AUTO_METHODS = {  # method -> (state with exchange="auto" on a transport, the glossary name of its gather)
+    "topk": (lambda transport: gs.TopK(density=0.1, exchange="auto", transport=transport), "fixed-size gather"),
+    "sage": (
+        lambda transport: gs.SAGE(density=0.1, sampling="per_tensor", exchange="auto", transport=transport),
+        "gather-and-add",
+    ),
+}
+
+
+def auto_exchange(rank: int, world_size: int, path: str, method: str, transport: str = "process_group") -> list[dict]:
+    """``method`` with exchange="auto" (gradsparse.exchange_trial), 12 steps, recording each
+    step's exchange per bucket: straight through; saved after step 9 (once the trial has decided)
+    and after step 4 (during it), each time loaded into a new model and state that go on."""
 
     def make(seed: int):
-        return hooked_model(seed, lambda: gs.TopK(density=0.1, exchange="auto", transport=transport))
+        return hooked_model(seed, lambda: AUTO_METHODS[method][0](transport))
 
     def run(save_at: int | None) -> dict:
         steps = []
@@ -273,12 +282,12 @@ def auto_exchange(rank: int, world_size: int, path: str, transport: str = "proce
     return [run(None), run(9), run(4)]
 
 
-def check_auto_exchange(results: list[list[dict]]) -> None:
+def check_auto_exchange(results: list[list[dict]], method: str) -> None:
     """exchange="auto": steps 1 to 6 alternate the two exchanges in every bucket; then each
     bucket keeps the one with the lower mean time, on every rank alike. A state dict saved after
     the decision carries it (the resumed run does not time again); one saved during the trial
     does not (the resumed run times again, from its second step)."""
-    names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
+    names = {"gather": AUTO_METHODS[method][1], "reduce_scatter": "reduce-scatter + all-gather"}
     for runs in zip(*results, strict=True):  # the same run on every rank
         first = runs[0]
         for other in runs[1:]:

@@ -18,7 +18,12 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
       segments_(std::move(segments)),
       reference_(reference),
       seed_(seed),
-      initial_(initial_threshold) {
+      initial_(initial_threshold),
+      exchange_("SAGE",
+                {{"gather", &gather_and_add()},
+                 {"union", &union_allreduce()},
+                 {"reduce_scatter", &reduce_scatter_allgather()}},
+                exchange.value_or(sampling == "per_tensor" ? "gather" : "union")) {
   method_util::check_density("SAGE", density);
   if (sampling == "flat") {
     sampling_ = Sampling::kFlat;
@@ -31,12 +36,6 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
     GS_CHECK(std::isfinite(*initial_) && *initial_ > 0.0, ValueError,
              "SAGE: initial_threshold must be a finite number > 0, got ", *initial_);
   }
-  exchange_ = exchange ? &exchange_option(*exchange,
-                                          {{"gather", &gather_and_add()},
-                                           {"union", &union_allreduce()},
-                                           {"reduce_scatter", &reduce_scatter_allgather()}},
-                                          "SAGE")
-                       : (sampling_ == Sampling::kFlat ? &union_allreduce() : &gather_and_add());
 }
 
 std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
@@ -76,7 +75,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   // The sampled scale change since the last step (1 when either mean is zero).
   double alpha = t > 0 ? sample_mean / committed_.sample_mean : 1.0;
   if (!(std::isfinite(alpha) && alpha > 0.0)) alpha = 1.0;
-  const bool zero = exchange_->selection_zeroes();
+  const bool zero = exchange_.get().selection_zeroes();
 
   Selection s;
   double lambda;

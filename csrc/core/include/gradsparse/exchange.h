@@ -121,6 +121,23 @@ const Exchange& exchange_option(const std::string& value,
                                 const std::vector<std::pair<std::string, const Exchange*>>& choices,
                                 const std::string& owner, const std::string& option = "exchange");
 
+/// A method's exchange option: the exchange its value names among the method's `choices`, which
+/// may change between steps (exchange="auto" times two of them: Method::set_exchange).
+class ExchangeSetting {
+ public:
+  using Choices = std::vector<std::pair<std::string, const Exchange*>>;
+  ExchangeSetting(std::string owner, Choices choices, const std::string& value)
+      : owner_(std::move(owner)), choices_(std::move(choices)), exchange_(&exchange_option(value, choices_, owner_)) {}
+  const Exchange& get() const { return *exchange_; }
+  /// ValueError (nothing changed) for a value outside the choices.
+  void set(const std::string& value) { exchange_ = &exchange_option(value, choices_, owner_); }
+
+ private:
+  std::string owner_;
+  Choices choices_;
+  const Exchange* exchange_;
+};
+
 /// All-gathers the control words of every rank and checks each against what it must be for
 /// `bucket` (peers are not trusted): 0 <= count <= bucket.numel, 0 <= nonfinite <= bucket.numel,
 /// and message_bytes equal to the layout of `count` pairs, or 0 (with count 0) when

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gradsparse/common.h"
 #include "gradsparse/device.h"
 #include "gradsparse/estimators.h"
 #include "gradsparse/exchange.h"
@@ -56,6 +57,15 @@ class Method {
 
   /// The exchange this method's selections go through (exchange.h).
   virtual const Exchange& exchange() const { return gather_and_add(); }
+
+  /// The exchange of the steps to come, by option value, for the methods whose `exchange` option
+  /// offers "auto" (which times two exchanges on the first steps; a switch between two steps
+  /// changes nothing else). ValueError for the others, and for a value outside the choices.
+  virtual void set_exchange(const std::string& value) {
+    throw ValueError(str(name(), ": its exchange is fixed; set_exchange(\"", value,
+                         "\") applies to the methods whose "
+                         "exchange option offers \"auto\""));
+  }
 
   /// Called after a completed exchange with every rank's control word: adaptive methods commit
   /// the state of the step here, so that an aborted step leaves no trace.

@@ -22,24 +22,15 @@ namespace gradsparse {
 /// it times both: set_exchange.)
 class PerRankMethod : public Method {
  public:
-  const Exchange& exchange() const override { return *exchange_; }
-
-  /// The exchange of the steps to come, by option value ("gather" or "reduce_scatter"). Both
-  /// leave a step's state complete, so the switch may come between any two steps, on every rank.
-  void set_exchange(const std::string& exchange) { exchange_ = &choose(exchange); }
+  const Exchange& exchange() const override { return exchange_.get(); }
+  void set_exchange(const std::string& value) override { exchange_.set(value); }
 
  protected:
-  PerRankMethod(std::string owner, const std::string& exchange, const Exchange& gather)
-      : owner_(std::move(owner)), gather_(&gather), exchange_(&choose(exchange)) {}
+  PerRankMethod(const std::string& owner, const std::string& exchange, const Exchange& gather)
+      : exchange_(owner, {{"gather", &gather}, {"reduce_scatter", &reduce_scatter_allgather()}}, exchange) {}
 
  private:
-  const Exchange& choose(const std::string& exchange) const {
-    return exchange_option(exchange, {{"gather", gather_}, {"reduce_scatter", &reduce_scatter_allgather()}}, owner_);
-  }
-
-  std::string owner_;
-  const Exchange* gather_;
-  const Exchange* exchange_;
+  ExchangeSetting exchange_;
 };
 
 /// A per-rank method whose threshold is a statistical estimate (Gaussian-k, DGC, RedSync, SIDCo).
@@ -187,7 +178,8 @@ class SAGE final : public Method {
        std::optional<double> initial_threshold, std::optional<std::string> exchange);
   std::string name() const override { return "sage"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
-  const Exchange& exchange() const override { return *exchange_; }
+  const Exchange& exchange() const override { return exchange_.get(); }
+  void set_exchange(const std::string& value) override { exchange_.set(value); }
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
   MethodReport report() const override { return {pending_.threshold, std::numeric_limits<double>::quiet_NaN()}; }
   MethodState state() const override;
@@ -207,7 +199,7 @@ class SAGE final : public Method {
   bool reference_;
   uint64_t seed_;
   std::optional<double> initial_;
-  const Exchange* exchange_;
+  ExchangeSetting exchange_;
   Step committed_;
   Step pending_;
 };
