@@ -190,7 +190,6 @@ class Communication:
         self.state: gs.State | None = None
         self.torch_state = None
         self.exchanges = ""  # the exchanges of the buckets, as last reported
-        self.auto_trial = False  # whether exchange="auto" times its exchanges in this run
         module = parallel if args.fsdp else parallel.module
         numel = sum(p.numel() for p in module.parameters())
         # Bytes sent per byte reduced: a ring all-reduce's 2 (P - 1) / P (gradsparse's rule), or
@@ -205,7 +204,6 @@ class Communication:
         if method in gs.METHODS and not (args.fsdp and method == "dense"):  # dense FSDP: its own reduce-scatter
             state = gs.METHODS[method](**gradsparse_options(method, args))
             self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
-            self.auto_trial = state.config().get("exchange") == "auto" and world_size > 1 and not args.fsdp
         elif method == "fp16":
             parallel.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)
@@ -234,7 +232,7 @@ class Communication:
         # exchange="auto" chose, for one. At several ranks it alternates its two exchanges while
         # it times them (gradsparse.exchange_trial), and is reported once it has decided.
         trial = stats.get("exchange_trial")
-        if dist.get_rank() == 0 and not (self.auto_trial and not trial):
+        if dist.get_rank() == 0 and not ("exchange_trial" in stats and trial is None):
             names = {b["exchange"] for b in stats["buckets"].values()}
             where = ", ".join(f"bucket {i}: {b['exchange']}" for i, b in stats["buckets"].items())
             where = names.pop() if len(names) == 1 else where

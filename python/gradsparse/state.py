@@ -471,7 +471,8 @@ class State:
     def _choose_exchange(self, entry: Bucket) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
         (gradsparse.exchange_trial); at the first bucket after the trial the ranks agree on the
-        faster ones first. Returns the exchange when this step is one of the trial's timed ones."""
+        faster ones first. Returns the exchange when this step is one of the trial's timed ones.
+        A method keeps the model's pick it was made with until the trial switches it."""
         if self._trial is None:
             return None
         if self._trial.due(self._step):
@@ -481,9 +482,13 @@ class State:
                 figures, None, None, True, "raise", "the timings of exchange=auto", report, False, None, 0.0, False
             )  # fmt: skip
             self._trial.decide(done.wait())
-        timed = self._trial.exchange_at(entry.index, self._step)
-        entry.method.set_exchange(timed or self._faster_exchange(sum(entry.numels)))
-        return None if self._trial.decided else timed
+            for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
+                if index not in self._trial.chosen:
+                    self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels))
+        exchange = self._trial.exchange_at(entry.index, self._step)
+        if exchange is not None:
+            entry.method.set_exchange(exchange)
+        return None if self._trial.decided else exchange
 
     def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], last: bool) -> torch.futures.Future:
         """The first step after load_state_dict: DDP hands its buckets in the layout of a fresh
@@ -599,12 +604,14 @@ class State:
         ExDyna: the mean over steps of max count * P / total count - 1); per bucket also
         ``numel``, the last ``threshold`` (NaN for methods without one) and ``exchange`` (the
         exchange of its last step, by its glossary name: what ``exchange="auto"`` chose). With
-        ``exchange="auto"`` at several ranks, once its trial has decided, ``exchange_trial``:
-        per bucket index, each exchange's median seconds in the trial, averaged over the ranks.
+        ``exchange="auto"`` at several ranks, ``exchange_trial``: None while its trial alternates
+        the exchanges, then per bucket index each exchange's median seconds in the trial,
+        averaged over the ranks (empty after a resume that kept a saved decision).
         """
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
-        if self._trial is not None and self._trial.means:
-            summary["exchange_trial"] = {i: dict(means) for i, means in self._trial.means.items()}
+        if self._trial is not None:
+            trial = self._trial
+            summary["exchange_trial"] = {i: dict(m) for i, m in trial.means.items()} if trial.decided else None
         if reset:
             self._metrics.reset()
         return summary
