@@ -20,15 +20,23 @@ timed R times, in turn with the others, and the medians pool all its steps: the 
 drifts over minutes, which one round per method cannot average out. With --momentum M every
 method is also timed with momentum correction at factor M (the velocity's update, fused into the
 method's first pass, is part of the selection step), on a row of its own, in turn with the rest.
+With --methods --device cuda the table is every method's whole step on the GPU instead (the
+bucket through gradsparse's engine over a one-rank NCCL group: selection, exchange, scatter),
+timed from an idle stream to the reduced gradient, since on a GPU the host's select_seconds
+misses the kernels still queued when it returns.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
+import tempfile
+import time
 
 import torch
+import torch.distributed as dist
 
 import gradsparse as gs
 from benchmarks.utils import markdown_table, median_seconds, write_result
@@ -87,21 +95,13 @@ def method_rows(
     is timed again next to every step of every method (add, step, add, step, ...), so the two are
     compared under the same conditions; with several rounds every method is timed once per round
     and its steps and adds pooled, since this machine's speed drifts over minutes."""
-    from benchmarks.density import methods
-
     gen = torch.Generator().manual_seed(0)
     grad = torch.randn(n, generator=gen) * 1e-3
     start = torch.randn(n, generator=gen) * 5e-4
     residual, velocity = start.clone(), start.clone()
     group = _C.ThreadGroup(1, 600.0)
     factories = {}  # SparDL selects inside its exchange
-    chosen = methods(density)
-    if only:
-        unknown = set(only.split(",")) - set(chosen)
-        if unknown:
-            raise SystemExit(f"--only: unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(chosen)}")
-        chosen = {name: chosen[name] for name in only.split(",")}
-    for name, make in chosen.items():
+    for name, make in chosen_methods(density, only).items():
         if make(0).exchange != "SparDL":
             factories[name] = (make, 0.0)
             if momentum:
@@ -129,6 +129,59 @@ def method_rows(
     return rows
 
 
+def chosen_methods(density: float, only: str) -> dict[str, callable]:
+    """benchmarks.density's method factories, or those named in ``only`` (comma-separated)."""
+    from benchmarks.density import methods
+
+    chosen = methods(density)
+    if not only:
+        return chosen
+    unknown = set(only.split(",")) - set(chosen)
+    if unknown:
+        raise SystemExit(f"--only: unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(chosen)}")
+    return {name: chosen[name] for name in only.split(",")}
+
+
+def engine_method_rows(n: int, density: float, repeat: int, device: str, only: str = "") -> list[list[object]]:
+    """Every method's whole step on one rank of a GPU, as a multiple of the add: the bucket queued
+    on gradsparse's engine over a one-rank NCCL group (Gloo on the CPU), timed from an idle stream
+    until the reduced gradient is on the device: selection, the one-rank exchange and the scatter.
+    On a GPU reduce_bucket's select_seconds would miss the kernels still queued when the host
+    returns, so the step is timed whole. The first row, dense, is the one-rank all-reduce."""
+    on_gpu = device.startswith("cuda")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    gen = torch.Generator().manual_seed(0)
+    grad = (torch.randn(n, generator=gen) * 1e-3).to(device)
+    start = (torch.randn(n, generator=gen) * 5e-4).to(device)
+    residual, work = start.clone(), torch.empty_like(grad)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("nccl" if on_gpu else "gloo", store=store, rank=0, world_size=1)
+        engine = _C.Engine(dist.group.WORLD, 600.0)
+        try:
+            for name, make in {"dense": None, **chosen_methods(density, only)}.items():
+                method = make(0) if make else None
+                steps, adds = [], []
+                for _ in range(repeat + 2):  # two warm-up steps: some methods start differently
+                    residual.copy_(start)
+                    sync()
+                    adds.append(median_seconds(lambda: (residual.add_(grad), sync()), None, 1))
+                    residual.copy_(start)
+                    work.copy_(grad)
+                    sync()
+                    t0 = time.perf_counter()
+                    engine.submit(work, residual, method, method is None, "raise", name, _C.ReduceReport()).wait()
+                    sync()
+                    steps.append(time.perf_counter() - t0)
+                t, t_add = statistics.median(steps[2:]), statistics.median(adds[2:])
+                rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, 1e3 * t_add, t / t_add])
+        finally:
+            engine.shutdown()
+            dist.destroy_process_group()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1e6,25e6")
@@ -146,18 +199,15 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
     args = parser.parse_args(argv)
-    if args.methods and args.device != "cpu":
+    if args.device != "cpu" and (args.rounds != 1 or args.momentum):
         parser.error(
-            f"--methods times each method's step through a CPU thread group; drop it with --device {args.device}"
+            f"--rounds and --momentum apply to the CPU's --methods table; drop them with --device {args.device}"
         )
     if args.threads:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)
-    rows = [
-        measure(int(float(n)), float(d), args.repeat, args.device)
-        for n in args.sizes.split(",")
-        for d in args.densities.split(",")
-    ]
+    sizes_densities = [(int(float(n)), float(d)) for n in args.sizes.split(",") for d in args.densities.split(",")]
+    rows = [measure(n, d, args.repeat, args.device) for n, d in sizes_densities]
     headers = [
         "N",
         "density",
@@ -179,18 +229,27 @@ def main(argv: list[str] | None = None) -> str:
         f"{platform.processor() or platform.machine()}"
     )
     text = f"# Selection cost (float32, {where}, torch {torch.__version__})\n\n" + markdown_table(headers, rows) + "\n"
-    if args.methods:
+    if args.methods and args.device == "cpu":
         method_table = [
             row
-            for n in args.sizes.split(",")
-            for d in args.densities.split(",")
-            for row in method_rows(int(float(n)), float(d), args.repeat, args.rounds, args.momentum, args.only)
+            for n, d in sizes_densities
+            for row in method_rows(n, d, args.repeat, args.rounds, args.momentum, args.only)
         ]
         text += (
             "\n## Selection step of every method (one rank)\n\n"
             + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add"], method_table)
             + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method. "
             + "SparDL is not listed: it selects block by block inside its exchange.\n"
+        )
+    elif args.methods:
+        method_table = [
+            row for n, d in sizes_densities for row in engine_method_rows(n, d, args.repeat, args.device, args.only)
+        ]
+        text += (
+            "\n## Whole step of every method (one rank, engine over a one-rank NCCL group)\n\n"
+            + markdown_table(["N", "density", "method", "step ms", "add ms", "/ add"], method_table)
+            + f"\nMedians of {args.repeat} steps, each timed from an idle stream until the reduced gradient is on "
+            + "the device: selection, the one-rank exchange and the scatter; dense is the one-rank all-reduce.\n"
         )
     print(text)
     print(f"written to {write_result(args.output, text)}")

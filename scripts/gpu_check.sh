@@ -10,7 +10,8 @@
 #            CUDA buckets over Gloo (2 ranks on one GPU) and over NCCL (1 rank).
 # 4. train:  the CNN example, every method, 2 processes sharing the GPU over Gloo, then 1 over NCCL.
 # 5. bench:  benchmarks.select on the GPU: threshold and top-k selection against torch.topk, a
-#            residual add and a device-to-device copy of the same bytes.
+#            residual add and a device-to-device copy of the same bytes; every method's whole step
+#            (engine, one-rank NCCL group) against the add.
 # A stage that fails (or skips a test) fails the check; the others still run. The Markdown report
 # lands in $GPU_CHECK_OUT/report.md (default build/gpu), each stage's log beside it.
 #
@@ -88,7 +89,7 @@ train() {
 }
 
 bench() {
-  "$PYTHON" -m benchmarks.select --device cuda --sizes 1e6,25e6 --densities 0.01,0.001 \
+  "$PYTHON" -m benchmarks.select --device cuda --sizes 1e6,25e6 --densities 0.01,0.001 --methods \
     --output "$OUT_DIR/select.md"
 }
 

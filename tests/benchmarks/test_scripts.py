@@ -47,6 +47,15 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
 
 
+def test_engine_rows_time_every_chosen_method_through_a_one_rank_group():
+    """The GPU table's harness (--methods --device cuda), run over a one-rank Gloo group here."""
+    rows = select.engine_method_rows(20_000, 0.01, 1, "cpu", "TopK,SparDL")
+    assert [row[2] for row in rows] == ["dense", "TopK", "SparDL"]  # SparDL's step includes its selection
+    for _n, _density, name, step_ms, add_ms, ratio in rows:
+        assert step_ms > 0 and add_ms > 0 and math.isfinite(step_ms), name
+        assert ratio == pytest.approx(step_ms / add_ms, rel=1e-9), name
+
+
 def test_density_reports_errors_and_imbalance(tmp_path):
     text = density.main(["--steps", "60", "--world-size", "2", "--densities", "0.01", "--streams", "drift",
                          "--methods", ",".join(DRIFT_METHODS), "--output", str(tmp_path / "density.md")])  # fmt: skip

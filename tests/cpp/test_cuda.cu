@@ -12,6 +12,7 @@
 #include "gradsparse/cpu_device.h"
 #include "gradsparse/cuda_device.h"
 #include "gradsparse/methods.h"
+#include "gradsparse/one_pass.h"
 #include "reference.h"
 
 using namespace gradsparse;
@@ -239,6 +240,42 @@ TEST(CudaMethods, SelectLikeTheCpu) {
       }
     }
   }
+}
+
+// On the GPU OnePass lists no candidates for the host (CandidateBound::capacity) unless asked to:
+// even with a bound below many elements, every question is a pass on the device, answered as on
+// the CPU.
+TEST(CudaOnePass, AnswersEveryQuestionByAPass) {
+  GS_REQUIRE_GPU();
+  const int64_t n = 70001, k = 700;
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  std::vector<float> residual(n, 0.0f);
+  std::vector<float> grad = ref::random_vector<float>(n, 7);
+  DeviceVector<float> r(gpu, residual), g(gpu, grad);
+  BucketView on_device{DType::kFloat32, n, g.data(), r.data()};
+  BucketView on_host{DType::kFloat32, n, grad.data(), residual.data()};
+  CandidateBound bound;
+  {
+    std::vector<float> scratch(residual);
+    OnePass first(cpu, BucketView{DType::kFloat32, n, grad.data(), scratch.data()}, bound, k);
+    (void)first.counts({3.0}, true)[0];  // about 190 elements: a question the bound learns from
+    bound.learn(first);                  // a finite lower bound: on the CPU the next step lists candidates
+  }
+  ASSERT_TRUE(std::isfinite(bound.lower()));
+  OnePass on_gpu(gpu, on_device, bound, k), on_cpu(cpu, on_host, bound, k);
+  EXPECT_FALSE(on_cpu.overflowed());
+  EXPECT_TRUE(on_gpu.overflowed()) << "the GPU listed candidates";
+  for (double t : {0.5, 1.0, 2.0, 3.0})
+    EXPECT_EQ(on_gpu.counts({t}, true)[0], on_cpu.counts({t}, true)[0]) << "threshold " << t;
+  EXPECT_EQ(to_host(gpu, on_gpu.largest(k)), to_host(cpu, on_cpu.largest(k)));
+  EXPECT_EQ(r.host(), residual);
+  // DGC's listing (Listing::kEveryDevice) lists them on the GPU too.
+  DeviceVector<float> fresh(gpu, std::vector<float>(n, 0.0f));
+  OnePass listed(gpu, BucketView{DType::kFloat32, n, g.data(), fresh.data()}, bound, k, Listing::kEveryDevice);
+  EXPECT_FALSE(listed.overflowed());
+  EXPECT_EQ(listed.counts({2.0}, true)[0],
+            cpu.count(BucketView{DType::kFloat32, n, grad.data()}, Range{0, n}, {2.0}, true)[0]);
 }
 
 TEST(CudaMomentum, MatchesTheCpu) {

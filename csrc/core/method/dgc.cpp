@@ -20,7 +20,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const int64_t n = bucket.numel;
   const double dn = static_cast<double>(n);
   const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
-  OnePass pass(device, bucket, bound_, k);
+  OnePass pass(device, bucket, bound_, k, Listing::kEveryDevice);  // its sample: CandidateBound::capacity
   const Moments& m = pass.moments();
   const double norm = std::sqrt(m.sum_sq);
   threshold_ = std::numeric_limits<double>::quiet_NaN();

@@ -25,7 +25,7 @@ Scan Device::scan(const BucketView& bucket, bool update, Range range, double low
   Scan s;
   s.moments = moments(bucket, update);
   s.above = count(bucket, range, {lower}, false)[0];
-  if (capacity < 0 || s.above <= capacity) s.candidates = collect(bucket, range, lower, false);
+  if (s.above > 0 && (capacity < 0 || s.above <= capacity)) s.candidates = collect(bucket, range, lower, false);
   return s;
 }
 
@@ -100,11 +100,12 @@ Selection EstimatingMethod::finish(OnePass& pass, double threshold, int64_t nonf
   return s;
 }
 
-OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Range range)
+OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Listing listing,
+                 Range range)
     : device_(device),
       bucket_(bucket),
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
-      capacity_(CandidateBound::capacity(k)) {
+      capacity_(CandidateBound::capacity(device, k, listing)) {
   scan_ = device.scan(bucket, /*update=*/true, range_, bound.lower(), capacity_);
   lower_key_ = key_of(bound.lower(), false);
 }
@@ -264,28 +265,29 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   return s;
 }
 
-Selection OnePass::largest(int64_t k, double& kth) {
+Selection OnePass::largest(int64_t k) {
   GS_ASSERT(range_.begin == 0 && range_.end == bucket_.numel);
   k = std::min(k, bucket_.numel);
-  kth = 0.0;
   if (k <= 0) return device_.emit(bucket_, {}, {}, false);
   if (!scan_.complete() || scan_.above < k) {  // the k-th largest lies below the candidates
     Selection s = device_.select_topk(bucket_, k, /*update=*/false);
-    const std::vector<float> values = HostMessage(device_, s, bucket_).value_list();
-    kth = std::numeric_limits<double>::infinity();
-    for (float v : values) kth = std::min(kth, std::fabs(static_cast<double>(v)));
-    asked(kth, k, false);
+    if (k <= capacity_) {  // the bound learns the k-th magnitude only where it could be listed
+      double kth = std::numeric_limits<double>::infinity();
+      for (float v : HostMessage(device_, s, bucket_).value_list()) kth = std::min(kth, std::fabs(double{v}));
+      asked(kth, k, false);
+    }
     stale_ = true;
     return s;
   }
   const std::vector<uint32_t>& key = keys();
   uint32_t kth_key;
   const std::vector<size_t> chosen = method_util::largest_positions(key, k, kth_key);
-  kth = dispatch_dtype(bucket_.dtype, [&](auto t) {
-    using T = decltype(t);
-    return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
-  });
-  asked(kth, k, true);
+  asked(dispatch_dtype(bucket_.dtype,
+                       [&](auto t) {
+                         using T = decltype(t);
+                         return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
+                       }),
+        k, true);
   Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   zeroed(chosen);
   return s;

@@ -11,8 +11,7 @@ TopK::TopK(double density, const std::string& exchange)
 
 Selection TopK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   OnePass pass(device, bucket, bound_, target_count(density_, bucket.numel));
-  double kth;
-  Selection s = pass.largest(target_count(density_, bucket.numel), kth);
+  Selection s = pass.largest(target_count(density_, bucket.numel));
   s.nonfinite = pass.moments().nonfinite;
   bound_.learn(pass);
   return s;

@@ -22,6 +22,12 @@ namespace gradsparse {
 
 class OnePass;
 
+/// Where a step lists its candidates for the host (CandidateBound::capacity).
+enum class Listing {
+  kHostMemory,   ///< only on a device whose memory the host reads in place (the CPU)
+  kEveryDevice,  ///< on every device: for a method whose questions read many elements on the host anyway
+};
+
 /// Where a method's next step starts listing candidates: a factor below the lowest threshold its
 /// last step asked about, tightened when the candidates were many more than that question needed
 /// and widened when a question fell below them. Not part of a checkpoint (it changes the time of a step, never its
@@ -30,8 +36,17 @@ class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
   double lower() const { return lower_; }
-  /// How many candidates are listed at most for a target of k elements.
-  static int64_t capacity(int64_t k) { return 4 * k + 1024; }
+  /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
+  /// none on a device whose memory the host does not read in place (a GPU): there a listed
+  /// candidate costs a copy to the host and host work, while a question answered by a pass is one
+  /// read of the bucket at the device's bandwidth (on an H200 at 25M elements and density 0.01,
+  /// Top-k's whole one-rank step took 6.7 ms with candidates listed, 1.0 ms without). DGC lists
+  /// them everywhere (Listing::kEveryDevice): its sampled quantile, when the candidates cannot
+  /// answer it, gathers the whole 1% sample to the host (11 ms a step there, against 4 to 9 ms).
+  static int64_t capacity(const Device& device, int64_t k, Listing listing) {
+    const bool lists = listing == Listing::kEveryDevice || device.kind() == DeviceKind::kCPU;
+    return lists ? 4 * k + 1024 : 0;
+  }
   /// Learns from a finished step.
   void learn(const OnePass& pass);
 
@@ -65,7 +80,8 @@ class DensityControl {
 /// constructor makes the pass (with the error-feedback update); every answer is exact.
 class OnePass {
  public:
-  OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Range range = {0, -1});
+  OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k,
+          Listing listing = Listing::kHostMemory, Range range = {0, -1});
 
   const Moments& moments() const { return scan_.moments; }
 
@@ -94,9 +110,8 @@ class OnePass {
   /// The elements of the range with |v| >= threshold (> when strict), as a message; zeroes their
   /// residual when `zero`.
   Selection select(double threshold, bool strict, bool zero);
-  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual;
-  /// `kth` gets the k-th largest magnitude (0 when k = 0).
-  Selection largest(int64_t k, double& kth);
+  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual.
+  Selection largest(int64_t k);
   /// The s-th largest magnitude |v| among a sample of the range: the elements whose bit is set
   /// in `sampled` (a bitmap over the bucket's positions, as sample_distinct_bits writes it; `count`
   /// bits set, all inside the range, 1 <= s <= count). From the candidates when at least s sampled
