@@ -9,6 +9,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -233,6 +234,28 @@ TEST(EachExchange, UnionAllreduceSumsEveryRanksValueOnTheUnion) {
       for (int64_t i = 0; i < kSmall; ++i)
         ASSERT_EQ(o.residual[r][i], in_union[i] ? 0.0f : residual_of(r, kSmall)[i]);  // zeroed on the union
       EXPECT_EQ(o.result[r].union_size, std::count(in_union.begin(), in_union.end(), true));
+    }
+  }
+}
+
+// The union of ascending lists equals sorting their concatenation and dropping repeats, for any
+// number of lists (odd ones out of the pairing too), empty lists and lists that overlap.
+TEST(AscendingUnion, EqualsTheSortedConcatenationWithoutRepeats) {
+  std::mt19937_64 rng(3);
+  for (size_t count : {size_t{0}, size_t{1}, size_t{2}, size_t{3}, size_t{5}, size_t{8}, size_t{9}}) {
+    for (int64_t range : {int64_t{10}, int64_t{1000}}) {
+      std::vector<std::vector<int64_t>> lists(count);
+      std::vector<int64_t> want;
+      for (size_t i = 0; i < count; ++i) {
+        const size_t length = i == 1 ? 0 : rng() % 40;  // the second list is empty
+        for (size_t j = 0; j < length; ++j) lists[i].push_back(static_cast<int64_t>(rng() % range));
+        std::sort(lists[i].begin(), lists[i].end());
+        lists[i].erase(std::unique(lists[i].begin(), lists[i].end()), lists[i].end());
+        want.insert(want.end(), lists[i].begin(), lists[i].end());
+      }
+      std::sort(want.begin(), want.end());
+      want.erase(std::unique(want.begin(), want.end()), want.end());
+      EXPECT_EQ(ascending_union(lists), want) << count << " lists in [0, " << range << ")";
     }
   }
 }

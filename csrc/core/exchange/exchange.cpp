@@ -2,6 +2,9 @@
 // all-reduce.
 #include "gradsparse/exchange.h"
 
+#include <algorithm>
+#include <iterator>
+
 namespace gradsparse {
 
 const char* exchange_name(ExchangeKind kind) {
@@ -138,6 +141,21 @@ void dense_allreduce(Transport& transport, Device& device, const BucketView& buc
   if (bucket.numel == 0) return;  // an empty bucket on every rank: nothing to reduce
   device.divide(bucket.dtype, bucket.grad, bucket.numel, static_cast<float>(transport.size()));
   transport.allreduce_sum(device, bucket.grad, static_cast<size_t>(bucket.numel), bucket.dtype);
+}
+
+std::vector<int64_t> ascending_union(std::vector<std::vector<int64_t>> lists) {
+  if (lists.empty()) return {};
+  for (size_t width = 1; width < lists.size(); width *= 2) {
+    for (size_t i = 0; i + width < lists.size(); i += 2 * width) {
+      std::vector<int64_t> merged;
+      merged.reserve(lists[i].size() + lists[i + width].size());
+      std::set_union(lists[i].begin(), lists[i].end(), lists[i + width].begin(), lists[i + width].end(),
+                     std::back_inserter(merged));
+      lists[i] = std::move(merged);
+      std::vector<int64_t>().swap(lists[i + width]);
+    }
+  }
+  return std::move(lists[0]);
 }
 
 void clear_output(Device& device, const BucketView& bucket) {

@@ -55,14 +55,12 @@ class ReduceScatterAllgather final : public Exchange {
     const size_t value_size = dtype_size(bucket.dtype);
     Buffer sum = device.allocate(static_cast<size_t>(length) * value_size);
     device.fill_zero(sum.data(), static_cast<size_t>(length) * value_size);
-    std::vector<int64_t> touched;  // the union of the received indices (shard-local)
+    std::vector<std::vector<int64_t>> lists;
     for (const MessageView& m : incoming) {
-      device.scatter_add(m, sum.data(), static_cast<float>(p));
-      const std::vector<int64_t> list = HostMessage(device, m).index_list();
-      touched.insert(touched.end(), list.begin(), list.end());
+      device.scatter_add(m, sum.data(), static_cast<float>(p));  // checks every index first (ascending)
+      lists.push_back(HostMessage(device, m).index_list());
     }
-    std::sort(touched.begin(), touched.end());
-    touched.erase(std::unique(touched.begin(), touched.end()), touched.end());
+    const std::vector<int64_t> touched = ascending_union(std::move(lists));  // shard-local
     const Selection reduced = device.gather(BucketView{bucket.dtype, length, sum.data(), nullptr}, touched);
     const std::vector<float> values = HostMessage(device, reduced.view(bucket.dtype, length)).value_list();
 

@@ -1,8 +1,6 @@
 // Union + all-reduce (exchange.h): every rank's index list reaches every rank, and one all-reduce
 // sums every rank's own values on the sorted union of the lists, so every rank's value of every
 // selected element counts, not only the value of the rank that selected it.
-#include <algorithm>
-
 #include "gradsparse/exchange.h"
 
 namespace gradsparse {
@@ -31,8 +29,7 @@ class UnionAllreduce final : public Exchange {
     const std::vector<size_t> offsets = block_offsets(sizes);
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);
 
-    std::vector<int64_t> all;
-    all.reserve(static_cast<size_t>(result.total_count()));
+    std::vector<std::vector<int64_t>> lists;
     for (int r = 0; r < p; ++r) {
       // Rank r's header and index list: its header is checked with the length of the whole
       // message it announced, of which only the index part arrived.
@@ -47,11 +44,9 @@ class UnionAllreduce final : public Exchange {
                index_bytes_for(static_cast<uint64_t>(bucket.numel)));
       const HostMessage indices(view_from_header(host.data(), h, r));
       indices.check_indices();
-      const std::vector<int64_t> list = indices.index_list();
-      all.insert(all.end(), list.begin(), list.end());
+      lists.push_back(indices.index_list());
     }
-    std::sort(all.begin(), all.end());
-    all.erase(std::unique(all.begin(), all.end()), all.end());
+    const std::vector<int64_t> all = ascending_union(std::move(lists));
     result.union_size = static_cast<int64_t>(all.size());
 
     Selection u = device.gather(bucket, all);  // this rank's own values on the union

@@ -199,4 +199,9 @@ void dense_allreduce(Transport& transport, Device& device, const BucketView& buc
 /// Zeroes the bucket's output (the exchanges write into zeros).
 void clear_output(Device& device, const BucketView& bucket);
 
+/// The union of ascending lists (each without repeats), ascending and without repeats: merged in
+/// pairs, then pairs of pairs, so P lists of k cost O(P k log P) steps of a merge (a sort of their
+/// concatenation took 2.6x as long at 4 lists of 168 thousand, 1.6x at 16 of 25 thousand).
+std::vector<int64_t> ascending_union(std::vector<std::vector<int64_t>> lists);
+
 }  // namespace gradsparse
