@@ -29,20 +29,27 @@ class UnionAllreduce final : public Exchange {
     const std::vector<size_t> offsets = block_offsets(sizes);
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);
 
+    // Every rank's header and index list on the host: read in place from a CPU device's memory,
+    // in one copy from others (one wait, not one per rank).
+    std::vector<unsigned char> copy;
+    const unsigned char* host = recv.as<unsigned char>();
+    if (device.kind() != DeviceKind::kCPU) {
+      copy.resize(offsets.back());
+      device.copy_to_host(copy.data(), recv.data(), copy.size());
+      host = copy.data();
+    }
     std::vector<std::vector<int64_t>> lists;
     for (int r = 0; r < p; ++r) {
-      // Rank r's header and index list: its header is checked with the length of the whole
-      // message it announced, of which only the index part arrived.
-      const unsigned char* part = recv.as<unsigned char>() + offsets[r];
-      std::vector<unsigned char> host(sizes[r]);
-      device.copy_to_host(host.data(), part, host.size());
-      const MessageHeader h = parse_header(host.data(), bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
+      // Rank r's header is checked with the length of the whole message it announced, of which
+      // only the index part arrived.
+      const unsigned char* part = host + offsets[r];
+      const MessageHeader h = parse_header(part, bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
       GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
                    h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),
                CorruptMessageError, "sparse message from rank ", r, " holds ", h.count, " indices of ",
                int(h.index_bytes), " bytes but its control word announced ", result.control[r].count, " of ",
                index_bytes_for(static_cast<uint64_t>(bucket.numel)));
-      const HostMessage indices(view_from_header(host.data(), h, r));
+      const HostMessage indices(view_from_header(part, h, r));
       indices.check_indices();
       lists.push_back(indices.index_list());
     }
