@@ -311,7 +311,7 @@ class State:
         if self._method_config.get("exchange") == "auto" and world_size > 1:
             if self._link is None:
                 self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
-            self._trial = ExchangeTrial(max(self._step, self._warmup_steps))
+            self._start_trial()
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
         if self._unchecked is not None:
@@ -467,6 +467,10 @@ class State:
             return value
 
         return future.then(finish)
+
+    def _start_trial(self, chosen: dict[int, str] | None = None) -> None:
+        """exchange="auto": a trial from the first sparse step to come, or the decision ``chosen``."""
+        self._trial = ExchangeTrial(max(self._step, self._warmup_steps), chosen)
 
     def _choose_exchange(self, entry: Bucket) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
@@ -713,8 +717,7 @@ class State:
         if state_dict.get("link") is not None:
             self._link = tuple(state_dict["link"])
         if self._trial is not None:  # exchange="auto": the saved decision, or a new trial
-            chosen = state_dict.get("exchanges")
-            self._trial = ExchangeTrial(max(self._step, self._warmup_steps), chosen)
+            self._start_trial(state_dict.get("exchanges"))
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
