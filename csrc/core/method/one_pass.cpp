@@ -282,12 +282,11 @@ Selection OnePass::largest(int64_t k) {
   const std::vector<uint32_t>& key = keys();
   uint32_t kth_key;
   const std::vector<size_t> chosen = method_util::largest_positions(key, k, kth_key);
-  asked(dispatch_dtype(bucket_.dtype,
-                       [&](auto t) {
-                         using T = decltype(t);
-                         return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
-                       }),
-        k, true);
+  const double kth = dispatch_dtype(bucket_.dtype, [&](auto t) {
+    using T = decltype(t);
+    return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
+  });
+  asked(kth, k, true);
   Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   zeroed(chosen);
   return s;
