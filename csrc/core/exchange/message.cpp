@@ -69,12 +69,17 @@ MessageView read_message(Device& device, const void* data, size_t bytes, DType e
   return view_from_header(data, h, source_rank);
 }
 
-HostMessage::HostMessage(Device& device, const MessageView& message) : view_(message) {
+HostBytes::HostBytes(Device& device, const void* data, size_t bytes) : data_(static_cast<const unsigned char*>(data)) {
   if (device.kind() != DeviceKind::kCPU) {
-    copy_.resize(message.bytes());
-    device.copy_to_host(copy_.data(), message.data, copy_.size());
-    view_.data = copy_.data();
+    copy_.resize(bytes);
+    device.copy_to_host(copy_.data(), data, bytes);
+    data_ = copy_.data();
   }
+}
+
+HostMessage::HostMessage(Device& device, const MessageView& message)
+    : bytes_(std::in_place, device, message.data, message.bytes()), view_(message) {
+  view_.data = bytes_->data();
 }
 
 std::vector<int64_t> HostMessage::index_list() const {

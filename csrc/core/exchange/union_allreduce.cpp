@@ -29,20 +29,13 @@ class UnionAllreduce final : public Exchange {
     const std::vector<size_t> offsets = block_offsets(sizes);
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);
 
-    // Every rank's header and index list on the host: read in place from a CPU device's memory,
-    // in one copy from others (one wait, not one per rank).
-    std::vector<unsigned char> copy;
-    const unsigned char* host = recv.as<unsigned char>();
-    if (device.kind() != DeviceKind::kCPU) {
-      copy.resize(offsets.back());
-      device.copy_to_host(copy.data(), recv.data(), copy.size());
-      host = copy.data();
-    }
+    // Every rank's header and index list on the host at once (one wait, not one per rank).
+    const HostBytes host(device, recv.data(), offsets.back());
     std::vector<std::vector<int64_t>> lists;
     for (int r = 0; r < p; ++r) {
       // Rank r's header is checked with the length of the whole message it announced, of which
       // only the index part arrived.
-      const unsigned char* part = host + offsets[r];
+      const unsigned char* part = host.data() + offsets[r];
       const MessageHeader h = parse_header(part, bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
       GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
                    h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),

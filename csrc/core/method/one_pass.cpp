@@ -24,6 +24,10 @@ constexpr size_t kFewKeys = 8;  ///< counts at up to this many keys compare ever
 Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
   Scan s;
   s.moments = moments(bucket, update);
+  if (capacity == 0) {  // on a GPU OnePass lists nothing (CandidateBound::capacity): a count would be a wasted read
+    s.above = Scan::kNotCounted;
+    return s;
+  }
   s.above = count(bucket, range, {lower}, false)[0];
   if (s.above > 0 && (capacity < 0 || s.above <= capacity)) s.candidates = collect(bucket, range, lower, false);
   return s;

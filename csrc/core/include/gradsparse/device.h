@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -115,8 +116,10 @@ struct Candidates {
 
 /// What one pass over a bucket tells a threshold estimator (Device::scan).
 struct Scan {
+  /// `above` of a scan with capacity 0, which lists nothing and so counts nothing.
+  static constexpr int64_t kNotCounted = -1;
   Moments moments;        ///< of the whole bucket
-  int64_t above = 0;      ///< elements of the range with |v| >= the scan's lower bound
+  int64_t above = 0;      ///< elements of the range with |v| >= the scan's lower bound, or kNotCounted
   Candidates candidates;  ///< all of them, or none when they exceeded the capacity
   bool complete() const { return static_cast<int64_t>(candidates.size()) == above; }
 };
@@ -168,7 +171,9 @@ class Device {
   virtual Candidates collect(const BucketView& bucket, Range range, double threshold, bool strict) = 0;
   /// One pass for a threshold estimator (with `update`: the first pass of a step): the moments of
   /// the whole bucket and the elements of `range` with |v| >= lower, listed when they are at most
-  /// `capacity` (< 0: any number). This default makes the passes one by one; a device may fuse them.
+  /// `capacity` (< 0: any number). With capacity 0 nothing is listed and nothing counted (above is
+  /// Scan::kNotCounted, the scan incomplete): only the moments. This default makes the passes one
+  /// by one; a device may fuse them.
   virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity);
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
@@ -216,7 +221,23 @@ class Device {
 MessageView read_message(Device& device, const void* data, size_t bytes, DType expected_dtype,
                          uint64_t expected_dense_size, int source_rank);
 
-/// A message's pairs on the host: read in place from a CPU device's memory, copied from others.
+/// Bytes of `device`'s memory on the host: read in place from a CPU device's memory, copied from
+/// others (one copy, one wait).
+class HostBytes {
+ public:
+  HostBytes(Device& device, const void* data, size_t bytes);
+  HostBytes(const HostBytes&) = delete;  // data() may point into copy_: a copy would point into another's
+  HostBytes& operator=(const HostBytes&) = delete;
+  HostBytes(HostBytes&&) = default;  // a moved vector keeps its storage
+  HostBytes& operator=(HostBytes&&) = default;
+  const unsigned char* data() const { return data_; }
+
+ private:
+  std::vector<unsigned char> copy_;
+  const unsigned char* data_;
+};
+
+/// A message's pairs on the host (HostBytes).
 class HostMessage {
  public:
   HostMessage(Device& device, const MessageView& message);
@@ -245,7 +266,7 @@ class HostMessage {
   void check_indices() const;
 
  private:
-  std::vector<unsigned char> copy_;
+  std::optional<HostBytes> bytes_;  ///< none for a message already in host memory
   MessageView view_;
 };
 

@@ -34,6 +34,7 @@ Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double 
     Scan s;
     s.moments = cpu::scan<T>(source<T>(bucket, update), bucket.numel, range, key_at_least<T>(lower), capacity, s.above,
                              s.candidates.index, s.candidates.value);
+    if (capacity == 0) s.above = Scan::kNotCounted;  // as every device answers a scan that lists nothing
     return s;
   });
 }
