@@ -25,7 +25,7 @@ import platform
 import torch
 
 import gradsparse as gs
-from benchmarks.utils import markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
     parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")
-    parser.add_argument("--output", default="density.md", help="file name under benchmarks/results/")
+    parser.add_argument("--output", default="density.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     torch.set_num_threads(2)

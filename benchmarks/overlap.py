@@ -39,7 +39,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
-from benchmarks.utils import markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
 from gradsparse.testing import run_distributed
 
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--output", default="overlap.md", help="file name under benchmarks/results")
+    parser.add_argument("--output", default="overlap.md", help=OUTPUT_HELP)
     parser.add_argument("--network", help="how the ranks are connected, for the header")
     args = parser.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]

@@ -8,7 +8,7 @@ Per model, one torchrun job on the cluster (benchmarks/cluster.py) trains every 
 the other for --steps steps with the model's seed preset (batch size per worker, density,
 optimizer; NeuMF with a quarter of its batch, see MODELS) on --synthetic-data: inputs of the real
 shapes, since CIFAR-10, WikiText-2 and MovieLens-20M cannot be downloaded here. The report
-(--report, default benchmarks/results/seed-models.md, rewritten after each model) gives per
+(--report, default runs/benchmarks/seed-models.md, rewritten after each model) gives per
 method the median step time (the first step left out: DDP's bucket rebuild), the bytes a worker
 sent per step (rank 0), the least time those bytes need on the link (bytes x 8 / rate) and the
 achieved density, with the ratios to the first method (dense by default), all from the same job.
@@ -23,11 +23,10 @@ import statistics
 import sys
 
 from benchmarks import cluster
-from benchmarks.utils import markdown_table
+from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
 from examples.driver import METHODS, step_costs
 from examples.plot import read_rows
 
-REPORT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "seed-models.md")
 # model -> (example module, preset, further driver arguments): the seeds' benchmark settings
 # (examples/*/__main__.py). NeuMF's batch is a quarter of the seeds' 2^18 per worker: on these
 # CPUs a 2^18 batch computes for about 25 s, which would make its compute : communication ratio
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated; the first is the baseline")
     parser.add_argument("--steps", type=int, default=4, help="steps per method (the first is left out)")
     parser.add_argument("--out", default="runs/seed-models", help="run folders: <out>/<model>/<method>")
-    parser.add_argument("--report", default=REPORT, help="the markdown report")
+    parser.add_argument("--report", default="seed-models.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = [m for m in models if m not in MODELS]
@@ -102,9 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"Preset `{preset}`{' ' + ' '.join(extra) if extra else ''}: batch {config['batch_size']} per worker, density {config['density']}.\n\n"
                     + table
                 )
-                with open(args.report, "w") as f:
-                    f.write("\n\n".join(sections) + "\n")
-                print(f"benchmarks.seed_models: {model} done; {args.report}", file=sys.stderr, flush=True)
+                report = write_result(args.report, "\n\n".join(sections) + "\n")
+                print(f"benchmarks.seed_models: {model} done; {report}", file=sys.stderr, flush=True)
     except cluster.ClusterError as e:
         print(f"benchmarks.seed_models: {e}", file=sys.stderr)
         return 1

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import gradsparse as gs
-from benchmarks.utils import markdown_table, median_seconds, write_result
+from benchmarks.utils import OUTPUT_HELP, markdown_table, median_seconds, write_result
 from gradsparse import _C
 
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--only", default="", help="comma-separated methods for --methods (default: every one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
-    parser.add_argument("--output", default="select.md", help="file name under benchmarks/results/")
+    parser.add_argument("--output", default="select.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
     if args.device != "cpu" and (args.rounds != 1 or args.momentum):
         parser.error(

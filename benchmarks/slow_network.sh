@@ -17,7 +17,7 @@
 # `--network "veth, tbf RATE" --output overlap-RATE.md`, so they may override both. PYTHON
 # names the interpreter (default python3). Needs root, ip and tc (iproute2); the namespaces
 # (gs-rank0-PID, gs-rank1-PID, addresses 10.213.0.1/24 and 10.213.0.2/24) are deleted on exit,
-# also on failure or Ctrl-C. Rank 0's table goes to stdout and benchmarks/results/.
+# also on failure or Ctrl-C. Rank 0's table goes to stdout and runs/benchmarks/.
 set -euo pipefail
 
 die() {

@@ -35,11 +35,22 @@ def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     return "\n".join(lines)
 
 
+OUTPUT_HELP = (
+    "report file: a bare name goes under runs/benchmarks/; a path is taken as given "
+    "(benchmarks/results/NAME rewrites the committed report that docs/ quotes)"
+)
+
+
+def result_path(name: str) -> str:
+    """Where the report ``name`` goes: a bare file name under runs/benchmarks/ (not committed, so a
+    trial run never overwrites the reports docs/ quotes), a path as given."""
+    return name if os.path.dirname(name) else os.path.join("runs", "benchmarks", name)
+
+
 def write_result(name: str, text: str) -> str:
-    """Writes ``text`` to benchmarks/results/<name> and returns the path."""
-    folder = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, name)
+    """Writes ``text`` to result_path(name), making its folder, and returns the path."""
+    path = result_path(name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(text)
     return path

@@ -36,6 +36,13 @@ def test_select_reports_every_method(tmp_path):
     assert ratio == pytest.approx(select_ms / add_ms, rel=0.02)  # against the add timed beside it (3 digits each)
 
 
+def test_a_bare_report_name_goes_under_runs_not_over_the_committed_reports(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--output", "select.md"])
+    assert (tmp_path / "runs" / "benchmarks" / "select.md").read_text() == text
+    assert [p.name for p in tmp_path.rglob("*.md")] == ["select.md"]
+
+
 def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
     text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--only", "TopK,DGC",
                         "--momentum", "0.9", "--output", str(tmp_path / "select.md")])  # fmt: skip
