@@ -212,6 +212,7 @@ TEST(CudaMethods, SelectLikeTheCpu) {
       [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, std::nullopt); },
       [] { return std::make_unique<MiCRO>(0.01, "gather", false, 1); },
       [] { return std::make_unique<ExDyna>(0.01, "union", true, 1); },
+      [] { return std::make_unique<ExDyna>(0.01, "union", false, 1); },  // its band by passes on the GPU
       [] { return std::make_unique<SIDCo>(0.01, "gamma_gpareto", 2, 0.25, std::nullopt); },
   };
   CudaDevice gpu(0, nullptr);

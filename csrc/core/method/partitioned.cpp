@@ -62,6 +62,24 @@ int64_t add_band_counts(const std::vector<double>& edges, const std::vector<floa
 
 constexpr int kBins = BandController::kBandBins + 1;
 
+/// add_band_counts for what collect would list at edges[0], from one counting pass on the device
+/// instead: bin b holds the elements at or above edges[b] less those at or above edges[b + 1],
+/// each edge raised to the bucket's dtype (dtype_ceil), which compares as add_band_counts' float64
+/// comparisons do. collect compares with edges[0] rounded to the dtype, so it may list elements
+/// just below edges[0]: they are counted at that rounding too, and are the count returned.
+int64_t add_band_counts_by_pass(Device& device, const BucketView& bucket, Range range, const std::vector<double>& edges,
+                                std::vector<double>& counts) {
+  std::vector<double> thresholds{edges[0]};
+  for (double e : edges) thresholds.push_back(method_util::dtype_ceil(bucket.dtype, e));
+  const std::vector<int64_t> at_least = device.count(bucket, range, thresholds, /*strict=*/false);
+  const size_t bins = edges.size();
+  for (size_t b = 0; b < bins; ++b)
+    counts[b] += static_cast<double>(at_least[b + 1] - (b + 1 < bins ? at_least[b + 2] : 0));
+  const int64_t below = at_least[0] - at_least[1];
+  counts[0] += static_cast<double>(below);
+  return below;
+}
+
 /// Bytes of one count in the folded agreement: 4 where the bucket has fewer than 2^32 elements.
 size_t tally_width(int64_t numel) { return numel < (int64_t{1} << 32) ? 4 : 8; }
 
@@ -131,12 +149,14 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
 
 }  // namespace
 
-PartitionedMethod::PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed)
+PartitionedMethod::PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed,
+                                     Listing listing)
     : density_(density),
       exchange_(
           &exchange_option(exchange, {{"union", &union_allreduce()}, {"gather", &exclusive_gather()}}, "MiCRO/ExDyna")),
       reference_(reference),
-      seed_(seed) {
+      seed_(seed),
+      listing_(listing) {
   method_util::check_density("MiCRO/ExDyna", density);
 }
 
@@ -171,16 +191,12 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
                                             int64_t k) {
   const int64_t t = committed_.t;
   int64_t nonfinite = 0;
-  Candidates c;
   std::vector<double> edges;
   if (t > 0) {
-    // The prediction needs no look at this step's values: one pass updates and lists the band.
+    // The prediction needs no look at this step's values.
     edges =
         BandController::band_edges(BandController::predict_from_trend(committed_.estimate, committed_.before_last, t),
                                    BandController::band_factor(t));
-    Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/-1);
-    nonfinite = scan.moments.nonfinite;
-    c = std::move(scan.candidates);
   } else {
     nonfinite = method_util::update_pass(device, bucket);
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
@@ -202,17 +218,38 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
     group.sum(weights);
     edges = BandController::band_edges(BandController::predict_from_samples(weights, static_cast<double>(k)),
                                        BandController::band_factor(t));
+  }
+  // Where the host reads the bucket in place (the CPU), the band's candidates are listed, then
+  // binned and chosen on the host. Elsewhere (a GPU, where a listed candidate is a copy to the
+  // host) the counts at the band's edges and the selection are passes on the device; the same
+  // results, by the same comparisons of keys.
+  const bool listed = lists_candidates(device, listing_) || !plain_edges(edges);
+  Candidates c;
+  if (t > 0) {  // one pass updates the residual and lists the band (or only updates it)
+    Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/listed ? -1 : 0);
+    nonfinite = scan.moments.nonfinite;
+    c = std::move(scan.candidates);
+  } else if (listed) {
     c = device.collect(bucket, range, edges[0], false);
   }
   std::vector<double> counts(kBins, 0.0);
-  const int64_t below = add_band_counts(edges, c.value, counts);
+  const int64_t below =
+      listed ? add_band_counts(edges, c.value, counts) : add_band_counts_by_pass(device, bucket, range, edges, counts);
   std::vector<ControlWord> agreed;
   const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
   pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
-  const std::vector<size_t> chosen =
-      positions_where(c.size(), [&](size_t j) { return static_cast<double>(std::fabs(c.value[j])) >= lambda; });
-  Selection s = method_util::emit_subset(device, bucket, c, chosen, exchange_->selection_zeroes());
+  const bool zero = exchange_->selection_zeroes();
+  Selection s;
+  if (listed) {
+    const std::vector<size_t> chosen =
+        positions_where(c.size(), [&](size_t j) { return static_cast<double>(std::fabs(c.value[j])) >= lambda; });
+    s = method_util::emit_subset(device, bucket, c, chosen, zero);
+  } else {
+    // |v| >= lambda exactly, as the listed path compares: lambda raised to the dtype.
+    const double at = method_util::dtype_ceil(bucket.dtype, lambda);
+    s = device.select(bucket, SelectRule{at, /*strict=*/false, range, /*update=*/false, zero});
+  }
   s.nonfinite = nonfinite;
   s.agreed = std::move(agreed);
   return s;

@@ -208,7 +208,10 @@ class SAGE final : public Method {
 /// threshold. The two differ only in how the partitions are laid out.
 class PartitionedMethod : public Method {
  public:
-  PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed);
+  /// `listing`: where the default mode lists its band's candidates for the host (one_pass.h). Where
+  /// it does not (a GPU), the band's counts and the selection are passes on the device.
+  PartitionedMethod(double density, const std::string& exchange, bool reference, uint64_t seed,
+                    Listing listing = Listing::kHostMemory);
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   const Exchange& exchange() const override { return *exchange_; }
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
@@ -240,6 +243,7 @@ class PartitionedMethod : public Method {
   const Exchange* exchange_;
   bool reference_;
   uint64_t seed_;
+  Listing listing_;
   Step committed_;
   Step pending_;
   double imbalance_ = std::numeric_limits<double>::quiet_NaN();

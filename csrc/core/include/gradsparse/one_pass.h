@@ -26,7 +26,13 @@ class OnePass;
 enum class Listing {
   kHostMemory,   ///< only on a device whose memory the host reads in place (the CPU)
   kEveryDevice,  ///< on every device: for a method whose questions read many elements on the host anyway
+  kNowhere,      ///< on no device: every question is a pass, as on a GPU (the CPU tests run that path with it)
 };
+
+/// Whether a step on `device` lists candidates for the host.
+inline bool lists_candidates(const Device& device, Listing listing) {
+  return listing == Listing::kEveryDevice || (listing == Listing::kHostMemory && device.kind() == DeviceKind::kCPU);
+}
 
 /// Where a method's next step starts listing candidates: a factor below the lowest threshold its
 /// last step asked about, tightened when the candidates were many more than that question needed
@@ -44,8 +50,7 @@ class CandidateBound {
   /// them everywhere (Listing::kEveryDevice): its sampled quantile, when the candidates cannot
   /// answer it, gathers the whole 1% sample to the host (11 ms a step there, against 4 to 9 ms).
   static int64_t capacity(const Device& device, int64_t k, Listing listing) {
-    const bool lists = listing == Listing::kEveryDevice || device.kind() == DeviceKind::kCPU;
-    return lists ? 4 * k + 1024 : 0;
+    return lists_candidates(device, listing) ? 4 * k + 1024 : 0;
   }
   /// Learns from a finished step.
   void learn(const OnePass& pass);
