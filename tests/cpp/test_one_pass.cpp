@@ -356,24 +356,20 @@ void same_listed_and_by_passes(const std::function<std::unique_ptr<Method>(Listi
   }
 }
 
-TEST(PartitionedBand, ListedOrByPassesTheSameMiCRO) {
-  for (const char* exchange : {"union", "gather"})
-    for (int ranks : {1, 3}) {
-      SCOPED_TRACE(::testing::Message() << exchange << ", " << ranks << " ranks");
-      const auto make = [&](Listing l) { return std::make_unique<MiCRO>(0.01, exchange, false, 5, l); };
-      same_listed_and_by_passes<float>(make, ranks);
-      same_listed_and_by_passes<BFloat16>(make, ranks);
-      same_listed_and_by_passes<Half>(make, ranks);
-    }
-}
-TEST(PartitionedBand, ListedOrByPassesTheSameExDyna) {
-  for (const char* exchange : {"union", "gather"})
-    for (int ranks : {1, 3}) {
-      SCOPED_TRACE(::testing::Message() << exchange << ", " << ranks << " ranks");
-      const auto make = [&](Listing l) { return std::make_unique<ExDyna>(0.01, exchange, false, 5, l); };
-      same_listed_and_by_passes<float>(make, ranks);
-      same_listed_and_by_passes<Half>(make, ranks);
-    }
+TEST(PartitionedBand, ListedOrByPassesTheSame) {
+  for (const bool micro : {true, false})
+    for (const char* exchange : {"union", "gather"})
+      for (int ranks : {1, 3}) {
+        SCOPED_TRACE(::testing::Message()
+                     << (micro ? "MiCRO" : "ExDyna") << ", " << exchange << ", " << ranks << " ranks");
+        const auto make = [&](Listing l) -> std::unique_ptr<Method> {
+          if (micro) return std::make_unique<MiCRO>(0.01, exchange, false, 5, l);
+          return std::make_unique<ExDyna>(0.01, exchange, false, 5, l);
+        };
+        same_listed_and_by_passes<float>(make, ranks);
+        same_listed_and_by_passes<BFloat16>(make, ranks);
+        same_listed_and_by_passes<Half>(make, ranks);
+      }
 }
 
 }  // namespace
