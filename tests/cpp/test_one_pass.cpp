@@ -233,6 +233,17 @@ TEST(DensityControl, SteersAnEstimateToKElements) {
 
 using Factory = std::function<std::unique_ptr<Method>()>;
 
+/// The scale of each step's gradients: a drift, a jump up, a jump down.
+const std::vector<float> kDriftScales{1.0f, 1.02f, 1.05f, 1.03f, 20.0f, 19.0f, 0.01f, 0.011f, 0.012f};
+
+/// Step t's gradient of n elements at kDriftScales[t], every 97th element eight times larger (a
+/// heavier tail).
+std::vector<float> drift_gradient(int64_t n, uint64_t seed, size_t t) {
+  std::vector<float> grad = ref::random_vector<float>(n, seed, kDriftScales[t]);
+  for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;
+  return grad;
+}
+
 /// Steps of one method on one rank: the method kept across steps (its bound learned) against a
 /// fresh method with the same state each step (no bound: every answer from passes over the
 /// bucket). The averaged gradient and the residual agree to the bit every step, through a drift,
@@ -242,12 +253,10 @@ void same_with_and_without_bound(const Factory& make, bool ties = false) {
   const int64_t n = kN;
   std::vector<float> residual_kept(n, 0.0f), residual_fresh(n, 0.0f);
   std::unique_ptr<Method> kept = make();
-  const std::vector<float> scale{1.0f, 1.02f, 1.05f, 1.03f, 20.0f, 19.0f, 0.01f, 0.011f, 0.012f};
-  for (size_t t = 0; t < scale.size(); ++t) {
-    std::vector<float> grad = ref::random_vector<float>(n, 100 + t, scale[t]);
-    for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;  // a heavier tail
+  for (size_t t = 0; t < kDriftScales.size(); ++t) {
+    std::vector<float> grad = drift_gradient(n, 100 + t, t);
     if (ties)
-      for (float& g : grad) g = std::round(g / scale[t] * 2.0f) * scale[t] / 2.0f;
+      for (float& g : grad) g = std::round(g / kDriftScales[t] * 2.0f) * kDriftScales[t] / 2.0f;
     std::vector<float> out_kept = grad, out_fresh = grad;
     std::unique_ptr<Method> fresh = make();
     fresh->load_state(kept->state());
@@ -326,13 +335,10 @@ void same_listed_and_by_passes(const std::function<std::unique_ptr<Method>(Listi
   }
   std::vector<std::vector<T>> residual_listed(ranks, std::vector<T>(n, Num<T>::from_float(0.0f)));
   std::vector<std::vector<T>> residual_passes = residual_listed;
-  const std::vector<float> scale{1.0f, 1.02f, 1.05f, 1.03f, 20.0f, 19.0f, 0.01f, 0.011f, 0.012f};
-  for (size_t t = 0; t < scale.size(); ++t) {
+  for (size_t t = 0; t < kDriftScales.size(); ++t) {
     std::vector<std::vector<T>> out_listed(ranks), out_passes(ranks);
     for (int r = 0; r < ranks; ++r) {
-      std::vector<float> grad = ref::random_vector<float>(n, 100 + 10 * t + r, scale[t]);
-      for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;  // a heavier tail
-      for (float g : grad) out_listed[r].push_back(Num<T>::from_float(g));
+      for (float g : drift_gradient(n, 100 + 10 * t + r, t)) out_listed[r].push_back(Num<T>::from_float(g));
       out_passes[r] = out_listed[r];
     }
     gradsparse::testing::rethrow_first(gradsparse::testing::run_ranks(ranks, [&](int r, Transport& transport) {
