@@ -46,7 +46,7 @@ std::tuple<at::Tensor, at::Tensor> select_topk_cuda(const at::Tensor& grad, cons
   TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
   return select_cuda(grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-    cuda::select_topk<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), k, sink);
+    cuda::select_topk<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), k, /*zero=*/true, sink);
   });
 }
 

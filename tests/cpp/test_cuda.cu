@@ -209,7 +209,9 @@ TEST(CudaMethods, SelectLikeTheCpu) {
       [] { return std::make_unique<GaussianK>(0.01, "sidco"); },
       [] { return std::make_unique<DGC>(0.01, 1); },
       [] { return std::make_unique<RedSync>(0.01); },
+      // SAGE's band by passes on the GPU: its top k kept in the residual (union) or zeroed (gather).
       [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, std::nullopt); },
+      [] { return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 1, std::nullopt, "gather"); },
       [] { return std::make_unique<MiCRO>(0.01, "gather", false, 1); },
       [] { return std::make_unique<ExDyna>(0.01, "union", true, 1); },
       [] { return std::make_unique<ExDyna>(0.01, "union", false, 1); },  // its band by passes on the GPU

@@ -321,10 +321,10 @@ TEST(OnePass, SIDCoDoesNotDependOnTheBound) {
             [=] { return std::make_unique<SIDCo>(0.01, fit, stages, 0.25, std::nullopt, "gather", reference); });
 }
 
-/// MiCRO's or ExDyna's default mode on `ranks` ranks, twice side by side: the band listed for the
-/// host (the CPU's path) and the band counted and selected by passes (Listing::kNowhere, the path
-/// a GPU takes). Every rank's averaged gradient and residual agree to the bit every step, through
-/// a drift, a jump up and a jump down, and so do the methods' checkpointed states.
+/// A banded method's default mode (MiCRO, ExDyna, SAGE) on `ranks` ranks, twice side by side: the
+/// band listed for the host (the CPU's path) and the band counted and selected by passes
+/// (Listing::kNowhere, the path a GPU takes). Every rank's averaged gradient and residual agree to the bit every step,
+/// through a drift, a jump up and a jump down, and so do the methods' checkpointed states.
 template <typename T>
 void same_listed_and_by_passes(const std::function<std::unique_ptr<Method>(Listing)>& make, int ranks) {
   const int64_t n = kN;
@@ -373,6 +373,25 @@ TEST(PartitionedBand, ListedOrByPassesTheSame) {
           return std::make_unique<ExDyna>(0.01, exchange, false, 5, l);
         };
         same_listed_and_by_passes<float>(make, ranks);
+        same_listed_and_by_passes<BFloat16>(make, ranks);
+        same_listed_and_by_passes<Half>(make, ranks);
+      }
+}
+
+// SAGE's band: its top k where the band holds k or more (by passes: a device top-k that zeroes the
+// residual only where the exchange does not zero later), all of it where it holds fewer (from an
+// initial threshold far above the k-th magnitude, about 3 on this stream).
+TEST(SageBand, ListedOrByPassesTheSame) {
+  for (const std::optional<double> initial : {std::optional<double>{}, std::optional<double>{40.0}})
+    for (const char* exchange : {"union", "gather"})
+      for (int ranks : {1, 3}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "SAGE, " << exchange << ", " << ranks << " ranks, initial threshold " << initial.value_or(0.0));
+        const auto make = [&](Listing l) -> std::unique_ptr<Method> {
+          return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 5, initial, exchange, l);
+        };
+        same_listed_and_by_passes<float>(make, ranks);
+        if (initial) continue;  // bfloat16 and float16 from the default start only
         same_listed_and_by_passes<BFloat16>(make, ranks);
         same_listed_and_by_passes<Half>(make, ranks);
       }

@@ -88,12 +88,19 @@ TYPED_TEST(SelectTest, TopKMatchesReference) {
       if (k < 0) continue;
       std::vector<T> residual = ref::random_vector<T>(n, 21 + n, 0.5f);
       const std::vector<T> grad = ref::random_vector<T>(n, 22 + n);
-      std::vector<T> want_residual = residual;
+      std::vector<T> want_residual = residual, kept = residual;
       const auto want = ref::topk(&want_residual, grad, k);
       Output<T> got;
       got.stats = cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, k, got.sink());
       expect_same(got, want);
       expect_same_vector(residual, want_residual);
+      // Without zeroing: the same pairs, and the residual updated but kept where they were taken.
+      Output<T> unzeroed;
+      unzeroed.stats = cpu::select_topk<T, uint32_t>(Source<T>{kept.data(), grad.data(), true}, n, k, /*zero=*/false,
+                                                     unzeroed.sink());
+      expect_same(unzeroed, want);
+      for (size_t j = 0; j < want.indices.size(); ++j) want_residual[want.indices[j]] = want.values[j];
+      expect_same_vector(kept, want_residual);
     }
   }
 }

@@ -8,6 +8,7 @@
 #include "gradsparse/device.h"
 #include "gradsparse/kernels.h"
 #include "gradsparse/parallel.h"
+#include "gradsparse/rng.h"
 
 namespace gradsparse {
 
@@ -50,6 +51,12 @@ void pack_pairs(DType dtype, int64_t dense_size, const HostPairs& pairs, unsigne
     GS_CHECK(at >= 0 && at < dense_size && (j == 0 || pairs.index[pairs.source(j - 1)] < at), ValueError,
              "message indices must be ascending and inside the bucket; index ", at, " at position ", j);
   }
+}
+
+int64_t index_digest(const int64_t* index, size_t count) {
+  uint64_t digest = mix64(count);
+  for (size_t i = 0; i < count; ++i) digest += mix64(static_cast<uint64_t>(index[i]) + i * 0xD1B54A32D192ED03ull);
+  return static_cast<int64_t>(digest);
 }
 
 std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const HostPairs& pairs) {
@@ -162,9 +169,9 @@ Selection Device::select(const BucketView& bucket, const SelectRule& rule) {
   });
 }
 
-Selection Device::select_topk(const BucketView& bucket, int64_t k, bool update) {
+Selection Device::select_topk(const BucketView& bucket, int64_t k, bool update, bool zero) {
   return into_message(*this, bucket, [&](int index_bytes, const PairSink& sink) {
-    return topk_pairs(bucket, k, update, index_bytes, sink);
+    return topk_pairs(bucket, k, update, zero, index_bytes, sink);
   });
 }
 
@@ -186,6 +193,7 @@ Selection Device::emit(const BucketView& bucket, const HostPairs& pairs, bool ze
 Selection Device::gather(const BucketView& bucket, const std::vector<int64_t>& index) {
   Selection out = upload(*this, pack_host(bucket.dtype, bucket.numel, HostPairs(index, nullptr)),
                          static_cast<int64_t>(index.size()));
+  out.index_digest = gradsparse::index_digest(index.data(), index.size());
   if (!index.empty()) {
     const MessageView view = out.view(bucket.dtype, bucket.numel);
     gather_values(bucket, view, out.message.as<unsigned char>() + view.layout().values_offset);

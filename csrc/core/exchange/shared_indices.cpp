@@ -1,19 +1,16 @@
 // Shared indices (exchange.h): every rank drew the same indices (Random-k, Random-block), so only
 // the values travel, in one all-reduce; the digests in the control words check the premise.
-#include <cstring>
 
 #include "gradsparse/exchange.h"
-#include "gradsparse/rng.h"
 
 namespace gradsparse {
 namespace {
 
-/// A 64-bit digest of a selection's indices.
-int64_t index_digest(Device& device, const Selection& selection, const BucketView& bucket) {
-  uint64_t digest = mix64(static_cast<uint64_t>(selection.count));
-  for (int64_t index : HostMessage(device, selection, bucket).index_list())
-    digest = mix64(digest ^ static_cast<uint64_t>(index));
-  return static_cast<int64_t>(digest);
+/// index_digest() of a selection's indices: kept from when it was made, or hashed from its message.
+int64_t digest_of(Device& device, const Selection& selection, const BucketView& bucket) {
+  if (selection.index_digest) return *selection.index_digest;
+  const std::vector<int64_t> indices = HostMessage(device, selection, bucket).index_list();
+  return index_digest(indices.data(), indices.size());
 }
 
 class SharedIndices final : public Exchange {
@@ -23,7 +20,7 @@ class SharedIndices final : public Exchange {
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {
     ControlWord word = control_word(mine);
-    word.index_digest = index_digest(device, mine, bucket);
+    word.index_digest = digest_of(device, mine, bucket);
     ExchangeResult result = agree(transport, device, bucket, word);
     if (result.aborted) return result;
     for (size_t r = 1; r < result.control.size(); ++r) {

@@ -105,6 +105,14 @@ inline std::vector<uint32_t> float_keys(const std::vector<float>& values) {
   return keys;
 }
 
+/// The least magnitude among a selection's values (+inf when it has none), exact for every bucket
+/// dtype: the k-th largest of a top-k selection.
+inline double least_magnitude(Device& device, const BucketView& bucket, const Selection& s) {
+  double least = kInfinity;
+  for (float v : HostMessage(device, s, bucket).value_list()) least = std::min(least, std::fabs(double{v}));
+  return least;
+}
+
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest
 /// index), as a new message in ascending index order; `kth` gets the k-th largest magnitude. The
 /// residual is not touched.

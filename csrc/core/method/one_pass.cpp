@@ -275,11 +275,8 @@ Selection OnePass::largest(int64_t k) {
   if (k <= 0) return device_.emit(bucket_, {}, {}, false);
   if (!scan_.complete() || scan_.above < k) {  // the k-th largest lies below the candidates
     Selection s = device_.select_topk(bucket_, k, /*update=*/false);
-    if (k <= capacity_) {  // the bound learns the k-th magnitude only where it could be listed
-      double kth = std::numeric_limits<double>::infinity();
-      for (float v : HostMessage(device_, s, bucket_).value_list()) kth = std::min(kth, std::fabs(double{v}));
-      asked(kth, k, false);
-    }
+    // The bound learns the k-th magnitude only where it could be listed.
+    if (k <= capacity_) asked(method_util::least_magnitude(device_, bucket_, s), k, false);
     stale_ = true;
     return s;
   }

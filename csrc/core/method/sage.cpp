@@ -13,7 +13,7 @@
 namespace gradsparse {
 
 SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
-           std::optional<double> initial_threshold, std::optional<std::string> exchange)
+           std::optional<double> initial_threshold, std::optional<std::string> exchange, Listing listing)
     : density_(density),
       segments_(std::move(segments)),
       reference_(reference),
@@ -23,7 +23,8 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
                 {{"gather", &gather_and_add()},
                  {"union", &union_allreduce()},
                  {"reduce_scatter", &reduce_scatter_allgather()}},
-                exchange.value_or(sampling == "per_tensor" ? "gather" : "union")) {
+                exchange.value_or(sampling == "per_tensor" ? "gather" : "union")),
+      listing_(listing) {
   method_util::check_density("SAGE", density);
   if (sampling == "flat") {
     sampling_ = Sampling::kFlat;
@@ -91,22 +92,34 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   } else {
     const double prediction = t > 0 ? committed_.threshold * alpha : start;
     const double low = prediction / BandController::band_factor(t);
-    // The candidates (|v| >= low) listed in one pass with the update; then the exact top k
-    // among them, or all of them where they are fewer.
-    const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1);
-    nonfinite = scan.moments.nonfinite;
-    const Candidates& c = scan.candidates;
-    std::vector<size_t> chosen;
-    if (static_cast<int64_t>(c.size()) >= k) {
-      uint32_t kth_key;
-      chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
-      lambda = static_cast<double>(method_util::from_key<float>(kth_key));
+    // The exact top k among the candidates (|v| >= low), or all of them where they are fewer:
+    // listed in one pass with the update, then chosen on the host; or, where the host does not
+    // read the bucket in place, counted and selected by passes on the device.
+    if (lists_candidates(device, listing_)) {
+      const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1);
+      nonfinite = scan.moments.nonfinite;
+      const Candidates& c = scan.candidates;
+      std::vector<size_t> chosen;
+      if (static_cast<int64_t>(c.size()) >= k) {
+        uint32_t kth_key;
+        chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
+        lambda = static_cast<double>(method_util::from_key<float>(kth_key));
+      } else {
+        chosen.resize(c.size());
+        std::iota(chosen.begin(), chosen.end(), size_t{0});
+        lambda = low;
+      }
+      s = method_util::emit_subset(device, bucket, c, chosen, zero);
     } else {
-      chosen.resize(c.size());
-      std::iota(chosen.begin(), chosen.end(), size_t{0});
-      lambda = low;
+      nonfinite = method_util::update_pass(device, bucket);
+      if (device.count(bucket, method_util::whole(bucket), {low}, false)[0] >= k) {
+        s = device.select_topk(bucket, k, /*update=*/false, zero);
+        lambda = method_util::least_magnitude(device, bucket, s);
+      } else {
+        s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
+        lambda = low;
+      }
     }
-    s = method_util::emit_subset(device, bucket, c, chosen, zero);
   }
   pending_.threshold = lambda;
   pending_.sample_mean = sample_mean;

@@ -27,8 +27,8 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
     return cpu::select<T, I>(src, n, key, range, zero, sink);
   }
   template <typename T, typename I>
-  SelectStats k_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
-    return cpu::select_topk<T, I>(src, n, k, sink);
+  SelectStats k_topk(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
+    return cpu::select_topk<T, I>(src, n, k, zero, sink);
   }
   template <typename T>
   Moments k_moments(Source<T> src, int64_t n) {

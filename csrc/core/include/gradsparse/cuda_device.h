@@ -31,7 +31,7 @@ template <typename T, typename I>
 SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, Range range, bool zero,
                    const PairSink& sink);
 template <typename T, typename I>
-SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, const PairSink& sink);
+SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink);
 template <typename T>
 Moments moments(CudaDevice& device, Source<T> src, int64_t n);
 template <typename T>
@@ -88,8 +88,8 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
     return cuda::select<T, I>(*this, src, n, key, range, zero, sink);
   }
   template <typename T, typename I>
-  SelectStats k_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
-    return cuda::select_topk<T, I>(*this, src, n, k, sink);
+  SelectStats k_topk(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
+    return cuda::select_topk<T, I>(*this, src, n, k, zero, sink);
   }
   template <typename T>
   Moments k_moments(Source<T> src, int64_t n) {

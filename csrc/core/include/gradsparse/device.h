@@ -81,6 +81,9 @@ struct Selection {
   /// its selection (MiCRO and ExDyna, with their band counts): the exchange then skips its own
   /// (agree). Empty otherwise.
   std::vector<ControlWord> agreed;
+  /// index_digest() of the selection's indices, where they were on the host when it was made
+  /// (Device::gather): the shared exchange then reads no message back to hash it.
+  std::optional<int64_t> index_digest;
 
   /// The view of this rank's own message, laid out here for a bucket (or block) of `dense_size`
   /// elements of `dtype`: nothing to validate, nothing to copy.
@@ -151,9 +154,9 @@ class Device {
   /// Threshold selection (SelectRule).
   virtual SelectStats select_pairs(const BucketView& bucket, const SelectRule& rule, int index_bytes,
                                    const PairSink& sink) = 0;
-  /// Exact top-k (ties: lowest index); with `update` the error-feedback update is fused in.
-  /// Selected residual entries are zeroed.
-  virtual SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, int index_bytes,
+  /// Exact top-k (ties: lowest index); with `update` the error-feedback update is fused in; with
+  /// `zero` the selected residual entries are zeroed.
+  virtual SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, bool zero, int index_bytes,
                                  const PairSink& sink) = 0;
 
   // Statistics kernels.
@@ -200,7 +203,7 @@ class Device {
   /// Threshold selection into a packed message.
   Selection select(const BucketView& bucket, const SelectRule& rule);
   /// Exact top-k into a packed message (topk_pairs).
-  Selection select_topk(const BucketView& bucket, int64_t k, bool update = true);
+  Selection select_topk(const BucketView& bucket, int64_t k, bool update = true, bool zero = true);
   /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
   Selection select_threshold(const BucketView& bucket, double threshold) {
     return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});

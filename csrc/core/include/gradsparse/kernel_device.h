@@ -32,13 +32,13 @@ class KernelDevice : public Device {
     });
   }
 
-  SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, int index_bytes,
+  SelectStats topk_pairs(const BucketView& bucket, int64_t k, bool update, bool zero, int index_bytes,
                          const PairSink& sink) override {
     return dispatch_dtype(bucket.dtype, [&](auto t) {
       using T = decltype(t);
       return dispatch_index(index_bytes, [&](auto i) {
         using I = decltype(i);
-        return self().template k_topk<T, I>(source<T>(bucket, update), bucket.numel, k, sink);
+        return self().template k_topk<T, I>(source<T>(bucket, update), bucket.numel, k, zero, sink);
       });
     });
   }

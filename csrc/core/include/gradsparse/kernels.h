@@ -225,9 +225,10 @@ template <typename T, typename I>
 SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink);
 
 /// Exact top-k by magnitude: selects min(k, n) elements; among equal magnitudes at the boundary
-/// the lowest indices win, so the result is deterministic. `src.update` fuses error feedback.
+/// the lowest indices win, so the result is deterministic. `src.update` fuses error feedback. With
+/// `zero`, the selected residual entries are zeroed.
 template <typename T, typename I>
-SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink);
+SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink);
 
 /// Fused error feedback + exact top-k (select_topk with src.update).
 template <typename T, typename I>

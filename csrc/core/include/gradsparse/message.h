@@ -204,6 +204,10 @@ void pack_pairs(DType dtype, int64_t dense_size, const HostPairs& pairs, unsigne
 /// pack_pairs into a new host buffer.
 std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const HostPairs& pairs);
 
+/// A 64-bit digest of `count` indices in their order: a sum of independent hashes, one per index
+/// and position, so that it costs no chain of dependent steps over a long list.
+int64_t index_digest(const int64_t* index, size_t count);
+
 /// What every exchange sends first (one allgather of 32 bytes per rank, unless the ranks agreed
 /// them while selecting: Selection::agreed): the size of each rank's message, its pair count,
 /// whether it saw non-finite values, and a digest of its indices, so that all ranks agree on

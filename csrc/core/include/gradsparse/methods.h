@@ -174,8 +174,11 @@ class SAGE final : public Method {
  public:
   enum class Sampling { kFlat, kPerTensor };
   /// `segments`: the sizes of the bucket's parameters, in order (for per-tensor sampling).
+  /// `listing`: where the default mode lists its band's candidates for the host (one_pass.h). Where
+  /// it does not (a GPU), the band's count, its top k and the selection are passes on the device.
   SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
-       std::optional<double> initial_threshold, std::optional<std::string> exchange);
+       std::optional<double> initial_threshold, std::optional<std::string> exchange,
+       Listing listing = Listing::kHostMemory);
   std::string name() const override { return "sage"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   const Exchange& exchange() const override { return exchange_.get(); }
@@ -200,6 +203,7 @@ class SAGE final : public Method {
   uint64_t seed_;
   std::optional<double> initial_;
   ExchangeSetting exchange_;
+  Listing listing_;
   Step committed_;
   Step pending_;
 };

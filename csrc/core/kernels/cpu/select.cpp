@@ -272,11 +272,11 @@ void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<in
 
 template <typename T, typename I>
 SelectStats select_topk(T* residual, const T* grad, int64_t n, int64_t k, const PairSink& sink) {
-  return select_topk<T, I>(Source<T>{residual, grad, true}, n, k, sink);
+  return select_topk<T, I>(Source<T>{residual, grad, true}, n, k, /*zero=*/true, sink);
 }
 
 template <typename T, typename I>
-SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
+SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
   GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
   k = std::min(k, n);
@@ -365,7 +365,7 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sin
     quota -= ties_taken[b];
   }
   GS_ASSERT(quota == 0);
-  const SelectStats stats = emit_blocks<T, I>(blocks, nblocks, ties_taken, residual, sink);
+  const SelectStats stats = emit_blocks<T, I>(blocks, nblocks, ties_taken, zero ? residual : nullptr, sink);
   GS_ASSERT(stats.count == k);
   return stats;
 }
@@ -373,7 +373,7 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, const PairSink& sin
 #define GS_INSTANTIATE_SELECT(T, I)                                                              \
   template SelectStats select<T, I>(Source<T>, int64_t, uint32_t, Range, bool, const PairSink&); \
   template SelectStats select_threshold<T, I>(T*, const T*, int64_t, double, const PairSink&);   \
-  template SelectStats select_topk<T, I>(Source<T>, int64_t, int64_t, const PairSink&);          \
+  template SelectStats select_topk<T, I>(Source<T>, int64_t, int64_t, bool, const PairSink&);    \
   template SelectStats select_topk<T, I>(T*, const T*, int64_t, int64_t, const PairSink&);
 #define GS_INSTANTIATE_TYPE(T)       \
   GS_INSTANTIATE_SELECT(T, uint32_t) \

@@ -546,7 +546,7 @@ void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t
 }
 
 template <typename T, typename I>
-SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, const PairSink& sink) {
+SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
   GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
   k = k < n ? k : n;
@@ -597,7 +597,7 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
     });
     check_launch();
     tiles.scan(device);
-    tiles.write(device, read, true, static_cast<I*>(span.indices), static_cast<T*>(span.values), tie_mask,
+    tiles.write(device, read, zero, static_cast<I*>(span.indices), static_cast<T*>(span.values), tie_mask,
                 &state->need);
   }
   stats.count = k;
@@ -607,7 +607,7 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
 
 #define GS_INSTANTIATE_CUDA_SELECT(T, I)                                                                      \
   template SelectStats select<T, I>(CudaDevice&, Source<T>, int64_t, uint32_t, Range, bool, const PairSink&); \
-  template SelectStats select_topk<T, I>(CudaDevice&, Source<T>, int64_t, int64_t, const PairSink&);
+  template SelectStats select_topk<T, I>(CudaDevice&, Source<T>, int64_t, int64_t, bool, const PairSink&);
 #define GS_INSTANTIATE_CUDA_SELECT_TYPE(T)                                                          \
   GS_INSTANTIATE_CUDA_SELECT(T, uint32_t)                                                           \
   GS_INSTANTIATE_CUDA_SELECT(T, uint64_t)                                                           \
