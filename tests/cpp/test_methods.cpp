@@ -182,6 +182,27 @@ TEST(Methods, BandCountsFromPeersAreChecked) {
   }
 }
 
+// Random-k and Random-block keep the digest of the indices they drew (the shared exchange then
+// reads no message back to hash them): it equals the digest of their message's indices, which a
+// rank whose selection kept none computes.
+TEST(Methods, SharedDrawsKeepTheirMessagesDigest) {
+  const int64_t n = 5000;
+  CpuDevice device;
+  ForgedPeer group([](unsigned char*) {});  // unused: the draws ask no collective
+  const std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<RandomK>(0.01, 3); }, [] { return std::make_unique<RandomBlock>(0.01, 3); }};
+  for (const auto& make : makers) {
+    const std::unique_ptr<Method> method = make();
+    std::vector<float> g = ref::random_vector<float>(n, 8), residual(n, 0.0f);
+    const BucketView bucket{DType::kFloat32, n, g.data(), residual.data()};
+    const Selection s = method->select(device, bucket, group);
+    const std::vector<int64_t> read = HostMessage(device, s, bucket).index_list();
+    ASSERT_TRUE(s.index_digest.has_value()) << method->name();
+    ASSERT_EQ(read.size(), 50u) << method->name();
+    EXPECT_EQ(*s.index_digest, index_digest(read.data(), read.size())) << method->name();
+  }
+}
+
 // A candidate can sit below the band: the band's lower edge is rounded to the bucket's dtype where
 // candidates are listed, and compared in float64 where they are chosen. Every |v| of this bfloat16
 // bucket is 1, the band starts at 1.001 (1 in bfloat16) and density 0.6 makes its lowest edge the

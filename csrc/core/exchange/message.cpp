@@ -193,7 +193,6 @@ Selection Device::emit(const BucketView& bucket, const HostPairs& pairs, bool ze
 Selection Device::gather(const BucketView& bucket, const std::vector<int64_t>& index) {
   Selection out = upload(*this, pack_host(bucket.dtype, bucket.numel, HostPairs(index, nullptr)),
                          static_cast<int64_t>(index.size()));
-  out.index_digest = gradsparse::index_digest(index.data(), index.size());
   if (!index.empty()) {
     const MessageView view = out.view(bucket.dtype, bucket.numel);
     gather_values(bucket, view, out.message.as<unsigned char>() + view.layout().values_offset);

@@ -6,7 +6,8 @@
 namespace gradsparse {
 namespace {
 
-/// index_digest() of a selection's indices: kept from when it was made, or hashed from its message.
+/// index_digest() of a selection's indices: kept by the method that drew them, or hashed from its
+/// message.
 int64_t digest_of(Device& device, const Selection& selection, const BucketView& bucket) {
   if (selection.index_digest) return *selection.index_digest;
   const std::vector<int64_t> indices = HostMessage(device, selection, bucket).index_list();

@@ -12,7 +12,9 @@ SharedDraw::SharedDraw(const char* owner, double density, uint64_t seed) : densi
 
 Selection SharedDraw::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
   const int64_t nonfinite = method_util::update_pass(device, bucket);
-  Selection s = device.gather(bucket, positions(bucket.numel));
+  const std::vector<int64_t> at = positions(bucket.numel);
+  Selection s = device.gather(bucket, at);
+  s.index_digest = index_digest(at.data(), at.size());
   device.zero_at(bucket, s.view(bucket));
   s.nonfinite = nonfinite;
   return s;

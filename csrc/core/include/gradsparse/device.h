@@ -81,8 +81,8 @@ struct Selection {
   /// its selection (MiCRO and ExDyna, with their band counts): the exchange then skips its own
   /// (agree). Empty otherwise.
   std::vector<ControlWord> agreed;
-  /// index_digest() of the selection's indices, where they were on the host when it was made
-  /// (Device::gather): the shared exchange then reads no message back to hash it.
+  /// index_digest() of the selection's indices, where the method drew them on the host (Random-k,
+  /// Random-block): the shared exchange then reads no message back to hash them.
   std::optional<int64_t> index_digest;
 
   /// The view of this rank's own message, laid out here for a bucket (or block) of `dense_size`
