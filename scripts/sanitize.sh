@@ -63,12 +63,17 @@ for step in "${steps[@]}"; do
         -DGRADSPARSE_OPENMP=OFF > /dev/null
       cmake --build build/fuzz --target fuzz_message fuzz_exchange
       [ "$build_only" = 0 ] || continue
+      # The targets run side by side (each is one process on one core); a finding fails the wait.
+      fuzzers=()
       for fuzzer in fuzz_message fuzz_exchange; do
         mkdir -p "build/fuzz/corpus/$fuzzer"
         # -malloc_limit_mb: no allocation beyond what a bucket's layout needs (buckets here are small).
         (cd build/fuzz && "./$fuzzer" -max_total_time="${FUZZ_SECONDS:-60}" -rss_limit_mb=2048 -malloc_limit_mb=256 \
-          -print_final_stats=1 "corpus/$fuzzer" 2>&1 | grep -E "^stat::number_of_executed_units|ERROR|SUMMARY|Test unit written")
+          -print_final_stats=1 "corpus/$fuzzer" 2>&1 |
+          grep -E "^stat::number_of_executed_units|ERROR|SUMMARY|Test unit written" | sed "s/^/$fuzzer: /") &
+        fuzzers+=($!)
       done
+      for pid in "${fuzzers[@]}"; do wait "$pid"; done
       ;;
     *)
       echo "unknown step \"$step\": choose asan, tsan or fuzz" >&2
