@@ -45,9 +45,13 @@ for step in "${steps[@]}"; do
         -DGRADSPARSE_MPI=OFF > /dev/null
       cmake --build build/tsan --target test_exchange test_spardl test_engine
       [ "$build_only" = 0 ] || continue
+      # Side by side: test_exchange's fault tests mostly wait, while test_spardl keeps both cores busy.
+      tests=()
       for t in test_exchange test_spardl test_engine; do
-        TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1
+        (TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1 2>&1 | sed "s/^/$t: /") &
+        tests+=($!)
       done
+      for pid in "${tests[@]}"; do wait "$pid"; done
       ;;
     fuzz)
       echo "== libFuzzer targets, ${FUZZ_SECONDS:-60} s each, under ASan + UBSan"
