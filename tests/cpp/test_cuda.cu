@@ -72,6 +72,7 @@ TYPED_TEST(CudaSelect, MessagesAndResidualsMatchTheCpu) {
       const Selection a = use_topk ? gpu.select_topk(on_gpu, n / 50 + 1, true) : gpu.select_threshold(on_gpu, 1.5);
       const Selection b = use_topk ? cpu.select_topk(on_cpu, n / 50 + 1, true) : cpu.select_threshold(on_cpu, 1.5);
       EXPECT_EQ(a.count, b.count);
+      if (use_topk) EXPECT_EQ(a.kth_key, b.kth_key);
       EXPECT_EQ(to_host(gpu, a), to_host(cpu, b));
       const std::vector<T> rr = r.host();
       for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(rr[i], residual[i])) << i;
@@ -117,6 +118,7 @@ TYPED_TEST(CudaSelect, EdgesMatchTheCpu) {
     if (c.rule.update || !c.with_residual) EXPECT_GT(b.nonfinite, 0) << c.name;
     EXPECT_EQ(a.count, b.count) << c.name;
     EXPECT_EQ(a.nonfinite, b.nonfinite) << c.name;
+    if (b.count > 0) EXPECT_EQ(a.kth_key, b.kth_key) << c.name;
     EXPECT_EQ(to_host(gpu, a), to_host(cpu, b)) << c.name;
     const std::vector<T> rr = r.host();
     for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(rr[i], residual[i])) << c.name << " " << i;

@@ -94,6 +94,11 @@ TYPED_TEST(SelectTest, TopKMatchesReference) {
       got.stats = cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, k, got.sink());
       expect_same(got, want);
       expect_same_vector(residual, want_residual);
+      if (!want.values.empty()) {  // the k-th largest key: the least among the values taken
+        uint32_t least = Num<T>::key(want.values[0]);
+        for (const T& v : want.values) least = std::min(least, Num<T>::key(v));
+        EXPECT_EQ(got.stats.kth_key, least) << "n = " << n << ", k = " << k;
+      }
       // Without zeroing: the same pairs, and the residual updated but kept where they were taken.
       Output<T> unzeroed;
       unzeroed.stats = cpu::select_topk<T, uint32_t>(Source<T>{kept.data(), grad.data(), true}, n, k, /*zero=*/false,
@@ -118,6 +123,7 @@ TYPED_TEST(SelectTest, TopKBreaksTiesByLowestIndex) {
       got.stats = cpu::select_topk<T, uint64_t>(residual.data(), grad.data(), n, k, got.sink());
       expect_same(got, want);
       for (int64_t i = 0; i < k; ++i) ASSERT_EQ(got.indices[i], static_cast<uint64_t>(i));
+      EXPECT_EQ(got.stats.kth_key, Num<T>::key(ref::from_float<T>(value)));
       expect_same_vector(residual, want_residual);
     }
   }

@@ -148,6 +148,7 @@ Selection into_message(Device& device, const BucketView& bucket, Kernel&& kernel
   const SelectStats stats = kernel(index_bytes, message_sink(device, bucket, index_bytes, out));
   out.count = stats.count;
   out.nonfinite = stats.nonfinite;
+  out.kth_key = stats.kth_key;
   return out;
 }
 

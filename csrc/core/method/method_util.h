@@ -105,12 +105,15 @@ inline std::vector<uint32_t> float_keys(const std::vector<float>& values) {
   return keys;
 }
 
-/// The least magnitude among a selection's values (+inf when it has none), exact for every bucket
-/// dtype: the k-th largest of a top-k selection.
-inline double least_magnitude(Device& device, const BucketView& bucket, const Selection& s) {
-  double least = kInfinity;
-  for (float v : HostMessage(device, s, bucket).value_list()) least = std::min(least, std::fabs(double{v}));
-  return least;
+/// The least magnitude among the values of a selection by Device::select_topk (+inf when it has
+/// none), exact for every bucket dtype: the k-th largest, which the selection found as a key (no
+/// read of its message).
+inline double least_magnitude(const BucketView& bucket, const Selection& s) {
+  if (s.count == 0) return kInfinity;
+  return dispatch_dtype(bucket.dtype, [&](auto t) {
+    using T = decltype(t);
+    return static_cast<double>(Num<T>::to_float(from_key<T>(s.kth_key)));
+  });
 }
 
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest

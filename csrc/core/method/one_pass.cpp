@@ -276,7 +276,7 @@ Selection OnePass::largest(int64_t k) {
   if (!scan_.complete() || scan_.above < k) {  // the k-th largest lies below the candidates
     Selection s = device_.select_topk(bucket_, k, /*update=*/false);
     // The bound learns the k-th magnitude only where it could be listed.
-    if (k <= capacity_) asked(method_util::least_magnitude(device_, bucket_, s), k, false);
+    if (k <= capacity_) asked(method_util::least_magnitude(bucket_, s), k, false);
     stale_ = true;
     return s;
   }

@@ -114,7 +114,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
       nonfinite = method_util::update_pass(device, bucket);
       if (device.count(bucket, method_util::whole(bucket), {low}, false)[0] >= k) {
         s = device.select_topk(bucket, k, /*update=*/false, zero);
-        lambda = method_util::least_magnitude(device, bucket, s);
+        lambda = method_util::least_magnitude(bucket, s);
       } else {
         s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
         lambda = low;

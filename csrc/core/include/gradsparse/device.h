@@ -77,6 +77,7 @@ struct Selection {
   size_t bytes = 0;       ///< size of the message
   int64_t count = 0;      ///< number of (index, value) pairs
   int64_t nonfinite = 0;  ///< elements whose residual + grad was NaN or Inf
+  uint32_t kth_key = 0;   ///< select_topk with count >= 1: the key of the least magnitude taken
   /// Every rank's control word, by rank, when the method already agreed them in a collective of
   /// its selection (MiCRO and ExDyna, with their band counts): the exchange then skips its own
   /// (agree). Empty otherwise.

@@ -34,6 +34,7 @@ using PairSink = std::function<PairSpan(int64_t count)>;
 struct SelectStats {
   int64_t count = 0;      ///< pairs written
   int64_t nonfinite = 0;  ///< elements whose residual + grad was NaN or Inf
+  uint32_t kth_key = 0;   ///< select_topk with k >= 1: the key of the k-th largest, the least taken
 };
 
 /// Calls f(T{}) with T the storage type of `dtype`.

@@ -365,8 +365,9 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
     quota -= ties_taken[b];
   }
   GS_ASSERT(quota == 0);
-  const SelectStats stats = emit_blocks<T, I>(blocks, nblocks, ties_taken, zero ? residual : nullptr, sink);
+  SelectStats stats = emit_blocks<T, I>(blocks, nblocks, ties_taken, zero ? residual : nullptr, sink);
   GS_ASSERT(stats.count == k);
+  stats.kth_key = tkey;
   return stats;
 }
 

@@ -559,14 +559,14 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
   constexpr int kLevels = radix_levels(Num<T>::kKeyBits);
   size_t hist_at = 0, state_at = 0, ties_at = 0;
   Tiles tiles(device, n, [&](Carving& c, int64_t count) {
-    hist_at = c.add<unsigned long long>(kLevels * kBins + 1);  // the histograms, then the non-finite count
+    hist_at = c.add<unsigned long long>(kLevels * kBins + 2);  // the histograms, then Tail
     state_at = c.add<RadixState>(1);
     ties_at = c.add<unsigned int>(count * kMaskWords);
   });
   auto* hist = tiles.carving.at<unsigned long long>(hist_at);
   auto* state = tiles.carving.at<RadixState>(state_at);
   unsigned long long* nonfinite = hist + kLevels * kBins;
-  device.fill_zero(hist, (kLevels * kBins + 1) * sizeof(unsigned long long));
+  device.fill_zero(hist, (kLevels * kBins + 2) * sizeof(unsigned long long));
   const Source<T> read{src.residual, src.grad};  // the values once the first histogram has updated them
   const unsigned int grid = resident_grid(device, tiles.blocks());
   for (int level = 0; level < kLevels && (level == 0 || k > 0); ++level) {
@@ -600,8 +600,19 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
     tiles.write(device, read, zero, static_cast<I*>(span.indices), static_cast<T*>(span.values), tie_mask,
                 &state->need);
   }
+  // The non-finite count and the k-th key (the last digit's pick completes it) in one read, which
+  // waits for the whole selection.
+  struct Tail {
+    unsigned long long nonfinite, kth_key;
+  };
+  if (k > 0) {
+    GS_CUDA_CHECK(
+        cudaMemcpyAsync(nonfinite + 1, &state->prefix, sizeof(state->prefix), cudaMemcpyDeviceToDevice, stream));
+  }
+  const Tail tail = read_scalar(device, reinterpret_cast<const Tail*>(nonfinite));
   stats.count = k;
-  stats.nonfinite = static_cast<int64_t>(read_scalar(device, nonfinite));  // waits for the whole selection
+  stats.nonfinite = static_cast<int64_t>(tail.nonfinite);
+  stats.kth_key = static_cast<uint32_t>(tail.kth_key);
   return stats;
 }
 
