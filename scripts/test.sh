@@ -10,4 +10,4 @@ cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADSPARSE_TORCH
   "-DCMAKE_PREFIX_PATH=$torch_prefix" > /dev/null
 cmake --build build/cmake
 ctest --test-dir build/cmake --output-on-failure -j2
-"$PYTHON" -m pytest -ra
+"$PYTHON" -m pytest -ra --durations=15  # the slowest tests listed: where CI time goes
