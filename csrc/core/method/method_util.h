@@ -37,6 +37,14 @@ T from_key(uint32_t key) {
   }
 }
 
+/// The magnitude whose key (of a value of `dtype`) is `key`, as a double.
+inline double key_value(DType dtype, uint32_t key) {
+  return dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    return static_cast<double>(Num<T>::to_float(from_key<T>(key)));
+  });
+}
+
 /// The smallest value of the bucket's dtype that is >= x, as a double (+inf when no finite value
 /// is; 0 for x <= 0). For a value v of the dtype, `|v| >= x` compared in float64 is exactly
 /// `|v| >= dtype_ceil(x)` compared in the dtype, which a key comparison (SelectRule, count) does.
@@ -109,11 +117,7 @@ inline std::vector<uint32_t> float_keys(const std::vector<float>& values) {
 /// none), exact for every bucket dtype: the k-th largest, which the selection found as a key (no
 /// read of its message).
 inline double least_magnitude(const BucketView& bucket, const Selection& s) {
-  if (s.count == 0) return kInfinity;
-  return dispatch_dtype(bucket.dtype, [&](auto t) {
-    using T = decltype(t);
-    return static_cast<double>(Num<T>::to_float(from_key<T>(s.kth_key)));
-  });
+  return s.count == 0 ? kInfinity : key_value(bucket.dtype, s.kth_key);
 }
 
 /// The k pairs of largest magnitude of a selection's message (1 <= k <= s.count; ties: lowest

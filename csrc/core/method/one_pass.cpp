@@ -283,11 +283,7 @@ Selection OnePass::largest(int64_t k) {
   const std::vector<uint32_t>& key = keys();
   uint32_t kth_key;
   const std::vector<size_t> chosen = method_util::largest_positions(key, k, kth_key);
-  const double kth = dispatch_dtype(bucket_.dtype, [&](auto t) {
-    using T = decltype(t);
-    return static_cast<double>(Num<T>::to_float(method_util::from_key<T>(kth_key)));
-  });
-  asked(kth, k, true);
+  asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
   Selection s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   zeroed(chosen);
   return s;
