@@ -177,6 +177,18 @@ TEST(OnePass, AnswersEqualPlainPasses) {
     std::sort(sample.begin(), sample.end(), std::greater<float>());
     EXPECT_EQ(pass.kth_sampled(sampled, kN / 50, 12), sample[11]);
     EXPECT_GT(sample[11], 2.6);
+    // The 5th largest of the hashed 1% sample (about 980 elements): from the candidates where
+    // they hold 5 sampled elements, else by hashing every position; nothing where s exceeds it.
+    std::vector<float> hashed;
+    for (int64_t i = 0; i < kN; ++i) {
+      if (in_percent_sample(9, static_cast<uint64_t>(i))) hashed.push_back(std::fabs(plain.residual[i]));
+    }
+    std::sort(hashed.begin(), hashed.end(), std::greater<float>());
+    EXPECT_GT(hashed.size(), 900u);
+    EXPECT_LT(hashed.size(), 1080u);
+    EXPECT_EQ(pass.kth_hashed(9, 5), hashed[4]);
+    EXPECT_EQ(pass.kth_hashed(9, static_cast<int64_t>(hashed.size())), hashed.back());
+    EXPECT_FALSE(pass.kth_hashed(9, static_cast<int64_t>(hashed.size()) + 1).has_value());
     // Largest first (it zeroes what it takes), then a threshold selection of what is left.
     const Selection top = pass.largest(k);
     const Selection want_top = device.select_topk(plain.view(), k, false);

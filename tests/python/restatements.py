@@ -24,6 +24,7 @@ import math
 import statistics
 from collections.abc import Generator, Sequence
 
+import numpy as np
 import torch
 from scipy.special import gammaincinv
 
@@ -148,6 +149,19 @@ def sample_distinct(s: int, c: int, n: int) -> torch.Tensor:
         left_out = walk(n - c)
         return torch.tensor([i for i in range(n) if i not in left_out], dtype=torch.int64)
     return torch.tensor(sorted(walk(c)), dtype=torch.int64)
+
+
+PERCENT_CUT = MASK64 // 100
+
+
+def percent_sample(s: int, n: int) -> torch.Tensor:
+    """§2 hashed sample: the positions p of [0, n) with draw(s, p) < PERCENT_CUT, ascending
+    (mix on numpy's wrapping uint64 arrays, every position at once)."""
+    z = np.arange(n, dtype=np.uint64) + np.uint64(s) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy(np.flatnonzero(z < np.uint64(PERCENT_CUT)).astype(np.int64))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,8 +386,12 @@ class DGC(Estimating):
         if norm == 0:
             return torch.zeros(0, dtype=torch.int64), NAN  # a zero vector selects nothing (no τ exists)
         f = math.ceil(0.01 * n)
-        samples = sample_distinct(stream(self.seed, TAG_DGC, self.t, SHARED_LANE), f, n)
         s = math.ceil(f * self.density)
+        st = stream(self.seed, TAG_DGC, self.t, SHARED_LANE)
+        # The default mode's hashed 1% sample, unless it holds fewer than s; f distinct draws else.
+        samples = None if self.reference else percent_sample(st, n)
+        if samples is None or samples.numel() < s:
+            samples = sample_distinct(st, f, n)
         x_samples = v[samples].double().abs() / norm
         rho = float(torch.sort(x_samples, descending=True).values[s - 1])
         tau = rho * norm

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 
 #include "gradsparse/methods.h"
 #include "gradsparse/rng.h"
@@ -27,9 +28,16 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
   const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
-  sample_distinct_bits(stream, f, n, sampled_);
   const int64_t s = static_cast<int64_t>(std::ceil(static_cast<double>(f) * density_));
-  const double x = pass.kth_sampled(sampled_, f, s) / norm;  // the s-th largest of the sample's |v| / ||v||
+  // The s-th largest of the sample's |v|: in the default mode from the hashed 1% sample (its
+  // candidates hashed, no draws), unless it holds fewer than s elements; in the reference mode,
+  // and in that case, from f distinct draws.
+  std::optional<double> kth = reference_ ? std::nullopt : pass.kth_hashed(stream, s);
+  if (!kth) {
+    sample_distinct_bits(stream, f, n, sampled_);
+    kth = pass.kth_sampled(sampled_, f, s);
+  }
+  const double x = *kth / norm;  // the s-th largest of the sample's |v| / ||v||
   if (!reference_) return finish(pass, control_.threshold(pass, x * norm, k), m.nonfinite);
   threshold_ = x * norm;
   Selection out = pass.select(threshold_, true, false);

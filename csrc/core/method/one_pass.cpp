@@ -301,16 +301,50 @@ double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count,
     }
   }
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
-  if (!covered) {
-    magnitude.clear();
-    const Selection all = device_.gather(bucket_, set_positions(sampled));
-    for (float v : HostMessage(device_, all, bucket_).value_list()) magnitude.push_back(std::fabs(v));
+  if (!covered) magnitude = magnitudes_at(set_positions(sampled));
+  return kth_of(magnitude, s, count, covered);
+}
+
+std::optional<double> OnePass::kth_hashed(uint64_t stream, int64_t s) {
+  GS_ASSERT(s >= 1);
+  std::vector<float> magnitude;
+  const bool listed = scan_.complete() && !stale_;
+  if (listed) {
+    // About one candidate in a hundred is sampled: a branch taken that rarely is predicted.
+    const Candidates& c = scan_.candidates;
+    for (size_t j = 0; j < c.size(); ++j) {
+      if (in_percent_sample(stream, static_cast<uint64_t>(c.index[j]))) magnitude.push_back(std::fabs(c.value[j]));
+    }
   }
+  const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
+  int64_t count = (range_.end - range_.begin + 99) / 100;  // the sample's expected size
+  if (!covered) {
+    const std::vector<size_t> at = positions_where(static_cast<size_t>(range_.end - range_.begin), [&](size_t j) {
+      return in_percent_sample(stream, static_cast<uint64_t>(range_.begin) + j);
+    });
+    if (static_cast<int64_t>(at.size()) < s) return std::nullopt;
+    std::vector<int64_t> positions(at.size());
+    for (size_t i = 0; i < at.size(); ++i) positions[i] = range_.begin + static_cast<int64_t>(at[i]);
+    magnitude = magnitudes_at(positions);
+    count = static_cast<int64_t>(positions.size());
+  }
+  return kth_of(magnitude, s, std::max<int64_t>(count, s), covered);
+}
+
+double OnePass::kth_of(std::vector<float>& magnitude, int64_t s, int64_t count, bool covered) {
   std::nth_element(magnitude.begin(), magnitude.begin() + (s - 1), magnitude.end(), std::greater<float>());
   const double kth = magnitude[static_cast<size_t>(s - 1)];
   // About s / count of the range lies at or above it: the question a threshold there asks.
   asked(kth, s * (range_.end - range_.begin) / count, covered);
   return kth;
+}
+
+std::vector<float> OnePass::magnitudes_at(const std::vector<int64_t>& positions) {
+  std::vector<float> magnitude;
+  magnitude.reserve(positions.size());
+  const Selection all = device_.gather(bucket_, positions);
+  for (float v : HostMessage(device_, all, bucket_).value_list()) magnitude.push_back(std::fabs(v));
+  return magnitude;
 }
 
 }  // namespace gradsparse

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,11 @@ class OnePass {
   /// elements are among them (those left out lie below every candidate), else by gathering every
   /// sampled element.
   double kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s);
+  /// The same over the hashed 1% sample of the range (in_percent_sample(stream, p), rng.h), which
+  /// holds about a hundredth of the range: from the candidates when at least s sampled elements
+  /// are among them, else by hashing every position and gathering the sampled ones. nullopt when
+  /// the whole sample holds fewer than s elements.
+  std::optional<double> kth_hashed(uint64_t stream, int64_t s);
 
   /// The lowest threshold of a question whose answer held at most the capacity of elements (the
   /// others cannot be answered from candidates at any bound); +inf when none did.
@@ -148,6 +154,11 @@ class OnePass {
   void zeroed(const std::vector<size_t>& chosen);
   /// Notes a question at `threshold` whose answer holds `elements` elements.
   void asked(double threshold, int64_t elements, bool covered);
+  /// The s-th largest of `magnitude` (reordered), noted as a question that about s / count of
+  /// the range reaches.
+  double kth_of(std::vector<float>& magnitude, int64_t s, int64_t count, bool covered);
+  /// The magnitudes |v| at `positions` (of the bucket), gathered from the device.
+  std::vector<float> magnitudes_at(const std::vector<int64_t>& positions);
   /// The candidates' keys in the bucket's dtype (computed on first use).
   const std::vector<uint32_t>& keys();
   /// The candidates whose key reaches `key`, as positions in the candidate lists.

@@ -31,6 +31,12 @@ GS_HD inline uint64_t rng_stream(uint64_t seed, RngTag tag, uint64_t step, uint6
 
 GS_HD inline uint64_t rng_draw(uint64_t stream, uint64_t i) { return mix64(stream + i); }
 
+/// A hashed (Bernoulli) sample at rate 1 / 100: position p belongs to it when
+/// draw(stream, p) < kPercentCut. Membership of any position is one hash, with no list to build
+/// or search: a method that needs the sampled elements among a few candidates hashes only those.
+inline constexpr uint64_t kPercentCut = ~uint64_t{0} / 100;
+GS_HD inline bool in_percent_sample(uint64_t stream, uint64_t p) { return rng_draw(stream, p) < kPercentCut; }
+
 /// `count` positions in [0, n), drawn with replacement: draw(stream, i) % n.
 inline std::vector<int64_t> sample_with_replacement(uint64_t stream, int64_t count, int64_t n) {
   std::vector<int64_t> out(static_cast<size_t>(count > 0 && n > 0 ? count : 0));
