@@ -156,12 +156,9 @@ PERCENT_CUT = MASK64 // 100
 
 def percent_sample(s: int, n: int) -> torch.Tensor:
     """§2 hashed sample: the positions p of [0, n) with draw(s, p) < PERCENT_CUT, ascending
-    (mix on numpy's wrapping uint64 arrays, every position at once)."""
-    z = np.arange(n, dtype=np.uint64) + np.uint64(s) + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return torch.from_numpy(np.flatnonzero(z < np.uint64(PERCENT_CUT)).astype(np.int64))
+    (mix on a numpy uint64 array, whose arithmetic wraps as the masks do: every position at once)."""
+    drawn = mix(np.arange(n, dtype=np.uint64) + np.uint64(s))
+    return torch.from_numpy(np.flatnonzero(drawn < PERCENT_CUT).astype(np.int64))
 
 
 # ----------------------------------------------------------------------------------------------

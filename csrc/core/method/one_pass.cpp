@@ -19,6 +19,18 @@ namespace gradsparse {
 
 namespace {
 constexpr size_t kFewKeys = 8;  ///< counts at up to this many keys compare every candidate with each
+
+/// The magnitudes of the candidates whose position `sampled` keeps (none when they are not
+/// `listed`). About one candidate in a hundred is sampled: a branch taken that rarely is predicted.
+template <typename Sampled>
+std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sampled& sampled) {
+  std::vector<float> magnitude;
+  if (!listed) return magnitude;
+  for (size_t j = 0; j < c.size(); ++j) {
+    if (sampled(static_cast<uint64_t>(c.index[j]))) magnitude.push_back(std::fabs(c.value[j]));
+  }
+  return magnitude;
+}
 }  // namespace
 
 Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
@@ -291,15 +303,9 @@ Selection OnePass::largest(int64_t k) {
 
 double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s) {
   GS_ASSERT(s >= 1 && s <= count);
-  std::vector<float> magnitude;
   const bool listed = scan_.complete() && !stale_;
-  if (listed) {
-    const Candidates& c = scan_.candidates;
-    for (size_t j = 0; j < c.size(); ++j) {
-      const auto p = static_cast<uint64_t>(c.index[j]);
-      if ((sampled[p >> 6] >> (p & 63)) & 1) magnitude.push_back(std::fabs(c.value[j]));
-    }
-  }
+  std::vector<float> magnitude =
+      sampled_candidates(scan_.candidates, listed, [&](uint64_t p) { return (sampled[p >> 6] >> (p & 63)) & 1; });
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   if (!covered) magnitude = magnitudes_at(set_positions(sampled));
   return kth_of(magnitude, s, count, covered);
@@ -307,15 +313,9 @@ double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count,
 
 std::optional<double> OnePass::kth_hashed(uint64_t stream, int64_t s) {
   GS_ASSERT(s >= 1);
-  std::vector<float> magnitude;
   const bool listed = scan_.complete() && !stale_;
-  if (listed) {
-    // About one candidate in a hundred is sampled: a branch taken that rarely is predicted.
-    const Candidates& c = scan_.candidates;
-    for (size_t j = 0; j < c.size(); ++j) {
-      if (in_percent_sample(stream, static_cast<uint64_t>(c.index[j]))) magnitude.push_back(std::fabs(c.value[j]));
-    }
-  }
+  std::vector<float> magnitude =
+      sampled_candidates(scan_.candidates, listed, [&](uint64_t p) { return in_percent_sample(stream, p); });
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   int64_t count = (range_.end - range_.begin + 99) / 100;  // the sample's expected size
   if (!covered) {
