@@ -4,11 +4,12 @@ Each process gets ``fn(rank, world_size, *args)`` after ``init_process_group`` (
 and sends back its return value (picklable) or its exception. The whole run is bounded by a
 timeout: processes still alive then are killed and the call raises, so a test never hangs.
 
-The processes start from a fork server that has imported torch and gradsparse once (where the
-platform has one; elsewhere they are spawned): importing torch takes seconds of CPU per process,
-which made up most of a short multi-process test. A fork server's children are forked from a
-process that has run nothing but those imports, so they start as clean as spawned ones; each
-gets the caller's environment as it is at the call.
+The processes start from a fork server that has imported torch, torch._dynamo (which
+DistributedDataParallel's constructor imports) and gradsparse once, where the platform has one;
+elsewhere they are spawned. Those imports take seconds of CPU per process, which made up most of
+a short multi-process test. A fork server's children are forked from a process that has run
+nothing but those imports, so they start as clean as spawned ones; each gets the caller's
+environment as it is at the call.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def free_port() -> int:
 
 
 def _context():
-    """The fork server of this process, started on first use with torch and gradsparse imported;
+    """The fork server of this process, started on first use with the module docstring's imports;
     spawn where the platform has no fork server."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "gradsparse"])
+    preload = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "torch.distributed.fsdp", "gradsparse"]
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 
