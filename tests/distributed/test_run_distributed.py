@@ -1,11 +1,12 @@
 """gradsparse.testing.run_distributed: ranks in new processes (forked from a server that imported
-torch once) that see the caller's environment as it is at the call, with every rank's result,
-error or timeout reported."""
+torch once, joined through a store the caller hosts) that see the caller's environment as it is at
+the call, with every rank's result, error or timeout reported."""
 
 import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from gradsparse.testing import DistributedError, run_distributed
@@ -46,3 +47,17 @@ def test_each_rank_reports_its_result_its_error_or_its_timeout():
     assert set(info.value.errors) == {1, 2}
     assert "ValueError: rank 1's own error" in info.value.errors[1]
     assert info.value.errors[2] == "rank 2 did not finish within 6 s (killed)"
+
+
+def group_after_rank_0_left(rank: int, world_size: int) -> list[float]:
+    if rank == 0:
+        return []
+    time.sleep(2.0)  # rank 0, which used to host the store, has returned and exited by now
+    group = dist.new_group([1, 2], use_local_synchronization=True)  # a rendezvous through the store
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total, group=group)
+    return total.tolist()
+
+
+def test_the_store_outlives_every_rank():
+    assert run_distributed(group_after_rank_0_left, 3) == [[], [3.0], [3.0]]

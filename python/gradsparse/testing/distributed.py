@@ -4,6 +4,12 @@ Each process gets ``fn(rank, world_size, *args)`` after ``init_process_group`` (
 and sends back its return value (picklable) or its exception. The whole run is bounded by a
 timeout: processes still alive then are killed and the call raises, so a test never hangs.
 
+The calling process hosts the group's rendezvous store (a TCPStore), so the store outlives every
+rank, and ``fn`` starts only once every rank has finished ``init_process_group``: a rank whose
+``fn`` returns at once would otherwise exit while another is still connecting to it, and Gloo
+fails that rank's ``init_process_group`` with "Connection closed by peer" (about one run in a few
+hundred of a ``fn`` that communicates nothing, on two busy cores).
+
 The processes start from a fork server that has imported torch, torch._dynamo (which
 DistributedDataParallel's constructor imports) and gradsparse once, where the platform has one;
 elsewhere they are spawned. Those imports take seconds of CPU per process, which made up most of
@@ -81,6 +87,10 @@ def _context():
     return ctx
 
 
+_INITIALISED = "gradsparse.testing/initialised"
+_ALL_INITIALISED = "gradsparse.testing/all_initialised"
+
+
 def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, args: tuple, queue, env: dict) -> None:
     # A fork server's child inherits the server's environment, from when it started: set the caller's.
     os.environ.clear()
@@ -91,7 +101,11 @@ def _worker(rank: int, world_size: int, port: int, backend: str, fn: Callable, a
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        if store.add(_INITIALISED, 1) == world_size:  # the module docstring says why
+            store.set(_ALL_INITIALISED, "")
+        store.wait([_ALL_INITIALISED])
         result = fn(rank, world_size, *args)
         # Serialise to bytes: tensors sent through a queue would be shared through file
         # descriptors that vanish when this process exits.
@@ -123,9 +137,13 @@ def run_distributed(
     ranks that succeeded... and successful results are returned as they are), or if the run
     exceeded ``timeout`` seconds.
     """
+    import torch
+    import torch.distributed as dist
+
     ctx = _context()
     queue = ctx.Queue()
-    port = free_port()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     environment = {**os.environ, **(env or {})}
     procs = [
         ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, environment), daemon=True)
@@ -175,7 +193,7 @@ def run_distributed(
             if code is not None and code >= 0 and r not in results and time.monotonic() < deadline
             else f"rank {r} did not finish within {timeout:.0f} s (killed)"
         )
-    import torch
+    del store
 
     def decode(ok: bool, value: Any) -> Any:
         return torch.load(io.BytesIO(value), weights_only=False) if ok else value
