@@ -47,18 +47,47 @@ void ProcessGroupTransport::allgather(const Device& device, const void* send, vo
 
 void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_allgatherv(sizes, "ProcessGroupTransport");
-  // An all-to-all with split sizes: every rank sends its block, unpadded, to every rank.
+  const std::vector<size_t> offsets = block_offsets(sizes);
+  const auto total = static_cast<int64_t>(offsets.back());
   const auto mine = static_cast<int64_t>(sizes[static_cast<size_t>(rank_)]);
-  std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
-  const auto total = static_cast<int64_t>(block_offsets(sizes).back());
-  at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
-  at::Tensor output = wrap(device, recv, total, at::kByte);
-  // alltoall_base: torch 2.13 deprecates it for all_to_all_single, which older torches lack.
+  const at::Tensor output = wrap(device, recv, total, at::kByte);
+  const bool cuda = device.kind() == DeviceKind::kCUDA;
+  if (cuda && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl") {
+    // NCCL: an all-to-all with split sizes, every rank's block unpadded to every rank.
+    std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
+    at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
+    // alltoall_base: torch 2.13 deprecates it for all_to_all_single, which older torches lack.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
-  auto work = group_->alltoall_base(output, input, out_splits, in_splits);
+    at::Tensor out = output;
+    wait(group_->alltoall_base(out, input, out_splits, in_splits), "allgatherv", static_cast<size_t>(total));
 #pragma GCC diagnostic pop
-  wait(work, "allgatherv", static_cast<size_t>(total));
+    count_allgatherv(sizes);
+    return;
+  }
+  // Elsewhere (Gloo, MPI) a ring: in step s every rank sends the block it received in step s - 1
+  // (its own first) to the next rank and receives the one before from the previous rank. Each link
+  // then carries one stream at a time. Gloo's all-to-all sends to every peer at once instead, and on
+  // rate-limited links its P - 1 concurrent streams per host took 1.6x a ring all-gather of the same
+  // bytes (docs/benchmarks.md, "Variable-size all-gather on Gloo"). Gloo moves host memory, so CUDA
+  // blocks go around the ring through one host copy of the whole output.
+  at::Tensor ring = cuda ? at::empty({total}, output.options().device(at::kCPU)) : output;
+  const auto block = [&](int r) {
+    return ring.narrow(0, static_cast<int64_t>(offsets[static_cast<size_t>(r)]),
+                       static_cast<int64_t>(sizes[static_cast<size_t>(r)]));
+  };
+  if (mine > 0) block(rank_).copy_(wrap(device, send, mine, at::kByte));
+  const int next = (rank_ + 1) % size_, previous = (rank_ + size_ - 1) % size_;
+  for (int step = 0; step + 1 < size_; ++step) {
+    const int out = (rank_ - step + size_) % size_, in = (rank_ - step - 1 + 2 * size_) % size_;
+    std::vector<at::Tensor> sending{block(out)}, receiving{block(in)};
+    c10::intrusive_ptr<c10d::Work> sent, received;
+    if (sending[0].numel() > 0) sent = group_->send(sending, next, /*tag=*/0);
+    if (receiving[0].numel() > 0) received = group_->recv(receiving, previous, /*tag=*/0);
+    if (sent) wait(sent, "allgatherv (ring send)", static_cast<size_t>(sending[0].numel()));
+    if (received) wait(received, "allgatherv (ring receive)", static_cast<size_t>(receiving[0].numel()));
+  }
+  if (cuda) output.copy_(ring);
   count_allgatherv(sizes);
 }
 
