@@ -36,6 +36,10 @@ void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, con
   }
 }
 
+bool ProcessGroupTransport::nccl(const Device& device) const {
+  return device.kind() == DeviceKind::kCUDA && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
+}
+
 void ProcessGroupTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
   GS_CHECK(bytes > 0, ValueError, "ProcessGroupTransport.allgather: zero-length collective");
   std::vector<at::Tensor> inputs{wrap(device, send, static_cast<int64_t>(bytes), at::kByte)};
@@ -52,7 +56,7 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
   const auto mine = static_cast<int64_t>(sizes[static_cast<size_t>(rank_)]);
   const at::Tensor output = wrap(device, recv, total, at::kByte);
   const bool cuda = device.kind() == DeviceKind::kCUDA;
-  if (cuda && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl") {
+  if (nccl(device)) {
     // NCCL: an all-to-all with split sizes, every rank's block unpadded to every rank.
     std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
     at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
@@ -111,8 +115,8 @@ void ProcessGroupTransport::sendrecv(const Device& device, const void* send, siz
   // run point-to-point operations asynchronously anyway. Gloo's send and receive read and write
   // the tensor's memory from the host, so CUDA bytes travel through host copies there.
   const bool cuda = device.kind() == DeviceKind::kCUDA;
-  const bool nccl = cuda && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
-  const bool staged = cuda && !nccl;
+  const bool coalesced = nccl(device);
+  const bool staged = cuda && !coalesced;
   std::vector<at::Tensor> out{wrap(device, send, static_cast<int64_t>(send_bytes), at::kByte)};
   std::vector<at::Tensor> in{wrap(device, recv, static_cast<int64_t>(recv_bytes), at::kByte)};
   const at::Tensor device_in = in[0];
@@ -120,11 +124,11 @@ void ProcessGroupTransport::sendrecv(const Device& device, const void* send, siz
     out[0] = out[0].cpu();  // waits for the current stream
     in[0] = at::empty_like(in[0], in[0].options().device(at::kCPU));
   }
-  if (nccl) group_->startCoalescing(c10::DeviceType::CUDA);
+  if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
   c10::intrusive_ptr<c10d::Work> sent, received;
   if (send_bytes > 0) sent = group_->send(out, dst, /*tag=*/0);
   if (recv_bytes > 0) received = group_->recv(in, src, /*tag=*/0);
-  if (nccl) {
+  if (coalesced) {
     auto work = group_->endCoalescing(c10::DeviceType::CUDA);
     if (work) wait(work, "sendrecv", send_bytes + recv_bytes);
   }

@@ -31,6 +31,8 @@ class ProcessGroupTransport final : public Transport {
 
  private:
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t bytes);
+  /// Whether buffers on `device` travel through NCCL (CUDA buffers on a group whose CUDA backend is NCCL).
+  bool nccl(const Device& device) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   std::chrono::milliseconds timeout_;
