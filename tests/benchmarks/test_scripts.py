@@ -85,3 +85,19 @@ def test_overlap_times_every_mode(tmp_path):
         to_compute, to_dense = numbers(text, method)[-2:]
         assert to_compute == pytest.approx(overlapped / compute, rel=0.02)
         assert to_dense == pytest.approx(overlapped / numbers(text, "dense")[4], rel=0.02)
+
+
+def allgatherv_figures(rank: int, world_size: int) -> dict:
+    from benchmarks import allgatherv
+
+    return allgatherv.time_collectives([7, 3000], calls=2)
+
+
+def test_allgatherv_times_three_ways_that_deliver_every_block():
+    from gradsparse.testing import run_distributed
+
+    for figures in run_distributed(allgatherv_figures, 3):
+        assert sorted(figures) == [7, 3000]
+        for best in figures.values():
+            assert sorted(best) == ["all_gather", "all_to_all", "ring"]
+            assert all(ms > 0 and math.isfinite(ms) for ms in best.values())
