@@ -26,7 +26,7 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   size_ = group_->getSize();
 }
 
-void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t bytes) {
+void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes) {
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
@@ -34,6 +34,25 @@ void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, con
                         " process group) failed: ", e.what(),
                         "\nA peer may have stopped or raised, or the ranks issued different collectives."));
   }
+}
+
+void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src,
+                                             bool coalesced, const char* what) {
+  // Both directions are posted before waiting; NCCL needs them in one coalesced group (a lone
+  // send would wait for the peer's receive, queued after the peer's own send), other backends
+  // run point-to-point operations asynchronously anyway.
+  std::vector<at::Tensor> sending{out}, receiving{in};
+  const auto send_bytes = static_cast<size_t>(out.numel()), recv_bytes = static_cast<size_t>(in.numel());
+  if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
+  c10::intrusive_ptr<c10d::Work> sent, received;
+  if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
+  if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
+  if (coalesced) {
+    auto work = group_->endCoalescing(c10::DeviceType::CUDA);
+    if (work) wait(work, what, send_bytes + recv_bytes);
+  }
+  if (sent) wait(sent, str(what, " (send)"), send_bytes);
+  if (received) wait(received, str(what, " (receive)"), recv_bytes);
 }
 
 bool ProcessGroupTransport::nccl(const Device& device) const {
@@ -84,12 +103,7 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
   const int next = (rank_ + 1) % size_, previous = (rank_ + size_ - 1) % size_;
   for (int step = 0; step + 1 < size_; ++step) {
     const int out = (rank_ - step + size_) % size_, in = (rank_ - step - 1 + 2 * size_) % size_;
-    std::vector<at::Tensor> sending{block(out)}, receiving{block(in)};
-    c10::intrusive_ptr<c10d::Work> sent, received;
-    if (sending[0].numel() > 0) sent = group_->send(sending, next, /*tag=*/0);
-    if (receiving[0].numel() > 0) received = group_->recv(receiving, previous, /*tag=*/0);
-    if (sent) wait(sent, "allgatherv (ring send)", static_cast<size_t>(sending[0].numel()));
-    if (received) wait(received, "allgatherv (ring receive)", static_cast<size_t>(receiving[0].numel()));
+    send_and_receive(block(out), next, block(in), previous, /*coalesced=*/false, "allgatherv's ring");
   }
   if (cuda) output.copy_(ring);
   count_allgatherv(sizes);
@@ -110,31 +124,19 @@ namespace gradsparse::torch_adapter {
 
 void ProcessGroupTransport::sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv,
                                      size_t recv_bytes, int src) {
-  // Both directions are posted before waiting; NCCL needs them in one coalesced group (a lone
-  // send would wait for the peer's receive, queued after the peer's own send), other backends
-  // run point-to-point operations asynchronously anyway. Gloo's send and receive read and write
-  // the tensor's memory from the host, so CUDA bytes travel through host copies there.
-  const bool cuda = device.kind() == DeviceKind::kCUDA;
+  // Gloo's send and receive read and write the tensor's memory from the host, so CUDA bytes
+  // travel through host copies there.
   const bool coalesced = nccl(device);
-  const bool staged = cuda && !coalesced;
-  std::vector<at::Tensor> out{wrap(device, send, static_cast<int64_t>(send_bytes), at::kByte)};
-  std::vector<at::Tensor> in{wrap(device, recv, static_cast<int64_t>(recv_bytes), at::kByte)};
-  const at::Tensor device_in = in[0];
+  const bool staged = device.kind() == DeviceKind::kCUDA && !coalesced;
+  at::Tensor out = wrap(device, send, static_cast<int64_t>(send_bytes), at::kByte);
+  const at::Tensor device_in = wrap(device, recv, static_cast<int64_t>(recv_bytes), at::kByte);
+  at::Tensor in = device_in;
   if (staged) {
-    out[0] = out[0].cpu();  // waits for the current stream
-    in[0] = at::empty_like(in[0], in[0].options().device(at::kCPU));
+    out = out.cpu();  // waits for the current stream
+    in = at::empty_like(device_in, device_in.options().device(at::kCPU));
   }
-  if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
-  c10::intrusive_ptr<c10d::Work> sent, received;
-  if (send_bytes > 0) sent = group_->send(out, dst, /*tag=*/0);
-  if (recv_bytes > 0) received = group_->recv(in, src, /*tag=*/0);
-  if (coalesced) {
-    auto work = group_->endCoalescing(c10::DeviceType::CUDA);
-    if (work) wait(work, "sendrecv", send_bytes + recv_bytes);
-  }
-  if (sent) wait(sent, "send", send_bytes);
-  if (received) wait(received, "recv", recv_bytes);
-  if (staged && recv_bytes > 0) device_in.copy_(in[0]);  // on the current stream, as the job's next kernels
+  send_and_receive(out, dst, in, src, coalesced, "sendrecv");
+  if (staged && recv_bytes > 0) device_in.copy_(in);  // on the current stream, as the job's next kernels
   count_sendrecv(send_bytes, recv_bytes);
 }
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <string>
 
 #include "gradsparse/transport.h"
 
@@ -30,7 +31,11 @@ class ProcessGroupTransport final : public Transport {
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
  private:
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what, size_t bytes);
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes);
+  /// Posts the send of `out` to `dst` and the receive into `in` from `src` (an empty tensor posts
+  /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes.
+  void send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src, bool coalesced,
+                        const char* what);
   /// Whether buffers on `device` travel through NCCL (CUDA buffers on a group whose CUDA backend is NCCL).
   bool nccl(const Device& device) const;
 
