@@ -4,6 +4,7 @@
 // Both paths give the same results to the bit (the AVX2 code adds in the portable code's order).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -108,41 +109,58 @@ GS_TARGET_AVX2 inline void scan_keys_avx2(const float* v, int64_t begin, int64_t
   }
 }
 
-/// Writes j to index[] and v[j] to value[], in ascending order, for every j in [begin, end) whose
-/// key (|v| bits) is >= `key`, and returns how many. The first two such elements of each 32 are
-/// written without a branch (a chunk's position and value are stored whether or not they count),
-/// so at the densities of candidates, where most chunks hold none or one and which is as good as
-/// random, no branch is mispredicted. index and value need room for end - begin + 2 entries.
-GS_TARGET_AVX2 inline int64_t list_keys_avx2(const float* v, int64_t begin, int64_t end, uint32_t key, int64_t* index,
-                                             float* value) {
-  if (key > 0x7fffffffu) return 0;
-  const __m256i below = _mm256_set1_epi32(static_cast<int>(key) - 1);
-  int64_t n = 0, j = begin;
-  for (; j + 32 <= end; j += 32) {
-    uint32_t bits = keys_above32_avx2(v + j, below);
+#endif
+
+/// Calls f(first, bits) for each 64-bit word of `mask` that covers [lo, hi), in ascending order:
+/// bit t of the mask stands for element base + t, `first` is the element of the word's bit 0 and
+/// `bits` the word with the bits outside [lo, hi) cleared. The mask must be readable up to the end
+/// of the last word (room for a multiple of 8 bytes).
+template <typename F>
+inline void for_mask_words(const uint8_t* mask, int64_t base, int64_t lo, int64_t hi, F&& f) {
+  if (lo >= hi) return;
+  const int64_t first = (lo - base) / 64, last = (hi - base - 1) / 64;
+  for (int64_t w = first; w <= last; ++w) {
+    uint64_t bits;
+    std::memcpy(&bits, mask + 8 * w, sizeof(bits));
+    const int64_t from = base + 64 * w;
+    if (lo > from) bits &= ~uint64_t{0} << (lo - from);
+    if (hi < from + 64) bits &= (uint64_t{1} << (hi - from)) - 1;
+    f(from, bits);
+  }
+}
+
+/// Writes i to index[] and v[i] to value[], in ascending order, for every i in [lo, hi) whose bit
+/// is set in `mask` (for_mask_words), and returns how many. The first two of each word are
+/// written without a branch (a word's first position and its value are stored whether or not it
+/// counts), so at the densities of candidates, where most words hold none, one or two and which
+/// is as good as random, few branches are mispredicted. index and value need room for
+/// hi - lo + 2 entries.
+inline int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, int64_t lo, int64_t hi, int64_t* index,
+                           float* value) {
+  int64_t n = 0;
+  for_mask_words(mask, base, lo, hi, [&](int64_t from, uint64_t bits) {
     for (int first = 0; first < 2; ++first) {  // without a branch: n moves on only for a hit
-      const int64_t i = j + __builtin_ctz(bits | 0x80000000u);
+      const int64_t i = std::min(from + __builtin_ctzll(bits | (uint64_t{1} << 63)), hi - 1);  // in [lo, hi)
       index[n] = i;
       value[n] = v[i];
       n += bits != 0;
       bits &= bits - 1;
     }
-    for (; bits != 0; bits &= bits - 1, ++n) {  // a third and more: rare below a few percent
-      const int64_t i = j + __builtin_ctz(bits);
+    for (; bits != 0; bits &= bits - 1, ++n) {  // a third and more
+      const int64_t i = from + __builtin_ctzll(bits);
       index[n] = i;
       value[n] = v[i];
     }
-  }
-  for (; j < end; ++j) {
-    uint32_t bits;
-    std::memcpy(&bits, v + j, sizeof(bits));
-    index[n] = j;
-    value[n] = v[j];
-    n += (bits & 0x7fffffffu) >= key;
-  }
+  });
   return n;
 }
-#endif
+
+/// How many bits of `mask` are set for the elements of [lo, hi) (for_mask_words).
+inline int64_t count_marked(const uint8_t* mask, int64_t base, int64_t lo, int64_t hi) {
+  int64_t n = 0;
+  for_mask_words(mask, base, lo, hi, [&](int64_t, uint64_t bits) { n += __builtin_popcountll(bits); });
+  return n;
+}
 
 }  // namespace cpu
 }  // namespace gradsparse

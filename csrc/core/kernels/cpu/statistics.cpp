@@ -199,15 +199,24 @@ void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t*
 
 /// moments() of a float32 block, 8 elements a step: the four float64 lanes of a vector are
 /// MomentLanes' lanes (elements j..j+3 are added, then j+4..j+7), so the sums are the portable
-/// path's to the bit.
+/// path's to the bit. With a `mask` (room for (end - begin + 7) / 8 bytes), bit t of it is set
+/// when element begin + t has key >= `key`: the block's candidates, marked while its values are
+/// in registers, so that scan() lists them without reading the block again.
 template <Read kRead>
-GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end) {
+GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
+                                        uint8_t* mask = nullptr) {
   const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below = _mm256_set1_epi32(below_key(key));
   __m256d s = _mm256_setzero_pd(), a = s, q = s, mx = s;
   __m256i bad = _mm256_setzero_si256();
   int64_t j = begin;
   for (; j + 8 <= end; j += 8) {
     const __m256 v = values8<kRead>(src, j, bad);
+    if (mask != nullptr) {
+      const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
+      mask[(j - begin) / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+    }
     const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
     const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
     const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
@@ -226,7 +235,13 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
   int64_t nonfinite = count_lanes(bad);
   float rest[8];
   int count = 0;
+  const int64_t tail = j;
   for (; j < end; ++j) rest[count++] = value1<kRead>(src, j, nonfinite);
+  if (mask != nullptr && count > 0) {
+    uint32_t bits = 0;
+    for (int t = 0; t < count; ++t) bits |= static_cast<uint32_t>(Num<float>::key(rest[t]) >= key) << t;
+    mask[(tail - begin) / 8] = static_cast<uint8_t>(bits);
+  }
   if (count >= 4) lanes.add4(rest);
   lanes.add_rest(rest + (count & 4), count & 3);
   Moments m = lanes.total();
@@ -316,7 +331,8 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
 
 #else   // only named by code that never runs without AVX2 paths
 template <Read kRead>
-Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end);
+Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
+                         uint8_t* mask = nullptr);
 template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
 #endif  // GS_HAVE_AVX2_PATHS
@@ -448,7 +464,6 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
   // threads' lists joined in the order of their first blocks list the candidates in index order.
   parallel_blocks(nblocks, threads, [&](int64_t b, int thread) {
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    moments[b] = block_moments(src, begin, end);
     ScanList& p = lists[static_cast<size_t>(thread)];
     if (p.blocks++ == 0) p.first_block = b;
     const int64_t lo = std::clamp(range.begin, begin, end), hi = std::clamp(range.end, begin, end);
@@ -457,22 +472,23 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
     int64_t found = 0;
     if (listing) p.room(hi - lo + 2);
-#if GS_HAVE_AVX2_PATHS
     if constexpr (std::is_same_v<T, float>) {
-      if (src.residual != nullptr && use_avx2()) {
-        const float* r = src.residual;
+      uint8_t mask[kCpuBlock / 8 + 8] = {};  // the block's candidates (moments_f32_avx2)
+      if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
+            moments[b] = moments_f32_avx2<decltype(read)::value>(as_f32(src), begin, end, key, mask);
+          })) {
         if (listing) {
-          found = list_keys_avx2(r, lo, hi, key, p.index.data() + p.size, p.value.data() + p.size);
+          found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size);
           p.size += found;
         } else {
-          count_few_keys_avx2(r, lo, hi, &key, 1, &found);
+          found = count_marked(mask, begin, lo, hi);
         }
         p.above += found;
         stored.fetch_add(found, std::memory_order_relaxed);
         return;
       }
     }
-#endif
+    moments[b] = block_moments(src, begin, end);
     for (int64_t i = lo; i < hi; ++i) {
       const T v = read.value(i);
       if (Num<T>::key(v) < key) continue;
