@@ -69,7 +69,7 @@ void expect_same_moments(const Moments& a, const Moments& b) {
 
 /// Device::scan against moments and collect, for every thread count (the threads' lists are
 /// joined in index order), bounds that list every element, many, few or none of each 32, and
-/// capacities that hold all candidates or overflow.
+/// capacities that hold all candidates or overflow; without the sums, the same but for them.
 template <typename T>
 void scan_matches_the_passes_it_fuses() {
   for (int threads : {1, 3}) {  // 2, the default here, runs in every other test
@@ -78,38 +78,46 @@ void scan_matches_the_passes_it_fuses() {
       for (bool with_residual : {true, false}) {
         for (Range range : {Range{0, kN}, Range{kCpuBlock - 5, 2 * kCpuBlock + 9}}) {
           for (int64_t capacity : {int64_t{-1}, int64_t{0}, int64_t{100}, int64_t{1} << 20}) {
-            SCOPED_TRACE(::testing::Message()
-                         << "threads " << threads << ", lower " << lower << ", residual " << with_residual << ", range "
-                         << range.begin << ".." << range.end << ", capacity " << capacity);
-            Bucket<T> fused(with_residual), plain(with_residual);
-            plain.grad[7] = fused.grad[7] = Num<T>::from_float(INFINITY);  // a non-finite sum keeps its residual
-            CpuDevice device;
-            const Scan s = device.scan(fused.view(), true, range, lower, capacity);
-            const Moments m = device.moments(plain.view(), true);
-            const Candidates c = device.collect(plain.view(), range, lower, false);
-            expect_same_moments(s.moments, m);
-            if (capacity == 0) {  // nothing listed, nothing counted
-              EXPECT_EQ(s.above, Scan::kNotCounted);
-            } else {
-              EXPECT_EQ(s.above, static_cast<int64_t>(c.size()));
-              if (std::isfinite(lower)) EXPECT_GT(s.above, 100);
+            for (bool sums : {true, false}) {
+              SCOPED_TRACE(::testing::Message() << "threads " << threads << ", lower " << lower << ", residual "
+                                                << with_residual << ", range " << range.begin << ".." << range.end
+                                                << ", capacity " << capacity << ", sums " << sums);
+              Bucket<T> fused(with_residual), plain(with_residual);
+              plain.grad[7] = fused.grad[7] = Num<T>::from_float(INFINITY);  // a non-finite sum keeps its residual
+              CpuDevice device;
+              const Scan s = device.scan(fused.view(), true, range, lower, capacity, sums);
+              Moments m = device.moments(plain.view(), true);
+              EXPECT_EQ(m.nonfinite, 1);  // grad[7]: what the scans without sums are compared on
+              if (!sums) {                // only the non-finite count
+                Moments only;
+                only.nonfinite = m.nonfinite;
+                m = only;
+              }
+              const Candidates c = device.collect(plain.view(), range, lower, false);
+              expect_same_moments(s.moments, m);
+              if (capacity == 0) {  // nothing listed, nothing counted
+                EXPECT_EQ(s.above, Scan::kNotCounted);
+              } else {
+                EXPECT_EQ(s.above, static_cast<int64_t>(c.size()));
+                if (std::isfinite(lower)) EXPECT_GT(s.above, 100);
+              }
+              if (capacity < 0 || (capacity > 0 && s.above <= capacity)) {
+                EXPECT_TRUE(s.complete());
+                EXPECT_EQ(s.candidates.index, c.index);
+                EXPECT_EQ(s.candidates.value, c.value);
+              } else {
+                EXPECT_FALSE(s.complete());
+                EXPECT_EQ(s.candidates.size(), 0u);
+              }
+              EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
+              // The unfused default that other devices inherit gives the same.
+              Bucket<T> composed(with_residual);
+              composed.grad[7] = Num<T>::from_float(INFINITY);
+              const Scan d = device.Device::scan(composed.view(), true, range, lower, capacity, sums);
+              expect_same_moments(d.moments, m);
+              EXPECT_EQ(d.above, s.above);
+              EXPECT_EQ(d.candidates.index, s.candidates.index);
             }
-            if (capacity < 0 || (capacity > 0 && s.above <= capacity)) {
-              EXPECT_TRUE(s.complete());
-              EXPECT_EQ(s.candidates.index, c.index);
-              EXPECT_EQ(s.candidates.value, c.value);
-            } else {
-              EXPECT_FALSE(s.complete());
-              EXPECT_EQ(s.candidates.size(), 0u);
-            }
-            EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
-            // The unfused default that other devices inherit gives the same.
-            Bucket<T> composed(with_residual);
-            composed.grad[7] = Num<T>::from_float(INFINITY);
-            const Scan d = device.Device::scan(composed.view(), true, range, lower, capacity);
-            expect_same_moments(d.moments, m);
-            EXPECT_EQ(d.above, s.above);
-            EXPECT_EQ(d.candidates.index, s.candidates.index);
           }
         }
       }

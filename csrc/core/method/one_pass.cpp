@@ -33,9 +33,14 @@ std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sa
 }
 }  // namespace
 
-Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
+Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums) {
   Scan s;
   s.moments = moments(bucket, update);
+  if (!sums) {  // as a device that skips them
+    Moments only;
+    only.nonfinite = s.moments.nonfinite;
+    s.moments = only;
+  }
   if (capacity == 0) {  // on a GPU OnePass lists nothing (CandidateBound::capacity): a count would be a wasted read
     s.above = Scan::kNotCounted;
     return s;
@@ -117,12 +122,12 @@ Selection EstimatingMethod::finish(OnePass& pass, double threshold, int64_t nonf
 }
 
 OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Listing listing,
-                 Range range)
+                 Range range, bool sums)
     : device_(device),
       bucket_(bucket),
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
       capacity_(CandidateBound::capacity(device, k, listing)) {
-  scan_ = device.scan(bucket, /*update=*/true, range_, bound.lower(), capacity_);
+  scan_ = device.scan(bucket, /*update=*/true, range_, bound.lower(), capacity_, sums);
   lower_key_ = key_of(bound.lower(), false);
 }
 

@@ -226,7 +226,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const bool listed = lists_candidates(device, listing_) || !plain_edges(edges);
   Candidates c;
   if (t > 0) {  // one pass updates the residual and lists the band (or only updates it)
-    Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/listed ? -1 : 0);
+    Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/listed ? -1 : 0, /*sums=*/false);
     nonfinite = scan.moments.nonfinite;
     c = std::move(scan.candidates);
   } else if (listed) {

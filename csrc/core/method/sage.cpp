@@ -96,7 +96,8 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     // listed in one pass with the update, then chosen on the host; or, where the host does not
     // read the bucket in place, counted and selected by passes on the device.
     if (lists_candidates(device, listing_)) {
-      const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1);
+      const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1,
+                                    /*sums=*/false);
       nonfinite = scan.moments.nonfinite;
       const Candidates& c = scan.candidates;
       std::vector<size_t> chosen;

@@ -10,7 +10,8 @@ TopK::TopK(double density, const std::string& exchange)
 }
 
 Selection TopK::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
-  OnePass pass(device, bucket, bound_, target_count(density_, bucket.numel));
+  OnePass pass(device, bucket, bound_, target_count(density_, bucket.numel), Listing::kHostMemory, {0, -1},
+               /*sums=*/false);
   Selection s = pass.largest(target_count(density_, bucket.numel));
   s.nonfinite = pass.moments().nonfinite;
   bound_.learn(pass);

@@ -176,9 +176,10 @@ class Device {
   /// One pass for a threshold estimator (with `update`: the first pass of a step): the moments of
   /// the whole bucket and the elements of `range` with |v| >= lower, listed when they are at most
   /// `capacity` (< 0: any number). With capacity 0 nothing is listed and nothing counted (above is
-  /// Scan::kNotCounted, the scan incomplete): only the moments. This default makes the passes one
-  /// by one; a device may fuse them.
-  virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity);
+  /// Scan::kNotCounted, the scan incomplete): only the moments. Without `sums` the moments hold
+  /// only `nonfinite` (the sums zero), for a method that reads no statistic: a device may then skip
+  /// their arithmetic. This default makes the passes one by one; a device may fuse them.
+  virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums);
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
 

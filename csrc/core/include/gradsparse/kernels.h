@@ -240,12 +240,12 @@ template <typename T>
 Moments moments(Source<T> src, int64_t n);
 
 /// One pass that serves a threshold estimator (with `src.update`: fused with the update): returns
-/// the moments of the whole bucket, sets `above` to the number of elements of `range` with key >=
-/// `key` and, when they are at most `capacity` (< 0: any number), lists them ascending in `index`
-/// and `value` (exact as float); more than `capacity` leaves both empty. Each block is looked at
-/// twice, the second time from cache.
+/// the moments of the whole bucket (without `sums` only their `nonfinite`, the sums left zero),
+/// sets `above` to the number of elements of `range` with key >= `key` and, when they are at most
+/// `capacity` (< 0: any number), lists them ascending in `index` and `value` (exact as float);
+/// more than `capacity` leaves both empty.
 template <typename T>
-Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, int64_t& above,
+Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
              std::vector<int64_t>& index, std::vector<float>& value);
 
 /// counts[j] = number of elements of `range` with key >= keys[j]; `keys` ascending, read-only.

@@ -86,8 +86,10 @@ class DensityControl {
 /// constructor makes the pass (with the error-feedback update); every answer is exact.
 class OnePass {
  public:
+  /// Without `sums` the pass does not compute the moments' sums (moments() holds only nonfinite):
+  /// for a method that reads none of them.
   OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k,
-          Listing listing = Listing::kHostMemory, Range range = {0, -1});
+          Listing listing = Listing::kHostMemory, Range range = {0, -1}, bool sums = true);
 
   const Moments& moments() const { return scan_.moments; }
 

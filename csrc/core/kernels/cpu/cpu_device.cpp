@@ -27,13 +27,13 @@ void CpuDevice::fill_zero(void* dst, size_t bytes) {
   if (bytes > 0) std::memset(dst, 0, bytes);
 }
 
-Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity) {
+Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums) {
   if (range.end < 0) range.end = bucket.numel;
   return dispatch_dtype(bucket.dtype, [&](auto t) {
     using T = decltype(t);
     Scan s;
-    s.moments = cpu::scan<T>(source<T>(bucket, update), bucket.numel, range, key_at_least<T>(lower), capacity, s.above,
-                             s.candidates.index, s.candidates.value);
+    s.moments = cpu::scan<T>(source<T>(bucket, update), bucket.numel, range, key_at_least<T>(lower), capacity, sums,
+                             s.above, s.candidates.index, s.candidates.value);
     if (capacity == 0) s.above = Scan::kNotCounted;  // as every device answers a scan that lists nothing
     return s;
   });

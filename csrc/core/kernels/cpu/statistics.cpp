@@ -201,8 +201,9 @@ void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t*
 /// MomentLanes' lanes (elements j..j+3 are added, then j+4..j+7), so the sums are the portable
 /// path's to the bit. With a `mask` (room for (end - begin + 7) / 8 bytes), bit t of it is set
 /// when element begin + t has key >= `key`: the block's candidates, marked while its values are
-/// in registers, so that scan() lists them without reading the block again.
-template <Read kRead>
+/// in registers, so that scan() lists them without reading the block again. Without kSums only
+/// `nonfinite` is counted (the sums stay zero).
+template <Read kRead, bool kSums = true>
 GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                                         uint8_t* mask = nullptr) {
   const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
@@ -217,13 +218,15 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
       const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
       mask[(j - begin) / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
     }
-    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-    const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-    const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
-    s = _mm256_add_pd(_mm256_add_pd(s, lo), hi);
-    a = _mm256_add_pd(_mm256_add_pd(a, alo), ahi);
-    q = _mm256_add_pd(_mm256_add_pd(q, _mm256_mul_pd(lo, lo)), _mm256_mul_pd(hi, hi));
-    mx = _mm256_max_pd(mx, _mm256_max_pd(alo, ahi));  // exact in any order
+    if constexpr (kSums) {
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
+      s = _mm256_add_pd(_mm256_add_pd(s, lo), hi);
+      a = _mm256_add_pd(_mm256_add_pd(a, alo), ahi);
+      q = _mm256_add_pd(_mm256_add_pd(q, _mm256_mul_pd(lo, lo)), _mm256_mul_pd(hi, hi));
+      mx = _mm256_max_pd(mx, _mm256_max_pd(alo, ahi));  // exact in any order
+    }
   }
   MomentLanes lanes;
   _mm256_storeu_pd(lanes.sum, s);
@@ -241,6 +244,11 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
     uint32_t bits = 0;
     for (int t = 0; t < count; ++t) bits |= static_cast<uint32_t>(Num<float>::key(rest[t]) >= key) << t;
     mask[(tail - begin) / 8] = static_cast<uint8_t>(bits);
+  }
+  if constexpr (!kSums) {
+    Moments m;
+    m.nonfinite = nonfinite;
+    return m;
   }
   if (count >= 4) lanes.add4(rest);
   lanes.add_rest(rest + (count & 4), count & 3);
@@ -330,7 +338,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
 }
 
 #else   // only named by code that never runs without AVX2 paths
-template <Read kRead>
+template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                          uint8_t* mask = nullptr);
 template <Read kRead>
@@ -364,14 +372,22 @@ bool avx2_f32(Source<T> src, F&& f) {
   return false;
 }
 
-/// moments() of the block [begin, end) (with `src.update`: fused with the update of the block).
+/// moments() of the block [begin, end) (with `src.update`: fused with the update of the block);
+/// without `sums` only their `nonfinite`. With a `mask` (float32 on the AVX2 paths only, where
+/// it returns true in `marked`), the block's candidates at `key` too (moments_f32_avx2).
 template <typename T>
-Moments block_moments(Source<T> src, int64_t begin, int64_t end) {
+Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = true, uint32_t key = kNoKey,
+                      uint8_t* mask = nullptr, bool* marked = nullptr) {
   Moments m;
   // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
-  if (src.residual != nullptr &&
-      avx2_f32<true>(src, [&](auto read) { m = moments_f32_avx2<decltype(read)::value>(as_f32(src), begin, end); }))
+  if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
+        constexpr Read kRead = decltype(read)::value;
+        m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
+                 : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
+      })) {
+    if (marked != nullptr) *marked = true;
     return m;
+  }
   if (src.update && src.residual != nullptr) {
     for (int64_t i = begin; i < end; ++i) {
       bool finite;
@@ -381,6 +397,7 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end) {
   } else if (src.residual == nullptr) {
     for (int64_t i = begin; i < end; ++i) m.nonfinite += !is_finite(src.grad[i]);
   }
+  if (!sums) return m;
   if constexpr (std::is_same_v<T, float>) {
     if (src.residual != nullptr) {
       const int64_t nonfinite = m.nonfinite;
@@ -446,7 +463,7 @@ Moments moments(Source<T> src, int64_t n) {
 }
 
 template <typename T>
-Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, int64_t& above,
+Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
              std::vector<int64_t>& index, std::vector<float>& value) {
   GS_CHECK(n >= 0, ValueError, "scan: n must be >= 0, got ", n);
   check_range(range, n, "scan");
@@ -472,11 +489,11 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
     int64_t found = 0;
     if (listing) p.room(hi - lo + 2);
-    if constexpr (std::is_same_v<T, float>) {
-      uint8_t mask[kCpuBlock / 8 + 8] = {};  // the block's candidates (moments_f32_avx2)
-      if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
-            moments[b] = moments_f32_avx2<decltype(read)::value>(as_f32(src), begin, end, key, mask);
-          })) {
+    uint8_t mask[kCpuBlock / 8 + 8] = {};  // the block's candidates, where the pass marks them
+    bool marked = false;
+    moments[b] = block_moments(src, begin, end, sums, key, mask, &marked);
+    if constexpr (std::is_same_v<T, float>) {  // marked: on the AVX2 paths, the candidates from the mask
+      if (marked) {
         if (listing) {
           found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size);
           p.size += found;
@@ -488,8 +505,7 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
         return;
       }
     }
-    moments[b] = block_moments(src, begin, end);
-    for (int64_t i = lo; i < hi; ++i) {
+    for (int64_t i = lo; i < hi; ++i) {  // elsewhere a second look at the block, from cache
       const T v = read.value(i);
       if (Num<T>::key(v) < key) continue;
       ++found;
@@ -655,14 +671,14 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   return total;
 }
 
-#define GS_INSTANTIATE_STATISTICS(T)                                                                      \
-  template Moments moments<T>(Source<T>, int64_t);                                                        \
-  template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, int64_t&, std::vector<int64_t>&, \
-                           std::vector<float>&);                                                          \
-  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                 \
-  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                   \
-  template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                            \
-  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                  \
+#define GS_INSTANTIATE_STATISTICS(T)                                                                            \
+  template Moments moments<T>(Source<T>, int64_t);                                                              \
+  template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, bool, int64_t&, std::vector<int64_t>&, \
+                           std::vector<float>&);                                                                \
+  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                       \
+  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                         \
+  template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                                  \
+  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                        \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 
 GS_INSTANTIATE_STATISTICS(float)
