@@ -228,13 +228,6 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
       mx = _mm256_max_pd(mx, _mm256_max_pd(alo, ahi));  // exact in any order
     }
   }
-  MomentLanes lanes;
-  _mm256_storeu_pd(lanes.sum, s);
-  _mm256_storeu_pd(lanes.sum_abs, a);
-  _mm256_storeu_pd(lanes.sum_sq, q);
-  alignas(32) double t[4];
-  _mm256_store_pd(t, mx);
-  lanes.max_abs = std::max(std::max(t[0], t[1]), std::max(t[2], t[3]));
   int64_t nonfinite = count_lanes(bad);
   float rest[8];
   int count = 0;
@@ -245,14 +238,19 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
     for (int t = 0; t < count; ++t) bits |= static_cast<uint32_t>(Num<float>::key(rest[t]) >= key) << t;
     mask[(tail - begin) / 8] = static_cast<uint8_t>(bits);
   }
-  if constexpr (!kSums) {
-    Moments m;
-    m.nonfinite = nonfinite;
-    return m;
+  Moments m;
+  if constexpr (kSums) {
+    MomentLanes lanes;
+    _mm256_storeu_pd(lanes.sum, s);
+    _mm256_storeu_pd(lanes.sum_abs, a);
+    _mm256_storeu_pd(lanes.sum_sq, q);
+    alignas(32) double t[4];
+    _mm256_store_pd(t, mx);
+    lanes.max_abs = std::max(std::max(t[0], t[1]), std::max(t[2], t[3]));
+    if (count >= 4) lanes.add4(rest);
+    lanes.add_rest(rest + (count & 4), count & 3);
+    m = lanes.total();
   }
-  if (count >= 4) lanes.add4(rest);
-  lanes.add_rest(rest + (count & 4), count & 3);
-  Moments m = lanes.total();
   m.nonfinite = nonfinite;
   return m;
 }
