@@ -130,6 +130,53 @@ TEST(OnePass, ScanMatchesThePassesItFusesFloat32) { scan_matches_the_passes_it_f
 TEST(OnePass, ScanMatchesThePassesItFusesFloat16) { scan_matches_the_passes_it_fuses<Half>(); }
 TEST(OnePass, ScanMatchesThePassesItFusesBFloat16) { scan_matches_the_passes_it_fuses<BFloat16>(); }
 
+/// The same with momentum correction (with and without masking): the scan's update of residual and
+/// velocity, its non-finite count and candidates against the plain passes'. Some residual entries
+/// are +-0 (masking restarts their velocity), one velocity overflows.
+template <typename T>
+void scan_with_momentum_matches_the_passes() {
+  for (bool masking : {false, true}) {
+    for (bool sums : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << "masking " << masking << ", sums " << sums);
+      Bucket<T> fused(true), plain(true);
+      std::vector<T> fused_velocity, plain_velocity;
+      for (float v : ref::random_vector<float>(kN, 9)) fused_velocity.push_back(Num<T>::from_float(v));
+      for (int64_t i = 0; i < kN; i += 5) fused.residual[i] = Num<T>::from_float(i % 2 ? -0.0f : 0.0f);
+      fused.grad[7] = Num<T>::from_float(INFINITY);
+      fused_velocity[40] = Num<T>::from_float(std::numeric_limits<float>::max());
+      fused.grad[40] = Num<T>::from_float(std::numeric_limits<float>::max());
+      plain = fused;
+      plain_velocity = fused_velocity;
+      auto with_velocity = [&](Bucket<T>& b, std::vector<T>& velocity) {
+        BucketView view = b.view();
+        view.velocity = velocity.data();
+        view.momentum = 0.9f;
+        view.momentum_masking = masking;
+        return view;
+      };
+      CpuDevice device;
+      const Scan s = device.scan(with_velocity(fused, fused_velocity), true, Range{0, kN}, 1.5, -1, sums);
+      Moments m = device.moments(with_velocity(plain, plain_velocity), true);
+      EXPECT_GE(m.nonfinite, 1);
+      if (!sums) {
+        Moments only;
+        only.nonfinite = m.nonfinite;
+        m = only;
+      }
+      expect_same_moments(s.moments, m);
+      const Candidates c = device.collect(plain.view(), Range{0, kN}, 1.5, false);
+      EXPECT_GT(c.size(), 100u);
+      EXPECT_EQ(s.candidates.index, c.index);
+      EXPECT_EQ(s.candidates.value, c.value);
+      EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
+      EXPECT_EQ(0, std::memcmp(fused_velocity.data(), plain_velocity.data(), kN * sizeof(T)));
+    }
+  }
+}
+
+TEST(OnePass, ScanWithMomentumMatchesThePassesFloat32) { scan_with_momentum_matches_the_passes<float>(); }
+TEST(OnePass, ScanWithMomentumMatchesThePassesBFloat16) { scan_with_momentum_matches_the_passes<BFloat16>(); }
+
 /// A bound at `lower` for the next pass, learned from a first step (which has no candidates, so
 /// its bound widens from 0.85 to 0.68 of the lowest question).
 CandidateBound bound_at(double lower) {

@@ -1,7 +1,8 @@
-// Run-time choice of the AVX2 code paths of the CPU kernels (private to kernels/cpu). The build
-// uses no -march flag: AVX2 functions carry a target attribute, and the kernels call them only
-// when the CPU reports AVX2 (and GRADSPARSE_SIMD is not "0"); otherwise the portable code runs.
-// Both paths give the same results to the bit (the AVX2 code adds in the portable code's order).
+// Run-time choice of the SIMD code paths of the CPU kernels (private to kernels/cpu). The build
+// uses no -march flag: AVX2 and AVX-512 functions carry a target attribute, and the kernels call
+// them only when the CPU reports the instructions and GRADSPARSE_SIMD allows them ("0": portable
+// code only, "avx2": no AVX-512, anything else: the widest the CPU has). Every path gives the
+// same results to the bit (the vector code adds in the portable code's order).
 #pragma once
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <immintrin.h>
 #define GS_HAVE_AVX2_PATHS 1
 #define GS_TARGET_AVX2 __attribute__((target("avx2")))
+#define GS_TARGET_AVX512 __attribute__((target("avx2,avx512f")))
 #else
 #define GS_HAVE_AVX2_PATHS 0
 #endif
@@ -22,19 +24,29 @@
 namespace gradsparse {
 namespace cpu {
 
-/// True when the AVX2 paths may run: the CPU has AVX2 and GRADSPARSE_SIMD is not "0" (read once).
-inline bool use_avx2() {
+/// The widest SIMD paths the kernels may take: the CPU's, narrowed by GRADSPARSE_SIMD (read once).
+enum class Simd { kPortable, kAvx2, kAvx512 };
+
+inline Simd simd_paths() {
 #if GS_HAVE_AVX2_PATHS
-  static const bool enabled = [] {
+  static const Simd paths = [] {
     const char* env = std::getenv("GRADSPARSE_SIMD");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-    return static_cast<bool>(__builtin_cpu_supports("avx2"));
+    const bool portable = env != nullptr && std::strcmp(env, "0") == 0;
+    const bool no_avx512 = env != nullptr && std::strcmp(env, "avx2") == 0;
+    if (portable || !__builtin_cpu_supports("avx2")) return Simd::kPortable;
+    if (no_avx512 || !__builtin_cpu_supports("avx512f")) return Simd::kAvx2;
+    return Simd::kAvx512;
   }();
-  return enabled;
+  return paths;
 #else
-  return false;
+  return Simd::kPortable;
 #endif
 }
+
+/// True when the AVX2 paths may run.
+inline bool use_avx2() { return simd_paths() != Simd::kPortable; }
+/// True when the AVX-512 paths may run (they are taken where they measured faster than AVX2).
+inline bool use_avx512() { return simd_paths() == Simd::kAvx512; }
 
 /// A float32 view of a source of any type (for code instantiated for every type but run for
 /// float32 only).
@@ -77,6 +89,32 @@ GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, _
   nonfinite = not_finite8_avx2(a);
   const __m256 v = _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite));
   _mm256_storeu_ps(src.residual + j, v);
+  return v;
+}
+
+GS_TARGET_AVX512 inline __mmask16 not_finite16_avx512(__m512 x) {  // a bit per lane holding NaN or +-Inf
+  return _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff)),
+                                 _mm512_set1_epi32(0x7f800000 - 1));
+}
+
+/// update8_avx2 for elements j..j+15, to the bit; `nonfinite` gets a bit per lane whose sum is
+/// not finite.
+GS_TARGET_AVX512 inline __m512 update16_avx512(const Source<float>& src, int64_t j, __mmask16& nonfinite) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  const __m512 old = _mm512_loadu_ps(src.residual + j);
+  __m512 addend = _mm512_loadu_ps(src.grad + j);
+  if (src.velocity != nullptr) {
+    const __m512 u = _mm512_loadu_ps(src.velocity + j);
+    // +0 where the residual is +-0 when masking (momentum_emptied)
+    const __m512 kept =
+        src.masking ? _mm512_maskz_mov_ps(_mm512_test_epi32_mask(_mm512_castps_si512(old), magnitude), u) : u;
+    addend = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(src.momentum), kept), addend);  // scale_add
+    _mm512_storeu_ps(src.velocity + j, _mm512_mask_blend_ps(not_finite16_avx512(addend), addend, u));
+  }
+  const __m512 a = _mm512_add_ps(old, addend);
+  nonfinite = not_finite16_avx512(a);
+  const __m512 v = _mm512_mask_blend_ps(nonfinite, a, old);
+  _mm512_storeu_ps(src.residual + j, v);
   return v;
 }
 

@@ -255,6 +255,50 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
   return m;
 }
 
+/// moments_f32_avx2 without sums, 16 elements a step: the non-finite count and the candidate
+/// mask, the whole of Top-k's, SAGE's, MiCRO's and ExDyna's scan. (With the sums the pass waits
+/// on their float64 arithmetic and takes as long at either width: docs/benchmarks.md.)
+template <Read kRead>
+GS_TARGET_AVX512 Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
+                                          uint8_t* mask) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  const __m512i below = _mm512_set1_epi32(below_key(key));
+  int64_t nonfinite = 0;
+  int64_t j = begin;
+  for (; j + 16 <= end; j += 16) {
+    __m512 v;
+    if constexpr (kRead == Read::kUpdate) {
+      __mmask16 bad;
+      v = update16_avx512(src, j, bad);
+      nonfinite += __builtin_popcount(bad);
+    } else if constexpr (kRead == Read::kResidual) {
+      v = _mm512_loadu_ps(src.residual + j);
+    } else {
+      const __m512 x = _mm512_loadu_ps(src.grad + j);
+      const __mmask16 bad = not_finite16_avx512(x);
+      nonfinite += __builtin_popcount(bad);
+      v = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), x);
+    }
+    if (mask != nullptr) {
+      const uint16_t hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
+      std::memcpy(mask + (j - begin) / 8, &hit, sizeof(hit));
+    }
+  }
+  uint32_t bits = 0;
+  const int64_t tail = j;
+  for (; j < end; ++j) {
+    const float v = value1<kRead>(src, j, nonfinite);
+    bits |= static_cast<uint32_t>(Num<float>::key(v) >= key) << (j - tail);
+  }
+  if (mask != nullptr) {
+    for (int64_t b = 0; b < (j - tail + 7) / 8; ++b)
+      mask[(tail - begin) / 8 + b] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+  Moments m;
+  m.nonfinite = nonfinite;
+  return m;
+}
+
 /// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
 /// the selected lanes of a vector at its front.
 struct PackTable {
@@ -340,6 +384,8 @@ template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                          uint8_t* mask = nullptr);
 template <Read kRead>
+Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
+template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
 #endif  // GS_HAVE_AVX2_PATHS
 
@@ -380,8 +426,12 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
   // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
   if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
         constexpr Read kRead = decltype(read)::value;
-        m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
-                 : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
+        if (sums)
+          m = moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask);
+        else if (use_avx512())
+          m = marks_f32_avx512<kRead>(as_f32(src), begin, end, key, mask);
+        else
+          m = moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
       })) {
     if (marked != nullptr) *marked = true;
     return m;
