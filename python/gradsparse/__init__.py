@@ -26,6 +26,28 @@ def _check_torch() -> None:
 
 _check_torch()
 
+
+def _check_environment() -> None:
+    """The CPU kernels read GRADSPARSE_SIMD and GRADSPARSE_NUM_THREADS once, deep inside a step,
+    where a typo would pass unnoticed: refuse one here, on every rank that imports gradsparse."""
+    import os
+
+    simd = os.environ.get("GRADSPARSE_SIMD", "")
+    if simd not in ("", "0", "1", "avx2"):
+        raise ValueError(
+            f"GRADSPARSE_SIMD={simd!r} is not a choice of the CPU kernels' paths: set it to 1 (the widest "
+            "the CPU has, the default), avx2 (no AVX-512) or 0 (portable code only), or unset it"
+        )
+    threads = os.environ.get("GRADSPARSE_NUM_THREADS", "")
+    if threads and not (threads.strip().isdigit() and int(threads) > 0):
+        raise ValueError(
+            f"GRADSPARSE_NUM_THREADS={threads!r} is not a positive whole number of threads for the CPU "
+            "kernels: set it to, for example, 2, or unset it for OpenMP's default"
+        )
+
+
+_check_environment()
+
 from gradsparse import _C, fsdp, launch  # noqa: E402
 from gradsparse.checkpoint import AllRanks, reshard  # noqa: E402
 from gradsparse.hooks import hook, register  # noqa: E402

@@ -53,3 +53,68 @@ def test_a_build_that_carries_its_own_libstdcxx_is_refused(tmp_path, monkeypatch
     with pytest.raises(SystemExit, match=r"/opt/gcc/bin/g\+\+ linked libstdc\+\+ statically.*CXX=/usr/bin/g\+\+"):
         setup_py._check_shared_libstdcxx(str(static))
     assert not static.exists()
+
+
+def _import_with(env_changes: dict[str, str], code: str = "import gradsparse") -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env_changes)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    "variable, value, fix",
+    [
+        ("GRADSPARSE_SIMD", "avx512", "set it to 1 (the widest the CPU has, the default), avx2 (no AVX-512) or 0"),
+        ("GRADSPARSE_NUM_THREADS", "0", "set it to, for example, 2, or unset it"),
+        ("GRADSPARSE_NUM_THREADS", "two", "set it to, for example, 2, or unset it"),
+    ],
+)
+def test_a_bad_kernel_variable_is_refused_at_import_naming_it_its_value_and_the_fix(variable, value, fix):
+    """The kernels read these once, deep inside a step, where a typo would pass unnoticed."""
+    out = _import_with({variable: value})
+    assert out.returncode != 0
+    assert f"ValueError: {variable}={value!r}" in out.stderr, out.stderr
+    assert fix in out.stderr, out.stderr
+
+
+# One rank's TopK and SAGE steps (the scan without moments) and Gaussian-k's (with them), with
+# momentum correction and masking, on a bucket holding zeros, the second step also a non-finite
+# gradient (skipped): a digest of what each step sends and leaves behind.
+_STEPS = """
+import hashlib
+import torch
+from gradsparse import _C
+from gradsparse.methods import core_method
+
+gen = torch.Generator().manual_seed(0)
+n = 3 * 32768 + 77
+digest = hashlib.sha256()
+for name in ("topk", "sage", "gaussiank"):
+    method = core_method(name, density=0.01)
+    residual, velocity = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    residual[::5] = 0.0
+    group = _C.ThreadGroup(1, 600.0)
+    for step in range(3):
+        grad = torch.randn(n, generator=gen)
+        if step == 1:  # a skipped step: the residual keeps its value there, the others take theirs
+            grad[7] = float("inf")
+        out = grad.clone()
+        group.reduce(
+            0, out, residual, method, nonfinite="skip", record=False, velocity=velocity, momentum=0.9,
+            momentum_masking=True,
+        )
+        for t in (out, residual, velocity):
+            digest.update(t.numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_every_simd_path_of_the_kernels_gives_the_same_steps_to_the_bit():
+    """GRADSPARSE_SIMD chooses the kernels' paths (the widest the CPU has, AVX2, portable code):
+    the same steps, through the installed extension, give the same bytes on each."""
+    digests = {}
+    for simd in ("1", "avx2", "0"):
+        out = _import_with({"GRADSPARSE_SIMD": simd}, _STEPS)
+        assert out.returncode == 0, out.stderr
+        digests[simd] = out.stdout.strip()
+    assert len(digests["1"]) == 64
+    assert digests["avx2"] == digests["1"] and digests["0"] == digests["1"], digests
