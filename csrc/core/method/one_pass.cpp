@@ -150,10 +150,15 @@ void OnePass::asked(double threshold, int64_t elements, bool covered) {
 void OnePass::zeroed(const std::vector<size_t>& chosen) {
   if (bucket_.residual == nullptr) return;  // nothing is zeroed without a residual
   keys();
-  for (size_t j : chosen) {
-    scan_.candidates.value[j] = 0.0f;
-    keys_[j] = 0;
-  }
+  // In parallel: Top-k's 250 thousand of 446 thousand candidates at density 0.01 and 25M elements
+  // took 0.26 to 0.37 ms against 0.53 to 0.61 in one thread.
+  const auto n = static_cast<int64_t>(chosen.size());
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    for (int64_t i = b * kCpuBlock; i < std::min(n, (b + 1) * kCpuBlock); ++i) {
+      scan_.candidates.value[chosen[static_cast<size_t>(i)]] = 0.0f;
+      keys_[chosen[static_cast<size_t>(i)]] = 0;
+    }
+  });
 }
 
 const std::vector<uint32_t>& OnePass::keys() {
