@@ -39,9 +39,9 @@ def _check_environment() -> None:
             "the CPU has, the default), avx2 (no AVX-512) or 0 (portable code only), or unset it"
         )
     threads = os.environ.get("GRADSPARSE_NUM_THREADS", "")
-    if threads and not (threads.strip().isdigit() and int(threads) > 0):
+    if threads and not (threads.strip(" ").isdigit() and 1 <= int(threads) <= 4096):
         raise ValueError(
-            f"GRADSPARSE_NUM_THREADS={threads!r} is not a positive whole number of threads for the CPU "
+            f"GRADSPARSE_NUM_THREADS={threads!r} is not a whole number of threads from 1 to 4096 for the CPU "
             "kernels: set it to, for example, 2, or unset it for OpenMP's default"
         )
 

@@ -1,6 +1,7 @@
 #include "gradsparse/parallel.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 
 namespace gradsparse {
@@ -8,9 +9,16 @@ namespace {
 std::atomic<int> g_threads{0};
 
 int default_threads() {
-  if (const char* env = std::getenv("GRADSPARSE_NUM_THREADS")) {
-    const int v = std::atoi(env);
-    if (v > 0) return v;
+  if (const char* env = std::getenv("GRADSPARSE_NUM_THREADS"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    while (*end == ' ') ++end;
+    if (*end == '\0' && v > 0 && v <= 4096) return static_cast<int>(v);
+    // Read inside parallel loops, where nothing may throw (import gradsparse refuses it first).
+    std::fprintf(stderr,
+                 "gradsparse: GRADSPARSE_NUM_THREADS=%s is not a whole number from 1 to 4096; the CPU kernels use "
+                 "OpenMP's default (set it to, for example, 2, or unset it)\n",
+                 env);
   }
 #if defined(_OPENMP)
   return omp_get_max_threads();

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -33,6 +34,13 @@ inline Simd simd_paths() {
     const char* env = std::getenv("GRADSPARSE_SIMD");
     const bool portable = env != nullptr && std::strcmp(env, "0") == 0;
     const bool no_avx512 = env != nullptr && std::strcmp(env, "avx2") == 0;
+    if (env != nullptr && *env != '\0' && !portable && !no_avx512 && std::strcmp(env, "1") != 0) {
+      // Read inside parallel loops, where nothing may throw (import gradsparse refuses it first).
+      std::fprintf(stderr,
+                   "gradsparse: GRADSPARSE_SIMD=%s is not 1, avx2 or 0; the CPU kernels take the widest paths "
+                   "the CPU has (set it to 1, avx2 or 0, or unset it)\n",
+                   env);
+    }
     if (portable || !__builtin_cpu_supports("avx2")) return Simd::kPortable;
     if (no_avx512 || !__builtin_cpu_supports("avx512f")) return Simd::kAvx2;
     return Simd::kAvx512;
