@@ -169,38 +169,86 @@ TEST(Passes, BlockSamplesReadEveryFewBlocks) {
   EXPECT_LT(count, device.exceedance(view, 1.0, false, 0.5, BlockSample{}).count);
 }
 
-// float32 sums are defined to the bit (so that the AVX2 and the portable paths, and any thread
-// count, agree): per block of kCpuBlock elements, moments add in four lanes (element i in lane
-// (i - begin) % 4, the block's last len % 4 elements in lane 0, lanes in order), exceedances in
-// four lanes too (the t-th element taken in lane t % 4, lanes in order); the blocks' sums are
-// added in block order.
+// The moments of one block in MomentLanes' order (kernels/cpu/statistics.cpp), restated: the
+// body, the first len / 16 * 16 elements, in 16 lanes (element i in lane (i - begin) % 16), each
+// lane adding v, |v| and v * v in float32 over runs of 8 of its elements and each run's sums to
+// its float64 sums; the last len % 16 elements to lane 0 in float64; the lanes in lane order. A
+// block whose largest |v| is outside [2^-40, 2^60] adds every element in float64 in the same lanes.
+Moments block_moments_restated(const float* r, int64_t begin, int64_t end) {
+  const int64_t body = begin + (end - begin) / 16 * 16;
+  float largest = 0.0f;
+  for (int64_t i = begin; i < end; ++i) largest = std::max(largest, std::fabs(r[i]));
+  const bool wide = largest != 0.0f && !(largest >= 0x1p-40f && largest <= 0x1p60f);
+  double lane[3][16] = {};
+  for (int l = 0; l < 16; ++l) {
+    float run[3] = {};
+    int rows = 0;
+    for (int64_t i = begin + l; i < body; i += 16) {
+      if (wide) {
+        const double x = r[i];
+        lane[0][l] += x;
+        lane[1][l] += std::fabs(x);
+        lane[2][l] += x * x;
+        continue;
+      }
+      run[0] += r[i];
+      run[1] += std::fabs(r[i]);
+      run[2] += r[i] * r[i];
+      if (++rows == 8 || i + 16 >= body) {
+        for (int q = 0; q < 3; ++q) lane[q][l] += static_cast<double>(run[q]), run[q] = 0.0f;
+        rows = 0;
+      }
+    }
+  }
+  for (int64_t i = body; i < end; ++i) {
+    const double x = r[i];
+    lane[0][0] += x;
+    lane[1][0] += std::fabs(x);
+    lane[2][0] += x * x;
+  }
+  Moments m;
+  for (int l = 0; l < 16; ++l) {
+    m.sum += lane[0][l];
+    m.sum_abs += lane[1][l];
+    m.sum_sq += lane[2][l];
+  }
+  m.max_abs = largest;
+  return m;
+}
+
+// float32 sums are defined to the bit (so that the AVX-512, AVX2 and portable paths, and any
+// thread count, agree): per block of kCpuBlock elements, moments add in MomentLanes' order
+// (block_moments_restated), exceedances in four lanes (the t-th element taken in lane t % 4, lanes
+// in order); the blocks' sums are added in block order. The lengths cut the 16 lanes and the
+// runs of 8 anywhere; a block of huge and one of tiny magnitudes take the float64 order.
 TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
-  for (const int64_t n : {kN, 2 * kCpuBlock + 6, int64_t{3}, int64_t{6}, int64_t{7}, int64_t{13}, int64_t{301}}) {
+  for (const int64_t n : {kN, 2 * kCpuBlock + 6, int64_t{3}, int64_t{6}, int64_t{7}, int64_t{13}, int64_t{301},
+                          int64_t{16 * 8 * 3 + 16 * 5 + 9}}) {
     Bucket b;
     CpuDevice device;
+    if (n == kN) {  // block 1 huge, block 2 tiny (its largest just below 2^-40), in both directions
+      for (int64_t i = kCpuBlock; i < 2 * kCpuBlock; ++i) b.residual[i] *= 0x1p62f;
+      for (int64_t i = 2 * kCpuBlock; i < 3 * kCpuBlock; ++i) b.residual[i] *= 0x1p-44f;
+      for (int64_t i = kCpuBlock; i < 3 * kCpuBlock; ++i) b.grad[i] = 0.0f;
+    }
     const BucketView view{DType::kFloat32, n, b.grad.data(), b.residual.data()};
     const Moments m = device.moments(view, true);
     Moments want;
     for (int64_t begin = 0; begin < n; begin += kCpuBlock) {
-      const int64_t end = std::min(n, begin + kCpuBlock), body = begin + (end - begin) / 4 * 4;
-      double lane[3][4] = {};
-      for (int64_t i = begin; i < end; ++i) {
-        const double x = b.residual[i];
-        const int64_t l = i < body ? (i - begin) % 4 : 0;
-        lane[0][l] += x;
-        lane[1][l] += std::fabs(x);
-        lane[2][l] += x * x;
-      }
-      double block[3] = {};
-      for (int q = 0; q < 3; ++q)
-        for (int l = 0; l < 4; ++l) block[q] += lane[q][l];
-      want.sum += block[0];
-      want.sum_abs += block[1];
-      want.sum_sq += block[2];
+      const Moments block = block_moments_restated(b.residual.data(), begin, std::min(n, begin + kCpuBlock));
+      want.sum += block.sum;
+      want.sum_abs += block.sum_abs;
+      want.sum_sq += block.sum_sq;
+      want.max_abs = std::max(want.max_abs, block.max_abs);
     }
     EXPECT_EQ(m.sum, want.sum) << n;
     EXPECT_EQ(m.sum_abs, want.sum_abs) << n;
     EXPECT_EQ(m.sum_sq, want.sum_sq) << n;
+    EXPECT_EQ(m.max_abs, want.max_abs) << n;
+    if (n == kN) {  // the huge block's squares overflow float32: only the float64 order holds them
+      EXPECT_TRUE(std::isfinite(m.sum_sq));
+      EXPECT_GT(m.sum_sq, 1e30);
+    }
 
     for (const double threshold : {0.0, 0.3, 1.2, 1e30}) {
       const int64_t every = threshold == 0.3 ? 2 : 1;  // a sample reads whole blocks, in the same order

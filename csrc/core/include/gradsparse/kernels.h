@@ -127,7 +127,8 @@ struct BlockSample {
   }
 };
 
-/// Moments of the selection values: sums in float64 (docs/method-spec.md ruling 8).
+/// Moments of the selection values: sums in float64 (a float32 bucket's over float32 runs of at most
+/// 8 elements; docs/method-spec.md ruling 8).
 struct Moments {
   double sum_abs = 0.0;
   double sum = 0.0;

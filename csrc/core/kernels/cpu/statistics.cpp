@@ -1,10 +1,12 @@
 // CPU statistics kernels: the moments, counts and sums that threshold estimators need, each one
-// pass over memory (the first one fused with the error-feedback update). Sums are float64 and
-// block-ordered, so results do not depend on the thread count.
+// pass over memory (the first one fused with the error-feedback update). Sums are float64 (a
+// float32 block's moments over float32 runs: MomentLanes) and block-ordered, so results do not
+// depend on the thread count.
 //
-// float32 buckets take AVX2 paths when the CPU has them (simd.h): 8 elements at a time, elements
-// at or above a key found with vector comparisons. They add in exactly the portable code's order
-// (moments: MomentLanes; exceedance: one by one in index order), so both paths give the same bits.
+// float32 buckets take AVX2 or AVX-512 paths when the CPU has them (simd.h): 8 or 16 elements at
+// a time, elements at or above a key found with vector comparisons. They add in exactly the
+// portable code's order (moments: MomentLanes; exceedance: ExceedanceLanes), so every path gives
+// the same bits.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -48,37 +50,75 @@ void check_read_only(bool update, const char* what) {
 
 // ---- float32 moments in a fixed order -----------------------------------------------------------
 
-/// float32 moments of one block of residual values in four lanes: element i of the first
-/// (end - begin) / 4 * 4 goes to lane (i - begin) % 4 and the last (end - begin) % 4 to lane 0,
-/// each lane adds its elements in index order, and the lanes are added in lane order. This is the
-/// order of GCC's vectorisation of the generic loop in moments() (omp simd: 4 float32 lanes, the
-/// scalar remainder in lane 0) that earlier builds used for a residual; it is written out so that
-/// the portable and the AVX2 path both add in exactly that order and give the same bits. (Without
-/// a residual GCC keeps that loop sequential, and it still runs there.)
+/// float32 moments of one block of residual values in a fixed order, written out so that the
+/// portable, AVX2 and AVX-512 paths all add in exactly that order and give the same bits:
+/// - the body, the block's first (end - begin) / 16 * 16 elements, in 16 lanes: element i in lane
+///   (i - begin) % 16;
+/// - each lane adds its elements' v, |v| and v * v in float32 (one rounding each) in runs of kRows
+///   of its elements (the body's last run possibly shorter), and each run's three float32 sums
+///   to its float64 sums, in order;
+/// - the block's last (end - begin) % 16 elements go to lane 0 in float64, in index order;
+/// - the lanes add in lane order; the largest |v| is exact in any order.
+/// Short float32 runs cost a conversion to float64 per kRows elements instead of one per element
+/// (the pass with its sums measured 1.4 adds with every element in float64; docs/benchmarks.md)
+/// and keep about float32's precision (a relative 1e-7) in what is an estimate anyway. A block
+/// whose largest |v| is not in [kSmallest, kLargest] (or not finite), where float32 squares could
+/// overflow or lose bits as subnormals, adds every element in float64 in the same lanes instead
+/// (moments_f32_wide).
 struct MomentLanes {
-  double sum[4] = {};
-  double sum_abs[4] = {};
-  double sum_sq[4] = {};
-  double max_abs = 0.0;
+  static constexpr int kLanes = 16;
+  static constexpr int kRows = 8;
+  static constexpr float kSmallest = 0x1p-40f;
+  static constexpr float kLargest = 0x1p60f;
+  alignas(64) double sum[kLanes] = {};
+  alignas(64) double sum_abs[kLanes] = {};
+  alignas(64) double sum_sq[kLanes] = {};
+  alignas(64) float run[3][kLanes] = {};  ///< the current run's float32 sums: v, |v|, v * v
+  int rows = 0;
+  float max_abs = 0.0f;
 
-  /// The next four elements of the body: v[l] to lane l.
-  void add4(const float* v) {
-    for (int l = 0; l < 4; ++l) add(l, v[l]);
+  /// The next 16 elements of the body: v[l] to lane l.
+  void add16(const float* v) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float a = std::fabs(v[l]);
+      run[0][l] += v[l];
+      run[1][l] += a;
+      run[2][l] += v[l] * v[l];
+      max_abs = a > max_abs ? a : max_abs;  // as the vector paths' max(a, max_abs): a NaN keeps max_abs
+    }
+    if (++rows == kRows) end_run();
   }
-  /// The remainder (count < 4 elements): all to lane 0.
-  void add_rest(const float* v, int count) {
-    for (int j = 0; j < count; ++j) add(0, v[j]);
+  /// Adds the current run's float32 sums to the float64 ones.
+  void end_run() {
+    if (rows == 0) return;
+    for (int l = 0; l < kLanes; ++l) {
+      sum[l] += static_cast<double>(run[0][l]);
+      sum_abs[l] += static_cast<double>(run[1][l]);
+      sum_sq[l] += static_cast<double>(run[2][l]);
+      run[0][l] = run[1][l] = run[2][l] = 0.0f;
+    }
+    rows = 0;
   }
-  void add(int lane, float v) {
+  /// An element added in float64 to `lane`.
+  void add_wide(int lane, float v) {
     const double d = v, a = std::fabs(d);
     sum[lane] += d;
     sum_abs[lane] += a;
     sum_sq[lane] += d * d;
-    max_abs = std::max(max_abs, a);
+    const float f = std::fabs(v);
+    max_abs = f > max_abs ? f : max_abs;
   }
-  Moments total() const {
+  /// The block's last elements (count < 16): all to lane 0 in float64.
+  void add_rest(const float* v, int count) {
+    end_run();
+    for (int j = 0; j < count; ++j) add_wide(0, v[j]);
+  }
+  /// Whether the block must add in float64 throughout (moments_f32_wide).
+  bool needs_wide() const { return !(max_abs >= kSmallest && max_abs <= kLargest) && max_abs != 0.0f; }
+  Moments total() {
+    end_run();
     Moments m;
-    for (int l = 0; l < 4; ++l) {
+    for (int l = 0; l < kLanes; ++l) {
       m.sum += sum[l];
       m.sum_abs += sum_abs[l];
       m.sum_sq += sum_sq[l];
@@ -88,20 +128,36 @@ struct MomentLanes {
   }
 };
 
+/// MomentLanes' sums of the values r[begin, end) with every element in float64 (body element i
+/// in lane (i - begin) % 16, the last (end - begin) % 16 in lane 0): a block whose magnitudes
+/// float32 squares cannot hold.
+Moments moments_f32_wide(const float* r, int64_t begin, int64_t end) {
+  MomentLanes lanes;
+  const int64_t body = begin + (end - begin) / MomentLanes::kLanes * MomentLanes::kLanes;
+  for (int64_t i = begin; i < end; ++i)
+    lanes.add_wide(i < body ? static_cast<int>((i - begin) % MomentLanes::kLanes) : 0, r[i]);
+  return lanes.total();
+}
+
+/// The block's moments from its lanes, or in float64 throughout when its magnitudes need it.
+Moments finish_moments(MomentLanes& lanes, const float* r, int64_t begin, int64_t end) {
+  return lanes.needs_wide() ? moments_f32_wide(r, begin, end) : lanes.total();
+}
+
 /// Portable float32 moments of the residual values of [begin, end) (already updated), in
 /// MomentLanes' order.
 Moments moments_f32_portable(Source<float> src, int64_t begin, int64_t end) {
   MomentLanes lanes;
-  float v[4];
+  float v[MomentLanes::kLanes];
   int64_t i = begin;
-  for (; i + 4 <= end; i += 4) {
-    for (int l = 0; l < 4; ++l) v[l] = src.value(i + l);
-    lanes.add4(v);
+  for (; i + MomentLanes::kLanes <= end; i += MomentLanes::kLanes) {
+    for (int l = 0; l < MomentLanes::kLanes; ++l) v[l] = src.value(i + l);
+    lanes.add16(v);
   }
   const int rest = static_cast<int>(end - i);
   for (int l = 0; l < rest; ++l) v[l] = src.value(i + l);
   lanes.add_rest(v, rest);
-  return lanes.total();
+  return finish_moments(lanes, src.residual, begin, end);
 }
 
 // ---- AVX2 paths (float32) -----------------------------------------------------------------------
@@ -197,73 +253,127 @@ void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t*
   count_keys_avx2<kFewKeys>(v, lo, hi, keys, m, at_least);
 }
 
-/// moments() of a float32 block, 8 elements a step: the four float64 lanes of a vector are
-/// MomentLanes' lanes (elements j..j+3 are added, then j+4..j+7), so the sums are the portable
-/// path's to the bit. With a `mask` (room for (end - begin + 7) / 8 bytes), bit t of it is set
+/// The block's last elements after a vector body (fewer than 16, from `tail`, a multiple of 8 past
+/// `begin`): read one by one (with the update), marked in `mask` when there is one, and added to
+/// `lanes` (in float64, MomentLanes::add_rest) when there are any.
+template <Read kRead>
+void moments_tail(const Source<float>& src, int64_t begin, int64_t tail, int64_t end, uint32_t key, uint8_t* mask,
+                  int64_t& nonfinite, MomentLanes* lanes) {
+  float rest[MomentLanes::kLanes];
+  const int count = static_cast<int>(end - tail);
+  uint32_t bits = 0;
+  for (int t = 0; t < count; ++t) {
+    rest[t] = value1<kRead>(src, tail + t, nonfinite);
+    bits |= static_cast<uint32_t>(Num<float>::key(rest[t]) >= key) << t;
+  }
+  if (mask != nullptr) {
+    for (int b = 0; b < (count + 7) / 8; ++b) mask[(tail - begin) / 8 + b] = static_cast<uint8_t>(bits >> (8 * b));
+  }
+  if (lanes != nullptr) lanes->add_rest(rest, count);
+}
+
+/// Adds 8 lanes' float32 run sums `x` to their float64 sums `to[0..8)`, and clears `x`.
+GS_TARGET_AVX2 inline void end_run8_avx2(double* to, __m256& x) {
+  _mm256_store_pd(to, _mm256_add_pd(_mm256_load_pd(to), _mm256_cvtps_pd(_mm256_castps256_ps128(x))));
+  _mm256_store_pd(to + 4, _mm256_add_pd(_mm256_load_pd(to + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1))));
+  x = _mm256_setzero_ps();
+}
+
+/// Adds the run sums of 16 lanes (`s`, `a`, `q`: two vectors of 8 each) to `lanes`, and clears them.
+GS_TARGET_AVX2 inline void end_run16_avx2(MomentLanes& lanes, __m256* s, __m256* a, __m256* q) {
+  for (int h = 0; h < 2; ++h) {
+    end_run8_avx2(lanes.sum + 8 * h, s[h]);
+    end_run8_avx2(lanes.sum_abs + 8 * h, a[h]);
+    end_run8_avx2(lanes.sum_sq + 8 * h, q[h]);
+  }
+}
+
+/// The largest of a vector's lanes (none of them NaN).
+GS_TARGET_AVX2 inline float max8_avx2(__m256 x) {
+  alignas(32) float t[8];
+  _mm256_store_ps(t, x);
+  return *std::max_element(t, t + 8);
+}
+
+/// moments() of a float32 block, 16 elements a step as two vectors of 8 lanes, in MomentLanes'
+/// order to the bit. With a `mask` (room for (end - begin + 7) / 8 bytes), bit t of it is set
 /// when element begin + t has key >= `key`: the block's candidates, marked while its values are
 /// in registers, so that scan() lists them without reading the block again. Without kSums only
 /// `nonfinite` is counted (the sums stay zero).
 template <Read kRead, bool kSums = true>
 GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                                         uint8_t* mask = nullptr) {
-  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(below_key(key));
-  __m256d s = _mm256_setzero_pd(), a = s, q = s, mx = s;
+  const __m256 zero = _mm256_setzero_ps();
+  MomentLanes lanes;
+  __m256 s[2] = {zero, zero}, a[2] = {zero, zero}, q[2] = {zero, zero}, mx = zero;  // the run's float32 sums
   __m256i bad = _mm256_setzero_si256();
+  int rows = 0;
   int64_t j = begin;
-  for (; j + 8 <= end; j += 8) {
-    const __m256 v = values8<kRead>(src, j, bad);
-    if (mask != nullptr) {
-      const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
-      mask[(j - begin) / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+  for (; j + 16 <= end; j += 16) {
+    for (int h = 0; h < 2; ++h) {
+      const __m256 v = values8<kRead>(src, j + 8 * h, bad);
+      if (mask != nullptr) {
+        const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
+        mask[(j - begin) / 8 + h] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+      }
+      if constexpr (kSums) {
+        const __m256 av = _mm256_and_ps(v, _mm256_castsi256_ps(magnitude));
+        s[h] = _mm256_add_ps(s[h], v);
+        a[h] = _mm256_add_ps(a[h], av);
+        q[h] = _mm256_add_ps(q[h], _mm256_mul_ps(v, v));
+        mx = _mm256_max_ps(av, mx);  // a NaN keeps mx, as MomentLanes does
+      }
     }
     if constexpr (kSums) {
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-      const __m256d alo = _mm256_and_pd(lo, abs_mask), ahi = _mm256_and_pd(hi, abs_mask);
-      s = _mm256_add_pd(_mm256_add_pd(s, lo), hi);
-      a = _mm256_add_pd(_mm256_add_pd(a, alo), ahi);
-      q = _mm256_add_pd(_mm256_add_pd(q, _mm256_mul_pd(lo, lo)), _mm256_mul_pd(hi, hi));
-      mx = _mm256_max_pd(mx, _mm256_max_pd(alo, ahi));  // exact in any order
+      if (++rows == MomentLanes::kRows) {
+        end_run16_avx2(lanes, s, a, q);
+        rows = 0;
+      }
     }
   }
   int64_t nonfinite = count_lanes(bad);
-  float rest[8];
-  int count = 0;
-  const int64_t tail = j;
-  for (; j < end; ++j) rest[count++] = value1<kRead>(src, j, nonfinite);
-  if (mask != nullptr && count > 0) {
-    uint32_t bits = 0;
-    for (int t = 0; t < count; ++t) bits |= static_cast<uint32_t>(Num<float>::key(rest[t]) >= key) << t;
-    mask[(tail - begin) / 8] = static_cast<uint8_t>(bits);
-  }
   Moments m;
   if constexpr (kSums) {
-    MomentLanes lanes;
-    _mm256_storeu_pd(lanes.sum, s);
-    _mm256_storeu_pd(lanes.sum_abs, a);
-    _mm256_storeu_pd(lanes.sum_sq, q);
-    alignas(32) double t[4];
-    _mm256_store_pd(t, mx);
-    lanes.max_abs = std::max(std::max(t[0], t[1]), std::max(t[2], t[3]));
-    if (count >= 4) lanes.add4(rest);
-    lanes.add_rest(rest + (count & 4), count & 3);
-    m = lanes.total();
+    if (rows > 0) end_run16_avx2(lanes, s, a, q);
+    lanes.max_abs = max8_avx2(mx);
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
+    m = finish_moments(lanes, src.residual, begin, end);
+  } else {
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr);
   }
   m.nonfinite = nonfinite;
   return m;
 }
 
-/// moments_f32_avx2 without sums, 16 elements a step: the non-finite count and the candidate
-/// mask, the whole of Top-k's, SAGE's, MiCRO's and ExDyna's scan. (With the sums the pass waits
-/// on their float64 arithmetic and takes as long at either width: docs/benchmarks.md.)
-template <Read kRead>
+// GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
+// bug 105593); nothing here reads one.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+/// Adds 16 lanes' float32 run sums `x` to their float64 sums (`to`: lanes 0-7, 8-15), and clears `x`.
+GS_TARGET_AVX512 inline void end_run16_avx512(__m512d* to, __m512& x) {
+  to[0] = _mm512_add_pd(to[0], _mm512_cvtps_pd(_mm512_castps512_ps256(x)));
+  to[1] = _mm512_add_pd(to[1], _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
+  x = _mm512_setzero_ps();
+}
+
+/// moments_f32_avx2 in 16 lanes of 512 bits, in MomentLanes' order to the bit: the non-finite
+/// count and the candidate mask, with kSums the sums too. Without them this is the whole of
+/// Top-k's, SAGE's, MiCRO's and ExDyna's scan.
+template <Read kRead, bool kSums>
 GS_TARGET_AVX512 Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
                                           uint8_t* mask) {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   const __m512i below = _mm512_set1_epi32(below_key(key));
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512d zero_d = _mm512_setzero_pd();
+  __m512 s = zero, a = zero, q = zero, mx = zero;  // the run's float32 sums
+  __m512d sum[2] = {zero_d, zero_d}, sum_abs[2] = {zero_d, zero_d}, sum_sq[2] = {zero_d, zero_d};
   int64_t nonfinite = 0;
+  int rows = 0;
   int64_t j = begin;
   for (; j + 16 <= end; j += 16) {
     __m512 v;
@@ -283,21 +393,44 @@ GS_TARGET_AVX512 Moments marks_f32_avx512(const Source<float>& src, int64_t begi
       const uint16_t hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
       std::memcpy(mask + (j - begin) / 8, &hit, sizeof(hit));
     }
-  }
-  uint32_t bits = 0;
-  const int64_t tail = j;
-  for (; j < end; ++j) {
-    const float v = value1<kRead>(src, j, nonfinite);
-    bits |= static_cast<uint32_t>(Num<float>::key(v) >= key) << (j - tail);
-  }
-  if (mask != nullptr) {
-    for (int64_t b = 0; b < (j - tail + 7) / 8; ++b)
-      mask[(tail - begin) / 8 + b] = static_cast<uint8_t>(bits >> (8 * b));
+    if constexpr (kSums) {
+      const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+      s = _mm512_add_ps(s, v);
+      a = _mm512_add_ps(a, av);
+      q = _mm512_add_ps(q, _mm512_mul_ps(v, v));
+      mx = _mm512_max_ps(av, mx);  // a NaN keeps mx, as MomentLanes does
+      if (++rows == MomentLanes::kRows) {
+        end_run16_avx512(sum, s);
+        end_run16_avx512(sum_abs, a);
+        end_run16_avx512(sum_sq, q);
+        rows = 0;
+      }
+    }
   }
   Moments m;
+  if constexpr (kSums) {
+    if (rows > 0) {
+      end_run16_avx512(sum, s);
+      end_run16_avx512(sum_abs, a);
+      end_run16_avx512(sum_sq, q);
+    }
+    MomentLanes lanes;
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_pd(lanes.sum + 8 * h, sum[h]);
+      _mm512_store_pd(lanes.sum_abs + 8 * h, sum_abs[h]);
+      _mm512_store_pd(lanes.sum_sq + 8 * h, sum_sq[h]);
+    }
+    lanes.max_abs = _mm512_reduce_max_ps(mx);
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
+    m = finish_moments(lanes, src.residual, begin, end);
+  } else {
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr);
+  }
   m.nonfinite = nonfinite;
   return m;
 }
+
+#pragma GCC diagnostic pop
 
 /// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
 /// the selected lanes of a vector at its front.
@@ -383,7 +516,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
 template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                          uint8_t* mask = nullptr);
-template <Read kRead>
+template <Read kRead, bool kSums>
 Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
@@ -426,12 +559,12 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
   // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
   if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
         constexpr Read kRead = decltype(read)::value;
-        if (sums)
-          m = moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask);
-        else if (use_avx512())
-          m = marks_f32_avx512<kRead>(as_f32(src), begin, end, key, mask);
+        if (use_avx512())
+          m = sums ? marks_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask)
+                   : marks_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask);
         else
-          m = moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
+          m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
+                   : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
       })) {
     if (marked != nullptr) *marked = true;
     return m;
