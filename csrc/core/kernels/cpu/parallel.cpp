@@ -10,11 +10,15 @@ std::atomic<int> g_threads{0};
 
 int default_threads() {
   if (const char* env = std::getenv("GRADSPARSE_NUM_THREADS"); env != nullptr && *env != '\0') {
+    // Digits between spaces only, as import gradsparse checks it (strtol alone would take "+2").
+    const char* digits = env;
+    while (*digits == ' ') ++digits;
     char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    while (*end == ' ') ++end;
-    if (*end == '\0' && v > 0 && v <= 4096) return static_cast<int>(v);
-    // Read inside parallel loops, where nothing may throw (import gradsparse refuses it first).
+    const long v = *digits >= '0' && *digits <= '9' ? std::strtol(digits, &end, 10) : 0;
+    while (end != nullptr && *end == ' ') ++end;
+    if (end != nullptr && *end == '\0' && v > 0 && v <= 4096) return static_cast<int>(v);
+    // Read once, by the first kernel of a step, where an error would fail that step on this rank
+    // alone: a warning and the default instead (import gradsparse refuses it on every rank first).
     std::fprintf(stderr,
                  "gradsparse: GRADSPARSE_NUM_THREADS=%s is not a whole number from 1 to 4096; the CPU kernels use "
                  "OpenMP's default (set it to, for example, 2, or unset it)\n",
