@@ -366,8 +366,8 @@ GS_TARGET_AVX512 inline void end_run16_avx512(__m512d* to, __m512& x) {
 /// count and the candidate mask, with kSums the sums too. Without them this is the whole of
 /// Top-k's, SAGE's, MiCRO's and ExDyna's scan.
 template <Read kRead, bool kSums>
-GS_TARGET_AVX512 Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
-                                          uint8_t* mask) {
+GS_TARGET_AVX512 Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
+                                            uint8_t* mask) {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   const __m512i below = _mm512_set1_epi32(below_key(key));
   const __m512 zero = _mm512_setzero_ps();
@@ -521,7 +521,7 @@ template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
                          uint8_t* mask = nullptr);
 template <Read kRead, bool kSums>
-Moments marks_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
+Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
 #endif  // GS_HAVE_AVX2_PATHS
@@ -564,8 +564,8 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
   if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
         constexpr Read kRead = decltype(read)::value;
         if (use_avx512())
-          m = sums ? marks_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask)
-                   : marks_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask);
+          m = sums ? moments_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask)
+                   : moments_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask);
         else
           m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
                    : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
