@@ -362,6 +362,14 @@ GS_TARGET_AVX512 inline void end_run16_avx512(__m512d* to, __m512& x) {
   x = _mm512_setzero_ps();
 }
 
+/// end_run16_avx512 for the three sums (v, |v|, v * v) of a run.
+GS_TARGET_AVX512 inline void end_runs_avx512(__m512d* sum, __m512d* sum_abs, __m512d* sum_sq, __m512& s, __m512& a,
+                                             __m512& q) {
+  end_run16_avx512(sum, s);
+  end_run16_avx512(sum_abs, a);
+  end_run16_avx512(sum_sq, q);
+}
+
 /// moments_f32_avx2 in 16 lanes of 512 bits, in MomentLanes' order to the bit: the non-finite
 /// count and the candidate mask, with kSums the sums too. Without them this is the whole of
 /// Top-k's, SAGE's, MiCRO's and ExDyna's scan.
@@ -402,20 +410,14 @@ GS_TARGET_AVX512 Moments moments_f32_avx512(const Source<float>& src, int64_t be
       q = _mm512_add_ps(q, _mm512_mul_ps(v, v));
       mx = _mm512_max_ps(av, mx);  // a NaN keeps mx, as MomentLanes does
       if (++rows == MomentLanes::kRows) {
-        end_run16_avx512(sum, s);
-        end_run16_avx512(sum_abs, a);
-        end_run16_avx512(sum_sq, q);
+        end_runs_avx512(sum, sum_abs, sum_sq, s, a, q);
         rows = 0;
       }
     }
   }
   Moments m;
   if constexpr (kSums) {
-    if (rows > 0) {
-      end_run16_avx512(sum, s);
-      end_run16_avx512(sum_abs, a);
-      end_run16_avx512(sum_sq, q);
-    }
+    if (rows > 0) end_runs_avx512(sum, sum_abs, sum_sq, s, a, q);
     MomentLanes lanes;
     for (int h = 0; h < 2; ++h) {
       _mm512_store_pd(lanes.sum + 8 * h, sum[h]);
