@@ -1,12 +1,14 @@
 // Conversions between float32 and the 16-bit types: exact widening, round-to-nearest-even
-// narrowing, and magnitude keys that order like |x|.
+// narrowing, magnitude keys that order like |x|, and the look-up of a key's bin (KeyBins).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
 #include <vector>
 
+#include "gradsparse/key_bins.h"
 #include "gradsparse/numeric.h"
 
 using namespace gradsparse;
@@ -99,6 +101,42 @@ TEST(Numeric, MagnitudeKeysOrderLikeAbsoluteValues) {
   EXPECT_FALSE(is_finite(std::numeric_limits<float>::quiet_NaN()));
   EXPECT_FALSE(is_finite(Num<BFloat16>::from_float(-std::numeric_limits<float>::infinity())));
   EXPECT_TRUE(is_finite(Num<Half>::from_float(65504.0f)));
+}
+
+// KeyBins::bin against a binary search, over every key near a bin's edge, at each table end and
+// random keys between, for keys spread far enough apart that no slot needs a second step (the
+// band's keys) and for keys that crowd some slots (clusters and repeats).
+TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
+  std::mt19937 rng(5);
+  auto check = [&](std::vector<uint32_t> keys, bool crowded) {
+    std::sort(keys.begin(), keys.end());
+    const KeyBins table(keys.data(), static_cast<int>(keys.size()));
+    const KeyBins::Lookup bins = table.lookup();
+    EXPECT_EQ(bins.crowded, crowded);
+    std::vector<uint32_t> probes{0x7fffffffu, keys.back() + 1};  // the largest magnitude key (a NaN's)
+    for (uint32_t k : keys)
+      for (uint32_t d : {0u, 1u}) probes.insert(probes.end(), {k + d, k > keys[0] ? k - d : k});
+    std::uniform_int_distribution<uint32_t> between(keys.front(), keys.back());
+    for (int i = 0; i < 20000; ++i) probes.push_back(between(rng));
+    for (uint32_t key : probes) {
+      const int expected = static_cast<int>(std::upper_bound(keys.begin(), keys.end(), key) - keys.begin()) - 1;
+      ASSERT_EQ(bins.bin(key), expected) << "key " << key << ", " << keys.size() << " keys";
+    }
+  };
+  // MiCRO's band: 257 geometric edges over a factor of 1.25^2, as float32 keys
+  std::vector<uint32_t> band;
+  for (int b = 0; b <= 256; ++b)
+    band.push_back(Num<float>::key(static_cast<float>(2.0 / 1.25 * std::pow(1.25, b / 128.0))));
+  check(band, false);
+  // a cluster: three keys within one slot of a wide table
+  std::vector<uint32_t> cluster{100, 5000000, 5000001, 5000002, 9000000};
+  check(cluster, true);
+  // repeated keys inside a slot: bin() is the last of them
+  std::vector<uint32_t> repeats{0, 2000000, 2000000, 2000000, 30000000};
+  check(repeats, true);
+  // few keys far apart; and one key
+  check({7, 1u << 20, 1u << 30}, false);
+  check({12345}, false);
 }
 
 TEST(Numeric, ThresholdIsRoundedToTheBucketDtype) {
