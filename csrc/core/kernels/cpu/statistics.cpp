@@ -631,7 +631,8 @@ struct ScanList {
   int64_t size = 0;
   int64_t above = 0;  ///< candidates of its blocks, listed or not
   int64_t first_block = -1, blocks = 0;
-  void clear() { size = above = blocks = 0, first_block = -1; }
+  int writes = 2;  ///< list_marked's writes without a branch, from the last block's candidates
+  void clear() { size = above = blocks = 0, first_block = -1, writes = 2; }
   /// Room for m more entries after the listed ones.
   void room(int64_t m) {
     if (size + m > static_cast<int64_t>(index.size())) {
@@ -682,8 +683,10 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     if constexpr (std::is_same_v<T, float>) {  // marked: on the AVX2 paths, the candidates from the mask
       if (marked) {
         if (listing) {
-          found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size);
+          found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size,
+                              p.writes);
           p.size += found;
+          p.writes = unmarked_writes(found, hi - lo);
         } else {
           found = count_marked(mask, begin, lo, hi);
         }
