@@ -321,6 +321,30 @@ TEST(Passes, ScanListsCandidatesAfterBlocksOfEveryDensity) {
     ASSERT_EQ(s.candidates.value[j], residual[static_cast<size_t>(s.candidates.index[j])]);
 }
 
+// Large fills and copies run in parallel blocks of 128 KiB (cpu_device.cpp): every byte of an
+// odd length is written, none outside it, and an overlapping copy keeps memmove's result.
+TEST(Passes, LargeFillsAndCopiesWriteEveryByte) {
+  const size_t bytes = (size_t{3} << 20) + 5;
+  std::vector<unsigned char> a(bytes + 2), b(bytes + 2);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<unsigned char>(i * 7 + 1);
+  CpuDevice device;
+  device.copy(b.data() + 1, a.data() + 1, bytes);
+  EXPECT_EQ(b[0], 0);
+  EXPECT_EQ(b[bytes + 1], 0);
+  EXPECT_TRUE(std::equal(a.begin() + 1, a.end() - 1, b.begin() + 1));
+  device.fill_zero(a.data() + 1, bytes);
+  EXPECT_EQ(a[0], 1);
+  EXPECT_EQ(a[bytes + 1], static_cast<unsigned char>((bytes + 1) * 7 + 1));
+  EXPECT_TRUE(std::all_of(a.begin() + 1, a.end() - 1, [](unsigned char c) { return c == 0; }));
+  for (const int shift : {1000, -1000}) {  // overlapping, either way
+    std::vector<unsigned char> want = b, got = b;
+    const size_t from = shift > 0 ? 0 : 1000, to = shift > 0 ? 1000 : 0, length = bytes - 1000;
+    std::memmove(want.data() + to, want.data() + from, length);
+    device.copy(got.data() + to, got.data() + from, length);
+    EXPECT_EQ(got, want) << "shift " << shift;
+  }
+}
+
 TEST(Passes, CandidatesSamplesGatherAndZeroing) {
   Bucket b;
   CpuDevice device;
