@@ -1,10 +1,11 @@
 // The passes methods build on (Device API on the CPU) against naive loops: selection over a range
 // with or without the fused update and zeroing, moments, counts, exceedances, log sums,
-// candidates, samples, gather and zeroing at indices.
+// candidates, samples, gather and zeroing at indices, large fills and copies.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
