@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -137,6 +138,56 @@ TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
   // few keys far apart; and one key
   check({7, 1u << 20, 1u << 30}, false);
   check({12345}, false);
+}
+
+TEST(Numeric, KeyBinsCountEveryKeyIntoItsBin) {
+  // On the AVX-512 path (ctest also runs this with GRADSPARSE_SIMD=avx2 and 0) a table that is not
+  // crowded counts 16 keys a step and the last n % 16 one at a time; a crowded one every key alone.
+  std::mt19937 rng(6);
+  auto expected_bins = [](const std::vector<uint32_t>& keys, const std::vector<uint32_t>& in) {
+    std::vector<int64_t> in_bin(keys.size() + 1, 0);
+    for (uint32_t key : in) ++in_bin[std::upper_bound(keys.begin(), keys.end(), key) - keys.begin()];
+    return in_bin;
+  };
+  auto check = [&](std::vector<uint32_t> keys, bool crowded) {
+    std::sort(keys.begin(), keys.end());
+    const KeyBins table(keys.data(), static_cast<int>(keys.size()));
+    EXPECT_EQ(table.lookup().crowded, crowded);
+    // keys below, at, just past and between the table's, and the largest bin() takes: 16 * 125 + 7
+    std::vector<uint32_t> in{0u, 0xfffffffeu, keys.front() - 1, keys.back() + 1};
+    for (uint32_t k : keys) in.insert(in.end(), {k, k + 1, k - 1});
+    std::uniform_int_distribution<uint32_t> around(keys.front() / 2, keys.back() + keys.back() / 4);
+    while (in.size() < 16 * 125 + 7) in.push_back(around(rng));
+    std::vector<int64_t> in_bin(keys.size() + 1, 3);  // count() adds to what is there
+    table.count(in.data(), static_cast<int64_t>(in.size()), in_bin.data());
+    std::vector<int64_t> expected = expected_bins(keys, in);
+    for (int64_t& c : expected) c += 3;
+    EXPECT_EQ(in_bin, expected) << keys.size() << " keys";
+    // the same as float32 values of either sign, whose keys are their magnitudes' bits
+    std::vector<float> values(in.size());
+    std::vector<uint32_t> magnitudes(in.size());
+    for (size_t i = 0; i < in.size(); ++i) {
+      const uint32_t bits = (in[i] & 0x7fffffffu) | (i % 3 == 0 ? 0x80000000u : 0u);
+      std::memcpy(&values[i], &bits, sizeof bits);
+      magnitudes[i] = Num<float>::key(values[i]);
+    }
+    std::vector<int64_t> value_bins(keys.size() + 1, 0);
+    table.count(values.data(), static_cast<int64_t>(values.size()), value_bins.data());
+    EXPECT_EQ(value_bins, expected_bins(keys, magnitudes)) << keys.size() << " keys, float32 values";
+  };
+  std::vector<uint32_t> band;  // MiCRO's band (as in KeyBinsFindTheLastKeyAtOrBelow)
+  for (int b = 0; b <= 256; ++b)
+    band.push_back(Num<float>::key(static_cast<float>(2.0 / 1.25 * std::pow(1.25, b / 128.0))));
+  check(band, false);
+  check({100, 5000000, 5000001, 5000002, 9000000}, true);
+  check({7, 1u << 20, 1u << 30}, false);
+  check({12345}, false);
+  // no keys: every key is below
+  const KeyBins none(nullptr, 0);
+  const uint32_t some[3] = {1, 2, 3};
+  int64_t below = 0;
+  none.count(some, 3, &below);
+  EXPECT_EQ(below, 3);
 }
 
 TEST(Numeric, ThresholdIsRoundedToTheBucketDtype) {

@@ -214,12 +214,8 @@ int64_t OnePass::Counts::operator[](size_t j) {
         sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
         // in_bin[b + 1]: candidates from sorted[b] up to the next key; in_bin[0]: those below all.
         std::vector<int64_t> in_bin(sorted.size() + 1, 0);
-        const KeyBins table(sorted.data(), static_cast<int>(sorted.size()));
-        const KeyBins::Lookup bins = table.lookup();
-        for (uint32_t key : keys) {
-          const size_t b = static_cast<size_t>(bins.bin(std::max(key, sorted[0]))) + 1;
-          ++in_bin[key >= sorted[0] ? b : 0];
-        }
+        KeyBins(sorted.data(), static_cast<int>(sorted.size()))
+            .count(keys.data(), static_cast<int64_t>(keys.size()), in_bin.data());
         for (size_t b = sorted.size(); b > 1; --b) in_bin[b - 1] += in_bin[b];  // now: at or above
         for (size_t i = 0; i < which.size(); ++i) {
           const uint32_t key = keys_[which[i]];

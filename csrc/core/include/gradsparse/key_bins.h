@@ -1,5 +1,5 @@
 // KeyBins: which of a few sorted keys an element's key falls under, by a table look-up instead of a
-// search (host code: the CPU counting kernel and the band counts of MiCRO and ExDyna).
+// search (host code: the CPU counting kernel, the band counts of MiCRO and ExDyna, OnePass's counts).
 #pragma once
 
 #include <algorithm>
@@ -27,7 +27,8 @@ class KeyBins {
     int m;
     bool crowded;  ///< whether some slot holds two keys or more past its first (see bin)
 
-    /// The last j with keys[j] <= key, for key >= keys[0]. The first step past the slot's key
+    /// The last j with keys[j] <= key, for keys[0] <= key < 0xffffffff (every magnitude key is
+    /// below; next[]'s past the last key is 0xffffffff). The first step past the slot's key
     /// is taken without a branch: where a slot holds a key (MiCRO's band: one slot in ten),
     /// whether a key lies past it is as good as random. Only a crowded table takes further steps.
     /// Over a million band keys (a C++ loop): 4.0 ms through the table's fields with a branch,
@@ -63,6 +64,14 @@ class KeyBins {
   Lookup lookup() const {
     return Lookup{keys_, slot_.data(), next_.data(), base_, shift_, slot_.empty() ? 0 : slot_.size() - 1, m_, crowded_};
   }
+
+  /// Counts n keys (each below 0xffffffff, as bin() needs) into m + 1 bins: in_bin[0] += those
+  /// below keys[0], in_bin[j + 1] += those at or above keys[j] and below keys[j + 1] (the last
+  /// bin: from keys[m - 1] up; with no keys, every key is below). On the AVX-512 path of the CPU
+  /// kernels (kernels/cpu/key_bins.cpp), a table that is not crowded looks up 16 keys a step.
+  void count(const uint32_t* keys, int64_t n, int64_t* in_bin) const;
+  /// count() of float32 values' keys (Num<float>::key: the bits of |v|).
+  void count(const float* values, int64_t n, int64_t* in_bin) const;
 
  private:
   static constexpr uint32_t kSlots = 4096;

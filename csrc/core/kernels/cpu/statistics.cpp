@@ -105,7 +105,7 @@ struct MomentLanes {
     sum[lane] += d;
     sum_abs[lane] += a;
     sum_sq[lane] += d * d;
-    const float f = std::fabs(v);
+    const float f = static_cast<float>(a);  // |v| exactly
     max_abs = f > max_abs ? f : max_abs;
   }
   /// The block's last elements (count < 16): all to lane 0 in float64.

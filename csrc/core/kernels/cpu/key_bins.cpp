@@ -1,0 +1,95 @@
+// KeyBins::count (key_bins.h): keys counted into the bins of a table, 16 a step on the AVX-512
+// path. The band counts of MiCRO and ExDyna at density 0.01 bin about a million candidates a
+// step; one look-up at a time, a key cost 3.5 to 5 ns (loads of the slot that wait for the key's
+// arithmetic, a branch on whether it lies below the band), 16 at a time about 1.3 ns.
+#include <type_traits>
+
+#include "gradsparse/key_bins.h"
+#include "gradsparse/numeric.h"
+#include "simd.h"
+
+namespace gradsparse {
+
+namespace {
+
+inline uint32_t key_of(uint32_t key) { return key; }
+inline uint32_t key_of(float v) { return Num<float>::key(v); }
+
+/// The bits of an input that key_of keeps, for the vector path's loads.
+template <typename In>
+constexpr uint32_t kKeyMask = std::is_same_v<In, float> ? 0x7fffffffu : 0xffffffffu;
+
+template <typename In>
+void count_portable(const KeyBins::Lookup& bins, const In* in, int64_t begin, int64_t end, int64_t* in_bin) {
+  const uint32_t lowest = bins.keys[0];
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = key_of(in[i]);
+    ++in_bin[key < lowest ? 0 : bins.bin(key) + 1];
+  }
+}
+
+#if GS_HAVE_AVX2_PATHS
+// GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
+// bug 105593); nothing here reads one.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+/// count_portable over the first n - n % 16 inputs, 16 a step, for a table that is not crowded;
+/// returns how many it counted. The lanes' bins go through a small buffer to the scalar
+/// increments (several lanes often share a bin).
+template <typename In>
+GS_TARGET_AVX512 int64_t count_avx512(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
+  const __m512i mask = _mm512_set1_epi32(static_cast<int>(kKeyMask<In>));
+  const __m512i lowest = _mm512_set1_epi32(static_cast<int>(bins.keys[0]));
+  const __m512i base = _mm512_set1_epi32(static_cast<int>(bins.base));
+  const __m512i last_slot = _mm512_set1_epi32(static_cast<int>(bins.last_slot));
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m128i shift = _mm_cvtsi32_si128(bins.shift);
+  alignas(64) int32_t at[16];
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i key = _mm512_and_si512(_mm512_loadu_si512(in + i), mask);
+    const __mmask16 inside = _mm512_cmpge_epu32_mask(key, lowest);
+    // a key below keys[0] wraps past the last slot and is clamped to it: its look-up is discarded
+    const __m512i t = _mm512_min_epu32(_mm512_srl_epi32(_mm512_sub_epi32(key, base), shift), last_slot);
+    __m512i j = _mm512_i32gather_epi32(t, bins.slot, 4);
+    const __m512i next = _mm512_i32gather_epi32(t, bins.next, 4);
+    j = _mm512_mask_add_epi32(j, _mm512_cmpge_epu32_mask(key, next), j, one);  // bin(key)
+    _mm512_store_si512(at, _mm512_maskz_add_epi32(inside, j, one));            // + 1, or 0 below
+    for (int l = 0; l < 16; ++l) ++in_bin[at[l]];
+  }
+  return i;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // GS_HAVE_AVX2_PATHS
+
+template <typename In>
+void count_keys_into(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
+  if (bins.m == 0) {
+    in_bin[0] += n;
+    return;
+  }
+  int64_t done = 0;
+#if GS_HAVE_AVX2_PATHS
+  if (cpu::use_avx512() && !bins.crowded) done = count_avx512(bins, in, n, in_bin);
+#endif
+  count_portable(bins, in, done, n, in_bin);
+}
+
+}  // namespace
+
+void KeyBins::count(const uint32_t* keys, int64_t n, int64_t* in_bin) const {
+  count_keys_into(lookup(), keys, n, in_bin);
+}
+
+void KeyBins::count(const float* values, int64_t n, int64_t* in_bin) const {
+  count_keys_into(lookup(), values, n, in_bin);
+}
+
+}  // namespace gradsparse
