@@ -70,7 +70,7 @@ GS_TARGET_AVX512 int64_t count_avx512(const KeyBins::Lookup& bins, const In* in,
 #endif  // GS_HAVE_AVX2_PATHS
 
 template <typename In>
-void count_keys_into(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
+void count_into_bins(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
   if (bins.m == 0) {
     in_bin[0] += n;
     return;
@@ -85,11 +85,11 @@ void count_keys_into(const KeyBins::Lookup& bins, const In* in, int64_t n, int64
 }  // namespace
 
 void KeyBins::count(const uint32_t* keys, int64_t n, int64_t* in_bin) const {
-  count_keys_into(lookup(), keys, n, in_bin);
+  count_into_bins(lookup(), keys, n, in_bin);
 }
 
 void KeyBins::count(const float* values, int64_t n, int64_t* in_bin) const {
-  count_keys_into(lookup(), values, n, in_bin);
+  count_into_bins(lookup(), values, n, in_bin);
 }
 
 }  // namespace gradsparse
