@@ -53,6 +53,14 @@ std::vector<float> probe_floats() {
   return v;
 }
 
+/// MiCRO's band: 257 geometric edges over a factor of 1.25^2, as float32 keys.
+std::vector<uint32_t> band_keys() {
+  std::vector<uint32_t> band;
+  for (int b = 0; b <= 256; ++b)
+    band.push_back(Num<float>::key(static_cast<float>(2.0 / 1.25 * std::pow(1.25, b / 128.0))));
+  return band;
+}
+
 }  // namespace
 
 TEST(Numeric, HalfWideningIsExactForEveryEncoding) {
@@ -124,11 +132,7 @@ TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
       ASSERT_EQ(bins.bin(key), expected) << "key " << key << ", " << keys.size() << " keys";
     }
   };
-  // MiCRO's band: 257 geometric edges over a factor of 1.25^2, as float32 keys
-  std::vector<uint32_t> band;
-  for (int b = 0; b <= 256; ++b)
-    band.push_back(Num<float>::key(static_cast<float>(2.0 / 1.25 * std::pow(1.25, b / 128.0))));
-  check(band, false);
+  check(band_keys(), false);
   // a cluster: three keys within one slot of a wide table
   std::vector<uint32_t> cluster{100, 5000000, 5000001, 5000002, 9000000};
   check(cluster, true);
@@ -175,10 +179,7 @@ TEST(Numeric, KeyBinsCountEveryKeyIntoItsBin) {
     table.count(values.data(), static_cast<int64_t>(values.size()), value_bins.data());
     EXPECT_EQ(value_bins, expected_bins(keys, magnitudes)) << keys.size() << " keys, float32 values";
   };
-  std::vector<uint32_t> band;  // MiCRO's band (as in KeyBinsFindTheLastKeyAtOrBelow)
-  for (int b = 0; b <= 256; ++b)
-    band.push_back(Num<float>::key(static_cast<float>(2.0 / 1.25 * std::pow(1.25, b / 128.0))));
-  check(band, false);
+  check(band_keys(), false);
   check({100, 5000000, 5000001, 5000002, 9000000}, true);
   check({7, 1u << 20, 1u << 30}, false);
   check({12345}, false);
