@@ -1,7 +1,8 @@
 // KeyBins::count (key_bins.h): keys counted into the bins of a table, 16 a step on the AVX-512
 // path. The band counts of MiCRO and ExDyna at density 0.01 bin about a million candidates a
-// step; one look-up at a time, a key cost 3.5 to 5 ns (loads of the slot that wait for the key's
-// arithmetic, a branch on whether it lies below the band), 16 at a time about 1.3 ns.
+// step; one look-up at a time, a key cost 3 to 5 ns (loads of the slot that wait for the key's
+// arithmetic, a branch on whether it lies below the band), 16 at a time about half that
+// (benchmarks/band_counts.cpp).
 #include <type_traits>
 
 #include "gradsparse/key_bins.h"
