@@ -11,6 +11,8 @@ Streams (every rank gets its own gradients; error feedback on, as in training):
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
 |achieved density / target - 1| per step. Achieved density: all ranks' selected count / n for
 MiCRO, ExDyna and SparDL (one global target), the mean over ranks of count / n for the others.
+MiCRO's and ExDyna's rows also give the mean factor of their adaptive band (1.05 to 1.25: the
+narrower, the fewer candidates each step lists and counts).
 
 A third table compares the load imbalance of MiCRO's static partitions with ExDyna's dynamic
 ones on a gradient whose large values sit in a few layers.
@@ -112,9 +114,12 @@ def cnn_stream(steps: int, world_size: int, seed: int = 0) -> list[list[torch.Te
     return stream
 
 
-def density_errors(stream, density: float, world_size: int, name: str, make) -> tuple[float, float]:
+def density_errors(stream, density: float, world_size: int, name: str, make) -> tuple[float, float, float | str]:
+    """The mean and 95th percentile of |achieved / target - 1| after the warm-up, and the mean band
+    factor of the steps after it (MiCRO's and ExDyna's default mode; "" for the others)."""
     n = stream[0][0].numel()
     steps = run_steps(world_size, make, stream)
+    bands = [step[0].state["band"] for step in steps[WARMUP:] if "band" in step[0].state]
     # One global target for the partitioned methods, one per rank for the others.
     divisor = n if any(name.startswith(g) for g in GLOBAL_TARGET) else world_size * n
     errors = []
@@ -123,7 +128,7 @@ def density_errors(stream, density: float, world_size: int, name: str, make) -> 
         achieved = step[0].union_size / n if divisor == n else sum(rs.indices.numel() for rs in step) / divisor
         errors.append(abs(achieved / density - 1.0))
     errors_t = torch.tensor(errors, dtype=torch.float64)
-    return float(errors_t.mean()), float(torch.quantile(errors_t, 0.95))
+    return float(errors_t.mean()), float(torch.quantile(errors_t, 0.95)), sum(bands) / len(bands) if bands else ""
 
 
 def imbalance_table(world_size: int, density: float, steps: int = 100) -> list[list[object]]:
@@ -183,11 +188,14 @@ def main(argv: list[str] | None = None) -> str:
             for name, make in methods(density).items():
                 if chosen and name not in chosen:
                     continue
-                mean, p95 = density_errors(stream, density, args.world_size, name, make)
-                rows.append([name, density, mean, p95])
-                print(f"{stream_name:>5} {name:<26} density {density:<6} mean {mean:.3f} p95 {p95:.3f}", flush=True)
+                mean, p95, band = density_errors(stream, density, args.world_size, name, make)
+                rows.append([name, density, mean, p95, band])
+                print(
+                    f"{stream_name:>5} {name:<26} density {density:<6} mean {mean:.3f} p95 {p95:.3f} band {band}",
+                    flush=True,
+                )
         text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,})\n\n"
-        text += markdown_table(["method", "density", "mean |d/target - 1|", "p95"], rows) + "\n\n"
+        text += markdown_table(["method", "density", "mean |d/target - 1|", "p95", "mean band factor"], rows) + "\n\n"
     if not args.no_imbalance:
         rows = [*imbalance_table(args.world_size, 0.01), *imbalance_table(args.world_size, 0.001)]
         text += "## Load imbalance (max count x P / total - 1), large values in 2 of 16 layers\n\n"

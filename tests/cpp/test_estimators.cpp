@@ -102,6 +102,23 @@ TEST(Estimators, SampledPredictionFindsTheTopWeight) {
   EXPECT_EQ(BandController::predict_from_trend(2.0, 1.0, 1), 2.0);  // no trend at t = 1
 }
 
+// The adaptive band: a miss widens it at once to twice the miss (in log scale), close predictions
+// narrow it by a tenth of its log a step, and it stays within [1.05, 1.25].
+TEST(Estimators, BandFactorFollowsThePredictionsMisses) {
+  using BC = BandController;
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.25, 1.0, 1.0), std::exp(0.9 * std::log(1.25)));
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 1.0, 1.0), 1.05);          // stays at the narrowest
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 1.0, 1.08), 1.08 * 1.08);  // missed by 8%: (1.08)^2
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 1.08, 1.0), 1.08 * 1.08);  // either way
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 1.0, 1.2), 1.25);          // at the widest
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 0.0, 1.0), 1.25);          // nothing to go by
+  EXPECT_DOUBLE_EQ(BC::next_band_factor(1.05, 1.0, std::nan("")), 1.25);
+  double w = 1.25;  // from the widest to the narrowest in 15 close steps
+  int steps = 0;
+  for (; w > 1.05; ++steps) w = BC::next_band_factor(w, 1.0, 1.001);
+  EXPECT_EQ(steps, 15);
+}
+
 TEST(Estimators, SageReferenceUpdateRoundsToFloat32) {
   const double l = sage_reference_update(0.0047302, 1.1, 0.001, 0.001);  // beta = 1, gamma = 1
   EXPECT_EQ(l, static_cast<double>(static_cast<float>(0.0047302 * 1.1)));

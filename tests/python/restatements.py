@@ -547,6 +547,7 @@ class Partitioned(Restatement):
         self.lam = NAN  # reference mode: the running threshold
         self.k_prev = 0  # total count of the previous step
         self.estimates: list[float] = []  # default mode: λ̃ of the past steps
+        self.band = 1.25  # default mode: the band factor of the next step (t >= 1)
 
     def partition_range(self, n: int, world: int, p: int) -> tuple[int, int]:
         raise NotImplementedError
@@ -595,7 +596,7 @@ class Partitioned(Restatement):
             trend = min(max(self.estimates[-1] / self.estimates[-2], 1 / 1.2), 1.2)
             predicted = self.estimates[-1] * trend
         # Band and its 257 counts
-        w = 2.0 if self.t == 0 else 1.25
+        w = 2.0 if self.t == 0 else self.band
         base = predicted / w
         edges = torch.tensor([base * w ** (2 * b / 256) for b in range(BAND_BINS)], dtype=torch.float64)
         part = v[lo:hi]
@@ -613,7 +614,16 @@ class Partitioned(Restatement):
         lam = edges[best].item()
         selected = lo + candidates[bins >= best]
         self.estimates.append(self.estimate(lam, edges.tolist(), above_b, big_k))
+        self.band = self.next_band(w, predicted, self.estimates[-1])
         return selected, lam
+
+    @staticmethod
+    def next_band(w, predicted, estimate):
+        """§4.8 "Band": twice the prediction's miss, or 0.9 of the last band in log scale."""
+        if not (0 < predicted < math.inf and 0 < estimate < math.inf):
+            return 1.25
+        miss = abs(math.log(estimate / predicted))
+        return min(max(math.exp(max(2 * miss, 0.9 * math.log(w))), 1.05), 1.25)
 
     @staticmethod
     def estimate(lam, e, g, big_k):

@@ -161,6 +161,13 @@ double BandController::predict_from_trend(double last, double before_last, int64
 
 double BandController::band_factor(int64_t t) { return t == 0 ? 2.0 : 1.25; }
 
+double BandController::next_band_factor(double w, double prediction, double estimate) {
+  const double widest = band_factor(1);
+  if (!(prediction > 0.0 && estimate > 0.0 && std::isfinite(prediction) && std::isfinite(estimate))) return widest;
+  const double miss = std::fabs(std::log(estimate / prediction));
+  return std::clamp(std::exp(std::max(2.0 * miss, 0.9 * std::log(w))), kNarrowestBand, widest);
+}
+
 std::vector<double> BandController::band_edges(double prediction, double w) {
   std::vector<double> e(kBandBins + 1);
   const double lo = prediction / w;

@@ -188,12 +188,10 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
                                             int64_t k) {
   const int64_t t = committed_.t;
   int64_t nonfinite = 0;
-  std::vector<double> edges;
-  if (t > 0) {
-    // The prediction needs no look at this step's values.
-    edges =
-        BandController::band_edges(BandController::predict_from_trend(committed_.estimate, committed_.before_last, t),
-                                   BandController::band_factor(t));
+  double prediction = 0.0;
+  const double w = t > 0 ? committed_.band : BandController::band_factor(t);
+  if (t > 0) {  // the prediction needs no look at this step's values
+    prediction = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
   } else {
     nonfinite = method_util::update_pass(device, bucket);
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
@@ -213,9 +211,9 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
         weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
     }
     group.sum(weights);
-    edges = BandController::band_edges(BandController::predict_from_samples(weights, static_cast<double>(k)),
-                                       BandController::band_factor(t));
+    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
   }
+  const std::vector<double> edges = BandController::band_edges(prediction, w);
   // Where the host reads the bucket in place (the CPU), the band's candidates are listed, then
   // binned and chosen on the host. Elsewhere (a GPU, where a listed candidate is a copy to the
   // host) the counts at the band's edges and the selection are passes on the device; the same
@@ -236,6 +234,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
   pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
+  pending_.band = BandController::next_band_factor(w, prediction, pending_.estimate);
   const bool zero = exchange_->selection_zeroes();
   Selection s;
   if (listed) {
@@ -263,7 +262,7 @@ void PartitionedMethod::observe(const BucketView& /*bucket*/, const ExchangeResu
   const double p = static_cast<double>(counts.size());
   imbalance_ = total > 0 ? static_cast<double>(largest) * p / static_cast<double>(total) - 1.0 : 0.0;
   rebalance(counts, pending_.t, total);
-  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.estimate, committed_.estimate, total};
+  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.estimate, committed_.estimate, total, pending_.band};
 }
 
 MethodState PartitionedMethod::state() const {
@@ -271,7 +270,8 @@ MethodState PartitionedMethod::state() const {
                 {"threshold", committed_.threshold},
                 {"estimate", committed_.estimate},
                 {"before_last", committed_.before_last},
-                {"k_prev", static_cast<double>(committed_.k_prev)}};
+                {"k_prev", static_cast<double>(committed_.k_prev)},
+                {"band", committed_.band}};
   save_layout(s);
   return s;
 }
@@ -282,6 +282,8 @@ void PartitionedMethod::load_state(const MethodState& state) {
   committed_.estimate = state.at("estimate");
   committed_.before_last = state.at("before_last");
   committed_.k_prev = static_cast<int64_t>(state.at("k_prev"));
+  const auto band = state.find("band");  // absent from checkpoints before the adaptive band
+  committed_.band = band != state.end() ? band->second : BandController::band_factor(1);
   load_layout(state);
 }
 

@@ -239,6 +239,7 @@ class PartitionedMethod : public Method {
     double estimate = std::numeric_limits<double>::quiet_NaN();     // default mode: λ̃ of the last step
     double before_last = std::numeric_limits<double>::quiet_NaN();  // default mode: λ̃ of the one before
     int64_t k_prev = 0;                                             // total count of the last step
+    double band = BandController::band_factor(1);                   // default mode: w of the next step
   };
   Selection select_reference(Device& device, const BucketView& bucket, Range range, int64_t k);
   Selection select_default(Device& device, const BucketView& bucket, Collective& group, Range range, int64_t k);
