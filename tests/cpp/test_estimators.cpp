@@ -100,6 +100,12 @@ TEST(Estimators, SampledPredictionFindsTheTopWeight) {
   EXPECT_EQ(BandController::predict_from_samples(weights, 1e9), BandController::sample_edges()[0]);
   EXPECT_EQ(BandController::predict_from_trend(2.0, 1.0, 5), 2.4);  // clamped to x1.2
   EXPECT_EQ(BandController::predict_from_trend(2.0, 1.0, 1), 2.0);  // no trend at t = 1
+  EXPECT_EQ(BandController::predict_from_mean(2.0, 8.0, 5), 4.0);   // the geometric mean
+  EXPECT_EQ(BandController::predict_from_mean(2.0, 8.0, 1), 2.0);   // one estimate at t = 1
+  EXPECT_EQ(BandController::predict_from_mean(2.0, std::nan(""), 5), 2.0);
+  EXPECT_DOUBLE_EQ(BandController::miss(2.0, 1.0), std::log(2.0));
+  EXPECT_DOUBLE_EQ(BandController::miss(1.0, 2.0), std::log(2.0));
+  EXPECT_TRUE(std::isnan(BandController::miss(0.0, 2.0)));
 }
 
 // The adaptive band: a miss widens it at once to twice the miss (in log scale), close predictions

@@ -548,6 +548,7 @@ class Partitioned(Restatement):
         self.k_prev = 0  # total count of the previous step
         self.estimates: list[float] = []  # default mode: λ̃ of the past steps
         self.band = 1.25  # default mode: the band factor of the next step (t >= 1)
+        self.trend_miss = self.mean_miss = 0.0  # default mode: each prediction's decayed misses
 
     def partition_range(self, n: int, world: int, p: int) -> tuple[int, int]:
         raise NotImplementedError
@@ -591,10 +592,12 @@ class Partitioned(Restatement):
                     predicted = HIST_EDGES[b]
                     break
         elif self.t == 1:
-            predicted = self.estimates[-1]
+            predicted = by_trend = by_mean = self.estimates[-1]
         else:
             trend = min(max(self.estimates[-1] / self.estimates[-2], 1 / 1.2), 1.2)
-            predicted = self.estimates[-1] * trend
+            by_trend = self.estimates[-1] * trend
+            by_mean = math.sqrt(self.estimates[-1] * self.estimates[-2])
+            predicted = by_trend if self.trend_miss <= self.mean_miss else by_mean
         # Band and its 257 counts
         w = 2.0 if self.t == 0 else self.band
         base = predicted / w
@@ -615,6 +618,9 @@ class Partitioned(Restatement):
         selected = lo + candidates[bins >= best]
         self.estimates.append(self.estimate(lam, edges.tolist(), above_b, big_k))
         self.band = self.next_band(w, predicted, self.estimates[-1])
+        if self.t >= 1:
+            self.trend_miss = 0.8 * self.trend_miss + abs(math.log(self.estimates[-1] / by_trend))
+            self.mean_miss = 0.8 * self.mean_miss + abs(math.log(self.estimates[-1] / by_mean))
         return selected, lam
 
     @staticmethod

@@ -159,13 +159,25 @@ double BandController::predict_from_trend(double last, double before_last, int64
   return last * std::clamp(last / before_last, 1.0 / 1.2, 1.2);
 }
 
+double BandController::predict_from_mean(double last, double before_last, int64_t t) {
+  if (t <= 1 || !(before_last > 0.0) || !(last > 0.0)) return last;
+  return std::sqrt(last * before_last);
+}
+
+double BandController::miss(double prediction, double estimate) {
+  if (!(prediction > 0.0 && estimate > 0.0 && std::isfinite(prediction) && std::isfinite(estimate))) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  return std::fabs(std::log(estimate / prediction));
+}
+
 double BandController::band_factor(int64_t t) { return t == 0 ? 2.0 : 1.25; }
 
 double BandController::next_band_factor(double w, double prediction, double estimate) {
   const double widest = band_factor(1);
-  if (!(prediction > 0.0 && estimate > 0.0 && std::isfinite(prediction) && std::isfinite(estimate))) return widest;
-  const double miss = std::fabs(std::log(estimate / prediction));
-  return std::clamp(std::exp(std::max(2.0 * miss, 0.9 * std::log(w))), kNarrowestBand, widest);
+  const double m = miss(prediction, estimate);
+  if (std::isnan(m)) return widest;
+  return std::clamp(std::exp(std::max(2.0 * m, 0.9 * std::log(w))), kNarrowestBand, widest);
 }
 
 std::vector<double> BandController::band_edges(double prediction, double w) {

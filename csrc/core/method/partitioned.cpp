@@ -188,10 +188,12 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
                                             int64_t k) {
   const int64_t t = committed_.t;
   int64_t nonfinite = 0;
-  double prediction = 0.0;
+  double prediction = 0.0, by_trend = 0.0, by_mean = 0.0;
   const double w = t > 0 ? committed_.band : BandController::band_factor(t);
-  if (t > 0) {  // the prediction needs no look at this step's values
-    prediction = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
+  if (t > 0) {  // the prediction needs no look at this step's values: of two, the one that missed less lately
+    by_trend = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
+    by_mean = BandController::predict_from_mean(committed_.estimate, committed_.before_last, t);
+    prediction = committed_.trend_miss <= committed_.mean_miss ? by_trend : by_mean;
   } else {
     nonfinite = method_util::update_pass(device, bucket);
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
@@ -235,6 +237,14 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   pending_.threshold = lambda;
   pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
   pending_.band = BandController::next_band_factor(w, prediction, pending_.estimate);
+  if (t > 0) {
+    auto decayed = [&](double before, double predicted) {
+      const double m = BandController::miss(predicted, pending_.estimate);
+      return BandController::kMissDecay * before + (std::isnan(m) ? 0.0 : m);
+    };
+    pending_.trend_miss = decayed(committed_.trend_miss, by_trend);
+    pending_.mean_miss = decayed(committed_.mean_miss, by_mean);
+  }
   const bool zero = exchange_->selection_zeroes();
   Selection s;
   if (listed) {
@@ -262,7 +272,11 @@ void PartitionedMethod::observe(const BucketView& /*bucket*/, const ExchangeResu
   const double p = static_cast<double>(counts.size());
   imbalance_ = total > 0 ? static_cast<double>(largest) * p / static_cast<double>(total) - 1.0 : 0.0;
   rebalance(counts, pending_.t, total);
-  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.estimate, committed_.estimate, total, pending_.band};
+  const double before_last = committed_.estimate;
+  committed_ = pending_;
+  committed_.t += 1;
+  committed_.before_last = before_last;
+  committed_.k_prev = total;
 }
 
 MethodState PartitionedMethod::state() const {
@@ -271,7 +285,9 @@ MethodState PartitionedMethod::state() const {
                 {"estimate", committed_.estimate},
                 {"before_last", committed_.before_last},
                 {"k_prev", static_cast<double>(committed_.k_prev)},
-                {"band", committed_.band}};
+                {"band", committed_.band},
+                {"trend_miss", committed_.trend_miss},
+                {"mean_miss", committed_.mean_miss}};
   save_layout(s);
   return s;
 }
@@ -282,8 +298,14 @@ void PartitionedMethod::load_state(const MethodState& state) {
   committed_.estimate = state.at("estimate");
   committed_.before_last = state.at("before_last");
   committed_.k_prev = static_cast<int64_t>(state.at("k_prev"));
-  const auto band = state.find("band");  // absent from checkpoints before the adaptive band
-  committed_.band = band != state.end() ? band->second : BandController::band_factor(1);
+  // Absent from checkpoints before the adaptive band: then its start.
+  const Step start;
+  committed_.band = start.band;
+  committed_.trend_miss = start.trend_miss;
+  committed_.mean_miss = start.mean_miss;
+  if (auto it = state.find("band"); it != state.end()) committed_.band = it->second;
+  if (auto it = state.find("trend_miss"); it != state.end()) committed_.trend_miss = it->second;
+  if (auto it = state.find("mean_miss"); it != state.end()) committed_.mean_miss = it->second;
   load_layout(state);
 }
 

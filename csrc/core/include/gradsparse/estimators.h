@@ -51,14 +51,22 @@ class BandController {
 
   /// The prediction for step t (t >= 1) from the agreed thresholds of the last two steps.
   static double predict_from_trend(double last, double before_last, int64_t t);
+  /// The other prediction for step t (t >= 1): the geometric mean of the last two estimates (the
+  /// last alone at t = 1 or without two positive ones). Steadier than the trend where a step's
+  /// threshold scatters around a level, as one mini-batch's gradients do.
+  static double predict_from_mean(double last, double before_last, int64_t t);
+  /// How far a prediction missed: |ln(estimate / prediction)|, NaN unless both are finite and
+  /// positive.
+  static double miss(double prediction, double estimate);
+  static constexpr double kMissDecay = 0.8;  ///< each step's weight on the misses before it
   /// The band factor w: 2 at t = 0, 1.25 afterwards (SAGE; MiCRO's and ExDyna's first two steps).
   static double band_factor(int64_t t);
   static constexpr double kNarrowestBand = 1.05;  ///< the adaptive band's least factor
   /// MiCRO's and ExDyna's band factor for the next step, from this step's factor `w`, its
   /// prediction and the estimate λ̃ that followed: with m = |ln(estimate / prediction)| (how far the
-  /// prediction missed), w' = clamp(exp(max(2 m, 0.9 ln w)), 1.05, 1.25). A miss widens the band
+  /// prediction missed; NaN gives 1.25), w' = clamp(exp(max(2 m, 0.9 ln w)), 1.05, 1.25). A miss widens the band
   /// at once; a run of close predictions narrows it slowly, so fewer candidates are listed and
-  /// counted. Without a finite positive prediction and estimate: 1.25.
+  /// counted.
   static double next_band_factor(double w, double prediction, double estimate);
   /// Edges e_b = (prediction / w) w^(2b/256), b = 0..256.
   static std::vector<double> band_edges(double prediction, double w);

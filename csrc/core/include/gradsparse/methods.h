@@ -240,6 +240,8 @@ class PartitionedMethod : public Method {
     double before_last = std::numeric_limits<double>::quiet_NaN();  // default mode: λ̃ of the one before
     int64_t k_prev = 0;                                             // total count of the last step
     double band = BandController::band_factor(1);                   // default mode: w of the next step
+    double trend_miss = 0.0;  // default mode: the trend's misses, each step's before it weighted by 0.8
+    double mean_miss = 0.0;   // default mode: the same for the mean of the last two estimates
   };
   Selection select_reference(Device& device, const BucketView& bucket, Range range, int64_t k);
   Selection select_default(Device& device, const BucketView& bucket, Collective& group, Range range, int64_t k);
