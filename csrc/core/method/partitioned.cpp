@@ -4,7 +4,8 @@
 // Reference mode keeps the original rule: the threshold is scaled by 1.005, 1.00125 or 0.995
 // from the previous step's total count, and a rank that selects nothing sends one dummy element.
 // The default agrees on the threshold every step: a prediction (a sampled histogram at the first
-// step, then the trend of the agreed thresholds), candidates inside a band around it, and one
+// step, then the trend or the mean of the agreed thresholds, whichever missed less lately),
+// candidates inside a band around it (narrower while the predictions hit), and one
 // collective of their counts in fine bins, from which every rank picks the same threshold (and,
 // up to 4 ranks, learns every rank's count: the exchange's control words travel with it).
 #include <algorithm>

@@ -63,10 +63,10 @@ class BandController {
   static double band_factor(int64_t t);
   static constexpr double kNarrowestBand = 1.05;  ///< the adaptive band's least factor
   /// MiCRO's and ExDyna's band factor for the next step, from this step's factor `w`, its
-  /// prediction and the estimate λ̃ that followed: with m = |ln(estimate / prediction)| (how far the
-  /// prediction missed; NaN gives 1.25), w' = clamp(exp(max(2 m, 0.9 ln w)), 1.05, 1.25). A miss widens the band
-  /// at once; a run of close predictions narrows it slowly, so fewer candidates are listed and
-  /// counted.
+  /// prediction and the estimate λ̃ that followed: with m = miss(prediction, estimate),
+  /// w' = clamp(exp(max(2 m, 0.9 ln w)), 1.05, 1.25), or 1.25 where m is NaN. A miss widens the
+  /// band at once; a run of close predictions narrows it slowly, so fewer candidates are listed
+  /// and counted.
   static double next_band_factor(double w, double prediction, double estimate);
   /// Edges e_b = (prediction / w) w^(2b/256), b = 0..256.
   static std::vector<double> band_edges(double prediction, double w);
