@@ -17,19 +17,13 @@
 
 #include "gradsparse/key_bins.h"
 #include "gradsparse/numeric.h"
+#include "timing.h"
 
 using namespace gradsparse;
+using bench::median;
+using bench::seconds_since;
 
 namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 /// The bins of the values one look-up at a time (KeyBins::Lookup::bin), as count() defines them.
 void count_one_at_a_time(const KeyBins& table, const std::vector<float>& values, int64_t* in_bin) {

@@ -24,8 +24,11 @@
 #include "gradsparse/parallel.h"
 #include "gradsparse/reduce_bucket.h"
 #include "gradsparse/transport.h"
+#include "timing.h"
 
 using namespace gradsparse;
+using bench::median;
+using bench::seconds_since;
 
 namespace {
 
@@ -42,11 +45,6 @@ std::unique_ptr<Method> make(const std::string& name, double density) {
   if (name == "sidco_gpareto") return std::make_unique<SIDCo>(density, "gpareto", 2, 0.25, std::nullopt);
   if (name == "sidco_gamma") return std::make_unique<SIDCo>(density, "gamma_gpareto", 2, 0.25, std::nullopt);
   return nullptr;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -87,7 +85,7 @@ int main(int argc, char** argv) {
     const float* g = grad.data();
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < n; ++i) r[i] += g[i];
-    const double t_add = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double t_add = seconds_since(t0);
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
     std::memcpy(out.data(), grad.data(), out.size() * sizeof(float));
     BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};

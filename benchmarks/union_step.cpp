@@ -15,21 +15,11 @@
 #include <vector>
 
 #include "gradsparse/exchange.h"
+#include "timing.h"
 
 using namespace gradsparse;
-
-namespace {
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-}  // namespace
+using bench::median;
+using bench::seconds_since;
 
 int main(int argc, char** argv) {
   const int lists = argc > 1 ? std::stoi(argv[1]) : 4;
