@@ -66,7 +66,7 @@ _PARTITION_EXCHANGE = choice_option(
     "union",
     ("union", "gather"),
     '"union" (the original\'s: every rank\'s own values on the union, all-reduced) or "gather" (owners '
-    "send their pairs: fewer bytes, no value all-reduce)",
+    "send their pairs: fewer bytes, no value all-reduce, but training far slower: docs/methods.md)",
 )
 
 
