@@ -7,7 +7,6 @@
 // The values are a normal's tail (|v| >= 1.95), as a band's candidates are; the table has 257
 // geometric edges from 2.0 over a factor of 1.3, as a band has. Prints the medians of both ways
 // and their ratio; checks that both give the same counts.
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>

@@ -10,7 +10,6 @@
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
 // and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, sage, micro, exdyna, sidco (exp,
 // adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes.
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
