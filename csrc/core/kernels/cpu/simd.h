@@ -18,8 +18,12 @@
 #define GS_HAVE_AVX2_PATHS 1
 #define GS_TARGET_AVX2 __attribute__((target("avx2")))
 #define GS_TARGET_AVX512 __attribute__((target("avx2,avx512f")))
+// Code that only the AVX2 paths reach may count bits with the POPCNT instruction (every AVX2 CPU
+// has it); without it GCC calls libgcc's __popcountdi2 for each word.
+#define GS_TARGET_POPCNT __attribute__((target("popcnt")))
 #else
 #define GS_HAVE_AVX2_PATHS 0
+#define GS_TARGET_POPCNT
 #endif
 
 namespace gradsparse {
@@ -213,8 +217,11 @@ inline int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, in
   return n;
 }
 
-/// How many bits of `mask` are set for the elements of [lo, hi) (for_mask_words).
-inline int64_t count_marked(const uint8_t* mask, int64_t base, int64_t lo, int64_t hi) {
+/// How many bits of `mask` are set for the elements of [lo, hi) (for_mask_words). Only the AVX2
+/// paths mark, so it may use POPCNT: a scan past its capacity, which counts its blocks' marks
+/// instead of listing them (25M elements, 1.2% marked, A/B of 8 rounds), took 1.18x and 1.14x a
+/// plain add with libgcc's popcount, 1.07x and 1.05x with the instruction.
+GS_TARGET_POPCNT inline int64_t count_marked(const uint8_t* mask, int64_t base, int64_t lo, int64_t hi) {
   int64_t n = 0;
   for_mask_words(mask, base, lo, hi, [&](int64_t, uint64_t bits) { n += __builtin_popcountll(bits); });
   return n;
