@@ -296,16 +296,18 @@ TEST(Passes, Float32SumsFollowTheirDocumentedOrder) {
 
 // The scan lists a block's candidates from its mask with as many unconditional writes per mask
 // word as the block before suggests (simd.h, unmarked_writes: 2 below 1.25 marks per word, 3
-// below 2, else 4): blocks at 0.5%, 2.5%, 4% and 30% candidates, in one thread so that each
-// block follows the one before, list exactly the elements at or above the bound.
+// below 2, else 4) and passes over groups of 256 elements without one: blocks at 0%, 0.1%, 0.5%,
+// 2.5%, 4% and 30% candidates, in one thread so that each block follows the one before, list
+// exactly the elements at or above the bound.
 TEST(Passes, ScanListsCandidatesAfterBlocksOfEveryDensity) {
-  const std::vector<double> fractions{0.005, 0.025, 0.04, 0.3, 0.005, 0.04, 0.025, 0.3};
+  const std::vector<double> fractions{0.005, 0.025, 0.0, 0.04, 0.3, 0.001, 0.005, 0.04, 0.025, 0.3};
   const int64_t n = static_cast<int64_t>(fractions.size()) * kCpuBlock + 77;
   std::vector<float> grad(static_cast<size_t>(n), 0.0f), residual(static_cast<size_t>(n), 0.25f);
   std::mt19937 rng(9);
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   for (int64_t i = 0; i < n; ++i) {
-    const double fraction = fractions[static_cast<size_t>(std::min<int64_t>(i / kCpuBlock, 7))];
+    const double fraction =
+        fractions[static_cast<size_t>(std::min<int64_t>(i / kCpuBlock, static_cast<int64_t>(fractions.size()) - 1))];
     if (uniform(rng) < fraction) residual[static_cast<size_t>(i)] = i % 2 == 0 ? 3.0f : -3.0f;
   }
   std::vector<int64_t> want;
