@@ -159,8 +159,9 @@ class Cluster:
         return [
             "ip", "netns", "exec", self.namespaces[host],
             "env", "GLOO_SOCKET_IFNAME=eth0", f"GRADSPARSE_CLUSTER={self.hosts}x{self.rate}",
-            # The hosts share this machine's cores (unless the caller chose).
-            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or max(1, (os.cpu_count() or 1) // self.hosts)}",
+            # The hosts share this process's CPUs (unless the caller chose); the examples' driver
+            # takes its threads from here.
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS') or max(1, len(os.sched_getaffinity(0)) // self.hosts)}",
             # c10d warns of client hostnames that do not resolve inside the namespaces, and at the
             # end of every run of agents that close the rendezvous after host 0's store has gone:
             # expected here, so only errors print (unless the caller chose).

@@ -381,7 +381,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--clip", type=float, default=0.0, help="gradient norm clipping (0: none)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
-    g.add_argument("--threads", type=count, default=0, help="CPU threads per worker (0: cores / local workers)")
+    g.add_argument(
+        "--threads",
+        type=count,
+        default=0,
+        help="CPU threads per worker (0: OMP_NUM_THREADS, else this process's CPUs / local workers)",
+    )
     g.add_argument(
         "--backend",
         choices=("auto", "nccl", "gloo", "mpi"),
@@ -437,8 +442,7 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
             "no launcher found: run under torchrun, mpirun or srun, for example "
             "`torchrun --standalone --nproc-per-node=4 -m examples.cnn`"
         )
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    threads = args.threads or max(1, (os.cpu_count() or 1) // local)
+    threads = args.threads or gs.launch.threads_per_worker(launcher)
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
     backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"

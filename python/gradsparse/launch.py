@@ -12,6 +12,8 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT itself. 
 | MASTER_PORT | (set it, default 29500)      | (set it, default 29500)                 |
 
 Variables already set are never overwritten.
+
+``threads_per_worker`` gives each worker its share of the CPUs it may run on.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["first_host", "setup_environment"]
+__all__ = ["first_host", "setup_environment", "threads_per_worker"]
 
 _DEFAULT_PORT = "29500"
 
@@ -61,3 +63,43 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
         return "none"
     env.setdefault("MASTER_PORT", _DEFAULT_PORT)
     return launcher
+
+
+def _allowed_cpus() -> int:
+    """The CPUs this process may run on: its affinity, which taskset, SLURM's cgroups and
+    mpirun's and srun's binding narrow (os.cpu_count() counts the whole machine)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_per_worker(
+    launcher: str,
+    environ: dict[str, str] | None = None,
+    allowed: int | None = None,
+    machine: int | None = None,
+) -> int:
+    """CPU threads for one worker's torch and gradsparse kernels, after ``setup_environment``.
+
+    ``OMP_NUM_THREADS`` when the caller set it (the first number of a list such as ``4,2``).
+    torchrun sets it to 1 itself for several local workers when the caller did not, so a 1 there
+    is not taken as a choice. Otherwise the CPUs this process may run on (``allowed``, its
+    affinity): torchrun's local workers share their agent's CPUs, so each takes ``allowed /
+    LOCAL_WORLD_SIZE``; a process of mpirun or srun may be bound to CPUs of its own, so it takes
+    at most ``allowed`` and at most an even share of the ``machine``'s CPUs. At least 1.
+    """
+    env = os.environ if environ is None else environ
+    local = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    chosen = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if chosen and not (launcher == "torchrun" and local > 1 and chosen == "1"):
+        if not chosen.isdigit() or int(chosen) < 1:
+            raise ValueError(
+                f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']!r} is not a positive whole number of threads: "
+                "set it to one (for example OMP_NUM_THREADS=4), or unset it to share this process's CPUs"
+            )
+        return int(chosen)
+    allowed = _allowed_cpus() if allowed is None else allowed
+    if launcher == "torchrun":
+        return max(1, allowed // local)
+    machine = (os.cpu_count() or 1) if machine is None else machine
+    return max(1, min(allowed, machine // local))

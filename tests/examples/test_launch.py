@@ -15,7 +15,9 @@ from gradsparse.testing import free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEMO = ["-m", "examples.cnn", "--method", "dense,topk,micro", "--epochs", "1", "--max-steps", "6", "--no-progress"]
+# One thread per worker under both launchers, so that they run the same kernels on any machine.
+DEMO = ["-m", "examples.cnn", "--method", "dense,topk,micro", "--epochs", "1", "--max-steps", "6", "--no-progress",
+        "--threads", "1"]  # fmt: skip
 
 
 def run(command: list[str], out: str) -> list[dict]:

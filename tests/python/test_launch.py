@@ -1,0 +1,72 @@
+"""gradsparse.launch: the launchers' variables and each worker's threads."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from gradsparse.launch import first_host, setup_environment, threads_per_worker
+
+
+def test_first_host_of_slurm_node_lists():
+    assert first_host("node[03-05,09],gpu1") == "node03"
+    assert first_host("gpu1,gpu2") == "gpu1"
+    with pytest.raises(ValueError, match="cannot parse"):
+        first_host("")
+
+
+def test_mpirun_and_srun_variables_become_torchs_without_overwriting():
+    env = {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_PORT": "1",
+    }
+    assert setup_environment(env) == "mpirun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) == ("3", "4", "2", "1")
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[7-8]"}
+    assert setup_environment(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "8", "4", "n7")
+    assert setup_environment({}) == "none"
+
+
+@pytest.mark.parametrize(
+    ("launcher", "env", "allowed", "machine", "threads"),
+    [
+        # torchrun's workers share their agent's CPUs: a job of 32 CPUs on a node of 128
+        ("torchrun", {"LOCAL_WORLD_SIZE": "4"}, 32, 128, 8),
+        ("torchrun", {"LOCAL_WORLD_SIZE": "4"}, 2, 2, 1),  # never fewer than one
+        # ... and its own OMP_NUM_THREADS=1 for several workers is not the caller's choice
+        ("torchrun", {"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}, 32, 128, 8),
+        ("torchrun", {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1"}, 32, 128, 1),
+        ("torchrun", {"LOCAL_WORLD_SIZE": "4", "OMP_NUM_THREADS": "3"}, 32, 128, 3),
+        ("torchrun", {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "6,2"}, 32, 128, 6),
+        # a process bound to 8 CPUs of its own (srun --cpus-per-task=8, 4 tasks on the node)
+        ("srun", {"LOCAL_WORLD_SIZE": "4"}, 8, 128, 8),
+        # unbound processes of mpirun share the machine
+        ("mpirun", {"LOCAL_WORLD_SIZE": "4"}, 64, 64, 16),
+        ("mpirun", {"LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}, 64, 64, 1),
+    ],
+)
+def test_threads_per_worker(launcher, env, allowed, machine, threads):
+    assert threads_per_worker(launcher, env, allowed=allowed, machine=machine) == threads
+
+
+@pytest.mark.parametrize("value", ["0", "four", "-2"])
+def test_threads_per_worker_rejects_a_bad_omp_num_threads(value):
+    with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{value}'.*for example OMP_NUM_THREADS=4"):
+        threads_per_worker("torchrun", {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": value})
+
+
+def test_threads_per_worker_counts_the_cpus_this_process_may_use():
+    # taskset narrows the affinity to one CPU on a machine of several: one thread, not cores / workers
+    if shutil.which("taskset") is None:
+        pytest.fail("taskset is required (util-linux)")
+    code = "from gradsparse.launch import threads_per_worker as t; print(t('torchrun', {'LOCAL_WORLD_SIZE': '1'}))"
+    done = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.strip() == "1"
+    assert threads_per_worker("torchrun", {"LOCAL_WORLD_SIZE": "1"}) == len(os.sched_getaffinity(0))
