@@ -994,7 +994,12 @@ def main(
     task = make_task(args)
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())
-        print(f"{task.name}: {world} workers ({dist.get_backend()}), {n:,} parameters", flush=True)
+        threads = torch.get_num_threads()
+        print(
+            f"{task.name}: {world} workers ({dist.get_backend()}), {n:,} parameters, "
+            f"{threads} CPU thread{'s' if threads > 1 else ''} per worker",
+            flush=True,
+        )
     results, costs, sent = {}, {}, {}
     for method in methods:
         folder = os.path.join(out, method) if len(methods) > 1 else out

@@ -45,7 +45,8 @@ def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path, nam
                    "--out", str(tmp_path))  # fmt: skip
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert "2 hosts on one bridge, every link 200mbit each way" in done.stderr, done.stderr[-2000:]
-    assert "2 workers (gloo)" in done.stdout, done.stdout[-2000:]
+    # each host's worker takes the OMP_NUM_THREADS the cluster passes on (the caller's 1 here)
+    assert "2 workers (gloo)" in done.stdout and "1 CPU thread per worker" in done.stdout, done.stdout[-2000:]
     with open(tmp_path / "epochs.csv", newline="") as f:  # one method: the folder itself
         rows = list(csv.DictReader(f))
     assert rows and float(rows[-1]["density"]) == pytest.approx(0.01, rel=0.05), rows
