@@ -95,7 +95,7 @@ def threads_per_worker(
         if not chosen.isdigit() or int(chosen) < 1:
             raise ValueError(
                 f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']!r} is not a positive whole number of threads: "
-                "set it to one (for example OMP_NUM_THREADS=4), or unset it to share this process's CPUs"
+                "set it to a count (for example OMP_NUM_THREADS=4), or unset it to share this process's CPUs"
             )
         return int(chosen)
     allowed = _allowed_cpus() if allowed is None else allowed
