@@ -5,6 +5,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -12,9 +13,14 @@
 
 namespace gradsparse::testing {
 
+/// What the other ranks do when one rank's body throws: wait for it until the group's timeout, as
+/// real peers do (the default), or fail at once (for tests that look only at the throwing rank).
+enum class OnError { kPeersWait, kPeersFail };
+
 inline std::vector<std::exception_ptr> run_ranks(int world_size,
                                                  const std::function<void(int rank, Transport& transport)>& body,
-                                                 std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+                                                 std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                                                 OnError on_error = OnError::kPeersWait) {
   auto group = ThreadGroup::create(world_size, timeout);
   std::vector<std::exception_ptr> errors(world_size);
   std::vector<std::thread> threads;
@@ -25,6 +31,7 @@ inline std::vector<std::exception_ptr> run_ranks(int world_size,
         body(r, *transport);
       } catch (...) {
         errors[r] = std::current_exception();
+        if (on_error == OnError::kPeersFail) group->abort("rank " + std::to_string(r) + " failed");
       }
     });
   }
