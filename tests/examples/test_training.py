@@ -71,12 +71,30 @@ def read_csv(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-@pytest.mark.parametrize("task", sorted(TASKS))
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
-def test_every_method_trains(tmp_path, task, launcher):
-    command = torchrun(task) if launcher == "torchrun" else mpirun(task)
-    out = launch(command, [*TASKS[task], "--method", EVERY_METHOD, "--max-steps", "3", "--out", str(tmp_path),
-                           "--no-progress"])  # fmt: skip
+@pytest.fixture(scope="module")
+def every_method_run(tmp_path_factory):
+    """``run(launcher, task)``: the output folder and printout of 3 steps of every method, launched
+    once per module (test_plot_draws_every_run plots the CNN's)."""
+    runs = {}
+
+    def run(launcher: str, task: str):
+        if (launcher, task) not in runs:
+            out = tmp_path_factory.mktemp(f"{launcher}-{task}")
+            command = torchrun(task) if launcher == "torchrun" else mpirun(task)
+            printed = launch(command, [*TASKS[task], "--method", EVERY_METHOD, "--max-steps", "3", "--out", str(out),
+                                       "--no-progress"])  # fmt: skip
+            runs[launcher, task] = out, printed
+        return runs[launcher, task]
+
+    return run
+
+
+# Every task under torchrun; under mpirun one task (NCF) here, and the CNN in tests/examples/
+# test_launch.py: what mpirun changes (gradsparse.launch's mapping of OpenMPI's variables) is the
+# same for every task and method.
+@pytest.mark.parametrize(("launcher", "task"), [*(("torchrun", task) for task in sorted(TASKS)), ("mpirun", "ncf")])
+def test_every_method_trains(every_method_run, launcher, task):
+    tmp_path, out = every_method_run(launcher, task)
     for method in EVERY_METHOD.split(","):
         folder = tmp_path / method
         steps = read_csv(folder / "steps.csv")
@@ -181,12 +199,10 @@ def test_fsdp_trains_and_resumes_exactly(tmp_path, task):
             assert straight["optimizer"]["state"], "momentum buffers"
 
 
-def test_plot_draws_every_run(tmp_path):
-    launch(torchrun("cnn"), [*TASKS["cnn"], "--method", "dense,topk", "--max-steps", "2", "--out", str(tmp_path),
-                             "--no-progress"])  # fmt: skip
+def test_plot_draws_every_run(tmp_path, every_method_run):
     from examples import plot
 
-    png = plot.main([str(tmp_path), "--out", str(tmp_path / "cmp.png")])
+    png = plot.main([str(every_method_run("torchrun", "cnn")[0]), "--out", str(tmp_path / "cmp.png")])
     assert os.path.getsize(png) > 10_000
 
 
