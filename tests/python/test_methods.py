@@ -29,7 +29,7 @@ EPS32 = torch.finfo(torch.float32).eps
 
 def chosen_worlds(default=(1, 2, 3, 4)) -> list[int]:
     """The world sizes the comparisons run on: ``default``, or those of them that
-    GRADSPARSE_TEST_WORLDS names (comma-separated; CI's second torch runs 1 and 3)."""
+    GRADSPARSE_TEST_WORLDS names (comma-separated; CI's second torch runs 3)."""
     text = os.environ.get("GRADSPARSE_TEST_WORLDS", "").strip()
     if not text:
         return list(default)
