@@ -131,8 +131,9 @@ def density_errors(stream, density: float, world_size: int, name: str, make) -> 
     return float(errors_t.mean()), float(torch.quantile(errors_t, 0.95)), sum(bands) / len(bands) if bands else ""
 
 
-def imbalance_table(world_size: int, density: float, steps: int = 100) -> list[list[object]]:
-    """MiCRO against ExDyna on a gradient whose large values sit in 2 of 16 layers."""
+def imbalance_table(world_size: int, densities: list[float], steps: int) -> list[list[object]]:
+    """MiCRO against ExDyna on a gradient whose large values sit in 2 of 16 layers (one stream for
+    every density; the first 10 steps are not counted)."""
     n = 1 << 20
     gen = torch.Generator().manual_seed(1)
     layer = n // 16
@@ -146,15 +147,17 @@ def imbalance_table(world_size: int, density: float, steps: int = 100) -> list[l
             step.append(g)
         stream.append(step)
     rows = []
-    for name, make in (
-        ("MiCRO", lambda r: core_method("micro", density=density)),
-        ("ExDyna", lambda r: core_method("exdyna", density=density)),
-        ("MiCRO reference", lambda r: core_method("micro", density=density, reference=True)),
-        ("ExDyna reference", lambda r: core_method("exdyna", density=density, reference=True)),
-    ):
-        result = run_steps(world_size, make, stream)
-        values = [step[0].imbalance for step in result[10:]]
-        rows.append([name, world_size, density, sum(values) / len(values), max(values)])
+    for density in densities:
+        for name, method, reference in (
+            ("MiCRO", "micro", False),
+            ("ExDyna", "exdyna", False),
+            ("MiCRO reference", "micro", True),
+            ("ExDyna reference", "exdyna", True),
+        ):
+            options = dict(density=density, reference=True) if reference else dict(density=density)
+            result = run_steps(world_size, lambda r, o=options, m=method: core_method(m, **o), stream)
+            values = [step[0].imbalance for step in result[10:]]
+            rows.append([name, world_size, density, sum(values) / len(values), max(values)])
     return rows
 
 
@@ -172,8 +175,13 @@ def main(argv: list[str] | None = None) -> str:
     )
     parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
     parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")
+    parser.add_argument("--imbalance-steps", type=int, default=100, help="steps of the load-imbalance table (> 10)")
     parser.add_argument("--output", default="density.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
+    if args.steps <= WARMUP:
+        parser.error(f"--steps {args.steps}: the first {WARMUP} steps are not counted; give more than {WARMUP}")
+    if not args.no_imbalance and args.imbalance_steps <= 10:
+        parser.error(f"--imbalance-steps {args.imbalance_steps}: the first 10 steps are not counted; give more than 10")
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     torch.set_num_threads(2)
     gs.set_num_threads(1)  # the ranks are threads already
@@ -197,7 +205,7 @@ def main(argv: list[str] | None = None) -> str:
         text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,})\n\n"
         text += markdown_table(["method", "density", "mean |d/target - 1|", "p95", "mean band factor"], rows) + "\n\n"
     if not args.no_imbalance:
-        rows = [*imbalance_table(args.world_size, 0.01), *imbalance_table(args.world_size, 0.001)]
+        rows = imbalance_table(args.world_size, [0.01, 0.001], args.imbalance_steps)
         text += "## Load imbalance (max count x P / total - 1), large values in 2 of 16 layers\n\n"
         text += markdown_table(["method", "ranks", "density", "mean", "max"], rows) + "\n"
     print(text)

@@ -65,7 +65,8 @@ def test_engine_rows_time_every_chosen_method_through_a_one_rank_group():
 
 def test_density_reports_errors_and_imbalance(tmp_path):
     text = density.main(["--steps", "60", "--world-size", "2", "--densities", "0.01", "--streams", "drift",
-                         "--methods", ",".join(DRIFT_METHODS), "--output", str(tmp_path / "density.md")])  # fmt: skip
+                         "--methods", ",".join(DRIFT_METHODS), "--imbalance-steps", "20",
+                         "--output", str(tmp_path / "density.md")])  # fmt: skip
     for name in DRIFT_METHODS:
         mean, p95 = numbers(text, name)[1:3]
         assert 0 <= mean <= p95, (name, mean, p95)
@@ -73,6 +74,13 @@ def test_density_reports_errors_and_imbalance(tmp_path):
         assert 1.05 <= numbers(text, name)[3] <= 1.25, name
     assert numbers(text, "TopK")[1:] == [0.0, 0.0]  # exact top-k hits its count every step, and has no band
     assert "## Load imbalance" in text
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--steps", "50"), ("--imbalance-steps", "10")])
+def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        density.main([flag, value, "--output", "unused.md"])
+    assert f"{flag} {value}: the first" in capsys.readouterr().err
 
 
 @pytest.mark.distributed
