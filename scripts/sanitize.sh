@@ -22,7 +22,10 @@ fi
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(asan tsan fuzz)
 torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
-common=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DGRADSPARSE_TORCH_TESTS=ON "-DCMAKE_PREFIX_PATH=$torch_prefix")
+# Debug (assertions on) at -O1, with line tables only (-g1: enough for the sanitizers' stack traces,
+# and a third less compile time than -g).
+common=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DGRADSPARSE_TORCH_TESTS=ON
+  "-DCMAKE_PREFIX_PATH=$torch_prefix")
 
 has_libfuzzer() {
   echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' |
@@ -62,7 +65,8 @@ for step in "${steps[@]}"; do
         fi
         has_libfuzzer || { echo "clang with libFuzzer is needed: apt-get install clang libclang-rt-14-dev" >&2; exit 1; }
       fi
-      cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_COMPILER=clang++ \
+      cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
+        -DCMAKE_CXX_COMPILER=clang++ \
         -DGRADSPARSE_FUZZ=ON -DGRADSPARSE_SANITIZE=address,undefined -DGRADSPARSE_TESTS=OFF -DGRADSPARSE_MPI=OFF \
         -DGRADSPARSE_OPENMP=OFF > /dev/null
       cmake --build build/fuzz --target fuzz_message fuzz_exchange
