@@ -154,8 +154,11 @@ def imbalance_table(world_size: int, densities: list[float], steps: int) -> list
             ("MiCRO reference", "micro", True),
             ("ExDyna reference", "exdyna", True),
         ):
-            options = dict(density=density, reference=True) if reference else dict(density=density)
-            result = run_steps(world_size, lambda r, o=options, m=method: core_method(m, **o), stream)
+
+            def make(rank, m=method, d=density, ref=reference):
+                return core_method(m, density=d, reference=ref)
+
+            result = run_steps(world_size, make, stream)
             values = [step[0].imbalance for step in result[10:]]
             rows.append([name, world_size, density, sum(values) / len(values), max(values)])
     return rows
