@@ -298,7 +298,8 @@ def spardl(
             for send, recv in bruck_rounds(teams, rank // team_size)
         ]
     for send, recv in bruck_rounds(team_size, me):
-        steps.append(Collective("sendrecv", 8 * len(send), 8 * len(recv)))
+        if teams > 1:  # merged lists vary in size: theirs travel first
+            steps.append(Collective("sendrecv", 8 * len(send), 8 * len(recv)))
         steps.append(
             Collective(
                 "sendrecv",

@@ -752,12 +752,12 @@ class Corrupting final : public Forwarding {
   int calls_ = 0;
 };
 
-/// Runs one bucket of `make()` on 2 ranks where rank 0's transport corrupts call `call` as
-/// `Corrupting` does; returns rank 0's error (rank 1 fails as soon as rank 0 has).
+/// Runs one bucket of `make()` on `ranks` ranks where rank 0's transport corrupts call `call` as
+/// `Corrupting` does; returns rank 0's error (the others fail as soon as rank 0 has).
 std::exception_ptr corrupted_run(const std::function<std::unique_ptr<Method>()>& make, int call, size_t offset,
-                                 uint64_t value, size_t width = 4, bool shard_only = false) {
+                                 uint64_t value, size_t width = 4, bool shard_only = false, int ranks = 2) {
   const auto errors = run_ranks(
-      2,
+      ranks,
       [&](int rank, Transport& transport) {
         Corrupting corrupting(transport, rank == 0 ? call : -1, offset, value, width);
         CpuDevice device;
@@ -802,7 +802,7 @@ TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
       {"union", [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }, 1},
       {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1},
       {"SparDL reduce-scatter", [] { return std::make_unique<SparDL>(0.05, 1); }, 1},
-      {"SparDL all-gather", [] { return std::make_unique<SparDL>(0.05, 1); }, 3},
+      {"SparDL all-gather", [] { return std::make_unique<SparDL>(0.05, 1); }, 2},
       // control words, part sizes, then the parts; a histogram all-reduce; kept counts, kept pairs
       {"reduce-scatter + all-gather: a part", topk_reduce_scatter, 2},
       {"reduce-scatter + all-gather: kept pairs", topk_reduce_scatter, 4},
@@ -832,6 +832,8 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
   const auto gather = [] { return std::make_unique<Threshold>(1.0); };
   const auto micro_union = [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); };
   const auto spardl = [] { return std::make_unique<SparDL>(0.05, 1); };
+  // Two teams of two: the final lists' sizes travel (call 3, from rank 1) before the lists.
+  const auto spardl_teams = [] { return std::make_unique<SparDL>(0.05, 2); };
   constexpr uint64_t kHuge = uint64_t{1} << 62;
   struct Case {
     const char* name;
@@ -840,6 +842,7 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
     size_t offset;
     uint64_t value;
     bool shard_only = false;
+    int ranks = 2;
   };
   const auto threshold = gather;
   // Control word: message_bytes at 0, count at 8, nonfinite at 16. The sparse reduce-scatter's
@@ -855,9 +858,9 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
       {"union: huge count", micro_union, 0, 8, kHuge},
       {"SparDL: huge non-finite count", spardl, 0, 16, kHuge},
       {"SparDL: a control word with a message", spardl, 0, 0, 32},
-      {"SparDL: huge Bruck list size", spardl, 2, 0, kHuge},
-      {"SparDL: Bruck list size not a multiple of 8", spardl, 2, 0, 44},
-      {"SparDL: Bruck list size below the header", spardl, 2, 0, 8},
+      {"SparDL: huge Bruck list size", spardl_teams, 3, 0, kHuge, false, 4},
+      {"SparDL: Bruck list size not a multiple of 8", spardl_teams, 3, 0, 44, false, 4},
+      {"SparDL: Bruck list size below the header", spardl_teams, 3, 0, 8, false, 4},
       {"reduce-scatter + all-gather: huge part size", topk_reduce_scatter, 1, 0, kHuge},
       {"reduce-scatter + all-gather: part size not a multiple of 8", topk_reduce_scatter, 1, 0, 44},
       {"reduce-scatter + all-gather: part size above the sender's selection", topk_reduce_scatter, 1, 0, 4096},
@@ -869,7 +872,7 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
       {"sparse reduce-scatter: negative pairs for an owner", threshold, 0, 16, ~uint64_t{0}, true},
   };
   for (const Case& c : cases)
-    expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8, c.shard_only), c.name);
+    expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8, c.shard_only, c.ranks), c.name);
 }
 
 /// A transport whose `target_call`-th allgather fails to allocate.

@@ -165,6 +165,50 @@ TEST(SparDL, DegenerateInputs) {
   run_spardl(4, 2, 3, 0.1, 3, false);
 }
 
+// The selections list candidates above a bound learned from the last step (on the CPU) or make
+// the exact top-k's passes (as on a GPU): the same output and residuals to the bit, step by step,
+// while the gradients' scale jumps up and down, so that the candidates hold enough, too many and
+// too few (the fallback) at some step.
+TEST(SparDL, CandidatesSelectWhatTheExactPassesSelect) {
+  constexpr int64_t n = 20000;
+  const std::vector<float> scale = {1.0f, 1.0f, 1.0f, 0.2f, 5.0f, 1.0f, 1.0f};
+  for (int p : {2, 3, 4}) {
+    for (int teams : {1, 2}) {
+      if (p % teams != 0) continue;
+      SCOPED_TRACE(::testing::Message() << "P=" << p << " teams=" << teams);
+      using PerRank = std::vector<std::vector<float>>;
+      std::vector<PerRank> runs[2];  // [listed, passes][step][rank]: output then residual
+      for (int run = 0; run < 2; ++run) {
+        runs[run].assign(2 * scale.size(), PerRank(p));
+        rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+          CpuDevice device;
+          SparDLExchange exchange;
+          exchange.listing = run == 0 ? Listing::kHostMemory : Listing::kNowhere;
+          const int64_t chunk = (n + p / teams - 1) / (p / teams);
+          const auto k = static_cast<int64_t>(0.02 * static_cast<double>(chunk));
+          exchange.sizes = SparDLExchange::Sizes{teams, k, teams == 1 ? k : k / teams};
+          std::vector<float> r(n, 0.0f);
+          for (size_t t = 0; t < scale.size(); ++t) {
+            std::vector<float> g = ref::random_vector<float>(n, 100 * static_cast<int>(t) + rank);
+            for (int64_t i = 0; i < n; ++i) r[i] += scale[t] * g[i];  // the error-feedback update
+            exchange.run(transport, device, BucketView{DType::kFloat32, n, g.data(), r.data()}, Selection{});
+            runs[run][2 * t][rank] = g;
+            runs[run][2 * t + 1][rank] = r;
+          }
+          if (run == 0) {  // the listing path ran: every selection learned a bound
+            ASSERT_EQ(exchange.bounds().size(), static_cast<size_t>(p / teams));
+            for (const CandidateBound& b : exchange.bounds()) EXPECT_TRUE(std::isfinite(b.lower()));
+          }
+        }));
+      }
+      for (size_t j = 0; j < runs[0].size(); ++j)
+        for (int r = 0; r < p; ++r)
+          ASSERT_EQ(runs[0][j][r], runs[1][j][r])
+              << (j % 2 ? "residual" : "output") << " step " << j / 2 << " rank " << r;
+    }
+  }
+}
+
 TEST(SparDL, RejectsATeamCountThatDoesNotDivideTheWorld) {
   const auto errors = run_ranks(3, [&](int, Transport& transport) {
     SparDL method(0.1, 2);

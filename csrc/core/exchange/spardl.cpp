@@ -1,12 +1,14 @@
 // SparDL's exchange (spardl.h, docs/method-spec.md 4.11): the schedule of a step, one function per
 // phase. Every message size follows from the block sizes, k and h, which every rank knows, so no
-// counts are exchanged within the reduce-scatter; the final lists' sizes travel before them.
+// counts are exchanged within the reduce-scatter, nor, with one team, in the all-gather; across
+// teams the merged lists' sizes travel before them.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
 
 #include "gradsparse/kernels.h"
+#include "gradsparse/one_pass.h"
 #include "gradsparse/spardl.h"
 
 namespace gradsparse {
@@ -94,21 +96,32 @@ struct Step {
     const int64_t count = std::min(pairs, length(b));
     return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(length(b)), bucket.dtype).total_bytes;
   }
-  /// The top `pairs` of block b of A (zeroed in A).
-  Selection top(int b, int64_t pairs) {
+  /// The top `pairs` of block b of A (zeroed in A). Where candidates are listed (`listing`: on the
+  /// CPU by default), one pass lists those above `bound` (learned from the same step of the
+  /// schedule in the last call) and the exact top is taken among them, as Top-k selects;
+  /// elsewhere, or when the candidates fall short, the exact top-k's passes over the block. The
+  /// same pairs either way.
+  Selection top(int b, int64_t pairs, CandidateBound& bound, Listing listing) {
     void* block = at(accumulated.data(), b);
-    return device.select_topk(BucketView{bucket.dtype, length(b), block, block}, std::min(pairs, length(b)),
-                              /*update=*/false);
+    const BucketView view{bucket.dtype, length(b), block, block};
+    pairs = std::min(pairs, length(b));
+    if (!lists_candidates(device, listing)) return device.select_topk(view, pairs, /*update=*/false);
+    OnePass pass(device, view, bound, pairs, listing, {0, -1}, /*sums=*/false, /*update=*/false);
+    Selection s = pass.largest(pairs);
+    bound.learn(pass);
+    return s;
   }
   MessageView view(const Selection& list, int b) const { return list.view(bucket.dtype, length(b)); }
 };
 
 /// Spar-Reduce-Scatter within the team: returns the top h of this rank's own block, holding every
 /// team member's contribution.
-Selection reduce_scatter(Step& s) {
+Selection reduce_scatter(Step& s, std::vector<CandidateBound>& bounds, Listing listing) {
   const std::vector<SrsStep> schedule = srs_schedule(s.team_size, s.me);
-  if (schedule.empty()) return s.top(s.me, s.sizes.h);
-  Selection out = s.top(schedule[0].send_block, s.sizes.k);
+  // One bound per selection of the schedule: the blocks sent at steps 0 .. P' - 2, then the own.
+  bounds.resize(schedule.size() + 1);
+  if (schedule.empty()) return s.top(s.me, s.sizes.h, bounds[0], listing);
+  Selection out = s.top(schedule[0].send_block, s.sizes.k, bounds[0], listing);
   for (size_t j = 0; j < schedule.size(); ++j) {
     const SrsStep& step = schedule[j];
     const size_t in_bytes = s.list_bytes(step.recv_block, s.sizes.k);
@@ -119,7 +132,8 @@ Selection reduce_scatter(Step& s) {
                                        static_cast<uint64_t>(s.length(step.recv_block)), s.global(step.source));
     s.device.scatter_add(m, s.at(s.accumulated.data(), step.recv_block), 1.0f);
     // The next block to send; after the last step, the own block (recv_block == me).
-    out = j + 1 < schedule.size() ? s.top(schedule[j + 1].send_block, s.sizes.k) : s.top(step.recv_block, s.sizes.h);
+    out = j + 1 < schedule.size() ? s.top(schedule[j + 1].send_block, s.sizes.k, bounds[j + 1], listing)
+                                  : s.top(step.recv_block, s.sizes.h, bounds[j + 1], listing);
   }
   return out;
 }
@@ -179,26 +193,41 @@ Selection merge_across_teams(Step& s, const Selection& own, int64_t& merged) {
   return s.device.emit(BucketView{s.bucket.dtype, s.length(s.me), nullptr, nullptr}, index, value, false);
 }
 
-/// The Bruck all-gather of the final lists within the team (sizes first: they vary when teams > 1).
+/// The sizes in bytes of the final lists of the blocks `recv`, which this round receives. With one
+/// team each is the top h of its block, whose size every rank knows, so none travels; across
+/// teams a merged list holds the top k of a union that may be smaller than k, so the lists'
+/// sizes are exchanged first (one more message per round).
+std::vector<int64_t> list_sizes(Step& s, const BruckRound& round, const std::vector<Selection>& lists) {
+  std::vector<int64_t> recv_sizes(round.recv.size());
+  if (s.sizes.teams == 1) {
+    for (size_t j = 0; j < round.recv.size(); ++j)
+      recv_sizes[j] = static_cast<int64_t>(s.list_bytes(round.recv[j], s.sizes.h));
+    return recv_sizes;
+  }
+  std::vector<int64_t> send_sizes;
+  for (int b : round.send) send_sizes.push_back(static_cast<int64_t>(lists[b].bytes));
+  Buffer ss = s.device.allocate(send_sizes.size() * 8), rs = s.device.allocate(recv_sizes.size() * 8);
+  s.device.copy_from_host(ss.data(), send_sizes.data(), send_sizes.size() * 8);
+  s.transport.sendrecv(s.device, ss.data(), send_sizes.size() * 8, s.global(round.dest), rs.data(),
+                       recv_sizes.size() * 8, s.global(round.source));
+  s.device.copy_to_host(recv_sizes.data(), rs.data(), recv_sizes.size() * 8);
+  for (size_t j = 0; j < recv_sizes.size(); ++j) {
+    // A final list holds at most min(k, block length) pairs: its size is a layout within that.
+    const int64_t b = recv_sizes[j], most = static_cast<int64_t>(s.list_bytes(round.recv[j], s.sizes.k));
+    GS_CHECK(b >= static_cast<int64_t>(kMessageHeaderBytes) && b <= most && b % 8 == 0, CorruptMessageError,
+             "SparDL: rank ", s.global(round.source), " announced a ", b, "-byte list for block ", round.recv[j],
+             ", whose lists take 32 to ", most, " bytes in multiples of 8");
+  }
+  return recv_sizes;
+}
+
+/// The Bruck all-gather of the final lists within the team.
 void allgather_lists(Step& s, std::vector<Selection>& lists) {
   for (const BruckRound& round : bruck_rounds(s.team_size, s.me)) {
-    std::vector<int64_t> send_sizes, recv_sizes(round.recv.size());
-    for (int b : round.send) send_sizes.push_back(static_cast<int64_t>(lists[b].bytes));
-    Buffer ss = s.device.allocate(send_sizes.size() * 8), rs = s.device.allocate(recv_sizes.size() * 8);
-    s.device.copy_from_host(ss.data(), send_sizes.data(), send_sizes.size() * 8);
-    s.transport.sendrecv(s.device, ss.data(), send_sizes.size() * 8, s.global(round.dest), rs.data(),
-                         recv_sizes.size() * 8, s.global(round.source));
-    s.device.copy_to_host(recv_sizes.data(), rs.data(), recv_sizes.size() * 8);
+    const std::vector<int64_t> recv_sizes = list_sizes(s, round, lists);
     size_t out_bytes = 0, in_bytes = 0;
-    for (int64_t b : send_sizes) out_bytes += static_cast<size_t>(b);
-    for (size_t j = 0; j < recv_sizes.size(); ++j) {
-      // A final list holds at most min(k, block length) pairs: its size is a layout within that.
-      const int64_t b = recv_sizes[j], most = static_cast<int64_t>(s.list_bytes(round.recv[j], s.sizes.k));
-      GS_CHECK(b >= static_cast<int64_t>(kMessageHeaderBytes) && b <= most && b % 8 == 0, CorruptMessageError,
-               "SparDL: rank ", s.global(round.source), " announced a ", b, "-byte list for block ", round.recv[j],
-               ", whose lists take 32 to ", most, " bytes in multiples of 8");
-      in_bytes += static_cast<size_t>(b);
-    }
+    for (int b : round.send) out_bytes += lists[b].bytes;
+    for (int64_t b : recv_sizes) in_bytes += static_cast<size_t>(b);
     Buffer out = s.device.allocate(out_bytes), in = s.device.allocate(in_bytes);
     size_t at = 0;
     for (int b : round.send) {
@@ -233,7 +262,7 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
   Step s(transport, device, bucket, sizes);
 
   std::vector<Selection> lists(s.team_size);
-  lists[s.me] = reduce_scatter(s);
+  lists[s.me] = reduce_scatter(s, bounds_, listing);
   if (sizes.teams > 1) lists[s.me] = merge_across_teams(s, lists[s.me], result.merged);
   allgather_lists(s, lists);
 

@@ -122,12 +122,12 @@ Selection EstimatingMethod::finish(OnePass& pass, double threshold, int64_t nonf
 }
 
 OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k, Listing listing,
-                 Range range, bool sums)
+                 Range range, bool sums, bool update)
     : device_(device),
       bucket_(bucket),
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
       capacity_(CandidateBound::capacity(device, k, listing)) {
-  scan_ = device.scan(bucket, /*update=*/true, range_, bound.lower(), capacity_, sums);
+  scan_ = device.scan(bucket, update, range_, bound.lower(), capacity_, sums);
   lower_key_ = key_of(bound.lower(), false);
 }
 

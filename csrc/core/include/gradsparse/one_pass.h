@@ -87,9 +87,10 @@ class DensityControl {
 class OnePass {
  public:
   /// Without `sums` the pass does not compute the moments' sums (moments() holds only nonfinite):
-  /// for a method that reads none of them.
+  /// for a method that reads none of them. Without `update` it reads the residual as it is (no
+  /// error-feedback update): for a selection from values accumulated elsewhere (SparDL's blocks).
   OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k,
-          Listing listing = Listing::kHostMemory, Range range = {0, -1}, bool sums = true);
+          Listing listing = Listing::kHostMemory, Range range = {0, -1}, bool sums = true, bool update = true);
 
   const Moments& moments() const { return scan_.moments; }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gradsparse/method.h"
+#include "gradsparse/one_pass.h"
 
 namespace gradsparse {
 
@@ -63,6 +64,17 @@ class SparDLExchange final : public Exchange {
                      const Selection& mine) const override;
 
   Sizes sizes;
+  /// Where the selections list candidates (OnePass): by default on the CPU, whose memory the host
+  /// reads in place. Listing::kNowhere makes every selection the exact top-k's passes over its
+  /// block, as on a GPU: the same pairs (the tests compare the two).
+  Listing listing = Listing::kHostMemory;
+  /// Where each selection of the schedule (the blocks sent at steps 0 .. P' - 2, then the own
+  /// block) starts listing candidates: a cache of the step's time, never of its result, so not
+  /// part of a checkpoint.
+  const std::vector<CandidateBound>& bounds() const { return bounds_; }
+
+ private:
+  mutable std::vector<CandidateBound> bounds_;
 };
 
 class SparDL final : public Method {
