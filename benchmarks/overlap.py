@@ -78,8 +78,6 @@ def one_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
     torch.set_num_threads(1)
     gs.set_num_threads(1)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(64, width, generator=g), torch.randint(0, 10, (64,), generator=g)
     results = {}
     for method in methods:
         ddps, states = {}, []
@@ -94,7 +92,13 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
         # The modes take turns step by step, so that a slow spell of this shared machine hits all
         # three alike; three warm-up rounds (DDP rebuilds its buckets after the first).
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
+        g = torch.Generator().manual_seed(rank)  # the same batches for every method
         for i in range(steps + 3):
+            # A new batch each round, as in training: with one batch every step's gradient would be
+            # the same, and the residuals would grow step after step, a phase that training leaves
+            # within its first steps, in which the methods that list candidates above their last
+            # step's threshold find too many and fall back to exact passes.
+            x, y = torch.randn(64, width, generator=g), torch.randint(0, 10, (64,), generator=g)
             for mode in MODES:
                 seconds = one_step(ddps[mode], x, y)
                 if i >= 3:
