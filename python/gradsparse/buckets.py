@@ -61,15 +61,17 @@ class BucketTable:
         bucket = self.buckets.get(index)
         return bucket if bucket is not None and bucket.names == names else None
 
-    def park_all(self) -> None:
-        """DDP rebuilt its buckets: every residual, velocity and method state waits, by parameter,
-        for the new buckets."""
-        for bucket in self.buckets.values():
+    def park_from(self, index: int) -> None:
+        """DDP rebuilt its buckets, and bucket `index` is the first of this step that changed: it
+        and every bucket after it park their residuals, velocities and method states, by parameter,
+        for the new buckets. The buckets before it kept their parameters and were already reduced
+        in this step, so they stay (parked, their pieces would be left behind at the step's end)."""
+        for i in [i for i in self.buckets if i >= index]:
+            bucket = self.buckets.pop(i)
             for kind in KINDS:
                 self.parked[kind].update(bucket.views(kind))
             if bucket.method is not None:
                 self.parked_methods[frozenset(bucket.names)] = bucket.method.state()
-        self.buckets.clear()
 
     def park(
         self, tensors: dict[str, dict[str, torch.Tensor]], methods: Iterable[tuple[frozenset[str] | int, dict]]

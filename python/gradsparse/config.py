@@ -82,8 +82,12 @@ def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | 
         raise TypeError(
             f"{owner}: {name} must be seconds or a datetime.timedelta, got {_describe(value)}; for example {name}=300"
         )
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{owner}: {name} must be a positive number of seconds, got {value!r}")
+    most = datetime.timedelta.max.total_seconds()
+    if not (math.isfinite(seconds) and 0 < seconds <= most):
+        raise ValueError(
+            f"{owner}: {name} must be a positive number of seconds at most {most:.0f} (a datetime.timedelta's "
+            f"range), got {value!r}; for example {name}=300"
+        )
     return datetime.timedelta(seconds=seconds)
 
 

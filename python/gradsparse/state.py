@@ -320,12 +320,17 @@ class State:
         return self
 
     def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
-        """The exchanges' own process group (a new one for the default group, created with the
-        state's timeout), or None where they run on ``group`` itself or on MPI."""
-        if self._transport == "mpi" or group is not dist.group.WORLD:
+        """The exchanges' own process group over the ranks of ``group``, created with the state's
+        timeout (None on MPI). Never ``group`` itself: the engine thread's collectives would
+        interleave with those DDP issues on it from the training thread (the used-parameter map
+        of find_unused_parameters=True), in a different order on each rank. For a sub-group only
+        its members create it (use_local_synchronization)."""
+        if self._transport == "mpi":
             return None
         kwargs = {"backend": dist.get_backend(group), "timeout": self._timeout or _DEFAULT_TIMEOUT}
-        return dist.new_group(**kwargs)
+        if group is dist.group.WORLD:
+            return dist.new_group(**kwargs)
+        return dist.new_group(group_ranks(group), use_local_synchronization=True, **kwargs)
 
     def _make_engine(self, comm: dist.ProcessGroup | None):
         """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the
@@ -414,14 +419,13 @@ class State:
 
     def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> Bucket:
         """The bucket's entry in the table; when DDP rebuilt its buckets (after the first step, or
-        with another layout), every residual and method state is parked by parameter and the new
-        buckets are assembled from them."""
+        with another layout), the residuals and method states of this bucket and the ones after it
+        are parked by parameter and the new buckets are assembled from them."""
         names = [self._binding.name(p) for p in params]
         entry = self._table.get(index, names)
         if entry is not None:
             return entry
-        if index in self._table.buckets:
-            self._table.park_all()
+        self._table.park_from(index)
         numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
             raise RuntimeError(
@@ -429,6 +433,26 @@ class State:
                 "this DDP configuration is not supported"
             )
         return self._table.add(index, names, numels, lambda: self._make_method(numels), buffer)
+
+    def _hold_unused(self, entry: Bucket, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """With ``find_unused_parameters=True`` DDP leaves the gradient of a parameter that no rank
+        used untouched, so it drops whatever the exchange averaged for it: what a selection took
+        from that parameter's residual would be lost. So a parameter whose gradient is zero on
+        this rank (DDP hands an unused one over as zeros) sits the step out on this rank: its
+        residual and velocity are set aside as zeros for the step and put back after it. Returns
+        the (piece, saved copy) pairs to put back."""
+        ddp = self._binding.model()
+        tensors = [t for t in (entry.residual, entry.velocity) if t is not None]
+        if ddp is None or not getattr(ddp, "find_unused_parameters", False) or not tensors:
+            return []
+        used = torch.stack([piece.ne(0).any() for piece in buffer.split(entry.numels)]).tolist()
+        held = []
+        for tensor in tensors:
+            for piece, is_used in zip(tensor.split(entry.numels), used, strict=True):
+                if not is_used:
+                    held.append((piece, piece.clone()))
+                    piece.zero_()
+        return held
 
     def _submit(
         self, entry: Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
@@ -450,16 +474,27 @@ class State:
         index = entry.index
         timed = self._choose_exchange(entry) if not dense and not shard_only else None
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
-        future = self._engine.submit(
-            buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only,
-            entry.velocity, self._momentum, masking,
-        )  # fmt: skip
+        held = [] if dense or shard_only else self._hold_unused(entry, buffer)
+
+        def put_back() -> None:
+            for piece, saved in held:
+                piece.copy_(saved)
+
+        try:
+            future = self._engine.submit(
+                buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only,
+                entry.velocity, self._momentum, masking,
+            )  # fmt: skip
+        except BaseException:
+            put_back()
+            raise
         if last:
             self._step += 1
             self._table.end_step()
         element_size = buffer.element_size()
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
+            put_back()
             value = fut.value()  # raises the engine's error, if any
             self._metrics.record(index, report, self._world_size, element_size)
             if timed is not None and not report.skipped:

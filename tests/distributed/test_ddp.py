@@ -98,6 +98,36 @@ def test_a_find_unused_parameters_with_a_head_unused_every_other_step(density):
             assert torch.equal(h, p) if density == 1.0 else not torch.equal(h, first)
 
 
+@pytest.mark.parametrize("case", ["rebuild", "unused"])
+def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
+    """(c) through DDP's own paths, as the parameters see it: the ranks' mean gradient handed to
+    the hook equals the gradient DDP applied plus the ranks' mean residual, summed over the steps.
+    "rebuild": DDP's rebuild keeps bucket 0 and swaps the others (bucket 0's residual must not be
+    parked after it was reduced); "unused": find_unused_parameters=True, where DDP drops the
+    average of a parameter no rank used (its residual must not be sent)."""
+    results = run_distributed(workers.mass_applied, 2, case)
+    applied = results[0][1]
+    for name in applied:
+        handed = sum(r[0][name] for r in results) / 2
+        kept = sum(r[2][name] for r in results) / 2
+        torch.testing.assert_close(applied[name] + kept, handed, rtol=0, atol=1e-6, msg=name)
+    layouts = [[names for step, names in results[0][3] if step == s] for s in (0, 1)]
+    if case == "rebuild":
+        assert layouts == [[["head.weight"], ["a.weight"], ["b.weight"]], [["head.weight"], ["b.weight"], ["a.weight"]]]
+    else:  # the step's unused head (even at step 0, odd at step 1) travels in a bucket of zeros
+        assert all(len(step) >= 3 for step in layouts)
+
+
+def test_sub_groups_with_unused_parameters():
+    """Two pairs, each training on its own sub-group with find_unused_parameters=True: no
+    collective of the state meets DDP's own on the pair's group (they did, and timed out)."""
+    results = run_distributed(workers.sub_group_unused_parameters, 4)
+    for pair in (results[:2], results[2:]):
+        for a, b in zip(pair[0], pair[1], strict=True):
+            assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(results[0], results[2], strict=True))
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("density,momentum", [(0.01, 0.0), (0.2, 0.0), (0.2, 0.9)])
 def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, momentum):

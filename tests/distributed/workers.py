@@ -137,6 +137,73 @@ def recorded_topk(rank: int, world_size: int, density: float, momentum: float = 
     return log
 
 
+class Chain(nn.Module):
+    """Declared b, a, head and run a -> b -> head. With one parameter per bucket DDP's first
+    buckets follow the declaration backwards (head, a, b) and its rebuilt ones the order the
+    gradients are ready in (head, b, a): the rebuild keeps bucket 0 and swaps the other two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.b, self.a, self.head = (nn.Linear(32, 32, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dict, list]:
+    """Top-k at density 0.1 for 6 steps through DDP's own paths: "rebuild" (Chain, whose rebuild
+    keeps bucket 0) or "unused" (TwoHeads with find_unused_parameters=True, one head unused on
+    every rank at each step). Returns, by parameter, the gradients the hook was handed and those
+    DDP applied (each .grad after backward), summed over the steps, the final residual, and the
+    parameter names of every hook call by step."""
+    if case == "rebuild":
+        model = Chain()
+        ddp = DDP(model, bucket_cap_mb_list=[0.003] * 3)  # one 4 KB parameter per bucket
+    else:
+        model = TwoHeads()
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001)
+    names = {id(p): n for n, p in model.named_parameters()}
+    handed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
+    applied = {n: torch.zeros_like(t) for n, t in handed.items()}
+    layouts: list[tuple[int, list[str]]] = []
+
+    def recording_hook(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        params = bucket.parameters()
+        layouts.append((state.step, [names[id(p)] for p in params]))
+        for p, piece in zip(params, bucket.buffer().split([p.numel() for p in params]), strict=True):
+            handed[names[id(p)]] += piece.double()
+        return gs.hook(state, bucket)
+
+    state = gs.register(ddp, gs.TopK(density=0.1), hook=recording_hook)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        model.zero_grad(set_to_none=True)  # a parameter DDP leaves alone keeps no gradient
+        x = torch.randn(8, 32 if case == "rebuild" else 16, generator=g)
+        (ddp(x) if case == "rebuild" else ddp(x, step % 2 == 0)).pow(2).mean().backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                applied[n] += p.grad.double().reshape(-1)
+    residuals = {n: t.double().reshape(-1) for n, t in state.state_dict()["residuals"].items()}
+    return handed, applied, residuals, layouts
+
+
+def sub_group_unused_parameters(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Two pairs of ranks, each its own DDP and state on its pair's sub-group, with
+    find_unused_parameters=True: DDP's all-reduce of the used-parameter map and the state's
+    exchanges must not meet on one group."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    ddp = DDP(TwoHeads(), process_group=pair, find_unused_parameters=True, bucket_cap_mb=0.001)
+    gs.register(ddp, gs.TopK(density=0.1, process_group=pair, timeout=60))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for i, (x, y) in enumerate(batches(rank, 30)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x, i % 2 == 0), y).backward()
+        opt.step()
+    return params_of(ddp.module)
+
+
 # (d) bad configurations and bad data ----------------------------------------------------------
 
 

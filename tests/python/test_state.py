@@ -46,6 +46,11 @@ def one_rank_group():
             "DGC: momentum=0.9 needs error_feedback=True: momentum correction keeps its velocity where the residual",
         ),
         (lambda: gs.TopK(density=0.1, timeout=-3), ValueError, "timeout must be a positive number of seconds"),
+        (
+            lambda: gs.TopK(density=0.1, timeout=1e15),
+            ValueError,
+            "timeout must be a positive number of seconds at most",
+        ),
         (lambda: gs.TopK(density=0.1, process_group="world"), TypeError, "process_group must be a"),
         (
             lambda: gs.TopK(),
