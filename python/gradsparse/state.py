@@ -167,6 +167,7 @@ class State:
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._link: tuple[float, float] | None = None  # (alpha, beta) of exchange="auto", from setup()
         self._trial: ExchangeTrial | None = None  # exchange="auto" at several ranks: the exchanges timed
+        self._saved_exchanges: dict[int, str] | None = None  # exchange="auto": a loaded state dict's decision
         self._metrics = Metrics()
         _LIVE_STATES.add(self)
 
@@ -311,7 +312,7 @@ class State:
         if self._method_config.get("exchange") == "auto" and world_size > 1:
             if self._link is None:
                 self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
-            self._start_trial()
+            self._start_trial(self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
         if self._unchecked is not None:
@@ -751,8 +752,10 @@ class State:
         self._loaded = Loaded(state_dict)
         if state_dict.get("link") is not None:
             self._link = tuple(state_dict["link"])
-        if self._trial is not None:  # exchange="auto": the saved decision, or a new trial
-            self._start_trial(state_dict.get("exchanges"))
+        # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
+        self._saved_exchanges = state_dict.get("exchanges")
+        if self._trial is not None:
+            self._start_trial(self._saved_exchanges)
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}

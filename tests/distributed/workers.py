@@ -267,11 +267,15 @@ def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list,
     return params_of(hooked.module), params_of(plain.module), state.stats()["total"]
 
 
-def train_with_resume(rank: int, make, steps: int, save_at: int | None, path: str, after_step=None) -> tuple:
+def train_with_resume(
+    rank: int, make, steps: int, save_at: int | None, path: str, after_step=None, load_first: bool = False
+) -> tuple:
     """Trains ``make(seed)``'s (model, ddp, state, optimizer) for ``steps`` steps; before step
     ``save_at`` saves model, optimizer and state to ``path``, then builds a new one with other
-    weights (seed 123: the load must restore them) and loads what was saved. ``after_step(state)``
-    runs after every step. Returns the final model and state, and the state dict saved (or None)."""
+    weights (seed 123: the load must restore them) and loads what was saved; with ``load_first``
+    the new state is registered after its load (``make(seed, register=False)``), as Lightning's
+    resume does. ``after_step(state)`` runs after every step. Returns the final model and state,
+    and the state dict saved (or None)."""
     torch.manual_seed(0)
     model, ddp, state, opt = make(0)
     saved = None
@@ -279,11 +283,13 @@ def train_with_resume(rank: int, make, steps: int, save_at: int | None, path: st
         if i == save_at:
             saved = state.state_dict()
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gs": saved}, path)
-            model, ddp, state, opt = make(123)
+            model, ddp, state, opt = make(123, register=False) if load_first else make(123)
             loaded = torch.load(path, weights_only=False)
             model.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["opt"])
             state.load_state_dict(loaded["gs"])
+            if load_first:
+                gs.register(ddp, state)
         loss = nn.functional.cross_entropy(ddp(x), y)
         opt.zero_grad()
         loss.backward()
@@ -293,11 +299,12 @@ def train_with_resume(rank: int, make, steps: int, save_at: int | None, path: st
     return model, state, saved
 
 
-def hooked_model(seed: int, method):
-    """make_model(seed) in a DDP of several buckets with ``method()`` registered, and its SGD."""
+def hooked_model(seed: int, method, register: bool = True):
+    """make_model(seed) in a DDP of several buckets with ``method()`` registered (or not yet), and
+    its SGD."""
     model = make_model(seed)
     ddp = DDP(model, bucket_cap_mb=0.004)
-    state = gs.register(ddp, method())
+    state = gs.register(ddp, method()) if register else method()
     return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05)
 
 
@@ -326,18 +333,19 @@ AUTO_METHODS = {  # method -> (state with exchange="auto" on a transport, the gl
 def auto_exchange(rank: int, world_size: int, path: str, method: str, transport: str = "process_group") -> list[dict]:
     """``method`` with exchange="auto" (gradsparse.exchange_trial), 12 steps, recording each
     step's exchange per bucket: straight through; saved after step 9 (once the trial has decided)
-    and after step 4 (during it), each time loaded into a new model and state that go on."""
+    and after step 4 (during it), each time loaded into a new model and state that go on; and
+    saved after step 9 and loaded before the new state's registration."""
 
-    def make(seed: int):
-        return hooked_model(seed, lambda: AUTO_METHODS[method][0](transport))
+    def make(seed: int, register: bool = True):
+        return hooked_model(seed, lambda: AUTO_METHODS[method][0](transport), register)
 
-    def run(save_at: int | None) -> dict:
+    def run(save_at: int | None, load_first: bool = False) -> dict:
         steps = []
 
         def record(state) -> None:
             steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
 
-        model, state, saved = train_with_resume(rank, make, 12, save_at, f"{path}.{save_at}.{rank}", record)
+        model, state, saved = train_with_resume(rank, make, 12, save_at, f"{path}.{save_at}.{rank}", record, load_first)
         return {
             "steps": steps,
             "trial": state.stats().get("exchange_trial"),
@@ -346,7 +354,7 @@ def auto_exchange(rank: int, world_size: int, path: str, method: str, transport:
             "params": params_of(model),
         }
 
-    return [run(None), run(9), run(4)]
+    return [run(None), run(9), run(4), run(9, load_first=True)]
 
 
 def check_auto_exchange(results: list[list[dict]], method: str) -> None:
@@ -362,7 +370,7 @@ def check_auto_exchange(results: list[list[dict]], method: str) -> None:
             assert other["chosen"] == first["chosen"] and other["saved"] == first["saved"]
             for a, b in zip(first["params"], other["params"], strict=True):
                 assert torch.equal(a, b)  # the replicas stay equal through every switch
-    straight, after_decision, during_trial = results[0]
+    straight, after_decision, during_trial, loaded_first = results[0]
     buckets = sorted(straight["steps"][-1])
     assert len(buckets) > 1
     alternation = [("gather", "reduce_scatter")[t % 2] for t in range(6)]
@@ -374,8 +382,11 @@ def check_auto_exchange(results: list[list[dict]], method: str) -> None:
         assert means["gather"] > 0 and means["reduce_scatter"] > 0
         assert chosen[b] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
         assert all(step[b] == names[chosen[b]] for step in straight["steps"][7:])
-    assert after_decision["saved"] == after_decision["chosen"] is not None
-    assert all(step[b] == names[after_decision["saved"][b]] for step in after_decision["steps"][9:] for b in step)
+    for resumed in (after_decision, loaded_first):  # loaded before registration: the same decision kept
+        assert resumed["saved"] == resumed["chosen"] is not None
+        assert all(step[b] == names[resumed["saved"][b]] for step in resumed["steps"][9:] for b in step)
+    assert loaded_first["steps"] == after_decision["steps"]
+    assert all(torch.equal(a, b) for a, b in zip(loaded_first["params"], after_decision["params"], strict=True))
     assert during_trial["saved"] is None
     assert [set(step.values()) for step in during_trial["steps"][5:11]] == [{names[n]} for n in alternation]
     assert during_trial["chosen"] is not None and during_trial["trial"] is not None
