@@ -38,13 +38,17 @@ def _fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def _group_layout(module: nn.Module, world_size: int) -> tuple[int, torch.dtype] | None:
     """The numel and dtype of the flat gradient FSDP reduce-scatters for ``module`` (None: the
-    module manages no parameters of its own). Read from FSDP's parameter group; the first call
+    module manages no parameters of its own, or only frozen ones, whose gradients FSDP never
+    reduces). Read from FSDP's parameter group; FSDP hands over the gradients of the parameters
+    that have one, so frozen parameters (``requires_grad=False``) take no place. The first call
     of the comm checks it against what FSDP hands over."""
     groups = module._get_fsdp_state()._fsdp_param_groups
     if not groups:
         return None
     group = groups[0]
-    params = group.fsdp_params
+    params = [p for p in group.fsdp_params if p.sharded_param.requires_grad]
+    if not params:
+        return None
     numel = sum(p.padded_sharded_param_size.numel() for p in params) * world_size
     # The mixed-precision policy: per parameter from torch 2.15 on, per group before.
     policy = getattr(params[0], "mp_policy", None) or getattr(group, "mp_policy", None)

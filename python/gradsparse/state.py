@@ -597,6 +597,7 @@ class State:
         if index in self._sharded_called:  # a group reduced twice: the groups missing last step sent nothing
             self._sharded_called.clear()
             self._step += 1
+            self._loaded = None  # a step has passed: state_dict() returns the live residuals again
         self._sharded_called.add(index)
         last = len(self._sharded_called) == groups
         entry = self._table.buckets.get(index)
@@ -606,7 +607,11 @@ class State:
             if numel != expected:
                 raise RuntimeError(
                     f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
-                    f"hold {expected} (padded); this FSDP configuration is not supported"
+                    f"that require gradients hold {expected} (padded): some of them got no gradient in this "
+                    "backward (FSDP reduces only the gradients it has). gradsparse keeps one residual per module "
+                    "and needs the same parameters to get gradients at every step: freeze a parameter that is "
+                    "never used (requires_grad_(False)) before gradsparse.fsdp.sparsify, or give the module a "
+                    "fully_shard of its own"
                 )
             entry = self._table.add(index, [name], [numel], lambda: self._make_method([numel]), flat)
         if last:

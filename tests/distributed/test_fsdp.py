@@ -20,14 +20,23 @@ WORLD_SIZES = [2, 4]
 
 
 def sharded_model(
-    world_size: int, seed: int = 3, reduce_dtype: torch.dtype | None = None, per_layer: bool = True
+    world_size: int,
+    seed: int = 3,
+    reduce_dtype: torch.dtype | None = None,
+    per_layer: bool = True,
+    frozen: bool = False,
 ) -> nn.Module:
     """workers.make_model with each Linear and the root under fully_shard (the root holds no
     parameters of its own; the last layer's 6 rows are padded to 8 on 4 ranks), or with
-    ``per_layer=False`` the root alone (one reduce-scatter per step, a third of the time)."""
+    ``per_layer=False`` the root alone (one reduce-scatter per step, a third of the time). With
+    ``frozen``, as in fine-tuning: the first Linear frozen (FSDP never reduces its module) and
+    the second's bias."""
     mesh = init_device_mesh("cpu", (world_size,))
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     model = workers.make_model(seed)
+    if frozen:
+        model[0].requires_grad_(False)
+        model[2].bias.requires_grad_(False)
     for layer in model if per_layer else ():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -67,10 +76,10 @@ def test_density_one_equals_fsdp(world_size, reduce_dtype):
 # Error feedback conserves the gradient mass --------------------------------------------------------
 
 
-def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> list[dict]:
+def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None, frozen: bool = False) -> list[dict]:
     """Records, at every reduce-scatter: the flat gradient, the residual before and after, and
     this rank's output shard."""
-    model = sharded_model(world_size, reduce_dtype=reduce_dtype)
+    model = sharded_model(world_size, reduce_dtype=reduce_dtype, frozen=frozen)
     state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
     records = []
     for name, module in model.named_modules():
@@ -92,18 +101,24 @@ def recorded_steps(rank: int, world_size: int, reduce_dtype: torch.dtype | None)
         recording.allocate = inner.allocate
         module.set_custom_reduce_scatter(recording)
     workers.fit(model, workers.teacher_data(rank, 6))
+    assert state.step == 6, state.step  # a module FSDP never reduces must not hold the steps back
     return records
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("reduce_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_gradient_mass_is_conserved_every_step(world_size, reduce_dtype):
+@pytest.mark.parametrize(
+    "world_size,reduce_dtype,frozen",
+    [(w, d, False) for w in WORLD_SIZES for d in (None, torch.bfloat16)] + [(2, None, True)],
+    ids=lambda v: {None: "float32", torch.bfloat16: "bfloat16", True: "frozen", False: "all-trained"}.get(v, str(v)),
+)
+def test_gradient_mass_is_conserved_every_step(world_size, reduce_dtype, frozen):
     """For every group and step: sum over ranks of (residual + gradient) = sum over ranks of the new
     residual + P x the averaged gradient FSDP received (its shards, in rank order), and the
-    residuals hold what was not sent (most of the gradient at density 0.05)."""
-    logs = run_distributed(recorded_steps, world_size, reduce_dtype, timeout=300)
+    residuals hold what was not sent (most of the gradient at density 0.05). With frozen
+    parameters: a frozen module is no group, and a frozen bias takes no place in its group's
+    flat gradient."""
+    logs = run_distributed(recorded_steps, world_size, reduce_dtype, frozen, timeout=300)
     tol = 1e-5 if reduce_dtype is None else 3e-2
-    assert len({len(log) for log in logs}) == 1 and len(logs[0]) == 6 * 3
+    assert len({len(log) for log in logs}) == 1 and len(logs[0]) == 6 * (2 if frozen else 3)
     for calls in zip(*logs, strict=True):
         assert len({(c["name"], c["step"]) for c in calls}) == 1
         assert calls[0]["after"].dtype == (reduce_dtype or torch.float32)
@@ -290,6 +305,15 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
         elif case == "two_models":
             state = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05))
             gs.fsdp.sparsify(sharded_model(world_size), state)
+        elif case == "unused_parameter":  # trained, but no gradient: FSDP hands over less than the layout
+            model = workers.make_model()
+            model[2].register_parameter("spare", nn.Parameter(torch.zeros(5)))
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+            workers.fit(model, workers.teacher_data(rank, 1))
         elif case == "several_meshes":  # biases on a mesh of their own: two parameter groups in one module
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -320,6 +344,7 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
         ("dense", "TypeError", "leave the model as fully_shard made it"),
         ("two_models", "ValueError", "already serves a model"),
         ("several_meshes", "ValueError", "holds 2 parameter groups"),
+        ("unused_parameter", "RuntimeError", "some of them got no gradient in this backward"),
     ],
 )
 def test_bad_input_raises_on_every_rank(case, error, message):
