@@ -8,6 +8,8 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -127,6 +129,58 @@ TEST(Methods, RejectBadOptions) {
   EXPECT_THROW(SIDCo(0.1, "exp", -4, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "weibull", 1, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "exp", 1, 1.5, std::nullopt), ValueError);
+}
+
+/// SAGE's sampled means of steps 0..steps-1 on one rank, per-tensor sampling over `segments`, on
+/// a bucket of `n` elements holding 1, 2, ..., n (whose element [n], past the bucket, is huge, so
+/// that a sample read there would show).
+std::vector<double> sage_sample_means(std::vector<int64_t> segments, int64_t n, bool reference, int steps) {
+  SAGE sage(0.1, "per_tensor", std::move(segments), reference, 3, std::nullopt, std::nullopt);
+  std::vector<double> means;
+  for (int step = 0; step < steps; ++step) {
+    std::vector<float> g(n + 1, 1e6f), residual(n + 1, 0.0f);
+    for (int64_t i = 0; i < n; ++i) g[i] = static_cast<float>(i + 1);
+    auto group = ThreadGroup::create(1);
+    auto transport = group->transport(0);
+    CpuDevice device;
+    const BucketView bucket{DType::kFloat32, n, g.data(), residual.data()};
+    reduce_bucket(&sage, *transport, device, bucket, ReduceOptions{});
+    means.push_back(sage.state().at("sample_mean"));
+  }
+  return means;
+}
+
+// A parameter of no elements has no position to sample, so per-tensor sampling leaves it out of
+// the draw of a tensor: the samples are those of the same bucket without it. (Drawn as a tensor of
+// one element, a trailing empty one sampled the element past the bucket, and one in the middle
+// the next tensor's first element.)
+TEST(Methods, SagePerTensorSamplingSkipsEmptyParameters) {
+  for (bool reference : {false, true}) {
+    SCOPED_TRACE(reference ? "reference" : "default");
+    const std::vector<double> trailing = sage_sample_means({100, 0}, 100, reference, 3);
+    EXPECT_EQ(trailing, sage_sample_means({100}, 100, reference, 3));
+    const std::vector<double> middle = sage_sample_means({30, 0, 0, 70}, 100, reference, 3);
+    EXPECT_EQ(middle, sage_sample_means({30, 70}, 100, reference, 3));
+    for (double mean : trailing) EXPECT_LE(mean, 100.0);
+  }
+}
+
+// Sizes that cannot be a bucket's parameters are refused by name: a negative one when the method
+// is made, and sizes that do not add up to the bucket at its first step.
+TEST(Methods, SageRefusesSegmentsThatDoNotFitTheBucket) {
+  try {
+    SAGE(0.1, "per_tensor", {10, -1}, false, 3, std::nullopt, std::nullopt);
+    FAIL() << "a negative segment was accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("segments[1] is -1"), std::string::npos) << e.what();
+  }
+  try {
+    sage_sample_means({60, 0, 30}, 100, false, 1);
+    FAIL() << "segments adding up to 90 were accepted for a bucket of 100";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("segments add up to 90 elements but the bucket has 100"), std::string::npos)
+        << e.what();
+  }
 }
 
 /// Rank 0 of two, whose peer sent rank 0's own band counts as `forge` altered them (the sums of

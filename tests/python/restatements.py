@@ -468,8 +468,9 @@ class SAGE(Restatement):
         if self.sampling == "flat":
             positions = sample_with_replacement(s, size, n)
         else:
-            sizes = self.segments
-            offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+            # empty tensors take no part (§4.7): they have no position to sample
+            offsets = [sum(self.segments[:j]) for j in range(len(self.segments)) if self.segments[j] > 0]
+            sizes = [m for m in self.segments if m > 0]
             positions = []
             for i in range(size):
                 j = draw(s, 2 * i) % len(sizes)

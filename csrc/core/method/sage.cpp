@@ -37,6 +37,10 @@ SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> seg
     GS_CHECK(std::isfinite(*initial_) && *initial_ > 0.0, ValueError,
              "SAGE: initial_threshold must be a finite number > 0, got ", *initial_);
   }
+  for (size_t j = 0; j < segments_.size(); ++j) {
+    GS_CHECK(segments_[j] >= 0, ValueError, "SAGE: segments[", j, "] is ", segments_[j],
+             "; segments are the element counts of the bucket's parameters, in order, each >= 0");
+  }
 }
 
 std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
@@ -44,15 +48,24 @@ std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
   const uint64_t stream =
       rng_stream(seed_, RngTag::kSage, static_cast<uint64_t>(committed_.t), static_cast<uint64_t>(rank));
   if (sampling_ == Sampling::kFlat || segments_.empty()) return sample_with_replacement(stream, count, n);
-  std::vector<int64_t> offsets(segments_.size(), 0);
-  for (size_t j = 1; j < segments_.size(); ++j) offsets[j] = offsets[j - 1] + segments_[j - 1];
-  GS_CHECK(offsets.back() + segments_.back() == n, ValueError, "SAGE: the parameter sizes add up to ",
-           offsets.back() + segments_.back(), " but the bucket has ", n, " elements");
+  // The tensors that hold elements, at their offsets: an empty one (a parameter of no elements)
+  // has no position to sample, so it takes no part in the draw of a tensor either.
+  std::vector<int64_t> offsets, sizes;
+  int64_t total = 0;
+  for (int64_t size : segments_) {
+    if (size > 0) {
+      offsets.push_back(total);
+      sizes.push_back(size);
+    }
+    total += size;
+  }
+  GS_CHECK(total == n, ValueError, "SAGE: segments add up to ", total, " elements but the bucket has ", n,
+           "; pass the element counts of the bucket's parameters, in order");
   std::vector<int64_t> out(static_cast<size_t>(count));
-  const uint64_t tensors = segments_.size();
+  const uint64_t tensors = sizes.size();
   for (int64_t i = 0; i < count; ++i) {
     const size_t j = static_cast<size_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i)) % tensors);
-    const uint64_t size = static_cast<uint64_t>(std::max<int64_t>(segments_[j], 1));
+    const uint64_t size = static_cast<uint64_t>(sizes[j]);
     out[static_cast<size_t>(i)] =
         offsets[j] + static_cast<int64_t>(rng_draw(stream, 2 * static_cast<uint64_t>(i) + 1) % size);
   }
