@@ -4,6 +4,7 @@
 // compared with a re-statement in tests/python/test_methods.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -180,6 +181,59 @@ TEST(Methods, SageRefusesSegmentsThatDoNotFitTheBucket) {
   } catch (const ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("segments add up to 90 elements but the bucket has 100"), std::string::npos)
         << e.what();
+  }
+}
+
+/// The pairs all ranks sent at each step of MiCRO's or ExDyna's default mode on two ranks, for
+/// normal gradients of n = 10000 elements at `scales[t]` (0: a step of zeros), density 0.01.
+std::vector<int64_t> banded_counts(bool micro, const std::vector<float>& scales) {
+  const int p = 2;
+  const int64_t n = 10000;
+  std::vector<std::unique_ptr<Method>> methods;
+  for (int r = 0; r < p; ++r) {
+    if (micro) {
+      methods.push_back(std::make_unique<MiCRO>(0.01, "union", false, 3));
+    } else {
+      methods.push_back(std::make_unique<ExDyna>(0.01, "gather", false, 3));
+    }
+  }
+  std::vector<std::vector<float>> residual(p, std::vector<float>(n, 0.0f));
+  std::vector<int64_t> sent;
+  for (size_t t = 0; t < scales.size(); ++t) {
+    std::vector<ReduceReport> reports(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      std::vector<float> g = ref::random_vector<float>(n, 10 * t + rank, scales[t] > 0.0f ? scales[t] : 1.0f);
+      if (scales[t] == 0.0f) std::fill(g.begin(), g.end(), 0.0f);
+      CpuDevice device;
+      BucketView bucket{DType::kFloat32, n, g.data(), residual[rank].data()};
+      reports[rank] = reduce_bucket(methods[rank].get(), transport, device, bucket, ReduceOptions{});
+    }));
+    sent.push_back(reports[0].selected_all);
+  }
+  return sent;
+}
+
+// After a step whose counts put the threshold far off the band (a step of zeros: nothing to
+// count; a x1000 rise in scale: everything above the band), the next step predicts from a sample
+// again, so the count is back near the target k = 100 within a few steps. (The estimate used to
+// move one band width a step: after a step of zeros every element passed for about 35 steps, and
+// after the rise most of them for about 10.)
+TEST(Methods, BandedMethodsRecoverFromAFarOffStep) {
+  struct Stream {
+    std::vector<float> scales;
+    size_t far_off;  // the step of zeros, or of the rise
+  };
+  const std::vector<Stream> streams = {{{0.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f}, 0},
+                                       {{1.0f, 1.0f, 0.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f}, 2},
+                                       {{1e-3f, 1e-3f, 1e-3f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f}, 3}};
+  for (bool micro : {true, false}) {
+    for (const Stream& stream : streams) {
+      const std::vector<int64_t> sent = banded_counts(micro, stream.scales);
+      for (size_t t = stream.far_off + 3; t < sent.size(); ++t)
+        EXPECT_TRUE(sent[t] >= 50 && sent[t] <= 200)
+            << (micro ? "MiCRO" : "ExDyna") << ": " << sent[t] << " pairs at step " << t << ", " << t - stream.far_off
+            << " after the far-off step";
+    }
   }
 }
 

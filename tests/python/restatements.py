@@ -523,15 +523,17 @@ class SAGE(Restatement):
 
 HIST_BINS = 512
 HIST_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(HIST_BINS)]  # lower edges of the 512 bins
+# §4.8 "Far off": a restart's wide histogram, the same edges for b = -1117..1720 (2838 bins)
+WIDE_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(-1117, 1721)]
 BAND_BINS = 257
 
 
-def histogram_bin(value: float) -> int:
-    """§4.8: bin b with edge_b <= value < edge_{b+1}; below the first edge -> 0, above the last -> 511."""
-    lo, hi = 0, HIST_BINS - 1
+def histogram_bin(value: float, edges: list[float] = HIST_EDGES) -> int:
+    """§4.8: bin b with edge_b <= value < edge_{b+1}; below the first edge -> 0, above the last -> the last."""
+    lo, hi = 0, len(edges) - 1
     while lo < hi:  # the largest b with edge_b <= value (0 if none)
         mid = (lo + hi + 1) // 2
-        if HIST_EDGES[mid] <= value:
+        if edges[mid] <= value:
             lo = mid
         else:
             hi = mid - 1
@@ -576,23 +578,26 @@ class Partitioned(Restatement):
 
     def default_select(self, v, rank, lo, hi, big_k):
         # Prediction λ̂
-        if self.t == 0:
-            hist = torch.zeros(HIST_BINS, dtype=torch.float64)
+        # a sample at t = 0, and again after a step whose counts put the threshold far off (no estimate)
+        sampled = self.t == 0 or not (0 < self.estimates[-1] < math.inf)
+        if sampled:
+            hist_edges = HIST_EDGES if self.t == 0 else WIDE_EDGES
+            hist = torch.zeros(len(hist_edges), dtype=torch.float64)
             size = min(4096, hi - lo)
             if size > 0:
                 weight = (hi - lo) / size
-                s = stream(self.seed, TAG_INITIAL, 0, rank)
+                s = stream(self.seed, TAG_INITIAL, self.t, rank)
                 for pos in sample_with_replacement(s, size, hi - lo):
-                    hist[histogram_bin(abs(float(v[lo + pos])))] += weight
+                    hist[histogram_bin(abs(float(v[lo + pos])), hist_edges)] += weight
             hist = yield hist  # all-reduce (sum over ranks)
-            predicted = HIST_EDGES[0]
+            predicted = hist_edges[0]
             cumulative = 0.0
-            for b in range(HIST_BINS - 1, 0, -1):
+            for b in range(len(hist_edges) - 1, 0, -1):
                 cumulative += float(hist[b])
                 if cumulative >= big_k:
-                    predicted = HIST_EDGES[b]
+                    predicted = hist_edges[b]
                     break
-        elif self.t == 1:
+        elif self.t == 1 or not (0 < self.estimates[-2] < math.inf):
             predicted = by_trend = by_mean = self.estimates[-1]
         else:
             trend = min(max(self.estimates[-1] / self.estimates[-2], 1 / 1.2), 1.2)
@@ -600,7 +605,7 @@ class Partitioned(Restatement):
             by_mean = math.sqrt(self.estimates[-1] * self.estimates[-2])
             predicted = by_trend if self.trend_miss <= self.mean_miss else by_mean
         # Band and its 257 counts
-        w = 2.0 if self.t == 0 else self.band
+        w = 2.0 if sampled else self.band
         base = predicted / w
         edges = torch.tensor([base * w ** (2 * b / 256) for b in range(BAND_BINS)], dtype=torch.float64)
         part = v[lo:hi]
@@ -619,9 +624,13 @@ class Partitioned(Restatement):
         selected = lo + candidates[bins >= best]
         self.estimates.append(self.estimate(lam, edges.tolist(), above_b, big_k))
         self.band = self.next_band(w, predicted, self.estimates[-1])
-        if self.t >= 1:
-            self.trend_miss = 0.8 * self.trend_miss + abs(math.log(self.estimates[-1] / by_trend))
-            self.mean_miss = 0.8 * self.mean_miss + abs(math.log(self.estimates[-1] / by_mean))
+        if not sampled:  # a sampled prediction is neither's: the misses stay as they were
+
+            def miss(p: float) -> float:  # no estimate (far off): no miss
+                return abs(math.log(self.estimates[-1] / p)) if 0 < self.estimates[-1] < math.inf else 0.0
+
+            self.trend_miss = 0.8 * self.trend_miss + miss(by_trend)
+            self.mean_miss = 0.8 * self.mean_miss + miss(by_mean)
         return selected, lam
 
     @staticmethod
@@ -642,11 +651,13 @@ class Partitioned(Restatement):
             return 1.0
 
         width = e[256] / e[0]
+        if g[0] == 0:
+            return NAN  # far off: nothing counted
         if g[256] > big_k:
+            if math.log(g[0] / g[256]) / math.log(e[256] / e[0]) < 0.5:
+                return NAN  # far off: the counts barely fall across the band, far below the tail
             return e[256] * min(width, (g[256] / big_k) ** (1 / slope(0, 256)))
         if g[0] < big_k:
-            if g[0] == 0:
-                return e[0] / width
             return e[0] * max(1 / width, (g[0] / big_k) ** (1 / slope(0, 128)))
         return lam
 

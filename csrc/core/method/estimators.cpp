@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "gradsparse/common.h"
 
@@ -129,29 +130,35 @@ double online_scaling_factor(double ratio) {
   return 0.995;
 }
 
-const std::vector<double>& BandController::sample_edges() {
+const std::vector<double>& BandController::sample_edges(bool wide) {
   static const std::vector<double> edges = [] {
     std::vector<double> e(kSampleBins + 1);
     for (int b = 0; b <= kSampleBins; ++b) e[b] = std::pow(2.0, -40.0 + 50.0 * b / kSampleBins);
     return e;
   }();
-  return edges;
+  static const std::vector<double> wide_edges = [] {
+    std::vector<double> e(kWideSampleBins + 1);
+    for (int i = 0; i <= kWideSampleBins; ++i) e[i] = std::pow(2.0, -40.0 + 50.0 * (kWideFirstEdge + i) / kSampleBins);
+    return e;
+  }();
+  return wide ? wide_edges : edges;
 }
 
-int BandController::sample_bin(double magnitude) {
-  const auto& e = sample_edges();
+int BandController::sample_bin(double magnitude, bool wide) {
+  const auto& e = sample_edges(wide);
   const int b = static_cast<int>(std::upper_bound(e.begin(), e.end(), magnitude) - e.begin()) - 1;
-  return std::clamp(b, 0, kSampleBins - 1);
+  return std::clamp(b, 0, static_cast<int>(e.size()) - 2);
 }
 
-double BandController::predict_from_samples(const std::vector<double>& weights, double target) {
-  GS_ASSERT(static_cast<int>(weights.size()) == kSampleBins);
+double BandController::predict_from_samples(const std::vector<double>& weights, double target, bool wide) {
+  const auto& e = sample_edges(wide);
+  GS_ASSERT(weights.size() + 1 == e.size());
   double from_top = 0.0;
-  for (int b = kSampleBins - 1; b > 0; --b) {
+  for (int b = static_cast<int>(weights.size()) - 1; b > 0; --b) {
     from_top += weights[b];
-    if (from_top >= target) return sample_edges()[b];
+    if (from_top >= target) return e[b];
   }
-  return sample_edges()[0];
+  return e[0];
 }
 
 double BandController::predict_from_trend(double last, double before_last, int64_t t) {
@@ -208,28 +215,47 @@ int BandController::choose(const std::vector<double>& counts, double target) {
   return best;
 }
 
-double BandController::estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
-                                double chosen) {
-  std::vector<double> above(kBandBins + 2, 0.0);  // G(b)
-  for (int b = kBandBins; b >= 0; --b) above[b] = above[b + 1] + counts[b];
-  const int mid = kBandBins / 2;
-  auto slope = [&](int lo, int hi) {  // -d ln G / d ln threshold between two edges, at least 0.5
+namespace {
+/// BandController::estimate's extrapolation from the band's counts: the estimate, and whether the
+/// counts say the prediction was far off (BandController::far_off).
+std::pair<double, bool> extrapolate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
+                                    double chosen) {
+  constexpr int kTop = BandController::kBandBins;
+  std::vector<double> above(kTop + 2, 0.0);  // G(b)
+  for (int b = kTop; b >= 0; --b) above[b] = above[b + 1] + counts[b];
+  const int mid = kTop / 2;
+  // -d ln G / d ln threshold between two edges (0 where G does not fall; 1 where it is unknown)
+  auto raw_slope = [&](int lo, int hi) {
+    if (!(above[lo] >= above[hi] && above[hi] > 0.0)) return 1.0;
+    return std::log(above[lo] / above[hi]) / std::log(edges[hi] / edges[lo]);
+  };
+  auto slope = [&](int lo, int hi) {  // at least 0.5
     if (!(above[lo] > above[hi] && above[hi] > 0.0)) return 1.0;
-    return std::max(0.5, std::log(above[lo] / above[hi]) / std::log(edges[hi] / edges[lo]));
+    return std::max(BandController::kLeastSlope, raw_slope(lo, hi));
   };
   // Outside the band the slope of the band is a poor guide far away (tails steepen), so the
   // extrapolation goes at most one band width (e_256 / e_0) beyond the band.
-  const double width = edges[kBandBins] / edges[0];
-  if (above[kBandBins] > target) {  // above the band
-    const double jump = std::pow(above[kBandBins] / target, 1.0 / slope(0, kBandBins));
-    return edges[kBandBins] * std::min(jump, width);
+  const double width = edges[kTop] / edges[0];
+  if (above[kTop] > target) {  // above the band
+    const double jump = std::pow(above[kTop] / target, 1.0 / slope(0, kTop));
+    return {edges[kTop] * std::min(jump, width), raw_slope(0, kTop) < BandController::kLeastSlope};
   }
   if (above[0] < target) {  // below the band
-    if (above[0] <= 0.0) return edges[0] / width;
+    if (above[0] <= 0.0) return {edges[0] / width, true};
     const double jump = std::pow(above[0] / target, 1.0 / slope(0, mid));
-    return edges[0] * std::max(jump, 1.0 / width);
+    return {edges[0] * std::max(jump, 1.0 / width), false};
   }
-  return chosen;
+  return {chosen, false};
+}
+}  // namespace
+
+double BandController::estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
+                                double chosen) {
+  return extrapolate(edges, counts, target, chosen).first;
+}
+
+bool BandController::far_off(const std::vector<double>& edges, const std::vector<double>& counts, double target) {
+  return extrapolate(edges, counts, target, 0.0).second;
 }
 
 // ---- SAGE -------------------------------------------------------------------------------------

@@ -4,12 +4,14 @@
 // Reference mode keeps the original rule: the threshold is scaled by 1.005, 1.00125 or 0.995
 // from the previous step's total count, and a rank that selects nothing sends one dummy element.
 // The default agrees on the threshold every step: a prediction (a sampled histogram at the first
-// step, then the trend or the mean of the agreed thresholds, whichever missed less lately),
+// step and after a step whose counts put it far off, otherwise the trend or the mean of the
+// agreed thresholds, whichever missed less lately),
 // candidates inside a band around it (narrower while the predictions hit), and one
 // collective of their counts in fine bins, from which every rank picks the same threshold (and,
 // up to 4 ranks, learns every rank's count: the exchange's control words travel with it).
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "gradsparse/key_bins.h"
@@ -190,8 +192,12 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const int64_t t = committed_.t;
   int64_t nonfinite = 0;
   double prediction = 0.0, by_trend = 0.0, by_mean = 0.0;
-  const double w = t > 0 ? committed_.band : BandController::band_factor(t);
-  if (t > 0) {  // the prediction needs no look at this step's values: of two, the one that missed less lately
+  // A sampled prediction at the first step, and where the last step's counts left no estimate
+  // (they put the threshold far off the band: a step of zeros, a jump in scale), since the
+  // estimate could move only one band width a step: the controller starts again, as at t = 0.
+  const bool sampled = t == 0 || !(committed_.estimate > 0.0 && std::isfinite(committed_.estimate));
+  const double w = sampled ? BandController::band_factor(0) : committed_.band;
+  if (!sampled) {  // the prediction needs no look at this step's values: of two, the one that missed less lately
     by_trend = BandController::predict_from_trend(committed_.estimate, committed_.before_last, t);
     by_mean = BandController::predict_from_mean(committed_.estimate, committed_.before_last, t);
     prediction = committed_.trend_miss <= committed_.mean_miss ? by_trend : by_mean;
@@ -200,9 +206,12 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
     const int64_t length = range.end - range.begin;
     const int64_t samples = std::min<int64_t>(4096, length);
-    std::vector<double> weights(BandController::kSampleBins, 0.0);
+    // A restart samples on the wide histogram: its threshold may lie beyond the first one's range.
+    const bool wide = t > 0;
+    std::vector<double> weights(wide ? BandController::kWideSampleBins : BandController::kSampleBins, 0.0);
     if (samples > 0) {
-      const uint64_t stream = rng_stream(seed_, RngTag::kPartitionSample, 0, static_cast<uint64_t>(group.rank()));
+      const uint64_t stream =
+          rng_stream(seed_, RngTag::kPartitionSample, static_cast<uint64_t>(t), static_cast<uint64_t>(group.rank()));
       std::map<int64_t, int> multiplicity;
       for (int64_t p : sample_with_replacement(stream, samples, length)) ++multiplicity[range.begin + p];
       std::vector<int64_t> positions;
@@ -211,10 +220,10 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
       const std::vector<float> values = HostMessage(device, sample, bucket).value_list();
       const double weight = static_cast<double>(length) / static_cast<double>(samples);
       for (size_t j = 0; j < positions.size(); ++j)
-        weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
+        weights[BandController::sample_bin(std::fabs(values[j]), wide)] += weight * multiplicity[positions[j]];
     }
     group.sum(weights);
-    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
+    prediction = BandController::predict_from_samples(weights, static_cast<double>(k), wide);
   }
   const std::vector<double> edges = BandController::band_edges(prediction, w);
   // Where the host reads the bucket in place (the CPU), the band's candidates are listed, then
@@ -223,7 +232,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   // results, by the same comparisons of keys.
   const bool listed = lists_candidates(device, listing_) || !plain_edges(edges);
   Candidates c;
-  if (t > 0) {  // one pass updates the residual and lists the band (or only updates it)
+  if (!sampled) {  // one pass updates the residual and lists the band (or only updates it)
     Scan scan = device.scan(bucket, /*update=*/true, range, edges[0], /*capacity=*/listed ? -1 : 0, /*sums=*/false);
     nonfinite = scan.moments.nonfinite;
     c = std::move(scan.candidates);
@@ -236,9 +245,11 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   std::vector<ControlWord> agreed;
   const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
-  pending_.estimate = BandController::estimate(edges, counts, static_cast<double>(k), lambda);
+  pending_.estimate = BandController::far_off(edges, counts, static_cast<double>(k))
+                          ? std::numeric_limits<double>::quiet_NaN()
+                          : BandController::estimate(edges, counts, static_cast<double>(k), lambda);
   pending_.band = BandController::next_band_factor(w, prediction, pending_.estimate);
-  if (t > 0) {
+  if (!sampled) {  // a sampled prediction is neither's: their misses stay as they were (0 at t = 0)
     auto decayed = [&](double before, double predicted) {
       const double m = BandController::miss(predicted, pending_.estimate);
       return BandController::kMissDecay * before + (std::isnan(m) ? 0.0 : m);

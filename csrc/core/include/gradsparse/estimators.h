@@ -41,13 +41,20 @@ class BandController {
   static constexpr int kSampleBins = 512;  ///< bins of the initial sampling histogram
   static constexpr int kBandBins = 256;    ///< band bins (plus one overflow bin)
 
-  /// Edges 2^(-40 + 50 b / 512) of the sampling histogram, b = 0..512.
-  static const std::vector<double>& sample_edges();
-  /// The bin of a magnitude in the sampling histogram (clamped to 0..511).
-  static int sample_bin(double magnitude);
+  /// The wide sampling histogram of a restart (4.8, "Far off"): the same edges 2^(-40 + 50 b / 512)
+  /// for b = -1117..1721, from below the least float32 magnitude (2^-149) to above the largest.
+  static constexpr int kWideFirstEdge = -1117;
+  static constexpr int kWideSampleBins = 1721 - kWideFirstEdge;
+
+  /// Edges 2^(-40 + 50 b / 512) of the sampling histogram, b = 0..512 (`wide`: the restart's,
+  /// b = -1117..1721, indexed from 0).
+  static const std::vector<double>& sample_edges(bool wide = false);
+  /// The bin of a magnitude in the sampling histogram (clamped to its bins: 0..511, or
+  /// 0..kWideSampleBins - 1 in the wide one).
+  static int sample_bin(double magnitude, bool wide = false);
   /// The prediction from the summed sampling histogram: the lower edge of the highest bin at
   /// which the weight from the top reaches `target`.
-  static double predict_from_samples(const std::vector<double>& weights, double target);
+  static double predict_from_samples(const std::vector<double>& weights, double target, bool wide = false);
 
   /// The prediction for step t (t >= 1) from the agreed thresholds of the last two steps.
   static double predict_from_trend(double last, double before_last, int64_t t);
@@ -81,6 +88,14 @@ class BandController {
   /// the counts in log-log scale (method-spec 4.8).
   static double estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
                          double chosen);
+  /// The least slope -d ln G / d ln threshold the extrapolation assumes.
+  static constexpr double kLeastSlope = 0.5;
+  /// Whether the counts say the prediction was far off: nothing counted (G(0) = 0: a step of
+  /// zeros, or a fall in scale below the band), or more than `target` above the band while the
+  /// counts fall across the band by less than the least slope (the band lies in the body of the
+  /// distribution, far below its tail: a rise in scale). The next step then predicts from a sample
+  /// (method-spec 4.8, "Far off"), where the estimate would climb one band width a step.
+  static bool far_off(const std::vector<double>& edges, const std::vector<double>& counts, double target);
 };
 
 // ---- SAGE -------------------------------------------------------------------------------------
