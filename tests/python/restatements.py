@@ -651,13 +651,13 @@ class Partitioned(Restatement):
             return 1.0
 
         width = e[256] / e[0]
-        if g[0] == 0:
-            return NAN  # far off: nothing counted
         if g[256] > big_k:
             if math.log(g[0] / g[256]) / math.log(e[256] / e[0]) < 0.5:
                 return NAN  # far off: the counts barely fall across the band, far below the tail
             return e[256] * min(width, (g[256] / big_k) ** (1 / slope(0, 256)))
         if g[0] < big_k:
+            if g[0] == 0:
+                return NAN  # far off: nothing counted
             return e[0] * max(1 / width, (g[0] / big_k) ** (1 / slope(0, 128)))
         return lam
 
