@@ -191,8 +191,9 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     ranks, so the gradient mass still to be applied, (1/P) sum_r e_r, is conserved:
     (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Momentum correction's velocities are averaged alike
     (their mean is the momentum the ranks apply together). Method states depend on the number of ranks (MiCRO's
-    and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run; the step and rank
-    0's statistics are kept.
+    and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run, and so does
+    ``exchange="auto"``'s decision (timed at the old world size, by bucket index of the old
+    layout); the step and rank 0's statistics are kept.
 
     Example::
 
@@ -212,7 +213,8 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
-        dict(ranks[0], rank=rank, world_size=world_size, **entries, methods=[], layout=[]) for rank in range(world_size)
+        dict(ranks[0], rank=rank, world_size=world_size, **entries, methods=[], layout=[], exchanges=None)
+        for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)
 

@@ -429,8 +429,10 @@ def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
 
 def test_reshard_conserves_the_pending_gradient_mass():
     """Two ranks' residuals (two runs on different data stand in for them) resharded to one rank:
-    it holds their mean, (1/1) e' = (1/2) (e_0 + e_1); method states restart."""
+    it holds their mean, (1/1) e' = (1/2) (e_0 + e_1); method states and exchange="auto"'s
+    decision restart."""
     first, second = _saved(steps=2), _saved(steps=3)
+    first = dict(first, exchanges={0: "reduce_scatter"})  # as a trial at 2 ranks would have decided
     second = dict(second, rank=1, step=2)
     saved = {"version": 2, "all_ranks": True, "class": "TopK", "config": first["config"], "world_size": 2,
              "ranks": [dict(first, world_size=2), dict(second, world_size=2)]}  # fmt: skip
@@ -440,6 +442,7 @@ def test_reshard_conserves_the_pending_gradient_mass():
     state.load_state_dict(one)
     loaded = state.state_dict()
     assert loaded["methods"] == [] and loaded["world_size"] == 1
+    assert one["ranks"][0]["exchanges"] is None
     for name, value in loaded["residuals"].items():
         expected = (first["residuals"][name].double() + second["residuals"][name].double()) / 2
         torch.testing.assert_close(value, expected.float(), rtol=0, atol=1e-7)
