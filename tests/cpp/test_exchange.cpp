@@ -16,6 +16,7 @@
 #include "gradsparse/cpu_device.h"
 #include "gradsparse/exchange.h"
 #include "gradsparse/methods.h"
+#include "gradsparse/numeric.h"
 #include "gradsparse/reduce_bucket.h"
 #include "gradsparse/spardl.h"
 #include "reference.h"
@@ -578,6 +579,36 @@ TEST(DenseAllreduce, AveragesLikeDdp) {
     for (int r = 0; r < p; ++r) want += grad_of(r, 500)[i] / float(p);
     ASSERT_EQ(outputs[0][i], want);
     ASSERT_EQ(outputs[1][i], want);
+  }
+}
+
+// float16 values whose sum exceeds its largest finite value (65504) while their average does not:
+// every exchange averages them as DDP's all-reduce does (the union and shared all-reduces divide
+// first), so the output is finite and every element's mass reached it.
+TEST(Float16, ValuesWhoseSumOverflowsAverageToFiniteOutputs) {
+  const int p = 2;
+  const int64_t n = 4;
+  const std::vector<std::pair<const char*, std::function<std::unique_ptr<Method>()>>> makers = {
+      {"Top-k, gather", [] { return std::make_unique<TopK>(1.0); }},
+      {"Random-k, shared indices", [] { return std::make_unique<RandomK>(1.0, 3); }},
+      {"MiCRO, union", [] { return std::make_unique<MiCRO>(1.0, "union", true, 3); }},
+      {"MiCRO default, union", [] { return std::make_unique<MiCRO>(1.0, "union", false, 3); }},
+  };
+  for (const auto& [name, make] : makers) {
+    std::vector<std::vector<Half>> grad(p, std::vector<Half>(n, Num<Half>::from_float(40000.0f)));
+    std::vector<std::vector<Half>> residual(p, std::vector<Half>(n, Num<Half>::zero()));
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      const std::unique_ptr<Method> method = make();
+      BucketView bucket{DType::kFloat16, n, grad[rank].data(), residual[rank].data()};
+      reduce_bucket(method.get(), transport, device, bucket, ReduceOptions{});
+    }));
+    for (int r = 0; r < p; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(Num<Half>::to_float(grad[r][i]), 40000.0f) << name << " rank " << r << " element " << i;
+        EXPECT_EQ(Num<Half>::to_float(residual[r][i]), 0.0f) << name << " rank " << r << " element " << i;
+      }
+    }
   }
 }
 

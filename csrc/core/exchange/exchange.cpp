@@ -137,6 +137,14 @@ std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64
   return out;
 }
 
+float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype) {
+  const auto p = static_cast<float>(transport.size());
+  const bool divided_first = dtype == DType::kFloat16;
+  if (divided_first) device.divide(dtype, values, count, p);
+  transport.allreduce_sum(device, values, static_cast<size_t>(count), dtype);
+  return divided_first ? 1.0f : p;
+}
+
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {
   if (bucket.numel == 0) return;  // an empty bucket on every rank: nothing to reduce
   device.divide(bucket.dtype, bucket.grad, bucket.numel, static_cast<float>(transport.size()));

@@ -32,12 +32,13 @@ class SharedIndices final : public Exchange {
                ")");
     }
     const MessageView view = mine.view(bucket);
+    float divisor = static_cast<float>(transport.size());
     if (mine.count > 0) {  // every rank has the same count: all skip together
-      transport.allreduce_sum(device, mine.message.as<unsigned char>() + view.layout().values_offset,
-                              static_cast<size_t>(mine.count), bucket.dtype);
+      divisor = allreduce_values(transport, device, mine.message.as<unsigned char>() + view.layout().values_offset,
+                                 mine.count, bucket.dtype);
     }
     clear_output(device, bucket);
-    device.scatter_add(view, bucket.grad, static_cast<float>(transport.size()));
+    device.scatter_add(view, bucket.grad, divisor);
     result.union_size = mine.count;
     return result;
   }

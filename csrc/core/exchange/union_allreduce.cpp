@@ -51,12 +51,13 @@ class UnionAllreduce final : public Exchange {
 
     Selection u = device.gather(bucket, all);  // this rank's own values on the union
     const MessageView view = u.view(bucket);
+    float divisor = static_cast<float>(p);
     if (u.count > 0) {  // every rank knows the union's size: all skip together
-      transport.allreduce_sum(device, u.message.as<unsigned char>() + view.layout().values_offset,
-                              static_cast<size_t>(u.count), bucket.dtype);
+      divisor = allreduce_values(transport, device, u.message.as<unsigned char>() + view.layout().values_offset,
+                                 u.count, bucket.dtype);
     }
     clear_output(device, bucket);
-    device.scatter_add(view, bucket.grad, static_cast<float>(p));
+    device.scatter_add(view, bucket.grad, divisor);
     device.zero_at(bucket, view);  // every rank zeroes the whole union
     return result;
   }
