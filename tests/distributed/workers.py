@@ -88,6 +88,16 @@ class TwoHeads(nn.Module):
         return (self.even if even else self.odd)(torch.relu(self.trunk(x)))
 
 
+def train_two_heads(ddp: nn.Module, rank: int, steps: int) -> list[torch.Tensor]:
+    """SGD on a DDP of TwoHeads, the even head at even steps; returns the parameters."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for i, (x, y) in enumerate(batches(rank, steps)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x, i % 2 == 0), y).backward()
+        opt.step()
+    return params_of(ddp.module)
+
+
 def unused_parameters_vs_no_hook(rank: int, world_size: int, density: float) -> tuple[list, list, list]:
     """DDP(find_unused_parameters=True) on TwoHeads: with Top-k at ``density``, and without a hook."""
 
@@ -95,12 +105,7 @@ def unused_parameters_vs_no_hook(rank: int, world_size: int, density: float) -> 
         ddp = DDP(TwoHeads(), find_unused_parameters=True, bucket_cap_mb=0.001)
         if hooked:
             gs.register(ddp, gs.TopK(density=density))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        for i, (x, y) in enumerate(batches(rank, 8)):
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x, i % 2 == 0), y).backward()
-            opt.step()
-        return params_of(ddp.module)
+        return train_two_heads(ddp, rank, 8)
 
     return run(True), run(False), [p.detach().clone() for p in TwoHeads().parameters()]
 
@@ -196,12 +201,7 @@ def sub_group_unused_parameters(rank: int, world_size: int) -> list[torch.Tensor
     pair = pairs[rank // 2]
     ddp = DDP(TwoHeads(), process_group=pair, find_unused_parameters=True, bucket_cap_mb=0.001)
     gs.register(ddp, gs.TopK(density=0.1, process_group=pair, timeout=60))
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    for i, (x, y) in enumerate(batches(rank, 30)):
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x, i % 2 == 0), y).backward()
-        opt.step()
-    return params_of(ddp.module)
+    return train_two_heads(ddp, rank, 30)
 
 
 # (d) bad configurations and bad data ----------------------------------------------------------
