@@ -217,7 +217,7 @@ int BandController::choose(const std::vector<double>& counts, double target) {
 
 namespace {
 /// BandController::estimate's extrapolation from the band's counts: the estimate, and whether the
-/// counts say the prediction was far off (BandController::far_off).
+/// counts say the prediction was far off (BandController::next_estimate).
 std::pair<double, bool> extrapolate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
                                     double chosen) {
   constexpr int kTop = BandController::kBandBins;
@@ -254,8 +254,10 @@ double BandController::estimate(const std::vector<double>& edges, const std::vec
   return extrapolate(edges, counts, target, chosen).first;
 }
 
-bool BandController::far_off(const std::vector<double>& edges, const std::vector<double>& counts, double target) {
-  return extrapolate(edges, counts, target, 0.0).second;
+double BandController::next_estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
+                                     double chosen) {
+  const auto [value, far_off] = extrapolate(edges, counts, target, chosen);
+  return far_off ? std::numeric_limits<double>::quiet_NaN() : value;
 }
 
 // ---- SAGE -------------------------------------------------------------------------------------

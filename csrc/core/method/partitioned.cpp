@@ -11,7 +11,6 @@
 // up to 4 ranks, learns every rank's count: the exchange's control words travel with it).
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <map>
 
 #include "gradsparse/key_bins.h"
@@ -245,9 +244,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   std::vector<ControlWord> agreed;
   const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
-  pending_.estimate = BandController::far_off(edges, counts, static_cast<double>(k))
-                          ? std::numeric_limits<double>::quiet_NaN()
-                          : BandController::estimate(edges, counts, static_cast<double>(k), lambda);
+  pending_.estimate = BandController::next_estimate(edges, counts, static_cast<double>(k), lambda);
   pending_.band = BandController::next_band_factor(w, prediction, pending_.estimate);
   if (!sampled) {  // a sampled prediction is neither's: their misses stay as they were (0 at t = 0)
     auto decayed = [&](double before, double predicted) {

@@ -90,12 +90,14 @@ class BandController {
                          double chosen);
   /// The least slope -d ln G / d ln threshold the extrapolation assumes.
   static constexpr double kLeastSlope = 0.5;
-  /// Whether the counts say the prediction was far off: nothing counted (G(0) = 0: a step of
-  /// zeros, or a fall in scale below the band), or more than `target` above the band while the
-  /// counts fall across the band by less than the least slope (the band lies in the body of the
-  /// distribution, far below its tail: a rise in scale). The next step then predicts from a sample
-  /// (method-spec 4.8, "Far off"), where the estimate would climb one band width a step.
-  static bool far_off(const std::vector<double>& edges, const std::vector<double>& counts, double target);
+  /// The estimate the next step predicts from: estimate(), or NaN where the counts say the
+  /// prediction was far off: nothing counted (G(0) = 0: a step of zeros, or a fall in scale below
+  /// the band), or more than `target` above the band while the counts fall across the band by less
+  /// than the least slope (the band lies in the body of the distribution, far below its tail: a
+  /// rise in scale). The next step then predicts from a sample (method-spec 4.8, "Far off"), where
+  /// the estimate would climb one band width a step.
+  static double next_estimate(const std::vector<double>& edges, const std::vector<double>& counts, double target,
+                              double chosen);
 };
 
 // ---- SAGE -------------------------------------------------------------------------------------
