@@ -268,23 +268,29 @@ def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list,
 
 
 def train_with_resume(
-    rank: int, make, steps: int, save_at: int | None, path: str, after_step=None, load_first: bool = False
+    rank: int,
+    make,
+    steps: int,
+    save_at: int | None,
+    path: str,
+    after_step=None,
+    load_first: bool = False,
+    load_path: str | None = None,
 ) -> tuple:
     """Trains ``make(seed)``'s (model, ddp, state, optimizer) for ``steps`` steps; before step
     ``save_at`` saves model, optimizer and state to ``path``, then builds a new one with other
-    weights (seed 123: the load must restore them) and loads what was saved; with ``load_first``
-    the new state is registered after its load (``make(seed, register=False)``), as Lightning's
-    resume does. ``after_step(state)`` runs after every step. Returns the final model and state,
-    and the state dict saved (or None)."""
+    weights (seed 123: the load must restore them) and loads the checkpoint at ``load_path``
+    (default: the one just saved); with ``load_first`` the new state is registered after its
+    load (``make(seed, register=False)``), as Lightning's resume does. ``after_step(state)`` runs
+    after every step. Returns the final model and state, and the state dict loaded (or None)."""
     torch.manual_seed(0)
     model, ddp, state, opt = make(0)
-    saved = None
+    loaded = {"gs": None}
     for i, (x, y) in enumerate(batches(rank, steps)):
         if i == save_at:
-            saved = state.state_dict()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gs": saved}, path)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gs": state.state_dict()}, path)
             model, ddp, state, opt = make(123, register=False) if load_first else make(123)
-            loaded = torch.load(path, weights_only=False)
+            loaded = torch.load(load_path or path, weights_only=False)
             model.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["opt"])
             state.load_state_dict(loaded["gs"])
@@ -296,7 +302,7 @@ def train_with_resume(
         opt.step()
         if after_step is not None:
             after_step(state)
-    return model, state, saved
+    return model, state, loaded["gs"]
 
 
 def hooked_model(seed: int, method, register: bool = True):
@@ -333,8 +339,10 @@ AUTO_METHODS = {  # method -> (state with exchange="auto" on a transport, the gl
 def auto_exchange(rank: int, world_size: int, path: str, method: str, transport: str = "process_group") -> list[dict]:
     """``method`` with exchange="auto" (gradsparse.exchange_trial), 12 steps, recording each
     step's exchange per bucket: straight through; saved after step 9 (once the trial has decided)
-    and after step 4 (during it), each time loaded into a new model and state that go on; and
-    saved after step 9 and loaded before the new state's registration."""
+    and after step 4 (during it), each time loaded into a new model and state that go on; and the
+    checkpoint of step 9 loaded before the new state's registration. That last run loads the
+    second run's checkpoint, not its own: each run's trial times its own steps, and two runs may
+    decide differently where the two exchanges take about as long."""
 
     def make(seed: int, register: bool = True):
         return hooked_model(seed, lambda: AUTO_METHODS[method][0](transport), register)
@@ -345,12 +353,15 @@ def auto_exchange(rank: int, world_size: int, path: str, method: str, transport:
         def record(state) -> None:
             steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
 
-        model, state, saved = train_with_resume(rank, make, 12, save_at, f"{path}.{save_at}.{rank}", record, load_first)
+        checkpoint = f"{path}.{save_at}.{rank}"
+        model, state, loaded = train_with_resume(
+            rank, make, 12, save_at, f"{checkpoint}.first" if load_first else checkpoint, record, load_first, checkpoint
+        )
         return {
             "steps": steps,
             "trial": state.stats().get("exchange_trial"),
             "chosen": state.state_dict()["exchanges"],
-            "saved": None if saved is None else saved["exchanges"],
+            "saved": None if loaded is None else loaded["exchanges"],
             "params": params_of(model),
         }
 
@@ -385,7 +396,7 @@ def check_auto_exchange(results: list[list[dict]], method: str) -> None:
     for resumed in (after_decision, loaded_first):  # loaded before registration: the same decision kept
         assert resumed["saved"] == resumed["chosen"] is not None
         assert all(step[b] == names[resumed["saved"][b]] for step in resumed["steps"][9:] for b in step)
-    assert loaded_first["steps"] == after_decision["steps"]
+    assert loaded_first["steps"][9:] == after_decision["steps"][9:]  # the same checkpoint, loaded
     assert all(torch.equal(a, b) for a, b in zip(loaded_first["params"], after_decision["params"], strict=True))
     assert during_trial["saved"] is None
     assert [set(step.values()) for step in during_trial["steps"][5:11]] == [{names[n]} for n in alternation]
