@@ -165,6 +165,39 @@ TEST(SparDL, DegenerateInputs) {
   run_spardl(4, 2, 3, 0.1, 3, false);
 }
 
+// float16: A starts divided by P (partial sums of P values could overflow where their average
+// does not) and is multiplied back for the residuals, so the mass is conserved up to float16's
+// rounding, at world sizes that are powers of two and others, with one team and two.
+TEST(SparDL, Float16ConservesMassUpToRounding) {
+  const int64_t n = 3000;
+  for (int p : {2, 3, 4, 6}) {
+    for (int teams : {1, 2}) {
+      if (p % teams != 0) continue;
+      std::vector<std::vector<Half>> grad(p), out(p), residual(p, std::vector<Half>(n, Num<Half>::zero()));
+      for (int r = 0; r < p; ++r) grad[r] = ref::random_vector<Half>(n, 10 * p + r);
+      rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+        SparDL method(0.05, teams);
+        CpuDevice device;
+        out[rank] = grad[rank];
+        reduce_bucket(&method, transport, device,
+                      BucketView{DType::kFloat16, n, out[rank].data(), residual[rank].data()}, ReduceOptions{});
+      }));
+      int64_t sent = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        double before = 0.0, after = p * double(Num<Half>::to_float(out[0][i])), scale = 1.0;
+        for (int r = 0; r < p; ++r) {
+          before += Num<Half>::to_float(grad[r][i]);
+          after += Num<Half>::to_float(residual[r][i]);
+          scale += std::fabs(Num<Half>::to_float(grad[r][i]));
+        }
+        ASSERT_NEAR(after, before, 4e-3 * p * scale) << "P=" << p << " teams=" << teams << " i=" << i;
+        sent += Num<Half>::to_float(out[0][i]) != 0.0f;
+      }
+      EXPECT_GT(sent, 0) << "P=" << p << " teams=" << teams;
+    }
+  }
+}
+
 // The selections list candidates above a bound learned from the last step (on the CPU) or make
 // the exact top-k's passes (as on a GPU): the same output and residuals to the bit, step by step,
 // while the gradients' scale jumps up and down, so that the candidates hold enough, too many and

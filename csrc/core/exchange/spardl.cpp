@@ -64,7 +64,9 @@ std::vector<size_t> largest(const Candidates& c, size_t k) {
 
 /// One step of one rank: the team, the blocks, and the accumulation buffer A, which starts as
 /// this rank's residual + gradient. A selection from A zeroes what it takes, so at the end A
-/// holds exactly what this rank accumulated but did not send on.
+/// holds exactly what this rank accumulated but did not send on. In float16 A starts divided by
+/// P, as DDP's all-reduce divides first: partial sums of P values can exceed float16's largest
+/// finite value (65504) where their average does not; run() multiplies A back at the end.
 struct Step {
   Transport& transport;
   Device& device;
@@ -73,6 +75,7 @@ struct Step {
   int team_size, team, me;
   int64_t chunk;
   Buffer accumulated;
+  bool divided_first;  // float16: A started divided by P
 
   Step(Transport& t, Device& d, const BucketView& b, SparDLExchange::Sizes s)
       : transport(t), device(d), bucket(b), sizes(s) {
@@ -83,6 +86,8 @@ struct Step {
     const size_t bytes = static_cast<size_t>(b.numel) * dtype_size(b.dtype);
     accumulated = d.allocate(bytes);
     d.copy(accumulated.data(), b.residual != nullptr ? b.residual : b.grad, bytes);
+    divided_first = b.dtype == DType::kFloat16 && b.numel > 0;
+    if (divided_first) d.divide(b.dtype, accumulated.data(), b.numel, static_cast<float>(t.size()));
   }
 
   int global(int team_rank) const { return team * team_size + team_rank; }
@@ -267,13 +272,16 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
   allgather_lists(s, lists);
 
   // Output: every block's final list / P. Residual: residual + gradient, except on the final
-  // lists, where it takes what this rank accumulated and kept.
+  // lists, where it takes what this rank accumulated and kept (A multiplied back where it was
+  // divided first).
   clear_output(device, bucket);
+  const auto p = static_cast<float>(transport.size());
+  if (s.divided_first) device.divide(bucket.dtype, s.accumulated.data(), bucket.numel, 1.0f / p);
   for (int b = 0; b < s.team_size; ++b) {
     if (s.length(b) == 0) continue;
     MessageView list = s.view(lists[b], b);
     list.source_rank = s.global(b);  // the list of block b's owner
-    device.scatter_add(list, s.at(bucket.grad, b), static_cast<float>(transport.size()));
+    device.scatter_add(list, s.at(bucket.grad, b), s.divided_first ? 1.0f : p);
     if (bucket.residual != nullptr) {
       const Selection kept =
           device.gather(BucketView{bucket.dtype, s.length(b), s.at(s.accumulated.data(), b), nullptr},
