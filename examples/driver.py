@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -696,6 +697,13 @@ class Run:
                         value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                     )
 
+    def _refuse(self, message: str) -> None:
+        """Ends the run on every rank with ``message``: each prints it before any exits, since
+        torchrun stops the others once one has exited."""
+        print(message, file=sys.stderr, flush=True)
+        dist.barrier()
+        raise SystemExit(1)
+
     def try_resume(self) -> bool:
         if self.args.synthetic_data:
             return False
@@ -704,22 +712,27 @@ class Run:
         if int(exists) == 0:
             return False
         if int(exists) != self.world:
-            raise SystemExit(
+            self._refuse(
                 f"{self.folder}: only {int(exists)} of {self.world} ranks have a checkpoint; resume with the "
                 "same number of workers, or pass --fresh"
             )
         state = torch.load(self.checkpoint_path(), map_location=device(), weights_only=False)
+        problem = None
+        changed = changed_options(state.get("options", {}), run_options(self.args))
         if state["world_size"] != self.world or state["method"] != self.method:
-            raise SystemExit(
+            problem = (
                 f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers, this run "
                 f"is {self.method} on {self.world}; use another --out or pass --fresh"
             )
-        changed = changed_options(state.get("options", {}), run_options(self.args))
-        if changed:  # resuming would continue the saved run as if it had been this one
-            raise SystemExit(
+        elif changed:  # resuming would continue the saved run as if it had been this one
+            problem = (
                 f"{self.folder}: the checkpoint's run was trained with other options ({'; '.join(changed)}); "
                 "resume with the saved values, use another --out, or pass --fresh"
             )
+        refused = torch.tensor([problem is not None], dtype=torch.int32)
+        dist.all_reduce(refused)  # every rank refuses if one does (each read its own checkpoint)
+        if int(refused):
+            self._refuse(problem or f"{self.folder}: another rank's checkpoint was refused (see its message)")
         self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.comm.load_state_dict(state["communication"])

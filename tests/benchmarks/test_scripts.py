@@ -17,7 +17,9 @@ def numbers(text: str, row_start: str) -> list[float]:
     for line in text.splitlines():
         if line.startswith(f"| {row_start} |"):
             cells = [c.strip() for c in line.strip("|").split("|")]
-            return [float(c.rstrip("%")) for c in cells if re.fullmatch(r"-?[\d.]+(e-?\d+)?%?", c)]
+            # benchmarks/utils.py writes 1000 and more with thousands separators ("1,234")
+            numeric = [c for c in cells if re.fullmatch(r"-?[\d,.]+(e[-+]?\d+)?%?", c)]
+            return [float(c.replace(",", "").rstrip("%")) for c in numeric]
     raise AssertionError(f"no row starting with {row_start!r} in:\n{text}")
 
 
@@ -91,7 +93,10 @@ def test_overlap_times_every_mode(tmp_path):
     for method in ("dense", "topk"):
         buckets, compute, exchange, serial, overlapped = numbers(text, method)[:5]
         assert buckets >= 1 and compute > 0 and overlapped > 0
-        assert serial == pytest.approx(compute + exchange, rel=0.01, abs=0.01)  # printed to 3 digits
+        # Each printed to 3 digits (half a unit of the third digit: 0.5% at most, also where noise
+        # makes the exchange, serial - compute, negative)
+        rounding = 0.005 * (abs(compute) + abs(exchange) + abs(serial))
+        assert serial == pytest.approx(compute + exchange, rel=0.01, abs=0.01 + rounding)
         to_compute, to_dense = numbers(text, method)[-2:]
         assert to_compute == pytest.approx(overlapped / compute, rel=0.02)
         assert to_dense == pytest.approx(overlapped / numbers(text, "dense")[4], rel=0.02)

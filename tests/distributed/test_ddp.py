@@ -231,4 +231,4 @@ def test_uneven_inputs_under_ddp_join(method):
 
 def test_every_method_trains_close_to_dense():
     """Each method trains the same small model on the same data as dense DDP."""
-    workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, timeout=600))
+    workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, timeout=250))

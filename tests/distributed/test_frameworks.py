@@ -46,6 +46,7 @@ def test_accelerate_recipe_resumes_each_rank_exactly(tmp_path):
         _assert_equal_params(r["straight"], r["resumed"], f"rank {rank}")
 
 
+@pytest.mark.timeout(1100)  # above its three runs' own limits (a cold inductor cache is slow)
 @pytest.mark.parametrize("wrapping", ["compile_inside", "compile_outside"])
 def test_torch_compile_trains_with_the_hook_like_eager(wrapping):
     eager = run_distributed(frameworks.compiled_training, 2, "eager", timeout=300)

@@ -177,7 +177,7 @@ def train_every_method(rank: int, world_size: int, steps: int, names: list[str] 
 def test_every_method_trains_close_to_dense():
     """Every method trains the FSDP model on the same data as FSDP's own reduce-scatter, by the
     criterion of the DDP test (tests/distributed/test_ddp.py)."""
-    workers.assert_every_method_trains(run_distributed(train_every_method, 2, 150, timeout=900))
+    workers.assert_every_method_trains(run_distributed(train_every_method, 2, 150, timeout=500))
 
 
 def test_every_exchange_trains_at_four_ranks():
@@ -185,7 +185,7 @@ def test_every_exchange_trains_at_four_ranks():
     MiCRO's exclusive gather, one owner per rank), the union exchange (ExDyna), shared indices
     (Random-block), SparDL's own exchange (two teams), against FSDP's own reduce-scatter."""
     names = ["dense", "topk", "micro_gather", "exdyna", "randomblock", "spardl_teams"]
-    workers.assert_every_method_trains(run_distributed(train_every_method, 4, 150, names, timeout=900))
+    workers.assert_every_method_trains(run_distributed(train_every_method, 4, 150, names, timeout=500))
 
 
 # Checkpoints through torch.distributed.checkpoint ------------------------------------------------------

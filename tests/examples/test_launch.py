@@ -23,7 +23,7 @@ DEMO = ["-m", "examples.cnn", "--method", "dense,topk,micro", "--epochs", "1", "
 def run(command: list[str], out: str) -> list[dict]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    done = subprocess.run([*command, "--out", out], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*command, "--out", out], env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     rows = []
     for method in ("dense", "topk", "micro"):  # the driver writes one folder per method

@@ -144,8 +144,8 @@ def test_resume_is_exact(tmp_path, task):
     """Stopped after 4 steps and resumed to 9 equals 9 steps straight: parameters, optimizer,
     gradsparse state (residuals, method state), the task's state (the LSTM's carried hidden
     state and data position) and the random number generator, bit for bit. Resuming with another
-    --seed or learning rate is refused on every rank, naming both, and leaves the saved run as it
-    was; options that do not shape the training (its length, checkpointing) may change. The
+    --seed or learning rate, or with another method, is refused on every rank, naming both, and
+    leaves the saved run as it was; options that do not shape the training (its length, checkpointing) may change. The
     refusal is the driver's, the same for every task, so one task checks it."""
     args = [*TASKS[task], "--method", "topk,micro,sidco,powersgd", "--no-progress"]
     saved = tmp_path / "resumed"
@@ -156,6 +156,11 @@ def test_resume_is_exact(tmp_path, task):
         assert refused.returncode != 0
         said = refused.stdout + refused.stderr
         assert said.count("--seed 0 in the checkpoint, 1 now") == 2 and said.count(", 0.5 now") == 2, said[-3000:]
+        assert (saved / "topk" / "config.json").read_text() == config
+        other = [*TASKS[task], "--method", "micro", "--no-progress", "--max-steps", "9", "--out", str(saved / "topk")]
+        refused = start(torchrun(task), other)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and said.count("the checkpoint is for topk on 2 workers") == 2, said[-3000:]
         assert (saved / "topk" / "config.json").read_text() == config
         assert torch.load(saved / "topk" / "checkpoint-rank0.pt", weights_only=False)["step"] == 4
     out = launch(torchrun(task), [*args, "--max-steps", "9", "--out", str(saved), "--checkpoint-every", "3"])
