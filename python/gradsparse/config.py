@@ -12,7 +12,10 @@ from typing import Any
 
 
 def _describe(value: object) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    kind = type(value)
+    module = kind.__module__.split(".")[0]
+    # numpy's and torch's scalars name themselves like the builtins ("bool", "float"): say whose
+    return f"{value!r} ({kind.__name__ if module == 'builtins' else f'{module}.{kind.__name__}'})"
 
 
 def check_real(owner: str, name: str, value: object, example: str) -> float:
@@ -39,13 +42,16 @@ def check_threshold(owner: str, name: str, value: object) -> float:
     return v
 
 
-def check_int(owner: str, name: str, value: object, minimum: int, example: str) -> int:
+def check_int(owner: str, name: str, value: object, minimum: int, example: str, maximum: int | None = None) -> int:
+    """An integer from ``minimum`` to ``maximum`` (None: no bound; the C++ options' types have one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"{owner}: {name} must be an integer >= {minimum}, got {_describe(value)}; for example {example}"
         )
     if value < minimum:
         raise ValueError(f"{owner}: {name} must be >= {minimum}, got {value!r}; for example {example}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{owner}: {name} must be at most {maximum}, got {value!r}; for example {example}")
     return int(value)
 
 
@@ -83,10 +89,12 @@ def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | 
             f"{owner}: {name} must be seconds or a datetime.timedelta, got {_describe(value)}; for example {name}=300"
         )
     most = datetime.timedelta.max.total_seconds()
-    if not (math.isfinite(seconds) and 0 < seconds <= most):
+    # The exchanges wait in whole milliseconds, and a wait of 0 ms is c10d's "no timeout"; a
+    # timedelta of 0 would also read as "not given" (the 30 min default).
+    if not (math.isfinite(seconds) and 0.001 <= seconds <= most):
         raise ValueError(
-            f"{owner}: {name} must be a positive number of seconds at most {most:.0f} (a datetime.timedelta's "
-            f"range), got {value!r}; for example {name}=300"
+            f"{owner}: {name} must be a positive number of seconds, from 0.001 (the exchanges wait in whole milliseconds) "
+            f"to {most:.0f} (a datetime.timedelta's range), got {value!r}; for example {name}=300"
         )
     return datetime.timedelta(seconds=seconds)
 
@@ -161,11 +169,16 @@ def choice_option(name: str, default: str | None, choices: tuple[str, ...], doc:
     return Option(name, default, check, doc, flag={"choices": choices})
 
 
-def int_option(name: str, default: int, minimum: int, example: str, doc: str) -> Option:
-    """An integer >= ``minimum``."""
+#: The largest value of the C++ options' types: int (stages, teams) and uint64_t (seed).
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+
+
+def int_option(name: str, default: int, minimum: int, example: str, doc: str, maximum: int = INT32_MAX) -> Option:
+    """An integer from ``minimum`` to ``maximum`` (the C++ constructor's type: int unless said)."""
 
     def check(owner: str, option: str, value: object) -> int:
-        return check_int(owner, option, value, minimum, example)
+        return check_int(owner, option, value, minimum, example, maximum)
 
     return Option(name, default, check, doc, flag={"type": int})
 
@@ -181,4 +194,6 @@ def positive_option(name: str, default: float | None, example: str, doc: str) ->
 
 
 def seed_option() -> Option:
-    return int_option("seed", 0, 0, "seed=0", "seed of the method's random draws (the same on every rank)")
+    return int_option(
+        "seed", 0, 0, "seed=0", "seed of the method's random draws (the same on every rank)", maximum=UINT64_MAX
+    )

@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,8 +50,10 @@ def one_rank_group():
         (
             lambda: gs.TopK(density=0.1, timeout=1e15),
             ValueError,
-            "timeout must be a positive number of seconds at most",
+            "timeout must be a positive number of seconds, from 0.001 (the exchanges wait in whole milliseconds) to",
         ),
+        # under a millisecond: c10d's wait of 0 ms is no timeout, and timedelta(0) read as the 30 min default
+        (lambda: gs.TopK(density=0.1, timeout=1e-4), ValueError, "timeout must be a positive number of seconds, from"),
         (lambda: gs.TopK(density=0.1, process_group="world"), TypeError, "process_group must be a"),
         (
             lambda: gs.TopK(),
@@ -66,6 +69,19 @@ def one_rank_group():
         (lambda: gs.SIDCo(0.1, stages=-4), ValueError, "SIDCo: stages must be >= -3, got -4; for example stages=-1"),
         (lambda: gs.SparDL(0.1, teams=0), ValueError, "SparDL: teams must be >= 1, got 0; for example teams=1"),
         (lambda: gs.RandomK(0.1, seed=-1), ValueError, "RandomK: seed must be >= 0, got -1"),
+        # beyond the C++ types (uint64_t seed, int stages and teams): refused here, not at the first step by pybind11
+        (lambda: gs.DGC(0.1, seed=2**64), ValueError, "DGC: seed must be at most 18446744073709551615, got 184467"),
+        (lambda: gs.SIDCo(0.1, stages=2**31), ValueError, "SIDCo: stages must be at most 2147483647, got 2147483648"),
+        (
+            lambda: gs.SparDL(0.1, teams=2**40),
+            ValueError,
+            "SparDL: teams must be at most 2147483647, got 1099511627776",
+        ),
+        (
+            lambda: gs.TopK(0.1, error_feedback=np.True_),
+            TypeError,
+            "(numpy.bool",  # numpy says "bool" (2.x) or "bool_" (1.x)
+        ),
         (lambda: gs.methods.core_method("powersgd", density=0.1), ValueError, "name must be a sparse method, got"),
     ],
 )
