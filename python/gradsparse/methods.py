@@ -259,6 +259,13 @@ class SIDCo(State):
     _CORE = "SIDCo"
     _CORE_EXTRAS = ("reference",)
 
+    def _check_options(self, config: dict[str, Any]) -> None:
+        if config["iratio"] is not None and config["stages"] != 0:
+            raise ValueError(
+                f"SIDCo: iratio={config['iratio']!r} is the per-stage ratio of stages=0 only, but stages="
+                f"{config['stages']!r}, which would ignore it; give stages=0 with it, or drop iratio"
+            )
+
 
 class SparDL(State):
     """SparDL: a sparse all-reduce in which selection is part of the communication. Each bucket

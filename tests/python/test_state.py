@@ -66,6 +66,11 @@ def one_rank_group():
         (lambda: gs.SAGE(0.1, initial_threshold=-1), ValueError, "SAGE: initial_threshold must be a finite number > 0"),
         (lambda: gs.SIDCo(0.1, first_ratio=1.5), ValueError, "first_ratio must be in (0, 1), got 1.5; for example"),
         (lambda: gs.SIDCo(0.1, iratio="0.2"), TypeError, "SIDCo: iratio must be a number, got '0.2' (str)"),
+        (
+            lambda: gs.SIDCo(0.1, stages=3, iratio=0.5),  # was accepted and ignored
+            ValueError,
+            "SIDCo: iratio=0.5 is the per-stage ratio of stages=0 only, but stages=3, which would ignore it; give",
+        ),
         (lambda: gs.SIDCo(0.1, stages=-4), ValueError, "SIDCo: stages must be >= -3, got -4; for example stages=-1"),
         (lambda: gs.SparDL(0.1, teams=0), ValueError, "SparDL: teams must be >= 1, got 0; for example teams=1"),
         (lambda: gs.RandomK(0.1, seed=-1), ValueError, "RandomK: seed must be >= 0, got -1"),
