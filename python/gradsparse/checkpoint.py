@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsparse.config import check_int
 from gradsparse.wrappers import strip_wrapper_prefixes
 
 __all__ = ["AllRanks", "reshard"]
@@ -66,12 +67,34 @@ def with_checksums(residuals: dict[str, torch.Tensor], velocities: dict[str, tor
     return entries
 
 
+#: What one rank's state dict must hold (its optional entries are read with defaults).
+RANK_KEYS = ("class", "config", "step", "rank", "world_size", "residuals", "methods", "layout", "stats")
+#: What gradsparse.AllRanks' state dict must hold (each of its ranks holds RANK_KEYS).
+ALL_RANKS_KEYS = ("class", "config", "world_size", "ranks")
+
+
+def _require(owner: str, state_dict: dict, keys: tuple[str, ...], what: str) -> None:
+    """Each of ``keys`` is in ``state_dict`` (``what`` it is, for the message)."""
+    missing = [k for k in keys if k not in state_dict]
+    if missing:
+        raise ValueError(
+            f"{owner}.load_state_dict: {what} lacks {', '.join(missing)} (it should hold {', '.join(keys)}): it was "
+            "cut short or changed after it was saved; load what State.state_dict() or "
+            "gradsparse.AllRanks(state).state_dict() returned, as saved"
+        )
+
+
 def upgrade(owner: str, state_dict: Any) -> dict:
     """A state dict of the current version (version 1, of gradsparse 0.1, is converted)."""
     version = state_dict.get("version") if isinstance(state_dict, dict) else None
     if version == STATE_DICT_VERSION:  # one rank's, or gradsparse.AllRanks' (its rank is picked at load)
+        if state_dict.get("all_ranks"):
+            _require(owner, state_dict, ALL_RANKS_KEYS, "the state dict of gradsparse.AllRanks")
+        else:
+            _require(owner, state_dict, RANK_KEYS, "the state dict")
         return state_dict
     if version == 1:
+        _require(owner, state_dict, ("class", "config", "residuals", "methods"), "the state dict (version 1)")
         # Names came from DDP's inner module: strip the wrappers that could sit there.
         layout = state_dict.get("layout", {})
         count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
@@ -95,6 +118,7 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         if state_dict["world_size"] != world_size:
             raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
         state_dict = state_dict["ranks"][rank]
+        _require(owner, state_dict, RANK_KEYS, f"rank {rank}'s part of the state dict")
     if state_dict["world_size"] != world_size:
         raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
     if state_dict["rank"] != rank and not any_rank:
@@ -205,8 +229,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
             "gradsparse.reshard: state_dict must hold every rank's residuals, as gradsparse.AllRanks(state)."
             "state_dict() returns on rank 0; one rank's state dict cannot be resharded"
         )
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"gradsparse.reshard: world_size must be an integer >= 1, got {world_size!r}")
+    world_size = check_int("gradsparse.reshard", "world_size", world_size, 1, "world_size=dist.get_world_size()")
     ranks = state_dict["ranks"]
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
     velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])

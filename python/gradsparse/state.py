@@ -653,6 +653,7 @@ class State:
         the exchanges, then per bucket index each exchange's median seconds in the trial,
         averaged over the ranks (empty after a resume that kept a saved decision).
         """
+        check_bool(f"{type(self).__name__}.stats", "reset", reset)
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
         if self._trial is not None:
             trial = self._trial
@@ -714,6 +715,7 @@ class State:
         before the process group exists is fine: the rank checks then run in setup().
         """
         owner = type(self).__name__
+        check_bool(f"{owner}.load_state_dict", "any_rank", any_rank)
         state_dict = upgrade(owner, state_dict)
         mine = self._saved_config()
         # A method option added since the state dict was saved takes its default; error feedback and

@@ -88,6 +88,19 @@ def one_rank_group():
             "(numpy.bool",  # numpy says "bool" (2.x) or "bool_" (1.x)
         ),
         (lambda: gs.methods.core_method("powersgd", density=0.1), ValueError, "name must be a sparse method, got"),
+        # a truthy string loaded another rank's residuals, or reset the statistics
+        (
+            lambda: gs.TopK(0.1).load_state_dict({}, any_rank="no"),
+            TypeError,
+            "TopK.load_state_dict: any_rank must be True or False, got 'no' (str)",
+        ),
+        (lambda: gs.TopK(0.1).stats(reset="no"), TypeError, "TopK.stats: reset must be True or False, got 'no' (str)"),
+        (
+            lambda: gs.reshard({"all_ranks": True, "ranks": [{}]}, 2.0),
+            TypeError,
+            "gradsparse.reshard: world_size must be an integer >= 1, got 2.0 (float); for example world_size=dist.",
+        ),
+        (lambda: gs.reshard({"all_ranks": True, "ranks": [{}]}, 0), ValueError, "reshard: world_size must be >= 1"),
     ],
 )
 def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
@@ -438,6 +451,21 @@ def _saved(steps=2):
         ),
         (_flip_one_byte, "the residual of 2.weight does not match its checksum: the state dict was damaged"),
         (lambda sd: {"residuals": {}}, "not a gradsparse state dict"),
+        (  # was a KeyError: 'residuals'
+            lambda sd: {k: v for k, v in sd.items() if k not in ("residuals", "stats")},
+            r"TopK.load_state_dict: the state dict lacks residuals, stats \(it should hold class, config, step, rank, ",
+        ),
+        (
+            lambda sd: {
+                "version": 2,
+                "all_ranks": True,
+                "class": "TopK",
+                "config": sd["config"],
+                "world_size": 1,
+                "ranks": [{k: v for k, v in sd.items() if k != "layout"}],
+            },
+            r"rank 0's part of the state dict lacks layout \(it should hold .*\): it was cut short or changed",
+        ),
     ],
 )
 def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
@@ -458,6 +486,7 @@ def test_reshard_conserves_the_pending_gradient_mass():
     saved = {"version": 2, "all_ranks": True, "class": "TopK", "config": first["config"], "world_size": 2,
              "ranks": [dict(first, world_size=2), dict(second, world_size=2)]}  # fmt: skip
     one = gs.reshard(saved, 1)
+    assert gs.reshard(saved, np.int64(1))["world_size"] == 1  # numpy's integers were refused as not integers
     state = gs.TopK(density=0.05)
     _hooked(state)
     state.load_state_dict(one)
