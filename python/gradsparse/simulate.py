@@ -440,7 +440,14 @@ def parse_bandwidth(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(bit|bps|b/s|B/s|B|Bps)?\s*", text)
     if not m:
         raise ValueError(f"--bandwidth: cannot read {text!r}; write for example 10Gbit, 100Mbit or 1.25GB/s")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    try:
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    except ValueError:  # the pattern lets through what is no number, such as "1.2.3"
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"--bandwidth: {text!r} is not a finite bandwidth above 0; write for example 10Gbit, 100Mbit or 1.25GB/s"
+        )
     unit = m.group(3) or "bit"
     return value if unit in ("B/s", "B", "Bps") else value / 8
 
@@ -451,7 +458,13 @@ def parse_latency(text: str) -> float:
     if not m:
         raise ValueError(f"--latency: cannot read {text!r}; write for example 5us, 2ms or 1e-6")
     scale = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0}[m.group(2)]
-    return float(m.group(1)) * scale
+    try:
+        value = float(m.group(1)) * scale
+    except ValueError:  # the pattern lets through what is no number, such as "1.2.3"
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"--latency: {text!r} is not a finite latency >= 0; write for example 5us, 2ms or 1e-6")
+    return value
 
 
 def _human(b: float) -> str:
@@ -484,10 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--world-size: expected positive integers separated by commas, got {args.world_size!r}")
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    if args.params < 1:
-        parser.error(f"--params must be at least 1, got {args.params}")
+    if not (math.isfinite(args.params) and args.params >= 1):
+        parser.error(f"--params must be a finite number of elements, at least 1, got {args.params}")
     if args.teams < 1:
         parser.error(f"--teams must be at least 1, got {args.teams}")
+    undivided = [w for w in worlds if w % args.teams]
+    if undivided:  # SparDL's row would be left out there without a word
+        parser.error(
+            f"--teams {args.teams} does not divide the world size(s) {', '.join(map(str, undivided))}: SparDL's ranks "
+            "form teams of equal size; give --teams a divisor of every --world-size (1 always is)"
+        )
     try:
         bandwidth = parse_bandwidth(args.bandwidth)
         latency = parse_latency(args.latency)

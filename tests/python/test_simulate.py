@@ -264,3 +264,26 @@ def test_bad_arguments_name_the_argument():
         simulate.main(["--bandwidth", "fast"])
     with pytest.raises(ValueError, match="--bandwidth: cannot read 'fast'"):
         simulate.parse_bandwidth("fast")
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        # these gave a ZeroDivisionError, ValueError or OverflowError traceback, or printed negative or inf times
+        (["--bandwidth", "0"], "--bandwidth: '0' is not a finite bandwidth above 0; write for example 10Gbit"),
+        (["--bandwidth=-5Gbit"], "--bandwidth: '-5Gbit' is not a finite bandwidth above 0"),
+        (["--bandwidth", "1e999Gbit"], "--bandwidth: '1e999Gbit' is not a finite bandwidth above 0"),
+        (["--latency=-1us"], "--latency: '-1us' is not a finite latency >= 0; write for example 5us"),
+        (["--latency", "1e999"], "--latency: '1e999' is not a finite latency >= 0"),
+        (["--latency", "1.2.3us"], "--latency: '1.2.3us' is not a finite latency >= 0"),
+        (["--params", "nan"], "--params must be a finite number of elements, at least 1, got nan"),
+        (["--params", "inf"], "--params must be a finite number of elements, at least 1, got inf"),
+        # SparDL's row was left out without a word
+        (["--world-size", "8,12", "--teams", "8"], "--teams 8 does not divide the world size(s) 12: SparDL's ranks"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_flag(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        simulate.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
