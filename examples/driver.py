@@ -434,6 +434,43 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, pres
 # ----------------------------------------------------------------------------------------------
 
 
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str]) -> None:
+    """Refuses, on every rank and before the process group, what argparse's types let through
+    (NaN, negative rates, unreadable milestones) and every gradsparse method's options as its state
+    checks them: otherwise a bad --density surfaced as a traceback when its method's turn came,
+    after the methods before it had trained."""
+
+    def number(flag: str, value: float | None, low: float, high: float = math.inf, low_ok: bool = True) -> None:
+        if value is None:
+            return
+        above = value >= low if low_ok else value > low
+        if not (math.isfinite(value) and above and value < high):
+            bounds = f"{'>=' if low_ok else '>'} {low:g}" + ("" if high == math.inf else f" and < {high:g}")
+            parser.error(f"{flag} must be a finite number {bounds}, got {value}")
+
+    number("--lr", args.lr, 0.0, low_ok=False)
+    number("--momentum", args.momentum, 0.0, 1.0)
+    number("--weight-decay", args.weight_decay, 0.0)
+    number("--clip", args.clip, 0.0)
+    number("--lr-warmup-epochs", args.lr_warmup_epochs, 0.0)
+    number("--bucket-cap-mb", args.bucket_cap_mb, 0.0, low_ok=False)
+    for milestone in str(args.lr_milestones).split(","):
+        try:
+            ok = not milestone.strip() or math.isfinite(float(milestone))
+        except ValueError:
+            ok = False
+        if not ok:
+            parser.error(
+                f"--lr-milestones: {milestone.strip()!r} is no epoch; write epochs separated by commas, e.g. 80,120"
+            )
+    for method in methods:
+        if method in gs.METHODS:
+            try:
+                gs.METHODS[method](**gradsparse_options(method, args))
+            except (TypeError, ValueError) as e:
+                parser.error(f"--method {method}: {e}")
+
+
 def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     """Joins the process group described by the launcher's environment: torchrun's variables,
     or OpenMPI's and SLURM's mapped by gradsparse.launch. Returns (rank, world size)."""
@@ -1002,6 +1039,7 @@ def main(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--method: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    check_arguments(parser, args, methods)
     out = args.out or default_out
     rank, world = init_distributed(args)
     task = make_task(args)

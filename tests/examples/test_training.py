@@ -343,3 +343,28 @@ def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
         flags = " ".join(driver.preset_flag(k, v) for k, v in settings.items()).split()
         parsed = _cnn_args(["--preset", "sidco-resnet20-cifar10", *flags])  # the flags win over a preset
         assert {k: getattr(parsed, k) for k in settings} == settings, name
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        # a method's bad option was a traceback at its turn, after the methods before it had trained
+        (["--method", "dense,topk", "--density", "2"], "--method topk: TopK: density must be in (0, 1], got 2.0"),
+        (["--method", "spardl", "--teams", "0"], "--method spardl: SparDL: teams must be >= 1, got 0"),
+        # argparse's float and str let these through to the optimizer or the learning-rate schedule
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--momentum", "1.5"], "--momentum must be a finite number >= 0 and < 1, got 1.5"),
+        (["--lr-milestones", "3,x"], "--lr-milestones: 'x' is no epoch; write epochs separated by commas"),
+        (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number > 0, got -1.0"),
+    ],
+)
+def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
+    from examples.cnn import __main__ as cnn
+
+    def no_task(args):
+        raise AssertionError("the task was built: the flags were not checked first")
+
+    with pytest.raises(SystemExit) as info:
+        driver.main(no_task, "", argv, add_task_arguments=cnn.add_task_arguments, presets=cnn.PRESETS)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
