@@ -72,7 +72,15 @@ from gradsparse.state import State  # noqa: E402
 
 __version__ = "0.1.0"
 
-set_num_threads = _C.set_num_threads
+
+def set_num_threads(threads: int) -> None:
+    """Threads used by the CPU kernels (0 restores the default: GRADSPARSE_NUM_THREADS or OpenMP's)."""
+    from gradsparse.config import check_int
+
+    # A negative count was taken as 0 and True as 1 without a word.
+    _C.set_num_threads(check_int("gradsparse.set_num_threads", "threads", threads, 0, "threads=4", 4096))
+
+
 get_num_threads = _C.get_num_threads
 built_with_cuda = _C.built_with_cuda
 

@@ -101,6 +101,8 @@ def one_rank_group():
             "gradsparse.reshard: world_size must be an integer >= 1, got 2.0 (float); for example world_size=dist.",
         ),
         (lambda: gs.reshard({"all_ranks": True, "ranks": [{}]}, 0), ValueError, "reshard: world_size must be >= 1"),
+        (lambda: gs.set_num_threads(-3), ValueError, "gradsparse.set_num_threads: threads must be >= 0, got -3"),
+        (lambda: gs.set_num_threads(True), TypeError, "set_num_threads: threads must be an integer >= 0, got True"),
     ],
 )
 def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
