@@ -334,4 +334,48 @@ TEST(Methods, AgreedCountsLeaveOutCandidatesBelowTheBand) {
   EXPECT_EQ(s.agreed[1].count, 0);
 }
 
+// A step whose gradient is zero leaves only the residual, whose magnitudes end in a cliff (at the
+// last steps' thresholds). The density control's first secant step from there overshot to a
+// threshold 10^4 times too high that held nothing, and kept it as the best of the step (the first
+// of equal counts): its scale was 10^4 too high, and at the next steps every count far above the
+// data was 0, which steps of 1/64 in log space could not leave. Gaussian-k (spardl) and SIDCo
+// (gpareto) then sent nothing at any later step. Every estimator must be sending again (the cliff
+// is steep: 8 counts do not always reach 2% of k there, so the bound is loose).
+TEST(Methods, EstimatorsRecoverFromAStepOfOnlyResiduals) {
+  const double d = 0.01;
+  const std::vector<Case> cases = {
+      {"gaussiank_spardl", [=] { return std::make_unique<GaussianK>(d, "spardl"); }},
+      {"gaussiank_sidco", [=] { return std::make_unique<GaussianK>(d, "sidco"); }},
+      {"dgc", [=] { return std::make_unique<DGC>(d, 3); }},
+      {"redsync", [=] { return std::make_unique<RedSync>(d); }},
+      {"sidco_exp", [=] { return std::make_unique<SIDCo>(d, "exp", -1, 0.25, std::nullopt); }},
+      {"sidco_gpareto", [=] { return std::make_unique<SIDCo>(d, "gpareto", -1, 0.25, std::nullopt); }},
+      {"sidco_gamma_gpareto", [=] { return std::make_unique<SIDCo>(d, "gamma_gpareto", -1, 0.25, std::nullopt); }},
+  };
+  const int64_t n = 20000, k = 200;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::unique_ptr<Method> method = c.make();
+    std::vector<float> residual(n, 0.0f);
+    int64_t sent = 0;  // at the four steps after the step of zeros
+    for (int t = 0; t < 7; ++t) {
+      std::vector<float> g(n, 0.0f);
+      if (t != 2) {
+        for (int64_t i = 0; i < n; ++i) {
+          const float s = std::sin(0.37f * i + 0.11f * t);
+          g[i] = s * s * s * (i % 97 == 0 ? 8.0f : 1.0f);
+        }
+      }
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        const BucketView bucket{DType::kFloat32, n, g.data(), residual.data()};
+        report = reduce_bucket(method.get(), transport, device, bucket, ReduceOptions{});
+      }));
+      if (t > 2) sent += report.selected;
+    }
+    EXPECT_GT(sent, k);
+  }
+}
+
 }  // namespace

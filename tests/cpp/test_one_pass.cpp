@@ -298,6 +298,27 @@ TEST(DensityControl, SteersAnEstimateToKElements) {
   }
 }
 
+/// A scale learned far off (here 10^4 too high, as a step of only residuals left it before the
+/// fix; checkpoints keep it) puts every count of the next step at 0, where the counts say nothing
+/// of the slope: the control must widen its steps until it finds the data, not creep down at the
+/// last slope (64, 1/64 of the log ratio a step), and be within its 2% of k a step later.
+TEST(DensityControl, LeavesACountOfZeroFarFromTheData) {
+  const int64_t k = 300;
+  DensityControl control;
+  control.load({{"control.scale", 17240.5}, {"control.slope", 64.0}});
+  CpuDevice device;
+  Bucket<float> copy(true, 40);
+  OnePass exact(device, copy.view(), CandidateBound{}, k);
+  const double kth = smallest_magnitude(device, exact.largest(k), copy.view());
+  int64_t c = 0;
+  for (int step = 0; step < 2; ++step) {
+    Bucket<float> b(true, 40);
+    OnePass pass(device, b.view(), CandidateBound{}, k);
+    c = pass.counts({control.threshold(pass, kth, k)}, true)[0];
+  }
+  EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << c;
+}
+
 using Factory = std::function<std::unique_ptr<Method>()>;
 
 /// The scale of each step's gradients: a drift, a jump up, a jump down.

@@ -80,11 +80,21 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
     if (!inside && low > 0.0 && std::isfinite(high)) next = std::sqrt(low * high);
     if (!(next > 0.0) || !std::isfinite(next) || std::fabs(next - t) <= kMargin * t) break;
     const double c_next = count(next);
-    if (c_next != c)
+    if (c_next != c) {
       slope_ = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), 0.25, 64.0);
+    } else if (!(low > 0.0 && std::isfinite(high))) {
+      // The same count, and no threshold on the other side of k known yet: a flat stretch (every
+      // count 0 far above the data, or all of it far below), where the slope says nothing. Halving
+      // it doubles the next step, so a scale learned far off is left within a step, not at 1/64
+      // of the log ratio a count.
+      slope_ = std::max(0.25, slope_ / 2.0);
+    }
     t = next;
     c = c_next;
-    if (std::fabs(c - target) < std::fabs(best_c - target)) {
+    // Of equal counts the latest: an earlier one may be a secant step's overshoot far beyond the
+    // data (a count of 0 at 10^4 times the threshold), which as the scale would start the next
+    // step there.
+    if (std::fabs(c - target) <= std::fabs(best_c - target)) {
       best_t = t;
       best_c = c;
     }
