@@ -378,4 +378,40 @@ TEST(Methods, EstimatorsRecoverFromAStepOfOnlyResiduals) {
   }
 }
 
+// Gaussian-k's default mode steers its normal fit with the density control, which takes a fit that
+// is not a positive number as the threshold itself. A fit is not one where the bucket holds one
+// element (no variance: NaN, which selected nothing at every step, so the element never left the
+// residual) or, for the spardl variant, where the values lie mostly far below zero (μ + z σ < 0:
+// every element was selected). Both must select about k, as every other estimator does.
+TEST(Methods, GaussianKSelectsAboutKWhereItsFitIsNoThreshold) {
+  for (const char* variant : {"spardl", "sidco"}) {
+    SCOPED_TRACE(variant);
+    GaussianK one(0.01, variant);
+    float g = 3.0f, residual = 0.0f;
+    int64_t sent = 0;
+    for (int t = 0; t < 3; ++t) {
+      float out = g;
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        report =
+            reduce_bucket(&one, transport, device, BucketView{DType::kFloat32, 1, &out, &residual}, ReduceOptions{});
+      }));
+      sent += report.selected;
+    }
+    EXPECT_GE(sent, 2) << "n = 1: the element stays in the residual";
+  }
+  const int64_t n = 20000, k = 200;
+  GaussianK negative(0.01, "spardl");
+  std::vector<float> g = ref::random_vector<float>(n, 5, 0.2f), residual(n, 0.0f);
+  for (float& v : g) v -= 1.0f;  // μ = -1, σ = 0.2: μ + z σ = -0.48
+  ReduceReport report;
+  rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+    CpuDevice device;
+    report = reduce_bucket(&negative, transport, device, BucketView{DType::kFloat32, n, g.data(), residual.data()},
+                           ReduceOptions{});
+  }));
+  EXPECT_NEAR(report.selected, k, DensityControl::kTolerance * k);
+}
+
 }  // namespace

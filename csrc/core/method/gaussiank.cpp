@@ -28,11 +28,19 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
   threshold_ = std::numeric_limits<double>::quiet_NaN();
   if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
   const double z = normal_quantile(1.0 - density_ / 2.0);
+  // Default mode: the fit is the density control's estimate, which must be a positive number to be
+  // steered. Where it is not (one element: no variance, NaN, so nothing would ever be selected;
+  // spardl's μ + z σ below zero where the values lie mostly far below zero, so everything would
+  // be), the control starts from the mean magnitude. A zero vector still selects nothing.
+  auto steered = [&](double estimate) {
+    if (!(estimate > 0.0 && std::isfinite(estimate)) && m.sum_abs > 0.0) estimate = m.sum_abs / static_cast<double>(n);
+    return finish(pass, control_.threshold(pass, estimate, k), m.nonfinite);
+  };
 
   if (variant_ == Variant::kSparDL) {
     const double mean = m.sum / static_cast<double>(n);
     const double start = mean + z * std::sqrt(unbiased_variance(static_cast<double>(n), m.sum, m.sum_sq));
-    if (!reference_) return finish(pass, control_.threshold(pass, start, k), m.nonfinite);
+    if (!reference_) return steered(start);
     // thresholds[0] = start, [1..20] = start / 1.02^i, [21..40] = start * 1.02^i (repeated steps).
     std::vector<double> thresholds{start};
     for (double t = start, i = 0; i < 20; ++i) thresholds.push_back(t /= 1.02);
@@ -53,7 +61,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
     const double mean = m.sum_abs / (dn * norm);
     const double var = unbiased_variance(dn, m.sum_abs / norm, m.sum_sq / (norm * norm));
     const double start = mean + z * std::sqrt(var);
-    if (!reference_) return finish(pass, control_.threshold(pass, start * norm, k), m.nonfinite);
+    if (!reference_) return steered(start * norm);
     // The at most three evaluations form a binary tree of rescalings (x0.5 down, x1.5 up).
     std::vector<double> rho{start};
     for (size_t i = 0; i < 3; ++i) {
