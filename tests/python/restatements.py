@@ -284,8 +284,10 @@ class DensityControl:
             if c_next != c:
                 slope = (log_count(c) - log_count(c_next)) / (math.log(nxt) - math.log(tau))
                 self.slope = min(max(slope, 0.25), 64.0)
+            elif not (low > 0 and math.isfinite(high)):
+                self.slope = max(0.25, self.slope / 2)  # a flat stretch: the next step twice as long
             tau, c = nxt, c_next
-            if abs(c - k) < abs(best_c - k):
+            if abs(c - k) <= abs(best_c - k):  # of equal counts the latest
                 best_tau, best_c = tau, c
         self.scale = best_tau / estimate
         return best_tau
@@ -302,6 +304,14 @@ class Estimating(Restatement):
     def steered(self, v: torch.Tensor, estimate: float, k: int) -> tuple[torch.Tensor, float]:
         tau = self.control.threshold(v, estimate, k)
         return where(above(v, tau)), tau
+
+    def steered_fit(self, v: torch.Tensor, estimate: float, k: int) -> tuple[torch.Tensor, float]:
+        """steered() from a fit, which starts from the mean magnitude where it is no positive
+        number and v is not zero (§4.4)."""
+        total = float(v.double().abs().sum())
+        if not (estimate > 0 and math.isfinite(estimate)) and total > 0:
+            estimate = total / v.numel()
+        return self.steered(v, estimate, k)
 
 
 class GaussianK(Estimating):
@@ -323,7 +333,7 @@ class GaussianK(Estimating):
         mu, sigma = mean64(v), math.sqrt(var64(v))
         tau = mu + phi_inv(1 - self.density / 2) * sigma
         if not self.reference:
-            return self.steered(v, tau, k)
+            return self.steered_fit(v, tau, k)
 
         def count(tau: float) -> int:
             return int(above(v, tau).sum())
@@ -355,7 +365,7 @@ class GaussianK(Estimating):
         mu, sigma = mean64(x), math.sqrt(var64(x))
         rho = mu + phi_inv(1 - self.density / 2) * sigma
         if not self.reference:
-            return self.steered(v, rho * norm, k)
+            return self.steered_fit(v, rho * norm, k)
         for _ in range(3):  # at most 3 evaluations; the last one's set is the selection
             tau = rho * norm
             selected = where(above(v, tau))
