@@ -415,3 +415,44 @@ TEST(Methods, GaussianKSelectsAboutKWhereItsFitIsNoThreshold) {
 }
 
 }  // namespace
+
+// A damaged or hand-made method state (a negative or fractional step, a missing entry, a stage
+// count of 0, a negative block count) is refused naming the entry: the step picks a partition by
+// index, and a negative one read outside the layout's tables.
+TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
+  const MethodState banded = {
+      {"step", 3.0}, {"threshold", 0.1}, {"estimate", 0.1}, {"before_last", 0.1}, {"k_prev", 10.0}};
+  auto with = [](MethodState s, const std::string& key, double v) {
+    s[key] = v;
+    return s;
+  };
+  auto without = [](MethodState s, const std::string& key) {
+    s.erase(key);
+    return s;
+  };
+  auto expect_refused = [](Method& method, const MethodState& state, const std::string& entry) {
+    try {
+      method.load_state(state);
+      ADD_FAILURE() << method.name() << ": accepted a state with a bad '" << entry << "'";
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + entry + "'"), std::string::npos) << e.what();
+    }
+  };
+  MiCRO micro(0.01, "union", false, 0);
+  expect_refused(micro, with(banded, "step", -1.0), "step");
+  expect_refused(micro, with(banded, "step", 2.5), "step");
+  expect_refused(micro, with(banded, "step", std::nan("")), "step");
+  expect_refused(micro, with(banded, "k_prev", -4.0), "k_prev");
+  expect_refused(micro, without(banded, "step"), "step");
+  ExDyna exdyna(0.01, "union", false, 0);
+  expect_refused(exdyna, with(banded, "blocks.0", -3.0), "blocks.0");
+  SAGE sage(0.01, "flat", {}, false, 3, std::nullopt, std::nullopt);
+  expect_refused(sage, {{"step", -2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}}, "step");
+  SIDCo sidco(0.01, "exp", -1, 0.25, std::nullopt);  // adaptive stages
+  MethodState saved = sidco.state();
+  ASSERT_TRUE(saved.count("stages"));
+  expect_refused(sidco, with(saved, "stages", 0.0), "stages");
+  sidco.load_state(with(saved, "stages", 1.0e9));  // more than it may use: its largest count,
+  EXPECT_EQ(sidco.stages(), 7);                    // ceil(log2(1 / 0.01))
+  micro.load_state(banded);                        // the undamaged state loads
+}

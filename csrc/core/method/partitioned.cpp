@@ -302,11 +302,11 @@ MethodState PartitionedMethod::state() const {
 }
 
 void PartitionedMethod::load_state(const MethodState& state) {
-  committed_.t = static_cast<int64_t>(state.at("step"));
+  committed_.t = saved_count(state, "step");
   committed_.threshold = state.at("threshold");
   committed_.estimate = state.at("estimate");
   committed_.before_last = state.at("before_last");
-  committed_.k_prev = static_cast<int64_t>(state.at("k_prev"));
+  committed_.k_prev = saved_count(state, "k_prev");
   // Absent from checkpoints before the adaptive band: then its start.
   const Step start;
   committed_.band = start.band;
@@ -346,7 +346,7 @@ void ExDyna::load_layout(const MethodState& state) {
   for (size_t p = 0;; ++p) {
     const auto it = state.find("blocks." + std::to_string(p));
     if (it == state.end()) break;
-    saved_blocks_.push_back(static_cast<int64_t>(it->second));
+    saved_blocks_.push_back(saved_count(state, it->first));
   }
   if (layout_ && !saved_blocks_.empty()) layout_->set_blocks(saved_blocks_);
 }

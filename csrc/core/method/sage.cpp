@@ -152,7 +152,7 @@ MethodState SAGE::state() const {
 }
 
 void SAGE::load_state(const MethodState& state) {
-  committed_.t = static_cast<int64_t>(state.at("step"));
+  committed_.t = saved_count(state, "step");
   committed_.threshold = state.at("threshold");
   committed_.sample_mean = state.at("sample_mean");
 }

@@ -121,10 +121,10 @@ MethodState SIDCo::state() const {
 void SIDCo::load_state(const MethodState& state) {
   EstimatingMethod::load_state(state);
   if (!adaptive_) return;
-  adaptive_->stages_ = static_cast<int>(state.at("stages"));
+  adaptive_->stages_ = static_cast<int>(std::min<int64_t>(saved_count(state, "stages", 1), adaptive_->max_stages()));
   adaptive_->direction_ = static_cast<int>(state.at("direction"));
   adaptive_->sum_ = state.at("sum");
-  adaptive_->calls_ = static_cast<int>(state.at("calls"));
+  adaptive_->calls_ = static_cast<int>(saved_count(state, "calls"));
   adaptive_->last_estimate_ = state.at("last_estimate");
 }
 

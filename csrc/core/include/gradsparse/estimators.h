@@ -123,6 +123,7 @@ class SidcoStages {
  public:
   SidcoStages(int mode, double density);
   int stages() const { return stages_; }
+  int max_stages() const { return max_stages_; }
   /// Adds one step's achieved / target ratio; every 5 steps applies the mode's rule.
   void record(double ratio);
 

@@ -22,6 +22,18 @@ namespace gradsparse {
 /// Named numbers that make up a method's state in a checkpoint.
 using MethodState = std::map<std::string, double>;
 
+/// A whole number of `state` (a step, a count, a size) from `least` up: a missing, fractional,
+/// out-of-range or NaN entry (a damaged or hand-made checkpoint) is a ValueError naming it, where
+/// it would index outside the method's tables.
+inline int64_t saved_count(const MethodState& state, const std::string& key, int64_t least = 0) {
+  const auto it = state.find(key);
+  GS_CHECK(it != state.end(), ValueError, "method state: no '", key, "' entry; load a state the method saved");
+  const double v = it->second;
+  GS_CHECK(v >= static_cast<double>(least) && v <= 9.0e15 && v == std::floor(v), ValueError, "method state: '", key,
+           "' is ", v, ", not a whole number from ", least, "; load a state the method saved");
+  return static_cast<int64_t>(v);
+}
+
 /// What a method may ask of the group while it selects: every rank calls the same sequence.
 class Collective {
  public:
