@@ -669,6 +669,56 @@ TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
     }
 }
 
+// A step skipped for a non-finite value leaves every method's state as it was (method.h,
+// observe()): the density control of the estimating methods learned from the skipped step's
+// selection before, and the next step started from there.
+TEST(NonFinite, ASkippedStepLeavesTheMethodStateAsItWas) {
+  const int p = 2;
+  const int64_t n = 1000;
+  const std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<GaussianK>(0.05, "spardl"); },
+      [] { return std::make_unique<GaussianK>(0.05, "sidco"); },
+      [] { return std::make_unique<DGC>(0.05, 3); },
+      [] { return std::make_unique<RedSync>(0.05); },
+      [] { return std::make_unique<SIDCo>(0.05, "exp", -1, 0.25, std::nullopt); },
+      [] { return std::make_unique<SAGE>(0.05, "flat", std::vector<int64_t>{}, false, 3, std::nullopt, std::nullopt); },
+      [] { return std::make_unique<MiCRO>(0.05, "union", false, 0); },
+      [] { return std::make_unique<ExDyna>(0.05, "union", false, 0); }};
+  auto same = [](const MethodState& a, const MethodState& b) {
+    if (a.size() != b.size()) return false;
+    for (const auto& [key, v] : a) {
+      const auto it = b.find(key);
+      if (it == b.end() || !(v == it->second || (std::isnan(v) && std::isnan(it->second)))) return false;
+    }
+    return true;
+  };
+  for (const auto& make : makers) {
+    SCOPED_TRACE(make()->name());
+    std::vector<MethodState> before(p), after(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      const std::unique_ptr<Method> method = make();
+      std::vector<float> residual(n, 0.0f);
+      ReduceOptions options;
+      options.nonfinite = NonFinitePolicy::kSkip;
+      for (int t = 0; t < 3; ++t) {  // two steps, then one with a NaN on rank 1
+        std::vector<float> g = grad_of(rank + 10 * t, n);
+        for (float& x : g) x *= t == 1 ? 30.0f : 1.0f;  // a change of scale: the control learns
+        if (t == 2) before[rank] = method->state();
+        if (t == 2 && rank == 1) g[17] = std::numeric_limits<float>::quiet_NaN();
+        const ReduceReport report = reduce_bucket(method.get(), transport, device,
+                                                  BucketView{DType::kFloat32, n, g.data(), residual.data()}, options);
+        EXPECT_EQ(report.skipped, t == 2);
+      }
+      after[rank] = method->state();
+    }));
+    for (int r = 0; r < p; ++r) {
+      EXPECT_FALSE(before[r].empty()) << "rank " << r;
+      EXPECT_TRUE(same(before[r], after[r])) << "rank " << r;
+    }
+  }
+}
+
 TEST(Faults, AMissingRankMakesTheOthersFailWithinTheTimeout) {
   const auto errors = run_ranks(
       3,

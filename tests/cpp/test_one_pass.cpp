@@ -292,6 +292,7 @@ TEST(DensityControl, SteersAnEstimateToKElements) {
     const double t = control.threshold(pass, kth * off, k);
     const int64_t c = pass.counts({t}, true)[0];
     EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << "estimate x" << off << ": " << c;
+    control.commit();  // the step completed (the method's observe())
     Bucket<float> again(true, 40);
     OnePass next(device, again.view(), CandidateBound{}, k);
     EXPECT_EQ(control.threshold(next, kth * off, k), t) << "estimate x" << off;
@@ -315,6 +316,7 @@ TEST(DensityControl, LeavesACountOfZeroFarFromTheData) {
     Bucket<float> b(true, 40);
     OnePass pass(device, b.view(), CandidateBound{}, k);
     c = pass.counts({control.threshold(pass, kth, k)}, true)[0];
+    control.commit();  // the step completed (the method's observe())
   }
   EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << c;
 }

@@ -51,7 +51,10 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   return out;
 }
 
-void DGC::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) { ++step_; }
+void DGC::observe(const BucketView& bucket, const ExchangeResult& result) {
+  EstimatingMethod::observe(bucket, result);
+  ++step_;
+}
 
 MethodState DGC::state() const {
   MethodState state = EstimatingMethod::state();

@@ -62,11 +62,13 @@ void CandidateBound::learn(const OnePass& pass) {
 }
 
 double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
+  pending_ = committed_;
   if (!(estimate > 0.0) || !std::isfinite(estimate)) return estimate;
+  double& slope = pending_.slope;
   const double target = static_cast<double>(k);
   auto count = [&](double t) { return static_cast<double>(pass.counts({t}, /*strict=*/true)[0]); };
   auto log_count = [](double c) { return std::log(std::max(c, 0.5)); };  // no count is 0 in log space
-  double t = estimate * scale_, c = count(t);
+  double t = estimate * committed_.scale, c = count(t);
   double best_t = t, best_c = c;
   double low = 0.0, high = std::numeric_limits<double>::infinity();  // thresholds known too low, too high
   for (int step = 0; step < kSteps && std::fabs(c - target) > kTolerance * target; ++step) {
@@ -75,19 +77,19 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
     // count ~ t^-slope: the threshold that would hold k; outside what is known (or on its edge,
     // where a secant step returns), the middle in log space. The relative margins keep rounding
     // in the last bits of the estimate from changing a decision.
-    double next = t * std::exp((log_count(c) - std::log(target)) / slope_);
+    double next = t * std::exp((log_count(c) - std::log(target)) / slope);
     const bool inside = next > low * (1.0 + kMargin) && next < high * (1.0 - kMargin);
     if (!inside && low > 0.0 && std::isfinite(high)) next = std::sqrt(low * high);
     if (!(next > 0.0) || !std::isfinite(next) || std::fabs(next - t) <= kMargin * t) break;
     const double c_next = count(next);
     if (c_next != c) {
-      slope_ = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), 0.25, 64.0);
+      slope = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), 0.25, 64.0);
     } else if (!(low > 0.0 && std::isfinite(high))) {
       // The same count, and no threshold on the other side of k known yet: a flat stretch (every
       // count 0 far above the data, or all of it far below), where the slope says nothing. Halving
       // it doubles the next step, so a scale learned far off is left within a step, not at 1/64
       // of the log ratio a count.
-      slope_ = std::max(0.25, slope_ / 2.0);
+      slope = std::max(0.25, slope / 2.0);
     }
     t = next;
     c = c_next;
@@ -99,18 +101,18 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
       best_c = c;
     }
   }
-  scale_ = best_t / estimate;
+  pending_.scale = best_t / estimate;
   return best_t;
 }
 
 void DensityControl::save(std::map<std::string, double>& state) const {
-  state["control.scale"] = scale_;
-  state["control.slope"] = slope_;
+  state["control.scale"] = committed_.scale;
+  state["control.slope"] = committed_.slope;
 }
 
 void DensityControl::load(const std::map<std::string, double>& state) {
-  if (auto it = state.find("control.scale"); it != state.end()) scale_ = it->second;
-  if (auto it = state.find("control.slope"); it != state.end()) slope_ = it->second;
+  if (auto it = state.find("control.scale"); it != state.end()) committed_.scale = it->second;
+  if (auto it = state.find("control.slope"); it != state.end()) committed_.slope = it->second;
 }
 
 MethodState EstimatingMethod::state() const {
@@ -122,6 +124,8 @@ MethodState EstimatingMethod::state() const {
 void EstimatingMethod::load_state(const MethodState& state) {
   if (!reference_) control_.load(state);
 }
+
+void EstimatingMethod::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) { control_.commit(); }
 
 Selection EstimatingMethod::finish(OnePass& pass, double threshold, int64_t nonfinite) {
   threshold_ = threshold;

@@ -101,7 +101,8 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
   return s;
 }
 
-void SIDCo::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {
+void SIDCo::observe(const BucketView& bucket, const ExchangeResult& result) {
+  EstimatingMethod::observe(bucket, result);
   if (adaptive_ && numel_ > 0)
     adaptive_->record(static_cast<double>(selected_) / (density_ * static_cast<double>(numel_)));
 }

@@ -39,6 +39,8 @@ class PerRankMethod : public Method {
 class EstimatingMethod : public PerRankMethod {
  public:
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+  /// Commits the density control's step (an aborted step leaves it as it was).
+  void observe(const BucketView& bucket, const ExchangeResult& result) override;
   MethodState state() const override;
   void load_state(const MethodState& state) override;
 

@@ -73,13 +73,20 @@ class DensityControl {
   /// The threshold to select at (|v| > threshold) for k elements; the estimate itself when it is
   /// not a positive finite number.
   double threshold(OnePass& pass, double estimate, int64_t k);
+  /// Keeps what the last threshold() learned: the method's observe(), so that a step aborted
+  /// after its selection (a non-finite value under nonfinite="skip") leaves the control as it was.
+  void commit() { committed_ = pending_; }
   void save(std::map<std::string, double>& state) const;
   /// Reads what save() wrote; keeps the initial values when the keys are absent.
   void load(const std::map<std::string, double>& state);
 
  private:
-  double scale_ = 1.0;  ///< last step's chosen threshold / its estimate
-  double slope_ = 2.0;  ///< last step's -d log(count) / d log(threshold)
+  struct Learned {
+    double scale = 1.0;  ///< the chosen threshold / its estimate
+    double slope = 2.0;  ///< -d log(count) / d log(threshold)
+  };
+  Learned committed_;  ///< of the last completed step
+  Learned pending_;    ///< of this step's threshold(), until commit()
 };
 
 /// One step's pass over a bucket and the questions a threshold estimator asks about it. The
