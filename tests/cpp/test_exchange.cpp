@@ -671,7 +671,8 @@ TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
 
 // A step skipped for a non-finite value leaves every method's state as it was (method.h,
 // observe()): the density control of the estimating methods learned from the skipped step's
-// selection before, and the next step started from there.
+// selection before, and the next step started from there. Nor does a step after it that asks no
+// threshold (a zero vector: its gradient cancels the residual) commit what the skipped one learned.
 TEST(NonFinite, ASkippedStepLeavesTheMethodStateAsItWas) {
   const int p = 2;
   const int64_t n = 1000;
@@ -692,9 +693,15 @@ TEST(NonFinite, ASkippedStepLeavesTheMethodStateAsItWas) {
     }
     return true;
   };
+  auto control_of = [](const MethodState& s) {  // the density control's entries
+    MethodState out;
+    for (const auto& [key, v] : s)
+      if (key.rfind("control.", 0) == 0) out[key] = v;
+    return out;
+  };
   for (const auto& make : makers) {
     SCOPED_TRACE(make()->name());
-    std::vector<MethodState> before(p), after(p);
+    std::vector<MethodState> before(p), after(p), after_zero(p);
     rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
       CpuDevice device;
       const std::unique_ptr<Method> method = make();
@@ -711,10 +718,16 @@ TEST(NonFinite, ASkippedStepLeavesTheMethodStateAsItWas) {
         EXPECT_EQ(report.skipped, t == 2);
       }
       after[rank] = method->state();
+      std::vector<float> cancel(residual);
+      for (float& x : cancel) x = -x;
+      reduce_bucket(method.get(), transport, device, BucketView{DType::kFloat32, n, cancel.data(), residual.data()},
+                    options);
+      after_zero[rank] = method->state();
     }));
     for (int r = 0; r < p; ++r) {
       EXPECT_FALSE(before[r].empty()) << "rank " << r;
       EXPECT_TRUE(same(before[r], after[r])) << "rank " << r;
+      EXPECT_TRUE(same(control_of(before[r]), control_of(after_zero[r]))) << "rank " << r << ", after a zero step";
     }
   }
 }

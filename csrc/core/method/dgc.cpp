@@ -24,7 +24,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   OnePass pass(device, bucket, bound_, k, Listing::kEveryDevice);  // its sample: CandidateBound::capacity
   const Moments& m = pass.moments();
   const double norm = std::sqrt(m.sum_sq);
-  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  start_step();
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
   const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);

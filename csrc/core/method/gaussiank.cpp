@@ -25,7 +25,7 @@ Selection GaussianK::select(Device& device, const BucketView& bucket, Collective
   const int64_t k = target_count(density_, n);
   OnePass pass(device, bucket, bound_, k);
   const Moments& m = pass.moments();
-  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  start_step();
   if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
   const double z = normal_quantile(1.0 - density_ / 2.0);
   // Default mode: the fit is the density control's estimate, which must be a positive number to be

@@ -62,7 +62,7 @@ void CandidateBound::learn(const OnePass& pass) {
 }
 
 double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
-  pending_ = committed_;
+  discard();
   if (!(estimate > 0.0) || !std::isfinite(estimate)) return estimate;
   double& slope = pending_.slope;
   const double target = static_cast<double>(k);

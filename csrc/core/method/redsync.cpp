@@ -17,7 +17,7 @@ Selection RedSync::select(Device& device, const BucketView& bucket, Collective& 
   const int64_t n = bucket.numel;
   OnePass pass(device, bucket, bound_, target_count(density_, n));
   const Moments& m = pass.moments();
-  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  start_step();
   if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
   const double k = static_cast<double>(target_count(density_, n));
   const double mean = m.sum_abs / static_cast<double>(n), max = m.max_abs;

@@ -55,7 +55,7 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
   const double norm = std::sqrt(m.sum_sq);
   numel_ = n;
   selected_ = 0;
-  threshold_ = std::numeric_limits<double>::quiet_NaN();
+  start_step();
   if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
   const double dn = static_cast<double>(n);
   const int stages = this->stages();

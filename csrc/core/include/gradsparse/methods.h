@@ -48,6 +48,12 @@ class EstimatingMethod : public PerRankMethod {
   EstimatingMethod(const std::string& owner, const std::string& exchange, bool reference)
       : PerRankMethod(owner, exchange, gather_and_add()), reference_(reference) {}
 
+  /// Where each select() starts: no threshold yet, and nothing the density control learned in a
+  /// step that was aborted (it commits only in observe()).
+  void start_step() {
+    threshold_ = std::numeric_limits<double>::quiet_NaN();
+    control_.discard();
+  }
   /// Selects |v| > threshold (zeroing the residual there), records the threshold and the
   /// non-finite count, and lets the candidate bound learn from the step.
   Selection finish(OnePass& pass, double threshold, int64_t nonfinite);

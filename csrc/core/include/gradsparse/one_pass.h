@@ -76,6 +76,9 @@ class DensityControl {
   /// Keeps what the last threshold() learned: the method's observe(), so that a step aborted
   /// after its selection (a non-finite value under nonfinite="skip") leaves the control as it was.
   void commit() { committed_ = pending_; }
+  /// Forgets what threshold() learned since the last commit(): at the start of every step, so
+  /// that a step which asks no threshold (a zero vector) commits nothing of an aborted one.
+  void discard() { pending_ = committed_; }
   void save(std::map<std::string, double>& state) const;
   /// Reads what save() wrote; keeps the initial values when the keys are absent.
   void load(const std::map<std::string, double>& state);
