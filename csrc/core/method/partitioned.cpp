@@ -319,14 +319,19 @@ void PartitionedMethod::load_state(const MethodState& state) {
 }
 
 Range MiCRO::partition_range(int partition, int64_t n, int world_size) {
-  if (!layout_ || layout_->size() != world_size) layout_.emplace(n, world_size);
+  if (!layout_ || layout_->size() != world_size || layout_->numel() != n) layout_.emplace(n, world_size);
   return layout_->range(partition);
 }
 
 Range ExDyna::partition_range(int partition, int64_t n, int world_size) {
-  if (!layout_) {
+  if (!layout_ || layout_->size() != world_size || layout_->numel() != n) {
+    // The first layout takes the checkpoint's blocks; a bucket of another size keeps the blocks
+    // its partitions hold (shares of the same 1024); another world size starts even.
+    const bool fresh = !layout_;
+    const std::vector<int64_t> blocks = fresh ? saved_blocks_ : layout_->blocks();
+    const bool kept = fresh || layout_->size() == world_size;
     layout_.emplace(n, world_size);
-    if (!saved_blocks_.empty()) layout_->set_blocks(saved_blocks_);
+    if (kept && !blocks.empty()) layout_->set_blocks(blocks);
   }
   return layout_->range(partition);
 }

@@ -21,6 +21,7 @@ class StaticPartition {
   StaticPartition(int64_t n, int world_size);
   Range range(int partition) const;
   int size() const { return static_cast<int>(begin_.size()); }
+  int64_t numel() const { return end_.empty() ? 0 : end_.back(); }
 
  private:
   std::vector<int64_t> begin_;
@@ -40,6 +41,8 @@ class BlockPartition {
   /// total `k_prev`.
   void rebalance(const std::vector<int64_t>& counts_by_rank, int64_t t, int64_t k_prev);
 
+  int size() const { return world_size_; }
+  int64_t numel() const { return n_; }
   int64_t block_size() const { return block_size_; }
   int64_t leftover() const { return leftover_; }
   const std::vector<int64_t>& blocks() const { return count_; }
