@@ -73,6 +73,26 @@ def _allowed_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def _workers_on_this_node(env) -> int:
+    """LOCAL_WORLD_SIZE (WORLD_SIZE where it is unset; 1 without either), checked."""
+    name = "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in env else "WORLD_SIZE"
+    if name not in env:
+        return 1
+    value = env[name]
+    if not value.strip().isdecimal() or int(value) < 1:
+        raise ValueError(
+            f"gradsparse.launch.threads_per_worker: {name}={value!r} is not a positive whole number of processes; "
+            "the launcher's environment is broken: set it to the number of workers "
+            + (
+                "on this node (for example LOCAL_WORLD_SIZE=4)"
+                if name == "LOCAL_WORLD_SIZE"
+                else "(for example WORLD_SIZE=4)"
+            )
+            + ", or unset it and call gradsparse.launch.setup_environment() under mpirun or srun"
+        )
+    return int(value)
+
+
 def threads_per_worker(
     launcher: str,
     environ: dict[str, str] | None = None,
@@ -89,7 +109,7 @@ def threads_per_worker(
     at most ``allowed`` and at most an even share of the ``machine``'s CPUs. At least 1.
     """
     env = os.environ if environ is None else environ
-    local = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", "1")))
+    local = _workers_on_this_node(env)
     chosen = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if chosen and not (launcher == "torchrun" and local > 1 and chosen == "1"):
         if not chosen.isdigit() or int(chosen) < 1:

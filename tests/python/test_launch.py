@@ -73,3 +73,21 @@ def test_threads_per_worker_counts_the_cpus_this_process_may_use():
     )
     assert done.stdout.strip() == "1"
     assert threads_per_worker("torchrun", {"LOCAL_WORLD_SIZE": "1"}) == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"LOCAL_WORLD_SIZE": "0"}, "LOCAL_WORLD_SIZE='0'"),
+        ({"LOCAL_WORLD_SIZE": "two"}, "LOCAL_WORLD_SIZE='two'"),
+        ({"LOCAL_WORLD_SIZE": ""}, "LOCAL_WORLD_SIZE=''"),
+        ({"LOCAL_WORLD_SIZE": "-4"}, "LOCAL_WORLD_SIZE='-4'"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+        ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ],
+)
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun"])
+def test_threads_per_worker_rejects_a_bad_process_count_naming_the_variable(launcher, env, named):
+    # a broken launcher environment: the variable, its value and the fix, not a ZeroDivisionError
+    with pytest.raises(ValueError, match=rf"threads_per_worker: {named} is not a positive whole number.*set it to"):
+        threads_per_worker(launcher, env, allowed=8, machine=8)
