@@ -11,7 +11,10 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT itself. 
 | MASTER_ADDR | (set it, default 127.0.0.1)  | first host of SLURM_JOB_NODELIST        |
 | MASTER_PORT | (set it, default 29500)      | (set it, default 29500)                 |
 
-Variables already set are never overwritten.
+LOCAL_WORLD_SIZE, the processes on this node, comes from OMPI_COMM_WORLD_LOCAL_SIZE, or from this
+node's (SLURM_NODEID's) entry of SLURM's per-node counts (SLURM_STEP_TASKS_PER_NODE,
+SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE, such as ``2(x3),1``). Variables already set are
+never overwritten.
 
 ``threads_per_worker`` gives each worker its share of the CPUs it may run on.
 """
@@ -38,6 +41,40 @@ def first_host(nodelist: str) -> str:
     return prefix + first
 
 
+#: SLURM's per-node task counts, the step's (srun's own) first: ``2(x3),1`` is 2, 2, 2 and 1.
+_SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+
+
+def _slurm_tasks_on_this_node(env) -> str | None:
+    """The number of tasks on this node (SLURM_NODEID's entry of SLURM's per-node counts), or None
+    where SLURM names none, or where the counts differ by node and SLURM_NODEID is unset."""
+    name = next((n for n in _SLURM_TASKS_PER_NODE if n in env), None)
+    if name is None:
+        return None
+    counts = []
+    for part in env[name].split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:\(x(\d+)\))?\s*", part)
+        if not match or int(match[1]) < 1:
+            raise ValueError(
+                f"gradsparse.launch.setup_environment: {name}={env[name]!r} is not a list of per-node task counts "
+                "such as '4' or '2(x3),1'; the job's environment is damaged: run under srun as SLURM sets it, or "
+                "set LOCAL_WORLD_SIZE to the number of tasks on this node"
+            )
+        counts += [match[1]] * int(match[2] or 1)
+    if len(set(counts)) == 1:  # the same on every node (SLURM_NTASKS_PER_NODE names it once)
+        return counts[0]
+    if "SLURM_NODEID" not in env:
+        return None
+    node = env["SLURM_NODEID"]
+    if not node.strip().isdecimal() or int(node) >= len(counts):
+        raise ValueError(
+            f"gradsparse.launch.setup_environment: SLURM_NODEID={node!r} is not a node of {name}={env[name]!r} "
+            f"(nodes 0 to {len(counts) - 1}); the job's environment is damaged: run under srun as SLURM sets it, "
+            "or set LOCAL_WORLD_SIZE to the number of tasks on this node"
+        )
+    return counts[int(node)]
+
+
 def setup_environment(environ: dict[str, str] | None = None) -> str:
     """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
     variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
@@ -56,8 +93,10 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
         env.setdefault("RANK", env["SLURM_PROCID"])
         env.setdefault("WORLD_SIZE", env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
         env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
-        if "SLURM_NTASKS_PER_NODE" in env:
-            env.setdefault("LOCAL_WORLD_SIZE", env["SLURM_NTASKS_PER_NODE"].split("(")[0])
+        if "LOCAL_WORLD_SIZE" not in env:
+            local = _slurm_tasks_on_this_node(env)
+            if local is not None:
+                env["LOCAL_WORLD_SIZE"] = local
         env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
     else:
         return "none"

@@ -91,3 +91,36 @@ def test_threads_per_worker_rejects_a_bad_process_count_naming_the_variable(laun
     # a broken launcher environment: the variable, its value and the fix, not a ZeroDivisionError
     with pytest.raises(ValueError, match=rf"threads_per_worker: {named} is not a positive whole number.*set it to"):
         threads_per_worker(launcher, env, allowed=8, machine=8)
+
+
+@pytest.mark.parametrize(
+    ("env", "local"),
+    [
+        # SLURM's compressed per-node counts: "2(x3),1" is 2, 2, 2, 1; each node takes its own
+        ({"SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}, "1"),
+        ({"SLURM_NTASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "2"}, "2"),
+        ({"SLURM_TASKS_PER_NODE": "3,1", "SLURM_NODEID": "1"}, "1"),
+        ({"SLURM_TASKS_PER_NODE": "4(x2)"}, "4"),  # the same on every node: no node id needed
+        # the step's own layout (srun -n inside a larger allocation) before the job's
+        ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "8(x2)", "SLURM_NODEID": "1"}, "1"),
+        ({"SLURM_TASKS_PER_NODE": "2,1"}, None),  # differs by node, and the node is unknown: left unset
+    ],
+)
+def test_srun_takes_this_nodes_task_count(env, local):
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "7", **env}
+    assert setup_environment(env) == "srun"
+    assert env.get("LOCAL_WORLD_SIZE") == local
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SLURM_TASKS_PER_NODE": "", "SLURM_NODEID": "0"}, "SLURM_TASKS_PER_NODE=''"),
+        ({"SLURM_TASKS_PER_NODE": "2(x", "SLURM_NODEID": "0"}, "SLURM_TASKS_PER_NODE='2\\(x'"),
+        ({"SLURM_TASKS_PER_NODE": "2(x2),1", "SLURM_NODEID": "3"}, "SLURM_NODEID='3'"),
+        ({"SLURM_TASKS_PER_NODE": "2,1", "SLURM_NODEID": "x"}, "SLURM_NODEID='x'"),
+    ],
+)
+def test_srun_refuses_a_task_count_it_cannot_read_naming_the_variable(env, named):
+    with pytest.raises(ValueError, match=rf"setup_environment: {named}"):
+        setup_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "7", **env})
