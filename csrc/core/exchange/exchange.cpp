@@ -139,10 +139,9 @@ std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64
 
 float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype) {
   const auto p = static_cast<float>(transport.size());
-  const bool divided_first = dtype == DType::kFloat16;
-  if (divided_first) device.divide(dtype, values, count, p);
+  if (divides_first(dtype)) device.divide(dtype, values, count, p);
   transport.allreduce_sum(device, values, static_cast<size_t>(count), dtype);
-  return divided_first ? 1.0f : p;
+  return divides_first(dtype) ? 1.0f : p;
 }
 
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {

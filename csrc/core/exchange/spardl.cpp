@@ -75,7 +75,7 @@ struct Step {
   int team_size, team, me;
   int64_t chunk;
   Buffer accumulated;
-  bool divided_first;  // float16: A started divided by P
+  bool divided_first;  // A started divided by P (divides_first)
 
   Step(Transport& t, Device& d, const BucketView& b, SparDLExchange::Sizes s)
       : transport(t), device(d), bucket(b), sizes(s) {
@@ -86,7 +86,7 @@ struct Step {
     const size_t bytes = static_cast<size_t>(b.numel) * dtype_size(b.dtype);
     accumulated = d.allocate(bytes);
     d.copy(accumulated.data(), b.residual != nullptr ? b.residual : b.grad, bytes);
-    divided_first = b.dtype == DType::kFloat16 && b.numel > 0;
+    divided_first = divides_first(b.dtype) && b.numel > 0;
     if (divided_first) d.divide(b.dtype, accumulated.data(), b.numel, static_cast<float>(t.size()));
   }
 

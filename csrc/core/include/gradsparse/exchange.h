@@ -196,12 +196,16 @@ std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);
 
+/// Whether exchanges sum values of `dtype` already divided by P: float16 is divided first, as
+/// DDP's all-reduce does, since the sum of P float16 values can exceed its largest finite value
+/// (65504) where their average does not, and an Inf there would reach the output while the
+/// residual was emptied. float32 and bfloat16 are summed, then divided as they are added (the
+/// re-statement's exact sums).
+inline bool divides_first(DType dtype) { return dtype == DType::kFloat16; }
+
 /// The all-reduce of `count` values of `dtype` at `values` (device memory, summed in place) for
-/// the union and shared exchanges; returns the divisor their scatter-add still applies. float32
-/// and bfloat16 are summed, then divided as they are added (the re-statement's exact sums);
-/// float16 is divided first, as DDP's all-reduce does: the sum of P float16 values can exceed its
-/// largest finite value (65504) where their average does not, and an Inf there would reach the
-/// output while the residual was emptied.
+/// the union and shared exchanges, divided first where `divides_first`; returns the divisor
+/// their scatter-add still applies.
 float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype);
 
 /// Zeroes the bucket's output (the exchanges write into zeros).
