@@ -75,6 +75,27 @@ def _slurm_tasks_on_this_node(env) -> str | None:
     return counts[int(node)]
 
 
+def _derive(env, launcher: str, target: str, names: tuple[str, ...], default: str | None, least: int) -> None:
+    """Sets ``target`` where it is unset from the first of the launcher's variables ``names`` that
+    is set (``default`` where none is), a whole number of at least ``least``."""
+    if target in env:
+        return
+    name = next((n for n in names if n in env), None)
+    if name is None and default is None:
+        raise ValueError(
+            f"gradsparse.launch.setup_environment: {names[0]} is unset, though {launcher} sets it; the launcher's "
+            f"environment is damaged: run under {launcher} as it sets it, or set {target} yourself"
+        )
+    value = default if name is None else env[name].strip()
+    if name is not None and (not value.isdecimal() or int(value) < least):
+        raise ValueError(
+            f"gradsparse.launch.setup_environment: {name}={env[name]!r} is not a whole number of at least {least} "
+            f"for {target}; the launcher's environment is damaged: run under {launcher} as it sets it, or set "
+            f"{target} yourself"
+        )
+    env[target] = value
+
+
 def setup_environment(environ: dict[str, str] | None = None) -> str:
     """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
     variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
@@ -83,21 +104,30 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
         launcher = "torchrun"
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher = "mpirun"
-        env.setdefault("RANK", env["OMPI_COMM_WORLD_RANK"])
-        env.setdefault("WORLD_SIZE", env["OMPI_COMM_WORLD_SIZE"])
-        env.setdefault("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-        env.setdefault("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", env["WORLD_SIZE"]))
+        _derive(env, launcher, "RANK", ("OMPI_COMM_WORLD_RANK",), None, 0)
+        _derive(env, launcher, "WORLD_SIZE", ("OMPI_COMM_WORLD_SIZE",), None, 1)
+        _derive(env, launcher, "LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_RANK",), "0", 0)
+        _derive(env, launcher, "LOCAL_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_SIZE",), env["WORLD_SIZE"], 1)
         env.setdefault("MASTER_ADDR", "127.0.0.1")
     elif "SLURM_PROCID" in env:
         launcher = "srun"
-        env.setdefault("RANK", env["SLURM_PROCID"])
-        env.setdefault("WORLD_SIZE", env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")))
-        env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
+        _derive(env, launcher, "RANK", ("SLURM_PROCID",), None, 0)
+        _derive(env, launcher, "WORLD_SIZE", ("SLURM_NTASKS", "SLURM_NPROCS"), "1", 1)
+        _derive(env, launcher, "LOCAL_RANK", ("SLURM_LOCALID",), "0", 0)
         if "LOCAL_WORLD_SIZE" not in env:
             local = _slurm_tasks_on_this_node(env)
             if local is not None:
                 env["LOCAL_WORLD_SIZE"] = local
-        env.setdefault("MASTER_ADDR", first_host(env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "localhost"))))
+        if "MASTER_ADDR" not in env:
+            name = next((n for n in ("SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in env), None)
+            try:
+                env["MASTER_ADDR"] = first_host(env[name]) if name else "localhost"
+            except ValueError:
+                raise ValueError(
+                    f"gradsparse.launch.setup_environment: {name}={env[name]!r} is not a SLURM node list such as "
+                    "'node[03-05],gpu1'; the job's environment is damaged: run under srun as SLURM sets it, or set "
+                    "MASTER_ADDR to the first node's address"
+                ) from None
     else:
         return "none"
     env.setdefault("MASTER_PORT", _DEFAULT_PORT)

@@ -124,3 +124,32 @@ def test_srun_takes_this_nodes_task_count(env, local):
 def test_srun_refuses_a_task_count_it_cannot_read_naming_the_variable(env, named):
     with pytest.raises(ValueError, match=rf"setup_environment: {named}"):
         setup_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "7", **env})
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"SLURM_PROCID": ""}, "SLURM_PROCID=''"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": ""}, "SLURM_NTASKS=''"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "0"}, "SLURM_NTASKS='0'"),
+        ({"SLURM_PROCID": "0", "SLURM_LOCALID": "a"}, "SLURM_LOCALID='a'"),
+        ({"SLURM_PROCID": "0", "SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST=''"),
+        ({"OMPI_COMM_WORLD_RANK": "1"}, "OMPI_COMM_WORLD_SIZE"),  # unset
+        ({"OMPI_COMM_WORLD_RANK": "-1", "OMPI_COMM_WORLD_SIZE": "2"}, "OMPI_COMM_WORLD_RANK='-1'"),
+        (
+            {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": ""},
+            "OMPI_COMM_WORLD_LOCAL_SIZE=''",
+        ),
+    ],
+)
+def test_setup_environment_refuses_a_damaged_launcher_variable_naming_it(env, named):
+    # the variable and its value, where torch's env:// rendezvous would meet int('') later
+    with pytest.raises(ValueError, match=rf"setup_environment: {named}.*set"):
+        setup_environment(env)
+
+
+def test_setup_environment_reads_no_launcher_variable_it_does_not_need():
+    # variables already set are kept, and the launcher's counterparts are then not read
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "", "WORLD_SIZE": "2", "SLURM_JOB_NODELIST": "", "MASTER_ADDR": "h"}
+    assert setup_environment(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "2", "h")
