@@ -73,12 +73,13 @@ RANK_KEYS = ("class", "config", "step", "rank", "world_size", "residuals", "meth
 ALL_RANKS_KEYS = ("class", "config", "world_size", "ranks")
 
 
-def _require(owner: str, state_dict: dict, keys: tuple[str, ...], what: str) -> None:
-    """Each of ``keys`` is in ``state_dict`` (``what`` it is, for the message)."""
+def _require(where: str, state_dict: dict, keys: tuple[str, ...], what: str) -> None:
+    """Each of ``keys`` is in ``state_dict`` (``what`` it is, for the message; ``where``, the
+    function that reads it)."""
     missing = [k for k in keys if k not in state_dict]
     if missing:
         raise ValueError(
-            f"{owner}.load_state_dict: {what} lacks {', '.join(missing)} (it should hold {', '.join(keys)}): it was "
+            f"{where}: {what} lacks {', '.join(missing)} (it should hold {', '.join(keys)}): it was "
             "cut short or changed after it was saved; load what State.state_dict() or "
             "gradsparse.AllRanks(state).state_dict() returned, as saved"
         )
@@ -89,12 +90,17 @@ def upgrade(owner: str, state_dict: Any) -> dict:
     version = state_dict.get("version") if isinstance(state_dict, dict) else None
     if version == STATE_DICT_VERSION:  # one rank's, or gradsparse.AllRanks' (its rank is picked at load)
         if state_dict.get("all_ranks"):
-            _require(owner, state_dict, ALL_RANKS_KEYS, "the state dict of gradsparse.AllRanks")
+            _require(f"{owner}.load_state_dict", state_dict, ALL_RANKS_KEYS, "the state dict of gradsparse.AllRanks")
         else:
-            _require(owner, state_dict, RANK_KEYS, "the state dict")
+            _require(f"{owner}.load_state_dict", state_dict, RANK_KEYS, "the state dict")
         return state_dict
     if version == 1:
-        _require(owner, state_dict, ("class", "config", "residuals", "methods"), "the state dict (version 1)")
+        _require(
+            f"{owner}.load_state_dict",
+            state_dict,
+            ("class", "config", "residuals", "methods"),
+            "the state dict (version 1)",
+        )
         # Names came from DDP's inner module: strip the wrappers that could sit there.
         layout = state_dict.get("layout", {})
         count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
@@ -114,11 +120,13 @@ def upgrade(owner: str, state_dict: Any) -> dict:
 def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_rank: bool) -> dict:
     """This rank's part of a (version 2) state dict, checked: world size, rank, and every
     residual finite and matching its checksum."""
+    where = f"{owner}.load_state_dict"
     if state_dict.get("all_ranks"):
         if state_dict["world_size"] != world_size:
             raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+        _check_rank_count(where, state_dict)
         state_dict = state_dict["ranks"][rank]
-        _require(owner, state_dict, RANK_KEYS, f"rank {rank}'s part of the state dict")
+        _require(where, state_dict, RANK_KEYS, f"rank {rank}'s part of the state dict")
     if state_dict["world_size"] != world_size:
         raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
     if state_dict["rank"] != rank and not any_rank:
@@ -127,24 +135,45 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
             f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
             "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
         )
-    _check_values(owner, state_dict)
+    _check_values(where, state_dict)
     return state_dict
 
 
-def _check_values(owner: str, state_dict: dict) -> None:
+def _check_rank_count(where: str, state_dict: dict) -> None:
+    """An AllRanks state dict holds one state dict per rank of its world size."""
+    ranks, world_size = state_dict["ranks"], state_dict["world_size"]
+    if not isinstance(ranks, list) or len(ranks) != world_size:
+        count = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
+        raise ValueError(
+            f"{where}: the state dict of gradsparse.AllRanks holds {count} ranks' state dicts but was saved at world "
+            f"size {world_size}: it was cut short or changed after it was saved; load an intact copy"
+        )
+
+
+def _check_values(where: str, state_dict: dict) -> None:
     """Every residual and velocity is finite and, where the state dict has checksums (those of
-    gradsparse 0.2 on), matches its own."""
+    gradsparse 0.2 on), matches its own; none that has a checksum is missing where the names are the saved ones."""
     for kind, key, checksums_key in TENSORS:
         checksums = state_dict.get(checksums_key, {})
-        for name, tensor in state_dict.get(key, {}).items():
+        tensors = state_dict.get(key, {})
+        missing = sorted(set(checksums) - set(tensors))
+        # (residuals renamed on purpose, as load_state_dict's hint for wrapper prefixes says, are
+        # named apart from their checksums: only a state dict whose names are all saved ones is short)
+        if missing and set(tensors) <= set(checksums):
+            raise ValueError(
+                f"{where}: the state dict lacks the {kind} of {', '.join(missing[:5])}"
+                f"{' ...' if len(missing) > 5 else ''}, of which it holds the checksum: it was cut short or changed "
+                "after it was saved (a corrupt or partly written file); load an intact copy"
+            )
+        for name, tensor in tensors.items():
             if name in checksums and checksum(tensor) != checksums[name]:
                 raise ValueError(
-                    f"{owner}.load_state_dict: the {kind} of {name} does not match its checksum: the state dict was "
+                    f"{where}: the {kind} of {name} does not match its checksum: the state dict was "
                     "damaged after it was saved (a corrupt or partly written file); load an intact copy"
                 )
             if not bool(torch.isfinite(tensor).all()):
                 raise ValueError(
-                    f"{owner}.load_state_dict: the {kind} of {name} holds NaN or Inf; a {kind} is gradient mass "
+                    f"{where}: the {kind} of {name} holds NaN or Inf; a {kind} is gradient mass "
                     "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
                     "skip them all); load a checkpoint from before the divergence"
                 )
@@ -230,7 +259,11 @@ def reshard(state_dict: dict, world_size: int) -> dict:
             "state_dict() returns on rank 0; one rank's state dict cannot be resharded"
         )
     world_size = check_int("gradsparse.reshard", "world_size", world_size, 1, "world_size=dist.get_world_size()")
+    _check_rank_count("gradsparse.reshard", state_dict)
     ranks = state_dict["ranks"]
+    for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
+        _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
+        _check_values("gradsparse.reshard", saved)
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
     velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])
     entries = with_checksums(residuals, velocities)

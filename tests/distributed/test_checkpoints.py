@@ -22,3 +22,39 @@ def test_resume_is_exact_without_a_settle_iteration(tmp_path, method):
             assert torch.equal(a, b), f"rank {rank}: {method} resumed differs from straight by {(a - b).abs().max()}"
     # residuals are per rank: the two ranks saved different ones
     assert results[0]["residual_norms"] != results[1]["residual_norms"]
+
+
+def _all_ranks(*residuals):
+    """An AllRanks state dict of len(residuals) ranks, each holding {name: tensor}, as saved."""
+    from gradsparse.checkpoint import with_checksums
+
+    size = len(residuals)
+    ranks = [
+        {"version": 2, "class": "TopK", "config": {"density": 0.1}, "step": 4, "rank": rank, "world_size": size,
+         **with_checksums(held, {}), "methods": [None], "layout": [sorted(held)], "stats": {}}
+        for rank, held in enumerate(residuals)
+    ]  # fmt: skip
+    return {"version": 2, "all_ranks": True, "class": "TopK", "config": {"density": 0.1}, "world_size": size,
+            "ranks": ranks}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        # a byte changed after the save: resharding gave the mean new, matching checksums
+        (lambda sd: sd["ranks"][1]["residuals"]["w"].view(torch.uint8)[0].add_(1), "residual of w does not match its"),
+        # a rank's residual cut out of the file (its checksum left): the mean took it for zeros
+        (lambda sd: sd["ranks"][1]["residuals"].pop("w"), "lacks the residual of w"),
+        # a rank cut out of the file: the mean divided by the ranks left
+        (lambda sd: sd["ranks"].pop(), "holds 1 ranks' state dicts but was saved at world size 2"),
+        (lambda sd: sd["ranks"][0].pop("residuals"), "rank 0's part of the state dict lacks residuals"),
+    ],
+)
+def test_reshard_refuses_a_damaged_rank_instead_of_averaging_it(damage, message):
+    import gradsparse as gs
+
+    saved = _all_ranks({"w": torch.ones(6)}, {"w": torch.full((6,), 3.0)})
+    assert torch.equal(gs.reshard(saved, 1)["ranks"][0]["residuals"]["w"], torch.full((6,), 2.0))
+    damage(saved)
+    with pytest.raises(ValueError, match=rf"gradsparse.reshard: .*{message}.*"):
+        gs.reshard(saved, 1)
