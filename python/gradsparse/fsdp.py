@@ -180,8 +180,9 @@ class ShardedState:
     """A state as ``torch.distributed.checkpoint`` (DCP) sees it: every residual becomes a DTensor
     over the state's process group with one block per rank, and the method states one block of
     JSON per rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on
-    the rank that saved it (same world size). Options, step and layout are saved once. Implements
-    DCP's ``Stateful`` protocol, for states given to :func:`sparsify`.
+    the rank that saved it (same world size). Options, step, layout and the link that
+    exchange="auto" picks from are saved once. Implements DCP's ``Stateful`` protocol, for states
+    given to :func:`sparsify`.
 
     Example::
 
@@ -257,6 +258,8 @@ class ShardedState:
             **{key: {name: self._per_rank(t) for name, t in held.items()} for key, held in tensors.items()},
             "methods": self._per_rank(self._methods_blob(saved["methods"])),
             "stats": saved["stats"],
+            # exchange="auto": the link its picks come from (the same on every rank; an empty list without it)
+            "link": list(saved.get("link") or []),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -282,6 +285,7 @@ class ShardedState:
                 "methods": _decode_methods(local(state_dict["methods"])),
                 "layout": state_dict["layout"],
                 "stats": state_dict["stats"],
+                "link": state_dict.get("link") or None,  # absent from checkpoints of gradsparse before it
             }
         )
 

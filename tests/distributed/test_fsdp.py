@@ -248,6 +248,30 @@ def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
     assert results[0]["residual_norms"] != results[1]["residual_norms"]  # per-rank residuals
 
 
+def auto_link_through_dcp(rank: int, world_size: int, path: str) -> tuple:
+    """exchange="auto" picks each module's exchange from the link measured at set-up; a stand-in
+    link (a measurement never repeats exactly) is saved, and what a fresh state holds after the load."""
+    data = workers.teacher_data(rank, 2)
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.1, exchange="auto"))
+    state._link = (1.5e-3, 2.5e-9)
+    workers.fit(model, data)
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    state.close()
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.1, exchange="auto"))
+    measured = fresh._link  # sparsify set it up
+    saved = {"gradsparse": gs.fsdp.ShardedState(fresh)}
+    dcp.load(saved, checkpoint_id=path)
+    return measured, fresh._link
+
+
+def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
+    # as State.state_dict() does for DDP: a resumed run picks its modules' exchanges as the saved run did
+    for measured, loaded in run_distributed(auto_link_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300):
+        assert measured != (1.5e-3, 2.5e-9)
+        assert tuple(loaded) == (1.5e-3, 2.5e-9)
+
+
 # Non-finite gradients ----------------------------------------------------------------------------------
 
 
