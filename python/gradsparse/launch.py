@@ -30,15 +30,13 @@ _DEFAULT_PORT = "29500"
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list such as ``node[03-05,09],gpu1`` -> ``node03``."""
-    match = re.match(r"^([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    """The first host of a SLURM node list such as ``node[03-05,09],gpu1`` -> ``node03`` (also
+    with text after a range, ``rack[2-3]-n[01-04]`` -> ``rack2-n01``)."""
+    match = re.match(r"^([^,\[\]]+)((?:\[[^\[\]]+\][^,\[\]]*)*)(?:,|$)", nodelist.strip())
     if not match:
         raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    prefix, _, ranges = match.groups()
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    # each range gives its first number: "03-05,09" -> "03"
+    return match[1] + re.sub(r"\[([^\]]+)\]", lambda m: m[1].split(",")[0].split("-")[0], match[2])
 
 
 #: SLURM's per-node task counts, the step's (srun's own) first: ``2(x3),1`` is 2, 2, 2 and 1.

@@ -153,3 +153,13 @@ def test_setup_environment_reads_no_launcher_variable_it_does_not_need():
     env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "", "WORLD_SIZE": "2", "SLURM_JOB_NODELIST": "", "MASTER_ADDR": "h"}
     assert setup_environment(env) == "srun"
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "2", "h")
+
+
+def test_first_host_keeps_what_follows_a_range():
+    # SLURM's host lists may carry text after a range, or several ranges in one name
+    assert first_host("n[7-8]-ib,gpu1") == "n7-ib"
+    assert first_host("rack[2-3]-node[01-04,09]") == "rack2-node01"
+    assert first_host(" a1 ") == "a1"
+    for broken in ("node[1-", "node]1[", ",node1", "[1-2]"):
+        with pytest.raises(ValueError, match="cannot parse SLURM node list"):
+            first_host(broken)
