@@ -178,7 +178,7 @@ class _SparseReduceScatter:
 
 class ShardedState:
     """A state as ``torch.distributed.checkpoint`` (DCP) sees it: every residual becomes a DTensor
-    over the state's process group with one block per rank, and the method states one block of
+    over the default process group (DCP's) with one block per rank, and the method states one block of
     JSON per rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on
     the rank that saved it (same world size). Options, step, layout and the link that
     exchange="auto" picks from are saved once. Implements DCP's ``Stateful`` protocol, for states
@@ -206,14 +206,16 @@ class ShardedState:
     def _mesh(self, device: torch.device):
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh.from_group(self.state.process_group, device.type)
+        # Over every rank DCP saves (its default group), not the state's group: under HSDP the
+        # ranks of each replica hold the same blocks of the shard group, and DCP would keep one
+        # replica's residuals for all.
+        return DeviceMesh.from_group(dist.group.WORLD, device.type)
 
     def _per_rank(self, local: torch.Tensor):
         from torch.distributed.tensor import DTensor, Shard
 
         local = local.reshape(-1)
-        world_size = dist.get_world_size(self.state.process_group)
-        shape = (local.numel() * world_size,)
+        shape = (local.numel() * dist.get_world_size(),)
         return DTensor.from_local(
             local, self._mesh(local.device), [Shard(0)], run_check=False, shape=shape, stride=(1,)
         )

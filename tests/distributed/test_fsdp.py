@@ -272,6 +272,37 @@ def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
         assert tuple(loaded) == (1.5e-3, 2.5e-9)
 
 
+def hsdp_residuals_through_dcp(rank: int, world_size: int, path: str) -> tuple[list, list]:
+    """HSDP on 2 x 2 ranks (replicate x shard), the state on the shard group: each rank's residuals
+    before dcp.save, and what a fresh state holds after dcp.load."""
+
+    def setup():
+        mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
+        model = workers.make_model(3)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1, process_group=mesh.get_group("shard")))
+
+    model, state = setup()
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = {n: t.clone() for n, t in sorted(state.state_dict()["residuals"].items())}
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    _, fresh = setup()
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    return list(saved.values()), [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+
+
+def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
+    """Ranks of different replicas hold the same shard of the model, but residuals of their own."""
+    results = run_distributed(hsdp_residuals_through_dcp, 4, str(tmp_path / "ckpt"), timeout=300)
+    assert any(not torch.equal(a, b) for a, b in zip(results[0][0], results[2][0], strict=True))  # replicas differ
+    for rank, (saved, loaded) in enumerate(results):
+        for a, b in zip(saved, loaded, strict=True):
+            assert torch.equal(a, b), f"rank {rank}: the loaded residual differs by {(a - b).abs().max()}"
+
+
 # Non-finite gradients ----------------------------------------------------------------------------------
 
 
