@@ -199,6 +199,7 @@ def reduce_scatter_allgather(
 
 
 BAND_BINS = 257  # MiCRO/ExDyna's band counts
+SAMPLE_BINS = 2838  # the bins of their sampled prediction's histogram (at the first step)
 
 
 def band_tally_width(numel: int) -> int:
@@ -218,12 +219,12 @@ def band_agreement_folded(world_size: int, numel: int) -> bool:
 def band_agreement(
     exchange: list[Collective], world_size: int, numel: int, first_step: bool = False
 ) -> list[Collective]:
-    """A default-mode MiCRO/ExDyna step: a 512-bin sampled histogram (float64 all-reduce) at the
+    """A default-mode MiCRO/ExDyna step: a 2838-bin sampled histogram (float64 all-reduce) at the
     first step, the agreement on the threshold from the 257 band counts, then ``exchange`` (its
     plan, which starts with the control words). Folded (band_agreement_folded): one all-gather of
     every rank's counts with its non-finite and below-band counts, from which every rank knows
     every control word, so the exchange sends none; else a float64 all-reduce of the counts."""
-    steps = [Collective("allreduce", 512 * FLOAT64)] if first_step else []
+    steps = [Collective("allreduce", SAMPLE_BINS * FLOAT64)] if first_step else []
     if band_agreement_folded(world_size, numel):
         assert exchange[0] == Collective("allgather", CONTROL_BYTES), exchange[0]
         return [*steps, Collective("allgather", (2 + BAND_BINS) * band_tally_width(numel)), *exchange[1:]]

@@ -468,11 +468,11 @@ class SAGE(Restatement):
         self.lam = NAN  # λ of the last step
         self.s_prev = NAN  # s_{t-1}
         self.s_cur = NAN
+        self.restart = False  # default mode: the last band held fewer than k, so predict from the sample
 
-    def sample_mean(self, v: torch.Tensor, rank: int) -> float:
+    def sample(self, v: torch.Tensor, rank: int) -> torch.Tensor:
+        """The sampled |a| (§4.7), with repeats, in the order drawn."""
         n = v.numel()
-        if n == 0:
-            return NAN  # no position to sample
         size = max(1, math.floor(n / (1 + 0.0025 * n)))  # Slovin, e = 0.05
         s = stream(self.seed, TAG_SAGE, self.t, rank)
         if self.sampling == "flat":
@@ -485,14 +485,17 @@ class SAGE(Restatement):
             for i in range(size):
                 j = draw(s, 2 * i) % len(sizes)
                 positions.append(offsets[j] + draw(s, 2 * i + 1) % sizes[j])
-        return mean64(v[torch.tensor(positions, dtype=torch.int64)].abs())
+        return v[torch.tensor(positions, dtype=torch.int64)].abs()
 
     def choose(self, v, rank, world):
         n = v.numel()
         k = target(self.density, n)
-        self.s_cur = self.sample_mean(v, rank)
+        restart, self.restart = self.restart, False
         if n == 0:  # nothing to sample, nothing to estimate (docs/methods.md, "Empty buckets")
+            self.s_cur = NAN
             return where(at_least(v, 0.0)), NAN
+        sample = self.sample(v, rank)
+        self.s_cur = mean64(sample)
         alpha = 1.0
         if self.t >= 1:
             alpha = self.s_cur / self.s_prev if self.s_prev != 0 else NAN
@@ -513,7 +516,12 @@ class SAGE(Restatement):
             return where(at_least(v, self.lam)), self.lam
         # default mode: prediction, then the band [λ̂ / w, ...)
         predicted = initial if self.t == 0 else self.lam * alpha
-        w = 2.0 if self.t == 0 else 1.25
+        sampled = self.t == 0 or restart
+        positive = sorted((m for m in sample.double().tolist() if 0 < m < math.inf), reverse=True)
+        if sampled and not (self.t == 0 and self.initial_threshold is not None) and positive:
+            share = math.ceil(k * len(positive) / n)  # the sample's share of k
+            predicted = positive[min(max(share, 1), len(positive)) - 1]
+        w = 2.0 if sampled else 1.25
         candidates = where(at_least(v, predicted / w))
         if candidates.numel() >= k:
             chosen = largest(v, candidates, k)
@@ -521,6 +529,7 @@ class SAGE(Restatement):
             self.lam = float(v[chosen].abs().min()) if k > 0 else NAN
             return chosen, self.lam
         self.lam = predicted / w
+        self.restart = True
         return candidates, self.lam
 
     def observe(self, counts_by_rank):
@@ -531,14 +540,12 @@ class SAGE(Restatement):
 # ----------------------------------------------------------------------------------------------
 # §4.8 MiCRO and §4.9 ExDyna: partitioned thresholds (shared code)
 
-HIST_BINS = 512
-HIST_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(HIST_BINS)]  # lower edges of the 512 bins
-# §4.8 "Far off": a restart's wide histogram, the same edges for b = -1117..1720 (2838 bins)
-WIDE_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(-1117, 1721)]
+# §4.8: the sampled prediction's histogram, lower edges 2^(-40 + 50 b / 512) for b = -1117..1720 (2838 bins)
+SAMPLE_EDGES = [2.0 ** (-40 + 50 * b / 512) for b in range(-1117, 1721)]
 BAND_BINS = 257
 
 
-def histogram_bin(value: float, edges: list[float] = HIST_EDGES) -> int:
+def histogram_bin(value: float, edges: list[float] = SAMPLE_EDGES) -> int:
     """§4.8: bin b with edge_b <= value < edge_{b+1}; below the first edge -> 0, above the last -> the last."""
     lo, hi = 0, len(edges) - 1
     while lo < hi:  # the largest b with edge_b <= value (0 if none)
@@ -591,21 +598,20 @@ class Partitioned(Restatement):
         # a sample at t = 0, and again after a step whose counts put the threshold far off (no estimate)
         sampled = self.t == 0 or not (0 < self.estimates[-1] < math.inf)
         if sampled:
-            hist_edges = HIST_EDGES if self.t == 0 else WIDE_EDGES
-            hist = torch.zeros(len(hist_edges), dtype=torch.float64)
+            hist = torch.zeros(len(SAMPLE_EDGES), dtype=torch.float64)
             size = min(4096, hi - lo)
             if size > 0:
                 weight = (hi - lo) / size
                 s = stream(self.seed, TAG_INITIAL, self.t, rank)
                 for pos in sample_with_replacement(s, size, hi - lo):
-                    hist[histogram_bin(abs(float(v[lo + pos])), hist_edges)] += weight
+                    hist[histogram_bin(abs(float(v[lo + pos])), SAMPLE_EDGES)] += weight
             hist = yield hist  # all-reduce (sum over ranks)
-            predicted = hist_edges[0]
+            predicted = SAMPLE_EDGES[0]
             cumulative = 0.0
-            for b in range(len(hist_edges) - 1, 0, -1):
+            for b in range(len(SAMPLE_EDGES) - 1, 0, -1):
                 cumulative += float(hist[b])
                 if cumulative >= big_k:
-                    predicted = hist_edges[b]
+                    predicted = SAMPLE_EDGES[b]
                     break
         elif self.t == 1 or not (0 < self.estimates[-2] < math.inf):
             predicted = by_trend = by_mean = self.estimates[-1]
@@ -633,7 +639,7 @@ class Partitioned(Restatement):
         lam = edges[best].item()
         selected = lo + candidates[bins >= best]
         self.estimates.append(self.estimate(lam, edges.tolist(), above_b, big_k))
-        self.band = self.next_band(w, predicted, self.estimates[-1])
+        self.band = w if sampled else self.next_band(w, predicted, self.estimates[-1])  # wide after a sample
         if not sampled:  # a sampled prediction is neither's: the misses stay as they were
 
             def miss(p: float) -> float:  # no estimate (far off): no miss

@@ -130,28 +130,23 @@ double online_scaling_factor(double ratio) {
   return 0.995;
 }
 
-const std::vector<double>& BandController::sample_edges(bool wide) {
+const std::vector<double>& BandController::sample_edges() {
   static const std::vector<double> edges = [] {
     std::vector<double> e(kSampleBins + 1);
-    for (int b = 0; b <= kSampleBins; ++b) e[b] = std::pow(2.0, -40.0 + 50.0 * b / kSampleBins);
+    for (int i = 0; i <= kSampleBins; ++i) e[i] = std::pow(2.0, -40.0 + 50.0 * (kFirstSampleEdge + i) / 512.0);
     return e;
   }();
-  static const std::vector<double> wide_edges = [] {
-    std::vector<double> e(kWideSampleBins + 1);
-    for (int i = 0; i <= kWideSampleBins; ++i) e[i] = std::pow(2.0, -40.0 + 50.0 * (kWideFirstEdge + i) / kSampleBins);
-    return e;
-  }();
-  return wide ? wide_edges : edges;
+  return edges;
 }
 
-int BandController::sample_bin(double magnitude, bool wide) {
-  const auto& e = sample_edges(wide);
+int BandController::sample_bin(double magnitude) {
+  const auto& e = sample_edges();
   const int b = static_cast<int>(std::upper_bound(e.begin(), e.end(), magnitude) - e.begin()) - 1;
   return std::clamp(b, 0, static_cast<int>(e.size()) - 2);
 }
 
-double BandController::predict_from_samples(const std::vector<double>& weights, double target, bool wide) {
-  const auto& e = sample_edges(wide);
+double BandController::predict_from_samples(const std::vector<double>& weights, double target) {
+  const auto& e = sample_edges();
   GS_ASSERT(weights.size() + 1 == e.size());
   double from_top = 0.0;
   for (int b = static_cast<int>(weights.size()) - 1; b > 0; --b) {

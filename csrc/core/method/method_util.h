@@ -136,13 +136,13 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
   return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);
 }
 
-/// Sum of |v| at `positions` (repeats allowed; summed in their order) with v the selection values
-/// after the error-feedback update (with momentum correction when the bucket has a velocity), read
+/// |v| at each of `positions` (repeats allowed; in their order) with v the selection values after
+/// the error-feedback update (with momentum correction when the bucket has a velocity), read
 /// before the update runs: the update of those elements is computed here (as the kernels compute
-/// it), so a later pass can fuse the update of the bucket.
-/// Equal to Device::sample_abs_sum after the update.
-inline double sample_abs_sum_before_update(Device& device, const BucketView& bucket,
-                                           const std::vector<int64_t>& positions) {
+/// it), so a later pass can fuse the update of the bucket. Their sum in order equals
+/// Device::sample_abs_sum after the update.
+inline std::vector<double> sample_magnitudes_before_update(Device& device, const BucketView& bucket,
+                                                           const std::vector<int64_t>& positions) {
   std::vector<int64_t> unique(positions);
   std::sort(unique.begin(), unique.end());
   unique.erase(std::unique(unique.begin(), unique.end()), unique.end());
@@ -174,12 +174,13 @@ inline double sample_abs_sum_before_update(Device& device, const BucketView& buc
       }
     });
   }
-  double sum = 0.0;
+  std::vector<double> magnitudes;
+  magnitudes.reserve(positions.size());
   for (int64_t p : positions) {
     const size_t j = static_cast<size_t>(std::lower_bound(unique.begin(), unique.end(), p) - unique.begin());
-    sum += std::fabs(static_cast<double>(value[j]));
+    magnitudes.push_back(std::fabs(static_cast<double>(value[j])));
   }
-  return sum;
+  return magnitudes;
 }
 
 /// The candidates at the given positions, as a message.

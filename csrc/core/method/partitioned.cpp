@@ -205,9 +205,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
     // Sampled histogram of |v| over every rank's partition, weighted to estimate counts.
     const int64_t length = range.end - range.begin;
     const int64_t samples = std::min<int64_t>(4096, length);
-    // A restart samples on the wide histogram: its threshold may lie beyond the first one's range.
-    const bool wide = t > 0;
-    std::vector<double> weights(wide ? BandController::kWideSampleBins : BandController::kSampleBins, 0.0);
+    std::vector<double> weights(BandController::kSampleBins, 0.0);
     if (samples > 0) {
       const uint64_t stream =
           rng_stream(seed_, RngTag::kPartitionSample, static_cast<uint64_t>(t), static_cast<uint64_t>(group.rank()));
@@ -219,10 +217,10 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
       const std::vector<float> values = HostMessage(device, sample, bucket).value_list();
       const double weight = static_cast<double>(length) / static_cast<double>(samples);
       for (size_t j = 0; j < positions.size(); ++j)
-        weights[BandController::sample_bin(std::fabs(values[j]), wide)] += weight * multiplicity[positions[j]];
+        weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
     }
     group.sum(weights);
-    prediction = BandController::predict_from_samples(weights, static_cast<double>(k), wide);
+    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
   }
   const std::vector<double> edges = BandController::band_edges(prediction, w);
   // Where the host reads the bucket in place (the CPU), the band's candidates are listed, then
@@ -245,7 +243,9 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const double lambda = edges[agree_on_band(group, bucket, edges, counts, below, nonfinite, k, agreed)];
   pending_.threshold = lambda;
   pending_.estimate = BandController::next_estimate(edges, counts, static_cast<double>(k), lambda);
-  pending_.band = BandController::next_band_factor(w, prediction, pending_.estimate);
+  // After a sampled step the band stays wide: at t = 1 the residual joins the gradient, and the
+  // k-th largest magnitude grew past the narrower band (by about sqrt 2 on a steady stream).
+  pending_.band = sampled ? w : BandController::next_band_factor(w, prediction, pending_.estimate);
   if (!sampled) {  // a sampled prediction is neither's: their misses stay as they were (0 at t = 0)
     auto decayed = [&](double before, double predicted) {
       const double m = BandController::miss(predicted, pending_.estimate);

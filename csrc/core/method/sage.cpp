@@ -2,7 +2,9 @@
 // mean magnitude of a small random sample. Reference mode applies SAGE's ratio scaling (α β γ);
 // the default predicts with the sampled scale ratio and then takes the exact top k inside a band
 // around the prediction.
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 #include <utility>
 
@@ -74,15 +76,21 @@ std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
 
 Selection SAGE::select(Device& device, const BucketView& bucket, Collective& group) {
   const int64_t n = bucket.numel;
-  pending_ = Step{committed_.t, std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::quiet_NaN()};
+  pending_ = Step{committed_.t};
   if (n == 0) return method_util::nothing(device, bucket, 0);
   const int64_t k = target_count(density_, n);
   const std::vector<int64_t> positions = sample_positions(n, group.rank());
   // Reference mode updates the bucket first; the default fuses the update into its candidate
   // pass, so it reads the sample before the update (as the values the update gives it).
   int64_t nonfinite = reference_ ? method_util::update_pass(device, bucket) : 0;
-  const double sample_sum = reference_ ? device.sample_abs_sum(bucket, positions)
-                                       : method_util::sample_abs_sum_before_update(device, bucket, positions);
+  std::vector<double> magnitudes;
+  double sample_sum = 0.0;
+  if (reference_) {
+    sample_sum = device.sample_abs_sum(bucket, positions);
+  } else {
+    magnitudes = method_util::sample_magnitudes_before_update(device, bucket, positions);
+    for (double m : magnitudes) sample_sum += m;
+  }
   const double sample_mean = sample_sum / static_cast<double>(positions.size());
   const double start = initial_ ? *initial_ : initial_threshold(k);
   const int64_t t = committed_.t;
@@ -103,8 +111,12 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     }
     s = device.select(bucket, SelectRule{lambda, false, Range{0, n}, false, zero});
   } else {
-    const double prediction = t > 0 ? committed_.threshold * alpha : start;
-    const double low = prediction / BandController::band_factor(t);
+    // At the first step, and after a step whose band held fewer than k (the prediction was too
+    // high: the band could then fall only by its width a step), from this step's sample.
+    const bool sampled = t == 0 || committed_.restart;
+    double prediction = t == 0 ? start : committed_.threshold * alpha;
+    if (sampled && !(t == 0 && initial_)) prediction = sampled_prediction(std::move(magnitudes), k, n, prediction);
+    const double low = prediction / BandController::band_factor(sampled ? 0 : 1);
     // The exact top k among the candidates (|v| >= low), or all of them where they are fewer:
     // listed in one pass with the update, then chosen on the host; or, where the host does not
     // read the bucket in place, counted and selected by passes on the device.
@@ -122,6 +134,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
         chosen.resize(c.size());
         std::iota(chosen.begin(), chosen.end(), size_t{0});
         lambda = low;
+        pending_.restart = true;
       }
       s = method_util::emit_subset(device, bucket, c, chosen, zero);
     } else {
@@ -132,6 +145,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
       } else {
         s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
         lambda = low;
+        pending_.restart = true;
       }
     }
   }
@@ -142,19 +156,38 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
 }
 
 void SAGE::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) {
-  committed_ = Step{pending_.t + 1, pending_.threshold, pending_.sample_mean};
+  committed_ = pending_;
+  ++committed_.t;
+}
+
+double SAGE::sampled_prediction(std::vector<double> magnitudes, int64_t k, int64_t n, double otherwise) {
+  // The sample's share of k (at least one) estimates the k-th largest magnitude; the band reaches
+  // down to half of it.
+  magnitudes.erase(
+      std::remove_if(magnitudes.begin(), magnitudes.end(), [](double m) { return !(m > 0.0 && std::isfinite(m)); }),
+      magnitudes.end());
+  if (magnitudes.empty()) return otherwise;  // no positive magnitude drawn: nothing to learn
+  const auto share = static_cast<int64_t>(
+      std::ceil(static_cast<double>(k) * static_cast<double>(magnitudes.size()) / static_cast<double>(n)));
+  const auto m = static_cast<size_t>(std::clamp<int64_t>(share, 1, static_cast<int64_t>(magnitudes.size())));
+  std::nth_element(magnitudes.begin(), magnitudes.begin() + static_cast<std::ptrdiff_t>(m - 1), magnitudes.end(),
+                   std::greater<>());
+  return magnitudes[m - 1];
 }
 
 MethodState SAGE::state() const {
   return {{"step", static_cast<double>(committed_.t)},
           {"threshold", committed_.threshold},
-          {"sample_mean", committed_.sample_mean}};
+          {"sample_mean", committed_.sample_mean},
+          {"restart", committed_.restart ? 1.0 : 0.0}};
 }
 
 void SAGE::load_state(const MethodState& state) {
   committed_.t = saved_count(state, "step");
   committed_.threshold = state.at("threshold");
   committed_.sample_mean = state.at("sample_mean");
+  committed_.restart = false;  // absent from checkpoints before the sampled restart
+  if (auto it = state.find("restart"); it != state.end()) committed_.restart = it->second != 0.0;
 }
 
 }  // namespace gradsparse

@@ -38,23 +38,20 @@ double online_scaling_factor(double ratio);
 /// the global bin counts.
 class BandController {
  public:
-  static constexpr int kSampleBins = 512;  ///< bins of the initial sampling histogram
-  static constexpr int kBandBins = 256;    ///< band bins (plus one overflow bin)
+  static constexpr int kBandBins = 256;  ///< band bins (plus one overflow bin)
 
-  /// The wide sampling histogram of a restart (4.8, "Far off"): the same edges 2^(-40 + 50 b / 512)
-  /// for b = -1117..1721, from below the least float32 magnitude (2^-149) to above the largest.
-  static constexpr int kWideFirstEdge = -1117;
-  static constexpr int kWideSampleBins = 1721 - kWideFirstEdge;
+  /// The sampling histogram of a sampled prediction (4.8): edges 2^(-40 + 50 b / 512) for
+  /// b = -1117..1721, from below the least float32 magnitude (2^-149) to above the largest.
+  static constexpr int kFirstSampleEdge = -1117;
+  static constexpr int kSampleBins = 1721 - kFirstSampleEdge;
 
-  /// Edges 2^(-40 + 50 b / 512) of the sampling histogram, b = 0..512 (`wide`: the restart's,
-  /// b = -1117..1721, indexed from 0).
-  static const std::vector<double>& sample_edges(bool wide = false);
-  /// The bin of a magnitude in the sampling histogram (clamped to its bins: 0..511, or
-  /// 0..kWideSampleBins - 1 in the wide one).
-  static int sample_bin(double magnitude, bool wide = false);
+  /// The edges of the sampling histogram, indexed from 0.
+  static const std::vector<double>& sample_edges();
+  /// The bin of a magnitude in the sampling histogram (clamped to 0..kSampleBins - 1).
+  static int sample_bin(double magnitude);
   /// The prediction from the summed sampling histogram: the lower edge of the highest bin at
   /// which the weight from the top reaches `target`.
-  static double predict_from_samples(const std::vector<double>& weights, double target, bool wide = false);
+  static double predict_from_samples(const std::vector<double>& weights, double target);
 
   /// The prediction for step t (t >= 1) from the agreed thresholds of the last two steps.
   static double predict_from_trend(double last, double before_last, int64_t t);

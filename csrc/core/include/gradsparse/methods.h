@@ -201,8 +201,12 @@ class SAGE final : public Method {
     int64_t t = 0;
     double threshold = std::numeric_limits<double>::quiet_NaN();  // λ of the last completed step
     double sample_mean = std::numeric_limits<double>::quiet_NaN();
+    bool restart = false;  // its band held fewer than k: the next prediction is sampled (default mode)
   };
   std::vector<int64_t> sample_positions(int64_t n, int rank) const;
+  /// The default mode's prediction from the sampled magnitudes (method-spec 4.7); `otherwise`
+  /// where none of them is a positive finite number.
+  static double sampled_prediction(std::vector<double> magnitudes, int64_t k, int64_t n, double otherwise);
 
   double density_;
   Sampling sampling_;
