@@ -125,15 +125,22 @@ TEST(ScatterToOwners, EachShardEqualsGatherAndAdd) {
   }
 }
 
+// Refused before the selection, on every rank: the residual is as it was (the selection used to
+// zero its entries first).
 TEST(ScatterToOwners, RefusesABucketThatDoesNotSplitIntoEqualShards) {
   const auto errors = run_ranks(3, [&](int rank, Transport& transport) {
     CpuDevice device;
-    std::vector<float> grad = grad_of(rank, 1000);
+    std::vector<float> grad = grad_of(rank, 1000), residual = residual_of(rank, 1000);
     TopK method(0.01);
-    BucketView bucket{DType::kFloat32, 1000, grad.data(), nullptr};
+    BucketView bucket{DType::kFloat32, 1000, grad.data(), residual.data()};
     ReduceOptions options;
     options.shard_only = true;
-    reduce_bucket(&method, transport, device, bucket, options);
+    try {
+      reduce_bucket(&method, transport, device, bucket, options);
+    } catch (...) {
+      EXPECT_EQ(residual, residual_of(rank, 1000)) << "rank " << rank;
+      throw;
+    }
   });
   for (const std::exception_ptr& error : errors) {
     ASSERT_TRUE(error);
@@ -285,6 +292,28 @@ TEST(EachExchange, SharedIndicesAllreducesTheValuesAndRefusesOtherIndices) {
     });
     for (const std::exception_ptr& error : errors) EXPECT_THROW(std::rethrow_exception(error), CorruptMessageError);
   }
+}
+
+// An exchange that fails (here every rank refuses: rank 2 drew other indices for the shared
+// exchange) delivers nothing, so the selection goes back to the residual: the gradient's mass is
+// kept there, and no element was zeroed.
+TEST(ReduceBucket, AFailedExchangeGivesTheSelectionBackToTheResidual) {
+  const int64_t n = 5000;
+  const auto errors = run_ranks(3, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<float> grad = grad_of(rank, n), residual = residual_of(rank, n);
+    std::vector<float> want(n);
+    for (int64_t i = 0; i < n; ++i) want[i] = residual[i] + grad[i];  // the update, exact in float32
+    RandomK method(0.05, rank == 2 ? 9 : 3);
+    BucketView bucket{DType::kFloat32, n, grad.data(), residual.data()};
+    try {
+      reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
+    } catch (...) {
+      EXPECT_EQ(residual, want) << "rank " << rank;
+      throw;
+    }
+  });
+  for (const std::exception_ptr& error : errors) EXPECT_THROW(std::rethrow_exception(error), CorruptMessageError);
 }
 
 // The shared exchange's digest tells index lists apart by their members, order and length.

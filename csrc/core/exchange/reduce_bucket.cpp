@@ -115,15 +115,28 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   GS_CHECK(bucket.velocity == nullptr || bucket.residual != nullptr, ValueError, options.bucket_name,
            ": momentum correction needs the error-feedback residual on sparse steps; pass a residual or no velocity");
   const Exchange& exchange = options.shard_only ? method->exchange().for_shard() : method->exchange();
+  exchange.check(bucket, transport.size());
   TransportCollective group(transport, device, exchange);
   report.exchange = exchange.name();
   const Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
   report.nonfinite = selection.nonfinite;
+  // Where the step does not complete, this rank's residual gets back what its selection zeroed
+  // (exactly: the values are added to zeros); the other exchanges left the residual alone.
+  auto restore_residual = [&] {
+    if (bucket.residual != nullptr && selection.count > 0 && exchange.selection_zeroes())
+      device.scatter_add(selection.view(bucket), bucket.residual, 1.0f);
+  };
 
   t0 = std::chrono::steady_clock::now();
-  const ExchangeResult result =
-      guarded(options, bucket, [&] { return exchange.run(transport, device, bucket, selection); });
+  const ExchangeResult result = [&] {
+    try {
+      return guarded(options, bucket, [&] { return exchange.run(transport, device, bucket, selection); });
+    } catch (...) {  // a refusal or a failure: the selection reached no one this rank can count on
+      restore_residual();
+      throw;
+    }
+  }();
   report.exchange_seconds = seconds_since(t0);
   report.traffic = transport.traffic() - before;
   report.selected = result.control[static_cast<size_t>(transport.rank())].count;
@@ -132,10 +145,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   report.union_size = result.union_size;
 
   if (result.aborted) {
-    // Restore this rank's residual: a selection that zeroed its entries gets its values back
-    // (exactly: they are added to zeros); the others left the residual alone.
-    if (bucket.residual != nullptr && selection.count > 0 && exchange.selection_zeroes())
-      device.scatter_add(selection.view(bucket), bucket.residual, 1.0f);
+    restore_residual();
     return abort_step(result, options, bucket, device, report);
   }
   method->observe(bucket, result);

@@ -11,11 +11,16 @@ class SparseReduceScatter final : public Exchange {
  public:
   ExchangeKind kind() const override { return ExchangeKind::kSparseReduceScatter; }
 
+  void check(const BucketView& bucket, int world_size) const override {
+    GS_CHECK(bucket.numel % world_size == 0, ValueError, "sparse reduce-scatter: a bucket of ", bucket.numel,
+             " elements does not split into ", world_size,
+             " equal shards; pad it to a multiple of the world size (FSDP does)");
+  }
+
   ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                      const Selection& mine) const override {
     const int p = transport.size(), me = transport.rank();
-    GS_CHECK(bucket.numel % p == 0, ValueError, "sparse reduce-scatter: a bucket of ", bucket.numel,
-             " elements does not split into ", p, " equal shards; pad it to a multiple of the world size (FSDP does)");
+    check(bucket, p);
     const int64_t shard = bucket.numel / p;
     const Shards shards(bucket.numel, p);
     const OwnerParts parts = split_by_owner(device, bucket, mine, shards);

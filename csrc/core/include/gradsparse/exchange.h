@@ -71,6 +71,10 @@ class Exchange {
   /// all-gather of its own.
   virtual bool takes_agreed_words() const { return false; }
 
+  /// Refuses a bucket this exchange cannot run on `world_size` ranks: called before the selection,
+  /// so that a refusal leaves the residual as it was (and by run() too).
+  virtual void check(const BucketView& /*bucket*/, int /*world_size*/) const {}
+
   /// Moves every rank's selection (`mine` is this rank's) through `transport` and writes the
   /// average into bucket.grad. Returns early (aborted, bucket untouched) when any rank reported
   /// non-finite values.
