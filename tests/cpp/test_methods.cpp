@@ -245,9 +245,11 @@ std::vector<int64_t> banded_counts(bool micro, const std::vector<float>& scales)
 
 // After a step whose counts put the threshold far off the band (a step of zeros: nothing to
 // count; a x1000 rise in scale: everything above the band), the next step predicts from a sample
-// again, so the count is back near the target k = 100 within a few steps. (The estimate used to
-// move one band width a step: after a step of zeros every element passed for about 35 steps, and
-// after the rise most of them for about 10.)
+// again, so the count is back near the target k = 100 at once. (The estimate used to move one
+// band width a step: after a step of zeros every element passed for about 35 steps, and after the
+// rise most of them for about 10. Then the step after the sampled one sent up to 2.6 k, its band
+// too narrow for the residual's growth; and after a step of zeros every element passed at the next
+// step where a zero sample's prediction rounded the band's lowest edge to 0.)
 TEST(Methods, BandedMethodsRecoverFromAFarOffStep) {
   struct Stream {
     std::vector<float> scales;
@@ -259,7 +261,7 @@ TEST(Methods, BandedMethodsRecoverFromAFarOffStep) {
   for (bool micro : {true, false}) {
     for (const Stream& stream : streams) {
       const std::vector<int64_t> sent = banded_counts(micro, stream.scales);
-      for (size_t t = stream.far_off + 3; t < sent.size(); ++t)
+      for (size_t t = stream.far_off + 1; t < sent.size(); ++t)
         EXPECT_TRUE(sent[t] >= 50 && sent[t] <= 200)
             << (micro ? "MiCRO" : "ExDyna") << ": " << sent[t] << " pairs at step " << t << ", " << t - stream.far_off
             << " after the far-off step";

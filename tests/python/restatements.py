@@ -622,6 +622,8 @@ class Partitioned(Restatement):
             predicted = by_trend if self.trend_miss <= self.mean_miss else by_mean
         # Band and its 257 counts
         w = 2.0 if sampled else self.band
+        # zero is never a candidate: the band's lowest edge at least the dtype's least positive value
+        predicted = max(predicted, w * torch.finfo(v.dtype).smallest_normal * torch.finfo(v.dtype).eps)
         base = predicted / w
         edges = torch.tensor([base * w ** (2 * b / 256) for b in range(BAND_BINS)], dtype=torch.float64)
         part = v[lo:hi]

@@ -222,6 +222,9 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
     group.sum(weights);
     prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
   }
+  // Zero is never a candidate: the band's lowest edge stays at or above the dtype's least positive
+  // value (a sample of zeros predicts the histogram's lowest edge, which rounds to 0 in the dtype).
+  prediction = std::max(prediction, w * smallest_positive(bucket.dtype));
   const std::vector<double> edges = BandController::band_edges(prediction, w);
   // Where the host reads the bucket in place (the CPU), the band's candidates are listed, then
   // binned and chosen on the host. Elsewhere (a GPU, where a listed candidate is a copy to the

@@ -35,6 +35,23 @@ inline size_t dtype_size(DType d) {
   return 0;
 }
 
+/// The least positive value of a dtype (its smallest subnormal; 1 for int64).
+inline double smallest_positive(DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return 0x1p-149;
+    case DType::kFloat16:
+      return 0x1p-24;
+    case DType::kBFloat16:
+      return 0x1p-133;
+    case DType::kFloat64:
+      return 0x1p-1074;
+    case DType::kInt64:
+      return 1.0;
+  }
+  return 0.0;
+}
+
 inline bool is_bucket_dtype(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
 
 inline const char* dtype_name(DType d) {
