@@ -94,6 +94,21 @@ def _derive(env, launcher: str, target: str, names: tuple[str, ...], default: st
     env[target] = value
 
 
+def _refuse_batch_script(env) -> None:
+    """SLURM sets SLURM_PROCID and the job's SLURM_NTASKS in the batch script too, where no srun
+    started the other tasks: a process there would wait for them until its rendezvous timed out.
+    srun's tasks (job steps) carry SLURM_STEP_ID (SLURM_STEPID in older releases)."""
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    if in_step or int(env["WORLD_SIZE"]) == 1:
+        return
+    raise ValueError(
+        f"gradsparse.launch.setup_environment: this process is the batch script of a SLURM job of "
+        f"{env['WORLD_SIZE']} tasks (SLURM_PROCID is set, SLURM_STEP_ID is not), so no other worker was started "
+        "and it would wait for them: start the workers with srun (for example `srun python -m examples.cnn`), "
+        "or start torchrun or mpirun in the script"
+    )
+
+
 def setup_environment(environ: dict[str, str] | None = None) -> str:
     """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
     variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
@@ -111,6 +126,7 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
         launcher = "srun"
         _derive(env, launcher, "RANK", ("SLURM_PROCID",), None, 0)
         _derive(env, launcher, "WORLD_SIZE", ("SLURM_NTASKS", "SLURM_NPROCS"), "1", 1)
+        _refuse_batch_script(env)
         _derive(env, launcher, "LOCAL_RANK", ("SLURM_LOCALID",), "0", 0)
         if "LOCAL_WORLD_SIZE" not in env:
             local = _slurm_tasks_on_this_node(env)

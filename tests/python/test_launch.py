@@ -26,7 +26,13 @@ def test_mpirun_and_srun_variables_become_torchs_without_overwriting():
     }
     assert setup_environment(env) == "mpirun"
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_PORT"]) == ("3", "4", "2", "1")
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "n[7-8]"}
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_NTASKS": "8",
+        "SLURM_NTASKS_PER_NODE": "4(x2)",
+        "SLURM_JOB_NODELIST": "n[7-8]",
+    }
     assert setup_environment(env) == "srun"
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "8", "4", "n7")
     assert setup_environment({}) == "none"
@@ -107,7 +113,7 @@ def test_threads_per_worker_rejects_a_bad_process_count_naming_the_variable(laun
     ],
 )
 def test_srun_takes_this_nodes_task_count(env, local):
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "7", **env}
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "7", **env}
     assert setup_environment(env) == "srun"
     assert env.get("LOCAL_WORLD_SIZE") == local
 
@@ -123,7 +129,7 @@ def test_srun_takes_this_nodes_task_count(env, local):
 )
 def test_srun_refuses_a_task_count_it_cannot_read_naming_the_variable(env, named):
     with pytest.raises(ValueError, match=rf"setup_environment: {named}"):
-        setup_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "7", **env})
+        setup_environment({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "7", **env})
 
 
 @pytest.mark.parametrize(
@@ -150,9 +156,31 @@ def test_setup_environment_refuses_a_damaged_launcher_variable_naming_it(env, na
 
 def test_setup_environment_reads_no_launcher_variable_it_does_not_need():
     # variables already set are kept, and the launcher's counterparts are then not read
-    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "", "WORLD_SIZE": "2", "SLURM_JOB_NODELIST": "", "MASTER_ADDR": "h"}
+    env = {"SLURM_PROCID": "1", "SLURM_STEPID": "0", "SLURM_NTASKS": "", "WORLD_SIZE": "2", "SLURM_JOB_NODELIST": ""}
+    env["MASTER_ADDR"] = "h"
     assert setup_environment(env) == "srun"
     assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "2", "h")
+
+
+# What SLURM sets in the batch script of `sbatch --ntasks=2` (taken from a job on this project's
+# one-node SLURM): SLURM_PROCID and the job's task count, but no step.
+BATCH_SCRIPT = {
+    "SLURM_JOB_NODELIST": "vm",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_NTASKS": "2",
+    "SLURM_PROCID": "0",
+    "SLURM_TASKS_PER_NODE": "2",
+}
+
+
+def test_setup_environment_refuses_the_batch_script_of_a_job_of_several_tasks():
+    # without srun no other task runs: the process would wait for them until its rendezvous timed out
+    with pytest.raises(ValueError, match=r"batch script of a SLURM job of 2 tasks .*srun"):
+        setup_environment(dict(BATCH_SCRIPT))
+    # a job of one task may run its worker in the script; srun's tasks are steps
+    assert setup_environment({**BATCH_SCRIPT, "SLURM_NTASKS": "1"}) == "srun"
+    assert setup_environment({**BATCH_SCRIPT, "SLURM_STEP_ID": "0"}) == "srun"
 
 
 def test_first_host_keeps_what_follows_a_range():
