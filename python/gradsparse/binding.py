@@ -85,9 +85,14 @@ class ModelBinding:
         self.numels = {name: numel for name, (numel, _) in groups.items()}
         self.dtypes = {name: dtype for name, (_, dtype) in groups.items()}
 
-    def unbind(self) -> None:
-        self.ddp, self.names, self.numels, self.params = None, {}, {}, None
-        self.sharded, self.dtypes = None, {}
+    def saved(self) -> dict:
+        """The binding as it is now, for restore(): bind() and bind_sharded() assign new objects
+        and change none in place, so a shallow copy keeps it."""
+        return dict(vars(self))
+
+    def restore(self, saved: dict) -> None:
+        """Puts back the binding saved() returned (a registration that failed undoes its bind())."""
+        self.__dict__.update(saved)
 
     def name(self, param: torch.Tensor) -> str:
         """The parameter's name; an unbound state names it by identity."""

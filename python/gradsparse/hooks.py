@@ -68,11 +68,15 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
             f"gradsparse.register: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
             f"got {type(state).__name__}"
         )
-    state._bind(model)
+    # A registration that fails leaves the state as it was: bind() may have raised after taking
+    # the model (a loaded state dict whose names do not fit, another process group), and a state
+    # left bound there would refuse the retry as a second registration, without a hook.
+    before = state._binding.saved()
     try:
+        state._bind(model)
         state.setup()
         state._binding.model().register_comm_hook(state, hook)
     except BaseException:
-        state._binding.unbind()
+        state._binding.restore(before)
         raise
     return state

@@ -530,6 +530,22 @@ def test_a_state_dict_loaded_before_registration_is_checked_at_registration():
         gs.register(DDP(_model()), state)
 
 
+def test_a_refused_registration_can_be_retried_after_the_fix():
+    """gs.register refused a state dict whose names carry a prefix; the state stayed bound to
+    the model without its hook, so after loading the fixed state dict the retry was refused as
+    a second registration and the model trained without sparsification."""
+    sd = _saved()
+    state = gs.TopK(density=0.05)
+    state.load_state_dict(dict(sd, residuals={f"module.{k}": v for k, v in sd["residuals"].items()}))
+    ddp = DDP(_model())
+    with pytest.raises(ValueError, match=r"They carry wrapper prefixes \(module.\)"):
+        gs.register(ddp, state)
+    state.load_state_dict(sd)
+    gs.register(ddp, state)
+    _train(ddp, 1)
+    assert state.step == 3  # the hook ran: the saved step 2, then one more
+
+
 def test_version_1_state_dicts_load_without_wrapper_prefixes():
     sd = _saved()
     v1 = dict(
