@@ -406,6 +406,36 @@ TEST(Methods, SampledStartsSelectAboutTheTargetAtAnyScale) {
   }
 }
 
+// SAGE's sampled start in a bucket mostly of zeros (an embedding's gradient: 1.2% of the elements
+// nonzero, density 0.01): its share of k counts the zeros drawn too, so the band reaches the
+// nonzero elements' lower part and holds k. Counting only the positive draws, the share was 1
+// (the largest), and every step sent about half of k.
+TEST(Methods, SageStartsWithinAMostlyZeroBucket) {
+  const int p = 2;
+  const int64_t n = 50000, k = 500;
+  const auto methods = make_ranks({"sage",
+                                   [] {
+                                     return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 3,
+                                                                   std::nullopt, std::nullopt);
+                                   }},
+                                  p);
+  std::vector<std::vector<float>> residual(p, std::vector<float>(n, 0.0f));
+  for (int t = 0; t < 4; ++t) {
+    std::vector<int64_t> sent(p);
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      std::mt19937 random(static_cast<unsigned>(100 * t + rank));
+      std::normal_distribution<float> normal(0.0f, 1.0f);
+      std::uniform_int_distribution<int64_t> position(0, n - 1);
+      std::vector<float> grad(n, 0.0f);
+      for (int i = 0; i < 600; ++i) grad[position(random)] = normal(random);
+      CpuDevice device;
+      BucketView bucket{DType::kFloat32, n, grad.data(), residual[rank].data()};
+      sent[rank] = reduce_bucket(methods[rank].get(), transport, device, bucket, ReduceOptions{}).selected_all;
+    }));
+    EXPECT_NEAR(static_cast<double>(sent[0]), static_cast<double>(p * k), 0.1 * p * k) << "step " << t;
+  }
+}
+
 // A step whose gradient is zero leaves only the residual, whose magnitudes end in a cliff (at the
 // last steps' thresholds). The density control's first secant step from there overshot to a
 // threshold 10^4 times too high that held nothing, and kept it as the best of the step (the first

@@ -519,7 +519,7 @@ class SAGE(Restatement):
         sampled = self.t == 0 or restart
         positive = sorted((m for m in sample.double().tolist() if 0 < m < math.inf), reverse=True)
         if sampled and not (self.t == 0 and self.initial_threshold is not None) and positive:
-            share = math.ceil(k * len(positive) / n)  # the sample's share of k
+            share = math.ceil(k * sample.numel() / n)  # the sample's share of k
             predicted = positive[min(max(share, 1), len(positive)) - 1]
         w = 2.0 if sampled else 1.25
         candidates = where(at_least(v, predicted / w))

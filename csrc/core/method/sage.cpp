@@ -162,13 +162,14 @@ void SAGE::observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*
 
 double SAGE::sampled_prediction(std::vector<double> magnitudes, int64_t k, int64_t n, double otherwise) {
   // The sample's share of k (at least one) estimates the k-th largest magnitude; the band reaches
-  // down to half of it.
+  // down to half of it. Where fewer of the sample are positive (a bucket mostly of zeros: an
+  // embedding's rows), the least positive one: every nonzero element is wanted.
+  const auto share = static_cast<int64_t>(
+      std::ceil(static_cast<double>(k) * static_cast<double>(magnitudes.size()) / static_cast<double>(n)));
   magnitudes.erase(
       std::remove_if(magnitudes.begin(), magnitudes.end(), [](double m) { return !(m > 0.0 && std::isfinite(m)); }),
       magnitudes.end());
   if (magnitudes.empty()) return otherwise;  // no positive magnitude drawn: nothing to learn
-  const auto share = static_cast<int64_t>(
-      std::ceil(static_cast<double>(k) * static_cast<double>(magnitudes.size()) / static_cast<double>(n)));
   const auto m = static_cast<size_t>(std::clamp<int64_t>(share, 1, static_cast<int64_t>(magnitudes.size())));
   std::nth_element(magnitudes.begin(), magnitudes.begin() + static_cast<std::ptrdiff_t>(m - 1), magnitudes.end(),
                    std::greater<>());
