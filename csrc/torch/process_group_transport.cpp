@@ -26,14 +26,29 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
   size_ = group_->getSize();
 }
 
+void ProcessGroupTransport::failed(const std::exception& e, const std::string& what, size_t bytes) const {
+  throw CommError(str(what, " of ", bytes, " bytes on rank ", rank_, " of ", size_, " (", group_->getBackendName(),
+                      " process group) failed: ", e.what(),
+                      "\nA peer may have stopped or raised, or the ranks issued different collectives."));
+}
+
 void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes) {
   try {
     work->wait(timeout_);
   } catch (const std::exception& e) {
-    throw CommError(str(what, " of ", bytes, " bytes on rank ", rank_, " of ", size_, " (", group_->getBackendName(),
-                        " process group) failed: ", e.what(),
-                        "\nA peer may have stopped or raised, or the ranks issued different collectives."));
+    failed(e, what, bytes);
   }
+}
+
+void ProcessGroupTransport::complete(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,
+                                     const std::string& what, size_t bytes) {
+  c10::intrusive_ptr<c10d::Work> work;
+  try {
+    work = post();
+  } catch (const std::exception& e) {
+    failed(e, what, bytes);
+  }
+  wait(work, what, bytes);
 }
 
 void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src,
@@ -43,14 +58,16 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
   // run point-to-point operations asynchronously anyway.
   std::vector<at::Tensor> sending{out}, receiving{in};
   const auto send_bytes = static_cast<size_t>(out.numel()), recv_bytes = static_cast<size_t>(in.numel());
-  if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
-  c10::intrusive_ptr<c10d::Work> sent, received;
-  if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
-  if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
-  if (coalesced) {
-    auto work = group_->endCoalescing(c10::DeviceType::CUDA);
-    if (work) wait(work, what, send_bytes + recv_bytes);
+  c10::intrusive_ptr<c10d::Work> sent, received, work;
+  try {
+    if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
+    if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
+    if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
+    if (coalesced) work = group_->endCoalescing(c10::DeviceType::CUDA);
+  } catch (const std::exception& e) {
+    failed(e, what, send_bytes + recv_bytes);
   }
+  if (work) wait(work, what, send_bytes + recv_bytes);
   if (sent) wait(sent, str(what, " (send)"), send_bytes);
   if (received) wait(received, str(what, " (receive)"), recv_bytes);
 }
@@ -64,7 +81,7 @@ void ProcessGroupTransport::allgather(const Device& device, const void* send, vo
   std::vector<at::Tensor> inputs{wrap(device, send, static_cast<int64_t>(bytes), at::kByte)};
   const at::Tensor out = wrap(device, recv, static_cast<int64_t>(bytes) * size_, at::kByte);
   std::vector<std::vector<at::Tensor>> outputs{out.chunk(size_)};
-  wait(group_->allgather(outputs, inputs), "allgather", bytes);
+  complete([&] { return group_->allgather(outputs, inputs); }, "allgather", bytes);
   count_allgather(bytes);
 }
 
@@ -83,7 +100,8 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     at::Tensor out = output;
-    wait(group_->alltoall_base(out, input, out_splits, in_splits), "allgatherv", static_cast<size_t>(total));
+    complete([&] { return group_->alltoall_base(out, input, out_splits, in_splits); }, "allgatherv",
+             static_cast<size_t>(total));
 #pragma GCC diagnostic pop
     count_allgatherv(sizes);
     return;
@@ -114,7 +132,7 @@ void ProcessGroupTransport::allreduce_sum(const Device& device, void* data, size
   std::vector<at::Tensor> tensors{wrap(device, data, static_cast<int64_t>(count), scalar_type(dtype))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
-  wait(group_->allreduce(tensors, options), "allreduce", count * dtype_size(dtype));
+  complete([&] { return group_->allreduce(tensors, options); }, "allreduce", count * dtype_size(dtype));
   count_allreduce(count * dtype_size(dtype));
 }
 

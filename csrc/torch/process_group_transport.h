@@ -10,6 +10,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "gradsparse/transport.h"
@@ -31,7 +32,12 @@ class ProcessGroupTransport final : public Transport {
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
  private:
+  /// Posts one operation (`post` returns its Work) and waits for it. A failure in either is a
+  /// CommError, which stops the engine: a backend may raise while posting (Gloo's send to a
+  /// closed connection), and this rank is then out of step with the others just the same.
+  void complete(const std::function<c10::intrusive_ptr<c10d::Work>()>& post, const std::string& what, size_t bytes);
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes);
+  [[noreturn]] void failed(const std::exception& e, const std::string& what, size_t bytes) const;
   /// Posts the send of `out` to `dst` and the receive into `in` from `src` (an empty tensor posts
   /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes.
   void send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src, bool coalesced,

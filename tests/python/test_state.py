@@ -404,6 +404,50 @@ def test_an_error_in_the_hook_leaves_the_model_usable():
     assert state.step == 4
 
 
+class _ClosedGroup(dist.ProcessGroup):
+    """Rank 0 of 2 whose collectives fail as they are posted, as a backend reports a connection
+    its peer closed; counts the collectives posted."""
+
+    def __init__(self):
+        super().__init__(0, 2)
+        self.posted = 0
+
+    def getBackendName(self):
+        return "closed"
+
+    def _fail(self, *args):
+        self.posted += 1
+        raise RuntimeError("the connection to rank 1 is closed")
+
+    allgather = allreduce = send = recv = _fail
+
+
+def test_a_collective_that_fails_when_posted_stops_the_engine():
+    """The engine stops at a failed collective, so that the next bucket does not issue collectives
+    the other ranks are not in step with. A failure raised while posting the collective (not in
+    its wait) did not count as one: the next bucket posted its own, and the error lacked what
+    failed where. The selection goes back to the residual."""
+    group = _ClosedGroup()
+    engine = gs._C.Engine(group, 5.0)
+    grads = [torch.randn(100), torch.randn(100)]
+    residuals = [torch.zeros(100), torch.zeros(100)]
+    futures = [
+        engine.submit(g, r, gs._C.TopK(0.1, "gather"), False, "raise", f"bucket {i}", gs._C.ReduceReport())
+        for i, (g, r) in enumerate(zip(grads, residuals, strict=True))
+    ]
+    errors = []
+    for future in futures:
+        with pytest.raises(RuntimeError) as info:
+            future.wait()
+        errors.append(str(info.value))
+    engine.shutdown()
+    assert "allgather of" in errors[0] and "on rank 0 of 2 (closed process group) failed" in errors[0], errors[0]
+    assert "the connection to rank 1 is closed" in errors[0] and "A peer may have stopped" in errors[0]
+    assert "bucket 1 was not reduced because an earlier exchange failed" in errors[1], errors[1]
+    assert group.posted == 1
+    assert torch.equal(residuals[0], grads[0])  # bucket 0's selection went back to its residual
+
+
 def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_step_works():
     """The first step after load_state_dict is held and reduced in the saved layout; a NaN there
     fails that step like any other (nonfinite="raise"), and the step after it trains."""
