@@ -59,7 +59,11 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
                    message.sizes());
   TORCH_CHECK_VALUE(dense_size >= 0, "gradsparse.unpack: dense_size must be >= 0, got ", dense_size);
   const DType core = core_dtype(at::empty({0}, at::TensorOptions().dtype(dtype)), "dtype");
-  const at::Tensor bytes = message.contiguous();
+  // The indices and values are read as views of int32/int64 and of the values' dtype, which needs
+  // the message to start at a multiple of their sizes in its storage; a message received behind a
+  // prefix in a larger buffer need not, and is read from a copy.
+  at::Tensor bytes = message.contiguous();
+  if (bytes.storage_offset() % 8 != 0) bytes = bytes.clone();
   const size_t total = static_cast<size_t>(bytes.numel());
   const MessageHeader h = translate_errors([&] {
     GS_CHECK(total >= kMessageHeaderBytes, CorruptMessageError, "sparse message is ", total,

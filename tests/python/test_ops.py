@@ -100,6 +100,22 @@ def test_pack_unpack_round_trip(dtype, dense_size):
     assert torch.equal(got_val, val)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [1, 2, 3, 4, 6])
+def test_unpack_reads_a_message_at_any_offset_of_a_byte_buffer(dtype, offset):
+    """A message is any 1-D uint8 tensor, for example one received behind a prefix in a larger
+    buffer. unpack viewed its indices and values in place and failed there with PyTorch's "must
+    be divisible by 4 to view Byte as Int", naming neither the op nor the message."""
+    idx = torch.tensor([1, 3, 4])
+    val = sample(3, dtype, 9)
+    message = gs.pack(idx, val, 5)
+    received = torch.cat([torch.zeros(offset, dtype=torch.uint8), message])[offset:]
+    assert received.storage_offset() == offset
+    got_idx, got_val = gs.unpack(received, dtype, 5)
+    assert torch.equal(got_idx, idx)
+    assert torch.equal(got_val, val)
+
+
 def test_unpack_rejects_corrupt_messages():
     message = gs.pack(torch.tensor([1, 3, 4]), torch.tensor([1.0, 2.0, 3.0]), 5)
     cases = {
