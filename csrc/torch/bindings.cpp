@@ -96,8 +96,11 @@ class PyThreadGroup {
                       " is outside the group of ", transports_.size());
     TORCH_CHECK_VALUE(grad.device().is_cpu(), "ThreadGroup.reduce: CPU tensors only");
     torch_adapter::check_flat(grad, "grad");
-    if (residual) torch_adapter::check_same(grad, "grad", *residual, "residual");
-    if (velocity) torch_adapter::check_same(grad, "grad", *velocity, "velocity");
+    for (const auto& [t, name] : {std::pair{&residual, "residual"}, std::pair{&velocity, "velocity"}}) {
+      if (!*t) continue;
+      torch_adapter::check_same(grad, "grad", **t, name);
+      torch_adapter::check_flat(**t, name);
+    }
     ReduceOptions options;
     options.dense = dense;
     options.nonfinite = parse_policy(nonfinite);

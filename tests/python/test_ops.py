@@ -147,6 +147,19 @@ def test_pack_rejects_unsorted_or_out_of_range_indices():
         gs.pack(torch.tensor([1, 5]), torch.ones(2), 5)
 
 
+@pytest.mark.parametrize("kind", ["residual", "velocity"])
+def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind):
+    """ThreadGroup.reduce (gradsparse.testing's thread ranks) checked only the gradient's layout
+    and read a strided residual or velocity as if it were contiguous, so the step's error feedback
+    landed in other elements of its storage."""
+    group = gs._C.ThreadGroup(1)
+    strided = torch.zeros(8, 2)[:, 0]
+    residual, velocity = (strided, None) if kind == "residual" else (torch.zeros(8), strided)
+    with pytest.raises(ValueError, match=f"gradsparse: {kind} must be contiguous; call .contiguous"):
+        group.reduce(0, torch.arange(8.0), residual, gs._C.TopK(0.25, "gather"), velocity=velocity, momentum=0.9)
+    assert not strided.any()
+
+
 def test_ops_reject_bad_arguments():
     with pytest.raises(TypeError, match="grad must be float32, float16 or bfloat16"):
         gs.select_topk(torch.ones(4, dtype=torch.int64), None, 1)
