@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <tuple>
 
@@ -44,6 +45,12 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
                     "gradsparse.scatter_add_: indices and values must be contiguous");
   TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor != 0.0,
                     "gradsparse.scatter_add_: divisor must be finite and non-zero, got ", divisor);
+  // The kernels divide in float32: a divisor that rounds to 0 or overflows there is refused too.
+  TORCH_CHECK_VALUE(
+      std::abs(divisor) <= std::numeric_limits<float>::max() && static_cast<float>(divisor) != 0.0f,
+      "gradsparse.scatter_add_: divisor must be finite and non-zero in float32, got ", divisor,
+      "; the kernels divide in float32, so scale the values first and pass a divisor whose magnitude lies in [",
+      std::numeric_limits<float>::denorm_min(), ", ", std::numeric_limits<float>::max(), "]");
 }
 
 /// Output tensors of a selection, allocated by the kernel's sink once the count is known.

@@ -1,5 +1,7 @@
 """Each TORCH_LIBRARY op against a plain PyTorch reference, its error handling, and opcheck."""
 
+import re
+
 import pytest
 import torch
 
@@ -158,6 +160,19 @@ def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind
     with pytest.raises(ValueError, match=f"gradsparse: {kind} must be contiguous; call .contiguous"):
         group.reduce(0, torch.arange(8.0), residual, gs._C.TopK(0.25, "gather"), velocity=velocity, momentum=0.9)
     assert not strided.any()
+
+
+@pytest.mark.parametrize("divisor", [1e-300, -1e-50, 1e39, -3.5e38])
+def test_scatter_add_refuses_a_divisor_that_float32_cannot_hold(divisor):
+    """The kernels divide in float32. A divisor finite in float64 but 0 or Inf in float32 passed
+    the check: a tiny one failed in the kernel with "divisor must be non-zero", which the divisor
+    given was not, and a huge one added zeros where it should have added the values divided."""
+    out = torch.zeros(3)
+    with pytest.raises(
+        ValueError, match=re.escape(f"divisor must be finite and non-zero in float32, got {divisor:g};")
+    ):
+        gs.scatter_add_(out, torch.tensor([1]), torch.tensor([1e30]), divisor)
+    assert not out.any()
 
 
 def test_ops_reject_bad_arguments():
