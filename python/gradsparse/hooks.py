@@ -75,7 +75,18 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
     try:
         state._bind(model)
         state.setup()
-        state._binding.model().register_comm_hook(state, hook)
+        ddp = state._binding.model()
+        try:
+            ddp.register_comm_hook(state, hook)
+        except RuntimeError as e:
+            if "only be called once" not in str(e):
+                raise
+            raise ValueError(
+                "gradsparse.register: this DistributedDataParallel already has a communication hook "
+                "(model.register_comm_hook or register_builtin_comm_hook was called on it), and DDP takes one: "
+                "register gradsparse on a model that has none, for example one wrapped anew with "
+                "DistributedDataParallel(module)"
+            ) from e
     except BaseException:
         state._binding.restore(before)
         raise

@@ -590,6 +590,22 @@ def test_a_refused_registration_can_be_retried_after_the_fix():
     assert state.step == 3  # the hook ran: the saved step 2, then one more
 
 
+def test_registering_on_a_model_that_has_a_hook_names_the_hook_and_the_fix():
+    """DDP takes one communication hook per model; its own refusal ("can only be called once")
+    said nothing of gradsparse. The state stays free for another model."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    ddp = DDP(_model())
+    ddp.register_comm_hook(None, allreduce_hook)
+    state = gs.TopK(density=0.05)
+    with pytest.raises(ValueError, match=r"already has a communication hook.*wrapped anew"):
+        gs.register(ddp, state)
+    fresh = DDP(_model())
+    gs.register(fresh, state)
+    _train(fresh, 1)
+    assert state.step == 1
+
+
 def test_version_1_state_dicts_load_without_wrapper_prefixes():
     sd = _saved()
     v1 = dict(
