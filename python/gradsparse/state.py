@@ -94,7 +94,7 @@ class State:
 
     The exchanges run on a process group of their own, created from the model's group when that
     is the default group, so that they never interleave with other collectives (DDP's own, or the
-    training script's). For a sub-group, the state shares the given group.
+    training script's). For a sub-group, it is created over the sub-group's ranks, by them alone.
 
     Example::
 
@@ -335,7 +335,7 @@ class State:
 
     def _make_engine(self, comm: dist.ProcessGroup | None):
         """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the
-        state's own group or the given sub-group."""
+        exchanges' own group (_make_comm_group), over the ranks of the model's group."""
         if self._transport == "mpi":
             engine = _C.Engine.mpi()
             if (engine.rank, engine.size) != (dist.get_rank(), dist.get_world_size()) or (
