@@ -63,14 +63,21 @@ def _slurm_tasks_on_this_node(env) -> str | None:
         return counts[0]
     if "SLURM_NODEID" not in env:
         return None
-    node = env["SLURM_NODEID"]
-    if not node.strip().isdecimal() or int(node) >= len(counts):
+    node = _whole_number(env["SLURM_NODEID"], 0)
+    if node is None or node >= len(counts):
         raise ValueError(
-            f"gradsparse.launch.setup_environment: SLURM_NODEID={node!r} is not a node of {name}={env[name]!r} "
-            f"(nodes 0 to {len(counts) - 1}); the job's environment is damaged: run under srun as SLURM sets it, "
+            f"gradsparse.launch.setup_environment: SLURM_NODEID={env['SLURM_NODEID']!r} is not a node of "
+            f"{name}={env[name]!r} (nodes 0 to {len(counts) - 1}); the job's environment is damaged: run under srun as SLURM sets it, "
             "or set LOCAL_WORLD_SIZE to the number of tasks on this node"
         )
-    return counts[int(node)]
+    return counts[node]
+
+
+def _whole_number(value: str, least: int) -> int | None:
+    """``value`` as an int where it is a whole number of at least ``least`` (spaces around it
+    allowed), else None."""
+    value = value.strip()
+    return int(value) if value.isdecimal() and int(value) >= least else None
 
 
 def _derive(env, launcher: str, target: str, names: tuple[str, ...], default: str | None, least: int) -> None:
@@ -85,7 +92,7 @@ def _derive(env, launcher: str, target: str, names: tuple[str, ...], default: st
             f"environment is damaged: run under {launcher} as it sets it, or set {target} yourself"
         )
     value = default if name is None else env[name].strip()
-    if name is not None and (not value.isdecimal() or int(value) < least):
+    if name is not None and _whole_number(value, least) is None:
         raise ValueError(
             f"gradsparse.launch.setup_environment: {name}={env[name]!r} is not a whole number of at least {least} "
             f"for {target}; the launcher's environment is damaged: run under {launcher} as it sets it, or set "
@@ -98,8 +105,15 @@ def _refuse_batch_script(env) -> None:
     """SLURM sets SLURM_PROCID and the job's SLURM_NTASKS in the batch script too, where no srun
     started the other tasks: a process there would wait for them until its rendezvous timed out.
     srun's tasks (job steps) carry SLURM_STEP_ID (SLURM_STEPID in older releases)."""
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    if in_step or int(env["WORLD_SIZE"]) == 1:
+    if "SLURM_STEP_ID" in env or "SLURM_STEPID" in env:
+        return
+    size = _whole_number(env["WORLD_SIZE"], 1)
+    if size is None:
+        raise ValueError(
+            f"gradsparse.launch.setup_environment: WORLD_SIZE={env['WORLD_SIZE']!r} is not a whole number of at "
+            "least 1: set it to the number of workers (for example WORLD_SIZE=4), or unset it under srun"
+        )
+    if size == 1:
         return
     raise ValueError(
         f"gradsparse.launch.setup_environment: this process is the batch script of a SLURM job of "
@@ -162,7 +176,8 @@ def _workers_on_this_node(env) -> int:
     if name not in env:
         return 1
     value = env[name]
-    if not value.strip().isdecimal() or int(value) < 1:
+    count = _whole_number(value, 1)
+    if count is None:
         raise ValueError(
             f"gradsparse.launch.threads_per_worker: {name}={value!r} is not a positive whole number of processes; "
             "the launcher's environment is broken: set it to the number of workers "
@@ -173,7 +188,7 @@ def _workers_on_this_node(env) -> int:
             )
             + ", or unset it and call gradsparse.launch.setup_environment() under mpirun or srun"
         )
-    return int(value)
+    return count
 
 
 def threads_per_worker(
@@ -195,12 +210,13 @@ def threads_per_worker(
     local = _workers_on_this_node(env)
     chosen = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if chosen and not (launcher == "torchrun" and local > 1 and chosen == "1"):
-        if not chosen.isdigit() or int(chosen) < 1:
+        threads = _whole_number(chosen, 1)
+        if threads is None:
             raise ValueError(
                 f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']!r} is not a positive whole number of threads: "
                 "set it to a count (for example OMP_NUM_THREADS=4), or unset it to share this process's CPUs"
             )
-        return int(chosen)
+        return threads
     allowed = _allowed_cpus() if allowed is None else allowed
     if launcher == "torchrun":
         return max(1, allowed // local)

@@ -60,7 +60,7 @@ def test_threads_per_worker(launcher, env, allowed, machine, threads):
     assert threads_per_worker(launcher, env, allowed=allowed, machine=machine) == threads
 
 
-@pytest.mark.parametrize("value", ["0", "four", "-2"])
+@pytest.mark.parametrize("value", ["0", "four", "-2", "\u00b2"])  # a superscript two is a digit, not a number
 def test_threads_per_worker_rejects_a_bad_omp_num_threads(value):
     with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{value}'.*for example OMP_NUM_THREADS=4"):
         threads_per_worker("torchrun", {"LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": value})
@@ -181,6 +181,9 @@ def test_setup_environment_refuses_the_batch_script_of_a_job_of_several_tasks():
     # a job of one task may run its worker in the script; srun's tasks are steps
     assert setup_environment({**BATCH_SCRIPT, "SLURM_NTASKS": "1"}) == "srun"
     assert setup_environment({**BATCH_SCRIPT, "SLURM_STEP_ID": "0"}) == "srun"
+    # a WORLD_SIZE the user set (SLURM's is not read then) is checked before it is counted
+    with pytest.raises(ValueError, match=r"WORLD_SIZE='four' is not a whole number.*for example WORLD_SIZE=4"):
+        setup_environment({**BATCH_SCRIPT, "WORLD_SIZE": "four"})
 
 
 def test_first_host_keeps_what_follows_a_range():
