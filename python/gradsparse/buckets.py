@@ -77,11 +77,13 @@ class BucketTable:
         self, tensors: dict[str, dict[str, torch.Tensor]], methods: Iterable[tuple[frozenset[str] | int, dict]]
     ) -> None:
         """Parks what a checkpoint holds (residuals and velocities by kind and name; method states
-        by their parameters' names, or by bucket index) in place of everything in the table."""
+        by their parameters' names, or by bucket index) in place of everything in the table; the
+        table stays as it was when they cannot be read."""
+        parked = {kind: {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()} for kind in KINDS}
+        parked_methods = {key: dict(state) for key, state in methods}
         self.clear()
-        for kind in KINDS:
-            self.parked[kind] = {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()}
-        self.parked_methods = {key: dict(state) for key, state in methods}
+        self.parked = parked
+        self.parked_methods = parked_methods
 
     def add(
         self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor

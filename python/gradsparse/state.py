@@ -755,19 +755,28 @@ class State:
             type(self).__name__, state_dict, dist.get_rank(group), dist.get_world_size(group), any_rank
         )
         self._binding.check_names(state_dict)
-        self._step = int(state_dict["step"])
-        self._loaded = Loaded(state_dict)
-        if state_dict.get("link") is not None:
-            self._link = tuple(state_dict["link"])
+        # Everything the load puts in place is read first, so that a state dict that fails on the
+        # way leaves this state as it was (its step, residuals and statistics), not half loaded.
+        step = int(state_dict["step"])
+        loaded = Loaded(state_dict)
+        link = None if state_dict.get("link") is None else tuple(state_dict["link"])
+        metrics = Metrics()
+        metrics.load_state_dict(state_dict["stats"])
         # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
-        self._saved_exchanges = state_dict.get("exchanges")
-        if self._trial is not None:
-            self._start_trial(self._saved_exchanges)
+        exchanges = state_dict.get("exchanges")
+        trial = None if self._trial is None else ExchangeTrial(max(step, self._warmup_steps), exchanges)
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
-        self._table.park({"residual": state_dict["residuals"], "velocity": velocities}, self._loaded.method_states())
-        self._metrics.load_state_dict(state_dict["stats"])
+        self._table.park({"residual": state_dict["residuals"], "velocity": velocities}, loaded.method_states())
+        self._step = step
+        self._loaded = loaded
+        if link is not None:
+            self._link = link
+        self._saved_exchanges = exchanges
+        if trial is not None:
+            self._trial = trial
+        self._metrics = metrics
 
     @contextlib.contextmanager
     def paused(self):

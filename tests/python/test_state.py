@@ -748,3 +748,30 @@ def test_reshard_averages_the_velocities():
     state = gs.TopK(density=0.05, momentum=0.9)
     _hooked(state)
     state.load_state_dict(gs.reshard(saved, 1))  # checksums match
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda sd: dict(sd, stats={i: dict(b, counter_of_a_later_version=1) for i, b in sd["stats"].items()}),
+        lambda sd: dict(sd, methods=[0.5]),  # a method state that is no mapping
+    ],
+)
+def test_a_state_dict_that_fails_to_load_leaves_the_state_as_it_was(change):
+    """A state dict refused part-way through the load (by statistics or a method state this
+    state cannot read) changed the step and dropped the residuals before it raised: the state
+    went on from the refused checkpoint's step, without its own residuals. Now it is left as it
+    was."""
+    sd = change(_saved(steps=2))
+    state = gs.TopK(density=0.05)
+    ddp = _hooked(state)
+    _train(ddp, 3, seed=7)
+    before = state.state_dict()
+    before_residuals = {name: t.clone() for name, t in before["residuals"].items()}
+    with pytest.raises((TypeError, ValueError)):
+        state.load_state_dict(sd)
+    after = state.state_dict()
+    assert state.step == 3 and after["step"] == 3 and after["layout"] == before["layout"]
+    assert after["stats"] == before["stats"]
+    for name, value in before_residuals.items():
+        assert torch.equal(after["residuals"][name], value), name
