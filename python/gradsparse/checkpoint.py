@@ -169,7 +169,9 @@ def _check_values(where: str, state_dict: dict) -> None:
             if name in checksums and checksum(tensor) != checksums[name]:
                 raise ValueError(
                     f"{where}: the {kind} of {name} does not match its checksum: the state dict was "
-                    "damaged after it was saved (a corrupt or partly written file); load an intact copy"
+                    "damaged after it was saved (a corrupt or partly written file), or it was kept in memory while "
+                    "training went on (its tensors are the state's live ones, as in an optimizer's state dict: keep "
+                    "copy.deepcopy(state.state_dict()) to return to); load an intact copy"
                 )
             if not bool(torch.isfinite(tensor).all()):
                 raise ValueError(

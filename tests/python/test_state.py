@@ -775,3 +775,18 @@ def test_a_state_dict_that_fails_to_load_leaves_the_state_as_it_was(change):
     assert after["stats"] == before["stats"]
     for name, value in before_residuals.items():
         assert torch.equal(after["residuals"][name], value), name
+
+
+def test_a_state_dict_kept_in_memory_while_training_went_on_is_refused_with_the_fix():
+    """state_dict() holds the live residuals: one kept in memory to return to later has changed
+    by then, and its checksums no longer match. The refusal spoke only of a corrupt or partly
+    written file; it now names the live tensors and the deep copy that keeps a snapshot."""
+    state = gs.TopK(density=0.05)
+    ddp = _hooked(state)
+    _train(ddp, 2)
+    kept, snapshot = state.state_dict(), copy.deepcopy(state.state_dict())
+    _train(ddp, 1, seed=3)
+    with pytest.raises(ValueError, match=r"kept in memory while training went on .* copy\.deepcopy\(state\.state_dict"):
+        state.load_state_dict(kept)
+    state.load_state_dict(snapshot)
+    assert state.step == 2
