@@ -16,13 +16,17 @@ such a file and, on resume, gives each rank its own part back.
 
 from __future__ import annotations
 
+import numbers
 import zlib
+from dataclasses import fields
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsparse.config import check_int
+from gradsparse.config import _describe, check_int
+from gradsparse.exchange_trial import CHOICES
+from gradsparse.metrics import BucketStats
 from gradsparse.wrappers import strip_wrapper_prefixes
 
 __all__ = ["AllRanks", "reshard"]
@@ -93,6 +97,8 @@ def upgrade(owner: str, state_dict: Any) -> dict:
             _require(f"{owner}.load_state_dict", state_dict, ALL_RANKS_KEYS, "the state dict of gradsparse.AllRanks")
         else:
             _require(f"{owner}.load_state_dict", state_dict, RANK_KEYS, "the state dict")
+        if not isinstance(state_dict["config"], dict):  # read before this rank's part is picked
+            _refuse(f"{owner}.load_state_dict", "config", "a dict of options", state_dict["config"])
         return state_dict
     if version == 1:
         _require(
@@ -135,6 +141,7 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
             f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
             "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
         )
+    _check_entries(where, state_dict)
     _check_values(where, state_dict)
     return state_dict
 
@@ -148,6 +155,75 @@ def _check_rank_count(where: str, state_dict: dict) -> None:
             f"{where}: the state dict of gradsparse.AllRanks holds {count} ranks' state dicts but was saved at world "
             f"size {world_size}: it was cut short or changed after it was saved; load an intact copy"
         )
+
+
+_COUNTERS = frozenset(f.name for f in fields(BucketStats))
+
+
+def _refuse(where: str, key: str, expected: str, value: object) -> None:
+    """A state dict's entry ``key`` is not what state_dict() gives it (``expected``)."""
+    described = _describe(value)
+    if len(described) > 120:  # a long list or an array: its type says enough
+        described = f"a {type(value).__module__}.{type(value).__name__}"
+    raise ValueError(
+        f"{where}: the state dict's {key} should be {expected}, got {described}: it was changed after it "
+        "was saved; load what State.state_dict() or gradsparse.AllRanks(state).state_dict() returned, as saved"
+    )
+
+
+def _check_entries(where: str, state_dict: dict) -> None:
+    """One rank's entries have the types state_dict() gives them: what the load reads is refused
+    here, naming the entry, and not with an error of Python's half-way through the load."""
+
+    def refuse(key: str, expected: str, value: object) -> None:
+        _refuse(where, key, expected, value)
+
+    step = state_dict["step"]
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        refuse("step", "an integer >= 0", step)
+    for _, key, checksums_key in TENSORS:
+        tensors = state_dict.get(key, {})
+        if not isinstance(tensors, dict):
+            refuse(key, "a dict of tensors by parameter name", tensors)
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                refuse(f"{key}[{name!r}]", "a tensor", tensor)
+        if not isinstance(state_dict.get(checksums_key, {}), dict):
+            refuse(checksums_key, "a dict of checksums by parameter name", state_dict[checksums_key])
+    methods, layout = state_dict["methods"], state_dict["layout"]
+    if not isinstance(methods, list) or not all(m is None or isinstance(m, dict) for m in methods):
+        refuse("methods", "a list of method states (dicts, or None) by bucket index", methods)
+    if not isinstance(layout, list) or not all(
+        isinstance(names, list) and all(isinstance(n, str) for n in names) for names in layout
+    ):
+        refuse("layout", "a list of parameter-name lists by bucket index", layout)
+    stats = state_dict["stats"]
+    if not isinstance(stats, dict) or not all(isinstance(b, dict) for b in stats.values()):
+        refuse("stats", "a dict of statistics by bucket index", stats)
+    for index, counters in stats.items():
+        if not (isinstance(index, numbers.Integral) or (isinstance(index, str) and index.isdecimal())):
+            refuse("stats", "a dict of statistics by bucket index (an integer)", stats)
+        unknown = sorted(set(counters) - _COUNTERS)
+        if unknown:
+            raise ValueError(
+                f"{where}: the statistics of bucket {index} in the state dict hold {', '.join(map(str, unknown))}, "
+                f"which gradsparse does not keep (it keeps {', '.join(sorted(_COUNTERS))}): the state dict was "
+                "changed after it was saved, or saved by a later gradsparse; load it with that version, or drop "
+                "the statistics (sd['stats'] = {}) to resume without them"
+            )
+    link = state_dict.get("link")
+    if link is not None and not (
+        isinstance(link, (list, tuple))
+        and len(link) == 2
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in link)
+    ):
+        refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured", link)
+    exchanges = state_dict.get("exchanges")
+    if exchanges is not None and not (
+        isinstance(exchanges, dict)
+        and all(isinstance(i, numbers.Integral) and name in CHOICES for i, name in exchanges.items())
+    ):
+        refuse("exchanges", f"None or the exchange by bucket index, one of {', '.join(CHOICES)}", exchanges)
 
 
 def _check_values(where: str, state_dict: dict) -> None:
@@ -265,6 +341,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     ranks = state_dict["ranks"]
     for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
         _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
+        _check_entries("gradsparse.reshard", saved)
         _check_values("gradsparse.reshard", saved)
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
     velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])

@@ -512,6 +512,21 @@ def _saved(steps=2):
             },
             r"rank 0's part of the state dict lacks layout \(it should hold .*\): it was cut short or changed",
         ),
+        # entries of the wrong type failed with Python's own errors (some half-way through the load)
+        (lambda sd: dict(sd, step="two"), r"the state dict's step should be an integer >= 0, got 'two' \(str\)"),
+        (lambda sd: dict(sd, config=None), "the state dict's config should be a dict of options, got None"),
+        (lambda sd: dict(sd, layout=None), "the state dict's layout should be a list of parameter-name lists by"),
+        (
+            lambda sd: dict(sd, residuals={k: v.numpy() for k, v in sd["residuals"].items()}, checksums={}),
+            r"the state dict's residuals\['2.bias'\] should be a tensor, got .*numpy.ndarray.*: it was changed",
+        ),
+        (
+            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], counter_of_a_later_version=1)}),
+            r"the statistics of bucket 0 in the state dict hold counter_of_a_later_version, which gradsparse does not "
+            r"keep .* drop the statistics \(sd\['stats'\] = \{\}\) to resume without them",
+        ),
+        (lambda sd: dict(sd, link=5), r"the state dict's link should be None or the pair \(alpha, beta\)"),
+        (lambda sd: dict(sd, exchanges={0: "ring"}), "the state dict's exchanges should be None or the exchange by"),
     ],
 )
 def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
