@@ -107,14 +107,15 @@ def upgrade(owner: str, state_dict: Any) -> dict:
             ("class", "config", "residuals", "methods"),
             "the state dict (version 1)",
         )
-        # Names came from DDP's inner module: strip the wrappers that could sit there.
+        # Names came from DDP's inner module: strip the wrappers that could sit there (a leading
+        # "module." there is the user's own submodule, not DDP's).
         layout = state_dict.get("layout", {})
         count = max((int(i) for i in (*layout, *state_dict["methods"])), default=-1) + 1
         return {
             **state_dict,
             "version": STATE_DICT_VERSION,
-            "residuals": {strip_wrapper_prefixes(n): t for n, t in state_dict["residuals"].items()},
-            "layout": [[strip_wrapper_prefixes(n) for n in layout.get(i, [])] for i in range(count)],
+            "residuals": {strip_wrapper_prefixes(n, inside_ddp=True): t for n, t in state_dict["residuals"].items()},
+            "layout": [[strip_wrapper_prefixes(n, inside_ddp=True) for n in layout.get(i, [])] for i in range(count)],
             "methods": [state_dict["methods"].get(i) for i in range(count)],
         }
     raise ValueError(

@@ -16,7 +16,8 @@ __all__ = ["WRAPPER_ATTRIBUTES", "find_ddp", "parameter_names", "strip_wrapper_p
 
 #: The attributes through which wrappers hold the module they wrap, in the order they are tried.
 WRAPPER_ATTRIBUTES = ("_forward_module", "_orig_mod")
-_PREFIXES = tuple(f"{a}." for a in ("module", *WRAPPER_ATTRIBUTES))  # DDP's, then the others'
+_INNER_PREFIXES = tuple(f"{a}." for a in WRAPPER_ATTRIBUTES)  # those that can sit inside a DDP
+_PREFIXES = ("module.", *_INNER_PREFIXES)  # DDP's, then the others'
 
 
 def _inner(module: nn.Module) -> nn.Module | None:
@@ -46,9 +47,12 @@ def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
     return model
 
 
-def strip_wrapper_prefixes(name: str) -> str:
-    """A parameter name as seen through wrappers (``module._orig_mod.fc.weight``), without them."""
-    while name.startswith(_PREFIXES):
+def strip_wrapper_prefixes(name: str, *, inside_ddp: bool = False) -> str:
+    """A parameter name as seen through wrappers (``module._orig_mod.fc.weight``), without them.
+    ``inside_ddp``: the name was seen from DDP's inner module, where ``module.`` is no DDP's but
+    the user's own submodule's, and stays."""
+    prefixes = _INNER_PREFIXES if inside_ddp else _PREFIXES
+    while name.startswith(prefixes):
         name = name.split(".", 1)[1]
     return name
 

@@ -636,6 +636,35 @@ def test_version_1_state_dicts_load_without_wrapper_prefixes():
     assert set(state.state_dict()["residuals"]) == set(sd["residuals"])
 
 
+def test_a_version_1_state_dict_keeps_the_models_own_module_prefix():
+    """Version 1 named residuals from inside DDP, where a leading ``module.`` is the user's own
+    submodule; the conversion stripped it as if it were DDP's, so a model that keeps its layers in
+    ``self.module`` could not load its version 1 checkpoint (its names named no parameter)."""
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = _model()
+
+        def forward(self, x):
+            return self.module(x)
+
+    state = gs.TopK(density=0.05)
+    ddp = DDP(Holder())
+    gs.register(ddp, state)
+    _train(ddp, 2)
+    sd = copy.deepcopy(state.state_dict())
+    assert all(name.startswith("module.") for name in sd["residuals"])
+    v1 = dict(sd, version=1, layout=dict(enumerate(sd["layout"])), methods=dict(enumerate(sd["methods"])))
+    fresh = gs.TopK(density=0.05)
+    gs.register(DDP(Holder()), fresh)
+    fresh.load_state_dict(v1)
+    loaded = fresh.state_dict()
+    assert loaded["layout"] == sd["layout"]
+    for name, value in sd["residuals"].items():
+        assert torch.equal(loaded["residuals"][name], value), name
+
+
 def test_a_state_dict_loaded_before_the_process_group_is_checked_at_set_up(tmp_path):
     """Lightning restores callbacks before it wraps the model: a state may be loaded before
     init_process_group. The rank checks then run in setup(), and the residuals come back."""
