@@ -670,13 +670,16 @@ class State:
         Residuals are per rank: save one state dict per rank (for example with the rank in the
         file name), or all ranks' in one file with :class:`gradsparse.AllRanks`. The tensors are
         the live residuals, like an optimizer's state dict. Between load_state_dict() and the next
-        step, the loaded state is returned as it was loaded.
+        step, the loaded state is returned as it was loaded, as this rank's.
         """
         owner = type(self).__name__
         if self._unchecked is not None:
             return self._unchecked[0]
-        if self._loaded is not None:
-            return dict(self._loaded.saved, stats=self._metrics.state_dict())
+        rank, world_size = self._rank, self._world_size
+        if self._engine is None and dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        if self._loaded is not None:  # this rank's now, though loaded from another's (any_rank=True)
+            return dict(self._loaded.saved, rank=rank, stats=self._metrics.state_dict())
         if self._table.holds_state() and not self._binding.is_named():
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "
@@ -685,9 +688,6 @@ class State:
             )
         residuals = self._table.tensors("residual")
         velocities = self._table.tensors("velocity")
-        rank, world_size = self._rank, self._world_size
-        if self._engine is None and dist.is_available() and dist.is_initialized():
-            rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         return {
             "version": STATE_DICT_VERSION,
             "class": owner,

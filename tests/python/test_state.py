@@ -569,6 +569,21 @@ def test_another_ranks_state_dict_loads_only_when_asked():
     assert state.step == 2
 
 
+def test_a_state_dict_saved_right_after_loading_another_ranks_names_this_rank():
+    """Between load_state_dict and the next step, state_dict() returned the loaded state dict as
+    it was, naming the rank that saved it: after a load with any_rank=True, a checkpoint taken
+    then was refused on resume as another rank's."""
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(dict(_saved(), rank=1), any_rank=True)
+    again = state.state_dict()
+    assert again["rank"] == 0
+    resumed = gs.TopK(density=0.05)
+    _hooked(resumed)
+    resumed.load_state_dict(again)
+    assert resumed.step == 2
+
+
 def test_state_dict_right_after_load_returns_what_was_loaded():
     sd = _saved()
     state = gs.TopK(density=0.05)
