@@ -21,6 +21,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradsparse.checkpoint import AllRanks
+from gradsparse.config import _describe
 from gradsparse.hooks import register
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
@@ -49,6 +50,11 @@ class Sparsify(Callback):
             raise TypeError(
                 f"gradsparse.lightning.Sparsify: state must be a gradsparse state such as "
                 f"gradsparse.ExDyna(density=0.01), got {type(state).__name__}"
+            )
+        if not isinstance(prefix, str):  # else the first batch's log_dict fails, in Python's words
+            raise TypeError(
+                f"gradsparse.lightning.Sparsify: prefix must be a string, the start of the logged names, got "
+                f"{_describe(prefix)}; for example prefix='gradsparse/'"
             )
         self.state = state
         self.prefix = prefix

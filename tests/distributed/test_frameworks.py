@@ -32,6 +32,15 @@ def test_lightning_sparsify_trains_logs_and_resumes_each_rank_exactly(tmp_path):
     assert all(b > 0 for b in results[0]["logged_bytes"])
 
 
+def test_lightning_sparsify_refuses_a_prefix_that_is_no_string():
+    """A prefix such as 5 was taken, and the first training batch failed in log_dict with Python's
+    "unsupported operand type(s) for +"."""
+    import gradsparse as gs
+
+    with pytest.raises(TypeError, match=r"Sparsify: prefix must be a string, .* got 5 \(int\); for example prefix="):
+        gs.lightning.Sparsify(gs.TopK(density=0.05), prefix=5)
+
+
 def test_lightning_ddp_strategy_comm_hook_path():
     for r in run_distributed(frameworks.lightning_strategy_hook, 2, timeout=200):
         assert r["steps"] == 3 and 0 < r["density"] <= 0.05
