@@ -316,6 +316,53 @@ TEST(ReduceBucket, AFailedExchangeGivesTheSelectionBackToTheResidual) {
   for (const std::exception_ptr& error : errors) EXPECT_THROW(std::rethrow_exception(error), CorruptMessageError);
 }
 
+/// A transport whose all-reduces move the data, then report a failure (as a collective that
+/// fails on its wait may leave its buffer written).
+class FailingAllreduce final : public Forwarding {
+ public:
+  using Forwarding::Forwarding;
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    Forwarding::allreduce_sum(device, data, count, dtype);
+    throw CommError("the all-reduce failed");
+  }
+};
+
+// The shared exchange sums its values in a copy of the selection, so that a step whose all-reduce
+// fails gives the selection back to the residual as it was made: float16's values divided by P
+// before the sum, or float32's summed over the ranks, would have come back in their place.
+TEST(ReduceBucket, AFailedAllreduceGivesTheSharedSelectionBackToTheResidual) {
+  const int p = 3;
+  const int64_t n = 500;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16}) {
+    const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+      FailingAllreduce failing(transport);
+      CpuDevice device;
+      const std::vector<float> g = grad_of(rank, n), old = residual_of(rank, n);
+      auto run = [&](auto zero) {
+        using T = decltype(zero);
+        std::vector<T> grad(n), residual(n);
+        std::vector<float> want(n), got(n);  // the update, residual + gradient in T
+        for (int64_t i = 0; i < n; ++i) {
+          grad[i] = Num<T>::from_float(g[i]);
+          residual[i] = Num<T>::from_float(old[i]);
+          want[i] = Num<T>::to_float(Num<T>::from_float(Num<T>::to_float(residual[i]) + Num<T>::to_float(grad[i])));
+        }
+        RandomK method(0.05, 3);
+        try {
+          reduce_bucket(&method, failing, device, BucketView{dtype, n, grad.data(), residual.data()}, ReduceOptions{});
+        } catch (...) {
+          for (int64_t i = 0; i < n; ++i) got[i] = Num<T>::to_float(residual[i]);
+          EXPECT_EQ(got, want) << dtype_name(dtype) << " rank " << rank;
+          throw;
+        }
+      };
+      if (dtype == DType::kFloat32) run(float{});
+      if (dtype == DType::kFloat16) run(Half{});
+    });
+    for (const std::exception_ptr& error : errors) EXPECT_THROW(std::rethrow_exception(error), CommError);
+  }
+}
+
 // The shared exchange's digest tells index lists apart by their members, order and length.
 TEST(EachExchange, SharedIndicesDigestTellsListsApart) {
   const std::vector<int64_t> a{1, 2, 3}, b{1, 2, 4}, c{2, 1, 3}, d{1, 2, 3, 0};

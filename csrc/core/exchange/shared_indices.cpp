@@ -31,10 +31,16 @@ class SharedIndices final : public Exchange {
                " selected other indices than rank 0 (", result.control[r].count, " against ", result.control[0].count,
                ")");
     }
-    const MessageView view = mine.view(bucket);
+    // The values are summed in a copy of the message: the selection stays as it was made, which
+    // a step that fails in the all-reduce gives back to the residual (reduce_bucket).
+    MessageView view = mine.view(bucket);
+    Buffer summed;
     float divisor = static_cast<float>(transport.size());
     if (mine.count > 0) {  // every rank has the same count: all skip together
-      divisor = allreduce_values(transport, device, mine.message.as<unsigned char>() + view.layout().values_offset,
+      summed = device.allocate(mine.bytes);
+      device.copy(summed.data(), mine.message.data(), mine.bytes);
+      view.data = summed.as<unsigned char>();
+      divisor = allreduce_values(transport, device, summed.as<unsigned char>() + view.layout().values_offset,
                                  mine.count, bucket.dtype);
     }
     clear_output(device, bucket);
