@@ -43,9 +43,8 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
                     ", ", indices.device(), ", ", values.device());
   TORCH_CHECK_VALUE(indices.is_contiguous() && values.is_contiguous(),
                     "gradsparse.scatter_add_: indices and values must be contiguous");
-  TORCH_CHECK_VALUE(std::isfinite(divisor) && divisor != 0.0,
-                    "gradsparse.scatter_add_: divisor must be finite and non-zero, got ", divisor);
-  // The kernels divide in float32: a divisor that rounds to 0 or overflows there is refused too.
+  // The kernels divide in float32: a divisor that is 0, NaN or infinite there is refused (a NaN
+  // fails the comparison).
   TORCH_CHECK_VALUE(
       std::abs(divisor) <= std::numeric_limits<float>::max() && static_cast<float>(divisor) != 0.0f,
       "gradsparse.scatter_add_: divisor must be finite and non-zero in float32, got ", divisor,

@@ -1,5 +1,6 @@
 """Each TORCH_LIBRARY op against a plain PyTorch reference, its error handling, and opcheck."""
 
+import math
 import re
 
 import pytest
@@ -162,8 +163,8 @@ def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind
     assert not strided.any()
 
 
-@pytest.mark.parametrize("divisor", [1e-300, -1e-50, 1e39, -3.5e38])
-def test_scatter_add_refuses_a_divisor_that_float32_cannot_hold(divisor):
+@pytest.mark.parametrize("divisor", [1e-300, -1e-50, 1e39, -3.5e38, 0.0, math.inf, math.nan])
+def test_scatter_add_refuses_a_divisor_that_float32_cannot_hold(divisor):  # 0, Inf and NaN too
     """The kernels divide in float32. A divisor finite in float64 but 0 or Inf in float32 passed
     the check: a tiny one failed in the kernel with "divisor must be non-zero", which the divisor
     given was not, and a huge one added zeros where it should have added the values divided."""
