@@ -598,8 +598,6 @@ class State:
             self._sharded_called.clear()
             self._step += 1
             self._loaded = None  # a step has passed: state_dict() returns the live residuals again
-        self._sharded_called.add(index)
-        last = len(self._sharded_called) == groups
         entry = self._table.buckets.get(index)
         if entry is None:
             numel = flat.numel()
@@ -614,10 +612,14 @@ class State:
                     "fully_shard of its own"
                 )
             entry = self._table.add(index, [name], [numel], lambda: self._make_method([numel]), flat)
+        last = len(self._sharded_called | {index}) == groups
+        future = self._submit(entry, flat, last, shard_only=True)
+        # Recorded once the engine has taken it: a group refused above was not reduced in this step.
+        self._sharded_called.add(index)
         if last:
             self._sharded_called.clear()
             self._loaded = None  # every group has taken what was saved for it
-        return self._submit(entry, flat, last, shard_only=True)
+        return future
 
     # ----------------------------------------------------------------------------------------
     # Public API

@@ -849,3 +849,19 @@ def test_a_state_dict_kept_in_memory_while_training_went_on_is_refused_with_the_
         state.load_state_dict(kept)
     state.load_state_dict(snapshot)
     assert state.step == 2
+
+
+def test_an_fsdp_group_refused_for_its_size_does_not_count_the_next_step_early():
+    """gradsparse.fsdp hands each parameter group's flat gradient to _reduce_flat. A group refused
+    for its size was recorded as reduced all the same, so at the next step its first group read
+    as a second reduction and counted a step there: that step ran past warm-up and ended as
+    step 2."""
+    state = gs.TopK(density=0.5, warmup_steps=1).setup()
+    state._bind_sharded(nn.Linear(1, 1), {"a": (8, torch.float32), "b": (4, torch.float32)})
+    with pytest.raises(RuntimeError, match="module 'a' hands over 6 gradient elements where its parameters"):
+        state._reduce_flat(0, "a", torch.ones(6), 2)
+    assert state.step == 0
+    state._reduce_flat(0, "a", torch.ones(8), 2).wait()
+    state._reduce_flat(1, "b", torch.ones(4), 2).wait()
+    assert state.step == 1
+    assert state.stats()["total"]["dense_steps"] == 1  # the warm-up step, in both groups
