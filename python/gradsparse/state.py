@@ -733,6 +733,17 @@ class State:
                 f"({state_dict['config']}) but this state is {owner}({mine}); create the same method with the same "
                 "options before loading"
             )
+        unknown = sorted(set(state_dict["config"]) - set(mine), key=str)
+        if unknown:  # no state of this version can be created with it
+            options = ", ".join(f"{k}={state_dict['config'][k]!r}" for k in unknown)
+            removal = "; ".join(f"del sd['config'][{k!r}]" for k in unknown)
+            raise ValueError(
+                f"{owner}.load_state_dict: the state dict comes from a later gradsparse version, with "
+                f"option{'s' if len(unknown) > 1 else ''} {options} that {owner} of this version "
+                f"(gradsparse {_version()}) does not know; upgrade gradsparse to resume with "
+                f"{'them' if len(unknown) > 1 else 'it'}, or remove {'them' if len(unknown) > 1 else 'it'} from the "
+                f"state dict ({removal}) to resume with this version's default"
+            )
         differ = [k for k in sorted(saved_config.keys() | mine.keys()) if saved_config.get(k) != mine.get(k)]
         if differ:
             raise ValueError(
@@ -800,6 +811,12 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
+
+
+def _version() -> str:
+    from gradsparse import __version__
+
+    return __version__
 
 
 def _value(future: torch.futures.Future):

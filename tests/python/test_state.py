@@ -262,6 +262,23 @@ def test_a_state_dict_saved_before_an_option_existed_loads_with_its_default():
     gs.TopK(density=0.05, momentum=0.9).load_state_dict(sd)  # an older state dict's momentum is not known
 
 
+def test_a_state_dict_with_an_option_of_a_later_version_names_it_and_the_fix():
+    """An option this version does not know was refused as 'saved with other options (... None
+    here); create TopK with the saved options', which no TopK of this version can be."""
+    sd = _saved()
+    sd["config"] = dict(sd["config"], overlap=True)  # as a later gradsparse might save
+    with pytest.raises(ValueError) as refused:
+        gs.TopK(density=0.05).load_state_dict(sd)
+    message = str(refused.value)
+    assert "comes from a later gradsparse version, with option overlap=True" in message, message
+    assert "upgrade gradsparse" in message and "del sd['config']['overlap']" in message, message
+    del sd["config"]["overlap"]
+    fresh = gs.TopK(density=0.05)
+    _hooked(fresh)
+    fresh.load_state_dict(sd)
+    assert fresh.step == 2
+
+
 def test_repr_and_config():
     state = gs.Threshold(threshold=0.5, warmup_steps=3)
     assert repr(state).startswith(
