@@ -626,7 +626,10 @@ class State:
 
     @property
     def step(self) -> int:
-        """Completed steps (incremented when DDP's last bucket of a step is submitted)."""
+        """Completed steps (incremented when DDP's last bucket of a step is submitted). A state
+        dict loaded before init_process_group counts from the process group's creation on (until
+        then this rank, and so its part of the state dict, is not known)."""
+        self._load_unchecked()
         return self._step
 
     @property
@@ -656,6 +659,7 @@ class State:
         averaged over the ranks (empty after a resume that kept a saved decision).
         """
         check_bool(f"{type(self).__name__}.stats", "reset", reset)
+        self._load_unchecked()
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
         if self._trial is not None:
             trial = self._trial
@@ -675,7 +679,8 @@ class State:
         step, the loaded state is returned as it was loaded, as this rank's.
         """
         owner = type(self).__name__
-        if self._unchecked is not None:
+        self._load_unchecked()
+        if self._unchecked is not None:  # before init_process_group: this rank is not known yet
             return self._unchecked[0]
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
@@ -714,7 +719,8 @@ class State:
 
         Residuals are put back by parameter name at the next step; that step is reduced in the
         saved bucket layout, so a resumed run repeats the uninterrupted run bit for bit. Loading
-        before the process group exists is fine: the rank checks then run in setup().
+        before the process group exists is fine: the rank checks then run once it exists (in
+        setup(), or at the first state_dict(), step or stats() before it).
         """
         owner = type(self).__name__
         check_bool(f"{owner}.load_state_dict", "any_rank", any_rank)
@@ -761,6 +767,19 @@ class State:
             self._unchecked = (state_dict, any_rank)  # checked against this rank in setup()
             return
         self._load(state_dict, any_rank)
+
+    def _load_unchecked(self) -> None:
+        """A state dict loaded before init_process_group is loaded once the process group exists,
+        as a load then would have been: state_dict(), step and stats() read this rank's part of
+        it from then on, not the whole state dict (an AllRanks one nested in a new AllRanks file).
+        A load that fails raises here and again in setup()."""
+        if self._unchecked is None or self._engine is not None or not (dist.is_available() and dist.is_initialized()):
+            return
+        if dist.get_rank(self.process_group) < 0:  # not a member: setup() says so
+            return
+        saved, any_rank = self._unchecked
+        self._load(saved, any_rank)
+        self._unchecked = None
 
     def _load(self, state_dict: dict, any_rank: bool) -> None:
         group = self.process_group

@@ -729,6 +729,38 @@ print("after:", own.step, sorted(own.state_dict()["residuals"]))
     assert f"after: 3 {sorted(sd['residuals'])}" in out.stdout
 
 
+def test_an_all_ranks_state_dict_loaded_before_the_process_group_saves_as_this_ranks(tmp_path):
+    """A state given gradsparse.AllRanks' state dict before init_process_group kept it whole until
+    set-up: AllRanks(state).state_dict() taken after init_process_group but before the first step
+    nested it, one AllRanks state dict per rank, and that file could not be loaded again; and
+    state.step read 0 (stats() empty) while state_dict() said step 2. Once the process group
+    exists, the load takes this rank's part, as a load then would."""
+    state = gs.TopK(density=0.05)
+    _train(_hooked(state), 2)
+    torch.save(gs.AllRanks(state).state_dict(), tmp_path / "all.pt")
+    code = f"""
+import torch, torch.distributed as dist, torch.nn as nn
+import gradsparse as gs
+from gradsparse.testing.distributed import free_port
+state = gs.TopK(density=0.05)
+state.load_state_dict(torch.load({str(tmp_path / "all.pt")!r}))
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{free_port()}}", rank=0, world_size=1)
+print("read:", state.step, state.stats()["total"]["steps"])
+again = gs.AllRanks(state).state_dict()
+print("saved:", sorted(again["ranks"][0]))
+torch.manual_seed(1)
+fresh = gs.TopK(density=0.05)
+gs.register(nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3))), fresh)
+fresh.load_state_dict(again)
+print("loaded:", fresh.step)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "read: 2 2" in out.stdout
+    assert "'residuals'" in out.stdout and "'all_ranks'" not in out.stdout, out.stdout
+    assert "loaded: 2" in out.stdout
+
+
 # ----------------------------------------------------------------------------------------------
 # Momentum correction
 
