@@ -385,9 +385,7 @@ class State:
         try:
             return self._reduce_bucket(bucket)
         except Exception as error:
-            for buffer, _, held in self._deferred:  # the first step after a load: let them go
-                if not held.done():
-                    held.set_result(buffer)
+            _release(self._deferred)  # the first step after a load: let them go
             self._deferred = []
             self._failed_step = not bucket.is_last()
 
@@ -414,7 +412,7 @@ class State:
                     "model's parameter names (it was registered with model.register_comm_hook), so the residuals "
                     "cannot be put back; register it with gradsparse.register(ddp_model, state) instead"
                 )
-            return self._defer(buffer, params, last)
+            return self._defer(buffer, params, index, last)
         entry = self._bucket(index, params, buffer)  # its method and residual, re-mapped if DDP rebuilt
         return self._submit(entry, buffer, last)  # error feedback, selection and exchange, on the engine
 
@@ -530,21 +528,32 @@ class State:
             entry.method.set_exchange(exchange)
         return None if self._trial.decided else exchange
 
-    def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], last: bool) -> torch.futures.Future:
+    def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], index: int, last: bool) -> torch.futures.Future:
         """The first step after load_state_dict: DDP hands its buckets in the layout of a fresh
         process (parameter order), which need not be the layout the saved run reduced in. The
         buckets are held until the last one arrives, then reduced in the saved layout, so that a
         resumed run does exactly what the uninterrupted run would have done."""
         gate = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
-        self._deferred.append((buffer, params, gate))
-        if last:  # on an error, _reduce releases what is still held
-            self._reduce_in_saved_layout(self._deferred)
+        if index == 0 and self._deferred:
+            # DDP starts every step at bucket 0: what is still held was left by a backward that
+            # stopped half-way (or by a DDP wrapper since replaced). Nothing of it was reduced, and
+            # its residuals wait by name; held on, it would be reduced again with this step's.
+            _release(self._deferred)
             self._deferred = []
+        self._deferred.append((buffer, params, gate))
+        if last:  # on an error, _reduce_in_saved_layout releases what it held
+            held, self._deferred = self._deferred, []
+            self._reduce_in_saved_layout(held)
         # DDP reads what a future holds as a tensor: an error set on the gate reaches it through
         # then(), as a failed future, not as a Python object that is no tensor.
         return gate.then(_value)
 
     def _reduce_in_saved_layout(self, held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]):
+        """Reduces the held buckets in the saved layout. An error before the last saved bucket was
+        handed to the engine raises (the step fails, as at any bucket): the saved buckets handed
+        over before it are reduced and copied into DDP's buckets, the others go back untouched
+        with their residuals waiting by name, as when a bucket of an ordinary step fails; when
+        none was handed over, the next step runs the saved layout again."""
         where: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (parameter, its slice of DDP's bucket)
         current: list[list[str]] = []
         for buffer, params, _ in held:
@@ -556,34 +565,38 @@ class State:
         if layout == current or sorted(n for names in layout for n in names) != sorted(where):
             # The same layout, or one that does not cover this model: DDP's own buckets.
             layout = current
-        self._loaded = None
+        loaded, self._loaded = self._loaded, None
         futures, copies = [], []
-        for index, names in enumerate(layout):
-            params = [where[n][0] for n in names]
-            views = [where[n][1] for n in names]
-            buffer = held[index][0] if layout is current else torch.cat(views)
-            if layout is not current:
-                copies.append((buffer, views))
-            entry = self._bucket(index, params, buffer)
-            futures.append(self._submit(entry, buffer, index == len(layout) - 1))
+        try:
+            for index, names in enumerate(layout):
+                params = [where[n][0] for n in names]
+                views = [where[n][1] for n in names]
+                buffer = held[index][0] if layout is current else torch.cat(views)
+                entry = self._bucket(index, params, buffer)
+                futures.append(self._submit(entry, buffer, index == len(layout) - 1))
+                if layout is not current:
+                    copies.append((buffer, views))
+        except BaseException:
+            if not futures:  # nothing reduced: the next step is still the first after the load
+                self._loaded = loaded
+            raise
+        finally:  # what was handed to the engine reaches DDP's buckets, even when a later bucket failed
 
-        def deliver(done: torch.futures.Future) -> None:
-            try:
-                for fut in done.value():
-                    fut.value()  # raises the engine's error, if any
-                for buffer, views in copies:
-                    for view, piece in zip(views, buffer.split([v.numel() for v in views]), strict=True):
-                        view.copy_(piece)
-            except Exception as e:
-                for _, _, fut in held:
-                    if not fut.done():
-                        fut.set_exception(e)
-                return
-            for buffer, _, fut in held:
-                if not fut.done():  # released already when the step failed before everything was submitted
-                    fut.set_result(buffer)
+            def deliver(done: torch.futures.Future) -> None:
+                try:
+                    for fut in done.value():
+                        fut.value()  # raises the engine's error, if any
+                    for buffer, views in copies:
+                        for view, piece in zip(views, buffer.split([v.numel() for v in views]), strict=True):
+                            view.copy_(piece)
+                except Exception as e:
+                    for _, _, fut in held:
+                        if not fut.done():
+                            fut.set_exception(e)
+                    return
+                _release(held)
 
-        torch.futures.collect_all(futures).add_done_callback(deliver)
+            torch.futures.collect_all(futures).add_done_callback(deliver)
 
     def _reduce_flat(self, index: int, name: str, flat: torch.Tensor, groups: int) -> torch.futures.Future:
         """Reduces one FSDP parameter group's flat gradient in place (gradsparse.fsdp): bucket
@@ -836,6 +849,13 @@ def _version() -> str:
     from gradsparse import __version__
 
     return __version__
+
+
+def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]) -> None:
+    """Hands held DDP buckets back as they are now."""
+    for buffer, _, gate in held:
+        if not gate.done():
+            gate.set_result(buffer)
 
 
 def _value(future: torch.futures.Future):

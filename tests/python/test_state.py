@@ -2,6 +2,7 @@
 DDP model, statistics, state_dict round trips."""
 
 import copy
+import gc
 import math
 import subprocess
 import sys
@@ -479,6 +480,129 @@ def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_s
     _train(ddp, 1)
     assert state.step == 4  # the failed step ran its exchange (every rank saw the NaN), and counts
     assert all(bool(torch.isfinite(t).all()) for t in state.state_dict()["residuals"].values())
+
+
+def _bucketed(cap_mb, weights_of=None):
+    """A DDP model of _model() in buckets of ``cap_mb`` (from its second step on; its first has one)."""
+    ddp = DDP(_model(), bucket_cap_mb=cap_mb)
+    if weights_of is not None:
+        ddp.module.load_state_dict(weights_of.module.state_dict())
+    return ddp
+
+
+def test_a_saved_bucket_that_fails_in_the_first_step_after_a_load_delivers_those_before_it(monkeypatch):
+    """The first step after a load reduces in the saved layout. When a saved bucket failed after
+    earlier ones had been handed to the engine, those were reduced (their residuals moved on) but
+    never copied into DDP's buckets, which went back with the local gradients. Now the step raises
+    as at any bucket: the saved buckets before the failed one reach DDP's buckets reduced, the
+    rest keep their residuals, and the next step trains on."""
+    saving = gs.TopK(density=0.05)
+    ddp = _bucketed(0.0005)  # saved layout: [2.bias, 2.weight, 0.bias], [0.weight]
+    gs.register(ddp, saving)
+    _train(ddp, 2)
+    sd = copy.deepcopy(saving.state_dict())
+    assert sd["layout"] == [["2.bias", "2.weight", "0.bias"], ["0.weight"]]
+    state = gs.TopK(density=0.05)
+    resumed = _bucketed(0.0003)  # DDP's buckets by then: [2.bias, 2.weight], [0.bias, 0.weight]
+    gs.register(resumed, state)
+    _train(resumed, 2, seed=4)
+    resumed.module.load_state_dict(ddp.module.state_dict())
+    state.load_state_dict(sd)
+    submit, calls = state._submit, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the second saved bucket failed")
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(state, "_submit", second_fails)
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    for model in (ddp, resumed):
+        model.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    with pytest.raises(RuntimeError, match="the second saved bucket failed"):
+        nn.functional.cross_entropy(resumed(x), y).backward()
+    reduced, got = dict(ddp.module.named_parameters()), dict(resumed.module.named_parameters())
+    for name in ("2.bias", "2.weight"):  # DDP's first bucket, reduced in the saved bucket 0
+        assert torch.equal(got[name].grad, reduced[name].grad), name
+    monkeypatch.undo()
+    assert state.step == 2
+    residuals = state.state_dict()["residuals"]
+    for name in ("2.bias", "2.weight", "0.bias"):  # moved on once, as in the uninterrupted run
+        assert torch.equal(residuals[name], saving.state_dict()["residuals"][name]), name
+    assert torch.equal(residuals["0.weight"], sd["residuals"]["0.weight"])  # not reduced: kept
+    _train(resumed, 1)
+    assert state.step == 3
+
+
+def test_a_first_step_after_a_load_that_fails_before_any_bucket_leaves_the_saved_layout_for_the_next(
+    monkeypatch,
+):
+    """When the first saved bucket fails, nothing was reduced: the next step is still the first
+    after the load and runs the saved layout, so the resumed run still repeats the uninterrupted
+    one bit for bit (it ran DDP's own layout)."""
+    saving = gs.TopK(density=0.05)
+    ddp = _bucketed(0.0005)
+    gs.register(ddp, saving)
+    _train(ddp, 2)
+    sd = copy.deepcopy(saving.state_dict())
+    state = gs.TopK(density=0.05)
+    resumed = _bucketed(0.0005, weights_of=ddp)  # its first step in one bucket, the saved run's in two
+    gs.register(resumed, state)
+    state.load_state_dict(sd)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the first saved bucket failed")
+
+    monkeypatch.setattr(state, "_submit", fails)
+    with pytest.raises(RuntimeError, match="the first saved bucket failed"):
+        _train(resumed, 1, seed=3)
+    monkeypatch.undo()
+    assert state.step == 2 and state.state_dict()["layout"] == sd["layout"]
+    _train(resumed, 2, seed=5)
+    _train(ddp, 2, seed=5)
+    for name, value in saving.state_dict()["residuals"].items():
+        assert torch.equal(state.state_dict()["residuals"][name], value), name
+    for a, b in zip(resumed.parameters(), ddp.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_buckets_held_by_a_backward_that_stopped_half_way_are_not_reduced_again():
+    """The first step after a load holds DDP's buckets until the last one. A backward that
+    stopped after the first bucket (an error in the user's code) left it held, and the next
+    step, under a new DDP wrapper, reduced it with its own buckets: the stopped step's gradient
+    went into the residuals, and the residuals it shared a name with were counted twice."""
+    state = gs.TopK(density=0.05)
+    ddp = _bucketed(0.0003)  # from the second step on: [2.bias, 2.weight], [0.bias, 0.weight]
+    gs.register(ddp, state)
+    _train(ddp, 2)
+    sd = copy.deepcopy(dict(state.state_dict(), layout=[], methods=[]))  # as gs.reshard gives it
+    reference = gs.TopK(density=0.05)
+    clean = _bucketed(0.0003, weights_of=ddp)
+    gs.register(clean, reference)
+    reference.load_state_dict(sd)
+    state.load_state_dict(sd)
+
+    def stop(_):
+        raise RuntimeError("an error in the user's backward")
+
+    hook = ddp.module[0].weight.register_hook(stop)  # after DDP's first bucket was held
+    with pytest.raises(RuntimeError, match="an error in the user's backward"):
+        _train(ddp, 1, seed=3)
+    hook.remove()
+    module = ddp.module
+    del ddp  # DDP refuses a step after a stopped backward: the model is wrapped anew
+    gc.collect()
+    again = DDP(module, bucket_cap_mb=0.0003)
+    gs.register(again, state)
+    _train(again, 1)
+    _train(clean, 1)
+    assert state.step == reference.step == 3
+    for name, value in reference.state_dict()["residuals"].items():
+        assert torch.equal(state.state_dict()["residuals"][name], value), name
+    for a, b in zip(again.parameters(), clean.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 def test_spardl_teams_must_divide_the_world_size():
