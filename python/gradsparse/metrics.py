@@ -15,7 +15,7 @@ class BucketStats:
     skipped_steps: int = 0
     numel: int = 0  # elements of the bucket (last step)
     elements: int = 0  # elements reduced, summed over steps
-    sparse_elements: int = 0  # elements of sparse steps
+    sparse_elements: int = 0  # elements of sparse steps (not skipped ones: the densities leave them out)
     selected: int = 0  # pairs this rank sent in sparse steps
     selected_all: int = 0  # pairs all ranks sent in sparse steps
     union: int = 0  # elements the sparse steps' exchanges wrote (the averaged bucket's support)
@@ -38,7 +38,7 @@ class BucketStats:
         if report.dense:
             self.dense_steps += 1
             self.elements_sent += report.numel
-        else:
+        elif not report.skipped:  # a skipped step applied nothing: its selection went back to the residual
             self.sparse_elements += report.numel
             self.selected += report.selected
             self.selected_all += report.selected_all

@@ -209,6 +209,32 @@ def test_stats_report_density_bytes_and_warmup():
     assert state.stats()["total"]["steps"] == 0
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: gs.TopK(density=0.1, nonfinite="skip"), lambda: gs.MiCRO(density=0.1, nonfinite="skip")]
+)
+def test_a_skipped_step_counts_in_no_density(make):
+    """A step skipped for a NaN applies nothing (its selection goes back to the residual): its
+    pairs counted in density but its elements wrote no union, so at one rank density and
+    union_density parted, and MiCRO's achieved_density fell below what the applied steps hit."""
+    state = make()
+    ddp = _hooked(state)
+    n = sum(p.numel() for p in ddp.parameters())
+    torch.manual_seed(0)
+    for step in range(4):
+        x = torch.randn(16, 8)
+        if step == 2:
+            x[0, 0] = math.nan
+        ddp(x).sum().backward()
+        ddp.zero_grad()
+    total = state.stats()["total"]
+    assert total["steps"] == 4 and total["skipped_steps"] == 1
+    assert total["sparse_elements"] == 3 * n
+    assert total["elements_sent"] == total["selected"] == total["union"] > 0  # one rank writes what it sends
+    assert total["density"] == total["union_density"] == total["achieved_density"]
+    if isinstance(state, gs.TopK):
+        assert total["density"] == pytest.approx(math.floor(0.1 * n) / n)
+
+
 def test_state_dict_round_trip_restores_residuals_by_name():
     state = gs.TopK(density=0.05)
     ddp = _hooked(state)
