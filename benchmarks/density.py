@@ -65,6 +65,7 @@ def methods(density: float) -> dict[str, callable]:
 
 
 GLOBAL_TARGET = ("MiCRO", "ExDyna", "SparDL")
+STREAMS = ("drift", "cnn")  # the gradient streams (see the module docstring)
 
 
 def drift_stream(steps: int, world_size: int, n: int = 200_000, seed: int = 0) -> list[list[torch.Tensor]]:
@@ -185,17 +186,39 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--steps {args.steps}: the first {WARMUP} steps are not counted; give more than {WARMUP}")
     if not args.no_imbalance and args.imbalance_steps <= 10:
         parser.error(f"--imbalance-steps {args.imbalance_steps}: the first 10 steps are not counted; give more than 10")
+    if args.world_size < 1:
+        parser.error(f"--world-size must be at least 1 (thread ranks), got {args.world_size}")
+    if not (math.isfinite(args.drift_size) and args.drift_size >= 1):
+        parser.error(f"--drift-size must be a finite number of elements, at least 1, got {args.drift_size}")
+    densities = []
+    for text in args.densities.split(","):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= 1:
+            parser.error(
+                f"--densities: {text.strip()!r} is no density in (0, 1]; write them separated by commas, e.g. 0.01,0.001"
+            )
+        densities.append(value)
+    streams = [s.strip() for s in args.streams.split(",")]
+    unknown = [s for s in streams if s not in STREAMS]
+    if unknown:
+        parser.error(f"--streams: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STREAMS)}")
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in methods(0.01)]
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(methods(0.01))}")
     torch.set_num_threads(2)
     gs.set_num_threads(1)  # the ranks are threads already
     text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"
-    for stream_name in args.streams.split(","):
+    for stream_name in streams:
         if stream_name == "drift":
             stream = drift_stream(args.steps, args.world_size, n=int(args.drift_size))
         else:
             stream = cnn_stream(args.steps, args.world_size)
         rows = []
-        for density in (float(d) for d in args.densities.split(",")):
+        for density in densities:
             for name, make in methods(density).items():
                 if chosen and name not in chosen:
                     continue

@@ -85,6 +85,32 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
     assert f"{flag} {value}: the first" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # an IndexError deep in the run
+        (["--world-size", "0"], "--world-size must be at least 1 (thread ranks), got 0"),
+        # a ValueError traceback, or the first method's own refusal after the stream was drawn
+        (["--densities", "0.01,abc"], "--densities: 'abc' is no density in (0, 1]; write them separated by commas"),
+        (["--densities", "0.01,0"], "--densities: '0' is no density in (0, 1]"),
+        (["--drift-size", "nan"], "--drift-size must be a finite number of elements, at least 1, got nan"),
+        # an unknown stream ran the CNN's under that name; an unknown method left an empty table
+        (["--streams", "drift,resnet"], "--streams: unknown 'resnet'; choose from drift, cnn"),
+        (["--methods", "TopK,topk"], "--methods: unknown 'topk'; choose from TopK, RandomK"),
+    ],
+)
+def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsys, monkeypatch):
+    def drawn(*args, **kwargs):
+        raise AssertionError("a gradient stream was drawn before the arguments were checked")
+
+    monkeypatch.setattr(density, "drift_stream", drawn)
+    monkeypatch.setattr(density, "cnn_stream", drawn)
+    with pytest.raises(SystemExit) as info:
+        density.main([*argv, "--steps", "60", "--no-imbalance", "--output", "unused.md"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.distributed
 def test_overlap_times_every_mode(tmp_path):
     overlap.main(["--world-size", "2", "--methods", "dense,topk", "--steps", "2", "--width", "64", "--depth", "3",
