@@ -29,6 +29,7 @@ misses the kernels still queued when it returns.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -203,10 +204,40 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(
             f"--rounds and --momentum apply to the CPU's --methods table; drop them with --device {args.device}"
         )
+    sizes, densities = [], []
+    for text in args.sizes.split(","):
+        try:
+            size = float(text)
+        except ValueError:
+            size = math.nan
+        if not (math.isfinite(size) and size >= 1):
+            parser.error(f"--sizes: {text.strip()!r} is no number of elements (at least 1); write e.g. 1e6,25e6")
+        sizes.append(int(size))
+    for text in args.densities.split(","):
+        try:
+            density = float(text)
+        except ValueError:
+            density = math.nan
+        if not 0 < density <= 1:
+            parser.error(f"--densities: {text.strip()!r} is no density in (0, 1]; write e.g. 0.01,0.001")
+        densities.append(density)
+    for flag, value, low in (
+        ("--repeat", args.repeat, 1),
+        ("--rounds", args.rounds, 1),
+        ("--threads", args.threads, 0),
+    ):
+        if value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
+    if not 0 <= args.momentum < 1:
+        parser.error(f"--momentum must be in [0, 1) (0: none), got {args.momentum}")
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        parser.error(f"--device: {args.device!r} is neither cpu nor cuda (cuda:N for another GPU)")
+    if args.methods:
+        chosen_methods(0.01, args.only)  # an unknown --only name, before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)
-    sizes_densities = [(int(float(n)), float(d)) for n in args.sizes.split(",") for d in args.densities.split(",")]
+    sizes_densities = [(n, d) for n in sizes for d in densities]
     rows = [measure(n, d, args.repeat, args.device) for n, d in sizes_densities]
     headers = [
         "N",

@@ -56,6 +56,33 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # ValueError, kthvalue's or statistics' tracebacks, or torch's list of device types
+        (["--sizes", "1e6,big"], "--sizes: 'big' is no number of elements (at least 1); write e.g. 1e6,25e6"),
+        (["--sizes", "0"], "--sizes: '0' is no number of elements (at least 1)"),
+        (["--densities", "0.01,2"], "--densities: '2' is no density in (0, 1]; write e.g. 0.01,0.001"),
+        (["--repeat", "0"], "--repeat must be at least 1, got 0"),
+        (["--rounds", "0", "--methods"], "--rounds must be at least 1, got 0"),
+        (["--threads", "-2"], "--threads must be at least 0, got -2"),
+        (["--momentum", "1.5", "--methods"], "--momentum must be in [0, 1) (0: none), got 1.5"),
+        (["--device", "tpu"], "--device: 'tpu' is neither cpu nor cuda (cuda:N for another GPU)"),
+        # refused only once the first table had been timed
+        (["--methods", "--only", "topk"], "--only: unknown method(s) topk; choose from TopK"),
+    ],
+)
+def test_select_refuses_bad_values_before_timing_anything(argv, message, capsys, monkeypatch):
+    def timed(*args, **kwargs):
+        raise AssertionError("something was timed before the arguments were checked")
+
+    monkeypatch.setattr(select, "measure", timed)
+    with pytest.raises(SystemExit) as info:
+        select.main([*argv, "--output", "unused.md"])
+    assert info.value.code != 0
+    assert message in capsys.readouterr().err + str(info.value.code)
+
+
 def test_engine_rows_time_every_chosen_method_through_a_one_rank_group():
     """The GPU table's harness (--methods --device cuda), run over a one-rank Gloo group here."""
     rows = select.engine_method_rows(20_000, 0.01, 1, "cpu", "TopK,SparDL")
