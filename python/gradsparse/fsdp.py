@@ -115,9 +115,56 @@ def sparsify(model: nn.Module, state: State) -> State:
         if layout is not None:
             layouts[fqn or "(root)"] = (module, *layout)
     state._bind_sharded(model, {name: (numel, dtype) for name, (_, numel, dtype) in layouts.items()})
+    recovery = _Recovery(state)
+    # Before FSDP's own pre-forward hooks (prepended at fully_shard): the reset must come first.
+    model.register_forward_pre_hook(recovery, prepend=True)
     for index, (name, (module, _, _)) in enumerate(layouts.items()):
-        module.set_custom_reduce_scatter(_SparseReduceScatter(state, index, name, len(layouts)))
+        module.set_custom_reduce_scatter(_SparseReduceScatter(state, index, name, len(layouts), recovery))
     return state
+
+
+class _Recovery:
+    """The way back from a reduce-scatter that raised. An exception in FSDP's post-backward (ours
+    or FSDP's own reduce-scatter) ends the autograd backward before FSDP's end-of-backward
+    callback: FSDP's states stay "in backward", its parameters unsharded, and every later forward
+    takes FSDP's path for a recomputation inside backward, so no module reduces again and the
+    optimizer's sharded parameters get no gradients, without an error (torch's FSDPModule
+    docstring: call reset_iter_state() on the root after such an exception). A failure of ours is
+    recorded here; the model's next forward (this pre-forward hook, ahead of FSDP's) resets FSDP's
+    iteration state on every root FSDP module of the model, so that step reduces again. The failed
+    step is not counted (as a DDP step that raised), and the residuals keep what each module had:
+    a module reduced before the failure moved on as in any step, the others as they were. When
+    the root FSDP module lies outside the model (sparsify given a submodule), the hook cannot
+    reset it: every forward raises until reset_iter_state() is called on that root."""
+
+    def __init__(self, state: State) -> None:
+        self._state = state
+        self.failure: str | None = None
+
+    def failed(self, name: str, error: BaseException) -> None:
+        self.failure = f"module {name!r} ({type(error).__name__}: {str(error)[:300]})"
+        self._state._sharded_called.clear()  # the groups reduced before it do not make the step count
+
+    def __call__(self, model: nn.Module, args: Any) -> None:
+        if self.failure is None:
+            return
+        modules = [m for _, m in _fsdp_modules(model)]
+        roots = [m for m in modules if m._get_fsdp_state()._is_root]
+        if roots and all(hasattr(root, "reset_iter_state") for root in roots):  # every torch of the supported range
+            for root in roots:
+                root.reset_iter_state()
+            self.failure = None
+            return
+        contexts = [m._get_fsdp_state()._state_ctx for m in modules]
+        if not roots and not any(c.post_backward_final_callback_queued for c in contexts):
+            self.failure = None  # the caller reset the root outside the model
+            return
+        raise RuntimeError(
+            f"gradsparse.fsdp: an earlier backward raised in the reduce-scatter of {self.failure}, and FSDP was left "
+            "in the middle of that backward: it would reduce no gradients from here on, and the optimizer's "
+            "parameters would get none, silently. Call reset_iter_state() on the root FSDP module (the outermost "
+            "fully_shard) after catching the error, then go on; or restart from the last checkpoint"
+        )
 
 
 class _SparseReduceScatter:
@@ -125,14 +172,12 @@ class _SparseReduceScatter:
     parameter group: the state's exchange of the flat gradient with error feedback (a sparse
     reduce-scatter for gather-and-add methods), of which this rank keeps its shard."""
 
-    def __init__(self, state: State, index: int, name: str, groups: int) -> None:
+    def __init__(self, state: State, index: int, name: str, groups: int, recovery: _Recovery) -> None:
         self._state = state  # the model keeps its state alive, as DDP keeps its hook's
         self._index = index
         self._name = name
         self._groups = groups
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+        self._recovery = recovery
 
     def __call__(
         self,
@@ -142,6 +187,16 @@ class _SparseReduceScatter:
         op: Any,
         async_op: bool = False,
     ) -> None:
+        try:
+            self._reduce_scatter(output_tensor, input_tensor, group, op)
+        except BaseException as error:
+            self._recovery.failed(self._name, error)  # FSDP's backward ends here: see _Recovery
+            raise
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op) -> None:
         state = self._state
         owner = type(state).__name__
         if op == dist.ReduceOp.AVG:
@@ -173,7 +228,6 @@ class _SparseReduceScatter:
         if scale != 1.0:
             shard.mul_(scale)
         output_tensor.view(-1).copy_(shard)
-        return None
 
 
 class ShardedState:

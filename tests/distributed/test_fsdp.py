@@ -406,3 +406,117 @@ def test_bad_input_raises_on_every_rank(case, error, message):
     outcomes = run_distributed(bad_input, 2, case, timeout=120)
     for rank, (kind, text) in enumerate(outcomes):
         assert kind == error and message in text, f"rank {rank}: {kind}: {text}"
+
+
+# A backward that raised in the reduce-scatter --------------------------------------------------------
+
+
+class SpareLinear(nn.Linear):
+    """A Linear with a parameter of 5 elements that gets a (zero) gradient only while ``use_spare``."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.spare = nn.Parameter(torch.zeros(5))
+        self.use_spare = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out + self.spare.sum() * 0 if self.use_spare else out
+
+
+def train_past_a_failed_backward(rank: int, world_size: int, layer: int, recovery: str) -> tuple[list, int, list]:
+    """5 steps; the Linear at ``layer`` is a SpareLinear whose spare parameter gets no gradient at
+    step 3, which gradsparse refuses (its module hands over fewer elements than its layout).
+    ``recovery``: "catch" (the error caught, the loop goes on), "reset" (and FSDP's
+    reset_iter_state() on the root, as torch documents), or "skip" (no step 3 at all)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 6))
+    spare = SpareLinear(*model[layer].weight.shape[::-1])
+    spare.load_state_dict(model[layer].state_dict(), strict=False)
+    model[layer] = spare
+    for module in model:
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    fully_shard(model)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    outcomes = []
+    for step, (x, y) in enumerate(workers.teacher_data(rank, 5)):
+        if step == 2 and recovery == "skip":
+            continue
+        spare.use_spare = step != 2
+        opt.zero_grad()
+        try:
+            nn.functional.cross_entropy(model(x), y).backward()
+        except Exception as error:  # the test asserts on it
+            outcomes.append(f"{type(error).__name__}: {error}")
+            if recovery == "reset":
+                model.reset_iter_state()
+            continue
+        opt.step()
+        outcomes.append("ok")
+    # the optimizer's (sharded) parameters: what the steps trained
+    return outcomes, state.step, [p.full_tensor().detach() for p in opt.param_groups[0]["params"]]
+
+
+@pytest.mark.parametrize("layer", [4, 2], ids=["first-reduced", "after-one-reduced"])
+def test_training_goes_on_reducing_after_a_backward_that_raised_in_gradsparse(layer):
+    """An error caught at step 3 (a trained parameter without a gradient, refused) leaves FSDP in the
+    middle of that backward, where it reduces nothing more; gradsparse resets it at the next
+    forward: the steps after it reduce and train exactly as after FSDP's own reset_iter_state(),
+    the failed step is not counted, and when the failure came before any module was reduced,
+    the run equals one without that batch, bit for bit."""
+    runs = {
+        r: run_distributed(train_past_a_failed_backward, 2, layer, r, timeout=180) for r in ("catch", "reset", "skip")
+    }
+    for rank in range(2):
+        caught, reset, skipped = (runs[r][rank] for r in ("catch", "reset", "skip"))
+        for outcomes, steps, _ in (caught, reset):
+            assert "gradsparse" in outcomes[2] and "elements" in outcomes[2], outcomes[2]
+            assert outcomes[:2] + outcomes[3:] == ["ok"] * 4, outcomes
+            assert steps == 4, steps
+        for a, b in zip(caught[2], reset[2], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: the caught run differs from the reset one by {(a - b).abs().max()}"
+        if layer == 4:  # the first module to reduce: nothing of step 3 went anywhere
+            for a, b in zip(caught[2], skipped[2], strict=True):
+                assert torch.equal(a, b), f"rank {rank}: differs from the run without step 3 by {(a - b).abs().max()}"
+
+
+def failed_backward_under_an_outer_root(rank: int, world_size: int) -> tuple[list, int]:
+    """gradsparse.fsdp.sparsify given a submodule, the root FSDP module around it: step 2 fails (a
+    parameter without a gradient), the user resets the root only after step 4."""
+    torch.manual_seed(3)
+    inner = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), SpareLinear(48, 6))
+    outer = nn.Sequential(inner)
+    for module in inner:
+        if isinstance(module, nn.Linear):
+            fully_shard(module)
+    fully_shard(outer)
+    state = gs.fsdp.sparsify(inner, gs.TopK(density=0.05))
+    opt = torch.optim.SGD(outer.parameters(), lr=0.1)
+    outcomes = []
+    for step, (x, y) in enumerate(workers.teacher_data(rank, 6)):
+        inner[2].use_spare = step != 1
+        opt.zero_grad()
+        try:
+            nn.functional.cross_entropy(outer(x), y).backward()
+        except Exception as error:  # the test asserts on it
+            outcomes.append(str(error))
+            if step == 3:
+                outer.reset_iter_state()
+            continue
+        opt.step()
+        outcomes.append("ok")
+    return outcomes, state.step
+
+
+def test_a_failed_backward_under_a_root_outside_the_sparsified_model_raises_until_that_root_is_reset():
+    """gradsparse cannot reset a root FSDP module outside the model it was given: every step after
+    the failure raises on every rank, naming the failed module and the fix, until the caller
+    resets the root; then training goes on reducing."""
+    for outcomes, steps in run_distributed(failed_backward_under_an_outer_root, 2, timeout=120):
+        assert outcomes[0] == "ok" and outcomes[4:] == ["ok", "ok"], outcomes
+        for text in outcomes[2:4]:
+            assert "an earlier backward raised in the reduce-scatter of module '2'" in text, text
+            assert "reset_iter_state()" in text and "last checkpoint" in text, text
+        assert steps == 3, steps
