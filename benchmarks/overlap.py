@@ -122,7 +122,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default="overlap.md", help=OUTPUT_HELP)
     parser.add_argument("--network", help="how the ranks are connected, for the header")
     args = parser.parse_args(argv)
+    for flag, value, low in (
+        ("--world-size", args.world_size, 1),
+        ("--steps", args.steps, 1),
+        ("--width", args.width, 1),
+        ("--depth", args.depth, 0),  # hidden layers: 0 leaves the output layer alone
+    ):
+        if value < low:
+            parser.error(f"{flag} must be at least {low}, got {value}")
     methods = [m for m in args.methods.split(",") if m]
+    if not methods:
+        parser.error(f"--methods: no method in {args.methods!r}; give them separated by commas, e.g. dense,topk")
+    for method in methods:  # as the workers create them, before any process starts
+        if method not in gs.METHODS:
+            parser.error(f"--methods: unknown method {method!r}; choose from {', '.join(gs.METHODS)}")
+        if method != "dense":
+            try:
+                gs.METHODS[method](density=args.density).close()
+            except (TypeError, ValueError) as e:
+                parser.error(f"--methods {method} --density {args.density}: {e}")
     worker_args = (methods, args.density, args.steps, args.width, args.depth)
     if "RANK" not in os.environ:
         per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)

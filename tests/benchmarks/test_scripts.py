@@ -138,6 +138,30 @@ def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsy
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # statistics' "no median for empty data" once every rank had trained every method
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--width", "0"], "--width must be at least 1, got 0"),
+        (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+        # a KeyError or the state's refusal in every spawned worker, after the methods before it had run
+        (["--methods", "dense,top-k"], "--methods: unknown method 'top-k'; choose from dense, topk"),
+        (["--density", "2"], "--methods topk --density 2.0: TopK: density must be in (0, 1], got 2.0"),
+    ],
+)
+def test_overlap_refuses_bad_values_before_starting_the_ranks(argv, message, capsys, monkeypatch):
+    def started(*args, **kwargs):
+        raise AssertionError("the ranks were started before the arguments were checked")
+
+    monkeypatch.setattr(overlap, "run_distributed", started)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as info:
+        overlap.main([*argv, "--output", "unused.md"])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.distributed
 def test_overlap_times_every_mode(tmp_path):
     overlap.main(["--world-size", "2", "--methods", "dense,topk", "--steps", "2", "--width", "64", "--depth", "3",
