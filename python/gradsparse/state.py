@@ -611,19 +611,19 @@ class State:
             self._sharded_called.clear()
             self._step += 1
             self._loaded = None  # a step has passed: state_dict() returns the live residuals again
+        numel = flat.numel()
+        expected = self._binding.numels.get(name, numel)
+        if numel != expected:  # at every step: a parameter may get a gradient in some steps only
+            raise RuntimeError(
+                f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
+                f"that require gradients hold {expected} (padded): some of them got no gradient in this "
+                "backward (FSDP reduces only the gradients it has). gradsparse keeps one residual per module "
+                "and needs the same parameters to get gradients at every step: freeze a parameter that is "
+                "never used (requires_grad_(False)) before gradsparse.fsdp.sparsify, or give the module a "
+                "fully_shard of its own"
+            )
         entry = self._table.buckets.get(index)
         if entry is None:
-            numel = flat.numel()
-            expected = self._binding.numels.get(name, numel)
-            if numel != expected:
-                raise RuntimeError(
-                    f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
-                    f"that require gradients hold {expected} (padded): some of them got no gradient in this "
-                    "backward (FSDP reduces only the gradients it has). gradsparse keeps one residual per module "
-                    "and needs the same parameters to get gradients at every step: freeze a parameter that is "
-                    "never used (requires_grad_(False)) before gradsparse.fsdp.sparsify, or give the module a "
-                    "fully_shard of its own"
-                )
             entry = self._table.add(index, [name], [numel], lambda: self._make_method([numel]), flat)
         last = len(self._sharded_called | {index}) == groups
         future = self._submit(entry, flat, last, shard_only=True)
