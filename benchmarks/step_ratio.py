@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     args = parser.parse_args(argv)
+    for flag, value in (("--batch-size", args.batch_size), ("--repeat", args.repeat), ("--threads", args.threads)):
+        if value < 1:  # on every rank alike, before the process group
+            parser.error(f"{flag} must be at least 1, got {value}")
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")
     channels, size, classes = SHAPES[args.model]

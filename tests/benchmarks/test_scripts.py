@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks import density, overlap, select
+from benchmarks import density, overlap, select, step_ratio
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
 
@@ -193,3 +193,24 @@ def test_allgatherv_times_three_ways_that_deliver_every_block():
         for best in figures.values():
             assert sorted(best) == ["all_gather", "all_to_all", "ring"]
             assert all(ms > 0 and math.isfinite(ms) for ms in best.values())
+
+
+def _no_process_group(*args, **kwargs):
+    raise AssertionError("the process group was joined before the arguments were checked")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # statistics' "no median for empty data" once compute had been timed
+        (["--repeat", "0"], "--repeat must be at least 1, got 0"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),  # torch's RuntimeError
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # an empty batch timed
+    ],
+)
+def test_step_ratio_refuses_bad_values_before_joining_the_process_group(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(step_ratio.dist, "init_process_group", _no_process_group)
+    with pytest.raises(SystemExit) as info:
+        step_ratio.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
