@@ -75,8 +75,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="2000,20000,100000,455000", help="bytes per rank, comma-separated")
     parser.add_argument("--calls", type=int, default=8, help="calls per timing")
     args = parser.parse_args(argv)
+    sizes = []
+    for text in args.sizes.split(","):  # on every rank alike, before the process group
+        try:
+            sizes.append(int(text))
+        except ValueError:
+            sizes.append(0)
+        if sizes[-1] < 1:
+            parser.error(f"--sizes: {text.strip()!r} is no block size in bytes (at least 1); write e.g. 2000,20000")
+    if args.calls < 1:
+        parser.error(f"--calls must be at least 1, got {args.calls}")
     dist.init_process_group("gloo")
-    figures = time_collectives([int(s) for s in args.sizes.split(",")], args.calls)
+    figures = time_collectives(sizes, args.calls)
     if dist.get_rank() == 0:
         for size, best in figures.items():
             cells = "  ".join(f"{name} {ms:8.2f} ms" for name, ms in best.items())

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks import density, overlap, select, step_ratio
+from benchmarks import allgatherv, density, overlap, select, step_ratio
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
 
@@ -212,5 +212,22 @@ def test_step_ratio_refuses_bad_values_before_joining_the_process_group(argv, me
     monkeypatch.setattr(step_ratio.dist, "init_process_group", _no_process_group)
     with pytest.raises(SystemExit) as info:
         step_ratio.main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # int()'s ValueError, torch.randint's error, or a ZeroDivisionError, after the rendezvous
+        (["--sizes", "2000,2k"], "--sizes: '2k' is no block size in bytes (at least 1); write e.g. 2000,20000"),
+        (["--sizes", "-5"], "--sizes: '-5' is no block size in bytes (at least 1)"),
+        (["--calls", "0"], "--calls must be at least 1, got 0"),
+    ],
+)
+def test_allgatherv_refuses_bad_values_before_joining_the_process_group(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(allgatherv.dist, "init_process_group", _no_process_group)
+    with pytest.raises(SystemExit) as info:
+        allgatherv.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
