@@ -132,7 +132,8 @@ class _Recovery:
     docstring: call reset_iter_state() on the root after such an exception). A failure of ours is
     recorded here; the model's next forward (this pre-forward hook, ahead of FSDP's) resets FSDP's
     iteration state on every root FSDP module of the model, so that step reduces again. The failed
-    step is not counted (as a DDP step that raised), and the residuals keep what each module had:
+    step is not counted unless its last module had been handed to the engine (a DDP step counts
+    at its last bucket), and the residuals keep what each module had:
     a module reduced before the failure moved on as in any step, the others as they were. When
     the root FSDP module lies outside the model (sparsify given a submodule), the hook cannot
     reset it: every forward raises until reset_iter_state() is called on that root."""
