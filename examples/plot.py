@@ -3,7 +3,8 @@
     python -m examples.plot RUN_DIR [RUN_DIR ...] [--out compare.png] [--metric accuracy] [--table]
 
 A RUN_DIR is a run folder (holding epochs.csv) or a folder of run folders (one per method, as
-``--method dense,topk`` writes them). Each run is one line, labelled by its folder name.
+``--method dense,topk`` writes them). Each run is one line, labelled by its folder name; a run
+stopped in its first epoch (its epochs.csv holds the header alone) is left out, with a note.
 ``--table`` also prints a Markdown table of every run's last epoch: quality, training time and
 bytes sent, against the run labelled ``dense`` when there is one.
 """
@@ -75,7 +76,18 @@ def main(argv: list[str] | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [(label, read_rows(path)) for label, path in find_runs(args.runs)]
+    runs = []
+    for label, path in find_runs(args.runs):
+        rows = read_rows(path)
+        if rows:
+            runs.append((label, rows))
+        else:  # a run stopped in its first epoch: its epochs.csv holds the header alone
+            print(
+                f"{label}: no epoch recorded yet in {path} (the run stopped in its first epoch): left out",
+                file=sys.stderr,
+            )
+    if not runs:
+        raise SystemExit(f"no run under {', '.join(args.runs)} has recorded an epoch yet: nothing to plot")
     standard = {"epoch", "step", "loss", "density", "bytes_sent", "bytes_total", "train_seconds", "elapsed_seconds"}
     metric = args.metric or next((k for k in runs[0][1][0] if k not in standard), "loss")
     fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2))

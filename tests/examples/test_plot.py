@@ -1,0 +1,24 @@
+"""examples.plot on run folders written by hand: what it draws and what it refuses."""
+
+import os
+
+from examples import plot
+
+HEADER = "epoch,step,loss,accuracy,density,bytes_sent,bytes_total,train_seconds,elapsed_seconds\n"
+
+
+def write_run(folder, *epochs: str) -> None:
+    os.makedirs(folder)
+    with open(os.path.join(folder, "epochs.csv"), "w") as f:
+        f.write(HEADER + "".join(f"{row}\n" for row in epochs))
+
+
+def test_a_run_stopped_in_its_first_epoch_is_left_out_with_a_note(tmp_path, capsys):
+    """Its epochs.csv holds the header alone; plotting the folder of runs ended in an IndexError."""
+    write_run(tmp_path / "runs" / "dense", "1,10,2.0,0.5,1,100,100,1.0,1.0", "2,20,1.5,0.6,1,100,200,1.0,2.0")
+    write_run(tmp_path / "runs" / "topk")
+    png = plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    assert os.path.getsize(png) > 0
+    out, err = capsys.readouterr()
+    assert "topk: no epoch recorded yet in" in err and "(the run stopped in its first epoch): left out" in err
+    assert "| dense | 2 |" in out and "| topk |" not in out
