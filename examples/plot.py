@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--title", default=None)
     parser.add_argument("--table", action="store_true", help="also print a Markdown table of the last epochs")
     args = parser.parse_args(argv)
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):  # else savefig's FileNotFoundError, once everything is drawn
+        parser.error(f"--out {args.out}: the folder {folder} does not exist; create it or write the PNG elsewhere")
     import matplotlib
 
     matplotlib.use("Agg")

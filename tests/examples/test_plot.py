@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 from examples import plot
 
 HEADER = "epoch,step,loss,accuracy,density,bytes_sent,bytes_total,train_seconds,elapsed_seconds\n"
@@ -22,3 +24,14 @@ def test_a_run_stopped_in_its_first_epoch_is_left_out_with_a_note(tmp_path, caps
     out, err = capsys.readouterr()
     assert "topk: no epoch recorded yet in" in err and "(the run stopped in its first epoch): left out" in err
     assert "| dense | 2 |" in out and "| topk |" not in out
+
+
+def test_a_png_into_a_missing_folder_is_refused_before_drawing(tmp_path, capsys):
+    """savefig's FileNotFoundError came once every run had been read and drawn."""
+    write_run(tmp_path / "dense", "1,10,2.0,0.5,1,100,100,1.0,1.0")
+    out = tmp_path / "no-such-folder" / "cmp.png"
+    with pytest.raises(SystemExit) as info:
+        plot.main([str(tmp_path / "dense"), "--out", str(out)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--out {out}: the folder {out.parent} does not exist; create it or write the PNG elsewhere" in err
