@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -518,6 +519,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             import matplotlib
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or gradsparse[examples])")
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):  # else savefig's FileNotFoundError, after the table
+            parser.error(
+                f"--plot {args.plot}: the folder {folder} does not exist; create it or write the PNG elsewhere"
+            )
     numel = int(args.params)
     beta = 1.0 / bandwidth
 

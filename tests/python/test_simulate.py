@@ -287,3 +287,15 @@ def test_bad_values_are_refused_naming_the_flag(argv, message, capsys):
         simulate.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_plot_into_a_missing_folder_is_refused_before_the_table(tmp_path, capsys):
+    """savefig's FileNotFoundError came after the whole table had been printed."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "no-such-folder" / "simulate.png"
+    with pytest.raises(SystemExit) as info:
+        simulate.main(["--world-size", "4", "--plot", str(png)])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"--plot {png}: the folder {png.parent} does not exist; create it or write the PNG elsewhere" in err
+    assert out == ""
