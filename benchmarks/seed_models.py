@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if args.steps < 1:  # the driver's --max-steps 0 means no limit: every epoch of the preset
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if len(methods) < 2:
         parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")

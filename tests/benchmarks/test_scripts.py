@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks import allgatherv, density, overlap, select, step_ratio
+from benchmarks import allgatherv, density, overlap, seed_models, select, step_ratio
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
 
@@ -231,3 +231,17 @@ def test_allgatherv_refuses_bad_values_before_joining_the_process_group(argv, me
         allgatherv.main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_seed_models_refuses_a_step_count_below_one_before_the_cluster(steps, capsys, monkeypatch):
+    """--steps 0 became the driver's --max-steps 0, no limit: every epoch of each seed preset."""
+
+    def session(*args, **kwargs):
+        raise AssertionError("the cluster was set up before the arguments were checked")
+
+    monkeypatch.setattr(seed_models.cluster, "session", session)
+    with pytest.raises(SystemExit) as info:
+        seed_models.main(["--steps", steps])
+    assert info.value.code == 2
+    assert f"--steps must be at least 1, got {steps}" in capsys.readouterr().err
