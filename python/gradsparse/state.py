@@ -312,7 +312,7 @@ class State:
         if self._method_config.get("exchange") == "auto" and world_size > 1:
             if self._link is None:
                 self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
-            self._start_trial(self._saved_exchanges)
+            self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
         if self._unchecked is not None:
@@ -502,9 +502,9 @@ class State:
 
         return future.then(finish)
 
-    def _start_trial(self, chosen: dict[int, str] | None = None) -> None:
-        """exchange="auto": a trial from the first sparse step to come, or the decision ``chosen``."""
-        self._trial = ExchangeTrial(max(self._step, self._warmup_steps), chosen)
+    def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:
+        """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""
+        return ExchangeTrial(max(step, self._warmup_steps), chosen)
 
     def _choose_exchange(self, entry: Bucket) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
@@ -788,8 +788,6 @@ class State:
         A load that fails raises here and again in setup()."""
         if self._unchecked is None or self._engine is not None or not (dist.is_available() and dist.is_initialized()):
             return
-        if dist.get_rank(self.process_group) < 0:  # not a member: setup() says so
-            return
         saved, any_rank = self._unchecked
         self._load(saved, any_rank)
         self._unchecked = None
@@ -809,7 +807,7 @@ class State:
         metrics.load_state_dict(state_dict["stats"])
         # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
         exchanges = state_dict.get("exchanges")
-        trial = None if self._trial is None else ExchangeTrial(max(step, self._warmup_steps), exchanges)
+        trial = None if self._trial is None else self._new_trial(step, exchanges)
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
