@@ -1039,6 +1039,13 @@ def main(
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         parser.error(f"--method: unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    if not methods:
+        parser.error(f"--method: no method in {args.method!r}; give one, or several separated by commas")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:  # one run folder per method: the second would resume, or overwrite, the first
+        parser.error(
+            f"--method: {', '.join(twice)} given twice; each method trains once, in its run folder <out>/<method>"
+        )
     check_arguments(parser, args, methods)
     out = args.out or default_out
     rank, world = init_distributed(args)

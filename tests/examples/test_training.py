@@ -356,6 +356,10 @@ def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
         (["--momentum", "1.5"], "--momentum must be a finite number >= 0 and < 1, got 1.5"),
         (["--lr-milestones", "3,x"], "--lr-milestones: 'x' is no epoch; write epochs separated by commas"),
         (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number > 0, got -1.0"),
+        # a method given twice trained twice in one run folder, the second resuming the first's
+        # finished checkpoint (or, with --fresh, overwriting it); no method at all trained nothing
+        (["--method", "dense,topk,dense"], "--method: dense given twice; each method trains once, in its run folder"),
+        (["--method", ","], "--method: no method in ','; give one, or several separated by commas"),
     ],
 )
 def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
