@@ -359,13 +359,18 @@ def measure_link(group=None) -> tuple[float, float]:
     """The link of a torch.distributed group as the model sees it: latency alpha and seconds per
     byte beta, fitted to the median time of small (8 bytes) and large (256 KB) all-reduces with
     the ring model, and the largest over the ranks, so that every rank holds the same figures.
-    Collective: call it on every rank of the group."""
+    Collective: call it on every rank of the group (of 2 or more ranks; one rank has no link)."""
     import time
 
     import torch
     import torch.distributed as dist
 
     p = dist.get_world_size(group)
+    if p < 2:  # the fit divides by P - 1: at one rank no byte crosses a link
+        raise ValueError(
+            "gradsparse.simulate.measure_link: the group has 1 rank, where no byte crosses a link and the model "
+            "costs every collective 0 s; measure the link on a group of 2 or more ranks"
+        )
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
 
     def median_seconds(numel: int) -> float:

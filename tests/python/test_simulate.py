@@ -299,3 +299,18 @@ def test_a_plot_into_a_missing_folder_is_refused_before_the_table(tmp_path, caps
     out, err = capsys.readouterr()
     assert f"--plot {png}: the folder {png.parent} does not exist; create it or write the PNG elsewhere" in err
     assert out == ""
+
+
+def test_measure_link_at_one_rank_says_there_is_no_link():
+    """Its fit divides by P - 1: at one rank (python -m benchmarks.link under torchrun
+    --nproc-per-node=1) it ended in a ZeroDivisionError."""
+    import torch.distributed as dist
+
+    from gradsparse.testing.distributed import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="measure_link: the group has 1 rank, where no byte crosses a link"):
+            simulate.measure_link()
+    finally:
+        dist.destroy_process_group()
