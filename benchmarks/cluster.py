@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shlex
 import signal
@@ -87,9 +88,15 @@ class Cluster:
     def __init__(self, hosts: int, rate: str, burst: int | None = None, delay_ms: float = 0.0) -> None:
         if hosts < 2 or hosts > 200:
             raise ClusterError(f"--hosts must be between 2 and 200, got {hosts}")
+        if not (math.isfinite(delay_ms) and delay_ms >= 0):  # a negative one was no delay, NaN netem's error
+            raise ClusterError(f"--delay must be a finite number of ms >= 0 (0: none), got {delay_ms}")
+        if burst is not None and burst < 0:  # else tc's error, once the namespaces were made
+            raise ClusterError(f"--burst must be a number of bytes >= 0 (0: 2 ms at --rate), got {burst}")
         self.hosts = hosts
         self.rate = rate
         self.rate_bits = _parse_rate(rate)
+        if self.rate_bits < 1:
+            raise ClusterError(f"--rate must be above 0, got {rate!r}")
         self.burst = burst or default_burst(self.rate_bits)
         self.delay_ms = delay_ms
         tag = f"{PREFIX}{os.getpid()}"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks import allgatherv, density, overlap, seed_models, select, step_ratio
+from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
 
@@ -245,3 +245,22 @@ def test_seed_models_refuses_a_step_count_below_one_before_the_cluster(steps, ca
         seed_models.main(["--steps", steps])
     assert info.value.code == 2
     assert f"--steps must be at least 1, got {steps}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        # a negative delay emulated none at all; NaN reached netem, whose refusal read as a missing module
+        ({"delay_ms": -5.0}, "--delay must be a finite number of ms >= 0 (0: none), got -5.0"),
+        ({"delay_ms": math.nan}, "--delay must be a finite number of ms >= 0 (0: none), got nan"),
+        # handed to tc, once the namespaces and links had been made
+        ({"burst": -1}, "--burst must be a number of bytes >= 0 (0: 2 ms at --rate), got -1"),
+        ({"rate": "0mbit"}, "--rate must be above 0, got '0mbit'"),
+    ],
+)
+def test_the_emulated_cluster_refuses_bad_link_settings_before_making_anything(options, message):
+    """Cluster() only names what it will make: this needs no root."""
+    settings = {"hosts": 2, "rate": "50mbit", **options}
+    with pytest.raises(cluster.ClusterError) as info:
+        cluster.Cluster(**settings)
+    assert message in str(info.value)
