@@ -558,3 +558,50 @@ TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   EXPECT_EQ(sidco.stages(), 7);                    // ceil(log2(1 / 0.01))
   micro.load_state(banded);                        // the undamaged state loads
 }
+
+// The density control's scale and slope (the estimators' default mode) from a damaged or hand-made
+// state are refused naming the entry, and the refused state changes nothing. A scale of NaN or Inf
+// made every later step select nothing, 0 or a negative one every element, and a slope of NaN or 0
+// stopped the control from ever moving.
+TEST(Methods, DamagedControlStatesAreRefusedNamingTheEntry) {
+  const std::vector<std::function<std::unique_ptr<Method>()>> makers = {
+      [] { return std::make_unique<GaussianK>(0.01, "sidco"); },
+      [] { return std::make_unique<GaussianK>(0.01, "spardl"); }, [] { return std::make_unique<DGC>(0.01, 3); },
+      [] { return std::make_unique<RedSync>(0.01); },
+      [] { return std::make_unique<SIDCo>(0.01, "exp", 1, 0.25, std::nullopt); }};
+  const std::vector<std::pair<std::string, double>> damaged = {
+      {"control.scale", std::nan("")}, {"control.scale", HUGE_VAL}, {"control.scale", 0.0},  {"control.scale", -2.0},
+      {"control.slope", std::nan("")}, {"control.slope", 0.0},      {"control.slope", 1.0e9}};
+  const int64_t n = 10000, k = 100;
+  for (const auto& make : makers) {
+    const std::unique_ptr<Method> method = make();
+    SCOPED_TRACE(method->name());
+    std::vector<float> residual(n, 0.0f);
+    auto step = [&](int t) {
+      std::vector<float> g = ref::random_vector<float>(n, 40 + t);
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        report = reduce_bucket(method.get(), transport, device,
+                               BucketView{DType::kFloat32, n, g.data(), residual.data()}, ReduceOptions{});
+      }));
+      return report.selected;
+    };
+    for (int t = 0; t < 2; ++t) step(t);
+    const MethodState saved = method->state();
+    ASSERT_TRUE(saved.count("control.scale") && saved.count("control.slope"));
+    for (const auto& [key, value] : damaged) {
+      MethodState state = saved;
+      state[key] = value;
+      try {
+        method->load_state(state);
+        ADD_FAILURE() << "accepted " << key << " = " << value;
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("'" + key + "'"), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(method->state(), saved) << "a refused " << key << " = " << value << " was loaded";
+    }
+    method->load_state(saved);  // the undamaged state loads, and the control goes on steering
+    for (int t = 2; t < 5; ++t) EXPECT_NEAR(step(t), k, 0.2 * k) << "step " << t;
+  }
+}

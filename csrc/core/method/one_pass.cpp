@@ -83,13 +83,13 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
     if (!(next > 0.0) || !std::isfinite(next) || std::fabs(next - t) <= kMargin * t) break;
     const double c_next = count(next);
     if (c_next != c) {
-      slope = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), 0.25, 64.0);
+      slope = std::clamp((log_count(c) - log_count(c_next)) / (std::log(next) - std::log(t)), kLeastSlope, kMostSlope);
     } else if (!(low > 0.0 && std::isfinite(high))) {
       // The same count, and no threshold on the other side of k known yet: a flat stretch (every
       // count 0 far above the data, or all of it far below), where the slope says nothing. Halving
       // it doubles the next step, so a scale learned far off is left within a step, not at 1/64
       // of the log ratio a count.
-      slope = std::max(0.25, slope / 2.0);
+      slope = std::max(kLeastSlope, slope / 2.0);
     }
     t = next;
     c = c_next;
@@ -111,8 +111,23 @@ void DensityControl::save(std::map<std::string, double>& state) const {
 }
 
 void DensityControl::load(const std::map<std::string, double>& state) {
-  if (auto it = state.find("control.scale"); it != state.end()) committed_.scale = it->second;
-  if (auto it = state.find("control.slope"); it != state.end()) committed_.slope = it->second;
+  // Every step starts at the estimate times the scale and moves by the slope: a scale that is not a
+  // positive finite number (NaN, Inf, 0, negative) selected nothing or everything at every step
+  // from then on, and a slope of NaN or 0 never moved. threshold() keeps the slope in
+  // [kLeastSlope, kMostSlope]; a damaged or hand-made state is refused naming the entry, before
+  // anything is loaded.
+  Learned loaded = committed_;
+  if (auto it = state.find("control.scale"); it != state.end()) {
+    GS_CHECK(std::isfinite(it->second) && it->second > 0.0, ValueError, "method state: 'control.scale' is ", it->second,
+             ", not a finite number > 0; load a state the method saved");
+    loaded.scale = it->second;
+  }
+  if (auto it = state.find("control.slope"); it != state.end()) {
+    GS_CHECK(it->second >= kLeastSlope && it->second <= kMostSlope, ValueError, "method state: 'control.slope' is ",
+             it->second, ", not a number from ", kLeastSlope, " to ", kMostSlope, "; load a state the method saved");
+    loaded.slope = it->second;
+  }
+  committed_ = loaded;
 }
 
 MethodState EstimatingMethod::state() const {

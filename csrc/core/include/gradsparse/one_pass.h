@@ -67,9 +67,11 @@ class CandidateBound {
 /// at most eight more counts. Its two numbers are part of a checkpoint: they change the result.
 class DensityControl {
  public:
-  static constexpr double kTolerance = 0.02;  ///< |count - k| <= kTolerance * k stops the steps
-  static constexpr int kSteps = 8;            ///< at most this many counts after the first
-  static constexpr double kMargin = 1e-9;     ///< thresholds closer than this (relative) are one
+  static constexpr double kTolerance = 0.02;   ///< |count - k| <= kTolerance * k stops the steps
+  static constexpr int kSteps = 8;             ///< at most this many counts after the first
+  static constexpr double kMargin = 1e-9;      ///< thresholds closer than this (relative) are one
+  static constexpr double kLeastSlope = 0.25;  ///< the slope stays from kLeastSlope to kMostSlope
+  static constexpr double kMostSlope = 64.0;
   /// The threshold to select at (|v| > threshold) for k elements; the estimate itself when it is
   /// not a positive finite number.
   double threshold(OnePass& pass, double estimate, int64_t k);
@@ -80,7 +82,9 @@ class DensityControl {
   /// that a step which asks no threshold (a zero vector) commits nothing of an aborted one.
   void discard() { pending_ = committed_; }
   void save(std::map<std::string, double>& state) const;
-  /// Reads what save() wrote; keeps the initial values when the keys are absent.
+  /// Reads what save() wrote; keeps the initial values when the keys are absent. A scale that is
+  /// not a positive finite number, or a slope outside [kLeastSlope, kMostSlope], is a ValueError
+  /// naming the entry (and loads nothing).
   void load(const std::map<std::string, double>& state);
 
  private:
