@@ -3,9 +3,12 @@
 // conservation and degenerate inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <set>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -238,6 +241,46 @@ TEST(SparDL, CandidatesSelectWhatTheExactPassesSelect) {
         for (int r = 0; r < p; ++r)
           ASSERT_EQ(runs[0][j][r], runs[1][j][r])
               << (j % 2 ? "residual" : "output") << " step " << j / 2 << " rank " << r;
+    }
+  }
+}
+
+// At density 1 with two teams a block is k elements, so the merged lists never exceed k and h grows
+// (its step doubling every second step) past the block, where every element travels. h and its
+// step overflowed int64 after about 120 steps: h fell back to k / 2, so from then on every step
+// left half of each block in the residual. Every residual must stay empty, to the last step.
+TEST(SparDL, DensityOneKeepsSendingEverythingOverManySteps) {
+  const int p = 2, teams = 2, steps = 160;
+  const int64_t n = 1000;
+  std::vector<int> first_kept(p, -1);  // the first step from 20 on that left anything in the residual
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    SparDL method(1.0, teams);
+    CpuDevice device;
+    std::vector<float> r(n, 0.0f);
+    for (int t = 0; t < steps; ++t) {
+      std::vector<float> g = ref::random_vector<float>(n, 100 * t + rank);
+      reduce_bucket(&method, transport, device, BucketView{DType::kFloat32, n, g.data(), r.data()}, ReduceOptions{});
+      if (t >= 20 && first_kept[rank] < 0 && std::any_of(r.begin(), r.end(), [](float v) { return v != 0.0f; }))
+        first_kept[rank] = t;
+    }
+    const MethodState state = method.state();
+    EXPECT_GE(state.at("h"), static_cast<double>(n)) << "rank " << rank;
+    method.load_state(state);  // what it saved loads
+  }));
+  for (int r = 0; r < p; ++r)
+    EXPECT_EQ(first_kept[r], -1) << "rank " << r << " kept elements from step " << first_kept[r];
+  // A damaged or hand-made state is refused naming the entry.
+  SparDL method(1.0, teams);
+  const MethodState saved{{"chunk", 1000.0}, {"h", 600.0}, {"h_step", 5.0}, {"inertia", 0.0}};
+  for (const auto& [key, value] : std::vector<std::pair<std::string, double>>{
+           {"h_step", 1e18}, {"h_step", std::nan("")}, {"h", -1.0}, {"chunk", 2.5}}) {
+    MethodState state = saved;
+    state[key] = value;
+    try {
+      method.load_state(state);
+      ADD_FAILURE() << "accepted " << key << " = " << value;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + key + "'"), std::string::npos) << e.what();
     }
   }
 }

@@ -4,6 +4,7 @@
 // merged lists across teams.
 #include "gradsparse/spardl.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 
@@ -38,11 +39,13 @@ Selection SparDL::select(Device& device, const BucketView& bucket, Collective& g
 void SparDL::observe(const BucketView& /*bucket*/, const ExchangeResult& result) {
   if (teams_ == 1 || result.merged < 0) return;
   // Keep going (doubling every second time) while the merged list stays on the same side of k,
-  // else turn back at half the step.
+  // else turn back at half the step. h and its step stop at kMostH: they grow that far only
+  // while the merged list cannot exceed k (a block of at most k elements, as at density 1), where
+  // h is past the block and any larger h selects the same.
   const int64_t k = exchange_.sizes.k;
   if ((result.merged > k) != (h_step_ > 0)) {
     if (inertia_) {
-      h_step_ *= 2;
+      h_step_ = std::clamp<int64_t>(h_step_ * 2, -kMostH, kMostH);
       inertia_ = false;
     } else {
       inertia_ = true;
@@ -51,7 +54,7 @@ void SparDL::observe(const BucketView& /*bucket*/, const ExchangeResult& result)
     h_step_ = std::llabs(h_step_) > 1 ? static_cast<int64_t>(-0.5 * static_cast<double>(h_step_)) : -h_step_;
     inertia_ = false;
   }
-  h_ = std::max<int64_t>({h_ + h_step_, k / teams_, 1});
+  h_ = std::max<int64_t>({std::min(h_ + h_step_, kMostH), k / teams_, 1});
 }
 
 MethodState SparDL::state() const {
@@ -62,10 +65,22 @@ MethodState SparDL::state() const {
 }
 
 void SparDL::load_state(const MethodState& state) {
-  chunk_ = static_cast<int64_t>(state.at("chunk"));
-  h_ = static_cast<int64_t>(state.at("h"));
-  h_step_ = static_cast<int64_t>(state.at("h_step"));
-  inertia_ = state.at("inertia") != 0.0;
+  // Whole numbers within what the method saves (chunk -1: no step yet), so that h + h_step cannot
+  // overflow: a damaged or hand-made state is a ValueError naming the entry.
+  const int64_t chunk = saved_count(state, "chunk", -1);
+  const int64_t h = saved_count(state, "h");
+  GS_CHECK(h <= kMostH, ValueError, "method state: 'h' is ", h, ", more than ", kMostH,
+           "; load a state the method saved");
+  const int64_t h_step = saved_count(state, "h_step", -kMostH);
+  GS_CHECK(h_step <= kMostH, ValueError, "method state: 'h_step' is ", h_step, ", more than ", kMostH,
+           "; load a state the method saved");
+  const int64_t inertia = saved_count(state, "inertia");
+  GS_CHECK(inertia <= 1, ValueError, "method state: 'inertia' is ", inertia,
+           ", not 0 or 1; load a state the method saved");
+  chunk_ = chunk;
+  h_ = h;
+  h_step_ = h_step;
+  inertia_ = inertia != 0;
 }
 
 }  // namespace gradsparse

@@ -94,6 +94,8 @@ class SparDL final : public Method {
   double density_;
   int teams_;
   SparDLExchange exchange_;
+  /// The most h and |h_step| grow to (2^52: exact in a checkpoint's doubles, far past any block).
+  static constexpr int64_t kMostH = int64_t{1} << 52;
   int64_t chunk_ = -1;  // the chunk size h was set up for
   int64_t h_ = 0;       // per-team-rank top-h size (d > 1), adapted every step
   int64_t h_step_ = 0;
