@@ -605,3 +605,41 @@ TEST(Methods, DamagedControlStatesAreRefusedNamingTheEntry) {
     for (int t = 2; t < 5; ++t) EXPECT_NEAR(step(t), k, 0.2 * k) << "step " << t;
   }
 }
+
+// The step of the methods that draw from a stream per step (Random-k, Random-block, DGC) and the
+// adaptive SIDCo's direction and call count are checked as the other entries of a method state
+// are: a damaged or hand-made value is refused naming the entry, and loads nothing. They were cast
+// unchecked (a NaN step drew from whatever stream the cast gave), and a direction of 0 froze the
+// stage count for good.
+TEST(Methods, DamagedStepsAndStageCountersAreRefusedNamingTheEntry) {
+  auto expect_refused = [](Method& method, const std::string& key, double value) {
+    const MethodState saved = method.state();
+    MethodState state = saved;
+    state[key] = value;
+    try {
+      method.load_state(state);
+      ADD_FAILURE() << method.name() << ": accepted " << key << " = " << value;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("'" + key + "'"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(method.state(), saved) << method.name() << ": a refused " << key << " = " << value << " was loaded";
+  };
+  RandomK randomk(0.01, 3);
+  RandomBlock randomblock(0.01, 3);
+  DGC dgc(0.01, 3);
+  for (Method* method : std::vector<Method*>{&randomk, &randomblock, &dgc}) {
+    for (double step : {std::nan(""), -1.0, 2.5, 1e300}) expect_refused(*method, "step", step);
+    MethodState state = method->state();
+    state["step"] = 7.0;
+    method->load_state(state);  // a whole step loads
+    EXPECT_EQ(method->state().at("step"), 7.0) << method->name();
+  }
+  SIDCo sidco(0.01, "exp", -2, 0.25, std::nullopt);
+  for (double direction : {0.0, std::nan(""), 2.0, -0.5}) expect_refused(sidco, "direction", direction);
+  for (double calls : {5.0, -1.0, std::nan("")}) expect_refused(sidco, "calls", calls);
+  MethodState state = sidco.state();
+  state["direction"] = -1.0;
+  state["calls"] = 4.0;
+  sidco.load_state(state);  // the undamaged state loads
+  EXPECT_EQ(sidco.state(), state);
+}

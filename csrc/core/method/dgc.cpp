@@ -63,8 +63,9 @@ MethodState DGC::state() const {
 }
 
 void DGC::load_state(const MethodState& state) {
+  const int64_t step = state.count("step") ? saved_count(state, "step") : step_;  // checked before anything loads
   EstimatingMethod::load_state(state);
-  if (auto it = state.find("step"); it != state.end()) step_ = static_cast<int64_t>(it->second);
+  step_ = step;
 }
 
 }  // namespace gradsparse

@@ -120,13 +120,28 @@ MethodState SIDCo::state() const {
 }
 
 void SIDCo::load_state(const MethodState& state) {
+  if (!adaptive_) {
+    EstimatingMethod::load_state(state);
+    return;
+  }
+  // Checked before anything loads. The direction is +1 or -1 (0 froze the stage count for good:
+  // every later change was 0 x the direction); the calls since the last change are 0 to 4 (the
+  // fifth applies the rule and starts again).
+  const int64_t stages = std::min<int64_t>(saved_count(state, "stages", 1), adaptive_->max_stages());
+  const auto direction = state.find("direction");
+  GS_CHECK(direction != state.end(), ValueError, "method state: no 'direction' entry; load a state the method saved");
+  GS_CHECK(direction->second == 1.0 || direction->second == -1.0, ValueError, "method state: 'direction' is ",
+           direction->second, ", not 1 or -1; load a state the method saved");
+  const int64_t calls = saved_count(state, "calls");
+  GS_CHECK(calls <= 4, ValueError, "method state: 'calls' is ", calls, ", not a whole number from 0 to 4; load a ",
+           "state the method saved");
+  const double sum = state.at("sum"), last_estimate = state.at("last_estimate");
   EstimatingMethod::load_state(state);
-  if (!adaptive_) return;
-  adaptive_->stages_ = static_cast<int>(std::min<int64_t>(saved_count(state, "stages", 1), adaptive_->max_stages()));
-  adaptive_->direction_ = static_cast<int>(state.at("direction"));
-  adaptive_->sum_ = state.at("sum");
-  adaptive_->calls_ = static_cast<int>(saved_count(state, "calls"));
-  adaptive_->last_estimate_ = state.at("last_estimate");
+  adaptive_->stages_ = static_cast<int>(stages);
+  adaptive_->direction_ = static_cast<int>(direction->second);
+  adaptive_->sum_ = sum;
+  adaptive_->calls_ = static_cast<int>(calls);
+  adaptive_->last_estimate_ = last_estimate;
 }
 
 }  // namespace gradsparse

@@ -103,7 +103,7 @@ class SharedDraw : public Method {
   void observe(const BucketView& /*bucket*/, const ExchangeResult& /*result*/) override { ++step_; }
   MethodState state() const override { return {{"step", static_cast<double>(step_)}}; }
   void load_state(const MethodState& state) override {
-    if (auto it = state.find("step"); it != state.end()) step_ = static_cast<int64_t>(it->second);
+    if (state.count("step")) step_ = saved_count(state, "step");
   }
 
  protected:
