@@ -643,3 +643,34 @@ TEST(Methods, DamagedStepsAndStageCountersAreRefusedNamingTheEntry) {
   sidco.load_state(state);  // the undamaged state loads
   EXPECT_EQ(sidco.state(), state);
 }
+
+// MiCRO's and ExDyna's reference mode scales the last threshold by a factor near 1 at every step
+// after the first, so a loaded threshold that is not a positive finite number stayed so for good:
+// NaN or Inf sent only the dummy element of every rank at every step, 0 or a negative one every
+// element. A state past its first step with such a threshold is refused naming it, and loads
+// nothing; a fresh method's state (no threshold yet) loads.
+TEST(Methods, ReferencePartitionsRefuseADamagedThreshold) {
+  const MethodState saved = {
+      {"step", 3.0}, {"threshold", 0.1}, {"estimate", 0.1}, {"before_last", 0.1}, {"k_prev", 10.0}};
+  MiCRO micro(0.01, "union", true, 0);
+  ExDyna exdyna(0.01, "union", true, 0);
+  for (PartitionedMethod* method : std::vector<PartitionedMethod*>{&micro, &exdyna}) {
+    const MethodState fresh = method->state();
+    EXPECT_TRUE(std::isnan(fresh.at("threshold"))) << method->name();
+    method->load_state(fresh);
+    method->load_state(saved);
+    const MethodState loaded = method->state();
+    for (double threshold : {std::nan(""), HUGE_VAL, 0.0, -0.1}) {
+      MethodState state = saved;
+      state["threshold"] = threshold;
+      state["step"] = 4.0;
+      try {
+        method->load_state(state);
+        ADD_FAILURE() << method->name() << ": accepted threshold = " << threshold;
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("'threshold'"), std::string::npos) << e.what();
+      }
+      EXPECT_EQ(method->state(), loaded) << method->name() << ": a refused state was loaded";
+    }
+  }
+}

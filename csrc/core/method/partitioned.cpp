@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "gradsparse/key_bins.h"
 #include "gradsparse/methods.h"
@@ -305,20 +307,24 @@ MethodState PartitionedMethod::state() const {
 }
 
 void PartitionedMethod::load_state(const MethodState& state) {
-  committed_.t = saved_count(state, "step");
-  committed_.threshold = state.at("threshold");
-  committed_.estimate = state.at("estimate");
-  committed_.before_last = state.at("before_last");
-  committed_.k_prev = saved_count(state, "k_prev");
+  Step loaded;
+  loaded.t = saved_count(state, "step");
+  loaded.threshold = state.at("threshold");
+  loaded.estimate = state.at("estimate");
+  loaded.before_last = state.at("before_last");
+  loaded.k_prev = saved_count(state, "k_prev");
+  // Reference mode scales the last threshold by a factor near 1 at every step after the first:
+  // one that is not a positive finite number (NaN, Inf, 0, negative), which no step leaves, would
+  // stay so for good, every rank selecting everything or only its one dummy element.
+  GS_CHECK(!reference_ || loaded.t == 0 || (std::isfinite(loaded.threshold) && loaded.threshold > 0.0), ValueError,
+           "method state: 'threshold' is ", loaded.threshold, " at step ", loaded.t,
+           ", not a finite number > 0; load a state the method saved");
   // Absent from checkpoints before the adaptive band: then its start.
-  const Step start;
-  committed_.band = start.band;
-  committed_.trend_miss = start.trend_miss;
-  committed_.mean_miss = start.mean_miss;
-  if (auto it = state.find("band"); it != state.end()) committed_.band = it->second;
-  if (auto it = state.find("trend_miss"); it != state.end()) committed_.trend_miss = it->second;
-  if (auto it = state.find("mean_miss"); it != state.end()) committed_.mean_miss = it->second;
+  if (auto it = state.find("band"); it != state.end()) loaded.band = it->second;
+  if (auto it = state.find("trend_miss"); it != state.end()) loaded.trend_miss = it->second;
+  if (auto it = state.find("mean_miss"); it != state.end()) loaded.mean_miss = it->second;
   load_layout(state);
+  committed_ = loaded;
 }
 
 Range MiCRO::partition_range(int partition, int64_t n, int world_size) {
@@ -350,13 +356,14 @@ void ExDyna::save_layout(MethodState& state) const {
 }
 
 void ExDyna::load_layout(const MethodState& state) {
-  saved_blocks_.clear();
+  std::vector<int64_t> blocks;
   for (size_t p = 0;; ++p) {
     const auto it = state.find("blocks." + std::to_string(p));
     if (it == state.end()) break;
-    saved_blocks_.push_back(saved_count(state, it->first));
+    blocks.push_back(saved_count(state, it->first));
   }
-  if (layout_ && !saved_blocks_.empty()) layout_->set_blocks(saved_blocks_);
+  if (layout_ && !blocks.empty()) layout_->set_blocks(blocks);
+  saved_blocks_ = std::move(blocks);
 }
 
 }  // namespace gradsparse
