@@ -674,3 +674,45 @@ TEST(Methods, ReferencePartitionsRefuseADamagedThreshold) {
     }
   }
 }
+
+// ExDyna's block layout is per world size. One loaded from a run of 4 ranks into a run of 2 is a
+// ValueError at the first step naming the entries, both world sizes and the way out, and stays one
+// at every later try (the first try used to lay out even partitions before it failed, and the
+// next step then ran on them, the loaded layout silently dropped). Blocks that do not add up to
+// 1024 are refused when the state is loaded, naming the entries.
+TEST(Methods, ExDynaRefusesALayoutOfAnotherWorldSizeNamingIt) {
+  const int p = 2;
+  const int64_t n = 100000;
+  MethodState saved = {{"step", 3.0}, {"threshold", 0.1}, {"estimate", 0.1}, {"before_last", 0.1}, {"k_prev", 10.0}};
+  for (int b = 0; b < 4; ++b) saved["blocks." + std::to_string(b)] = 256.0;
+  std::vector<std::unique_ptr<Method>> methods;
+  for (int r = 0; r < p; ++r) {
+    methods.push_back(std::make_unique<ExDyna>(0.01, "union", false, 3));
+    methods[r]->load_state(saved);
+  }
+  std::vector<std::vector<float>> residual(p, std::vector<float>(n, 0.0f));
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    try {
+      rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+        std::vector<float> g = ref::random_vector<float>(n, rank);
+        CpuDevice device;
+        reduce_bucket(methods[rank].get(), transport, device,
+                      BucketView{DType::kFloat32, n, g.data(), residual[rank].data()}, ReduceOptions{});
+      }));
+      ADD_FAILURE() << "attempt " << attempt << ": a layout of 4 partitions ran at 2 ranks";
+    } catch (const ValueError& e) {
+      const std::string what = e.what();
+      for (const char* part : {"'blocks.0' to 'blocks.3'", "4 partitions", "this run has 2", "saved at 2 ranks"})
+        EXPECT_NE(what.find(part), std::string::npos) << "attempt " << attempt << ": " << what;
+    }
+  }
+  ExDyna exdyna(0.01, "union", false, 3);
+  MethodState short_of = saved;
+  short_of["blocks.3"] = 200.0;
+  try {
+    exdyna.load_state(short_of);
+    ADD_FAILURE() << "blocks adding up to 968 were accepted";
+  } catch (const ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'blocks.0' to 'blocks.3' hold 968 blocks"), std::string::npos) << e.what();
+  }
+}

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -339,6 +340,7 @@ Range ExDyna::partition_range(int partition, int64_t n, int world_size) {
     const bool fresh = !layout_;
     const std::vector<int64_t> blocks = fresh ? saved_blocks_ : layout_->blocks();
     const bool kept = fresh || layout_->size() == world_size;
+    if (fresh) check_saved_blocks(blocks, world_size);  // before a layout exists, so that a retry checks again
     layout_.emplace(n, world_size);
     if (kept && !blocks.empty()) layout_->set_blocks(blocks);
   }
@@ -362,8 +364,23 @@ void ExDyna::load_layout(const MethodState& state) {
     if (it == state.end()) break;
     blocks.push_back(saved_count(state, it->first));
   }
+  const int64_t total = std::accumulate(blocks.begin(), blocks.end(), int64_t{0});
+  GS_CHECK(blocks.empty() || total == BlockPartition::kBlocks, ValueError, "method state: 'blocks.0' to 'blocks.",
+           blocks.size() - 1, "' hold ", total, " blocks in all, not ", BlockPartition::kBlocks,
+           "; load a state the method saved");
+  if (layout_) check_saved_blocks(blocks, layout_->size());
   if (layout_ && !blocks.empty()) layout_->set_blocks(blocks);
   saved_blocks_ = std::move(blocks);
+}
+
+void ExDyna::check_saved_blocks(const std::vector<int64_t>& blocks, int world_size) {
+  // The layout is per world size: a checkpoint of another one (whose partitions the loaded
+  // blocks are) cannot be mapped onto this run's ranks.
+  GS_CHECK(blocks.empty() || static_cast<int64_t>(blocks.size()) == world_size, ValueError,
+           "ExDyna: the loaded state's block layout ('blocks.0' to 'blocks.", blocks.size() - 1, "') has ",
+           blocks.size(), " partitions, from a run of ", blocks.size(), " ranks, but this run has ", world_size,
+           "; load a state saved at ", world_size,
+           " ranks, or leave out its 'blocks.' entries to start from an even layout");
 }
 
 }  // namespace gradsparse

@@ -292,6 +292,9 @@ class ExDyna final : public PartitionedMethod {
   void load_layout(const MethodState& state) override;
 
  private:
+  /// A ValueError naming the entries where a loaded layout (`blocks`, none: nothing loaded) is not
+  /// one of `world_size` partitions.
+  static void check_saved_blocks(const std::vector<int64_t>& blocks, int world_size);
   std::optional<BlockPartition> layout_;
   std::vector<int64_t> saved_blocks_;  // a loaded layout, applied when the layout is created
 };
