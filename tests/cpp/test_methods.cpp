@@ -716,3 +716,31 @@ TEST(Methods, ExDynaRefusesALayoutOfAnotherWorldSizeNamingIt) {
     EXPECT_NE(std::string(e.what()).find("'blocks.0' to 'blocks.3' hold 968 blocks"), std::string::npos) << e.what();
   }
 }
+
+// Above SIDCo's first ratio (0.25) the later stages' ratios exceed 1 and lower the threshold, at
+// densities near 1 below zero. The default mode's density control took that estimate as the
+// threshold, so every step selected every element (10000 for a target of 7000 or 9000); it now
+// starts from the mean magnitude there, as Gaussian-k does, and selects about k.
+TEST(Methods, SidcoHoldsItsDensityWhereItsLaterStagesFallBelowZero) {
+  const int64_t n = 10000;
+  for (const char* fit : {"exp", "gpareto", "gamma_gpareto"}) {
+    for (int stages : {2, 3}) {
+      for (double density : {0.7, 0.9}) {
+        SCOPED_TRACE(::testing::Message() << fit << " stages=" << stages << " density=" << density);
+        SIDCo sidco(density, fit, stages, 0.25, std::nullopt);
+        const double k = density * n;
+        std::vector<float> residual(n, 0.0f);
+        for (int t = 0; t < 4; ++t) {
+          std::vector<float> g = ref::random_vector<float>(n, 60 + t);
+          ReduceReport report;
+          rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+            CpuDevice device;
+            report = reduce_bucket(&sidco, transport, device, BucketView{DType::kFloat32, n, g.data(), residual.data()},
+                                   ReduceOptions{});
+          }));
+          EXPECT_NEAR(static_cast<double>(report.selected), k, 0.05 * k) << "step " << t;
+        }
+      }
+    }
+  }
+}

@@ -864,7 +864,7 @@ class SIDCo(Estimating):
             tau = eta * norm
             selected = where(above(v, tau))
         else:
-            selected, tau = self.steered(v, eta * norm, target(delta, v.numel()))
+            selected, tau = self.steered_fit(v, eta * norm, target(delta, v.numel()))
         self.last_count = selected.numel()
         return selected, tau
 

@@ -96,7 +96,18 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
       floor_eta = std::max(floor_eta, eta);
     }
   }
-  Selection s = finish(pass, reference_ ? eta * norm : control_.threshold(pass, eta * norm, k), m.nonfinite);
+  if (reference_) {
+    Selection s = finish(pass, eta * norm, m.nonfinite);
+    selected_ = s.count;
+    return s;
+  }
+  // The density control steers a positive estimate. Above the first ratio the later stages lower
+  // the threshold (their ratio exceeds 1), at densities near 1 below zero, where the control would
+  // take it as the threshold and select every element at every step: the estimate is then the
+  // mean magnitude, as for Gaussian-k's fits.
+  double estimate = eta * norm;
+  if (!(estimate > 0.0 && std::isfinite(estimate))) estimate = m.sum_abs / dn;
+  Selection s = finish(pass, control_.threshold(pass, estimate, k), m.nonfinite);
   selected_ = s.count;
   return s;
 }
