@@ -744,3 +744,35 @@ TEST(Methods, SidcoHoldsItsDensityWhereItsLaterStagesFallBelowZero) {
     }
   }
 }
+
+// A step of an empty bucket has nothing to sample: SAGE reports no threshold (NaN) for it and keeps
+// its last one for the next step. It dropped it, and the reference mode, which scales the last
+// threshold (NaN times anything), then selected nothing at every later step.
+TEST(Methods, SageKeepsItsThresholdOverAnEmptyBucket) {
+  const int64_t n = 10000;
+  for (bool reference : {true, false}) {
+    SCOPED_TRACE(reference ? "reference" : "default");
+    SAGE sage(0.01, "flat", {}, reference, 3, std::nullopt, std::nullopt);
+    std::vector<float> residual(n, 0.0f);
+    auto step = [&](int64_t size, int t) {
+      std::vector<float> g = ref::random_vector<float>(n, 80 + t, 0.01f);
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        report = reduce_bucket(&sage, transport, device, BucketView{DType::kFloat32, size, g.data(), residual.data()},
+                               ReduceOptions{});
+      }));
+      return report.selected;
+    };
+    for (int t = 0; t < 3; ++t) step(n, t);
+    const double threshold = sage.state().at("threshold");
+    ASSERT_TRUE(std::isfinite(threshold) && threshold > 0.0);
+    EXPECT_EQ(step(0, 3), 0);
+    EXPECT_TRUE(std::isnan(sage.report().threshold));
+    EXPECT_EQ(sage.state().at("threshold"), threshold);
+    for (int t = 4; t < 8; ++t) {
+      EXPECT_GT(step(n, t), 0) << "step " << t;
+      EXPECT_TRUE(std::isfinite(sage.report().threshold)) << "step " << t;
+    }
+  }
+}

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <utility>
 
@@ -77,7 +78,14 @@ std::vector<int64_t> SAGE::sample_positions(int64_t n, int rank) const {
 Selection SAGE::select(Device& device, const BucketView& bucket, Collective& group) {
   const int64_t n = bucket.numel;
   pending_ = Step{committed_.t};
-  if (n == 0) return method_util::nothing(device, bucket, 0);
+  reported_ = std::numeric_limits<double>::quiet_NaN();
+  if (n == 0) {
+    // Nothing to sample, nothing to estimate: the threshold stays for the next step, whose scale
+    // change is then unknown (α = 1) and whose band is not restarted. (It was dropped: the
+    // reference mode, which scales the last threshold, then selected nothing at every later step.)
+    pending_.threshold = committed_.threshold;
+    return method_util::nothing(device, bucket, 0);
+  }
   const int64_t k = target_count(density_, n);
   const std::vector<int64_t> positions = sample_positions(n, group.rank());
   // Reference mode updates the bucket first; the default fuses the update into its candidate
@@ -150,6 +158,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     }
   }
   pending_.threshold = lambda;
+  reported_ = lambda;
   pending_.sample_mean = sample_mean;
   s.nonfinite = nonfinite;
   return s;

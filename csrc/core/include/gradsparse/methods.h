@@ -192,14 +192,14 @@ class SAGE final : public Method {
   const Exchange& exchange() const override { return exchange_.get(); }
   void set_exchange(const std::string& value) override { exchange_.set(value); }
   void observe(const BucketView& bucket, const ExchangeResult& result) override;
-  MethodReport report() const override { return {pending_.threshold, std::numeric_limits<double>::quiet_NaN()}; }
+  MethodReport report() const override { return {reported_, std::numeric_limits<double>::quiet_NaN()}; }
   MethodState state() const override;
   void load_state(const MethodState& state) override;
 
  private:
   struct Step {
     int64_t t = 0;
-    double threshold = std::numeric_limits<double>::quiet_NaN();  // λ of the last completed step
+    double threshold = std::numeric_limits<double>::quiet_NaN();  // λ of the last step that selected
     double sample_mean = std::numeric_limits<double>::quiet_NaN();
     bool restart = false;  // its band held fewer than k: the next prediction is sampled (default mode)
   };
@@ -218,6 +218,7 @@ class SAGE final : public Method {
   Listing listing_;
   Step committed_;
   Step pending_;
+  double reported_ = std::numeric_limits<double>::quiet_NaN();  // the last step's λ (NaN: an empty bucket)
 };
 
 /// MiCRO (4.8) and ExDyna (4.9): exclusive selection in rotating partitions with one global
