@@ -329,6 +329,14 @@ def positive(text: str) -> int:
     return value
 
 
+def probability(text: str) -> float:
+    """argparse type of dropout probabilities: a number in [0, 1) (NaN reached the first forward)."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1): give for example 0.2 (0: none)")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("method")
     g.add_argument(

@@ -181,7 +181,7 @@ def add_task_arguments(group) -> None:
     group.add_argument("--emb", type=driver.positive, default=650, help="embedding size")
     group.add_argument("--hidden", type=driver.positive, default=650, help="LSTM units per layer")
     group.add_argument("--layers", type=driver.positive, default=3)
-    group.add_argument("--dropout", type=float, default=0.4)
+    group.add_argument("--dropout", type=driver.probability, default=0.4)
     group.add_argument("--bptt", type=driver.positive, default=30, help="tokens per batch and back-propagation window")
     group.add_argument("--tied", action=argparse.BooleanOptionalAction, default=True, help="decoder = embedding")
     group.add_argument("--train-tokens", type=driver.count, default=0, help="train on the first N tokens only (0: all)")

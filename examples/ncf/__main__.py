@@ -13,6 +13,7 @@ global batch divide it by their world size, 4.
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,42 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in str(text).split(",") if x.strip())
+
+
+def _layer_sizes(text: str) -> str:
+    """argparse type of --layers, checked as the model will read it (the text is kept)."""
+    try:
+        sizes = _ints(text)
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1 or sizes[0] % 2:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give sizes of at least 1 separated by commas, the first even (the two MLP embeddings "
+            "side by side), for example 64,32,16"
+        )
+    return text
+
+
+def _betas(text: str) -> str:
+    """argparse type of --adam-betas: two numbers in [0, 1), as Adam takes them (the text is kept)."""
+    try:
+        betas = _floats(text)
+    except ValueError:
+        betas = ()
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise argparse.ArgumentTypeError(f"{text!r}: give two numbers in [0, 1) separated by a comma, e.g. 0.9,0.999")
+    return text
+
+
+def _epsilon(text: str) -> float:
+    """argparse type of --adam-eps: a finite number >= 0, as Adam takes it."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0: give for example 1e-8")
+    return value
 
 
 class Recommendation(driver.Task):
@@ -131,15 +168,18 @@ def add_task_arguments(group) -> None:
     group.add_argument("--dataset", choices=data.DATASETS, default="ml-100k")
     group.add_argument("--factors", type=driver.positive, default=32, help="GMF embedding width")
     group.add_argument(
-        "--layers", default="64,32,16", help="MLP sizes, the first being the two MLP embeddings side by side"
+        "--layers",
+        type=_layer_sizes,
+        default="64,32,16",
+        help="MLP sizes, the first being the two MLP embeddings side by side",
     )
-    group.add_argument("--dropout", type=float, default=0.0, help="after each MLP layer")
+    group.add_argument("--dropout", type=driver.probability, default=0.0, help="after each MLP layer")
     group.add_argument("--negatives", type=driver.count, default=4, help="sampled negatives per training positive")
     group.add_argument(
         "--eval-negatives", type=driver.positive, default=100, help="items the test item is ranked against"
     )
-    group.add_argument("--adam-betas", default="0.9,0.999", help="Adam's beta1,beta2")
-    group.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon")
+    group.add_argument("--adam-betas", type=_betas, default="0.9,0.999", help="Adam's beta1,beta2")
+    group.add_argument("--adam-eps", type=_epsilon, default=1e-8, help="Adam's epsilon")
     # The ml100k preset is the default; its settings also replace the driver's defaults (which
     # suit SGD on images) in --help.
     offline = PRESETS["ml100k"]

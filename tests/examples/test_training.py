@@ -372,3 +372,31 @@ def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
         driver.main(no_task, "", argv, add_task_arguments=cnn.add_task_arguments, presets=cnn.PRESETS)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "task,argv,message",
+    [
+        # once the data was loaded and the process group joined: int()'s, float()'s, Adam's and the
+        # model's ValueErrors, or dropout's RuntimeError at the first forward (NaN)
+        ("ncf", ["--layers", "64,x"], "argument --layers: '64,x': give sizes of at least 1 separated by commas"),
+        ("ncf", ["--layers", "63,16"], "the first even (the two MLP embeddings side by side)"),
+        ("ncf", ["--adam-betas", "0.9;0.999"], "argument --adam-betas: '0.9;0.999': give two numbers in [0, 1)"),
+        ("ncf", ["--adam-betas", "1.5,0.9"], "argument --adam-betas: '1.5,0.9': give two numbers in [0, 1)"),
+        ("ncf", ["--adam-eps", "-1"], "argument --adam-eps: '-1' is not a finite number >= 0"),
+        ("ncf", ["--dropout", "nan"], "argument --dropout: nan is not in [0, 1): give for example 0.2 (0: none)"),
+        ("lstm", ["--dropout", "1.5"], "argument --dropout: 1.5 is not in [0, 1)"),
+    ],
+)
+def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message, capsys):
+    import importlib
+
+    module = importlib.import_module(f"examples.{task}.__main__")
+
+    def no_task(args):
+        raise AssertionError("the task was built: the flags were not checked first")
+
+    with pytest.raises(SystemExit) as info:
+        driver.main(no_task, "", argv, add_task_arguments=module.add_task_arguments, presets=module.PRESETS)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
