@@ -471,7 +471,7 @@ class State:
         masking = not dense and self._step > self._warmup_steps
         report = _C.ReduceReport()
         index = entry.index
-        timed = self._choose_exchange(entry) if not dense and not shard_only else None
+        timed = self._choose_exchange(entry, buffer.device) if not dense and not shard_only else None
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
         held = [] if dense or shard_only else self._hold_unused(entry, buffer)
 
@@ -506,20 +506,21 @@ class State:
         """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""
         return ExchangeTrial(max(step, self._warmup_steps), chosen)
 
-    def _choose_exchange(self, entry: Bucket) -> str | None:
+    def _choose_exchange(self, entry: Bucket, device: torch.device) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
         (gradsparse.exchange_trial); at the first bucket after the trial the ranks agree on the
         faster ones first. Returns the exchange when this step is one of the trial's timed ones.
-        A method keeps the model's pick it was made with until the trial switches it."""
+        A method keeps the model's pick it was made with until the trial switches it. The timings
+        are averaged on the buckets' ``device``: a group of NCCL alone reduces no CPU tensor."""
         if self._trial is None:
             return None
         if self._trial.due(self._step):
-            figures = self._trial.medians(max(self._table.buckets) + 1)
+            figures = self._trial.medians(max(self._table.buckets) + 1).to(device)
             report = _C.ReduceReport()  # the dense all-reduce averages them, queued like a bucket
             done = self._engine.submit(
                 figures, None, None, True, "raise", "the timings of exchange=auto", report, False, None, 0.0, False
             )  # fmt: skip
-            self._trial.decide(done.wait())
+            self._trial.decide(done.wait().cpu())
             for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
                 if index not in self._trial.chosen:
                     self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels))
@@ -653,10 +654,11 @@ class State:
     def stats(self, reset: bool = False) -> dict:
         """Statistics since creation (or the last reset), per bucket and in total.
 
-        Keys: ``steps``, ``dense_steps`` and ``skipped_steps``; ``elements`` reduced and
+        Keys: ``steps``, ``dense_steps`` and ``skipped_steps`` (in total, the most of any bucket:
+        ``nonfinite="skip"`` skips bucket by bucket); ``elements`` reduced and
         ``elements_sent`` by this rank; ``selected`` (pairs this rank sent) and
         ``selected_all`` (all ranks); ``density`` (achieved: selected / elements of sparse
-        steps), ``global_density`` (all ranks: selected_all / (elements * P)) and
+        steps; a skipped step counts in no density), ``global_density`` (all ranks: selected_all / (elements * P)) and
         ``union_density`` (elements the exchanges wrote / elements); ``achieved_density``, the
         one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
         (one target for all ranks together), ``density`` for the others; ``bytes_sent`` and ``bytes_received`` by this
