@@ -11,10 +11,13 @@ Rank 0 prints one line per block size: the best of two rounds of each, in ms per
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
 import torch.distributed as dist
+
+from benchmarks.utils import number_list
 
 
 def _block(rank: int, size: int) -> torch.Tensor:
@@ -75,14 +78,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="2000,20000,100000,455000", help="bytes per rank, comma-separated")
     parser.add_argument("--calls", type=int, default=8, help="calls per timing")
     args = parser.parse_args(argv)
-    sizes = []
-    for text in args.sizes.split(","):  # on every rank alike, before the process group
-        try:
-            sizes.append(int(text))
-        except ValueError:
-            sizes.append(0)
-        if sizes[-1] < 1:
-            parser.error(f"--sizes: {text.strip()!r} is no block size in bytes (at least 1); write e.g. 2000,20000")
+    # on every rank alike, before the process group
+    sizes = number_list(
+        parser,
+        "--sizes",
+        args.sizes,
+        lambda b: math.isfinite(b) and b >= 1 and b == int(b),
+        "block size in bytes (at least 1)",
+        "2000,20000",
+    )
+    sizes = [int(b) for b in sizes]
     if args.calls < 1:
         parser.error(f"--calls must be at least 1, got {args.calls}")
     dist.init_process_group("gloo")

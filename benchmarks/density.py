@@ -27,7 +27,7 @@ import platform
 import torch
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, markdown_table, number_list, write_result
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -190,17 +190,9 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--world-size must be at least 1 (thread ranks), got {args.world_size}")
     if not (math.isfinite(args.drift_size) and args.drift_size >= 1):
         parser.error(f"--drift-size must be a finite number of elements, at least 1, got {args.drift_size}")
-    densities = []
-    for text in args.densities.split(","):
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not 0 < value <= 1:
-            parser.error(
-                f"--densities: {text.strip()!r} is no density in (0, 1]; write them separated by commas, e.g. 0.01,0.001"
-            )
-        densities.append(value)
+    densities = number_list(
+        parser, "--densities", args.densities, lambda d: 0 < d <= 1, "density in (0, 1]", "0.01,0.001"
+    )
     streams = [s.strip() for s in args.streams.split(",")]
     unknown = [s for s in streams if s not in STREAMS]
     if unknown:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, markdown_table, median_seconds, write_result
+from benchmarks.utils import OUTPUT_HELP, markdown_table, median_seconds, number_list, write_result
 from gradsparse import _C
 
 
@@ -204,23 +204,18 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(
             f"--rounds and --momentum apply to the CPU's --methods table; drop them with --device {args.device}"
         )
-    sizes, densities = [], []
-    for text in args.sizes.split(","):
-        try:
-            size = float(text)
-        except ValueError:
-            size = math.nan
-        if not (math.isfinite(size) and size >= 1):
-            parser.error(f"--sizes: {text.strip()!r} is no number of elements (at least 1); write e.g. 1e6,25e6")
-        sizes.append(int(size))
-    for text in args.densities.split(","):
-        try:
-            density = float(text)
-        except ValueError:
-            density = math.nan
-        if not 0 < density <= 1:
-            parser.error(f"--densities: {text.strip()!r} is no density in (0, 1]; write e.g. 0.01,0.001")
-        densities.append(density)
+    sizes = number_list(
+        parser,
+        "--sizes",
+        args.sizes,
+        lambda n: math.isfinite(n) and n >= 1,
+        "number of elements (at least 1)",
+        "1e6,25e6",
+    )
+    sizes = [int(n) for n in sizes]
+    densities = number_list(
+        parser, "--densities", args.densities, lambda d: 0 < d <= 1, "density in (0, 1]", "0.01,0.001"
+    )
     for flag, value, low in (
         ("--repeat", args.repeat, 1),
         ("--rounds", args.rounds, 1),

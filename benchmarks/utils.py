@@ -1,8 +1,10 @@
-"""Timing helpers shared by the benchmarks: medians of repeated runs, ratios against a baseline
-measured in the same run, and markdown tables."""
+"""Helpers shared by the benchmarks: medians of repeated runs, ratios against a baseline
+measured in the same run, markdown tables, and lists of numbers given on the command line."""
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import statistics
 import time
@@ -54,3 +56,20 @@ def write_result(name: str, text: str) -> str:
     with open(path, "w") as f:
         f.write(text)
     return path
+
+
+def number_list(
+    parser: argparse.ArgumentParser, flag: str, text: str, valid: Callable[[float], bool], what: str, example: str
+) -> list[float]:
+    """The comma-separated numbers ``text`` of ``flag``; ``parser.error`` names the first that is
+    not ``what`` (``valid`` false, or no number at all) and shows ``example``."""
+    values = []
+    for item in text.split(","):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not valid(value):
+            parser.error(f"{flag}: {item.strip()!r} is no {what}; write e.g. {example}")
+        values.append(value)
+    return values

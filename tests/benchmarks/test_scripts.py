@@ -118,7 +118,7 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
         # an IndexError deep in the run
         (["--world-size", "0"], "--world-size must be at least 1 (thread ranks), got 0"),
         # a ValueError traceback, or the first method's own refusal after the stream was drawn
-        (["--densities", "0.01,abc"], "--densities: 'abc' is no density in (0, 1]; write them separated by commas"),
+        (["--densities", "0.01,abc"], "--densities: 'abc' is no density in (0, 1]; write e.g. 0.01,0.001"),
         (["--densities", "0.01,0"], "--densities: '0' is no density in (0, 1]"),
         (["--drift-size", "nan"], "--drift-size must be a finite number of elements, at least 1, got nan"),
         # an unknown stream ran the CNN's under that name; an unknown method left an empty table
