@@ -31,12 +31,17 @@ def sharded_model(
     ``per_layer=False`` the root alone (one reduce-scatter per step, a third of the time). With
     ``frozen``, as in fine-tuning: the first Linear frozen (FSDP never reduces its module) and
     the second's bias."""
-    mesh = init_device_mesh("cpu", (world_size,))
-    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     model = workers.make_model(seed)
     if frozen:
         model[0].requires_grad_(False)
         model[2].bias.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world_size,))
+    return shard(model, mesh, MixedPrecisionPolicy(reduce_dtype=reduce_dtype), per_layer)
+
+
+def shard(model: nn.Sequential, mesh=None, policy=None, per_layer: bool = True) -> nn.Sequential:
+    """Each Linear of ``model`` (unless not ``per_layer``) and then ``model`` under fully_shard."""
+    policy = policy or MixedPrecisionPolicy()
     for layer in model if per_layer else ():
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh, mp_policy=policy)
@@ -278,11 +283,7 @@ def hsdp_residuals_through_dcp(rank: int, world_size: int, path: str) -> tuple[l
 
     def setup():
         mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard"))
-        model = workers.make_model(3)
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = shard(workers.make_model(3), mesh)
         return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1, process_group=mesh.get_group("shard")))
 
     model, state = setup()
@@ -365,19 +366,12 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
         elif case == "unused_parameter":  # trained, but no gradient: FSDP hands over less than the layout
             model = workers.make_model()
             model[2].register_parameter("spare", nn.Parameter(torch.zeros(5)))
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+            shard(model)
             gs.fsdp.sparsify(model, gs.TopK(density=0.05))
             workers.fit(model, workers.teacher_data(rank, 1))
         elif case == "unused_parameter_later":  # a gradient at the first step, none at the second
             torch.manual_seed(3)
-            model = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), SpareLinear(48, 48), nn.ReLU(), nn.Linear(48, 6))
-            for layer in model:
-                if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+            model = shard(nn.Sequential(nn.Linear(16, 48), nn.ReLU(), SpareLinear(48, 48), nn.ReLU(), nn.Linear(48, 6)))
             gs.fsdp.sparsify(model, gs.TopK(density=0.05))
             workers.fit(model, workers.teacher_data(rank, 1))
             model[2].use_spare = False
