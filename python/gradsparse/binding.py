@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse.checkpoint import TENSORS
-from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes
+from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixes, unwrap
 
 __all__ = ["ModelBinding"]
 
@@ -27,6 +27,7 @@ class ModelBinding:
     def __init__(self, owner: str) -> None:
         self.owner = owner  # the state's class name, for messages
         self.ddp: weakref.ref | None = None  # the DistributedDataParallel, from bind()
+        self.module: weakref.ref | None = None  # the user's own module inside it, from bind()
         self.sharded: weakref.ref | None = None  # the FSDP model, from bind_sharded()
         self.names: dict[int, str] = {}  # id(parameter) -> name in the user's module
         self.numels: dict[str, int] = {}  # name -> elements (FSDP: of a module's flat gradient)
@@ -64,14 +65,18 @@ class ModelBinding:
                 f"gradsparse.register: this {owner} state is already registered on this model; register it once"
             )
         params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
-        if (bound is not None or self.params is not None) and params != self.params:
+        module = unwrap(ddp)
+        same_module = self.module is not None and self.module() is module
+        if (bound is not None or self.params is not None) and params != self.params and not same_module:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
                 "one model's residuals: create one state per model"
             )
-        # A new DDP over the same parameters (Lightning wraps the module anew for every fit())
-        # takes the state over with its residuals.
+        # A new DDP over the same parameters (Lightning wraps the module anew for every fit()), or
+        # over the same module with parameters frozen or unfrozen since (DDP reduces those that
+        # required gradients when it was made), takes the state over with its residuals.
         self.ddp = weakref.ref(ddp)
+        self.module = weakref.ref(module)
         self.names = parameter_names(ddp)
         self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
         self.params = params

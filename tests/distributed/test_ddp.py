@@ -98,6 +98,23 @@ def test_a_find_unused_parameters_with_a_head_unused_every_other_step(density):
             assert torch.equal(h, p) if density == 1.0 else not torch.equal(h, first)
 
 
+def test_a_state_follows_its_model_into_a_new_ddp_after_parameters_are_frozen_or_unfrozen():
+    """Unfreezing a layer (or freezing one) needs a new DDP; registering the state there was
+    refused as "registered on another model". At density 1.0 the three phases train as DDP without
+    a hook; sparse, the residuals are those of the parameters trained in the last phase."""
+    full = run_distributed(workers.frozen_then_unfrozen, 2, 1.0)
+    plain = run_distributed(workers.frozen_then_unfrozen, 2, None)
+    sparse = run_distributed(workers.frozen_then_unfrozen, 2, 0.1)
+    for (hooked, steps, _), (reference, _, _) in zip(full, plain, strict=True):
+        assert steps == 9
+        for h, p in zip(hooked, reference, strict=True):
+            assert torch.equal(h, p)
+    for params, steps, names in sparse:
+        assert steps == 9 and names == ["2.bias", "2.weight", "4.bias", "4.weight"]
+        for a, b in zip(params, sparse[0][0], strict=True):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", ["rebuild", "unused"])
 def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
     """(c) through DDP's own paths, as the parameters see it: the ranks' mean gradient handed to

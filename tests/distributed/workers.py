@@ -110,6 +110,29 @@ def unused_parameters_vs_no_hook(rank: int, world_size: int, density: float) -> 
     return run(True), run(False), [p.detach().clone() for p in TwoHeads().parameters()]
 
 
+def frozen_then_unfrozen(rank: int, world_size: int, density: float | None) -> tuple[list, int, list]:
+    """Three phases of 3 steps on one model and one state (None: DDP without a hook): the first
+    layer frozen, then every layer trained, then the last layer frozen; each phase wraps the
+    module in a new DDP (DDP reduces the parameters that required gradients when it was made).
+    Returns the parameters, the steps the state counted and the names its residuals are saved under."""
+    model = make_model()
+    state = None if density is None else gs.TopK(density=density)
+    for frozen in (model[4], None, model[0]):
+        for p in model.parameters():
+            p.requires_grad_(frozen is None or all(p is not q for q in frozen.parameters()))
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        if state is not None:
+            gs.register(ddp, state)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        for x, y in batches(rank, 3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    if state is None:
+        return params_of(model), 0, []
+    return params_of(model), state.step, sorted(state.state_dict()["residuals"])
+
+
 # (b), (c) recording every bucket the hook sees -------------------------------------------------
 
 
