@@ -163,6 +163,7 @@ class State:
         self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._paused = False
+        self._handed: tuple[int, set[int]] = (0, set())  # buckets and parameter ids handed over in this step
         self._failed_step = False  # a bucket of this step failed: the rest go back untouched
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._link: tuple[float, float] | None = None  # (alpha, beta) of exchange="auto", from setup()
@@ -404,6 +405,7 @@ class State:
             )
         self.setup()  # collective, once
         params = bucket.parameters()
+        index, last = self._place(index, last, params)
         self._binding.check_params(params, last)  # one state, one model
         if self._loaded is not None:  # the first step after load_state_dict: in the saved layout
             if self._binding.model() is None:
@@ -415,6 +417,22 @@ class State:
             return self._defer(buffer, params, index, last)
         entry = self._bucket(index, params, buffer)  # its method and residual, re-mapped if DDP rebuilt
         return self._submit(entry, buffer, last)  # error feedback, selection and exchange, on the engine
+
+    def _place(self, index: int, last: bool, params: list[torch.Tensor]) -> tuple[int, bool]:
+        """The bucket's index and whether it ends the step. DDP's first iteration with
+        ``static_graph=True`` reduces every bucket at the end of backward (one per dtype then, or
+        per ``bucket_cap_mb_list`` entry) and hands each over as bucket 0, none as the last: such a
+        bucket takes its place in the step as index, and the one that completes the model's
+        parameters ends the step. Elsewhere DDP's own index and is_last() stand."""
+        count, ids = self._handed
+        mine = {id(p) for p in params}
+        if index == 0 and ids and not ids & mine:  # bucket 0 again, with other parameters
+            index = count
+            last = last or (self._binding.params is not None and self._binding.params <= ids | mine)
+        elif index == 0:  # a new step (or one that a failed backward left half-way)
+            count, ids = 0, set()
+        self._handed = (0, set()) if last else (count + 1, ids | mine)
+        return index, last
 
     def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> Bucket:
         """The bucket's entry in the table; when DDP rebuilt its buckets (after the first step, or

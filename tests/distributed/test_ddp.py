@@ -135,6 +135,18 @@ def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
         assert all(len(step) >= 3 for step in layouts)
 
 
+def test_static_graph_with_a_bucket_per_dtype_counts_the_first_step_and_resumes_without_hanging():
+    """DDP's first iteration with static_graph=True reduces every bucket at the end of backward and
+    hands each over as bucket 0, none as the last. With float32 and bfloat16 parameters (two
+    buckets) that step went uncounted, and the first step after a load held its buckets for a last
+    one that never came: backward hung."""
+    results = run_distributed(workers.static_graph_mixed_dtypes_resume, 2, timeout=60)
+    for r in results:
+        assert r["steps"] == (3, 6)
+        for a, b in zip(r["params"], results[0]["params"], strict=True):
+            assert torch.equal(a, b)
+
+
 def test_sub_groups_with_unused_parameters():
     """Two pairs, each training on its own sub-group with find_unused_parameters=True: no
     collective of the state meets DDP's own on the pair's group (they did, and timed out)."""

@@ -692,6 +692,49 @@ class Shuffled(nn.Module):
         return self.head(torch.relu(self.middle(torch.relu(self.stem(x)))))
 
 
+class BFloat16Head(nn.Module):
+    """Shuffled with its head in bfloat16: DDP keeps a bucket per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Shuffled()
+        self.net.head.to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        net = self.net
+        return net.head(torch.relu(net.middle(torch.relu(net.stem(x)))).bfloat16()).float()
+
+
+def static_graph_mixed_dtypes_resume(rank: int, world_size: int) -> dict:
+    """DDP(static_graph=True) over float32 and bfloat16 parameters: 3 steps, a checkpoint, and a
+    new model, DDP and state loading it (as a new process does) for 3 more steps. The first
+    iteration of each DDP reduces all buckets at the end of backward. Returns the steps each state
+    counted and the parameters."""
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = BFloat16Head()
+        ddp = DDP(model, bucket_cap_mb=0.004, static_graph=True)
+        return model, ddp, gs.register(ddp, gs.TopK(density=0.05)), torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    def run(ddp, opt, part) -> None:
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    data = list(batches(rank, 6))
+    model, ddp, state, opt = build(0)
+    run(ddp, opt, data[:3])
+    saved = {"model": model.state_dict(), "gs": state.state_dict()}
+    first = state.step
+    model, ddp, state, opt = build(123)
+    model.load_state_dict(saved["model"])
+    state.load_state_dict(saved["gs"])
+    run(ddp, opt, data[3:])
+    return {"steps": (first, state.step), "params": params_of(model)}
+
+
 RESUME_METHODS = {
     "topk": lambda: gs.TopK(density=0.05),
     "topk_momentum": lambda: gs.TopK(density=0.05, momentum=0.9),
