@@ -160,6 +160,7 @@ class State:
         self._binding = ModelBinding(type(self).__name__)  # the model
         self._table = BucketTable()  # methods and residuals, by bucket and by parameter name
         self._loaded: Loaded | None = None  # from load_state_dict, until the next step put it in place
+        self._saved_layout: list[list[str]] | None = None  # the loaded layout, kept until DDP rebuilds
         self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._paused = False
@@ -407,7 +408,7 @@ class State:
         params = bucket.parameters()
         index, last = self._place(index, last, params)
         self._binding.check_params(params, last)  # one state, one model
-        if self._loaded is not None:  # the first step after load_state_dict: in the saved layout
+        if self._loaded is not None or self._in_saved_layout():  # after load_state_dict: in the saved layout
             if self._binding.model() is None:
                 raise ValueError(
                     f"gradsparse: the {type(self).__name__} state was given a state dict but does not know its "
@@ -547,6 +548,18 @@ class State:
             entry.method.set_exchange(exchange)
         return None if self._trial.decided else exchange
 
+    def _in_saved_layout(self) -> bool:
+        """Whether this step, though not the first after the load, is reduced in the saved layout:
+        DDP rebuilds its buckets after the first step, but with ``static_graph=True`` only after the
+        second, so a new DDP reduces two steps in its first layout where the saved run had rebuilt."""
+        ddp = self._binding.model()
+        if self._saved_layout is None or ddp is None:
+            return False
+        rebuilds = ddp.static_graph or not ddp.find_unused_parameters  # as DDP's reducer decides
+        if not rebuilds or getattr(ddp, "_has_rebuilt_buckets", True):
+            self._saved_layout = None
+        return self._saved_layout is not None
+
     def _defer(self, buffer: torch.Tensor, params: list[torch.Tensor], index: int, last: bool) -> torch.futures.Future:
         """The first step after load_state_dict: DDP hands its buckets in the layout of a fresh
         process (parameter order), which need not be the layout the saved run reduced in. The
@@ -580,10 +593,11 @@ class State:
             current.append(names)
             for name, p, view in zip(names, params, buffer.split([p.numel() for p in params]), strict=True):
                 where[name] = (p, view)
-        layout = self._loaded.layout
+        layout = self._loaded.layout if self._loaded is not None else self._saved_layout
         if layout == current or sorted(n for names in layout for n in names) != sorted(where):
             # The same layout, or one that does not cover this model: DDP's own buckets.
             layout = current
+        self._saved_layout = None if layout is current else layout
         loaded, self._loaded = self._loaded, None
         futures, copies = [], []
         try:

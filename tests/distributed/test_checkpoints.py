@@ -24,6 +24,16 @@ def test_resume_is_exact_without_a_settle_iteration(tmp_path, method):
     assert results[0]["residual_norms"] != results[1]["residual_norms"]
 
 
+def test_resume_is_exact_with_a_static_graph(tmp_path):
+    """With static_graph=True a new DDP reduces two steps in its first layout, not one: the second
+    step after the load was reduced there, where the uninterrupted run had rebuilt its buckets."""
+    results = run_distributed(workers.resume_exactly, 2, "topk", str(tmp_path / "ckpt"), True, timeout=300)
+    for rank, r in enumerate(results):
+        assert r["first_step_buckets"] != r["saved_layout"], f"rank {rank}: the layouts coincide"
+        for a, b in zip(r["straight"], r["resumed"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: resumed differs from straight by {(a - b).abs().max()}"
+
+
 def _all_ranks(*residuals):
     """An AllRanks state dict of len(residuals) ranks, each holding {name: tensor}, as saved."""
     from gradsparse.checkpoint import with_checksums

@@ -744,16 +744,17 @@ RESUME_METHODS = {
 }
 
 
-def resume_exactly(rank: int, world_size: int, method: str, path: str) -> dict:
+def resume_exactly(rank: int, world_size: int, method: str, path: str, static_graph: bool = False) -> dict:
     """8 steps straight, against 4 steps + checkpoint + a new model, DDP, optimizer and state (as a
-    new process has) + load + 4 steps, with no extra iteration of any kind."""
+    new process has) + load + 4 steps, with no extra iteration of any kind. With ``static_graph``
+    DDP rebuilds its buckets only after its second step."""
     data = list(batches(rank, 8))
     first_step_buckets: list[list[str]] = []
 
     def build(seed: int):
         torch.manual_seed(seed)
         model = Shuffled()
-        ddp = DDP(model, bucket_cap_mb=0.004)
+        ddp = DDP(model, bucket_cap_mb=0.004, static_graph=static_graph)
         names = {id(p): n for n, p in model.named_parameters()}
 
         def recording(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
