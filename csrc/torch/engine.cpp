@@ -152,21 +152,31 @@ void Engine::Shared::run(Job& job) {
         "gradsparse: ", job.options.bucket_name, " was not reduced because an earlier exchange failed: ", earlier))));
     return;
   }
+  bool reduced = false;
   try {
     job.device->run([&](Device& device) {
       *job.report = reduce_bucket(job.method.get(), transport, device,
                                   bucket_view(job.grad, job.residual, job.velocity), job.options);
+      reduced = true;
       job.future->markCompleted(c10::IValue(job.grad));
     });
   } catch (const NonFiniteError& e) {
     // Raised identically on every rank after an agreed exchange: later buckets can proceed.
     job.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(str("gradsparse: ", e.what()))));
+  } catch (const ValueError& e) {
+    // A refused argument or configuration, refused alike on every rank: later buckets can proceed.
+    job.future->setErrorIfNeeded(
+        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
   } catch (const std::exception& e) {
-    // A failed collective or a corrupt message: the ranks' collective sequences can no longer be
-    // trusted to match, so stop here rather than risk a hang in the next bucket.
-    const bool transport_broken =
-        dynamic_cast<const CommError*>(&e) != nullptr || dynamic_cast<const CorruptMessageError*>(&e) != nullptr;
-    if (transport_broken) {
+    // The bucket was reduced and its future completed; what raised was one of the future's
+    // callbacks, which is no concern of the exchanges.
+    if (reduced) return;
+    // Anything else may have happened on this rank alone: a failed collective, a corrupt message,
+    // memory running out (std::bad_alloc, or PyTorch's allocators: c10::OutOfMemoryError on CUDA,
+    // c10::Error on the CPU), a failed CUDA call. The other ranks may be in this bucket's
+    // collectives still, so the ranks' collective sequences can no longer be trusted to match:
+    // stop here rather than let the next bucket's collectives meet this one's on the other ranks.
+    {
       std::lock_guard<std::mutex> lock(mu);
       failure = e.what();
     }

@@ -3,8 +3,10 @@
 // of the backward pass. Every job is one call of reduce_bucket (core) on one bucket.
 //
 // Errors complete the job's future with an exception (never a hang on our side): a
-// NonFiniteError is raised identically on every rank and later buckets proceed; a communication
-// error stops the engine, and every later job fails at once with the original cause.
+// NonFiniteError or a refused configuration (ValueError) is raised identically on every rank and
+// later buckets proceed; any other error (a communication error, a corrupt message, memory running
+// out, a failed CUDA call) may be this rank's alone and stops the engine, and every later job
+// fails at once with the original cause.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -5,8 +5,10 @@
 
 #include <ATen/ATen.h>
 
+#include <future>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -22,12 +24,21 @@ using gradsparse::torch_adapter::Engine;
 
 namespace {
 
-/// Forwards to a transport this test keeps alive, and fails every collective from `fail_from` on:
-/// with a CommError, or with std::bad_alloc (an allocation failing inside the exchange).
+/// Where a rank's bucket fails, and with what.
+enum class Fault {
+  kCommError,           // a collective fails (CommError)
+  kBadAlloc,            // an allocation inside the exchange fails (std::bad_alloc)
+  kTorchOutOfMemory,    // one of PyTorch's allocators fails inside the exchange (c10::OutOfMemoryError, as
+                        // the CUDA caching allocator raises for the exchange's buffers and the transport's
+                        // own copies)
+  kBadAllocInSelection  // an allocation of the selection fails, before the exchange
+};
+
+/// Forwards to a transport this test keeps alive, and fails every collective from `fail_from` on
+/// (for the faults of a collective).
 class Failing final : public Forwarding {
  public:
-  Failing(Transport& inner, int fail_from, bool bad_alloc)
-      : Forwarding(inner), fail_from_(fail_from), bad_alloc_(bad_alloc) {}
+  Failing(Transport& inner, int fail_from, Fault fault) : Forwarding(inner), fail_from_(fail_from), fault_(fault) {}
   void allgather(const Device& device, const void* send, void* recv, size_t bytes) override {
     check();
     Forwarding::allgather(device, send, recv, bytes);
@@ -44,13 +55,36 @@ class Failing final : public Forwarding {
 
  private:
   void check() {
-    if (fail_from_ < 0 || calls_++ < fail_from_) return;
-    if (bad_alloc_) throw std::bad_alloc();
+    if (fail_from_ < 0 || fault_ == Fault::kBadAllocInSelection || calls_++ < fail_from_) return;
+    if (fault_ == Fault::kBadAlloc) throw std::bad_alloc();
+    TORCH_CHECK_WITH(OutOfMemoryError, fault_ != Fault::kTorchOutOfMemory,
+                     "CUDA out of memory. Tried to allocate 2.00 GiB (injected)");
     throw CommError("injected failure");
   }
   int fail_from_;
-  bool bad_alloc_;
+  Fault fault_;
   int calls_ = 0;
+};
+
+/// A method whose first selection fails as an allocation does (std::bad_alloc).
+class FailingSelection final : public Method {
+ public:
+  explicit FailingSelection(std::unique_ptr<Method> inner) : inner_(std::move(inner)) {}
+  std::string name() const override { return inner_->name(); }
+  Selection select(Device& device, const BucketView& bucket, Collective& group) override {
+    if (!failed_) {
+      failed_ = true;
+      throw std::bad_alloc();
+    }
+    return inner_->select(device, bucket, group);
+  }
+  const Exchange& exchange() const override { return inner_->exchange(); }
+  void observe(const BucketView& bucket, const ExchangeResult& result) override { inner_->observe(bucket, result); }
+  MethodReport report() const override { return inner_->report(); }
+
+ private:
+  std::unique_ptr<Method> inner_;
+  bool failed_ = false;
 };
 
 at::Tensor bucket_of(int rank, int bucket, int64_t n) {
@@ -94,21 +128,26 @@ TEST(Engine, ReducesQueuedBucketsIdenticallyOnEveryRank) {
     for (int b = 0; b < kBuckets; ++b) EXPECT_TRUE(at::equal(results[r][b], results[0][b])) << r << " " << b;
 }
 
-class EngineFailure : public ::testing::TestWithParam<bool> {};
+class EngineFailure : public ::testing::TestWithParam<Fault> {};
 
-// A failed collective, or an allocation failing inside an exchange, stops the engine: the
-// failing bucket's future carries the cause, and every later bucket fails at once naming the
-// earlier failure instead of entering a collective its peers may never issue.
+// A failed collective, or an allocation failing inside an exchange or its selection, stops the
+// engine: the failing bucket's future carries the cause, and every later bucket fails at once
+// naming the earlier failure instead of entering a collective its peers may never issue. An
+// allocation of PyTorch's (c10::OutOfMemoryError, not std::bad_alloc) and one in the selection,
+// outside the exchange, let the next bucket's collectives meet the peers' collectives of the
+// failed one: every later bucket of rank 0 was reduced with rank 1's bucket before it.
 TEST_P(EngineFailure, FailsEveryLaterBucket) {
-  const bool bad_alloc = GetParam();
+  const Fault fault = GetParam();
   // Rank 1 waits out the timeout; rank 0's first collective, before its failure, needs rank 1
   // within it too, also under the sanitizers on busy cores.
   auto group = ThreadGroup::create(2, std::chrono::seconds(3));
   std::vector<std::vector<std::string>> errors(2);
   run_ranks(2, [&](int rank, Transport&) {
     auto inner = group->transport(rank);
-    Engine engine(std::make_unique<Failing>(*inner, rank == 0 ? 1 : -1, bad_alloc));
-    auto method = std::shared_ptr<Method>(std::make_unique<Threshold>(1.0));
+    Engine engine(std::make_unique<Failing>(*inner, rank == 0 ? 1 : -1, fault));
+    std::shared_ptr<Method> method = std::make_unique<Threshold>(1.0);
+    if (rank == 0 && fault == Fault::kBadAllocInSelection)
+      method = std::make_unique<FailingSelection>(std::make_unique<Threshold>(1.0));
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     for (int b = 0; b < kBuckets; ++b)
       futures.push_back(
@@ -120,14 +159,60 @@ TEST_P(EngineFailure, FailsEveryLaterBucket) {
     engine.shutdown();  // `inner` outlives the engine thread
   });
   ASSERT_EQ(errors[0].size(), static_cast<size_t>(kBuckets));
-  EXPECT_NE(errors[0][0].find(bad_alloc ? "an allocation failed" : "injected failure"), std::string::npos)
-      << errors[0][0];
+  const char* cause = fault == Fault::kCommError          ? "injected failure"
+                      : fault == Fault::kBadAlloc         ? "an allocation failed"
+                      : fault == Fault::kTorchOutOfMemory ? "CUDA out of memory"
+                                                          : "bad_alloc";
+  EXPECT_NE(errors[0][0].find(cause), std::string::npos) << errors[0][0];
   for (int b = 1; b < kBuckets; ++b)
-    EXPECT_NE(errors[0][b].find("an earlier exchange failed"), std::string::npos) << errors[0][b];
+    EXPECT_NE(errors[0][b].find("an earlier exchange failed"), std::string::npos) << b << ": " << errors[0][b];
   EXPECT_NE(errors[1][0], "") << "rank 1 must fail (timeout) rather than hang";
 }
 
-INSTANTIATE_TEST_SUITE_P(CommErrorOrBadAlloc, EngineFailure, ::testing::Bool());
+INSTANTIATE_TEST_SUITE_P(Faults, EngineFailure,
+                         ::testing::Values(Fault::kCommError, Fault::kBadAlloc, Fault::kTorchOutOfMemory,
+                                           Fault::kBadAllocInSelection),
+                         [](const ::testing::TestParamInfo<Fault>& info) {
+                           switch (info.param) {
+                             case Fault::kCommError:
+                               return std::string("CommError");
+                             case Fault::kBadAlloc:
+                               return std::string("BadAlloc");
+                             case Fault::kTorchOutOfMemory:
+                               return std::string("TorchOutOfMemory");
+                             case Fault::kBadAllocInSelection:
+                               return std::string("BadAllocInSelection");
+                           }
+                           return std::string();
+                         });
+
+// A callback of a bucket's future that raises once the bucket is reduced says nothing about the
+// exchanges: the engine goes on with the next bucket.
+TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
+  auto group = ThreadGroup::create(2, std::chrono::seconds(30));
+  std::promise<void> attached;
+  std::shared_future<void> ready = attached.get_future().share();
+  std::vector<std::vector<std::string>> errors(2);
+  rethrow_first(run_ranks(2, [&](int rank, Transport&) {
+    Engine engine(group->transport(rank));
+    if (rank == 1) ready.wait();  // bucket 0 completes only once rank 0's callback is attached
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (int b = 0; b < 2; ++b) {
+      futures.push_back(
+          engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, nullptr, ReduceOptions{}, nullptr));
+      if (rank == 0 && b == 0) {
+        futures[0]->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a callback raised"); });
+        attached.set_value();
+      }
+    }
+    for (auto& f : futures) {
+      f->wait();
+      errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
+    }
+  }));
+  for (int r = 0; r < 2; ++r)
+    for (int b = 0; b < 2; ++b) EXPECT_EQ(errors[r][b], "") << r << " " << b;
+}
 
 // Engines shut down from other threads while buckets are still queued finish them first.
 TEST(Engine, ShutdownDrainsTheQueue) {
