@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/env.h>
+
+#include <exception>
 
 #include "gradsparse/common.h"
 #include "gradsparse/device.h"
@@ -53,6 +56,15 @@ inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor
                    " is ", b.scalar_type(), "; they must have the same dtype");
   TORCH_CHECK_VALUE(a.numel() == b.numel(), "gradsparse: ", a_name, " has ", a.numel(), " elements but ", b_name,
                     " has ", b.numel(), "; they must have the same number of elements");
+}
+
+/// An exception's message, to be carried on in another error's. PyTorch's errors (c10::Error) add
+/// the C++ stack trace where they were raised to what(); it is left out, as PyTorch leaves it out
+/// of its own Python errors, unless TORCH_SHOW_CPP_STACKTRACES=1 asks for it.
+inline const char* error_text(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  if (torch_error == nullptr || c10::utils::check_env("TORCH_SHOW_CPP_STACKTRACES") == true) return e.what();
+  return torch_error->what_without_backtrace();
 }
 
 /// Runs `f`, turning core errors into the matching PyTorch errors (ValueError, IndexError, ...).

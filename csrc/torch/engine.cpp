@@ -178,10 +178,10 @@ void Engine::Shared::run(Job& job) {
     // stop here rather than let the next bucket's collectives meet this one's on the other ranks.
     {
       std::lock_guard<std::mutex> lock(mu);
-      failure = e.what();
+      failure = error_text(e);
     }
     job.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
+        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", error_text(e)))));
   }
 }
 

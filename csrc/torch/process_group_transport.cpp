@@ -28,7 +28,7 @@ ProcessGroupTransport::ProcessGroupTransport(c10::intrusive_ptr<c10d::ProcessGro
 
 void ProcessGroupTransport::failed(const std::exception& e, const std::string& what, size_t bytes) const {
   throw CommError(str(what, " of ", bytes, " bytes on rank ", rank_, " of ", size_, " (", group_->getBackendName(),
-                      " process group) failed: ", e.what(),
+                      " process group) failed: ", error_text(e),
                       "\nA peer may have stopped or raised, or the ranks issued different collectives."));
 }
 

@@ -166,6 +166,8 @@ TEST_P(EngineFailure, FailsEveryLaterBucket) {
   EXPECT_NE(errors[0][0].find(cause), std::string::npos) << errors[0][0];
   for (int b = 1; b < kBuckets; ++b)
     EXPECT_NE(errors[0][b].find("an earlier exchange failed"), std::string::npos) << b << ": " << errors[0][b];
+  for (const std::string& error : errors[0])  // PyTorch's errors without their C++ stack trace
+    EXPECT_EQ(error.find("Exception raised from"), std::string::npos) << error;
   EXPECT_NE(errors[1][0], "") << "rank 1 must fail (timeout) rather than hang";
 }
 
