@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 #include "adapter.h"
 #include "gradsparse/kernels.h"
@@ -37,12 +38,14 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
                     "gradsparse.scatter_add_: indices and values must be 1-D with the same length, got shapes ",
                     indices.sizes(), " and ", values.sizes());
   TORCH_CHECK_TYPE(values.scalar_type() == out.scalar_type(), "gradsparse.scatter_add_: values are ",
-                   values.scalar_type(), " but out is ", out.scalar_type());
+                   values.scalar_type(), " but out is ", out.scalar_type(),
+                   "; they must have the same dtype: pass values.to(out.dtype)");
   TORCH_CHECK_VALUE(indices.device() == out.device() && values.device() == out.device(),
                     "gradsparse.scatter_add_: out, indices and values must be on the same device, got ", out.device(),
                     ", ", indices.device(), ", ", values.device());
-  TORCH_CHECK_VALUE(indices.is_contiguous() && values.is_contiguous(),
-                    "gradsparse.scatter_add_: indices and values must be contiguous");
+  for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}})
+    TORCH_CHECK_VALUE(t->is_contiguous(), "gradsparse.scatter_add_: ", name, " must be contiguous, got strides ",
+                      t->strides(), "; call .contiguous() first");
   // The kernels divide in float32: a divisor that is 0, NaN or infinite there is refused (a NaN
   // fails the comparison).
   TORCH_CHECK_VALUE(

@@ -193,6 +193,21 @@ def test_ops_reject_bad_arguments():
         gs.scatter_add_(torch.zeros(3), torch.tensor([0]), torch.ones(1), 0.0)
 
 
+def test_scatter_add_names_the_argument_and_the_fix():
+    """scatter_add_'s refusals of a strided indices or values tensor said only that "indices and
+    values must be contiguous", naming neither which one nor what to do, and values of another
+    dtype than out got no way out."""
+    out = torch.zeros(5)
+    strided = torch.tensor([1, 0, 2, 0])[::2]
+    with pytest.raises(ValueError, match=r"scatter_add_: indices must be contiguous, got strides \[2\]; call \.contig"):
+        gs.scatter_add_(out, strided, torch.ones(2))
+    with pytest.raises(ValueError, match=r"scatter_add_: values must be contiguous, got strides \[2\]; call \.contig"):
+        gs.scatter_add_(out, torch.tensor([1, 2]), torch.ones(4)[::2])
+    with pytest.raises(TypeError, match=r"values are Half but out is Float; .*pass values\.to\(out\.dtype\)"):
+        gs.scatter_add_(out, torch.tensor([1]), torch.ones(1, dtype=torch.float16))
+    assert not out.any()
+
+
 def _opcheck_samples():
     grad = sample(5000, torch.float32, 9)
     yield torch.ops.gradsparse.select_threshold.default, (grad, sample(5000, torch.float32, 10), 1.0)
