@@ -600,6 +600,21 @@ class State:
         self._saved_layout = None if layout is current else layout
         loaded, self._loaded = self._loaded, None
         futures, copies = [], []
+
+        def deliver(done: torch.futures.Future) -> None:
+            try:
+                for fut in done.value():
+                    fut.value()  # raises the engine's error, if any
+                for buffer, views in copies:
+                    for view, piece in zip(views, buffer.split([v.numel() for v in views]), strict=True):
+                        view.copy_(piece)
+            except Exception as e:
+                for _, _, fut in held:
+                    if not fut.done():
+                        fut.set_exception(e)
+                return
+            _release(held)
+
         try:
             for index, names in enumerate(layout):
                 params = [where[n][0] for n in names]
@@ -614,21 +629,6 @@ class State:
                 self._loaded = loaded
             raise
         finally:  # what was handed to the engine reaches DDP's buckets, even when a later bucket failed
-
-            def deliver(done: torch.futures.Future) -> None:
-                try:
-                    for fut in done.value():
-                        fut.value()  # raises the engine's error, if any
-                    for buffer, views in copies:
-                        for view, piece in zip(views, buffer.split([v.numel() for v in views]), strict=True):
-                            view.copy_(piece)
-                except Exception as e:
-                    for _, _, fut in held:
-                        if not fut.done():
-                            fut.set_exception(e)
-                    return
-                _release(held)
-
             torch.futures.collect_all(futures).add_done_callback(deliver)
 
     def _reduce_flat(self, index: int, name: str, flat: torch.Tensor, groups: int) -> torch.futures.Future:
