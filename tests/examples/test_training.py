@@ -345,6 +345,19 @@ def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
         assert {k: getattr(parsed, k) for k in settings} == settings, name
 
 
+def _assert_refused_before_the_process_group(module, argv: list[str], message: str, capsys) -> None:
+    """The driver, with a task module's arguments and presets, exits with argparse's code 2 and
+    ``message`` on stderr before it builds the task (and so before the process group)."""
+
+    def no_task(args):
+        raise AssertionError("the task was built: the flags were not checked first")
+
+    with pytest.raises(SystemExit) as info:
+        driver.main(no_task, "", argv, add_task_arguments=module.add_task_arguments, presets=module.PRESETS)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [
@@ -365,13 +378,7 @@ def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
 def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
     from examples.cnn import __main__ as cnn
 
-    def no_task(args):
-        raise AssertionError("the task was built: the flags were not checked first")
-
-    with pytest.raises(SystemExit) as info:
-        driver.main(no_task, "", argv, add_task_arguments=cnn.add_task_arguments, presets=cnn.PRESETS)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    _assert_refused_before_the_process_group(cnn, argv, message, capsys)
 
 
 @pytest.mark.parametrize(
@@ -391,12 +398,6 @@ def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
 def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message, capsys):
     import importlib
 
-    module = importlib.import_module(f"examples.{task}.__main__")
-
-    def no_task(args):
-        raise AssertionError("the task was built: the flags were not checked first")
-
-    with pytest.raises(SystemExit) as info:
-        driver.main(no_task, "", argv, add_task_arguments=module.add_task_arguments, presets=module.PRESETS)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    _assert_refused_before_the_process_group(
+        importlib.import_module(f"examples.{task}.__main__"), argv, message, capsys
+    )
