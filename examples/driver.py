@@ -329,12 +329,35 @@ def positive(text: str) -> int:
     return value
 
 
-def probability(text: str) -> float:
-    """argparse type of dropout probabilities: a number in [0, 1) (NaN reached the first forward)."""
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not in [0, 1): give for example 0.2 (0: none)")
-    return value
+def _outside(value: float, low: float, high: float = math.inf, low_ok: bool = True) -> str | None:
+    """None when ``value`` is a finite number >= ``low`` (> with ``low_ok`` False) and < ``high``;
+    else those bounds as the errors name them, for example ">= 0 and < 1"."""
+    above = value >= low if low_ok else value > low
+    if math.isfinite(value) and above and value < high:
+        return None
+    return f"{'>=' if low_ok else '>'} {low:g}" + ("" if high == math.inf else f" and < {high:g}")
+
+
+def bounded(low: float, high: float = math.inf, *, low_ok: bool = True, example: str) -> Callable[[str], float]:
+    """argparse type of a finite number >= ``low`` (> with ``low_ok`` False) and < ``high``: text
+    that is no number, NaN, infinities and numbers out of bounds are refused with the bounds and
+    ``example``, which argparse prefixes with the flag."""
+
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        bounds = _outside(value, low, high, low_ok)
+        if bounds is not None:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number {bounds}: give for example {example}")
+        return value
+
+    return number
+
+
+#: argparse type of dropout probabilities: a number in [0, 1) (NaN reached the first forward).
+probability = bounded(0, 1, example="0.2 (0: none)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -449,11 +472,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, m
     after the methods before it had trained."""
 
     def number(flag: str, value: float | None, low: float, high: float = math.inf, low_ok: bool = True) -> None:
-        if value is None:
-            return
-        above = value >= low if low_ok else value > low
-        if not (math.isfinite(value) and above and value < high):
-            bounds = f"{'>=' if low_ok else '>'} {low:g}" + ("" if high == math.inf else f" and < {high:g}")
+        bounds = None if value is None else _outside(value, low, high, low_ok)
+        if bounds is not None:
             parser.error(f"{flag} must be a finite number {bounds}, got {value}")
 
     number("--lr", args.lr, 0.0, low_ok=False)

@@ -13,7 +13,6 @@ global batch divide it by their world size, 4.
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.distributed as dist
@@ -76,17 +75,6 @@ def _betas(text: str) -> str:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise argparse.ArgumentTypeError(f"{text!r}: give two numbers in [0, 1) separated by a comma, e.g. 0.9,0.999")
     return text
-
-
-def _epsilon(text: str) -> float:
-    """argparse type of --adam-eps: a finite number >= 0, as Adam takes it."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0: give for example 1e-8")
-    return value
 
 
 class Recommendation(driver.Task):
@@ -179,7 +167,7 @@ def add_task_arguments(group) -> None:
         "--eval-negatives", type=driver.positive, default=100, help="items the test item is ranked against"
     )
     group.add_argument("--adam-betas", type=_betas, default="0.9,0.999", help="Adam's beta1,beta2")
-    group.add_argument("--adam-eps", type=_epsilon, default=1e-8, help="Adam's epsilon")
+    group.add_argument("--adam-eps", type=driver.bounded(0, example="1e-8"), default=1e-8, help="Adam's epsilon")
     # The ml100k preset is the default; its settings also replace the driver's defaults (which
     # suit SGD on images) in --help.
     offline = PRESETS["ml100k"]

@@ -390,9 +390,14 @@ def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
         ("ncf", ["--layers", "63,16"], "the first even (the two MLP embeddings side by side)"),
         ("ncf", ["--adam-betas", "0.9;0.999"], "argument --adam-betas: '0.9;0.999': give two numbers in [0, 1)"),
         ("ncf", ["--adam-betas", "1.5,0.9"], "argument --adam-betas: '1.5,0.9': give two numbers in [0, 1)"),
-        ("ncf", ["--adam-eps", "-1"], "argument --adam-eps: '-1' is not a finite number >= 0"),
-        ("ncf", ["--dropout", "nan"], "argument --dropout: nan is not in [0, 1): give for example 0.2 (0: none)"),
-        ("lstm", ["--dropout", "1.5"], "argument --dropout: 1.5 is not in [0, 1)"),
+        ("ncf", ["--adam-eps", "-1"], "argument --adam-eps: '-1' is not a finite number >= 0: give for example 1e-8"),
+        (
+            "ncf",
+            ["--dropout", "nan"],
+            "argument --dropout: 'nan' is not a finite number >= 0 and < 1: give for example 0.2 (0: none)",
+        ),
+        ("lstm", ["--dropout", "1.5"], "argument --dropout: '1.5' is not a finite number >= 0 and < 1"),
+        ("lstm", ["--dropout", "x"], "argument --dropout: 'x' is not a finite number >= 0 and < 1"),
     ],
 )
 def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message, capsys):
