@@ -142,8 +142,7 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
             f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
             "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
         )
-    _check_entries(where, state_dict)
-    _check_values(where, state_dict)
+    _check(where, state_dict)
     return state_dict
 
 
@@ -172,9 +171,12 @@ def _refuse(where: str, key: str, expected: str, value: object) -> None:
     )
 
 
-def _check_entries(where: str, state_dict: dict) -> None:
+def _check(where: str, state_dict: dict) -> None:
     """One rank's entries have the types state_dict() gives them: what the load reads is refused
-    here, naming the entry, and not with an error of Python's half-way through the load."""
+    here, naming the entry, and not with an error of Python's half-way through the load. Then
+    every residual and velocity is finite and, where the state dict has checksums (those of
+    gradsparse 0.2 on), matches its own; none that has a checksum is missing where the names are
+    the saved ones."""
 
     def refuse(key: str, expected: str, value: object) -> None:
         _refuse(where, key, expected, value)
@@ -225,11 +227,6 @@ def _check_entries(where: str, state_dict: dict) -> None:
         and all(isinstance(i, numbers.Integral) and name in CHOICES for i, name in exchanges.items())
     ):
         refuse("exchanges", f"None or the exchange by bucket index, one of {', '.join(CHOICES)}", exchanges)
-
-
-def _check_values(where: str, state_dict: dict) -> None:
-    """Every residual and velocity is finite and, where the state dict has checksums (those of
-    gradsparse 0.2 on), matches its own; none that has a checksum is missing where the names are the saved ones."""
     for kind, key, checksums_key in TENSORS:
         checksums = state_dict.get(checksums_key, {})
         tensors = state_dict.get(key, {})
@@ -342,8 +339,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     ranks = state_dict["ranks"]
     for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
         _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
-        _check_entries("gradsparse.reshard", saved)
-        _check_values("gradsparse.reshard", saved)
+        _check("gradsparse.reshard", saved)
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
     velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])
     entries = with_checksums(residuals, velocities)
