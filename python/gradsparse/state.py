@@ -380,33 +380,35 @@ class State:
         DDP's hook call would leave DDP's reducer half-way through the step, and every later step
         would die in one of PyTorch's internal asserts; a failed future makes backward() raise the
         error while DDP finishes the step, so the next step works once the cause is fixed."""
+        # Where the bucket stands in its step (_place): a failed step ends at its last bucket, and
+        # in DDP's first static-graph iteration no bucket says is_last().
+        index, last = self._place(bucket.index(), bucket.is_last(), bucket.parameters())
         if self._paused or self._failed_step:  # see paused(); or an earlier bucket of this step failed
-            if bucket.is_last():
+            if last:
                 self._failed_step = False
             return _done(bucket.buffer())
         try:
-            return self._reduce_bucket(bucket)
+            return self._reduce_bucket(bucket, index, last)
         except Exception as error:
             _release(self._deferred)  # the first step after a load: let them go
             self._deferred = []
-            self._failed_step = not bucket.is_last()
+            self._failed_step = not last
 
             def fail(_: torch.futures.Future, error: Exception = error) -> torch.Tensor:
                 raise error
 
             return _done(None).then(fail)
 
-    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        buffer, index, last = bucket.buffer(), bucket.index(), bucket.is_last()
+    def _reduce_bucket(self, bucket: dist.GradBucket, index: int, last: bool) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
         if buffer.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
-                f"gradsparse: bucket {index} holds {buffer.dtype} gradients, but gradsparse sparsifies float32, "
-                "float16 and bfloat16 buckets only; convert the model (for example model.float()) before "
+                f"gradsparse: bucket {bucket.index()} holds {buffer.dtype} gradients, but gradsparse sparsifies "
+                "float32, float16 and bfloat16 buckets only; convert the model (for example model.float()) before "
                 "wrapping it in DistributedDataParallel"
             )
         self.setup()  # collective, once
         params = bucket.parameters()
-        index, last = self._place(index, last, params)
         self._binding.check_params(params, last)  # one state, one model
         if self._loaded is not None or self._in_saved_layout():  # after load_state_dict: in the saved layout
             if self._binding.model() is None:
@@ -424,16 +426,49 @@ class State:
         ``static_graph=True`` reduces every bucket at the end of backward (one per dtype then, or
         per ``bucket_cap_mb_list`` entry) and hands each over as bucket 0, none as the last: such a
         bucket takes its place in the step as index, and the one that completes the model's
-        parameters ends the step. Elsewhere DDP's own index and is_last() stand."""
+        parameters ends the step. A state that does not know its model's parameters yet (registered
+        with ``model.register_comm_hook``) ends that step when the backward ends (_end_delayed_step).
+        Elsewhere DDP's own index and is_last() stand, and a bucket 0 starts a new step (also after
+        a backward that stopped half-way: a new DDP wrapper's first bucket 0 may then hold none of
+        the stopped step's parameters)."""
         count, ids = self._handed
         mine = {id(p) for p in params}
-        if index == 0 and ids and not ids & mine:  # bucket 0 again, with other parameters
+        delayed = index == 0 and not last and self._delayed()
+        if delayed and ids and not ids & mine:  # bucket 0 again, with other parameters
             index = count
-            last = last or (self._binding.params is not None and self._binding.params <= ids | mine)
+            last = self._binding.params is not None and self._binding.params <= ids | mine
         elif index == 0:  # a new step (or one that a failed backward left half-way)
             count, ids = 0, set()
+        if delayed and self._binding.params is None:
+            with contextlib.suppress(RuntimeError):  # outside a backward: no step to end there
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_delayed_step)
         self._handed = (0, set()) if last else (count + 1, ids | mine)
         return index, last
+
+    def _delayed(self) -> bool:
+        """Whether DDP hands this bucket over in its delayed reduction, the first iteration of a
+        static graph: its model has ``static_graph=True`` (a state registered with
+        ``model.register_comm_hook`` cannot read it), and the bucket comes from a callback at the
+        end of backward, where no autograd node runs, not from a gradient's hook."""
+        ddp = self._binding.model()
+        if ddp is not None and not getattr(ddp, "static_graph", False):
+            return False
+        current = getattr(torch._C, "_current_autograd_node", None)
+        return current is None or current() is None
+
+    def _end_delayed_step(self) -> None:
+        """The end of a backward in which DDP's delayed reduction handed buckets to a state that
+        does not know its model's parameters: no bucket could say it was the last, so the step
+        ends here (counted, and the parameters learned, unless a bucket failed or it was paused)."""
+        if not self._handed[1]:  # it ended at a bucket already
+            return
+        self._handed = (0, set())
+        if self._failed_step or self._paused:
+            self._failed_step = False
+            return
+        self._binding.check_params([], True)  # learns the parameters met in this step
+        self._step += 1
+        self._table.end_step()
 
     def _bucket(self, index: int, params: list[torch.Tensor], buffer: torch.Tensor) -> Bucket:
         """The bucket's entry in the table; when DDP rebuilt its buckets (after the first step, or

@@ -1064,3 +1064,90 @@ def test_an_fsdp_group_refused_for_its_size_does_not_count_the_next_step_early()
     state._reduce_flat(1, "b", torch.ones(4), 2).wait()
     assert state.step == 1
     assert state.stats()["total"]["dense_steps"] == 1  # the warm-up step, in both groups
+
+
+# ----------------------------------------------------------------------------------------------
+# DDP's first iteration with static_graph=True: every bucket handed over as bucket 0, none last
+
+
+class _TwoDtypes(nn.Module):
+    """A float32 layer and a bfloat16 one: DDP's first iteration has a bucket per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a = nn.Linear(8, 32)
+        self.b = nn.Linear(32, 3).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.b(self.a(x).relu().to(torch.bfloat16)).float()
+
+
+def test_a_failed_first_step_of_a_static_graph_does_not_skip_the_next():
+    """A bucket that failed in DDP's first static-graph iteration marked the rest of the step to go
+    back untouched until a bucket said is_last(), which none does in that iteration: the whole
+    second step went back unreduced and uncounted, without an error (each rank would have kept
+    its own gradient)."""
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_TwoDtypes(), static_graph=True)
+    gs.register(ddp, state)
+    engine = state._engine
+
+    class Failing:
+        def submit(self, *args):
+            raise RuntimeError("an error inside the hook's work")
+
+    state._engine = Failing()
+    with pytest.raises(RuntimeError, match="an error inside the hook's work"):
+        _train(ddp, 1)
+    state._engine = engine  # the cause, fixed
+    assert state.step == 0
+    _train(ddp, 1)
+    assert state.step == 1  # the second step was reduced
+    assert state.stats()["total"]["steps"] == 1
+    _train(ddp, 2)
+    assert state.step == 3
+
+
+def test_a_state_registered_with_register_comm_hook_counts_the_first_step_of_a_static_graph():
+    """A state registered with model.register_comm_hook does not know its model's parameters
+    before its first step ends, so in DDP's first static-graph iteration (no bucket is the last)
+    the step never ended: it went uncounted (warm-up ran a step late) and the parameters were
+    learned a step late. The hook ends that step when the backward ends."""
+    state = gs.TopK(density=0.1, warmup_steps=1)
+    ddp = DDP(_TwoDtypes(), static_graph=True)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 1)
+    assert state.step == 1
+    _train(ddp, 2)
+    assert state.step == 3
+    assert state.stats()["total"]["dense_steps"] == 1  # the warm-up step only
+
+
+def test_a_new_ddp_whose_bucket_0_is_disjoint_from_a_stopped_backwards_is_a_new_step():
+    """After a backward that stopped half-way, the next bucket 0 of a new DDP wrapper (here over
+    the same module with a layer frozen) held none of the stopped step's parameters, and was read
+    as the second bucket of DDP's first static-graph iteration though the model has no static
+    graph: it was reduced as bucket 1, and the frozen layer's residual stayed in the table."""
+    state = gs.TopK(density=0.05)
+    ddp = _bucketed(0.0003)  # from the second step on: [2.bias, 2.weight], [0.bias, 0.weight]
+    gs.register(ddp, state)
+    _train(ddp, 2)
+
+    def stop(_):
+        raise RuntimeError("an error in the user's backward")
+
+    hook = ddp.module[0].weight.register_hook(stop)  # after DDP's first bucket was handed over
+    with pytest.raises(RuntimeError, match="an error in the user's backward"):
+        _train(ddp, 1, seed=3)
+    hook.remove()
+    module = ddp.module
+    del ddp
+    gc.collect()
+    module[2].requires_grad_(False)
+    again = DDP(module, bucket_cap_mb=0.0003)  # one bucket: [0.weight, 0.bias]
+    gs.register(again, state)
+    _train(again, 1)
+    assert state.step == 3
+    assert state.state_dict()["layout"] == [["0.weight", "0.bias"]]
+    assert sorted(state.state_dict()["residuals"]) == ["0.bias", "0.weight"]
