@@ -317,9 +317,7 @@ class State:
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
-        if self._unchecked is not None:
-            (saved, any_rank), self._unchecked = self._unchecked, None
-            self._load(saved, any_rank)
+        self._load_unchecked(at_setup=True)
         return self
 
     def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
@@ -850,14 +848,21 @@ class State:
             return
         self._load(state_dict, any_rank)
 
-    def _load_unchecked(self) -> None:
+    def _load_unchecked(self, *, at_setup: bool = False) -> None:
         """A state dict loaded before init_process_group is loaded once the process group exists,
         as a load then would have been: state_dict(), step and stats() read this rank's part of
         it from then on, not the whole state dict (an AllRanks one nested in a new AllRanks file).
-        A load that fails raises here and again in setup()."""
-        if self._unchecked is None or self._engine is not None or not (dist.is_available() and dist.is_initialized()):
+
+        Before set-up it stays pending until it loads, so a load that fails raises here and again
+        in setup(). In setup() (``at_setup``, the engine just started) it is taken first: a load
+        that fails there raises once and leaves the state set up without it."""
+        if self._unchecked is None or not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._engine is not None and not at_setup:
             return
         saved, any_rank = self._unchecked
+        if at_setup:
+            self._unchecked = None
         self._load(saved, any_rank)
         self._unchecked = None
 
