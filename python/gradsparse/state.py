@@ -53,6 +53,11 @@ __all__ = ["State"]
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
+_NOT_A_MEMBER = (
+    ". If this rank was meant to stay out of a sub-group: torch.distributed.new_group(ranks, "
+    "use_local_synchronization=True) returns None on the ranks outside ranks, and process_group=None means "
+    "the default group; create the state (and its DDP model) on the sub-group's ranks only"
+)
 
 
 @atexit.register
@@ -69,7 +74,10 @@ class State:
     Options shared by every method (keyword-only):
 
     - ``process_group``: the group the model's DDP reduces over (None: the default group). The
-      state must be created on every rank of that group, with the same options.
+      state must be created on every rank of that group, with the same options, and on no other
+      rank: ``torch.distributed.new_group(ranks, use_local_synchronization=True)`` returns None on
+      the ranks outside ``ranks``, which reads as the default group here (and in DDP), so a state
+      made there with that None waits for every rank at set-up and fails after its ``timeout``.
     - ``warmup_steps`` (0): steps that use a dense all-reduce before sparsification starts.
       DDP rebuilds its buckets after the first step; gradsparse re-maps residuals by parameter
       when that happens, so no warm-up is needed for correctness.
@@ -300,6 +308,7 @@ class State:
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
                 f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
                 "same options on every rank, and register it (or run the first backward) on every rank"
+                + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
         if len(set(gathered)) > 1:
             raise ValueError(
