@@ -9,14 +9,15 @@ object, named after the module), the method selects from ``residual + gradient``
 exchange averages the selected pairs of every rank, and the rank's shard of the result is what
 FSDP receives. See docs/architecture.md, "FSDP2".
 
-Residuals differ from rank to rank: :class:`ShardedState` hands them to
-``torch.distributed.checkpoint`` as DTensors with one block per rank, so that ``dcp.save`` writes
-every rank's and ``dcp.load`` gives each rank its own back.
+Residuals, method states and statistics differ from rank to rank: :class:`ShardedState` hands
+them to ``torch.distributed.checkpoint`` as DTensors with one block per rank, so that ``dcp.save``
+writes every rank's and ``dcp.load`` gives each rank its own back.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Any
 
 import torch
@@ -233,11 +234,12 @@ class _SparseReduceScatter:
 
 class ShardedState:
     """A state as ``torch.distributed.checkpoint`` (DCP) sees it: every residual becomes a DTensor
-    over the default process group (DCP's) with one block per rank, and the method states one block of
-    JSON per rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on
-    the rank that saved it (same world size). Options, step, layout and the link that
-    exchange="auto" picks from are saved once. Implements DCP's ``Stateful`` protocol, for states
-    given to :func:`sparsify`.
+    over the default process group (DCP's) with one block per rank, and the method states and
+    statistics (``stats()``) one block of JSON per rank, so that ``dcp.save`` writes each rank's own
+    and ``dcp.load`` puts each back on the rank that saved it (same world size; another world size
+    is refused). Options, step, layout and the link that exchange="auto" picks from are saved once.
+    A checkpoint of gradsparse before per-rank statistics loads with none (statistics start from
+    zero). Implements DCP's ``Stateful`` protocol, for states given to :func:`sparsify`.
 
     Example::
 
@@ -279,15 +281,28 @@ class ShardedState:
         """The per-element state this state checkpoints: residuals, and velocities with momentum."""
         return ("residuals", "velocities") if self.state._momentum else ("residuals",)
 
-    def _methods_blob(self, methods: list) -> torch.Tensor:
-        """This rank's method states (a list of {name: float} or None) as JSON in a zero-padded
-        uint8 tensor of a size every rank computes alike (their keys can change with the steps:
-        ExDyna's layout appears at its first step, so DCP could not load them key by key)."""
+    def _methods_blob(self, methods: list, stats: dict) -> torch.Tensor:
+        """This rank's method states (a list of {name: float} or None) and statistics (bucket index
+        -> counters) as JSON in a zero-padded uint8 tensor of a size every rank computes alike
+        (their keys can change with the steps: ExDyna's layout appears at its first step, and a
+        bucket's counters at its first step, so DCP could not load them key by key). The size is
+        that of the checkpoints before the statistics joined the method states, so that those load:
+        they hold a JSON list (the method states alone), these a JSON object."""
         world_size = dist.get_world_size(self.state.process_group)
         size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
-        text = json.dumps(methods).encode()
+        text = json.dumps({"methods": methods, "stats": stats}, separators=(",", ":")).encode()
         if len(text) > size:
-            raise RuntimeError(f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}")
+            text = json.dumps(methods).encode()
+            if len(text) > size:
+                raise RuntimeError(
+                    f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}"
+                )
+            warnings.warn(
+                f"gradsparse.fsdp.ShardedState: rank {dist.get_rank()}'s method states and statistics take over "
+                f"{size} bytes; its statistics are not saved (after the load they start from zero)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         blob = torch.zeros(size, dtype=torch.uint8)
         blob[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         return blob
@@ -313,8 +328,10 @@ class ShardedState:
             "world_size": saved["world_size"],
             "layout": [[name] for name in binding.numels],  # bucket i: the i-th module sparsified
             **{key: {name: self._per_rank(t) for name, t in held.items()} for key, held in tensors.items()},
-            "methods": self._per_rank(self._methods_blob(saved["methods"])),
-            "stats": saved["stats"],
+            # The method states and statistics of each rank. Statistics differ by rank: saved once
+            # (as a plain entry), DCP would keep one rank's, and a process that holds no counters
+            # yet would name none of them to load.
+            "methods": self._per_rank(self._methods_blob(saved["methods"], saved["stats"])),
             # exchange="auto": the link its picks come from (the same on every rank; an empty list without it)
             "link": list(saved.get("link") or []),
         }
@@ -330,6 +347,7 @@ class ShardedState:
             for key in ("residuals", "velocities")
         }
         state = self.state
+        methods, stats = _decode_methods(local(state_dict["methods"]))
         state.load_state_dict(
             {
                 "version": STATE_DICT_VERSION,
@@ -339,14 +357,21 @@ class ShardedState:
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
                 **with_checksums(tensors["residuals"], tensors["velocities"]),
-                "methods": _decode_methods(local(state_dict["methods"])),
+                "methods": methods,
                 "layout": state_dict["layout"],
-                "stats": state_dict["stats"],
+                "stats": stats,
                 "link": state_dict.get("link") or None,  # absent from checkpoints of gradsparse before it
             }
         )
 
 
-def _decode_methods(blob: torch.Tensor) -> list:
+def _decode_methods(blob: torch.Tensor) -> tuple[list, dict]:
+    """A rank's method states and statistics from its block of the "methods" entry. A checkpoint of
+    gradsparse before per-rank statistics holds the method states alone (a JSON list), and its
+    statistics, saved once for all ranks, are not loaded: they are one rank's (or none), and a
+    load that named them would fail on a checkpoint saved before a bucket's first step."""
     text = bytes(blob.cpu().numpy().tobytes()).rstrip(b"\0")
-    return json.loads(text) if text else []
+    saved = json.loads(text) if text else []
+    if isinstance(saved, list):
+        return saved, {}
+    return saved["methods"], saved["stats"]

@@ -1,6 +1,8 @@
 """gradsparse.fsdp: sparse reduce-scatters with error feedback in FSDP2 (fully_shard), on 2 and 4
 Gloo ranks on the CPU. The worker functions are module level, so the ranks can import them by name."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -302,6 +304,95 @@ def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
     for rank, (saved, loaded) in enumerate(results):
         for a, b in zip(saved, loaded, strict=True):
             assert torch.equal(a, b), f"rank {rank}: the loaded residual differs by {(a - b).abs().max()}"
+
+
+def statistics_through_dcp(rank: int, world_size: int, path: str) -> dict:
+    """Each rank's statistics (state_dict()["stats"], as JSON: NaN compares equal to itself) saved
+    after 3 steps, and what dcp.load gives back to the same state after 2 more steps, to a fresh
+    process's state, and to a state with counters from a checkpoint saved before the first step."""
+
+    def as_json(state) -> str:
+        return json.dumps(state.state_dict()["stats"], sort_keys=True)
+
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 3))
+    saved = as_json(state)
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    workers.fit(model, workers.teacher_data(rank + 10, 2))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    same_state = as_json(state)
+    state.close()
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    fresh_process = as_json(fresh)
+    model = sharded_model(world_size)
+    early = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(early)}, checkpoint_id=path + "-step0")
+    workers.fit(model, workers.teacher_data(rank, 1))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(early)}, checkpoint_id=path + "-step0")
+    return {"saved": saved, "same_state": same_state, "fresh": fresh_process, "step0": early.state_dict()["stats"]}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_dcp_checkpoint_gives_every_rank_its_own_statistics(tmp_path, world_size):
+    """Statistics differ by rank (the seconds, and the pairs of per-rank methods), as residuals do:
+    each rank gets its own back, in a fresh process too (which names no counters before the load),
+    and a checkpoint saved before the first step loads into a state that has counters (none after)."""
+    results = run_distributed(statistics_through_dcp, world_size, str(tmp_path / "ckpt"), timeout=300)
+    assert len({r["saved"] for r in results}) == world_size  # the ranks' statistics differ
+    for rank, r in enumerate(results):
+        assert json.loads(r["saved"])["0"]["steps"] == 3
+        assert r["same_state"] == r["saved"], f"rank {rank}: the reloaded state holds other statistics"
+        assert r["fresh"] == r["saved"], f"rank {rank}: the fresh process holds other statistics"
+        assert r["step0"] == {}
+
+
+class EarlierShardedState(gs.fsdp.ShardedState):
+    """ShardedState as gradsparse saved it before per-rank statistics: the "methods" entry (of the
+    same size) holds each rank's method states alone, as a JSON list, and "stats" one copy of the
+    statistics, of which DCP kept one rank's."""
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        saved = self.state.state_dict()
+        text = json.dumps(saved["methods"]).encode()
+        blob = torch.zeros(sd["methods"].to_local().numel(), dtype=torch.uint8)
+        blob[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        return {**sd, "methods": self._per_rank(blob), "stats": saved["stats"]}
+
+
+def earlier_checkpoint_through_dcp(rank: int, world_size: int, path: str) -> dict:
+    """An ExDyna state (its method state holds its partition layout) saved in the earlier layout
+    after 3 steps, loaded into a fresh process's state and into the saved state after one more step."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.ExDyna(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 3))
+    saved = state.state_dict()
+    saved["residuals"] = {name: t.clone() for name, t in saved["residuals"].items()}  # the live ones move on
+    dcp.save({"gradsparse": EarlierShardedState(state)}, checkpoint_id=path)
+    workers.fit(model, workers.teacher_data(rank + 10, 1))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    reloaded = state.state_dict()
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.ExDyna(density=0.05))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    return {"saved": saved, "reloaded": reloaded, "fresh": fresh.state_dict()}
+
+
+def test_dcp_checkpoint_of_the_earlier_layout_loads_without_statistics(tmp_path):
+    """Checkpoints saved before the statistics joined the per-rank entry still load: residuals,
+    method states and step as saved, and no statistics (they held one rank's, or none)."""
+    results = run_distributed(earlier_checkpoint_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300)
+    for rank, r in enumerate(results):
+        saved = r["saved"]
+        assert saved["stats"] and saved["methods"] and any(saved["methods"])
+        for key in ("reloaded", "fresh"):
+            loaded = r[key]
+            assert loaded["step"] == 3 and loaded["stats"] == {}, f"rank {rank}, {key}"
+            assert loaded["methods"] == saved["methods"], f"rank {rank}, {key}: method states differ"
+            assert sorted(loaded["residuals"]) == sorted(saved["residuals"])
+            for name, residual in saved["residuals"].items():
+                assert torch.equal(loaded["residuals"][name], residual), f"rank {rank}, {key}: residual {name}"
 
 
 # Non-finite gradients ----------------------------------------------------------------------------------
