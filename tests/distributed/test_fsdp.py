@@ -2,6 +2,7 @@
 Gloo ranks on the CPU. The worker functions are module level, so the ranks can import them by name."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -393,6 +394,34 @@ def test_dcp_checkpoint_of_the_earlier_layout_loads_without_statistics(tmp_path)
             assert sorted(loaded["residuals"]) == sorted(saved["residuals"])
             for name, residual in saved["residuals"].items():
                 assert torch.equal(loaded["residuals"][name], residual), f"rank {rank}, {key}: residual {name}"
+
+
+def overfull_block_through_dcp(rank: int, world_size: int, path: str) -> tuple[list, dict, list, int]:
+    """Statistics too large for the per-rank block (an exchange name of 5000 characters on rank 1):
+    the warnings of dcp.save, and a fresh state's statistics, method states and step after dcp.load."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.ExDyna(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    if rank == 1:
+        state._metrics.buckets[0].exchange = "x" * 5000
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.ExDyna(density=0.05))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    loaded = fresh.state_dict()
+    warned = [str(w.message) for w in caught if "gradsparse" in str(w.message)]
+    return warned, loaded["stats"], loaded["methods"] == state.state_dict()["methods"], loaded["step"]
+
+
+def test_dcp_checkpoint_leaves_out_statistics_over_the_block_with_a_warning(tmp_path):
+    """A rank whose method states and statistics overflow its block saves its method states alone
+    and says so; it loads with no statistics, the other rank with its own."""
+    results = run_distributed(overfull_block_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300)
+    (warned0, stats0, methods0, step0), (warned1, stats1, methods1, step1) = results
+    assert warned0 == [] and stats0 and stats0[0]["steps"] == 2
+    assert len(warned1) == 1 and "rank 1's method states and statistics" in warned1[0] and stats1 == {}
+    assert methods0 and methods1 and step0 == step1 == 2
 
 
 # Non-finite gradients ----------------------------------------------------------------------------------
