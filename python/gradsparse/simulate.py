@@ -233,7 +233,10 @@ def band_agreement(
 
 
 def srs_schedule(size: int, rank: int) -> list[tuple[int, int, int, int]]:
-    """SparDL's Spar-Reduce-Scatter: (dest, source, send_block, recv_block) per step, P - 1 steps."""
+    """SparDL's Spar-Reduce-Scatter: (dest, source, send_block, recv_block) per step, P - 1 steps,
+    as csrc/core/exchange/spardl.cpp's srs_schedule: step j of the round with gap g sends block
+    rank + g + j to rank + g and receives block rank + j from rank - g, so the last step receives
+    the rank's own block."""
     if size <= 1:
         return []
     rounds = math.ceil(math.log2(size))
@@ -242,7 +245,7 @@ def srs_schedule(size: int, rank: int) -> list[tuple[int, int, int, int]]:
     for i in range(rounds):
         gap = 2 ** (rounds - 1 - i)
         for j in range(sizes[i]):
-            steps.append(((rank + gap + j) % size, (rank + gap) % size, (rank + j) % size, (rank - gap) % size))
+            steps.append(((rank + gap) % size, (rank - gap) % size, (rank + gap + j) % size, (rank + j) % size))
     return steps
 
 

@@ -213,6 +213,18 @@ def test_spardl_one_team(world_size):
     check(steps, lambda t, r, s: simulate.spardl(world_size, r, NUMEL, DENSITY))
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("numel,density", [(1, 0.5), (5, 1.0), (17, 1.0), (40, 0.5)])
+def test_spardl_blocks_of_unequal_lists(world_size, numel, density):
+    """Buckets of fewer elements than ranks, or density 1 over blocks of unequal lengths (the last
+    short, some empty): the lists of a rank's blocks differ in size, so the model must send and
+    receive the blocks the library does at every step of the Spar-Reduce-Scatter. It read the
+    schedule's tuples in another order than it wrote them, and sent block rank + j where the
+    library sends block rank + gap + j (2 ranks, 1 element: rank 0 modelled at 128 bytes, sent 112)."""
+    steps = run_steps(world_size, lambda r: core_method("spardl", density=density), stream(world_size, numel=numel))
+    check(steps, lambda t, r, s: simulate.spardl(world_size, r, numel, density))
+
+
 @pytest.mark.parametrize("world_size,teams", [(2, 2), (4, 2), (6, 3), (8, 2), (8, 4), (12, 3), (16, 4), (16, 16)])
 def test_spardl_teams(world_size, teams):
     steps = run_steps(world_size, lambda r: core_method("spardl", density=DENSITY, teams=teams), stream(world_size, 4))
