@@ -18,10 +18,20 @@ def _describe(value: object) -> str:
     return f"{value!r} ({kind.__name__ if module == 'builtins' else f'{module}.{kind.__name__}'})"
 
 
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``, or an infinity of its sign where it is past float's range (an int such as
+    10**400, a Fraction), so that the range checks refuse it naming the option; float() raised an
+    OverflowError that named nothing."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def check_real(owner: str, name: str, value: object, example: str) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{owner}: {name} must be a number, got {_describe(value)}; for example {example}")
-    return float(value)
+    return _as_float(value)
 
 
 def check_density(owner: str, name: str, value: object) -> float:
@@ -71,7 +81,9 @@ def check_bool(owner: str, name: str, value: object) -> bool:
 
 
 def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...]) -> str:
-    if value not in choices:
+    # Only a string is compared: ``in`` compares with ==, which a numpy array answers element by
+    # element (an ambiguous truth value, raised as numpy's ValueError that names no option).
+    if not (isinstance(value, str) and value in choices):
         options = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{owner}: {name} must be one of {options}, got {value!r}")
     return str(value)
@@ -83,7 +95,7 @@ def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | 
     if isinstance(value, datetime.timedelta):
         seconds = value.total_seconds()
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        seconds = float(value)
+        seconds = _as_float(value)
     else:
         raise TypeError(
             f"{owner}: {name} must be seconds or a datetime.timedelta, got {_describe(value)}; for example {name}=300"
@@ -134,7 +146,7 @@ def _open_interval(low: float, high: float, example: str) -> Callable[[str, str,
     def check(owner: str, name: str, value: object) -> float:
         v = check_real(owner, name, value, example)
         if not low < v < high:
-            raise ValueError(f"{owner}: {name} must be in ({low:g}, {high:g}), got {v!r}; for example {example}")
+            raise ValueError(f"{owner}: {name} must be in ({low:g}, {high:g}), got {value!r}; for example {example}")
         return v
 
     return check
@@ -144,7 +156,7 @@ def _positive(example: str) -> Callable[[str, str, Any], float]:
     def check(owner: str, name: str, value: object) -> float:
         v = check_real(owner, name, value, example)
         if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{owner}: {name} must be a finite number > 0, got {v!r}; for example {example}")
+            raise ValueError(f"{owner}: {name} must be a finite number > 0, got {value!r}; for example {example}")
         return v
 
     return check
