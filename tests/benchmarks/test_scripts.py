@@ -8,6 +8,7 @@ import re
 import pytest
 
 from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio
+from tests.refusals import assert_refused, never
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
 
@@ -127,15 +128,9 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
     ],
 )
 def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsys, monkeypatch):
-    def drawn(*args, **kwargs):
-        raise AssertionError("a gradient stream was drawn before the arguments were checked")
-
-    monkeypatch.setattr(density, "drift_stream", drawn)
-    monkeypatch.setattr(density, "cnn_stream", drawn)
-    with pytest.raises(SystemExit) as info:
-        density.main([*argv, "--steps", "60", "--no-imbalance", "--output", "unused.md"])
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    monkeypatch.setattr(density, "drift_stream", never("a gradient stream was drawn"))
+    monkeypatch.setattr(density, "cnn_stream", never("a gradient stream was drawn"))
+    assert_refused(density.main, [*argv, "--steps", "60", "--no-imbalance", "--output", "unused.md"], message, capsys)
 
 
 @pytest.mark.parametrize(
@@ -151,15 +146,9 @@ def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsy
     ],
 )
 def test_overlap_refuses_bad_values_before_starting_the_ranks(argv, message, capsys, monkeypatch):
-    def started(*args, **kwargs):
-        raise AssertionError("the ranks were started before the arguments were checked")
-
-    monkeypatch.setattr(overlap, "run_distributed", started)
+    monkeypatch.setattr(overlap, "run_distributed", never("the ranks were started"))
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(SystemExit) as info:
-        overlap.main([*argv, "--output", "unused.md"])
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(overlap.main, [*argv, "--output", "unused.md"], message, capsys)
 
 
 @pytest.mark.distributed
@@ -195,8 +184,7 @@ def test_allgatherv_times_three_ways_that_deliver_every_block():
             assert all(ms > 0 and math.isfinite(ms) for ms in best.values())
 
 
-def _no_process_group(*args, **kwargs):
-    raise AssertionError("the process group was joined before the arguments were checked")
+_no_process_group = never("the process group was joined")
 
 
 @pytest.mark.parametrize(
@@ -210,10 +198,7 @@ def _no_process_group(*args, **kwargs):
 )
 def test_step_ratio_refuses_bad_values_before_joining_the_process_group(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(step_ratio.dist, "init_process_group", _no_process_group)
-    with pytest.raises(SystemExit) as info:
-        step_ratio.main(argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(step_ratio.main, argv, message, capsys)
 
 
 @pytest.mark.parametrize(
@@ -227,24 +212,14 @@ def test_step_ratio_refuses_bad_values_before_joining_the_process_group(argv, me
 )
 def test_allgatherv_refuses_bad_values_before_joining_the_process_group(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(allgatherv.dist, "init_process_group", _no_process_group)
-    with pytest.raises(SystemExit) as info:
-        allgatherv.main(argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(allgatherv.main, argv, message, capsys)
 
 
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_seed_models_refuses_a_step_count_below_one_before_the_cluster(steps, capsys, monkeypatch):
     """--steps 0 became the driver's --max-steps 0, no limit: every epoch of each seed preset."""
-
-    def session(*args, **kwargs):
-        raise AssertionError("the cluster was set up before the arguments were checked")
-
-    monkeypatch.setattr(seed_models.cluster, "session", session)
-    with pytest.raises(SystemExit) as info:
-        seed_models.main(["--steps", steps])
-    assert info.value.code == 2
-    assert f"--steps must be at least 1, got {steps}" in capsys.readouterr().err
+    monkeypatch.setattr(seed_models.cluster, "session", never("the cluster was set up"))
+    assert_refused(seed_models.main, ["--steps", steps], f"--steps must be at least 1, got {steps}", capsys)
 
 
 @pytest.mark.parametrize(

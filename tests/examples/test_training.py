@@ -16,6 +16,7 @@ import torch
 
 from examples import driver
 from gradsparse.testing import free_port, run_distributed
+from tests.refusals import assert_refused, never
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -349,13 +350,12 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
     """The driver, with a task module's arguments and presets, exits with argparse's code 2 and
     ``message`` on stderr before it builds the task (and so before the process group)."""
 
-    def no_task(args):
-        raise AssertionError("the task was built: the flags were not checked first")
+    def run(argv):
+        driver.main(
+            never("the task was built"), "", argv, add_task_arguments=module.add_task_arguments, presets=module.PRESETS
+        )
 
-    with pytest.raises(SystemExit) as info:
-        driver.main(no_task, "", argv, add_task_arguments=module.add_task_arguments, presets=module.PRESETS)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_refused(run, argv, message, capsys)
 
 
 @pytest.mark.parametrize(
