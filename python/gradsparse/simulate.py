@@ -332,28 +332,37 @@ EXCHANGES = {
 DEFAULT_LINK = (5e-6, 1 / 1.25e9)
 
 
-def even_plan(world_size: int, numel: int, k: int) -> list[Collective]:
+def even_plan(world_size: int, numel: int, k: int, value_bytes: int = 4) -> list[Collective]:
     """Reduce-scatter + all-gather on rank 0 when every rank selects k pairs spread evenly over
     the shards and the owners keep k in all."""
     split = even_split(k, world_size)
-    return reduce_scatter_allgather(split, [split[0]] * world_size, split, numel)
+    return reduce_scatter_allgather(split, [split[0]] * world_size, split, numel, value_bytes)
 
 
 def faster_exchange(
-    world_size: int, numel: int, density: float, link: tuple[float, float] = DEFAULT_LINK, *, fixed: bool = False
+    world_size: int,
+    numel: int,
+    density: float,
+    link: tuple[float, float] = DEFAULT_LINK,
+    *,
+    fixed: bool = False,
+    value_bytes: int = 4,
 ) -> str:
     """The option value ("gather" or "reduce_scatter") of the exchange the model finds faster for
-    a bucket of ``numel`` elements of which every rank selects k = floor(density * numel):
-    gather-and-add (the fixed-size gather with ``fixed``, Top-k's) or reduce-scatter + all-gather.
-    ``link`` is (latency alpha in seconds, seconds per byte beta)."""
+    a bucket of ``numel`` elements of ``value_bytes`` bytes each (2 for float16 and bfloat16) of
+    which every rank selects k = floor(density * numel): gather-and-add (the fixed-size gather
+    with ``fixed``, Top-k's) or reduce-scatter + all-gather. ``link`` is (latency alpha in
+    seconds, seconds per byte beta). The value width matters: reduce-scatter + all-gather's
+    histogram all-reduce is float64 whatever the bucket's dtype, so narrower pairs move the
+    break-even to more ranks."""
     if world_size <= 1 or numel == 0:
         return "gather"
     k = max(1, math.floor(density * numel))
     alpha, beta = link
-    gather = fixed_gather(k, numel) if fixed else gather_and_add([k] * world_size, numel)
+    gather = fixed_gather(k, numel, value_bytes) if fixed else gather_and_add([k] * world_size, numel, value_bytes)
     seconds = {
         name: sum(c.seconds(world_size, alpha, beta) for c in plan)
-        for name, plan in (("gather", gather), ("reduce_scatter", even_plan(world_size, numel, k)))
+        for name, plan in (("gather", gather), ("reduce_scatter", even_plan(world_size, numel, k, value_bytes)))
     }
     return min(seconds, key=lambda name: (seconds[name], name != "gather"))
 
