@@ -6,15 +6,18 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT itself. 
 | variable    | OpenMPI                      | SLURM                                   |
 |-------------|------------------------------|-----------------------------------------|
 | RANK        | OMPI_COMM_WORLD_RANK         | SLURM_PROCID                            |
-| WORLD_SIZE  | OMPI_COMM_WORLD_SIZE         | SLURM_NTASKS                            |
+| WORLD_SIZE  | OMPI_COMM_WORLD_SIZE         | SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)  |
 | LOCAL_RANK  | OMPI_COMM_WORLD_LOCAL_RANK   | SLURM_LOCALID                           |
-| MASTER_ADDR | (set it, default 127.0.0.1)  | first host of SLURM_JOB_NODELIST        |
+| MASTER_ADDR | (set it, default 127.0.0.1)  | first host of SLURM_STEP_NODELIST (or   |
+|             |                              | SLURM_JOB_NODELIST)                     |
 | MASTER_PORT | (set it, default 29500)      | (set it, default 29500)                 |
 
 LOCAL_WORLD_SIZE, the processes on this node, comes from OMPI_COMM_WORLD_LOCAL_SIZE, or from this
 node's (SLURM_NODEID's) entry of SLURM's per-node counts (SLURM_STEP_TASKS_PER_NODE,
-SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE, such as ``2(x3),1``). Variables already set are
-never overwritten.
+SLURM_TASKS_PER_NODE or SLURM_NTASKS_PER_NODE, such as ``2(x3),1``). SLURM's variables are
+read for the step (srun's own) before the job's: an srun on part of the allocation (srun
+--nodes=1 in a job of two nodes) runs rank 0 on the step's first node, which may not be the
+job's. Variables already set are never overwritten.
 
 ``threads_per_worker`` gives each worker its share of the CPUs it may run on.
 """
@@ -41,6 +44,10 @@ def first_host(nodelist: str) -> str:
 
 #: SLURM's per-node task counts, the step's (srun's own) first: ``2(x3),1`` is 2, 2, 2 and 1.
 _SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
+
+
+#: SLURM's node lists, the step's (srun's own) first, as for the task counts.
+_SLURM_NODELISTS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 def _slurm_tasks_on_this_node(env) -> str | None:
@@ -139,7 +146,7 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
     elif "SLURM_PROCID" in env:
         launcher = "srun"
         _derive(env, launcher, "RANK", ("SLURM_PROCID",), None, 0)
-        _derive(env, launcher, "WORLD_SIZE", ("SLURM_NTASKS", "SLURM_NPROCS"), "1", 1)
+        _derive(env, launcher, "WORLD_SIZE", ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS"), "1", 1)
         _refuse_batch_script(env)
         _derive(env, launcher, "LOCAL_RANK", ("SLURM_LOCALID",), "0", 0)
         if "LOCAL_WORLD_SIZE" not in env:
@@ -147,7 +154,9 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
             if local is not None:
                 env["LOCAL_WORLD_SIZE"] = local
         if "MASTER_ADDR" not in env:
-            name = next((n for n in ("SLURM_JOB_NODELIST", "SLURM_NODELIST") if n in env), None)
+            # the step's nodes first: rank 0 runs on the step's first node, which is not the job's first
+            # where srun runs on part of the allocation (srun --nodes=1 in a job of two nodes)
+            name = next((n for n in _SLURM_NODELISTS if n in env), None)
             try:
                 env["MASTER_ADDR"] = first_host(env[name]) if name else "localhost"
             except ValueError:

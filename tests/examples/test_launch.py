@@ -57,3 +57,23 @@ def test_demo_gives_the_same_results_under_torchrun_and_mpirun(tmp_path):
     # gradsparse's own OpenMPI transport moves the same pairs: the same training, bit for bit
     by_mpi_transport = run([*mpirun(2), *DEMO, "--transport", "mpi"], str(tmp_path / "mpi"))
     same_results(by_mpirun, by_mpi_transport)
+
+
+def test_srun_on_part_of_the_allocation_meets_at_the_steps_first_node():
+    """An srun on one node of a job of two (srun --nodes=1 --ntasks=2 in an sbatch --nodes=2) runs
+    rank 0 on the step's node, n8 here: MASTER_ADDR was the job's first node, n7, where nobody
+    listened, and every worker waited until its rendezvous timed out. SLURM_NTASKS may still be the
+    job's 4 there: the step's 2 tasks make the world."""
+    from gradsparse.launch import setup_environment
+
+    env = {
+        "SLURM_PROCID": "1", "SLURM_STEP_ID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_JOB_NODELIST": "n[7-8]", "SLURM_NODELIST": "n[7-8]", "SLURM_STEP_NODELIST": "n8",
+        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_TASKS_PER_NODE": "2",
+    }  # fmt: skip
+    assert setup_environment(env) == "srun"
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["MASTER_ADDR"]) == ("1", "2", "2", "n8")
+    # outside a step (an older SLURM, a hand-made environment) the job's list still serves
+    env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[7-8]"}
+    assert setup_environment(env) == "srun" and env["MASTER_ADDR"] == "n7"
