@@ -200,7 +200,7 @@ def reduce_scatter_allgather(
 
 
 BAND_BINS = 257  # MiCRO/ExDyna's band counts
-SAMPLE_BINS = 2838  # the bins of their sampled prediction's histogram (at the first step)
+SAMPLE_BINS = 2838  # the bins of their sampled prediction's histogram (band_agreement's first_step)
 
 
 def band_tally_width(numel: int) -> int:
@@ -220,11 +220,17 @@ def band_agreement_folded(world_size: int, numel: int) -> bool:
 def band_agreement(
     exchange: list[Collective], world_size: int, numel: int, first_step: bool = False
 ) -> list[Collective]:
-    """A default-mode MiCRO/ExDyna step: a 2838-bin sampled histogram (float64 all-reduce) at the
-    first step, the agreement on the threshold from the 257 band counts, then ``exchange`` (its
-    plan, which starts with the control words). Folded (band_agreement_folded): one all-gather of
-    every rank's counts with its non-finite and below-band counts, from which every rank knows
-    every control word, so the exchange sends none; else a float64 all-reduce of the counts."""
+    """A default-mode MiCRO/ExDyna step: a 2838-bin sampled histogram (float64 all-reduce) where
+    the step predicts its threshold from a sample (``first_step``), the agreement on the threshold
+    from the 257 band counts, then ``exchange`` (its plan, which starts with the control words).
+    Folded (band_agreement_folded): one all-gather of every rank's counts with its non-finite and
+    below-band counts, from which every rank knows every control word, so the exchange sends none;
+    else a float64 all-reduce of the counts.
+
+    A step samples at the first step and wherever the step before left no estimate (its method
+    state's "estimate" not a finite number > 0: csrc/core/method/partitioned.cpp, select_default),
+    as after a step of zeros or a jump in scale, and in buckets of a few elements, where the band
+    counts can leave none at any step; ``first_step`` is that flag, named for the common case."""
     steps = [Collective("allreduce", SAMPLE_BINS * FLOAT64)] if first_step else []
     if band_agreement_folded(world_size, numel):
         assert exchange[0] == Collective("allgather", CONTROL_BYTES), exchange[0]
