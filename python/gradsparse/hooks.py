@@ -3,12 +3,15 @@
 No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 """
 
+import inspect
+import numbers
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradsparse.config import _describe
 from gradsparse.state import State
 
 __all__ = ["hook", "register"]
@@ -37,11 +40,75 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         >>> ddp_model.register_comm_hook(state, gradsparse.hook)
     """
     if not isinstance(state, State):
-        raise TypeError(
-            f"gradsparse.hook: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
-            f"got {type(state).__name__}"
-        )
+        _check_state("gradsparse.hook", state)
     return state._reduce(bucket)
+
+
+def _what(value: object) -> str:
+    """``value`` for an error message: its repr and type where that is short (None, a number, a
+    string), else its type (a module's repr is its whole tree)."""
+    if value is None or isinstance(value, (numbers.Number, str, bytes)):
+        return _describe(value)
+    return f"a {type(value).__module__.split('.')[0]}.{type(value).__qualname__}"
+
+
+def _check_state(owner: str, state: object, model: object = None) -> None:
+    """Refuses a ``state`` that is no gradsparse state, saying what it is and what to pass."""
+    if isinstance(state, State):
+        return
+    example = "gradsparse.TopK(density=0.01)"
+    if isinstance(state, type) and issubclass(state, State):
+        raise TypeError(
+            f"{owner}: state must be a gradsparse state, got the class gradsparse.{state.__name__} itself; "
+            f"create one with its options, for example gradsparse.{state.__name__}(density=0.01)"
+        )
+    if isinstance(model, State) and isinstance(state, nn.Module):
+        raise TypeError(
+            f"{owner}: state must be a gradsparse state, got {_what(state)}, and model got the state "
+            f"gradsparse.{type(model).__name__}: the arguments are swapped; the model comes first, "
+            "gradsparse.register(model, state)"
+        )
+    raise TypeError(f"{owner}: state must be a gradsparse state such as {example}, got {_what(state)}")
+
+
+def _hook_for_ddp(user_hook: object) -> Callable:
+    """``user_hook`` as DistributedDataParallel.register_comm_hook takes it, checked here, before any
+    collective, so that every rank refuses it alike. DDP reads the hook's ``__name__`` and its
+    parameter named ``bucket``: a functools.partial, a callable object or a function whose second
+    parameter has another name failed there with an AttributeError or a KeyError naming nothing;
+    such hooks are passed through a function of that form."""
+    if user_hook is hook:
+        return hook
+    fix = (
+        "pass a function hook(state, bucket) that returns gradsparse.hook(state, bucket) (or a future of its "
+        "own), or leave hook out for gradsparse.hook"
+    )
+    if (isinstance(user_hook, type) and issubclass(user_hook, State)) or isinstance(user_hook, State):
+        raise TypeError(
+            f"gradsparse.register: hook must be a communication hook, got the state {_what(user_hook)}; the state "
+            f"is the second argument, gradsparse.register(model, state); {fix}"
+        )
+    if not callable(user_hook):
+        raise TypeError(f"gradsparse.register: hook must be callable, got {_what(user_hook)}; {fix}")
+    try:
+        signature = inspect.signature(user_hook)
+    except (TypeError, ValueError):  # a builtin without a signature: DDP's own check decides
+        return user_hook
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(user_hook, "__qualname__", type(user_hook).__qualname__)
+        raise TypeError(
+            f"gradsparse.register: hook must take two arguments, the state and the bucket, got {name}{signature}; {fix}"
+        ) from None
+    if "bucket" in signature.parameters and hasattr(user_hook, "__name__"):
+        return user_hook  # as DDP takes it (and DDP checks its annotations)
+
+    def adapted(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return user_hook(state, bucket)
+
+    adapted.__name__ = adapted.__qualname__ = getattr(user_hook, "__name__", type(user_hook).__name__)
+    return adapted
 
 
 def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
@@ -55,7 +122,9 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
     state's collective set-up now (see :meth:`State.setup`) rather than in the first backward.
 
     ``hook`` (default :func:`gradsparse.hook`) registers another hook that calls
-    ``gradsparse.hook(state, bucket)`` itself, for example one that records or times buckets.
+    ``gradsparse.hook(state, bucket)`` itself, for example one that records or times buckets: any
+    callable of two arguments (state, bucket), a ``functools.partial`` or a callable object
+    included. Wrong arguments are refused before any collective, alike on every rank.
 
     Returns the state.
 
@@ -63,11 +132,8 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
 
         >>> state = gradsparse.register(ddp_model, gradsparse.TopK(density=0.01))
     """
-    if not isinstance(state, State):
-        raise TypeError(
-            f"gradsparse.register: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
-            f"got {type(state).__name__}"
-        )
+    _check_state("gradsparse.register", state, model)
+    ddp_hook = _hook_for_ddp(hook)  # before the set-up's collectives: every rank refuses alike
     # A registration that fails leaves the state as it was: bind() may have raised after taking
     # the model (a loaded state dict whose names do not fit, another process group), and a state
     # left bound there would refuse the retry as a second registration, without a hook.
@@ -77,7 +143,7 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
         state.setup()
         ddp = state._binding.model()
         try:
-            ddp.register_comm_hook(state, hook)
+            ddp.register_comm_hook(state, ddp_hook)
         except RuntimeError as e:
             if "only be called once" not in str(e):
                 raise

@@ -193,3 +193,61 @@ def load_into_eager(rank: int, world_size: int, saved: list[dict]) -> dict:
     state = gs.register(ddp, gs.TopK(density=0.05))
     state.load_state_dict(saved[rank])
     return {"residuals": state.state_dict()["residuals"]}
+
+
+# gradsparse.register's arguments ----------------------------------------------------------------
+
+
+class _CountingHook:
+    """A hook object (no __name__, as functools.partial has none) that counts the buckets it passes on."""
+
+    def __init__(self) -> None:
+        self.buckets = 0
+
+    def __call__(self, state, bucket):
+        self.buckets += 1
+        return gs.hook(state, bucket)
+
+
+def _renamed_hook(state, b):  # its second parameter is not named "bucket", which DDP looked up by name
+    return gs.hook(state, b)
+
+
+def register_arguments(rank: int, world_size: int) -> dict:
+    """Wrong arguments to gradsparse.register, each refused on every rank (the messages), then the
+    hooks DDP could not take as they were, each training 2 steps (the state's steps and the buckets
+    the hook object passed on)."""
+    import functools
+
+    def ddp():
+        torch.manual_seed(0)
+        return DDP(Shuffled())
+
+    wrong = {
+        "none": lambda: gs.register(ddp(), gs.TopK(density=0.05), hook=None),
+        "one_argument": lambda: gs.register(ddp(), gs.TopK(density=0.05), hook=lambda bucket: bucket),
+        "state_as_hook": lambda: gs.register(ddp(), gs.TopK(density=0.05), hook=gs.TopK(density=0.05)),
+        "swapped": lambda: gs.register(gs.TopK(density=0.05), ddp()),
+        "class": lambda: gs.register(ddp(), gs.TopK),
+    }
+    out: dict = {"errors": {}}
+    for name, call in wrong.items():
+        try:
+            call()
+        except TypeError as e:
+            out["errors"][name] = str(e)
+    counting = _CountingHook()
+    hooks = {
+        "renamed": _renamed_hook,
+        "partial": functools.partial(_renamed_hook),
+        "object": counting,
+    }
+    out["steps"] = {}
+    for name, user_hook in hooks.items():
+        model = ddp()
+        state = gs.register(model, gs.TopK(density=0.05), hook=user_hook)
+        for x, y in batches(rank, 2):
+            nn.functional.cross_entropy(model(x), y).backward()
+        out["steps"][name] = state.step
+    out["object_buckets"] = counting.buckets
+    return out

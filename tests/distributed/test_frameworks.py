@@ -73,3 +73,30 @@ def test_torch_compile_trains_with_the_hook_like_eager(wrapping):
     for rank, r in enumerate(loaded):
         for name, value in compiled[rank]["state"]["residuals"].items():
             assert torch.equal(r["residuals"][name], value), f"rank {rank}: {name} was not restored"
+
+
+def test_register_refuses_wrong_arguments_on_every_rank_and_takes_any_two_argument_hook():
+    """A hook whose second parameter is not named "bucket" (def timed(state, b)), a
+    functools.partial and a callable object failed in DDP's check with KeyError: 'bucket' or an
+    AttributeError on __name__; None failed with DDP's "Communication hook must be callable.",
+    naming neither the argument nor the fix, after the state's collective set-up; swapped
+    arguments and a state class were refused without saying so."""
+    for r in run_distributed(frameworks.register_arguments, 2, timeout=200):
+        errors = r["errors"]
+        assert set(errors) == {"none", "one_argument", "state_as_hook", "swapped", "class"}, errors
+        assert (
+            "register: hook must be callable, got None (NoneType); pass a function hook(state, bucket)"
+            in errors["none"]
+        )
+        assert "hook must take two arguments, the state and the bucket, got " in errors["one_argument"]
+        assert "(bucket); pass a function hook(state, bucket)" in errors["one_argument"]
+        assert "hook must be a communication hook, got the state" in errors["state_as_hook"]
+        assert (
+            "the arguments are swapped; the model comes first, gradsparse.register(model, state)" in errors["swapped"]
+        )
+        assert (
+            "got the class gradsparse.TopK itself; create one with its options, for example gradsparse.TopK("
+            in (errors["class"])
+        )
+        assert r["steps"] == {"renamed": 2, "partial": 2, "object": 2}, r["steps"]
+        assert r["object_buckets"] > 0
