@@ -168,6 +168,14 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
     else:
         return "none"
     env.setdefault("MASTER_PORT", _DEFAULT_PORT)
+    port = _whole_number(env["MASTER_PORT"], 1)
+    if port is None or port > 65535:  # torch.distributed said "invalid literal for int()", or, for
+        # an empty one, that MASTER_PORT was not set
+        raise ValueError(
+            f"gradsparse.launch.setup_environment: MASTER_PORT={env['MASTER_PORT']!r} is not a port, a whole number "
+            f"from 1 to 65535: set it to a free port that every worker is given (for example MASTER_PORT=29500), or "
+            f"unset it for {_DEFAULT_PORT}"
+        )
     return launcher
 
 

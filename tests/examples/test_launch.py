@@ -77,3 +77,28 @@ def test_srun_on_part_of_the_allocation_meets_at_the_steps_first_node():
     # outside a step (an older SLURM, a hand-made environment) the job's list still serves
     env = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[7-8]"}
     assert setup_environment(env) == "srun" and env["MASTER_ADDR"] == "n7"
+
+
+@pytest.mark.parametrize("port", ["abc", "", " ", "0", "70000", "29500.0"])
+def test_setup_environment_refuses_a_master_port_that_is_no_port(port):
+    """MASTER_PORT is the user's own under mpirun and srun. A wrong one was passed on, and
+    torch.distributed.init_process_group said "invalid literal for int() with base 10: 'abc'" or,
+    for an empty one, that MASTER_PORT was not set."""
+    from gradsparse.launch import setup_environment
+
+    for env in (
+        {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_PORT": port},
+        {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_NODELIST": "n1", "MASTER_PORT": port},
+    ):
+        with pytest.raises(ValueError, match=rf"setup_environment: MASTER_PORT={port!r} is not a port, a whole number "
+                                             r"from 1 to 65535: set it to a free port .*or unset it for 29500"):  # fmt: skip
+            setup_environment(env)
+
+
+def test_setup_environment_keeps_a_master_port_that_is_one():
+    from gradsparse.launch import setup_environment
+
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "MASTER_PORT": " 65535"}
+    assert setup_environment(env) == "mpirun" and env["MASTER_PORT"] == " 65535"
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
+    assert setup_environment(env) == "mpirun" and env["MASTER_PORT"] == "29500"
