@@ -30,6 +30,8 @@ import re
 __all__ = ["first_host", "setup_environment", "threads_per_worker"]
 
 _DEFAULT_PORT = "29500"
+#: What setup_environment returns.
+_LAUNCHERS = ("torchrun", "mpirun", "srun", "none")
 
 
 def first_host(nodelist: str) -> str:
@@ -223,6 +225,11 @@ def threads_per_worker(
     LOCAL_WORLD_SIZE``; a process of mpirun or srun may be bound to CPUs of its own, so it takes
     at most ``allowed`` and at most an even share of the ``machine``'s CPUs. At least 1.
     """
+    if launcher not in _LAUNCHERS:  # another name was taken for mpirun's or srun's rule, without a word
+        raise ValueError(
+            f"gradsparse.launch.threads_per_worker: launcher must be one of {', '.join(map(repr, _LAUNCHERS))}, the "
+            f"name setup_environment() returns, got {launcher!r}; pass threads_per_worker(setup_environment())"
+        )
     env = os.environ if environ is None else environ
     local = _workers_on_this_node(env)
     chosen = env.get("OMP_NUM_THREADS", "").split(",")[0].strip()

@@ -4,6 +4,7 @@ OpenMPI transport under mpirun."""
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,3 +103,15 @@ def test_setup_environment_keeps_a_master_port_that_is_one():
     assert setup_environment(env) == "mpirun" and env["MASTER_PORT"] == " 65535"
     env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}
     assert setup_environment(env) == "mpirun" and env["MASTER_PORT"] == "29500"
+
+
+@pytest.mark.parametrize("launcher", ["slurm", "TORCHRUN", None, ""])
+def test_threads_per_worker_refuses_a_launcher_it_does_not_know(launcher):
+    """A name other than setup_environment's was taken for mpirun's and srun's rule without a word:
+    threads_per_worker("torch_run") under torchrun gave each of 4 local workers all 32 CPUs of its
+    agent's rather than 8."""
+    from gradsparse.launch import threads_per_worker
+
+    with pytest.raises(ValueError, match=rf"threads_per_worker: launcher must be one of 'torchrun', 'mpirun', 'srun', "
+                                         rf"'none', .* got {re.escape(repr(launcher))}; pass threads_per_worker\(setup_"):  # fmt: skip
+        threads_per_worker(launcher, {"LOCAL_WORLD_SIZE": "4"}, allowed=32, machine=128)
