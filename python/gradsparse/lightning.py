@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradsparse.checkpoint import AllRanks
 from gradsparse.config import _describe
-from gradsparse.hooks import register
+from gradsparse.hooks import _check_state, register
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
 
@@ -46,11 +46,7 @@ class Sparsify(Callback):
     """
 
     def __init__(self, state: State, *, prefix: str = "gradsparse/") -> None:
-        if not isinstance(state, State):
-            raise TypeError(
-                f"gradsparse.lightning.Sparsify: state must be a gradsparse state such as "
-                f"gradsparse.ExDyna(density=0.01), got {type(state).__name__}"
-            )
+        _check_state("gradsparse.lightning.Sparsify", state)
         if not isinstance(prefix, str):  # else the first batch's log_dict fails, in Python's words
             raise TypeError(
                 f"gradsparse.lightning.Sparsify: prefix must be a string, the start of the logged names, got "
@@ -69,6 +65,13 @@ class Sparsify(Callback):
             raise ValueError(
                 f"gradsparse.lightning.Sparsify: the Trainer's strategy {type(trainer.strategy).__name__} does not "
                 "train through DistributedDataParallel; use Trainer(strategy='ddp') (or DDPStrategy(...))"
+            )
+        precision = str(trainer.precision)
+        if precision.startswith("64"):  # else the first backward fails, advising model.float(), which Lightning undoes
+            raise ValueError(
+                f"gradsparse.lightning.Sparsify: the Trainer's precision is {precision!r}, so DDP's buckets hold float64 "
+                "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
+                "Trainer(precision='32-true') (or 'bf16-mixed', '16-mixed', 'bf16-true')"
             )
         register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
 

@@ -251,3 +251,18 @@ def register_arguments(rank: int, world_size: int) -> dict:
         out["steps"][name] = state.step
     out["object_buckets"] = counting.buckets
     return out
+
+
+def lightning_double_precision(rank: int, world_size: int, folder: str) -> dict:
+    """Sparsify in a Trainer(precision="64-true"): refused at fit's start; the parameters stay as they were."""
+    _launcher_environment(rank, world_size)
+    model = _lightning_module()(seed=0)
+    before = params_of(model)
+    try:
+        _trainer(folder, 1, [gs.lightning.Sparsify(gs.TopK(density=0.05))], precision="64-true").fit(model)
+    except Exception as e:  # Lightning wraps a callback's error
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    return {"error": error, "unchanged": all(torch.equal(a, b.double()) or torch.equal(a, b)
+                                               for a, b in zip(params_of(model), before, strict=True))}  # fmt: skip

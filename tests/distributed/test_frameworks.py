@@ -100,3 +100,12 @@ def test_register_refuses_wrong_arguments_on_every_rank_and_takes_any_two_argume
         )
         assert r["steps"] == {"renamed": 2, "partial": 2, "object": 2}, r["steps"]
         assert r["object_buckets"] > 0
+
+
+def test_lightning_sparsify_refuses_double_precision_before_training(tmp_path):
+    """Trainer(precision="64-true") trained until the first backward, which failed in the hook
+    advising model.float() before wrapping the model in DDP, a fix Lightning's precision undoes."""
+    for r in run_distributed(frameworks.lightning_double_precision, 2, str(tmp_path), timeout=300):
+        assert r["error"] is not None and "the Trainer's precision is '64-true'" in r["error"], r["error"]
+        assert "use Trainer(precision='32-true')" in r["error"] and "model.float()" not in r["error"], r["error"]
+        assert r["unchanged"]
