@@ -14,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from gradsparse.config import (
+    _describe,
+    check_int,
     choice_option,
     density_option,
     int_option,
@@ -316,10 +318,21 @@ def core_method(name: str, numels: list[int] | tuple[int, ...] = (), **options: 
     class name) for one bucket of parameters holding ``numels`` elements, built from ``options``
     exactly as a state builds it: validated, with the defaults of the method's declaration. For
     driving methods without DDP (``gradsparse.testing.thread_ranks``, tests, benchmarks)."""
+    names = ", ".join(m for m in METHODS if m != "dense")
+    if not isinstance(name, str):  # a list was looked up in the dicts: "unhashable type: 'list'"
+        raise TypeError(
+            f"core_method: name must be a method's name (a str), got {_describe(name)}; choose from {names}"
+        )
     cls = METHODS.get(name) or {c.__name__: c for c in METHODS.values()}.get(name)
     if cls is None or cls is Dense:
-        raise ValueError(
-            f"core_method: name must be a sparse method, got {name!r}; choose from "
-            f"{', '.join(m for m in METHODS if m != 'dense')}"
+        raise ValueError(f"core_method: name must be a sparse method, got {name!r}; choose from {names}")
+    if not isinstance(numels, (list, tuple)):
+        raise TypeError(
+            f"core_method: numels must be a list of the bucket's parameters' element counts, got {_describe(numels)}; "
+            "for example numels=[1000] for one parameter of 1000 elements"
         )
-    return cls(**options)._make_method(list(numels))
+    # Checked here as the states' buckets are (ints >= 0): a float reached the C++ constructor as
+    # pybind11's list of signatures, and True counted as 1 element.
+    example = "numels=[1000] for one parameter of 1000 elements"
+    counts = [check_int("core_method", f"numels[{i}]", n, 0, example) for i, n in enumerate(numels)]
+    return cls(**options)._make_method(counts)

@@ -1,0 +1,31 @@
+"""gradsparse.methods.core_method's arguments: a bad one is refused naming it, its value and the
+fix (the options themselves are the states': tests/python/test_state.py, test_config.py)."""
+
+import pytest
+
+from gradsparse.methods import core_method
+
+
+@pytest.mark.parametrize(
+    "args,error,message",
+    [
+        # a list was looked up in the methods' dicts: "unhashable type: 'list'"
+        ((["topk"],), TypeError, "core_method: name must be a method's name (a str), got ['topk'] (list); choose from"),
+        # an int was iterated: "'int' object is not iterable"
+        (("topk", 1000), TypeError, "core_method: numels must be a list of the bucket's parameters' element counts"),
+        # pybind11's list of the C++ constructor's signatures
+        (("sage", [1.5]), TypeError, "core_method: numels[0] must be an integer >= 0, got 1.5 (float); for example"),
+        # True counted as a parameter of 1 element
+        (("sage", [10, True]), TypeError, "core_method: numels[1] must be an integer >= 0, got True (bool)"),
+        (("topk", [-1]), ValueError, "core_method: numels[0] must be >= 0, got -1; for example numels=[1000]"),
+    ],
+)
+def test_core_method_refuses_bad_arguments_naming_them(args, error, message):
+    with pytest.raises(error) as info:
+        core_method(*args, density=0.01)
+    assert message in str(info.value)
+
+
+def test_core_method_takes_the_element_counts_as_a_list_or_a_tuple():
+    assert core_method("sage", (4, 6), density=0.1, sampling="per_tensor").exchange == "gather-and-add"
+    assert core_method("TopK", [10], density=0.1).exchange == "fixed-size gather"
