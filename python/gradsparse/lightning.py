@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from gradsparse.checkpoint import AllRanks
@@ -84,6 +85,16 @@ class Sparsify(Callback):
         pl_module.log_dict(figures, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
 
     def state_dict(self) -> dict[str, Any]:
+        if (
+            not dist.is_initialized()
+        ):  # AllRanks failed in torch's words, "Default process group has not been initialized"
+            raise RuntimeError(
+                "gradsparse.lightning.Sparsify: trainer.save_checkpoint was called in a process without a process "
+                "group, which holds no residuals: under strategy='ddp_spawn', 'ddp_fork' or 'ddp_notebook' the training "
+                "and its residuals stay in the processes Lightning started for fit() and end with them. Save "
+                "checkpoints during fit() (a ModelCheckpoint callback, or trainer.save_checkpoint in a hook), or "
+                "launch with strategy='ddp'"
+            )
         return AllRanks(self.state).state_dict()  # collective: Lightning calls it on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -109,3 +109,26 @@ def test_lightning_sparsify_refuses_double_precision_before_training(tmp_path):
         assert r["error"] is not None and "the Trainer's precision is '64-true'" in r["error"], r["error"]
         assert "use Trainer(precision='32-true')" in r["error"] and "model.float()" not in r["error"], r["error"]
         assert r["unchanged"]
+
+
+def test_lightning_sparsify_saving_without_a_process_group_names_the_spawn_strategies():
+    """Under strategy="ddp_spawn" (or ddp_fork, ddp_notebook) fit() trains in processes Lightning
+    starts, and the residuals end with them; trainer.save_checkpoint in the launching process
+    afterwards failed in torch's words, "Default process group has not been initialized". Run in a
+    process of its own, which has no process group whatever other tests left in this one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gradsparse as gs, gradsparse.lightning\n"
+        "try:\n"
+        "    gs.lightning.Sparsify(gs.TopK(density=0.05)).state_dict()\n"
+        "except RuntimeError as e:\n"
+        "    print('ERROR', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ERROR gradsparse.lightning.Sparsify: trainer.save_checkpoint was called in a process without a process" in (
+        done.stdout
+    ), done.stdout + done.stderr[-3000:]
+    assert "strategy='ddp_spawn'" in done.stdout and "a ModelCheckpoint callback" in done.stdout
