@@ -266,3 +266,19 @@ def lightning_double_precision(rank: int, world_size: int, folder: str) -> dict:
         error = None
     return {"error": error, "unchanged": all(torch.equal(a, b.double()) or torch.equal(a, b)
                                                for a, b in zip(params_of(model), before, strict=True))}  # fmt: skip
+
+
+def lightning_loss_scaling(rank: int, world_size: int, folder: str) -> dict:
+    """Sparsify in a Trainer whose precision scales the loss with a GradScaler (16-mixed: on CUDA
+    devices Lightning's own, here a CPU one given as the plugin): refused at fit's start."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    _launcher_environment(rank, world_size)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    model = _lightning_module()(seed=0)
+    state = gs.TopK(density=0.05, nonfinite="skip")
+    try:
+        _trainer(folder, 1, [gs.lightning.Sparsify(state)], plugins=[plugin]).fit(model)
+    except Exception as e:  # Lightning wraps a callback's error
+        return {"error": f"{type(e).__name__}: {e}", "steps": state.step}
+    return {"error": None, "steps": state.step}

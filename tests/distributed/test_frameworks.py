@@ -132,3 +132,15 @@ def test_lightning_sparsify_saving_without_a_process_group_names_the_spawn_strat
         done.stdout
     ), done.stdout + done.stderr[-3000:]
     assert "strategy='ddp_spawn'" in done.stdout and "a ModelCheckpoint callback" in done.stdout
+
+
+def test_lightning_sparsify_refuses_loss_scaling(tmp_path):
+    """precision="16-mixed" on CUDA devices scales the loss with a GradScaler, which learns of an
+    overflow from the Inf/NaN gradients DDP hands back. The hook raised on them (nonfinite="raise")
+    or wrote zeros (nonfinite="skip"): with "skip" the scaler took every overflowed step for a good
+    one, its scale never came down, and training went on through steps that changed nothing."""
+    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path), timeout=300):
+        assert r["error"] is not None, "trained under a GradScaler"
+        assert "precision '16-mixed' scales the loss with a GradScaler" in r["error"], r["error"]
+        assert "use Trainer(precision='bf16-mixed')" in r["error"], r["error"]
+        assert r["steps"] == 0
