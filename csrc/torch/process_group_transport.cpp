@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <exception>
+#include <stdexcept>
+
 #include "adapter.h"
 
 namespace gradsparse::torch_adapter {
@@ -59,17 +62,34 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
   std::vector<at::Tensor> sending{out}, receiving{in};
   const auto send_bytes = static_cast<size_t>(out.numel()), recv_bytes = static_cast<size_t>(in.numel());
   c10::intrusive_ptr<c10d::Work> sent, received, work;
+  // Every operation posted is waited for, even after a failure: the backend may write into `in`
+  // (or read `out`) until its wait returns, and the caller frees them once this returns. The
+  // first failure is raised after the last wait.
+  std::exception_ptr first;
   try {
     if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
     if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
     if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
     if (coalesced) work = group_->endCoalescing(c10::DeviceType::CUDA);
   } catch (const std::exception& e) {
-    failed(e, what, send_bytes + recv_bytes);
+    try {
+      failed(e, what, send_bytes + recv_bytes);
+    } catch (const CommError&) {
+      first = std::current_exception();
+    }
   }
-  if (work) wait(work, what, send_bytes + recv_bytes);
-  if (sent) wait(sent, str(what, " (send)"), send_bytes);
-  if (received) wait(received, str(what, " (receive)"), recv_bytes);
+  const auto settle = [&](const c10::intrusive_ptr<c10d::Work>& posted, const std::string& name, size_t bytes) {
+    if (!posted) return;
+    try {
+      wait(posted, name, bytes);
+    } catch (const CommError&) {
+      if (!first) first = std::current_exception();
+    }
+  };
+  settle(work, what, send_bytes + recv_bytes);
+  settle(sent, str(what, " (send)"), send_bytes);
+  settle(received, str(what, " (receive)"), recv_bytes);
+  if (first) std::rethrow_exception(first);
 }
 
 bool ProcessGroupTransport::nccl(const Device& device) const {

@@ -1,10 +1,13 @@
 // The engine (csrc/torch/engine.cpp) over ThreadTransport: one engine thread per rank reducing
-// queued buckets while the submitting threads wait on the futures, as DDP's hook does. Built with
-// GRADSPARSE_TORCH_TESTS=ON (links libtorch); scripts/sanitize.sh runs it under ThreadSanitizer.
+// queued buckets while the submitting threads wait on the futures, as DDP's hook does; and
+// ProcessGroupTransport (csrc/torch/process_group_transport.cpp) over a fake process group whose
+// Works fail as the test says. Built with GRADSPARSE_TORCH_TESTS=ON (links libtorch);
+// scripts/sanitize.sh runs it under ThreadSanitizer.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <future>
 #include <memory>
 #include <new>
@@ -14,13 +17,16 @@
 
 #include "../threads.h"
 #include "engine.h"
+#include "gradsparse/cpu_device.h"
 #include "gradsparse/methods.h"
+#include "process_group_transport.h"
 
 using namespace gradsparse;
 using gradsparse::testing::Forwarding;
 using gradsparse::testing::rethrow_first;
 using gradsparse::testing::run_ranks;
 using gradsparse::torch_adapter::Engine;
+using gradsparse::torch_adapter::ProcessGroupTransport;
 
 namespace {
 
@@ -231,6 +237,103 @@ TEST(Engine, ShutdownDrainsTheQueue) {
       ASSERT_FALSE(f->hasError()) << f->tryRetrieveErrorMessage();
     }
   }));
+}
+
+/// A Work that records whether it was waited for; its wait raises `error` when one is given, and
+/// returns `result` otherwise (false: c10d's "aborted").
+class FakeWork final : public c10d::Work {
+ public:
+  explicit FakeWork(std::string error = "", bool result = true) : error_(std::move(error)), result_(result) {}
+  bool wait(std::chrono::milliseconds /*timeout*/) override {
+    waited = true;
+    if (!error_.empty()) throw std::runtime_error(error_);
+    return result_;
+  }
+  bool waited = false;
+
+ private:
+  std::string error_;
+  bool result_;
+};
+
+/// Rank 0 of a process group of two, with no backend for any device, whose send, receive and
+/// all-reduce return the Works the test set, or raise while posting where it set none.
+class FakeGroup final : public c10d::ProcessGroup {
+ public:
+  FakeGroup() : ProcessGroup(0, 2) {}
+  const std::string getBackendName() const override { return "fake"; }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>&, int, int) override { return post(send_work); }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>&, int, int) override { return post(recv_work); }
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
+    return post(allreduce_work);
+  }
+  c10::intrusive_ptr<FakeWork> send_work, recv_work, allreduce_work;
+  int posted = 0;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> post(const c10::intrusive_ptr<FakeWork>& work) {
+    ++posted;
+    if (!work) throw std::runtime_error("the connection to rank 1 is closed");
+    return work;
+  }
+};
+
+std::string comm_error(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const CommError& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no CommError";
+  return "";
+}
+
+// A send whose wait fails (the peer closed the connection) leaves the receive posted: the
+// backend may still write into the receive buffer, which the caller frees once sendrecv returns.
+// The receive is waited for too, and the send's failure is raised. The receive was never waited for.
+TEST(ProcessGroupTransport, WaitsForTheReceiveWhenTheSendFails) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->send_work = c10::make_intrusive<FakeWork>("the connection to rank 1 is closed");
+  group->recv_work = c10::make_intrusive<FakeWork>();
+  ProcessGroupTransport transport(group, std::chrono::seconds(5));
+  CpuDevice device;
+  std::vector<uint8_t> out(8), in(16);
+  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  EXPECT_NE(error.find("sendrecv (send) of 8 bytes on rank 0 of 2 (fake process group) failed: the connection to "
+                       "rank 1 is closed"),
+            std::string::npos)
+      << error;
+  EXPECT_TRUE(group->recv_work->waited);
+}
+
+// The receive's failure is raised when only it fails, after both waits.
+TEST(ProcessGroupTransport, RaisesTheReceivesFailureAfterWaitingForBoth) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->send_work = c10::make_intrusive<FakeWork>();
+  group->recv_work = c10::make_intrusive<FakeWork>("the connection to rank 1 is closed");
+  ProcessGroupTransport transport(group, std::chrono::seconds(5));
+  CpuDevice device;
+  std::vector<uint8_t> out(8), in(16);
+  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  EXPECT_NE(error.find("sendrecv (receive) of 16 bytes on rank 0 of 2"), std::string::npos) << error;
+  EXPECT_TRUE(group->send_work->waited);
+}
+
+// A receive that fails while being posted, after the send was posted: the send is waited for
+// before the failure is raised (the backend may read the send buffer until then). The send was
+// never waited for.
+TEST(ProcessGroupTransport, WaitsForTheSendWhenPostingTheReceiveFails) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->send_work = c10::make_intrusive<FakeWork>();
+  ProcessGroupTransport transport(group, std::chrono::seconds(5));
+  CpuDevice device;
+  std::vector<uint8_t> out(8), in(16);
+  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  EXPECT_NE(error.find("sendrecv of 24 bytes on rank 0 of 2 (fake process group) failed: the connection to rank 1 "
+                       "is closed"),
+            std::string::npos)
+      << error;
+  EXPECT_TRUE(group->send_work->waited);
 }
 
 }  // namespace
