@@ -36,11 +36,18 @@ void ProcessGroupTransport::failed(const std::exception& e, const std::string& w
 }
 
 void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes) {
+  bool completed = false;
   try {
-    work->wait(timeout_);
+    completed = work->wait(timeout_);
   } catch (const std::exception& e) {
     failed(e, what, bytes);
   }
+  // c10d's Work::wait returns false when the operation was aborted before it completed (Gloo's
+  // send and receive after Work::abort() or ProcessGroup::abort()): its buffers hold no result.
+  if (!completed)
+    failed(std::runtime_error(str("it did not complete: the backend's wait (timeout ", timeout_.count(),
+                                  " ms) returned false, which means the operation was aborted")),
+           what, bytes);
 }
 
 void ProcessGroupTransport::complete(const std::function<c10::intrusive_ptr<c10d::Work>()>& post,

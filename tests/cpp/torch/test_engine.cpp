@@ -336,4 +336,25 @@ TEST(ProcessGroupTransport, WaitsForTheSendWhenPostingTheReceiveFails) {
   EXPECT_TRUE(group->send_work->waited);
 }
 
+// c10d's Work::wait returns false for an operation that was aborted before it completed: its
+// buffers hold no result, so it is a failed collective. It passed as a completed one.
+TEST(ProcessGroupTransport, AWaitThatReturnsFalseFails) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->allreduce_work = c10::make_intrusive<FakeWork>("", /*result=*/false);
+  group->send_work = c10::make_intrusive<FakeWork>();
+  group->recv_work = c10::make_intrusive<FakeWork>("", /*result=*/false);
+  ProcessGroupTransport transport(group, std::chrono::milliseconds(1500));
+  CpuDevice device;
+  std::vector<float> data(4, 1.0f);
+  std::string error = comm_error([&] { transport.allreduce_sum(device, data.data(), 4, DType::kFloat32); });
+  EXPECT_NE(error.find("allreduce of 16 bytes on rank 0 of 2 (fake process group) failed: it did not complete: the "
+                       "backend's wait (timeout 1500 ms) returned false, which means the operation was aborted"),
+            std::string::npos)
+      << error;
+  std::vector<uint8_t> out(8), in(16);
+  error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  EXPECT_NE(error.find("sendrecv (receive) of 16 bytes"), std::string::npos) << error;
+  EXPECT_NE(error.find("returned false"), std::string::npos) << error;
+}
+
 }  // namespace
