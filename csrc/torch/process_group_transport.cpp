@@ -99,12 +99,28 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
   if (first) std::rethrow_exception(first);
 }
 
+void ProcessGroupTransport::check_device(const Device& device) const {
+  if (device.kind() != DeviceKind::kCUDA || group_->hasBackendForDeviceType(c10::DeviceType::CUDA)) return;
+  std::string types;
+  for (const c10::Device& type : group_->getDeviceTypes())
+    types += str(types.empty() ? "" : ", ", c10::DeviceTypeName(type.type(), /*lower_case=*/true));
+  throw ValueError(
+      gradsparse::str("ProcessGroupTransport: the bucket is on ", torch_device(device), ", but the ",
+                      group_->getBackendName(), " process group of rank ", rank_,
+                      " has no backend for CUDA devices (its backends serve: ", types.empty() ? "none" : types,
+                      "). Create the group with one, e.g. dist.init_process_group(backend=\"cpu:gloo,cuda:nccl\") "
+                      "or backend=\"nccl\" (backend=\"gloo\" serves CUDA tensors too, through host copies), or "
+                      "keep the model on the CPU."));
+}
+
 bool ProcessGroupTransport::nccl(const Device& device) const {
+  check_device(device);
   return device.kind() == DeviceKind::kCUDA && group_->getBackend(c10::DeviceType::CUDA)->getBackendName() == "nccl";
 }
 
 void ProcessGroupTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
   GS_CHECK(bytes > 0, ValueError, "ProcessGroupTransport.allgather: zero-length collective");
+  check_device(device);
   std::vector<at::Tensor> inputs{wrap(device, send, static_cast<int64_t>(bytes), at::kByte)};
   const at::Tensor out = wrap(device, recv, static_cast<int64_t>(bytes) * size_, at::kByte);
   std::vector<std::vector<at::Tensor>> outputs{out.chunk(size_)};
@@ -114,6 +130,7 @@ void ProcessGroupTransport::allgather(const Device& device, const void* send, vo
 
 void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_allgatherv(sizes, "ProcessGroupTransport");
+  check_device(device);
   const std::vector<size_t> offsets = block_offsets(sizes);
   const auto total = static_cast<int64_t>(offsets.back());
   const auto mine = static_cast<int64_t>(sizes[static_cast<size_t>(rank_)]);
@@ -156,6 +173,7 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
 
 void ProcessGroupTransport::allreduce_sum(const Device& device, void* data, size_t count, DType dtype) {
   GS_CHECK(count > 0, ValueError, "ProcessGroupTransport.allreduce_sum: zero-length collective");
+  check_device(device);
   std::vector<at::Tensor> tensors{wrap(device, data, static_cast<int64_t>(count), scalar_type(dtype))};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;

@@ -42,7 +42,11 @@ class ProcessGroupTransport final : public Transport {
   /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes.
   void send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src, bool coalesced,
                         const char* what);
-  /// Whether buffers on `device` travel through NCCL (CUDA buffers on a group whose CUDA backend is NCCL).
+  /// Refuses (ValueError) buffers on a CUDA device when the group has no backend for CUDA (a
+  /// group created with backend="cpu:gloo"), before anything is posted.
+  void check_device(const Device& device) const;
+  /// Whether buffers on `device` travel through NCCL (CUDA buffers on a group whose CUDA backend is
+  /// NCCL); refuses `device` as check_device does.
   bool nccl(const Device& device) const;
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

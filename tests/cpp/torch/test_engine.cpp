@@ -278,6 +278,35 @@ class FakeGroup final : public c10d::ProcessGroup {
   }
 };
 
+/// A CUDA device in name only: the transport must refuse it before touching its memory.
+class NamedCudaDevice final : public Device {
+ public:
+  DeviceKind kind() const override { return DeviceKind::kCUDA; }
+  Buffer allocate(size_t) override { unused(); }
+  void copy_to_host(void*, const void*, size_t) override { unused(); }
+  void copy_from_host(void*, const void*, size_t) override { unused(); }
+  void copy(void*, const void*, size_t) override { unused(); }
+  void fill_zero(void*, size_t) override { unused(); }
+  void synchronize() override { unused(); }
+  SelectStats select_pairs(const BucketView&, const SelectRule&, int, const PairSink&) override { unused(); }
+  SelectStats topk_pairs(const BucketView&, int64_t, bool, bool, int, const PairSink&) override { unused(); }
+  Moments moments(const BucketView&, bool) override { unused(); }
+  std::vector<int64_t> count(const BucketView&, Range, const std::vector<double>&, bool) override { unused(); }
+  Exceedance exceedance(const BucketView&, double, bool, double, BlockSample) override { unused(); }
+  double log_sum(const BucketView&, double, double, BlockSample) override { unused(); }
+  Candidates collect(const BucketView&, Range, double, bool) override { unused(); }
+  double sample_abs_sum(const BucketView&, const std::vector<int64_t>&) override { unused(); }
+  void gather_values(const BucketView&, const MessageView&, void*) override { unused(); }
+  void zero_at(const BucketView&, const MessageView&) override { unused(); }
+  void assign(const MessageView&, void*) override { unused(); }
+  void scatter_add(const MessageView&, void*, float) override { unused(); }
+  void divide(DType, void*, int64_t, float) override { unused(); }
+  void momentum(const BucketView&) override { unused(); }
+
+ private:
+  [[noreturn]] static void unused() { throw std::logic_error("NamedCudaDevice: not a real device"); }
+};
+
 std::string comm_error(const std::function<void()>& f) {
   try {
     f();
@@ -355,6 +384,39 @@ TEST(ProcessGroupTransport, AWaitThatReturnsFalseFails) {
   error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
   EXPECT_NE(error.find("sendrecv (receive) of 16 bytes"), std::string::npos) << error;
   EXPECT_NE(error.find("returned false"), std::string::npos) << error;
+}
+
+// Buckets on a CUDA device over a group without a backend for CUDA (backend="cpu:gloo") are
+// refused by name, with the fix, before anything is posted. The sendrecv raised c10's "No backend
+// type associated with device type cuda" without saying where, and the all-reduce posted.
+TEST(ProcessGroupTransport, RefusesCudaBuffersOnAGroupWithoutACudaBackend) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->allreduce_work = c10::make_intrusive<FakeWork>();
+  group->send_work = c10::make_intrusive<FakeWork>();
+  group->recv_work = c10::make_intrusive<FakeWork>();
+  ProcessGroupTransport transport(group, std::chrono::seconds(5));
+  NamedCudaDevice device;
+  const std::vector<std::function<void()>> collectives{
+      [&] { transport.sendrecv(device, nullptr, 8, 1, nullptr, 8, 1); },
+      [&] { transport.allreduce_sum(device, nullptr, 4, DType::kFloat32); },
+      [&] { transport.allgather(device, nullptr, nullptr, 8); },
+      [&] { transport.allgatherv(device, nullptr, nullptr, {8, 8}); }};
+  for (const auto& collective : collectives) {
+    try {
+      collective();
+      ADD_FAILURE() << "not refused";
+    } catch (const ValueError& e) {
+      const std::string error = e.what();
+      EXPECT_NE(error.find("the bucket is on cuda:0, but the fake process group of rank 0 has no backend for CUDA "
+                           "devices (its backends serve: none)"),
+                std::string::npos)
+          << error;
+      EXPECT_NE(error.find("backend=\"cpu:gloo,cuda:nccl\""), std::string::npos) << error;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a ValueError: " << e.what();
+    }
+  }
+  EXPECT_EQ(group->posted, 0);
 }
 
 }  // namespace
