@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <climits>
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -49,6 +50,34 @@ TEST(MpiTransport, Collectives) {
   std::vector<int64_t> out{r}, in{-1};
   transport->sendrecv(device, out.data(), 8, (r + 1) % p, in.data(), 8, (r + p - 1) % p);
   EXPECT_EQ(in[0], (r + p - 1) % p);
+}
+
+// A message over the largest count of one MPI call (INT_MAX bytes; here lowered to 5) goes in
+// pieces, whatever the size of the message the rank receives: rank q sends 6 * q bytes (none,
+// one piece and a byte, ...) around the ring. The sizes were refused only on the ranks that had
+// them, leaving their peers waiting for the message.
+TEST(MpiTransport, SendrecvMovesMessagesOverTheCountInPieces) {
+  CpuDevice device;
+  const int p = transport->size(), r = transport->rank();
+  const int left = (r + p - 1) % p;
+  const auto message = [](int q) {
+    std::vector<unsigned char> bytes(static_cast<size_t>(6 * q));
+    for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<unsigned char>(31 * q + i);
+    return bytes;
+  };
+  const std::vector<unsigned char> out = message(r), expected = message(left);
+  std::vector<unsigned char> in(expected.size(), 0);
+  const int64_t sent = transport->traffic().bytes_sent, received = transport->traffic().bytes_received;
+  transport->set_max_count(5);
+  try {
+    transport->sendrecv(device, out.data(), out.size(), (r + 1) % p, in.data(), in.size(), left);
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << e.what();
+  }
+  transport->set_max_count(INT_MAX);
+  EXPECT_EQ(in, expected);
+  EXPECT_EQ(transport->traffic().bytes_sent - sent, static_cast<int64_t>(out.size()));
+  EXPECT_EQ(transport->traffic().bytes_received - received, static_cast<int64_t>(in.size()));
 }
 
 std::vector<float> grad_of(int rank, int step, int64_t n) { return ref::random_vector<float>(n, 1000 * step + rank); }

@@ -2,6 +2,7 @@
 // how to get it.
 #include "gradsparse/mpi_transport.h"
 
+#include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstring>
@@ -32,6 +33,7 @@ void MpiTransport::allgather(const Device&, const void*, void*, size_t) {}
 void MpiTransport::allgatherv(Device&, const void*, void*, const std::vector<size_t>&) {}
 void MpiTransport::allreduce_sum(const Device&, void*, size_t, DType) {}
 void MpiTransport::sendrecv(const Device&, const void*, size_t, int, void*, size_t, int) {}
+void MpiTransport::set_max_count(size_t) {}
 
 #else
 
@@ -138,16 +140,23 @@ MpiTransport::~MpiTransport() {
   MPI_Comm_free(&comm_->comm);
 }
 
-/// MPI counts are ints: larger messages are a clear error, not an overflow.
-static int mpi_count(size_t count, const char* what) {
-  GS_CHECK(count <= static_cast<size_t>(INT_MAX), ValueError, "MpiTransport.", what, ": ", count,
-           " elements exceed MPI's int count; use smaller buckets (DDP's bucket_cap_mb)");
+void MpiTransport::set_max_count(size_t count) {
+  GS_CHECK(count > 0 && count <= static_cast<size_t>(INT_MAX), ValueError,
+           "MpiTransport.set_max_count: the count must be in [1, INT_MAX], got ", count);
+  max_count_ = count;
+}
+
+/// MPI counts are ints: larger counts are a clear error, not an overflow. Only for counts every
+/// rank has alike (a refusal on one rank alone would leave its peers waiting in the collective).
+static int mpi_count(size_t count, size_t max_count, const char* what) {
+  GS_CHECK(count <= max_count, ValueError, "MpiTransport.", what, ": ", count, " elements exceed MPI's int count (",
+           max_count, "); use smaller buckets (DDP's bucket_cap_mb)");
   return static_cast<int>(count);
 }
 
 void MpiTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
   GS_CHECK(bytes > 0, ValueError, "MpiTransport.allgather: zero-length collective");
-  const int n = mpi_count(bytes, "allgather");
+  const int n = mpi_count(bytes, max_count_, "allgather");
   Staged in(device, const_cast<void*>(send), bytes, true);
   Staged out(device, recv, bytes * size_, false);
   check(MPI_Allgather(in.get(), n, MPI_BYTE, out.get(), n, MPI_BYTE, comm_->comm), "MPI_Allgather");
@@ -161,8 +170,8 @@ void MpiTransport::allgatherv(Device& device, const void* send, void* recv, cons
   const size_t total = at.back();
   std::vector<int> counts(sizes.size()), offsets(sizes.size());
   for (size_t r = 0; r < sizes.size(); ++r) {
-    counts[r] = mpi_count(sizes[r], "allgatherv");
-    offsets[r] = mpi_count(at[r], "allgatherv");
+    counts[r] = mpi_count(sizes[r], max_count_, "allgatherv");
+    offsets[r] = mpi_count(at[r], max_count_, "allgatherv");
   }
   const size_t mine = sizes[static_cast<size_t>(rank_)];
   Staged in(device, const_cast<void*>(send), mine, true);
@@ -198,7 +207,7 @@ void MpiTransport::allreduce_sum(const Device& device, void* data, size_t count,
       break;
   }
   Staged buffer(device, data, bytes, true);
-  check(MPI_Allreduce(MPI_IN_PLACE, buffer.get(), mpi_count(count, "allreduce_sum"), type, op, comm_->comm),
+  check(MPI_Allreduce(MPI_IN_PLACE, buffer.get(), mpi_count(count, max_count_, "allreduce_sum"), type, op, comm_->comm),
         "MPI_Allreduce");
   buffer.store();
   count_allreduce(bytes);
@@ -208,10 +217,24 @@ void MpiTransport::sendrecv(const Device& device, const void* send, size_t send_
                             size_t recv_bytes, int src) {
   Staged out(device, const_cast<void*>(send), send_bytes, true);
   Staged in(device, recv, recv_bytes, false);
-  check(MPI_Sendrecv(out.get(), mpi_count(send_bytes, "sendrecv"), MPI_BYTE, send_bytes > 0 ? dst : MPI_PROC_NULL, 0,
-                     in.get(), mpi_count(recv_bytes, "sendrecv"), MPI_BYTE, recv_bytes > 0 ? src : MPI_PROC_NULL, 0,
-                     comm_->comm, MPI_STATUS_IGNORE),
-        "MPI_Sendrecv");
+  // A message over MPI's int count goes in pieces of at most max_count_ bytes, piece k of each
+  // direction in call k, so both ends of every message make as many calls for it (the peer that
+  // receives this rank's send counts its pieces from the same size). Messages up to max_count_
+  // bytes take one MPI_Sendrecv, as always. Refusing a large message instead failed only the
+  // rank that had it and left its peer waiting for it.
+  const auto pieces = [&](size_t bytes) { return (bytes + max_count_ - 1) / max_count_; };
+  const size_t calls = std::max({pieces(send_bytes), pieces(recv_bytes), size_t{1}});
+  auto* const sending = static_cast<unsigned char*>(out.get());
+  auto* const receiving = static_cast<unsigned char*>(in.get());
+  for (size_t call = 0; call < calls; ++call) {
+    const size_t at = call * max_count_;
+    const size_t s = send_bytes > at ? std::min(max_count_, send_bytes - at) : 0;
+    const size_t r = recv_bytes > at ? std::min(max_count_, recv_bytes - at) : 0;
+    check(MPI_Sendrecv(s > 0 ? sending + at : sending, static_cast<int>(s), MPI_BYTE, s > 0 ? dst : MPI_PROC_NULL, 0,
+                       r > 0 ? receiving + at : receiving, static_cast<int>(r), MPI_BYTE, r > 0 ? src : MPI_PROC_NULL,
+                       0, comm_->comm, MPI_STATUS_IGNORE),
+          "MPI_Sendrecv");
+  }
   in.store();
   count_sendrecv(send_bytes, recv_bytes);
 }

@@ -3,6 +3,8 @@
 // device are staged through host memory, so any MPI works; a CUDA-aware MPI is not required.
 #pragma once
 
+#include <climits>
+#include <cstddef>
 #include <memory>
 #include <vector>
 
@@ -30,12 +32,18 @@ class MpiTransport final : public Transport {
   void sendrecv(const Device& device, const void* send, size_t send_bytes, int dst, void* recv, size_t recv_bytes,
                 int src) override;
 
+  /// The largest count one MPI call is given: INT_MAX, as MPI's counts are ints. sendrecv moves a
+  /// larger message in pieces of at most this many bytes; the collectives refuse larger counts,
+  /// alike on every rank. Tests lower it to move small messages in pieces.
+  void set_max_count(size_t count);
+
  private:
   MpiTransport() = default;
   struct Comm;
   std::unique_ptr<Comm> comm_;
   int rank_ = 0;
   int size_ = 1;
+  size_t max_count_ = INT_MAX;
 };
 
 }  // namespace gradsparse
