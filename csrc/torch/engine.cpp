@@ -24,6 +24,14 @@ BucketView bucket_view(const at::Tensor& grad, const std::optional<at::Tensor>& 
                     residual ? residual->data_ptr() : nullptr, velocity ? velocity->data_ptr() : nullptr};
 }
 
+/// "<bucket>: <error>", naming the bucket once: reduce_bucket's own errors (a failed allocation,
+/// a refused bucket) begin with its name already.
+std::string of_bucket(const std::string& bucket, const std::string& error) {
+  const bool named = error.compare(0, bucket.size(), bucket) == 0 &&
+                     (error.size() == bucket.size() || error[bucket.size()] == ' ' || error[bucket.size()] == ':');
+  return named ? error : str(bucket, ": ", error);
+}
+
 }  // namespace
 
 std::unique_ptr<JobDevice> make_cpu_job_device() { return std::make_unique<CpuJobDevice>(); }
@@ -60,7 +68,7 @@ struct Engine::Shared {
   std::condition_variable cv;
   std::deque<Job> queue;
   bool stopping = false;
-  std::string failure;  // set after a communication error; later jobs fail with it
+  std::string failure;  // set after an error that stops the engine ("<bucket>: <error>"); later jobs fail with it
 };
 
 Engine::Engine(std::unique_ptr<Transport> transport) : shared_(std::make_shared<Shared>(std::move(transport))) {
@@ -148,8 +156,8 @@ void Engine::Shared::run(Job& job) {
     earlier = failure;
   }
   if (!earlier.empty()) {
-    job.future->setError(std::make_exception_ptr(CommError(str(
-        "gradsparse: ", job.options.bucket_name, " was not reduced because an earlier exchange failed: ", earlier))));
+    job.future->setError(std::make_exception_ptr(CommError(
+        str("gradsparse: ", job.options.bucket_name, " was not reduced because an earlier bucket failed: ", earlier))));
     return;
   }
   bool reduced = false;
@@ -166,7 +174,7 @@ void Engine::Shared::run(Job& job) {
   } catch (const ValueError& e) {
     // A refused argument or configuration, refused alike on every rank: later buckets can proceed.
     job.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", e.what()))));
+        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", of_bucket(job.options.bucket_name, e.what())))));
   } catch (const std::exception& e) {
     // The bucket was reduced and its future completed; what raised was one of the future's
     // callbacks, which is no concern of the exchanges.
@@ -176,12 +184,12 @@ void Engine::Shared::run(Job& job) {
     // c10::Error on the CPU), a failed CUDA call. The other ranks may be in this bucket's
     // collectives still, so the ranks' collective sequences can no longer be trusted to match:
     // stop here rather than let the next bucket's collectives meet this one's on the other ranks.
+    const std::string error = of_bucket(job.options.bucket_name, error_text(e));
     {
       std::lock_guard<std::mutex> lock(mu);
-      failure = error_text(e);
+      failure = error;
     }
-    job.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", job.options.bucket_name, ": ", error_text(e)))));
+    job.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(str("gradsparse: ", error))));
   }
 }
 

@@ -137,8 +137,10 @@ TEST(Engine, ReducesQueuedBucketsIdenticallyOnEveryRank) {
 class EngineFailure : public ::testing::TestWithParam<Fault> {};
 
 // A failed collective, or an allocation failing inside an exchange or its selection, stops the
-// engine: the failing bucket's future carries the cause, and every later bucket fails at once
-// naming the earlier failure instead of entering a collective its peers may never issue. An
+// engine: the failing bucket's future carries the cause, naming the bucket once, and every later
+// bucket fails at once naming the earlier bucket and its failure instead of entering a collective
+// its peers may never issue. An allocation failing in the exchange named the bucket twice, and a
+// later bucket blamed "an earlier exchange" without naming it, also after a failed selection. An
 // allocation of PyTorch's (c10::OutOfMemoryError, not std::bad_alloc) and one in the selection,
 // outside the exchange, let the next bucket's collectives meet the peers' collectives of the
 // failed one: every later bucket of rank 0 was reduced with rank 1's bucket before it.
@@ -155,9 +157,11 @@ TEST_P(EngineFailure, FailsEveryLaterBucket) {
     if (rank == 0 && fault == Fault::kBadAllocInSelection)
       method = std::make_unique<FailingSelection>(std::make_unique<Threshold>(1.0));
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
-    for (int b = 0; b < kBuckets; ++b)
-      futures.push_back(
-          engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, method, ReduceOptions{}, nullptr));
+    for (int b = 0; b < kBuckets; ++b) {
+      ReduceOptions options;
+      options.bucket_name = "bucket " + std::to_string(b);
+      futures.push_back(engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, method, options, nullptr));
+    }
     for (auto& f : futures) {
       f->wait();
       errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
@@ -170,8 +174,13 @@ TEST_P(EngineFailure, FailsEveryLaterBucket) {
                       : fault == Fault::kTorchOutOfMemory ? "CUDA out of memory"
                                                           : "bad_alloc";
   EXPECT_NE(errors[0][0].find(cause), std::string::npos) << errors[0][0];
+  // The failed bucket named once, and by every later bucket.
+  EXPECT_EQ(errors[0][0].find("bucket 0", errors[0][0].find("bucket 0") + 1), std::string::npos) << errors[0][0];
   for (int b = 1; b < kBuckets; ++b)
-    EXPECT_NE(errors[0][b].find("an earlier exchange failed"), std::string::npos) << b << ": " << errors[0][b];
+    EXPECT_NE(errors[0][b].find("gradsparse: bucket " + std::to_string(b) +
+                                " was not reduced because an earlier bucket failed: bucket 0"),
+              std::string::npos)
+        << b << ": " << errors[0][b];
   for (const std::string& error : errors[0])  // PyTorch's errors without their C++ stack trace
     EXPECT_EQ(error.find("Exception raised from"), std::string::npos) << error;
   EXPECT_NE(errors[1][0], "") << "rank 1 must fail (timeout) rather than hang";
