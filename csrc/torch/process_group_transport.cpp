@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <exception>
 #include <stdexcept>
 
@@ -35,17 +36,18 @@ void ProcessGroupTransport::failed(const std::exception& e, const std::string& w
                       "\nA peer may have stopped or raised, or the ranks issued different collectives."));
 }
 
-void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes) {
+void ProcessGroupTransport::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes,
+                                 std::chrono::milliseconds timeout) {
   bool completed = false;
   try {
-    completed = work->wait(timeout_);
+    completed = work->wait(timeout);
   } catch (const std::exception& e) {
     failed(e, what, bytes);
   }
   // c10d's Work::wait returns false when the operation was aborted before it completed (Gloo's
   // send and receive after Work::abort() or ProcessGroup::abort()): its buffers hold no result.
   if (!completed)
-    failed(std::runtime_error(str("it did not complete: the backend's wait (timeout ", timeout_.count(),
+    failed(std::runtime_error(str("it did not complete: the backend's wait (timeout ", timeout.count(),
                                   " ms) returned false, which means the operation was aborted")),
            what, bytes);
 }
@@ -58,7 +60,7 @@ void ProcessGroupTransport::complete(const std::function<c10::intrusive_ptr<c10d
   } catch (const std::exception& e) {
     failed(e, what, bytes);
   }
-  wait(work, what, bytes);
+  wait(work, what, bytes, timeout_);
 }
 
 void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src,
@@ -85,10 +87,18 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
       first = std::current_exception();
     }
   }
+  // One timeout for them all: a wait after a slow or failed one gets what is left of it (at least
+  // 1 ms; 0 is c10d's "no timeout"), so that a stalled peer is still reported within the timeout.
+  const auto deadline = std::chrono::steady_clock::now() + timeout_;
+  const auto left = [&] {
+    if (timeout_ <= std::chrono::milliseconds(0)) return timeout_;
+    return std::max(std::chrono::milliseconds(1),
+                    std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()));
+  };
   const auto settle = [&](const c10::intrusive_ptr<c10d::Work>& posted, const std::string& name, size_t bytes) {
     if (!posted) return;
     try {
-      wait(posted, name, bytes);
+      wait(posted, name, bytes, left());
     } catch (const CommError&) {
       if (!first) first = std::current_exception();
     }

@@ -36,7 +36,8 @@ class ProcessGroupTransport final : public Transport {
   /// CommError, which stops the engine: a backend may raise while posting (Gloo's send to a
   /// closed connection), and this rank is then out of step with the others just the same.
   void complete(const std::function<c10::intrusive_ptr<c10d::Work>()>& post, const std::string& what, size_t bytes);
-  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes);
+  void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes,
+            std::chrono::milliseconds timeout);
   [[noreturn]] void failed(const std::exception& e, const std::string& what, size_t bytes) const;
   /// Posts the send of `out` to `dst` and the receive into `in` from `src` (an empty tensor posts
   /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes.

@@ -13,6 +13,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../threads.h"
@@ -248,21 +249,27 @@ TEST(Engine, ShutdownDrainsTheQueue) {
   }));
 }
 
-/// A Work that records whether it was waited for; its wait raises `error` when one is given, and
-/// returns `result` otherwise (false: c10d's "aborted").
+/// A Work that records whether it was waited for, and with which timeout; its wait takes `delay`,
+/// then raises `error` when one is given, and returns `result` otherwise (false: c10d's "aborted").
 class FakeWork final : public c10d::Work {
  public:
-  explicit FakeWork(std::string error = "", bool result = true) : error_(std::move(error)), result_(result) {}
-  bool wait(std::chrono::milliseconds /*timeout*/) override {
+  explicit FakeWork(std::string error = "", bool result = true,
+                    std::chrono::milliseconds delay = std::chrono::milliseconds(0))
+      : error_(std::move(error)), result_(result), delay_(delay) {}
+  bool wait(std::chrono::milliseconds timeout) override {
     waited = true;
+    given = timeout;
+    std::this_thread::sleep_for(delay_);
     if (!error_.empty()) throw std::runtime_error(error_);
     return result_;
   }
   bool waited = false;
+  std::chrono::milliseconds given{-1};
 
  private:
   std::string error_;
   bool result_;
+  std::chrono::milliseconds delay_;
 };
 
 /// Rank 0 of a process group of two, with no backend for any device, whose send, receive and
@@ -342,6 +349,23 @@ TEST(ProcessGroupTransport, WaitsForTheReceiveWhenTheSendFails) {
             std::string::npos)
       << error;
   EXPECT_TRUE(group->recv_work->waited);
+}
+
+// The waits of one sendrecv share the timeout: the receive, waited for after a send that failed
+// late (here after 400 of 1000 ms), gets what is left, so that a stalled peer is reported within
+// the timeout. It got the whole timeout again.
+TEST(ProcessGroupTransport, TheWaitsOfASendrecvShareTheTimeout) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->send_work = c10::make_intrusive<FakeWork>("Timed out waiting 1000ms for send operation to complete", true,
+                                                   std::chrono::milliseconds(400));
+  group->recv_work = c10::make_intrusive<FakeWork>();
+  ProcessGroupTransport transport(group, std::chrono::milliseconds(1000));
+  CpuDevice device;
+  std::vector<uint8_t> out(8), in(16);
+  comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  EXPECT_GT(group->send_work->given.count(), 900);
+  EXPECT_GE(group->recv_work->given.count(), 1);
+  EXPECT_LE(group->recv_work->given.count(), 600);
 }
 
 // The receive's failure is raised when only it fails, after both waits.
