@@ -100,13 +100,17 @@ def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | 
         raise TypeError(
             f"{owner}: {name} must be seconds or a datetime.timedelta, got {_describe(value)}; for example {name}=300"
         )
-    most = datetime.timedelta.max.total_seconds()
+    # c10d and Gloo add the timeout to a steady clock in 64-bit nanoseconds: past about 2^63 ns
+    # (292 years) the deadline overflows and every collective times out at once ("Operation
+    # timed out!" at the first bucket). 2^62 ns (146 years) leaves the clock the other half.
+    most = 2**62 / 1e9
     # The exchanges wait in whole milliseconds, and a wait of 0 ms is c10d's "no timeout"; a
     # timedelta of 0 would also read as "not given" (the 30 min default).
     if not (math.isfinite(seconds) and 0.001 <= seconds <= most):
         raise ValueError(
             f"{owner}: {name} must be a positive number of seconds, from 0.001 (the exchanges wait in whole milliseconds) "
-            f"to {most:.0f} (a datetime.timedelta's range), got {value!r}; for example {name}=300"
+            f"to {most:.0f} (146 years: c10d adds it to its clock in 64-bit nanoseconds), got {value!r}; for example "
+            f"{name}=300"
         )
     return datetime.timedelta(seconds=seconds)
 

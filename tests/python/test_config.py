@@ -2,6 +2,8 @@
 int past float's range, a numpy array compared with a string) are refused naming the option,
 the value and the fix, like every other bad option (the rest: tests/python/test_state.py)."""
 
+import datetime
+
 import numpy as np
 import pytest
 
@@ -52,3 +54,24 @@ def test_a_choice_given_as_an_array_is_refused_naming_the_option():
 
 def test_a_choice_given_as_a_string_subclass_is_accepted():
     assert gs.TopK(density=0.01, exchange=np.str_("reduce_scatter")).config()["exchange"] == "reduce_scatter"
+
+
+@pytest.mark.parametrize(
+    "timeout",
+    [1e10, datetime.timedelta(days=200 * 365), datetime.timedelta.max, datetime.timedelta.max.total_seconds()],
+    ids=["1e10 s", "200 years", "timedelta.max", "its seconds"],
+)
+def test_a_timeout_past_what_the_collectives_can_wait_is_refused_naming_the_bound(timeout):
+    """The bound was a datetime.timedelta's range (86400000000000 s). c10d and Gloo add the timeout
+    to their clock in 64-bit nanoseconds, so timeout=1e10 (317 years) was taken, and then every
+    exchange failed at once with Gloo's "Operation timed out!"; timedelta.max and the bound
+    itself raised an OverflowError (days=1000000000) rebuilding the timedelta."""
+    with pytest.raises(ValueError) as info:
+        gs.TopK(density=0.01, timeout=timeout)
+    assert "TopK: timeout must be a positive number of seconds, from 0.001" in str(info.value)
+    assert "to 4611686018 (146 years: c10d adds it to its clock in 64-bit nanoseconds)" in str(info.value)
+
+
+def test_a_timeout_up_to_146_years_is_taken():
+    assert gs.TopK(density=0.01, timeout=4611686018).config()["timeout"] == 4611686018
+    assert gs.TopK(density=0.01, timeout=datetime.timedelta(hours=2)).config()["timeout"] == 7200
