@@ -376,7 +376,9 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
 def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
     state = gs.TopK(density=0.1)
     with pytest.raises(
-        TypeError, match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare"
+        TypeError,
+        match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare\(model\), "
+        r"which wraps it only when several processes run",
     ):
         gs.register(_model(), state)
     ddp = _hooked(state)
