@@ -500,6 +500,10 @@ def _human(b: float) -> str:
     return f"{b:.2f} TB"
 
 
+#: The largest world size the command line models (2^20).
+MOST_RANKS = 2**20
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m gradsparse.simulate",
@@ -520,6 +524,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--world-size: expected positive integers separated by commas, got {args.world_size!r}")
+    if max(worlds) > MOST_RANKS:  # each plan lists its P - 1 rounds: 10^8 ranks filled the memory
+        parser.error(
+            f"--world-size: at most {MOST_RANKS:,} ranks, got {max(worlds):,}; the model lists every round of every "
+            f"exchange (P - 1 of them), which at {MOST_RANKS:,} ranks takes about 10 s and 0.7 GB"
+        )
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
     if not (math.isfinite(args.params) and args.params >= 1):

@@ -338,6 +338,8 @@ def test_bad_arguments_name_the_argument():
         (["--latency", "1.2.3us"], "--latency: '1.2.3us' is not a finite latency >= 0"),
         (["--params", "nan"], "--params must be a finite number of elements, at least 1, got nan"),
         (["--params", "inf"], "--params must be a finite number of elements, at least 1, got inf"),
+        # every plan listed its P - 1 rounds: 10^8 ranks took gigabytes and minutes before any row
+        (["--world-size", "8,100000000"], "--world-size: at most 1,048,576 ranks, got 100,000,000; the model lists"),
         # SparDL's row was left out without a word
         (["--world-size", "8,12", "--teams", "8"], "--teams 8 does not divide the world size(s) 12: SparDL's ranks"),
     ],
