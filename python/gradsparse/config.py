@@ -86,7 +86,9 @@ def check_choice(owner: str, name: str, value: object, choices: tuple[str, ...])
     if not (isinstance(value, str) and value in choices):
         options = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{owner}: {name} must be one of {options}, got {value!r}")
-    return str(value)
+    # The choice itself: str() of a str subclass need not be its value (an Enum with a str
+    # mixin gives "E.member", which the C++ constructor then refused naming neither).
+    return choices[choices.index(value)]
 
 
 def check_timeout(owner: str, name: str, value: object) -> datetime.timedelta | None:

@@ -3,6 +3,7 @@ int past float's range, a numpy array compared with a string) are refused naming
 the value and the fix, like every other bad option (the rest: tests/python/test_state.py)."""
 
 import datetime
+import enum
 
 import numpy as np
 import pytest
@@ -52,8 +53,19 @@ def test_a_choice_given_as_an_array_is_refused_naming_the_option():
         gs.MiCRO(density=0.01, exchange=["union"])
 
 
-def test_a_choice_given_as_a_string_subclass_is_accepted():
-    assert gs.TopK(density=0.01, exchange=np.str_("reduce_scatter")).config()["exchange"] == "reduce_scatter"
+class Exchange(str, enum.Enum):
+    GATHER = "gather"
+    REDUCE_SCATTER = "reduce_scatter"
+
+
+@pytest.mark.parametrize("value", [np.str_("reduce_scatter"), Exchange.REDUCE_SCATTER])
+def test_a_choice_given_as_a_string_subclass_is_taken_as_the_choice(value):
+    """A str Enum member was kept as str(member), "Exchange.REDUCE_SCATTER": config() showed
+    that, and the C++ constructor refused it ('exchange must be "gather" or "reduce_scatter",
+    got "Exchange.REDUCE_SCATTER"'), naming a value the caller never wrote."""
+    state = gs.TopK(density=0.01, exchange=value)
+    assert type(state.config()["exchange"]) is str and state.config()["exchange"] == "reduce_scatter"
+    assert state._make_method([1000]).exchange == "reduce-scatter + all-gather"
 
 
 @pytest.mark.parametrize(
