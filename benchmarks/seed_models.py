@@ -80,6 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if len(methods) < 2:
         parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")
+    # Else each worker's driver refused them, once the cluster had been made, and the report named
+    # only the failed model's exit status.
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:
+        parser.error(f"--methods: {', '.join(twice)} given twice; each method trains once, in its run folder")
     sections = [
         f"# The seeds' models on the emulated cluster: {args.hosts} hosts, {args.rate} links\n\n"
         f"`sudo python -m benchmarks.seed_models{''.join(' ' + a for a in (sys.argv[1:] if argv is None else argv))}`: "

@@ -215,6 +215,20 @@ def test_allgatherv_refuses_bad_values_before_joining_the_process_group(argv, me
     assert_refused(allgatherv.main, argv, message, capsys)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # the workers' driver refused these once the cluster had been made; the report named only
+        # the model's exit status
+        (["--methods", "dense,top-k"], "--methods: unknown top-k; choose from dense, "),
+        (["--methods", "dense,topk,topk"], "--methods: topk given twice; each method trains once, in its run folder"),
+    ],
+)
+def test_seed_models_refuses_bad_methods_before_the_cluster(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(seed_models.cluster, "session", never("the cluster was set up"))
+    assert_refused(seed_models.main, argv, message, capsys)
+
+
 @pytest.mark.parametrize("steps", ["0", "-1"])
 def test_seed_models_refuses_a_step_count_below_one_before_the_cluster(steps, capsys, monkeypatch):
     """--steps 0 became the driver's --max-steps 0, no limit: every epoch of each seed preset."""
