@@ -25,15 +25,17 @@ KINDS = ("residual", "velocity")
 
 
 class Bucket:
-    """One bucket: its parameters' names and sizes (in bucket order), its method object (None for
-    a dense state), its residual and its velocity (each None until it first holds something)."""
+    """One bucket: its parameters' names and sizes (in bucket order), the bytes of one of its
+    values, its method object (None for a dense state), its residual and its velocity (each None
+    until it first holds something)."""
 
-    __slots__ = ("index", "method", "names", "numels", "residual", "velocity")
+    __slots__ = ("index", "method", "names", "numels", "residual", "value_bytes", "velocity")
 
-    def __init__(self, index: int, names: list[str], numels: list[int], method) -> None:
+    def __init__(self, index: int, names: list[str], numels: list[int], value_bytes: int, method) -> None:
         self.index = index
         self.names = names
         self.numels = numels
+        self.value_bytes = value_bytes
         self.method = method
         self.residual: torch.Tensor | None = None
         self.velocity: torch.Tensor | None = None
@@ -90,7 +92,7 @@ class BucketTable:
     ) -> Bucket:
         """A new bucket `index` of these parameters, its method state, residual and velocity taken
         from what is parked for them (missing pieces are zeros; no piece at all: none yet)."""
-        bucket = Bucket(index, names, numels, make_method())
+        bucket = Bucket(index, names, numels, like.element_size(), make_method())
         if bucket.method is not None:
             for key in (frozenset(names), index):
                 if key in self.parked_methods:

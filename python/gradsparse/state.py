@@ -235,26 +235,30 @@ class State:
         """Rules that tie several of the method's options together (each option is checked alone
         by its declaration)."""
 
-    def _make_method(self, numels: list[int]):
-        """A new C++ method object for one bucket whose parameters hold ``numels`` elements
-        (None: dense all-reduce): the C++ class receives the method's options by name."""
+    def _make_method(self, numels: list[int], value_bytes: int = 4):
+        """A new C++ method object for one bucket whose parameters hold ``numels`` elements of
+        ``value_bytes`` bytes each (None: dense all-reduce): the C++ class receives the method's
+        options by name."""
         if self._CORE is None:
             return None
         extras = {"reference": self._reference, "segments": list(numels)}
         config = dict(self._method_config)
         if config.get("exchange") == "auto":
-            config["exchange"] = self._faster_exchange(sum(numels))
+            config["exchange"] = self._faster_exchange(sum(numels), value_bytes)
         return getattr(_C, self._CORE)(**config, **{k: extras[k] for k in self._CORE_EXTRAS})
 
-    def _faster_exchange(self, numel: int) -> str:
-        """What exchange="auto" means for a bucket of ``numel`` elements until its exchanges are
+    def _faster_exchange(self, numel: int, value_bytes: int) -> str:
+        """What exchange="auto" means for a bucket of ``numel`` elements of ``value_bytes`` bytes
+        each (4 for float32, 2 for float16 and bfloat16) until its exchanges are
         timed (gradsparse.exchange_trial): the exchange that gradsparse.simulate's model finds
         faster at this world size on the link measured at set-up (before set-up, at one rank:
         gather-and-add). Every rank decides alike: the same figures."""
         density = self._method_config.get("density")
         if density is None or self._link is None:  # a fixed threshold: no k to plan with
             return "gather"
-        return simulate.faster_exchange(self._world_size, numel, density, self._link, fixed=self._CORE == "TopK")
+        return simulate.faster_exchange(
+            self._world_size, numel, density, self._link, fixed=self._CORE == "TopK", value_bytes=value_bytes
+        )
 
     def _check_world_size(self, world_size: int) -> None:
         """Options that depend on the number of ranks, checked in setup() (on every rank alike)."""
@@ -492,7 +496,7 @@ class State:
                 f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
                 "this DDP configuration is not supported"
             )
-        return self._table.add(index, names, numels, lambda: self._make_method(numels), buffer)
+        return self._table.add(index, names, numels, lambda: self._make_method(numels, buffer.element_size()), buffer)
 
     def _hold_unused(self, entry: Bucket, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """With ``find_unused_parameters=True`` DDP leaves the gradient of a parameter that no rank
@@ -584,7 +588,7 @@ class State:
             self._trial.decide(done.wait().cpu())
             for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
                 if index not in self._trial.chosen:
-                    self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels))
+                    self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels), bucket.value_bytes)
         exchange = self._trial.exchange_at(entry.index, self._step)
         if exchange is not None:
             entry.method.set_exchange(exchange)
@@ -699,7 +703,9 @@ class State:
             )
         entry = self._table.buckets.get(index)
         if entry is None:
-            entry = self._table.add(index, [name], [numel], lambda: self._make_method([numel]), flat)
+            entry = self._table.add(
+                index, [name], [numel], lambda: self._make_method([numel], flat.element_size()), flat
+            )
         last = len(self._sharded_called | {index}) == groups
         future = self._submit(entry, flat, last, shard_only=True)
         # Recorded once the engine has taken it: a group refused above was not reduced in this step.

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
+from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
 
 
@@ -136,6 +137,7 @@ def test_a_state_is_created_before_the_process_group_and_set_up_after():
     code = """
 import torch, torch.distributed as dist, torch.nn as nn
 import gradsparse as gs
+from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
 state = gs.TopK(density=0.1)
 try:
@@ -858,6 +860,7 @@ def test_a_state_dict_loaded_before_the_process_group_is_checked_at_set_up(tmp_p
     code = f"""
 import torch, torch.distributed as dist, torch.nn as nn
 import gradsparse as gs
+from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
 own, other = gs.TopK(density=0.05), gs.TopK(density=0.05)
 own.load_state_dict(torch.load({str(tmp_path / "own.pt")!r}))
@@ -893,6 +896,7 @@ def test_an_all_ranks_state_dict_loaded_before_the_process_group_saves_as_this_r
     code = f"""
 import torch, torch.distributed as dist, torch.nn as nn
 import gradsparse as gs
+from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
 state = gs.TopK(density=0.05)
 state.load_state_dict(torch.load({str(tmp_path / "all.pt")!r}))
@@ -1153,3 +1157,25 @@ def test_a_new_ddp_whose_bucket_0_is_disjoint_from_a_stopped_backwards_is_a_new_
     assert state.step == 3
     assert state.state_dict()["layout"] == [["0.weight", "0.bias"]]
     assert sorted(state.state_dict()["residuals"]) == ["0.bias", "0.weight"]
+
+
+def test_exchange_auto_plans_a_half_precision_bucket_with_its_two_byte_values():
+    # gradsparse.simulate's model at 4 ranks, 1M elements, density 0.01 on its default link: the
+    # reduce-scatter for float32 values, gather-and-add for float16 and bfloat16 ones, which send
+    # half the bytes per pair
+    state = gs.GaussianK(density=0.01, exchange="auto")
+    state._world_size, state._link = 4, simulate.DEFAULT_LINK  # what set-up measures on 4 ranks
+    picked = {
+        dtype: state._make_method([1_000_000], torch.empty(0, dtype=dtype).element_size()).exchange
+        for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    }
+    expected = {
+        exchange: gs.GaussianK(density=0.01, exchange=exchange)._make_method([1_000_000]).exchange
+        for exchange in ("reduce_scatter", "gather")
+    }
+    assert expected["reduce_scatter"] != expected["gather"]
+    assert picked == {
+        torch.float32: expected["reduce_scatter"],
+        torch.float16: expected["gather"],
+        torch.bfloat16: expected["gather"],
+    }
