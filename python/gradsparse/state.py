@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradsparse import _C, simulate
+from gradsparse import _C
 from gradsparse.binding import ModelBinding, group_ranks
 from gradsparse.buckets import Bucket, BucketTable
 from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, this_ranks, upgrade, with_checksums
@@ -256,6 +256,8 @@ class State:
         density = self._method_config.get("density")
         if density is None or self._link is None:  # a fixed threshold: no k to plan with
             return "gather"
+        from gradsparse import simulate  # at first use: python -m gradsparse.simulate runs it as __main__
+
         return simulate.faster_exchange(
             self._world_size, numel, density, self._link, fixed=self._CORE == "TopK", value_bytes=value_bytes
         )
@@ -326,6 +328,8 @@ class State:
         self._rank = dist.get_rank(group)
         if self._method_config.get("exchange") == "auto" and world_size > 1:
             if self._link is None:
+                from gradsparse import simulate
+
                 self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)

@@ -2,6 +2,8 @@
 every exchange, every world size from 1 to 16, byte for byte and collective for collective."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -376,3 +378,17 @@ def test_measure_link_at_one_rank_says_there_is_no_link():
             simulate.measure_link()
     finally:
         dist.destroy_process_group()
+
+
+def test_the_command_runs_without_runpys_warning():
+    """gradsparse's import loaded gradsparse.simulate (state.py imported it), so ``python -m
+    gradsparse.simulate`` began with runpy's RuntimeWarning that the module was already imported."""
+    run = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-m", "gradsparse.simulate", "--world-size", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "RuntimeWarning" not in run.stderr
+    assert "dense all-reduce" in run.stdout
