@@ -171,6 +171,12 @@ def _refuse(where: str, key: str, expected: str, value: object) -> None:
     )
 
 
+def _is_bucket_index(key: object) -> bool:
+    """A bucket index as a state dict's stats and exchanges hold it: an integer, or its decimal
+    text (what a JSON round trip of the state dict makes of it)."""
+    return isinstance(key, numbers.Integral) or (isinstance(key, str) and key.isdecimal())
+
+
 def _check(where: str, state_dict: dict) -> None:
     """One rank's entries have the types state_dict() gives them: what the load reads is refused
     here, naming the entry, and not with an error of Python's half-way through the load. Then
@@ -204,7 +210,7 @@ def _check(where: str, state_dict: dict) -> None:
     if not isinstance(stats, dict) or not all(isinstance(b, dict) for b in stats.values()):
         refuse("stats", "a dict of statistics by bucket index", stats)
     for index, counters in stats.items():
-        if not (isinstance(index, numbers.Integral) or (isinstance(index, str) and index.isdecimal())):
+        if not _is_bucket_index(index):
             refuse("stats", "a dict of statistics by bucket index (an integer)", stats)
         unknown = sorted(set(counters) - _COUNTERS)
         if unknown:
@@ -223,8 +229,7 @@ def _check(where: str, state_dict: dict) -> None:
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured", link)
     exchanges = state_dict.get("exchanges")
     if exchanges is not None and not (
-        isinstance(exchanges, dict)
-        and all(isinstance(i, numbers.Integral) and name in CHOICES for i, name in exchanges.items())
+        isinstance(exchanges, dict) and all(_is_bucket_index(i) and name in CHOICES for i, name in exchanges.items())
     ):
         refuse("exchanges", f"None or the exchange by bucket index, one of {', '.join(CHOICES)}", exchanges)
     for kind, key, checksums_key in TENSORS:

@@ -708,6 +708,17 @@ def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
         state.load_state_dict(sd)
 
 
+def test_bucket_indices_as_text_load_in_the_exchanges_as_in_the_stats():
+    """A state dict through JSON holds its bucket indices as text: the stats loaded so, the
+    exchanges that exchange="auto" decided were refused as changed after saving."""
+    sd = dict(_saved(), exchanges={"0": "reduce_scatter"})
+    sd["stats"] = {str(i): counters for i, counters in sd["stats"].items()}
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    state.load_state_dict(sd)
+    assert state._new_trial(0, state._saved_exchanges).chosen == {0: "reduce_scatter"}
+
+
 def test_reshard_conserves_the_pending_gradient_mass():
     """Two ranks' residuals (two runs on different data stand in for them) resharded to one rank:
     it holds their mean, (1/1) e' = (1/2) (e_0 + e_1); method states and exchange="auto"'s
