@@ -72,7 +72,7 @@ class Sparsify(Callback):
             raise ValueError(
                 f"gradsparse.lightning.Sparsify: the Trainer's precision is {precision!r}, so DDP's buckets hold float64 "
                 "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
-                "Trainer(precision='32-true') (or 'bf16-mixed', '16-mixed', 'bf16-true')"
+                "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # A GradScaler finds the steps whose scaled gradients overflowed by their Inf/NaN, skips
