@@ -706,6 +706,9 @@ class Run:
         self.elapsed = 0.0  # training seconds before this process (resumed runs)
         self.bytes_total = 0
         self.epoch_tally = self._empty_tally()
+        # Every epoch's row since the run began, those of earlier processes included (a resumed
+        # run's summary reads its whole history), and the rows of stops inside an epoch.
+        self.rows: list[dict] = []
         self.steps: list[tuple[float, int]] = []  # (seconds, bytes sent) of this process's steps
         torch.manual_seed(args.seed * 7919 + rank)  # per-rank stream (dropout, sampling)
 
@@ -728,6 +731,7 @@ class Run:
             "elapsed": self.elapsed,
             "bytes_total": self.bytes_total,
             "epoch_tally": self.epoch_tally,
+            "rows": self.rows,
             **self._model_and_optimizer(),
             "schedule": self.schedule.state_dict(),
             "communication": self.comm.state_dict(),
@@ -804,6 +808,7 @@ class Run:
         self.task.load_state_dict(state["task"])
         self.step, self.elapsed, self.bytes_total = state["step"], state["elapsed"], state["bytes_total"]
         self.epoch_tally = state["epoch_tally"]
+        self.rows = list(state.get("rows", []))  # a checkpoint saved before rows were kept: this process's only
         torch.set_rng_state(state["rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"])
@@ -834,13 +839,15 @@ class Run:
 
     # the loop ---------------------------------------------------------------------------------
     def train(self, recorder: Recorder) -> list[dict]:
+        """Trains to the end (--epochs, --max-steps) and returns the run's rows, as an uninterrupted
+        run would: every whole epoch's, those trained before a resume included, and the last
+        row when it is a stop inside an epoch."""
         args = self.args
         if self.comm.torch_state is not None:
             self.settle_powersgd_buckets()
         total_steps = args.epochs * self.steps_per_epoch
         if args.max_steps:
             total_steps = min(total_steps, args.max_steps)
-        rows: list[dict] = []
         bar = None
         if self.rank == 0 and tqdm is not None and not args.no_progress:
             bar = tqdm(total=total_steps, initial=self.step, desc=self.method, unit="step", disable=None)
@@ -853,9 +860,9 @@ class Run:
                 self._one_step(epoch, batch, recorder, bar)
                 last_of_epoch = self.step % self.steps_per_epoch == 0
                 if last_of_epoch:
-                    rows.append(self._end_epoch(epoch, recorder))
+                    self.rows.append(self._end_epoch(epoch, recorder))
                 elif self.step >= total_steps:  # stopped inside an epoch: report it so far
-                    rows.append(self._end_epoch(epoch, recorder, partial=True))
+                    self.rows.append(self._end_epoch(epoch, recorder, partial=True))
                 if (
                     last_of_epoch
                     or self.step >= total_steps
@@ -871,7 +878,10 @@ class Run:
                 )
         if bar is not None:
             bar.close()
-        return rows
+        whole = [row for row in self.rows if row["step"] % self.steps_per_epoch == 0]
+        if self.rows and self.rows[-1]["step"] % self.steps_per_epoch:
+            whole.append(self.rows[-1])
+        return whole
 
     def _one_step(self, epoch: int, batch: Any, recorder: Recorder, bar) -> None:
         start = time.perf_counter()

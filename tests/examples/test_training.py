@@ -406,3 +406,30 @@ def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message
     _assert_refused_before_the_process_group(
         importlib.import_module(f"examples.{task}.__main__"), argv, message, capsys
     )
+
+
+def summary_table(printed: str) -> list[str]:
+    """The summary's target line and table (from "target ..." to the blank line after it)."""
+    lines = printed.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("target "))
+    return lines[first : lines.index("", first)]
+
+
+def test_a_resumed_runs_summary_reads_the_epochs_trained_before_it(tmp_path):
+    """The summary of a run stopped and resumed takes every epoch since the run began: the resumed
+    process knew only its own, so a run stopped after its first epoch measured time to target from
+    the second alone, and running a finished experiment again printed an empty summary (every
+    method resumed at its end, with no row). Stopped inside the second epoch, resumed to the end,
+    then run once more: the last two print the same summary, of both methods."""
+    args = [*TASKS["lstm"], "--method", "dense,topk", "--epochs", "2", "--no-progress", "--out", str(tmp_path)]
+    launch(torchrun("lstm"), [*args, "--max-steps", "12"])
+    finished = summary_table(launch(torchrun("lstm"), args))
+    again = launch(torchrun("lstm"), args)
+    assert again.count("resuming from step 16") == 2, again[-2000:]
+    assert [line.split()[0] for line in finished[2:]] == ["dense", "topk"], finished
+    assert summary_table(again) == finished, again[-2000:]
+    dense = read_csv(tmp_path / "dense" / "epochs.csv")
+    assert [row["epoch"] for row in dense] == ["1", "1.5", "2"]
+    target = float(dense[-1]["perplexity"]) * 1.05
+    first = next(row for row in dense if row["epoch"] != "1.5" and float(row["perplexity"]) <= target)
+    assert finished[2].split()[3] == f"{float(first['elapsed_seconds']):.1f}s", (finished, dense)
