@@ -425,6 +425,13 @@ def _flip_one_byte(sd):
     return dict(sd, residuals={**sd["residuals"], "2.weight": damaged})
 
 
+class _FailingEngine:
+    """Stands in for a state's engine whose submit raises, as an error inside the hook's work."""
+
+    def submit(self, *args):
+        raise RuntimeError("an error inside the hook's work")
+
+
 def test_an_error_in_the_hook_leaves_the_model_usable():
     """The hook's error reaches backward() with its type and message, DDP finishes its step, and
     after the cause is fixed the next step trains (a synchronous raise inside DDP's hook call
@@ -437,11 +444,7 @@ def test_an_error_in_the_hook_leaves_the_model_usable():
     before = {k: v.clone() for k, v in state.state_dict()["residuals"].items()}
     engine = state._engine
 
-    class Failing:
-        def submit(self, *args):
-            raise RuntimeError("an error inside the hook's work")
-
-    state._engine = Failing()
+    state._engine = _FailingEngine()
     with pytest.raises(RuntimeError, match="an error inside the hook's work"):
         _train(ddp, 1)
     assert state.step == 2  # the failed step is not counted
@@ -1110,11 +1113,7 @@ def test_a_failed_first_step_of_a_static_graph_does_not_skip_the_next():
     gs.register(ddp, state)
     engine = state._engine
 
-    class Failing:
-        def submit(self, *args):
-            raise RuntimeError("an error inside the hook's work")
-
-    state._engine = Failing()
+    state._engine = _FailingEngine()
     with pytest.raises(RuntimeError, match="an error inside the hook's work"):
         _train(ddp, 1)
     state._engine = engine  # the cause, fixed
