@@ -67,7 +67,9 @@ def _select_threshold_fake(grad, residual, threshold):
 
 @torch.library.register_fake("gradsparse::select_topk")
 def _select_topk_fake(grad, residual, k):
-    count = min(k, grad.numel())
+    # A negative k gets an empty result here, so that the kernel, which runs at once, refuses it
+    # with its own ValueError: an empty of size -1 failed first, with PyTorch's "negative dimension".
+    count = torch.sym_max(0, torch.sym_min(k, grad.numel()))
     return grad.new_empty(count, dtype=torch.int64), grad.new_empty(count)
 
 

@@ -223,3 +223,41 @@ def _opcheck_samples():
 @pytest.mark.parametrize("op,args", list(_opcheck_samples()), ids=lambda x: str(x)[:40])
 def test_opcheck(op, args):
     torch.library.opcheck(op, args)
+
+
+def _compress_and_add(grad, residual, k, out, divisor):
+    """What a training loop compressing its own gradients runs: select, pack, unpack, add."""
+    indices, values = gs.select_topk(grad, residual, k)
+    message = gs.pack(indices, values, grad.numel())
+    got_indices, got_values = gs.unpack(message, grad.dtype, grad.numel())
+    gs.scatter_add_(out, got_indices, got_values, divisor)
+    above, above_values = gs.select_threshold(grad, residual, 0.5)
+    return message, above, above_values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_ops_compile_with_fullgraph_and_match_eager(dtype, dynamic):
+    torch._dynamo.reset()
+    compiled = torch.compile(_compress_and_add, fullgraph=True, dynamic=dynamic)
+    for n, k in [(1000, 10), (3000, 31), (5003, 7)]:
+        grad, residual, out = sample(n, dtype, 12), sample(n, dtype, 13, 0.5), sample(n, dtype, 14)
+        eager_residual, eager_out = residual.clone(), out.clone()
+        got = compiled(grad, residual, k, out, 2.0)
+        want = _compress_and_add(grad, eager_residual, k, eager_out, 2.0)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        assert torch.equal(residual, eager_residual)
+        assert torch.equal(out, eager_out)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_select_topk_refuses_a_negative_k_under_torch_compile_as_in_eager(dynamic):
+    """select_topk's fake kernel made an empty of size k for a negative k, so torch.compile failed
+    with PyTorch's "Trying to create tensor with negative dimension -1" instead of the op's error."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda grad, k: gs.select_topk(grad, None, k), fullgraph=True, dynamic=dynamic)
+    assert compiled(torch.ones(10), 3)[0].tolist() == [0, 1, 2]
+    for k in (-1, -5):
+        with pytest.raises(ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}$"):
+            compiled(torch.ones(10), k)
