@@ -80,8 +80,17 @@ def _scatter_add_fake(out, indices, values, divisor=1.0):
 
 @torch.library.register_fake("gradsparse::pack")
 def _pack_fake(indices, values, dense_size):
-    size = torch.library.get_ctx().new_dynamic_size()
+    # The size follows from the arguments (the layout in docs/architecture.md): the 32-byte header,
+    # then the indices (uint32 up to 2^32 elements, else int64) and the values, each padded to a
+    # multiple of 8 bytes. A dynamic size would make code that reads message.numel() fail to trace.
+    count = values.numel()
+    index_bytes = 4 if dense_size <= 2**32 else 8
+    size = 32 + _pad8(count * index_bytes) + _pad8(count * values.element_size())
     return values.new_empty(size, dtype=torch.uint8)
+
+
+def _pad8(nbytes):
+    return (nbytes + 7) // 8 * 8
 
 
 @torch.library.register_fake("gradsparse::unpack")

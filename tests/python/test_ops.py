@@ -217,6 +217,8 @@ def _opcheck_samples():
     yield torch.ops.gradsparse.scatter_add_.default, (torch.zeros(50), torch.tensor([1, 1, 49]), torch.ones(3), 2.0)
     idx = torch.tensor([2, 5, 9])
     yield torch.ops.gradsparse.pack.default, (idx, torch.ones(3), 10)
+    yield torch.ops.gradsparse.pack.default, (idx.int(), torch.ones(3, dtype=torch.float16), 2**33)
+    yield torch.ops.gradsparse.pack.default, (idx[:0], torch.ones(0, dtype=torch.bfloat16), 0)
     yield torch.ops.gradsparse.unpack.default, (gs.pack(idx, torch.ones(3), 10), torch.float32, 10)
 
 
@@ -249,6 +251,26 @@ def test_ops_compile_with_fullgraph_and_match_eager(dtype, dynamic):
             assert torch.equal(g, w)
         assert torch.equal(residual, eager_residual)
         assert torch.equal(out, eager_out)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compiled_function_can_use_the_size_of_a_packed_message(dynamic):
+    """pack's fake kernel gave the message a data-dependent size, though the size follows from the
+    arguments, so a compiled function that looked at it (to cut it, to size a receive buffer)
+    failed to trace with "Could not guard on data-dependent expression u0 > 64"."""
+
+    def first_bytes(grad, k):
+        indices, values = gs.select_topk(grad, None, k)
+        message = gs.pack(indices, values, grad.numel())
+        if message.numel() > 64:
+            return message[:64]
+        return message
+
+    torch._dynamo.reset()
+    compiled = torch.compile(first_bytes, fullgraph=True, dynamic=dynamic)
+    for n, k, dtype in [(1000, 3, torch.float32), (1000, 10, torch.float16), (2000, 20, torch.bfloat16)]:
+        grad = sample(n, dtype, 15)
+        assert torch.equal(compiled(grad, k), first_bytes(grad, k))
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
