@@ -20,8 +20,9 @@ On every host, in its namespace:
 with GLOO_SOCKET_IFNAME=eth0, so every collective crosses the shaped links (host 1 also serves
 the rendezvous store: `--rdzv-conf is_host=1`, since the machine's hostname resolves outside
 the namespaces). The first host to fail ends the run. Namespaces, links and processes
-are removed on every exit path (normal end, failure, Ctrl-C, SIGTERM); namespaces left behind
-by a run that was killed with SIGKILL are removed by the next run. Needs root, ip and tc
+are removed on every exit path (normal end, failure, Ctrl-C, SIGTERM, a closed terminal's SIGHUP);
+namespaces left behind by a run that was killed with SIGKILL are removed by the next run, with the
+processes still running in them. Needs root, ip and tc
 (iproute2).
 """
 
@@ -42,6 +43,8 @@ from collections.abc import Sequence
 PREFIX = "gsc"  # namespaces: gsc<pid>-sw, gsc<pid>-h<i>
 SUBNET = "10.214.0"
 RDZV_PORT = 29400
+#: The signals that end a run with its clean-up: Ctrl-C, kill's default, a closed terminal.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class ClusterError(RuntimeError):
@@ -67,6 +70,17 @@ def _parse_rate(rate: str) -> int:
 def default_burst(rate_bits: int) -> int:
     """tbf's bucket: 2 ms at the rate, at least 16 KB (see benchmarks/slow_network.sh)."""
     return max(16_000, rate_bits // 8 // 500)
+
+
+def kill_inside(namespace: str) -> None:
+    """Kills every process still running in ``namespace``: a namespace deleted while a process
+    runs in it loses its name but lives on, links and process with it (a worker whose torchrun
+    was killed, or the workers of a run killed with SIGKILL)."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    for pid in listed:
+        if pid.isdigit():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def stale_namespaces() -> list[str]:
@@ -135,6 +149,7 @@ class Cluster:
 
     def _create(self) -> None:
         for name in stale_namespaces():
+            kill_inside(name)
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
         _run("ip", "netns", "add", self.switch)
         self.created.append(self.switch)
@@ -154,12 +169,20 @@ class Cluster:
             self._shape(self.switch, port)  # switch -> host
 
     def remove(self) -> None:
-        """Deletes every namespace this cluster created (their links go with them)."""
-        for name in reversed(self.created):
-            done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-            if done.returncode != 0:
-                print(f"benchmarks.cluster: could not delete namespace {name}: {done.stderr.strip()}", file=sys.stderr)
-        self.created.clear()
+        """Kills what still runs in every namespace this cluster created and deletes them (their
+        links go with them). A second Ctrl-C or SIGTERM waits until it is done."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for name in reversed(self.created):
+                kill_inside(name)
+                done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
+                if done.returncode != 0:
+                    print(
+                        f"benchmarks.cluster: could not delete namespace {name}: {done.stderr.strip()}", file=sys.stderr
+                    )
+            self.created.clear()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def torchrun(self, host: int, run_id: str, arguments: Sequence[str], python: str) -> list[str]:
         """The command that starts host `host`'s worker inside its namespace."""
@@ -243,15 +266,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @contextlib.contextmanager
 def session(args: argparse.Namespace, prog: str = "benchmarks.cluster"):
-    """The cluster the parsed options describe, removed on every exit path (SIGTERM and SIGINT
-    included). Raises ClusterError without root."""
+    """The cluster the parsed options describe, removed on every exit path (SIGINT, SIGTERM and
+    SIGHUP included). Raises ClusterError without root."""
     if os.geteuid() != 0:
         raise ClusterError(
             f"{prog} needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
             "(or as root in a container with CAP_NET_ADMIN)."
         )
-    signal.signal(signal.SIGTERM, _raise_on_signal)
-    signal.signal(signal.SIGINT, _raise_on_signal)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_on_signal)
     with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
         print(
             f"{prog}: {args.hosts} hosts on one bridge, every link {args.rate} each way (tbf burst {cluster.burst} B)"

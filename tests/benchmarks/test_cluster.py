@@ -4,8 +4,10 @@ it finishes, and nothing is left behind, also when a worker fails. Needs root (C
 
 import csv
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -70,3 +72,53 @@ def test_the_seed_model_benchmark_reports_every_method_against_the_first(tmp_pat
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in text.splitlines() if line.startswith("| ")}
     assert float(rows["dense"][1]) == 1.0 and float(rows["topk"][3]) == pytest.approx(0.02, rel=0.1), text
     assert namespaces_left() == []
+
+
+def processes_running(word: str, program: str | None = None) -> list[int]:
+    """The processes whose command line holds ``word`` (and whose program is ``program``, when
+    given); a zombie's is empty: it runs no more."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if word.encode() in argv and (program is None or argv[0] == program.encode()):
+            found.append(int(pid))
+    return found
+
+
+def wait_for(condition, seconds: float):
+    deadline = time.monotonic() + seconds
+    while not (value := condition()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return value
+
+
+def test_a_closed_terminal_or_a_killed_run_leaves_no_namespace_or_process(tmp_path, namespaces_left):
+    """SIGHUP (the terminal closed) ended the cluster at once, leaving its namespaces and every
+    host's torchrun and worker running, and a run killed with SIGKILL left its workers running
+    after the next run had deleted its namespaces. Both now end with nothing left: SIGHUP cleans
+    up as SIGTERM does, and a namespace is deleted only once what runs in it is killed."""
+    tag = f"{4000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"  # the workers: sleep <tag>
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "sleep", tag]
+    try:
+        for signum in (signal.SIGHUP, signal.SIGKILL):
+            with open(tmp_path / "stderr", "w") as stderr:
+                started = subprocess.Popen(command, env=env, cwd=ROOT, stderr=stderr)
+            assert wait_for(lambda: len(processes_running(tag, "sleep")) == 2, 120), (tmp_path / "stderr").read_text()
+            started.send_signal(signum)
+            started.wait(timeout=60)
+            if signum == signal.SIGKILL:  # the next run removes what the killed one left
+                assert namespaces_left() and processes_running(tag)
+                done = cluster("--no-python", "true")
+                assert done.returncode == 0, done.stderr[-2000:]
+            assert wait_for(lambda: not processes_running(tag), 10), (signum, processes_running(tag))
+            assert namespaces_left() == [], signum
+    finally:  # what a failure left behind
+        for pid in processes_running(tag):
+            os.kill(pid, signal.SIGKILL)
+        for name in namespaces_left():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
