@@ -1013,10 +1013,18 @@ def summarize_steps(costs: dict[str, tuple[float, float]]) -> str:
     ]
     for method, (seconds, sent) in costs.items():
         lines.append(
-            f"{method:>9}  {seconds:9.3f}s  {seconds / base_seconds:9.3f}x  {sent / 1e6:10.3f}  "
-            f"{sent / base_bytes:9.4f}x"
+            f"{method:>9}  {seconds:9.3f}s  {_ratio(seconds, base_seconds, 3)}  {sent / 1e6:10.3f}  "
+            f"{_ratio(sent, base_bytes, 4)}"
         )
     return "\n".join(lines)
+
+
+def _ratio(value: float, base: float, digits: int) -> str:
+    """``value / base`` in a 10-character column, or "-" where there is no ratio: a base of 0
+    (one worker sends nothing) or NaN (no step timed)."""
+    if base == 0 or math.isnan(base):
+        return f"{'-':>10}"
+    return f"{value / base:9.{digits}f}x"
 
 
 SLOW_LINK_BITS = 50e6  # benchmarks.cluster's default rate (docs/benchmarks.md says why)

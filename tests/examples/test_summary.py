@@ -58,3 +58,12 @@ def test_the_synthetic_summary_gives_step_time_and_traffic_against_the_first_met
     dense, topk = text.splitlines()[2:]
     assert dense.split() == ["dense", "2.000s", "1.000x", "8.000", "1.0000x"], dense
     assert topk.split() == ["topk", "0.500s", "0.250x", "0.160", "0.0200x"], topk
+
+
+def test_the_synthetic_summary_of_one_worker_gives_no_traffic_ratio():
+    """One worker sends nothing: the first method's 0 bytes ended a --synthetic-data run on one
+    worker in a ZeroDivisionError after every method had trained, with no summary."""
+    text = driver.summarize_steps({"dense": (2.0, 0.0), "topk": (0.5, 0.0)})
+    dense, topk = text.splitlines()[2:]
+    assert dense.split() == ["dense", "2.000s", "1.000x", "0.000", "-"], dense
+    assert topk.split() == ["topk", "0.500s", "0.250x", "0.000", "-"], topk
