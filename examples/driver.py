@@ -36,6 +36,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -1104,12 +1105,17 @@ def main(
             f"{threads} CPU thread{'s' if threads > 1 else ''} per worker",
             flush=True,
         )
+    folders = {method: os.path.join(out, method) if len(methods) > 1 else out for method in methods}
+    problem = prepare_folders(out, list(folders.values())) if rank == 0 else None
+    failed = torch.tensor([problem is not None], dtype=torch.int32)
+    dist.all_reduce(failed)  # rank 0's verdict, before any method trains
+    if int(failed):
+        if problem is not None:
+            print(problem, file=sys.stderr, flush=True)
+        dist.barrier()  # printed before any rank exits (torchrun stops the others once one has)
+        raise SystemExit(1)
     results, costs, sent = {}, {}, {}
-    for method in methods:
-        folder = os.path.join(out, method) if len(methods) > 1 else out
-        if rank == 0:
-            os.makedirs(folder, exist_ok=True)
-        dist.barrier()
+    for method, folder in folders.items():
         run = Run(task, method, args, folder, rank, world)
         resumed = not args.fresh and run.try_resume()
         if rank == 0:  # after the checks, so that a refused resume leaves the saved run's config
@@ -1139,6 +1145,32 @@ def main(
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return results
+
+
+def prepare_folders(out: str, folders: list[str]) -> str | None:
+    """Makes every run folder and checks that a file can be written in each; None when they can,
+    else what failed and how to fix it. Checked once before the first method trains: a folder that
+    could not be made (--out or <out>/<method> an existing file, no permission, a read-only
+    filesystem) ended the run in a traceback, for <out>/<method> after the methods before it."""
+    for folder in folders:
+        path = existing = os.path.abspath(folder)
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            reason = f"{existing} is a file, not a folder"
+        else:
+            try:
+                os.makedirs(path, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+                continue
+            except OSError as e:
+                reason = e.strerror or str(e)
+        return (
+            f"--out {out}: cannot write the run folder {path}: {reason}; give an --out that is, or can be made, "
+            "a folder this user may write in"
+        )
+    return None
 
 
 def _metric_fields(task: Task) -> list[str]:

@@ -433,3 +433,16 @@ def test_a_resumed_runs_summary_reads_the_epochs_trained_before_it(tmp_path):
     target = float(dense[-1]["perplexity"]) * 1.05
     first = next(row for row in dense if row["epoch"] != "1.5" and float(row["perplexity"]) <= target)
     assert finished[2].split()[3] == f"{float(first['elapsed_seconds']):.1f}s", (finished, dense)
+
+
+def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_trains(tmp_path):
+    """--out, or a method's folder under it, that is an existing file ended the run in
+    os.makedirs' FileExistsError on rank 0 (and Gloo's "connection closed" on the others): for
+    <out>/topk after dense had trained. Refused once, before any method trains, naming the file."""
+    (tmp_path / "topk").write_text("not a folder")
+    args = [*TASKS["lstm"], "--method", "dense,topk", "--max-steps", "2", "--no-progress", "--out", str(tmp_path)]
+    refused = start(torchrun("lstm"), args)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert said.count(f"cannot write the run folder {tmp_path / 'topk'}: {tmp_path / 'topk'} is a file") == 1, said
+    assert "FileExistsError" not in said and not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
