@@ -540,15 +540,18 @@ STEP_FIELDS = [
 class Recorder:
     """CSV files and TensorBoard, written by rank 0; appends when a run resumes."""
 
-    def __init__(self, folder: str, metric_fields: list[str], rank: int, resume: bool):
+    def __init__(self, folder: str, metric_fields: list[str], rank: int, resume: bool, step: int = 0):
+        """``resume``: continue the files of a run resumed at ``step``, whose rows past that step
+        (trained after its last checkpoint, by a process that then stopped) are dropped, since
+        the resumed run trains those steps again."""
         self.active = rank == 0
         self.epoch_fields = ["epoch", "step", "loss", *metric_fields, "density", "bytes_sent", "bytes_total",
                              "train_seconds", "elapsed_seconds"]  # fmt: skip
         self.writer = None
         if not self.active:
             return
-        self.steps = self._open(os.path.join(folder, "steps.csv"), STEP_FIELDS, resume)
-        self.epochs = self._open(os.path.join(folder, "epochs.csv"), self.epoch_fields, resume)
+        self.steps = self._open(os.path.join(folder, "steps.csv"), STEP_FIELDS, resume, step)
+        self.epochs = self._open(os.path.join(folder, "epochs.csv"), self.epoch_fields, resume, step)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -557,13 +560,36 @@ class Recorder:
             print("tensorboard is not installed: metrics go to CSV only (pip install tensorboard)", flush=True)
 
     @staticmethod
-    def _open(path: str, fields: list[str], resume: bool):
+    def _open(path: str, fields: list[str], resume: bool, step: int = 0):
         fresh = not (resume and os.path.exists(path))
+        if not fresh:
+            Recorder._drop_rows_after(path, fields, step)
         f = open(path, "w" if fresh else "a", newline="")  # noqa: SIM115 (closed in close())
         writer = csv.DictWriter(f, fieldnames=fields)
         if fresh:
             writer.writeheader()
         return f, writer
+
+    @staticmethod
+    def _drop_rows_after(path: str, fields: list[str], step: int) -> None:
+        """Rewrites the CSV file at ``path`` with its rows up to ``step`` (a row cut short by a
+        stop in the middle of its writing is dropped too)."""
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+
+        def kept(row: dict) -> bool:
+            try:
+                return None not in row.values() and float(row["step"]) <= step
+            except (KeyError, TypeError, ValueError):
+                return False
+
+        keep = [row for row in rows if kept(row)]
+        tmp = path + ".tmp"  # written whole even when every row stays: a cut-short last line has no line end
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(keep)
+        os.replace(tmp, path)
 
     def step(self, row: dict) -> None:
         if not self.active:
@@ -1127,7 +1153,7 @@ def main(
                 )
         if resumed and rank == 0:
             print(f"[{method:>9}] resuming from step {run.step} ({folder})", flush=True)
-        recorder = Recorder(folder, _metric_fields(task), rank, resumed)
+        recorder = Recorder(folder, _metric_fields(task), rank, resumed, run.step)
         try:
             results[method] = run.train(recorder)
             costs[method] = step_costs(run.steps)

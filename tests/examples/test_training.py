@@ -446,3 +446,23 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_train
     assert refused.returncode != 0
     assert said.count(f"cannot write the run folder {tmp_path / 'topk'}: {tmp_path / 'topk'} is a file") == 1, said
     assert "FileExistsError" not in said and not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_path):
+    """A process that stopped after its last checkpoint (killed, Ctrl-C, a crash) had written the
+    steps after it to steps.csv; the resumed run trains them again and appended them a second time
+    (steps 1-6, then 5-9). Here the process that went on to step 6 is replaced by its checkpoint
+    at step 4 (as if it died at step 6 before saving), and a row cut short is left at the end: the
+    resumed run's files hold each step once, the epochs' rows up to the resume and after."""
+    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
+    launch(torchrun("lstm"), [*args, "--max-steps", "4"])
+    kept = {rank: (tmp_path / f"checkpoint-rank{rank}.pt").read_bytes() for rank in (0, 1)}
+    launch(torchrun("lstm"), [*args, "--max-steps", "6"])
+    for rank, saved in kept.items():
+        (tmp_path / f"checkpoint-rank{rank}.pt").write_bytes(saved)
+    with open(tmp_path / "steps.csv", "a") as f:
+        f.write("7,1,6.1")  # no line end: the process stopped while writing it
+    out = launch(torchrun("lstm"), [*args, "--max-steps", "9"])
+    assert "resuming from step 4" in out
+    assert [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")] == list(range(1, 10))
+    assert [r["epoch"] for r in read_csv(tmp_path / "epochs.csv")] == ["0.5", "1", "1.125"]
