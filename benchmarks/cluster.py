@@ -111,6 +111,8 @@ class Cluster:
         self.rate_bits = _parse_rate(rate)
         if self.rate_bits < 1:
             raise ClusterError(f"--rate must be above 0, got {rate!r}")
+        if self.rate_bits < 8:  # tc's rate is whole bytes a second: below one, its own error once the links are made
+            raise ClusterError(f"--rate must be at least 8bit (tc counts whole bytes a second), got {rate!r}")
         self.burst = burst or default_burst(self.rate_bits)
         self.delay_ms = delay_ms
         tag = f"{PREFIX}{os.getpid()}"
@@ -296,7 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m benchmarks.cluster", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add_arguments(parser)
-    args = parser.parse_args(own)
+    args, unknown = parser.parse_known_args(own)
+    if unknown:  # most often the worker's arguments, given without the -- before them
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)}; the worker's torchrun arguments go after --, for "
+            "example: python -m benchmarks.cluster --hosts 2 -- -m examples.cnn --max-steps 20"
+        )
     if not arguments:
         parser.error("give the worker's torchrun arguments after --, for example: -- -m examples.cnn --max-steps 20")
     try:

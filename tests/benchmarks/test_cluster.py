@@ -122,3 +122,19 @@ def test_a_closed_terminal_or_a_killed_run_leaves_no_namespace_or_process(tmp_pa
             os.kill(pid, signal.SIGKILL)
         for name in namespaces_left():
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_rate_below_a_byte_a_second_and_worker_arguments_without_the_separator_are_refused(capsys):
+    """--rate 4bit passed the check of a rate above 0 and reached tc, which counts whole bytes a
+    second and refused it ("the rate parameter is mandatory") once the namespaces were made; and
+    the worker's arguments given without -- before them were argparse's bare "unrecognized
+    arguments". Both are refused before anything is made, saying what to give."""
+    from benchmarks import cluster as emulated
+    from tests.refusals import assert_refused
+
+    with pytest.raises(emulated.ClusterError, match=r"--rate must be at least 8bit .*, got '4bit'"):
+        emulated.Cluster(2, "4bit")
+    assert emulated.Cluster(2, "8bit").rate_bits == 8
+    assert_refused(
+        emulated.main, ["--hosts", "2", "-m", "examples.cnn"], "the worker's torchrun arguments go after --", capsys
+    )
