@@ -281,5 +281,5 @@ def test_select_topk_refuses_a_negative_k_under_torch_compile_as_in_eager(dynami
     compiled = torch.compile(lambda grad, k: gs.select_topk(grad, None, k), fullgraph=True, dynamic=dynamic)
     assert compiled(torch.ones(10), 3)[0].tolist() == [0, 1, 2]
     for k in (-1, -5):
-        with pytest.raises(ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}$"):
+        with pytest.raises(ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}"):
             compiled(torch.ones(10), k)
