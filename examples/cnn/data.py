@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shlex
 import struct
 
 import torch
@@ -157,9 +158,10 @@ def cifar(dataset: str, root: str | None) -> tuple[torch.Tensor, torch.Tensor, t
                 x_train, y_train, x_test, y_test = reader(folder, dataset)
                 norm = lambda x: (x.float().div_(255) - _CIFAR_MEAN) / _CIFAR_STD  # noqa: E731
                 return norm(x_train), y_train, norm(x_test), y_test
+    where = shlex.quote(root)  # may not exist yet: tar -C needs it made
     raise FileNotFoundError(
         f"{dataset}: no {' or '.join(s for s, _ in names)} folder under {root}; download with\n"
-        f"  curl -L {CIFAR_DOWNLOAD[dataset]} | tar -xz -C {root}"
+        f"  mkdir -p {where} && curl -L {CIFAR_DOWNLOAD[dataset]} | tar -xz -C {where}"
     )
 
 

@@ -111,6 +111,17 @@ def test_missing_cifar_shows_the_download_step(tmp_path):
         data.cifar("cifar100", None)
 
 
+def test_the_cifar_download_step_works_for_a_data_dir_that_does_not_exist_yet(tmp_path):
+    """The step printed for a missing --data-dir was `curl ... | tar -xz -C <dir>`, which tar
+    refuses for a folder that does not exist ("Cannot open"): it now makes the folder first, and
+    quotes it for the shell."""
+    missing = tmp_path / "new data"
+    with pytest.raises(FileNotFoundError) as info:
+        data.cifar("cifar10", str(missing))
+    step = str(info.value).splitlines()[-1].strip()
+    assert step.startswith(f"mkdir -p '{missing}' && curl -L ") and step.endswith(f"| tar -xz -C '{missing}'"), step
+
+
 def test_augmentation_crops_and_flips_deterministically():
     x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
     a = data.augment(x, torch.Generator().manual_seed(5))
