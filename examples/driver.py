@@ -29,6 +29,7 @@ import contextlib
 import copy
 import csv
 import gc
+import glob
 import itertools
 import json
 import logging
@@ -1132,7 +1133,10 @@ def main(
             flush=True,
         )
     folders = {method: os.path.join(out, method) if len(methods) > 1 else out for method in methods}
-    problem = prepare_folders(out, list(folders.values())) if rank == 0 else None
+    if rank == 0:
+        problem = prepare_folders(out, list(folders.values())) or clear_checkpoints(list(folders.values()), args)
+    else:
+        problem = None
     failed = torch.tensor([problem is not None], dtype=torch.int32)
     dist.all_reduce(failed)  # rank 0's verdict, before any method trains
     if int(failed):
@@ -1196,6 +1200,25 @@ def prepare_folders(out: str, folders: list[str]) -> str | None:
             f"--out {out}: cannot write the run folder {path}: {reason}; give an --out that is, or can be made, "
             "a folder this user may write in"
         )
+    return None
+
+
+def clear_checkpoints(folders: list[str], args: argparse.Namespace) -> str | None:
+    """--fresh deletes the run folders' checkpoints before the first method trains, so that the
+    run it starts over can no longer be resumed: a --fresh run stopped before its first checkpoint
+    (or one with --synthetic-data, which writes none) left them, and the next run resumed the old
+    run over the new one's metrics. Without --fresh, a --synthetic-data run into a folder holding
+    checkpoints is refused (the message, else None): it would replace the saved run's metrics."""
+    for folder in folders:
+        saved = sorted(glob.glob(os.path.join(glob.escape(folder), "checkpoint-rank*.pt*")))
+        if args.fresh:
+            for path in saved:
+                os.remove(path)
+        elif args.synthetic_data and saved:
+            return (
+                f"{folder}: holds the checkpoints of a training run, whose metrics a --synthetic-data run would "
+                "replace; use another --out, or pass --fresh to start over"
+            )
     return None
 
 

@@ -466,3 +466,22 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     assert "resuming from step 4" in out
     assert [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")] == list(range(1, 10))
     assert [r["epoch"] for r in read_csv(tmp_path / "epochs.csv")] == ["0.5", "1", "1.125"]
+
+
+def test_fresh_deletes_the_checkpoints_of_the_run_it_starts_over(tmp_path):
+    """--fresh left the folder's checkpoints until its own first one replaced them: a --fresh run
+    that wrote none (stopped early, or --synthetic-data, which never checkpoints) let the next run
+    resume the old run, appending to the new run's metrics. A --synthetic-data run without --fresh
+    into a folder holding checkpoints is refused, and leaves the saved run as it was."""
+    args = [*TASKS["cnn"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
+    launch(torchrun("cnn"), [*args, "--max-steps", "4"])
+    steps = (tmp_path / "steps.csv").read_text()
+    refused = start(torchrun("cnn"), [*args, "--max-steps", "2", "--synthetic-data"])
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and said.count("holds the checkpoints of a training run") == 1, said[-3000:]
+    assert (tmp_path / "steps.csv").read_text() == steps
+    launch(torchrun("cnn"), [*args, "--max-steps", "2", "--synthetic-data", "--fresh"])
+    assert not glob.glob(str(tmp_path / "checkpoint-rank*"))
+    out = launch(torchrun("cnn"), [*args, "--max-steps", "3"])
+    assert "resuming" not in out
+    assert [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")] == [1, 2, 3]
