@@ -542,9 +542,9 @@ class Recorder:
     """CSV files and TensorBoard, written by rank 0; appends when a run resumes."""
 
     def __init__(self, folder: str, metric_fields: list[str], rank: int, resume: bool, step: int = 0):
-        """``resume``: continue the files of a run resumed at ``step``, whose rows past that step
-        (trained after its last checkpoint, by a process that then stopped) are dropped, since
-        the resumed run trains those steps again."""
+        """``resume``: continue the files of a run resumed at ``step``, whose rows and TensorBoard
+        events past that step (trained after its last checkpoint, by a process that then stopped)
+        are dropped, since the resumed run trains those steps again."""
         self.active = rank == 0
         self.epoch_fields = ["epoch", "step", "loss", *metric_fields, "density", "bytes_sent", "bytes_total",
                              "train_seconds", "elapsed_seconds"]  # fmt: skip
@@ -556,7 +556,8 @@ class Recorder:
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(folder, "tb"))
+            # A resumed run hides the events past its checkpoint that the stopped process logged.
+            self.writer = SummaryWriter(os.path.join(folder, "tb"), purge_step=step + 1 if resume else None)
         except ImportError:  # pragma: no cover - tensorboard is an optional dependency
             print("tensorboard is not installed: metrics go to CSV only (pip install tensorboard)", flush=True)
 

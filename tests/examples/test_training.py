@@ -453,7 +453,8 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     steps after it to steps.csv; the resumed run trains them again and appended them a second time
     (steps 1-6, then 5-9). Here the process that went on to step 6 is replaced by its checkpoint
     at step 4 (as if it died at step 6 before saving), and a row cut short is left at the end: the
-    resumed run's files hold each step once, the epochs' rows up to the resume and after."""
+    resumed run's files hold each step once, the epochs' rows up to the resume and after, and so
+    do its TensorBoard events (the steps past the checkpoint were shown twice)."""
     args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
     launch(torchrun("lstm"), [*args, "--max-steps", "4"])
     kept = {rank: (tmp_path / f"checkpoint-rank{rank}.pt").read_bytes() for rank in (0, 1)}
@@ -466,6 +467,11 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     assert "resuming from step 4" in out
     assert [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")] == list(range(1, 10))
     assert [r["epoch"] for r in read_csv(tmp_path / "epochs.csv")] == ["0.5", "1", "1.125"]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 10))
 
 
 def test_fresh_deletes_the_checkpoints_of_the_run_it_starts_over(tmp_path):
