@@ -239,9 +239,11 @@ def run(cluster: Cluster, arguments: Sequence[str], python: str = sys.executable
             failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 host, code = failed[0]
-                print(
-                    f"benchmarks.cluster: host {host} exited with status {code}; stopping the others", file=sys.stderr
-                )
+                if code < 0:  # killed by a signal (the OOM killer's SIGKILL, say): the shell's 128 + N
+                    how, code = f"was killed by {signal.Signals(-code).name}", 128 - code
+                else:
+                    how = f"exited with status {code}"
+                print(f"benchmarks.cluster: host {host} {how}; stopping the others", file=sys.stderr)
                 return code
             if all(c == 0 for c in codes):
                 return 0

@@ -138,3 +138,25 @@ def test_a_rate_below_a_byte_a_second_and_worker_arguments_without_the_separator
     assert_refused(
         emulated.main, ["--hosts", "2", "-m", "examples.cnn"], "the worker's torchrun arguments go after --", capsys
     )
+
+
+def test_a_host_killed_by_a_signal_ends_the_run_with_the_shells_status(tmp_path, namespaces_left):
+    """A host whose torchrun was killed by a signal (the OOM killer's SIGKILL) made the cluster
+    return Popen's -9, which sys.exit turned into status 247, and say "exited with status -9"."""
+    tag = f"{5000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "sleep", tag]
+    try:
+        with open(tmp_path / "stderr", "w") as stderr:
+            started = subprocess.Popen(command, env=env, cwd=ROOT, stderr=stderr)
+        assert wait_for(lambda: len(processes_running(tag, "sleep")) == 2, 120), (tmp_path / "stderr").read_text()
+        (agent,) = set(processes_running(tag)) & set(processes_running("is_host=0"))  # host 1's torchrun
+        os.kill(agent, signal.SIGKILL)
+        assert started.wait(timeout=60) == 128 + signal.SIGKILL
+        assert "host 1 was killed by SIGKILL; stopping the others" in (tmp_path / "stderr").read_text()
+        assert wait_for(lambda: not processes_running(tag), 10) and namespaces_left() == []
+    finally:
+        for pid in processes_running(tag):
+            os.kill(pid, signal.SIGKILL)
+        for name in namespaces_left():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
