@@ -1003,16 +1003,22 @@ def summarize(task: Task, results: dict[str, list[dict]]) -> str:
     if not runs:
         return ""
     first, first_rows = next(iter(runs.items()))
-    target, how = task.target(first_rows[-1][task.metric])
-    reference = time_to(task, first_rows, target)
+    final = first_rows[-1][task.metric]
+    if math.isfinite(final):
+        target, how = task.target(final)
+        heading = f"target {task.metric} {target:.4f} ({first}'s final {how}), checked after every epoch"
+    else:  # a diverged reference (NaN loss) sets no target: every method would read "not yet"
+        target = None
+        heading = f"no target: {first}'s final {task.metric} is {final}, so no time to it is given"
+    reference = time_to(task, first_rows, target) if target is not None else None
     lines = [
-        f"target {task.metric} {target:.4f} ({first}'s final {how}), checked after every epoch",
+        heading,
         f"{'method':>9}  {task.metric:>10}  {'train time':>10}  {'to target':>10}  {'vs ' + first:>10}  "
         f"{'MB sent/rank':>12}",
     ]
     for method, rows in runs.items():
-        seconds = time_to(task, rows, target)
-        to_target = f"{seconds:9.1f}s" if seconds is not None else f"{'not yet':>10}"
+        seconds = time_to(task, rows, target) if target is not None else None
+        to_target = f"{seconds:9.1f}s" if seconds is not None else f"{'not yet' if target is not None else '-':>10}"
         ratio = f"{seconds / reference:9.2f}x" if seconds is not None and reference else f"{'-':>10}"
         lines.append(
             f"{method:>9}  {rows[-1][task.metric]:10.4f}  {rows[-1]['elapsed_seconds']:9.1f}s  {to_target}  {ratio}  "

@@ -67,3 +67,15 @@ def test_the_synthetic_summary_of_one_worker_gives_no_traffic_ratio():
     dense, topk = text.splitlines()[2:]
     assert dense.split() == ["dense", "2.000s", "1.000x", "0.000", "-"], dense
     assert topk.split() == ["topk", "0.500s", "0.250x", "0.000", "-"], topk
+
+
+def test_a_reference_that_diverged_sets_no_target():
+    """A first method whose loss went NaN ends at a NaN perplexity: the summary set the target NaN
+    and read every method, one that trained well included, as "not yet" there. It now says that
+    there is no target and gives no time to it."""
+    results = {"dense": rows((10, 300.0), (20, float("nan"))), "topk": rows((5, 250.0), (10, 180.0))}
+    text = driver.summarize(Perplexity(), results)
+    assert text.splitlines()[0] == "no target: dense's final perplexity is nan, so no time to it is given", text
+    for line in text.splitlines()[2:]:
+        assert line.split()[3:5] == ["-", "-"], line
+    assert text.splitlines()[3].split()[1] == "180.0000"
