@@ -283,3 +283,12 @@ def test_select_topk_refuses_a_negative_k_under_torch_compile_as_in_eager(dynami
     for k in (-1, -5):
         with pytest.raises(ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}"):
             compiled(torch.ones(10), k)
+
+
+def test_a_threshold_near_float32s_largest_value_still_selects():
+    """A threshold between 3.0e38 and the largest float32 selected nothing, as if it were +inf;
+    only one that rounds to +inf in float32 selects nothing (ruling 8: the threshold in the dtype)."""
+    grad = torch.tensor([3.3e38, 1.0, -3.39e38])
+    assert gs.select_threshold(grad, None, 3.1e38)[0].tolist() == [0, 2]
+    assert gs.select_threshold(grad, None, torch.finfo(torch.float32).max)[0].tolist() == []
+    assert gs.select_threshold(grad, None, 3.5e38)[0].tolist() == []  # rounds to +inf

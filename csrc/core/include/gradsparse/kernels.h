@@ -196,10 +196,14 @@ inline void check_range(Range range, int64_t n, const char* what) {
 /// A key no finite value reaches: a selection with it selects nothing.
 constexpr uint32_t kNoKey = 0xFFFFFFFFu;
 
+/// The largest float32 plus half its last place: a double from here up rounds to +inf in float32
+/// (below it, up to the largest float32, to a finite threshold).
+constexpr double kFloat32RoundsToInf = 3.4028235677973366e38;
+
 /// The key of `|v| >= tau` with tau rounded to T (ruling 8); kNoKey for tau = +inf or NaN.
 template <typename T>
 uint32_t key_at_least(double tau) {
-  if (!(tau <= 3.0e38)) return kNoKey;
+  if (!(tau < kFloat32RoundsToInf)) return kNoKey;
   if (tau <= 0.0) return 0;
   return threshold_key<T>(tau);
 }
@@ -207,7 +211,7 @@ uint32_t key_at_least(double tau) {
 /// The key of `|v| > tau` with tau rounded to T.
 template <typename T>
 uint32_t key_above(double tau) {
-  if (!(tau <= 3.0e38)) return kNoKey;
+  if (!(tau < kFloat32RoundsToInf)) return kNoKey;
   if (tau < 0.0) return 0;
   const uint32_t k = threshold_key<T>(tau);
   return k >= Num<T>::kInfKey ? kNoKey : k + 1;
