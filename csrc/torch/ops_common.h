@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <cmath>
 #include <limits>
@@ -46,6 +47,16 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
   for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}})
     TORCH_CHECK_VALUE(t->is_contiguous(), "gradsparse.scatter_add_: ", name, " must be contiguous, got strides ",
                       t->strides(), "; call .contiguous() first");
+  // A values or indices tensor that shares memory with out would read what the kernel already
+  // wrote (the result then depends on the order of the writes), as torch's index_add_ refuses.
+  for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}}) {
+    const at::MemOverlapStatus overlap = at::get_overlap_status(out, *t);
+    TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+                      "gradsparse.scatter_add_: ", name,
+                      " shares memory with out, so the sums would read values "
+                      "the kernel already wrote; pass ",
+                      name, ".clone()");
+  }
   // The kernels divide in float32: a divisor that is 0, NaN or infinite there is refused (a NaN
   // fails the comparison).
   TORCH_CHECK_VALUE(

@@ -292,3 +292,48 @@ def test_a_threshold_near_float32s_largest_value_still_selects():
     assert gs.select_threshold(grad, None, 3.1e38)[0].tolist() == [0, 2]
     assert gs.select_threshold(grad, None, torch.finfo(torch.float32).max)[0].tolist() == []
     assert gs.select_threshold(grad, None, 3.5e38)[0].tolist() == []  # rounds to +inf
+
+
+def test_scatter_add_refuses_values_or_indices_that_share_memory_with_out():
+    """A values tensor that was a view of out read what the kernel had already written: the sums
+    depended on the order of the writes, where torch's index_add_ refuses such arguments."""
+    out = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    with pytest.raises(ValueError, match=r"scatter_add_: values shares memory with out, .*pass values\.clone\(\)"):
+        gs.scatter_add_(out, torch.tensor([1, 2]), out[1:3])
+    same = out.view(torch.int32)[:2]  # the same bytes as indices
+    with pytest.raises(ValueError, match=r"scatter_add_: indices shares memory with out, .*pass indices\.clone\(\)"):
+        gs.scatter_add_(out, same, torch.ones(2))
+    assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0]
+    gs.scatter_add_(out, torch.tensor([1, 2]), out[1:3].clone())
+    assert out.tolist() == [1.0, 4.0, 6.0, 4.0, 5.0]
+
+
+def test_a_backward_through_the_ops_raises():
+    """The ops have no derivative: a backward through a selection's values passed with only
+    PyTorch's warning, and the gradient silently stopped there."""
+    grad = torch.randn(100, requires_grad=True)
+    _, values = gs.select_topk(grad, None, 5)
+    with pytest.raises(RuntimeError, match="derivative for gradsparse::select_topk is not implemented"):
+        values.sum().backward()
+    _, values = gs.select_threshold(grad, None, 0.5)
+    with pytest.raises(RuntimeError, match="derivative for gradsparse::select_threshold is not implemented"):
+        values.sum().backward()
+
+
+def test_sizes_from_a_dynamic_shape_compile_once():
+    """k and dense_size were ints in the ops' schemas, so torch.compile(dynamic=True) fixed each to
+    the value it saw and compiled again for every bucket size."""
+    from torch._dynamo.testing import CompileCounter
+
+    def compress(grad):
+        indices, values = gs.select_topk(grad, None, grad.numel() // 10)
+        return gs.unpack(gs.pack(indices, values, grad.numel()), grad.dtype, grad.numel())
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(compress, backend=counter, fullgraph=True, dynamic=True)
+    for n in (100, 250, 400, 1000):
+        grad = sample(n, torch.float32, 16)
+        for got, want in zip(compiled(grad), compress(grad), strict=True):
+            assert torch.equal(got, want)
+    assert counter.frame_count == 1
