@@ -89,11 +89,12 @@ class State:
       from zero (momentum factor masking). Give the optimizer's momentum here and build the
       optimizer with momentum 0 (plain SGD). Warm-up steps, and the Dense state, apply it too:
       there it is momentum SGD.
-    - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf:
-      "raise" an error naming the bucket, or "skip" the bucket's update for that step. Either
-      way the residuals keep every finite value (docs/method-spec.md ruling 5), and neither
-      hands the Inf/NaN back: a torch.amp.GradScaler (float16 loss scaling) never sees an
-      overflow, so train in bfloat16 (no loss scaling) or float32.
+    - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf in
+      a sparse step: "raise" an error naming the bucket, or "skip" the bucket's update for that
+      step. Either way the residuals keep every finite value (docs/method-spec.md ruling 5), and
+      neither hands the Inf/NaN back: a torch.amp.GradScaler (float16 loss scaling) never sees
+      an overflow, so train in bfloat16 (no loss scaling) or float32. Dense steps (warm-up
+      steps, the Dense state) all-reduce as DDP does: NaN/Inf reach every rank's gradient.
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
