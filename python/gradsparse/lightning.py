@@ -74,11 +74,12 @@ class Sparsify(Callback):
                 "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
                 "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        if getattr(trainer.precision_plugin, "scaler", None) is not None and self.state._CORE is not None:
             # A GradScaler finds the steps whose scaled gradients overflowed by their Inf/NaN, skips
             # them and lowers its scale. The hook raises on Inf/NaN (nonfinite="raise"), or writes
             # zeros in their place (nonfinite="skip"), which hides the overflow from the scaler: its
-            # scale never comes down, and the overflows go on as steps that change nothing.
+            # scale never comes down, and the overflows go on as steps that change nothing. (Dense
+            # steps pass Inf/NaN on, as DDP does: the Dense state trains under a scaler.)
             raise ValueError(
                 f"gradsparse.lightning.Sparsify: the Trainer's precision {str(trainer.precision)!r} scales the loss "
                 "with a GradScaler, which needs to see the Inf/NaN gradients of a step that overflowed, and "

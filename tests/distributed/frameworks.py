@@ -268,15 +268,16 @@ def lightning_double_precision(rank: int, world_size: int, folder: str) -> dict:
                                                for a, b in zip(params_of(model), before, strict=True))}  # fmt: skip
 
 
-def lightning_loss_scaling(rank: int, world_size: int, folder: str) -> dict:
-    """Sparsify in a Trainer whose precision scales the loss with a GradScaler (16-mixed: on CUDA
-    devices Lightning's own, here a CPU one given as the plugin): refused at fit's start."""
+def lightning_loss_scaling(rank: int, world_size: int, folder: str, method: str) -> dict:
+    """Sparsify of ``method`` ("topk" or "dense") in a Trainer whose precision scales the loss with
+    a GradScaler (16-mixed: on CUDA devices Lightning's own, here a CPU one given as the plugin):
+    a sparse state is refused at fit's start, the Dense state trains."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     _launcher_environment(rank, world_size)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
     model = _lightning_module()(seed=0)
-    state = gs.TopK(density=0.05, nonfinite="skip")
+    state = gs.TopK(density=0.05, nonfinite="skip") if method == "topk" else gs.Dense()
     try:
         _trainer(folder, 1, [gs.lightning.Sparsify(state)], plugins=[plugin]).fit(model)
     except Exception as e:  # Lightning wraps a callback's error

@@ -139,8 +139,11 @@ def test_lightning_sparsify_refuses_loss_scaling(tmp_path):
     overflow from the Inf/NaN gradients DDP hands back. The hook raised on them (nonfinite="raise")
     or wrote zeros (nonfinite="skip"): with "skip" the scaler took every overflowed step for a good
     one, its scale never came down, and training went on through steps that changed nothing."""
-    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path), timeout=300):
+    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "topk"), "topk", timeout=300):
         assert r["error"] is not None, "trained under a GradScaler"
         assert "precision '16-mixed' scales the loss with a GradScaler" in r["error"], r["error"]
         assert "use Trainer(precision='bf16-mixed')" in r["error"], r["error"]
         assert r["steps"] == 0
+    # the Dense state's all-reduce hands Inf/NaN on as DDP's does: it trains under the scaler
+    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "dense"), "dense", timeout=300):
+        assert r["error"] is None and r["steps"] > 0, r
