@@ -46,7 +46,8 @@ inline at::ScalarType scalar_type(DType d) {
 
 /// A contiguous 1-D view of a tensor the kernels may read or write in place.
 inline void check_flat(const at::Tensor& t, const char* arg) {
-  TORCH_CHECK_VALUE(t.is_contiguous(), "gradsparse: ", arg, " must be contiguous; call .contiguous() first");
+  TORCH_CHECK_VALUE(t.is_contiguous(), "gradsparse: ", arg, " must be contiguous, got strides ", t.strides(),
+                    "; call .contiguous() first");
 }
 
 inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {
@@ -77,6 +78,32 @@ decltype(auto) translate_errors(F&& f) {
     throw;
   } catch (const CorruptMessageError& e) {
     TORCH_CHECK_INDEX(false, e.what());
+    throw;
+  }
+}
+
+/// Runs an op's kernel `f` (translate_errors), so that every error it raises names the op:
+/// "gradsparse.<op>: ..." where the message said "gradsparse: ..." (the shared argument checks) or
+/// came from the core without a name (a corrupt message's, an index outside the bucket).
+template <typename F>
+decltype(auto) named_errors(const char* op, F&& f) {
+  auto named = [op](const c10::Error& e) {
+    std::string text = e.what_without_backtrace();
+    const std::string generic = "gradsparse: ";
+    if (text.rfind("gradsparse.", 0) == 0) return text;
+    if (text.rfind(generic, 0) == 0) text.erase(0, generic.size());
+    return str("gradsparse.", op, ": ", text);
+  };
+  try {
+    return translate_errors(std::forward<F>(f));
+  } catch (const c10::IndexError& e) {
+    TORCH_CHECK_INDEX(false, named(e));
+    throw;
+  } catch (const c10::ValueError& e) {
+    TORCH_CHECK_VALUE(false, named(e));
+    throw;
+  } catch (const c10::TypeError& e) {
+    TORCH_CHECK_TYPE(false, named(e));
     throw;
   }
 }

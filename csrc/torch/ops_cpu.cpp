@@ -14,9 +14,9 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> select_threshold_cpu(const at::Tensor& grad,
                                                         const std::optional<at::Tensor>& residual, double threshold) {
-  check_selection_args(grad, residual);
-  check_threshold(threshold);
-  return translate_errors([&] {
+  return named_errors("select_threshold", [&] {
+    check_selection_args(grad, residual);
+    check_threshold(threshold);
     PairTensors out(grad);
     dispatch_dtype(core_dtype(grad, "grad"), [&](auto t) {
       using T = decltype(t);
@@ -29,9 +29,9 @@ std::tuple<at::Tensor, at::Tensor> select_threshold_cpu(const at::Tensor& grad,
 
 std::tuple<at::Tensor, at::Tensor> select_topk_cpu(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                                                    int64_t k) {
-  check_selection_args(grad, residual);
-  TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
-  return translate_errors([&] {
+  return named_errors("select_topk", [&] {
+    check_selection_args(grad, residual);
+    TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
     PairTensors out(grad);
     dispatch_dtype(core_dtype(grad, "grad"), [&](auto t) {
       using T = decltype(t);
@@ -43,8 +43,8 @@ std::tuple<at::Tensor, at::Tensor> select_topk_cpu(const at::Tensor& grad, const
 }
 
 void scatter_add_cpu(at::Tensor& out, const at::Tensor& indices, const at::Tensor& values, double divisor) {
-  check_scatter_args(out, indices, values, divisor);
-  translate_errors([&] {
+  named_errors("scatter_add_", [&] {
+    check_scatter_args(out, indices, values, divisor);
     dispatch_dtype(core_dtype(out, "out"), [&](auto t) {
       using T = decltype(t);
       auto run = [&](auto* idx) {

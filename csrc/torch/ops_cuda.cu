@@ -15,11 +15,11 @@ CudaDevice current_device(const at::Tensor& t) {
 }
 
 template <typename Kernel>
-std::tuple<at::Tensor, at::Tensor> select_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
-                                               Kernel&& kernel) {
-  check_selection_args(grad, residual);
-  const c10::cuda::CUDAGuard guard(grad.device());
-  return translate_errors([&] {
+std::tuple<at::Tensor, at::Tensor> select_cuda(const char* op, const at::Tensor& grad,
+                                               const std::optional<at::Tensor>& residual, Kernel&& kernel) {
+  return named_errors(op, [&] {
+    check_selection_args(grad, residual);
+    const c10::cuda::CUDAGuard guard(grad.device());
     CudaDevice device = current_device(grad);
     PairTensors out(grad);
     dispatch_dtype(core_dtype(grad, "grad"), [&](auto t) {
@@ -34,26 +34,28 @@ std::tuple<at::Tensor, at::Tensor> select_cuda(const at::Tensor& grad, const std
 std::tuple<at::Tensor, at::Tensor> select_threshold_cuda(const at::Tensor& grad,
                                                          const std::optional<at::Tensor>& residual, double threshold) {
   check_threshold(threshold);
-  return select_cuda(grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-    cuda::select<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), key_at_least<T>(threshold),
-                             Range{0, grad.numel()}, true, sink);
-  });
+  return select_cuda("select_threshold", grad, residual,
+                     [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
+                       using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+                       cuda::select<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), key_at_least<T>(threshold),
+                                                Range{0, grad.numel()}, true, sink);
+                     });
 }
 
 std::tuple<at::Tensor, at::Tensor> select_topk_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                                                     int64_t k) {
   TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
-  return select_cuda(grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-    cuda::select_topk<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), k, /*zero=*/true, sink);
-  });
+  return select_cuda(
+      "select_topk", grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        cuda::select_topk<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), k, /*zero=*/true, sink);
+      });
 }
 
 void scatter_add_cuda(at::Tensor& out, const at::Tensor& indices, const at::Tensor& values, double divisor) {
-  check_scatter_args(out, indices, values, divisor);
-  const c10::cuda::CUDAGuard guard(out.device());
-  translate_errors([&] {
+  named_errors("scatter_add_", [&] {
+    check_scatter_args(out, indices, values, divisor);
+    const c10::cuda::CUDAGuard guard(out.device());
     CudaDevice device = current_device(out);
     dispatch_dtype(core_dtype(out, "out"), [&](auto t) {
       using T = decltype(t);

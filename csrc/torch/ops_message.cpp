@@ -86,8 +86,12 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
 }  // namespace
 
 TORCH_LIBRARY_IMPL(gradsparse, CompositeExplicitAutograd, m) {
-  m.impl("pack", &pack);
-  m.impl("unpack", &unpack);
+  m.impl("pack", [](const at::Tensor& indices, const at::Tensor& values, int64_t dense_size) {
+    return named_errors("pack", [&] { return pack(indices, values, dense_size); });
+  });
+  m.impl("unpack", [](const at::Tensor& message, at::ScalarType dtype, int64_t dense_size) {
+    return named_errors("unpack", [&] { return unpack(message, dtype, dense_size); });
+  });
 }
 
 }  // namespace gradsparse::torch_adapter

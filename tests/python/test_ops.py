@@ -158,7 +158,9 @@ def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind
     group = gs._C.ThreadGroup(1)
     strided = torch.zeros(8, 2)[:, 0]
     residual, velocity = (strided, None) if kind == "residual" else (torch.zeros(8), strided)
-    with pytest.raises(ValueError, match=f"gradsparse: {kind} must be contiguous; call .contiguous"):
+    with pytest.raises(
+        ValueError, match=rf"gradsparse: {kind} must be contiguous, got strides \[2\]; call .contiguous"
+    ):
         group.reduce(0, torch.arange(8.0), residual, gs._C.TopK(0.25, "gather"), velocity=velocity, momentum=0.9)
     assert not strided.any()
 
@@ -337,3 +339,27 @@ def test_sizes_from_a_dynamic_shape_compile_once():
         for got, want in zip(compiled(grad), compress(grad), strict=True):
             assert torch.equal(got, want)
     assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "call,error,message",
+    [  # the shared argument checks said "gradsparse: ...", the core's errors named no op
+        (lambda: gs.select_topk(torch.ones(10)[::2], None, 2), ValueError,
+         r"gradsparse\.select_topk: grad must be contiguous, got strides \[2\]; call \.contiguous\(\) first"),
+        (lambda: gs.select_threshold(torch.ones(4, dtype=torch.int64), None, 1.0), TypeError,
+         r"gradsparse\.select_threshold: grad must be float32, float16 or bfloat16, got Long"),
+        (lambda: gs.select_topk(torch.ones(4), torch.zeros(3), 1), ValueError,
+         r"gradsparse\.select_topk: grad has 4 elements but residual has 3"),
+        (lambda: gs.scatter_add_(torch.zeros(5), torch.tensor([7]), torch.ones(1)), IndexError,
+         r"gradsparse\.scatter_add_: sparse index 7 at position 0 is outside the bucket \[0, 5\)"),
+        (lambda: gs.unpack(gs.pack(torch.tensor([1, 2]), torch.ones(2), 9), torch.float32, 5), IndexError,
+         r"gradsparse\.unpack: sparse message is for a bucket of 9 elements but the receiving bucket has 5"),
+        (lambda: gs.unpack(torch.zeros(10, dtype=torch.uint8), torch.float32, 5), IndexError,
+         r"gradsparse\.unpack: sparse message is 10 bytes, shorter than its 32-byte header"),
+        (lambda: gs.pack(torch.tensor([2, 1]), torch.ones(2), 9), IndexError,
+         r"gradsparse\.pack: indices must be strictly ascending"),
+    ],
+)  # fmt: skip
+def test_every_error_of_an_op_names_the_op(call, error, message):
+    with pytest.raises(error, match="^" + message):
+        call()
