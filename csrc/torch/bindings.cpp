@@ -71,6 +71,9 @@ class Recorder final : public Method {
 
   std::vector<int64_t> indices;
 
+ protected:
+  void rescale_state(double factor) override { method_.rescale(factor); }
+
  private:
   Method& method_;
 };
@@ -158,7 +161,10 @@ PYBIND11_MODULE(_C, m) {
            "The exchange of the steps to come, by option value, where the exchange option offers \"auto\" "
            "(which times \"gather\" and \"reduce_scatter\" on the first steps); ValueError for the others.")
       .def("state", &Method::state, "Checkpointable state as {name: float}.")
-      .def("load_state", &Method::load_state, py::arg("state"));
+      .def("load_state", &Method::load_state, py::arg("state"))
+      .def("rescale", &Method::rescale, py::arg("factor"),
+           "Loss scaling: the gradients to come are `factor` times the earlier ones; the thresholds and "
+           "estimates the method carries, and its fixed magnitudes, follow.");
   // No defaults here: python/gradsparse/methods.py declares every option and its default once,
   // and builds these objects with every option given (State, or gradsparse.methods.core_method).
   py::class_<PerRankMethod, Method, std::shared_ptr<PerRankMethod>>(m, "PerRankMethod");

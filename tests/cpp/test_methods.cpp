@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <random>
 #include <string>
@@ -160,6 +161,43 @@ TEST(Methods, RejectBadOptions) {
   EXPECT_THROW(SIDCo(0.1, "exp", -4, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "weibull", 1, 0.25, std::nullopt), ValueError);
   EXPECT_THROW(SIDCo(0.1, "exp", 1, 1.5, std::nullopt), ValueError);
+}
+
+// Loss scaling (Method::rescale): a factor that is no positive finite number is refused naming
+// the method, for every method; Threshold's magnitude follows the factor and its state keeps it.
+// (tests/python/test_methods.py checks that every rescaled method selects what it selects
+// without loss scaling.)
+TEST(Methods, RescaleRefusesBadFactorsAndMovesThresholdsMagnitude) {
+  for (const Case& c : all_methods()) {
+    std::unique_ptr<Method> method = c.make();
+    for (double bad : {0.0, -2.0, std::nan(""), std::numeric_limits<double>::infinity()}) {
+      try {
+        method->rescale(bad);
+        ADD_FAILURE() << c.name << ": rescale(" << bad << ") was taken";
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("rescale factor must be a positive finite number"), std::string::npos)
+            << e.what();
+      }
+    }
+  }
+  std::vector<float> g{0.5f, 3.0f, -5.0f, 1.0f};
+  const auto selected = [&](Threshold& method, float times) {
+    std::vector<float> scaled(g), residual(g.size(), 0.0f);
+    for (float& v : scaled) v *= times;
+    auto group = ThreadGroup::create(1);
+    CpuDevice device;
+    const BucketView bucket{DType::kFloat32, static_cast<int64_t>(g.size()), scaled.data(), residual.data()};
+    return reduce_bucket(&method, *group->transport(0), device, bucket, ReduceOptions{}).selected;
+  };
+  Threshold method(2.0, std::nullopt);
+  EXPECT_EQ(selected(method, 1.0f), 2);
+  method.rescale(4.0);
+  EXPECT_EQ(selected(method, 4.0f), 2);  // |v| >= 8 of the values times 4: the same two
+  EXPECT_EQ(method.state().at("scale"), 4.0);
+  Threshold loaded(2.0, std::nullopt);
+  loaded.load_state(method.state());
+  EXPECT_EQ(selected(loaded, 4.0f), 2);
+  EXPECT_THROW(loaded.load_state({{"scale", -1.0}}), ValueError);
 }
 
 /// SAGE's sampled means of steps 0..steps-1 on one rank, per-tensor sampling over `segments`, on

@@ -565,3 +565,48 @@ def test_random_numbers_follow_the_spec_formulas():
     most = rs.sample_distinct(s, 45, 50)  # drawn as the 5 left out
     assert len(most) == 45 and len(set(most.tolist())) == 45
     assert rs.sample_distinct(s, 60, 50).tolist() == list(range(50))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss scaling
+
+
+LOSS_SCALES = (1.0, 2.0**10, 2.0**-4, 2.0**-4, 2.0**3, 2.0**12, 1.0)  # a GradScaler's scale, step by step
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in momentum_cases()])
+def test_a_rescaled_method_selects_what_it_selects_without_loss_scaling(case):
+    """Gradients times a loss scale that changes by powers of two from step to step (as a
+    GradScaler's does), with the residual and the method moved to each step's scale before it
+    (Method.rescale; what State does at a step's first bucket): every step selects the same
+    elements as the unscaled run, and its output and residual are the unscaled ones times the
+    scale, to the bit. Without the rescale the carried residuals, thresholds (MiCRO, ExDyna,
+    SAGE) and fixed magnitudes (Threshold) are off by the factor."""
+    method_id, name, kwargs, n = case
+    world = 2
+    grads = [list(step[:world]) for step in gradient_stream(n, len(LOSS_SCALES), SEED + 9)]
+    options = {k: v for k, v in kwargs.items() if k != "segments"}
+
+    def make(_rank):
+        return core_method(name, kwargs.get("segments", ()), **options)
+
+    plain = run_steps(world, make, grads)
+    methods = [make(r) for r in range(world)]
+
+    def scaled(t, r, grad, residual):
+        factor = LOSS_SCALES[t] / LOSS_SCALES[t - 1] if t > 0 else LOSS_SCALES[0]
+        if factor != 1.0:
+            residual.mul_(factor)
+            methods[r].rescale(factor)
+        return grad * LOSS_SCALES[t]
+
+    loss_scaled = run_steps(world, lambda r: methods[r], grads, before_step=scaled)
+    changed = False
+    for t, (want_step, got_step) in enumerate(zip(plain, loss_scaled, strict=True)):
+        for r, (want, got) in enumerate(zip(want_step, got_step, strict=True)):
+            at = f"{method_id} step {t} (scale {LOSS_SCALES[t]}) rank {r}"
+            assert torch.equal(got.indices, want.indices), f"{at}: {describe_difference(got.indices, want.indices)}"
+            assert torch.equal(got.output, want.output * LOSS_SCALES[t]), at
+            assert torch.equal(got.residual, want.residual * LOSS_SCALES[t]), at
+            changed |= bool(want.output.ne(0).any()) and LOSS_SCALES[t] != 1.0
+    assert changed, f"{method_id}: nothing sent at a scale other than 1: the test shows nothing"

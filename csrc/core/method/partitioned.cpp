@@ -294,6 +294,12 @@ void PartitionedMethod::observe(const BucketView& /*bucket*/, const ExchangeResu
   committed_.k_prev = total;
 }
 
+void PartitionedMethod::rescale_state(double factor) {
+  committed_.threshold *= factor;
+  committed_.estimate *= factor;
+  committed_.before_last *= factor;
+}
+
 MethodState PartitionedMethod::state() const {
   MethodState s{{"step", static_cast<double>(committed_.t)},
                 {"threshold", committed_.threshold},

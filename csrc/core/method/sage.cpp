@@ -192,6 +192,11 @@ MethodState SAGE::state() const {
           {"restart", committed_.restart ? 1.0 : 0.0}};
 }
 
+void SAGE::rescale_state(double factor) {
+  committed_.threshold *= factor;
+  committed_.sample_mean *= factor;
+}
+
 void SAGE::load_state(const MethodState& state) {
   committed_.t = saved_count(state, "step");
   committed_.threshold = state.at("threshold");

@@ -89,6 +89,21 @@ class Method {
   /// Checkpointable state; load_state() accepts what state() returned.
   virtual MethodState state() const { return {}; }
   virtual void load_state(const MethodState& /*state*/) {}
+
+  /// Loss scaling: the gradients of the steps to come are `factor` times those of the steps
+  /// before (a torch.amp.GradScaler changed its scale). The numbers the method carries from step
+  /// to step in gradient units (thresholds, estimates) and its fixed magnitudes (Threshold's)
+  /// follow, so that with a power-of-two factor the method selects what it would have selected
+  /// without the change. `factor` is a positive finite number (ValueError otherwise).
+  void rescale(double factor) {
+    GS_CHECK(factor > 0.0 && std::isfinite(factor), ValueError, name(), ": rescale factor must be a positive finite ",
+             "number, got ", factor, "; pass the new loss scale divided by the old one");
+    rescale_state(factor);
+  }
+
+ protected:
+  /// What rescale() changes; methods that carry nothing in gradient units keep this no-op.
+  virtual void rescale_state(double /*factor*/) {}
 };
 
 }  // namespace gradsparse

@@ -86,10 +86,17 @@ class Threshold final : public PerRankMethod {
   std::string name() const override { return "threshold"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
+  /// {"scale": s} once rescaled: the threshold in use is the given (or density's) one times s.
+  MethodState state() const override;
+  void load_state(const MethodState& state) override;
+
+ protected:
+  void rescale_state(double factor) override { scale_ *= factor; }
 
  private:
   std::optional<double> fixed_;
   std::optional<double> density_;
+  double scale_ = 1.0;  // the loss scale the gradients carry (rescale)
   double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
@@ -196,6 +203,9 @@ class SAGE final : public Method {
   MethodState state() const override;
   void load_state(const MethodState& state) override;
 
+ protected:
+  void rescale_state(double factor) override;
+
  private:
   struct Step {
     int64_t t = 0;
@@ -244,6 +254,7 @@ class PartitionedMethod : public Method {
   virtual void rebalance(const std::vector<int64_t>& /*counts*/, int64_t /*t*/, int64_t /*total*/) {}
   virtual void save_layout(MethodState& /*state*/) const {}
   virtual void load_layout(const MethodState& /*state*/) {}
+  void rescale_state(double factor) override;
 
  private:
   struct Step {
