@@ -9,6 +9,11 @@ loaded, the pieces and method states are *parked* (pieces under their parameter'
 states under the names of the parameters their bucket held), and a new bucket assembles its
 residual and velocity from the pieces of its parameters and takes the method state parked for
 the same parameters.
+
+Under float16 loss scaling (a torch.amp.GradScaler) the gradients are the loss scale times the true
+ones, and so is everything the table holds: its residuals, velocities and the numbers methods
+carry in gradient units. ``scale`` is the loss scale they are in; :meth:`BucketTable.rescale`
+moves all of them to another.
 """
 
 from __future__ import annotations
@@ -55,8 +60,9 @@ class BucketTable:
         self.buckets: dict[int, Bucket] = {}
         self.parked: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}  # kind -> name -> piece
         # Method states by the names of their bucket's parameters; by bucket index where a loaded
-        # checkpoint gave no layout for it.
-        self.parked_methods: dict[frozenset[str] | int, dict[str, float]] = {}
+        # checkpoint gave no layout for it. Each with the loss scale it is in.
+        self.parked_methods: dict[frozenset[str] | int, tuple[dict[str, float], float]] = {}
+        self.scale = 1.0  # the loss scale of everything held here (see the module)
 
     def get(self, index: int, names: list[str]) -> Bucket | None:
         """Bucket `index` if it still holds exactly these parameters, in this order."""
@@ -73,19 +79,43 @@ class BucketTable:
             for kind in KINDS:
                 self.parked[kind].update(bucket.views(kind))
             if bucket.method is not None:
-                self.parked_methods[frozenset(bucket.names)] = bucket.method.state()
+                self.parked_methods[frozenset(bucket.names)] = (bucket.method.state(), self.scale)
 
     def park(
-        self, tensors: dict[str, dict[str, torch.Tensor]], methods: Iterable[tuple[frozenset[str] | int, dict]]
+        self,
+        tensors: dict[str, dict[str, torch.Tensor]],
+        methods: Iterable[tuple[frozenset[str] | int, dict]],
+        scale: float,
     ) -> None:
         """Parks what a checkpoint holds (residuals and velocities by kind and name; method states
-        by their parameters' names, or by bucket index) in place of everything in the table; the
-        table stays as it was when they cannot be read."""
+        by their parameters' names, or by bucket index; all of them in loss scale ``scale``) in
+        place of everything in the table; the table stays as it was when they cannot be read."""
         parked = {kind: {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()} for kind in KINDS}
-        parked_methods = {key: dict(state) for key, state in methods}
+        parked_methods = {key: (dict(state), scale) for key, state in methods}
         self.clear()
         self.parked = parked
         self.parked_methods = parked_methods
+        self.scale = scale
+
+    def rescale(self, scale: float) -> None:
+        """Moves every residual, velocity and method of the table to loss scale ``scale`` (a
+        GradScaler changed its scale: this step's gradients are in the new one). Powers of two,
+        as GradScaler's factors are, multiply exactly. Method states parked as dicts move when a
+        bucket takes them."""
+        if scale == self.scale:
+            return
+        factor = scale / self.scale
+        for bucket in self.buckets.values():
+            for kind in KINDS:
+                tensor = getattr(bucket, kind)
+                if tensor is not None:
+                    tensor.mul_(factor)
+            if bucket.method is not None:
+                bucket.method.rescale(factor)
+        for pieces in self.parked.values():
+            for piece in pieces.values():
+                piece.mul_(factor)
+        self.scale = scale
 
     def add(
         self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor
@@ -94,10 +124,14 @@ class BucketTable:
         from what is parked for them (missing pieces are zeros; no piece at all: none yet)."""
         bucket = Bucket(index, names, numels, like.element_size(), make_method())
         if bucket.method is not None:
+            scale = 1.0  # a new method's numbers are in gradient units
             for key in (frozenset(names), index):
                 if key in self.parked_methods:
-                    bucket.method.load_state(self.parked_methods.pop(key))
+                    state, scale = self.parked_methods.pop(key)
+                    bucket.method.load_state(state)
                     break
+            if scale != self.scale:
+                bucket.method.rescale(self.scale / scale)
         for kind in KINDS:
             pieces = [self.parked[kind].pop(name, None) for name in names]
             if any(piece is not None for piece in pieces):

@@ -16,6 +16,7 @@ such a file and, on resume, gives each rank its own part back.
 
 from __future__ import annotations
 
+import math
 import numbers
 import zlib
 from dataclasses import fields
@@ -227,6 +228,9 @@ def _check(where: str, state_dict: dict) -> None:
         and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in link)
     ):
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured", link)
+    loss_scale = state_dict.get("loss_scale", 1.0)
+    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real) or not 0 < loss_scale < math.inf:
+        refuse("loss_scale", "a positive finite number (the loss scale of the residuals and method states)", loss_scale)
     exchanges = state_dict.get("exchanges")
     if exchanges is not None and not (
         isinstance(exchanges, dict) and all(_is_bucket_index(i) and name in CHOICES for i, name in exchanges.items())
@@ -345,8 +349,10 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
         _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
         _check("gradsparse.reshard", saved)
-    residuals = _mean_over_ranks([saved["residuals"] for saved in ranks])
-    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks])
+    # in rank 0's loss scale (set_scaler; its state dict's loss_scale stays), where another rank's was saved in another
+    scales = [float(saved.get("loss_scale", 1.0)) for saved in ranks]
+    residuals = _mean_over_ranks([saved["residuals"] for saved in ranks], scales)
+    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks], scales)
     entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
@@ -356,12 +362,14 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     return dict(state_dict, world_size=world_size, ranks=new)
 
 
-def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """By name, the mean of the ranks' tensors (a rank without one holds zeros)."""
+def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]], scales: list[float]) -> dict[str, torch.Tensor]:
+    """By name, the mean of the ranks' tensors (a rank without one holds zeros), rank r's in loss
+    scale ``scales[r]``, the mean in ``scales[0]``."""
     out = {}
     for name in sorted({name for tensors in per_rank for name in tensors}):
-        parts = [tensors[name] for tensors in per_rank if name in tensors]
-        out[name] = (torch.stack([p.double() for p in parts]).sum(0) / len(per_rank)).to(parts[0].dtype)
+        parts = [(tensors[name], scale) for tensors, scale in zip(per_rank, scales, strict=True) if name in tensors]
+        total = torch.stack([p.double() * (scales[0] / scale) for p, scale in parts]).sum(0)
+        out[name] = (total / len(per_rank)).to(parts[0][0].dtype)
     return out
 
 

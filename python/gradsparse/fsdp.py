@@ -334,6 +334,8 @@ class ShardedState:
             "methods": self._per_rank(self._methods_blob(saved["methods"], saved["stats"])),
             # exchange="auto": the link its picks come from (the same on every rank; an empty list without it)
             "link": list(saved.get("link") or []),
+            # set_scaler: the loss scale of residuals, velocities and method states (the same on every rank)
+            "loss_scale": saved["loss_scale"],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -361,6 +363,7 @@ class ShardedState:
                 "layout": state_dict["layout"],
                 "stats": stats,
                 "link": state_dict.get("link") or None,  # absent from checkpoints of gradsparse before it
+                "loss_scale": state_dict.get("loss_scale", 1.0),  # likewise
             }
         )
 

@@ -74,19 +74,19 @@ class Sparsify(Callback):
                 "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
                 "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
-        if getattr(trainer.precision_plugin, "scaler", None) is not None and self.state._CORE is not None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # precision="16-mixed" on CUDA
+        if scaler is not None and self.state._CORE is not None and self.state.config()["nonfinite"] != "propagate":
             # A GradScaler finds the steps whose scaled gradients overflowed by their Inf/NaN, skips
-            # them and lowers its scale. The hook raises on Inf/NaN (nonfinite="raise"), or writes
-            # zeros in their place (nonfinite="skip"), which hides the overflow from the scaler: its
-            # scale never comes down, and the overflows go on as steps that change nothing. (Dense
-            # steps pass Inf/NaN on, as DDP does: the Dense state trains under a scaler.)
+            # them and lowers its scale; "raise" fails such a step and "skip" hands back zeros,
+            # which hides the overflow from the scaler. (Dense steps pass Inf/NaN on, as DDP does.)
             raise ValueError(
-                f"gradsparse.lightning.Sparsify: the Trainer's precision {str(trainer.precision)!r} scales the loss "
-                "with a GradScaler, which needs to see the Inf/NaN gradients of a step that overflowed, and "
-                "gradsparse raises on them (nonfinite='raise') or hands back zeros (nonfinite='skip'), so the scale "
-                "would never come down: use Trainer(precision='bf16-mixed'), which needs no loss scaling, or "
-                "'32-true' or '16-true'"
+                f"gradsparse.lightning.Sparsify: the Trainer's precision {precision!r} scales the loss with a "
+                "GradScaler, which finds the steps that overflowed by their Inf/NaN gradients, but the state's "
+                f"nonfinite={self.state.config()['nonfinite']!r} hands none back: create "
+                f"{type(self.state).__name__} with nonfinite='propagate' (or train with precision='bf16-mixed', which "
+                "needs no loss scaling)"
             )
+        self.state.set_scaler(scaler)  # residuals follow the loss scale
         register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
 
     def on_train_batch_end(

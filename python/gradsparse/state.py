@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import datetime
 import inspect
+import math
 import weakref
 from typing import Any, ClassVar
 
@@ -51,6 +52,9 @@ from gradsparse.metrics import Metrics
 __all__ = ["State"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The engine's non-finite policy for each ``nonfinite`` option: "propagate" skips there, and the
+# bucket is filled with NaN once the engine is done with it (State._submit).
+_ENGINE_POLICY = {"raise": "raise", "skip": "skip", "propagate": "skip"}
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
 _NOT_A_MEMBER = (
@@ -90,10 +94,11 @@ class State:
       optimizer with momentum 0 (plain SGD). Warm-up steps, and the Dense state, apply it too:
       there it is momentum SGD.
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf in
-      a sparse step: "raise" an error naming the bucket, or "skip" the bucket's update for that
-      step. Either way the residuals keep every finite value (docs/method-spec.md ruling 5), and
-      neither hands the Inf/NaN back: a torch.amp.GradScaler (float16 loss scaling) never sees
-      an overflow, so train in bfloat16 (no loss scaling) or float32. Dense steps (warm-up
+      a sparse step: "raise" an error naming the bucket, "skip" the bucket's update for that
+      step (its gradient comes back as zeros), or "propagate": skip it and hand the bucket back
+      filled with NaN on every rank, as DDP's all-reduce hands an overflow on, so that a
+      torch.amp.GradScaler sees it (float16 loss scaling: see :meth:`set_scaler`). Each way the
+      residuals keep every finite value (docs/method-spec.md ruling 5). Dense steps (warm-up
       steps, the Dense state) all-reduce as DDP does: NaN/Inf reach every rank's gradient.
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
@@ -182,6 +187,8 @@ class State:
         self._trial: ExchangeTrial | None = None  # exchange="auto" at several ranks: the exchanges timed
         self._saved_exchanges: dict[int, str] | None = None  # exchange="auto": a loaded state dict's decision
         self._metrics = Metrics()
+        self._scaler = None  # set_scaler(): the GradScaler whose scale the gradients carry
+        self._scale_read_at: int | None = None  # the step whose loss scale was read (_follow_scale)
         _LIVE_STATES.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -210,7 +217,9 @@ class State:
                 "velocity where the residual holds what was not sent; drop error_feedback=False, or give the "
                 "momentum to the optimizer instead (momentum=0 here)"
             )
-        self._nonfinite = check_choice(owner, "nonfinite", options.get("nonfinite", "raise"), ("raise", "skip"))
+        self._nonfinite = check_choice(
+            owner, "nonfinite", options.get("nonfinite", "raise"), ("raise", "skip", "propagate")
+        )
         self._timeout = check_timeout(owner, "timeout", options.get("timeout"))
         self._reference = check_bool(owner, "reference", options.get("reference", False))
         self._transport = check_choice(
@@ -411,6 +420,7 @@ class State:
             _release(self._deferred)  # the first step after a load: let them go
             self._deferred = []
             self._failed_step = not last
+            self._scale_read_at = None  # the step is not counted: its retry reads the scale again
 
             def fail(_: torch.futures.Future, error: Exception = error) -> torch.Tensor:
                 raise error
@@ -525,11 +535,28 @@ class State:
                     piece.zero_()
         return held
 
+    def _follow_scale(self) -> None:
+        """Loss scaling (set_scaler): at a step's first bucket, the residuals, velocities and
+        methods move to the loss scale of this step's gradients, the scaler's scale now (1 without
+        a scaler: a state dict saved under a scaler and loaded without one moves back). Read once a
+        step: on CUDA, reading the scale waits for the device."""
+        if self._scale_read_at == self._step:
+            return
+        scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
+        if not (scale > 0 and math.isfinite(scale)):
+            raise ValueError(
+                f"gradsparse: the loss scale of {type(self).__name__}'s GradScaler is {scale}; it must be a positive "
+                "finite number (the scaler's init_scale, or a scale it came to): check the scaler's settings"
+            )
+        self._table.rescale(scale)
+        self._scale_read_at = self._step
+
     def _submit(
         self, entry: Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
     ) -> torch.futures.Future[torch.Tensor]:
         """Hands the bucket to the engine (selection and exchange run there, C++); the future's
         callback records the statistics and yields the reduced bucket."""
+        self._follow_scale()
         dense = self._step < self._warmup_steps or entry.method is None
         residual = None
         if self._error_feedback and not dense:
@@ -553,7 +580,7 @@ class State:
 
         try:
             future = self._engine.submit(
-                buffer, residual, entry.method, dense, self._nonfinite, label, report, shard_only,
+                buffer, residual, entry.method, dense, _ENGINE_POLICY[self._nonfinite], label, report, shard_only,
                 entry.velocity, self._momentum, masking,
             )  # fmt: skip
         except BaseException:
@@ -570,6 +597,8 @@ class State:
             self._metrics.record(index, report, self._world_size, element_size)
             if timed is not None and not report.skipped:
                 self._trial.record(index, timed, report.exchange_seconds)
+            if report.skipped and self._nonfinite == "propagate":
+                value.fill_(math.nan)
             return value
 
         return future.then(finish)
@@ -811,6 +840,8 @@ class State:
             # exchange="auto": the link its first picks come from, and what its trial kept
             "link": self._link,
             "exchanges": dict(self._trial.chosen) if self._trial is not None and self._trial.decided else None,
+            # set_scaler: the loss scale residuals, velocities and method states are in
+            "loss_scale": self._table.scale,
         }
 
     def load_state_dict(self, state_dict: dict, *, any_rank: bool = False) -> None:
@@ -907,7 +938,12 @@ class State:
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
-        self._table.park({"residual": state_dict["residuals"], "velocity": velocities}, loaded.method_states())
+        self._table.park(
+            {"residual": state_dict["residuals"], "velocity": velocities},
+            loaded.method_states(),
+            float(state_dict.get("loss_scale", 1.0)),  # 1: saved before set_scaler existed
+        )
+        self._scale_read_at = None  # the next step moves them to its own loss scale
         self._step = step
         self._loaded = loaded
         if link is not None:
@@ -916,6 +952,40 @@ class State:
         if trial is not None:
             self._trial = trial
         self._metrics = metrics
+
+    def set_scaler(self, scaler) -> State:
+        """Float16 loss scaling: ``scaler`` (a ``torch.amp.GradScaler``, or anything with its
+        ``get_scale()``) multiplies the loss, and so the gradients, by its scale, which it halves
+        after a step whose gradients overflowed and raises after a run of good ones. The
+        residuals, velocities and the thresholds a method carries are gradient waiting to be
+        sent, in the scale of the step that left them: at each step's first bucket the state
+        reads the scaler's scale and moves them to it (GradScaler's factors are powers of two,
+        so they move exactly), and the scale they are in is saved in the state dict. A sparse
+        state needs ``nonfinite="propagate"`` here, so that an overflow reaches the scaler as
+        NaN gradients on every rank. ``None`` stops following a scaler (the state moves back
+        to scale 1 at its next step). Returns the state.
+
+        Example::
+
+            >>> scaler = torch.amp.GradScaler("cuda")
+            >>> state = gradsparse.TopK(density=0.01, nonfinite="propagate").set_scaler(scaler)
+            >>> gradsparse.register(ddp_model, state)
+            >>> scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
+        """
+        owner = f"{type(self).__name__}.set_scaler"
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise TypeError(
+                f"{owner}: scaler must be a torch.amp.GradScaler (anything with get_scale()) or None, got "
+                f"{type(scaler).__name__}; pass the GradScaler whose scale() multiplies the loss"
+            )
+        if scaler is not None and self._CORE is not None and self._nonfinite != "propagate":
+            raise ValueError(
+                f"{owner}: a GradScaler finds the steps whose scaled gradients overflowed by their Inf/NaN, but "
+                f"nonfinite={self._nonfinite!r} hands none back, so the scale would never come down; create "
+                f'{type(self).__name__} with nonfinite="propagate"'
+            )
+        self._scaler = scaler
+        return self
 
     @contextlib.contextmanager
     def paused(self):

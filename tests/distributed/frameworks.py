@@ -269,17 +269,20 @@ def lightning_double_precision(rank: int, world_size: int, folder: str) -> dict:
 
 
 def lightning_loss_scaling(rank: int, world_size: int, folder: str, method: str) -> dict:
-    """Sparsify of ``method`` ("topk" or "dense") in a Trainer whose precision scales the loss with
-    a GradScaler (16-mixed: on CUDA devices Lightning's own, here a CPU one given as the plugin):
-    a sparse state is refused at fit's start, the Dense state trains."""
+    """Sparsify of ``method`` ("topk-skip", "topk-propagate": TopK with that nonfinite, or "dense")
+    in a Trainer whose precision scales the loss with a GradScaler (16-mixed: on CUDA devices
+    Lightning's own, here a CPU one given as the plugin). Returns the error, the steps, whether
+    the state follows the plugin's scaler and the loss scale its state dict records."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     _launcher_environment(rank, world_size)
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
     model = _lightning_module()(seed=0)
-    state = gs.TopK(density=0.05, nonfinite="skip") if method == "topk" else gs.Dense()
+    state = gs.Dense() if method == "dense" else gs.TopK(density=0.05, nonfinite=method.split("-")[1])
     try:
         _trainer(folder, 1, [gs.lightning.Sparsify(state)], plugins=[plugin]).fit(model)
     except Exception as e:  # Lightning wraps a callback's error
         return {"error": f"{type(e).__name__}: {e}", "steps": state.step}
-    return {"error": None, "steps": state.step}
+    return {"error": None, "steps": state.step, "follows": state._scaler is scaler,
+            "loss_scale": state.state_dict()["loss_scale"]}  # fmt: skip

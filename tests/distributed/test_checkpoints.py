@@ -48,6 +48,18 @@ def _all_ranks(*residuals):
             "ranks": ranks}  # fmt: skip
 
 
+def test_reshard_averages_residuals_saved_in_other_loss_scales_in_rank_0s():
+    """Residuals are in the loss scale their state dict records (State.set_scaler): rank 1's,
+    saved in scale 8, count as an eighth of their values in rank 0's scale 2 (the mean of 1 and
+    3 at scale 1, so 2 and 6 at scale 2; rank 1's 24 at scale 8 is 6 at scale 2)."""
+    import gradsparse as gs
+
+    saved = _all_ranks({"w": torch.full((6,), 2.0)}, {"w": torch.full((6,), 24.0)})
+    saved["ranks"][0]["loss_scale"], saved["ranks"][1]["loss_scale"] = 2.0, 8.0
+    one = gs.reshard(saved, 1)["ranks"][0]
+    assert one["loss_scale"] == 2.0 and torch.equal(one["residuals"]["w"], torch.full((6,), 4.0))
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [

@@ -224,6 +224,23 @@ def test_nonfinite_gradient_skip_policy_skips_on_every_rank(momentum):
         assert velocities == (6 if momentum else 0)  # every parameter's
 
 
+@pytest.mark.parametrize(
+    "method,momentum", [("topk", 0.0), ("topk", 0.9), ("micro", 0.0), ("micro", 0.9), ("threshold", 0.0)]
+)
+def test_loss_scaled_training_equals_training_without_loss_scaling(method, momentum):
+    """Under a GradScaler whose scale changes every other step, the state moves its residuals,
+    velocities and method thresholds to each step's scale, so training ends with the very
+    parameters of the same training without loss scaling (the factors are powers of two), also
+    when resumed from a state dict into a fresh scaler at another scale. The NaN of step 4 reaches
+    the scaler on every rank (nonfinite="propagate"): it skips that step and halves its scale."""
+    for out in run_distributed(workers.loss_scaled_training, 2, method, momentum):
+        assert out["scales"][:6] == [1.0, 2.0, 2.0, 4.0, 2.0, 2.0]
+        assert out["saved_scale"] == 4.0  # the scale of step 7's gradients
+        for name in ("scaled", "resumed"):
+            for got, want in zip(out[name], out["plain"], strict=True):
+                assert torch.equal(got, want), name
+
+
 def test_dense_state_equals_ddp_without_hook():
     for hooked, plain, stats in run_distributed(workers.dense_state_matches_no_hook, 2):
         for h, p in zip(hooked, plain, strict=True):

@@ -4,6 +4,8 @@ lightning and accelerate are test dependencies (pyproject.toml's test extra, scr
 these tests import them and fail without them rather than skip.
 """
 
+import math
+
 import lightning  # noqa: F401  (a missing test dependency fails here, loudly)
 import pytest
 import torch
@@ -134,16 +136,22 @@ def test_lightning_sparsify_saving_without_a_process_group_names_the_spawn_strat
     assert "strategy='ddp_spawn'" in done.stdout and "a ModelCheckpoint callback" in done.stdout
 
 
-def test_lightning_sparsify_refuses_loss_scaling(tmp_path):
+def test_lightning_sparsify_takes_loss_scaling_with_nonfinite_propagate(tmp_path):
     """precision="16-mixed" on CUDA devices scales the loss with a GradScaler, which learns of an
-    overflow from the Inf/NaN gradients DDP hands back. The hook raised on them (nonfinite="raise")
-    or wrote zeros (nonfinite="skip"): with "skip" the scaler took every overflowed step for a good
-    one, its scale never came down, and training went on through steps that changed nothing."""
-    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "topk"), "topk", timeout=300):
-        assert r["error"] is not None, "trained under a GradScaler"
+    overflow from the Inf/NaN gradients DDP hands back. nonfinite="skip" wrote zeros in their
+    place, so the scaler took every overflowed step for a good one: that state is refused, naming
+    the fix. With nonfinite="propagate" Sparsify hands the plugin's scaler to the state, whose
+    residuals then follow the loss scale (the state dict records the scale they are in, read
+    from the scaler: not 1)."""
+    for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "skip"), "topk-skip", timeout=300):
+        assert r["error"] is not None, "trained under a GradScaler with nonfinite='skip'"
         assert "precision '16-mixed' scales the loss with a GradScaler" in r["error"], r["error"]
-        assert "use Trainer(precision='bf16-mixed')" in r["error"], r["error"]
+        assert "create TopK with nonfinite='propagate'" in r["error"], r["error"]
         assert r["steps"] == 0
+    folder = str(tmp_path / "propagate")
+    for r in run_distributed(frameworks.lightning_loss_scaling, 2, folder, "topk-propagate", timeout=300):
+        assert r["error"] is None and r["steps"] > 0, r
+        assert r["follows"] and r["loss_scale"] != 1.0 and math.log2(r["loss_scale"]).is_integer(), r
     # the Dense state's all-reduce hands Inf/NaN on as DDP's does: it trains under the scaler
     for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "dense"), "dense", timeout=300):
         assert r["error"] is None and r["steps"] > 0, r

@@ -280,6 +280,35 @@ def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
         assert tuple(loaded) == (1.5e-3, 2.5e-9)
 
 
+class _FixedScaler:
+    """A stand-in GradScaler whose scale stays at 32."""
+
+    def get_scale(self) -> float:
+        return 32.0
+
+
+def loss_scale_through_dcp(rank: int, world_size: int, path: str) -> tuple:
+    """Residuals in loss scale 32 (set_scaler), saved; what a fresh state takes from the load:
+    the scale, and residuals that are those saved (in that scale)."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.1, nonfinite="propagate").set_scaler(_FixedScaler()))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = {n: t.clone() for n, t in sorted(state.state_dict()["residuals"].items())}
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    state.close()
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.1, nonfinite="propagate"))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    loaded = [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+    return fresh._table.scale, list(saved.values()), loaded
+
+
+def test_dcp_checkpoint_keeps_the_loss_scale_of_the_residuals(tmp_path):
+    for scale, saved, loaded in run_distributed(loss_scale_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300):
+        assert scale == 32.0
+        for a, b in zip(saved, loaded, strict=True):
+            assert torch.equal(a, b)
+
+
 def hsdp_residuals_through_dcp(rank: int, world_size: int, path: str) -> tuple[list, list]:
     """HSDP on 2 x 2 ranks (replicate x shard), the state on the shard group: each rank's residuals
     before dcp.save, and what a fresh state holds after dcp.load."""
@@ -427,32 +456,39 @@ def test_dcp_checkpoint_leaves_out_statistics_over_the_block_with_a_warning(tmp_
 # Non-finite gradients ----------------------------------------------------------------------------------
 
 
-def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[list, int, int, list]:
-    """5 steps, a NaN loss on rank 1 at step 3; an error is caught and the loop goes on."""
+def nonfinite_gradient(rank: int, world_size: int, policy: str) -> tuple[list, int, int, list, list]:
+    """5 steps, a NaN loss on rank 1 at step 3; an error is caught and the loop goes on, and a
+    step whose gradients this rank got back with NaN/Inf is not applied (as a GradScaler does):
+    the outcomes, skipped steps, steps, whether each residual is finite, and those steps."""
     model = sharded_model(world_size)
     state = gs.fsdp.sparsify(model, gs.TopK(density=0.1, nonfinite=policy))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    outcomes = []
+    outcomes, nonfinite_steps = [], []
     for step, (x, y) in enumerate(workers.teacher_data(rank, 5)):
         loss = nn.functional.cross_entropy(model(x), y)
         if (step, rank) == (2, 1):
             loss = loss * float("nan")
         opt.zero_grad()
         outcome = workers._outcome(loss.backward)
-        if outcome[0] == "ok":
+        grads = [p.grad.to_local() for p in model.parameters() if p.grad is not None]  # none after a raise
+        nonfinite = not all(bool(g.isfinite().all()) for g in grads)
+        if nonfinite:
+            nonfinite_steps.append(step)
+        if outcome[0] == "ok" and not nonfinite:
             opt.step()
         outcomes.append(outcome)
     residuals = [bool(torch.isfinite(e.residual).all()) for e in state._table.buckets.values()]
-    return outcomes, state.stats()["total"]["skipped_steps"], state.step, residuals
+    return outcomes, state.stats()["total"]["skipped_steps"], state.step, residuals, nonfinite_steps
 
 
-@pytest.mark.parametrize("policy", ["raise", "skip"])
+@pytest.mark.parametrize("policy", ["raise", "skip", "propagate"])
 def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
     """A NaN on rank 1 at step 3: with "raise" every rank raises an error naming a module and the
     rank, and once it is caught the steps after it reduce every module again (the failed step not
-    counted); with "skip" every rank skips that step and trains on. Either way the residuals stay
-    finite (the non-finite elements keep their old residual)."""
-    for outcomes, skipped, steps, finite in run_distributed(nonfinite_gradient, 2, policy, timeout=120):
+    counted); with "skip" every rank skips that step and trains on; with "propagate" too, and
+    every rank's gradients of that step are NaN (as a GradScaler needs them). Each way the
+    residuals stay finite (the non-finite elements keep their old residual)."""
+    for outcomes, skipped, steps, finite, nonfinite in run_distributed(nonfinite_gradient, 2, policy, timeout=120):
         assert all(finite)
         if policy == "raise":
             kind, text = outcomes[2]
@@ -460,6 +496,7 @@ def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
             assert outcomes[:2] + outcomes[3:] == [("ok", "")] * 4 and steps == 4, (outcomes, steps)
         else:
             assert outcomes == [("ok", "")] * 5 and skipped == 1, (outcomes, skipped)
+            assert nonfinite == ([2] if policy == "propagate" else []), nonfinite
 
 
 # Bad input: a clear error on every rank --------------------------------------------------------------

@@ -4,6 +4,7 @@ No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """
 
 import contextlib
+import copy
 import math
 
 import torch
@@ -278,6 +279,61 @@ def nonfinite_gradient(rank: int, world_size: int, policy: str, momentum: float 
     saved = state.state_dict()
     finite = all(bool(t.isfinite().all()) for kind in ("residuals", "velocities") for t in saved[kind].values())
     return outcome, [state.stats()["total"]["skipped_steps"], finite, len(saved["velocities"])]
+
+
+def loss_scaled_training(rank: int, world_size: int, method: str, momentum: float) -> dict:
+    """12 steps of a 2-rank DDP with a sparse state, three ways: without loss scaling
+    (nonfinite="skip"); under a GradScaler whose scale doubles after every two good steps
+    (growth_interval=2; state.set_scaler, nonfinite="propagate"); and the same with the state
+    saved after step 7 and loaded into a new state and DDP with a fresh scaler at another scale
+    (growth_interval=1).
+    At step 4 rank 1's loss is NaN: the scaled runs' scaler skips that optimizer step and halves
+    its scale; the run without one skips it by hand. Returns each run's parameters, the scales
+    the scaler went through, and the saved state dict's loss scale."""
+    make = {"topk": lambda: gs.TopK(density=0.1, momentum=momentum, nonfinite=policy),
+            "micro": lambda: gs.MiCRO(density=0.1, momentum=momentum, nonfinite=policy),
+            "threshold": lambda: gs.Threshold(threshold=0.02, momentum=momentum, nonfinite=policy)}[method]  # fmt: skip
+    out: dict = {"scales": []}
+
+    def run(scaled: bool, resume: bool) -> list[torch.Tensor]:
+        nonlocal policy
+        policy = "propagate" if scaled else "skip"
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        state = gs.register(ddp, make())
+        # From 1, for two steps: MiCRO's first step in a bucket predicts its threshold from a fixed
+        # histogram, only nearly scale-free, and DDP's rebuilt buckets take their first step at step 1.
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2, enabled=scaled)
+        state.set_scaler(scaler if scaled else None)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if momentum else 0.9)
+        for step, (x, y) in enumerate(batches(rank, 12)):
+            if resume and step == 8:
+                saved = copy.deepcopy(state.state_dict())
+                out["saved_scale"] = saved["loss_scale"]
+                ddp = DDP(model, bucket_cap_mb=0.004)
+                state = gs.register(ddp, make())
+                scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-3, growth_interval=1)
+                state.set_scaler(scaler)
+                state.load_state_dict(saved)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if (step, rank) == (4, 1):
+                loss = loss * float("nan")
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+                if not resume:
+                    out["scales"].append(scaler.get_scale())
+            elif step != 4:
+                opt.step()
+        return params_of(model)
+
+    policy = "skip"
+    out["plain"] = run(False, False)
+    out["scaled"] = run(True, False)
+    out["resumed"] = run(True, True)
+    return out
 
 
 def dense_state_matches_no_hook(rank: int, world_size: int) -> tuple[list, list, dict]:

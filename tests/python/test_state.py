@@ -41,6 +41,17 @@ def one_rank_group():
         (lambda: gs.TopK(density=0.1, warmup_steps=1.5), TypeError, "warmup_steps must be an integer"),
         (lambda: gs.TopK(density=0.1, error_feedback="yes"), TypeError, "error_feedback must be True or False"),
         (lambda: gs.TopK(density=0.1, nonfinite="ignore"), ValueError, "nonfinite must be one of 'raise', 'skip'"),
+        (
+            lambda: gs.TopK(density=0.1, nonfinite="propagate").set_scaler(2.0**16),
+            TypeError,
+            "TopK.set_scaler: scaler must be a torch.amp.GradScaler (anything with get_scale()) or None, got float",
+        ),
+        (  # the overflows would never reach the scaler
+            lambda: gs.TopK(density=0.1, nonfinite="skip").set_scaler(torch.amp.GradScaler("cpu")),
+            ValueError,
+            "nonfinite='skip' hands none back, so the scale would never come down; create TopK with "
+            'nonfinite="propagate"',
+        ),
         (lambda: gs.TopK(density=0.1, momentum=1.0), ValueError, "TopK: momentum must be in [0, 1), got 1.0; for"),
         (lambda: gs.TopK(density=0.1, momentum="0.9"), TypeError, "momentum must be a number, got '0.9' (str)"),
         (
@@ -643,6 +654,43 @@ def test_spardl_teams_must_divide_the_world_size():
         gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
 
 
+def test_a_state_saved_under_a_loss_scale_resumes_without_one():
+    """The state dict records the loss scale its residuals are in (set_scaler); loaded into a
+    state that follows no scaler, they move back to scale 1 at its first step: two steps under a
+    GradScaler and two after the load end where four steps without loss scaling end, to the bit."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
+
+    def train(ddp, batches, scaler=None):
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for x, y in batches:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            opt.zero_grad()
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+
+    plain = _hooked(gs.TopK(density=0.05))
+    train(plain, batches)
+    state = gs.TopK(density=0.05, nonfinite="propagate")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
+    scaled = _hooked(state.set_scaler(scaler))
+    train(scaled, batches[:2], scaler)
+    saved = copy.deepcopy(state.state_dict())
+    assert saved["loss_scale"] == 2.0**7  # the second step's gradients were scaled by 2**7
+    resumed = gs.TopK(density=0.05)
+    ddp = _hooked(resumed, weights_of=scaled)
+    resumed.load_state_dict(saved)
+    train(ddp, batches[2:])
+    assert resumed.state_dict()["loss_scale"] == 1.0
+    for got, want in zip(ddp.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
 def _saved(steps=2):
     state = gs.TopK(density=0.05)
     _train(_hooked(state), steps)
@@ -670,6 +718,9 @@ def _saved(steps=2):
             "the residual of 0.bias holds NaN or Inf; .* load a checkpoint from before the divergence",
         ),
         (_flip_one_byte, "the residual of 2.weight does not match its checksum: the state dict was damaged"),
+        (lambda sd: dict(sd, loss_scale=0.0), "the state dict's loss_scale should be a positive finite number"),
+        (lambda sd: dict(sd, loss_scale=math.nan), "the state dict's loss_scale should be a positive finite number"),
+        (lambda sd: dict(sd, loss_scale="1024"), "the state dict's loss_scale should be a positive finite number"),
         (lambda sd: {"residuals": {}}, "not a gradsparse state dict"),
         (  # was a KeyError: 'residuals'
             lambda sd: {k: v for k, v in sd.items() if k not in ("residuals", "stats")},
