@@ -165,6 +165,8 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.momentum_correction:
         options["momentum"] = args.momentum
+    if args.amp == "fp16":  # a step that overflowed reaches the GradScaler as NaN (State.set_scaler)
+        options["nonfinite"] = "propagate"
     if method == "threshold":
         options["threshold"] = args.threshold
     elif method != "dense":
@@ -413,6 +415,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--momentum", type=float, default=0.9)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip", type=float, default=0.0, help="gradient norm clipping (0: none)")
+    g.add_argument(
+        "--amp",
+        choices=("off", "fp16", "bf16"),
+        default="off",
+        help="mixed precision: the forward pass autocast to float16, with a GradScaler (gradsparse methods run "
+        "with nonfinite='propagate' and their residuals follow its scale), or to bfloat16 (no scaler)",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
     g.add_argument(
@@ -722,6 +731,10 @@ class Run:
             )
         self.comm = Communication(method, self.parallel, args, world)
         self.optimizer = task.make_optimizer(self.parallel.parameters(), optimizer_args(method, args))
+        # --amp fp16: loss scaling (a disabled scaler passes everything through unchanged)
+        self.scaler = torch.amp.GradScaler(device().type, enabled=args.amp == "fp16")
+        if self.comm.state is not None and args.amp == "fp16":
+            self.comm.state.set_scaler(self.scaler)
         if args.momentum_correction and not isinstance(self.optimizer, torch.optim.SGD):
             raise SystemExit(
                 f"--momentum-correction moves SGD's momentum into the method, but this task trains with "
@@ -764,6 +777,7 @@ class Run:
             **self._model_and_optimizer(),
             "schedule": self.schedule.state_dict(),
             "communication": self.comm.state_dict(),
+            "scaler": self.scaler.state_dict(),  # empty without --amp fp16
             "task": self.task.state_dict(),
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
@@ -834,6 +848,8 @@ class Run:
         self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.comm.load_state_dict(state["communication"])
+        if self.scaler.is_enabled():
+            self.scaler.load_state_dict(state["scaler"])
         self.task.load_state_dict(state["task"])
         self.step, self.elapsed, self.bytes_total = state["step"], state["elapsed"], state["bytes_total"]
         self.epoch_tally = state["epoch_tally"]
@@ -858,7 +874,7 @@ class Run:
         epoch = self.step // self.steps_per_epoch
         batch = next(iter(self.task.batches(epoch, self.rank, self.world)))
         with self.comm.discarded():
-            self.task.train_step(self.parallel, batch).backward()
+            self._loss(batch).backward()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.load_state_dict(model_state)
         self.task.load_state_dict(task_state)
@@ -912,15 +928,23 @@ class Run:
             whole.append(self.rows[-1])
         return whole
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """The task's training loss of ``batch``, its forward pass autocast with --amp."""
+        dtype = torch.bfloat16 if self.args.amp == "bf16" else torch.float16
+        with torch.autocast(device().type, dtype=dtype, enabled=self.args.amp != "off"):
+            return self.task.train_step(self.parallel, batch)
+
     def _one_step(self, epoch: int, batch: Any, recorder: Recorder, bar) -> None:
         start = time.perf_counter()
-        loss = self.task.train_step(self.parallel, batch)
+        loss = self._loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        self.scaler.scale(loss).backward()
         if self.args.clip > 0:
+            self.scaler.unscale_(self.optimizer)
             nn.utils.clip_grad_norm_(self.parallel.parameters(), self.args.clip)
         lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)  # skipped when the scaled gradients overflowed
+        self.scaler.update()
         self.schedule.step()
         loss_value = loss.item()
         seconds = time.perf_counter() - start

@@ -8,7 +8,8 @@
 # 2. build:  the extension built with CUDA (GRADSPARSE_CUDA=1) into $PYTHON, editable.
 # 3. pytest: `pytest -m cuda`: the ops on CUDA tensors against the CPU, every method training with
 #            CUDA buckets over Gloo (2 ranks on one GPU) and over NCCL (1 rank).
-# 4. train:  the CNN example, every method, 2 processes sharing the GPU over Gloo, then 1 over NCCL.
+# 4. train:  the CNN example, every method, 2 processes sharing the GPU over Gloo, then 1 over NCCL;
+#            dense, Top-k and MiCRO under float16 loss scaling (--amp fp16, a GradScaler), 2 over Gloo.
 # 5. bench:  benchmarks.select on the GPU: threshold and top-k selection against torch.topk, a
 #            residual add and a device-to-device copy of the same bytes; every method's whole step
 #            (engine, one-rank NCCL group) against the add.
@@ -80,11 +81,14 @@ tests() {
 train() {
   local every
   every=$("$PYTHON" -c "from examples import driver; print(','.join(driver.METHODS))") || return 1
-  rm -rf "$OUT_DIR/train-gloo" "$OUT_DIR/train-nccl"
+  rm -rf "$OUT_DIR/train-gloo" "$OUT_DIR/train-nccl" "$OUT_DIR/train-fp16"
   "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 -m examples.cnn --preset demo --backend gloo \
     --method "$every" --max-steps "$STEPS" --out "$OUT_DIR/train-gloo" --no-progress "${DATA[@]}" &&
     "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=1 -m examples.cnn --preset demo --backend nccl \
       --method "$every" --max-steps "$STEPS" --out "$OUT_DIR/train-nccl" --no-progress "${DATA[@]}" &&
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=2 -m examples.cnn --preset demo --backend gloo \
+      --method dense,topk,micro --amp fp16 --max-steps "$STEPS" --out "$OUT_DIR/train-fp16" --no-progress \
+      "${DATA[@]}" &&
     "$PYTHON" scripts/gpu_train_table.py "$OUT_DIR/train-gloo" "$OUT_DIR/train-nccl" "$every" > "$OUT_DIR/train.md"
 }
 

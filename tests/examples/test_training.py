@@ -177,6 +177,32 @@ def test_resume_is_exact(tmp_path, task):
         assert [int(r["step"]) for r in steps] == list(range(1, 10))
 
 
+def test_amp_fp16_trains_under_a_grad_scaler_and_resumes_exactly(tmp_path):
+    """--amp fp16: the CNN's forward pass in float16, the loss scaled by a GradScaler, which the
+    gradsparse states follow (nonfinite="propagate"). Stopped after 4 steps and resumed to 9, it
+    ends with the parameters, optimizer, gradsparse state and scaler of 9 steps straight, bit for
+    bit; the state's residuals are in the scale of the last step's gradients."""
+    methods = ("dense", "topk", "micro")
+    args = [*TASKS["cnn"], "--amp", "fp16", "--method", ",".join(methods), "--no-progress"]
+    launch(torchrun("cnn"), [*args, "--max-steps", "4", "--out", str(tmp_path / "resumed")])
+    out = launch(torchrun("cnn"), [*args, "--max-steps", "9", "--out", str(tmp_path / "resumed")])
+    assert "resuming from step 4" in out
+    launch(torchrun("cnn"), [*args, "--max-steps", "9", "--out", str(tmp_path / "straight")])
+    for method in methods:
+        resumed = torch.load(tmp_path / "resumed" / method / "checkpoint-rank1.pt", weights_only=False)
+        straight = torch.load(tmp_path / "straight" / method / "checkpoint-rank1.pt", weights_only=False)
+        for key in ("model", "optimizer", "communication", "scaler", "task", "rng"):
+            assert_same(resumed[key], straight[key], f"{method}: {key}")
+        scale = straight["scaler"]["scale"]
+        assert math.log2(scale).is_integer(), scale
+        steps = read_csv(tmp_path / "straight" / method / "steps.csv")
+        assert math.isfinite(float(steps[-1]["loss"])), steps[-1]
+        if method != "dense":
+            state = straight["communication"]["gradsparse"]
+            # the scale of step 9's gradients: the scaler's now, or twice it if that step overflowed
+            assert state["loss_scale"] in (scale, 2 * scale), (method, state["loss_scale"], scale)
+
+
 @pytest.mark.parametrize("task", ["cnn", "lstm"])
 def test_fsdp_trains_and_resumes_exactly(tmp_path, task):
     """--fsdp: the CNN (momentum: the optimizer holds sharded state) and the LSTM (its LSTM one FSDP
