@@ -540,7 +540,7 @@ class State:
         methods move to the loss scale of this step's gradients, the scaler's scale now (1 without
         a scaler: a state dict saved under a scaler and loaded without one moves back). Read once a
         step: on CUDA, reading the scale waits for the device."""
-        if self._scale_read_at == self._step:
+        if self._scale_read_at == self._step or (self._CORE is None and not self._momentum):  # Dense: nothing held
             return
         scale = 1.0 if self._scaler is None else float(self._scaler.get_scale())
         if not (scale > 0 and math.isfinite(scale)):
