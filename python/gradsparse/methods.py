@@ -326,13 +326,13 @@ def core_method(name: str, numels: list[int] | tuple[int, ...] = (), **options: 
     cls = METHODS.get(name) or {c.__name__: c for c in METHODS.values()}.get(name)
     if cls is None or cls is Dense:
         raise ValueError(f"core_method: name must be a sparse method, got {name!r}; choose from {names}")
+    example = "numels=[1000] for one parameter of 1000 elements"
     if not isinstance(numels, (list, tuple)):
         raise TypeError(
             f"core_method: numels must be a list of the bucket's parameters' element counts, got {_describe(numels)}; "
-            "for example numels=[1000] for one parameter of 1000 elements"
+            f"for example {example}"
         )
     # Checked here as the states' buckets are (ints >= 0): a float reached the C++ constructor as
     # pybind11's list of signatures, and True counted as 1 element.
-    example = "numels=[1000] for one parameter of 1000 elements"
     counts = [check_int("core_method", f"numels[{i}]", n, 0, example) for i, n in enumerate(numels)]
     return cls(**options)._make_method(counts)

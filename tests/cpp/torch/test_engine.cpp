@@ -333,6 +333,13 @@ std::string comm_error(const std::function<void()>& f) {
   return "";
 }
 
+/// What one sendrecv of 8 bytes to rank 1 and 16 bytes from it raised (a CommError's text).
+std::string sendrecv_error(ProcessGroupTransport& transport) {
+  CpuDevice device;
+  std::vector<uint8_t> out(8), in(16);
+  return comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+}
+
 // A send whose wait fails (the peer closed the connection) leaves the receive posted: the
 // backend may still write into the receive buffer, which the caller frees once sendrecv returns.
 // The receive is waited for too, and the send's failure is raised. The receive was never waited for.
@@ -341,9 +348,7 @@ TEST(ProcessGroupTransport, WaitsForTheReceiveWhenTheSendFails) {
   group->send_work = c10::make_intrusive<FakeWork>("the connection to rank 1 is closed");
   group->recv_work = c10::make_intrusive<FakeWork>();
   ProcessGroupTransport transport(group, std::chrono::seconds(5));
-  CpuDevice device;
-  std::vector<uint8_t> out(8), in(16);
-  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  const std::string error = sendrecv_error(transport);
   EXPECT_NE(error.find("sendrecv (send) of 8 bytes on rank 0 of 2 (fake process group) failed: the connection to "
                        "rank 1 is closed"),
             std::string::npos)
@@ -360,9 +365,7 @@ TEST(ProcessGroupTransport, TheWaitsOfASendrecvShareTheTimeout) {
                                                    std::chrono::milliseconds(400));
   group->recv_work = c10::make_intrusive<FakeWork>();
   ProcessGroupTransport transport(group, std::chrono::milliseconds(1000));
-  CpuDevice device;
-  std::vector<uint8_t> out(8), in(16);
-  comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  sendrecv_error(transport);
   EXPECT_GT(group->send_work->given.count(), 900);
   EXPECT_GE(group->recv_work->given.count(), 1);
   EXPECT_LE(group->recv_work->given.count(), 600);
@@ -374,9 +377,7 @@ TEST(ProcessGroupTransport, RaisesTheReceivesFailureAfterWaitingForBoth) {
   group->send_work = c10::make_intrusive<FakeWork>();
   group->recv_work = c10::make_intrusive<FakeWork>("the connection to rank 1 is closed");
   ProcessGroupTransport transport(group, std::chrono::seconds(5));
-  CpuDevice device;
-  std::vector<uint8_t> out(8), in(16);
-  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  const std::string error = sendrecv_error(transport);
   EXPECT_NE(error.find("sendrecv (receive) of 16 bytes on rank 0 of 2"), std::string::npos) << error;
   EXPECT_TRUE(group->send_work->waited);
 }
@@ -388,9 +389,7 @@ TEST(ProcessGroupTransport, WaitsForTheSendWhenPostingTheReceiveFails) {
   auto group = c10::make_intrusive<FakeGroup>();
   group->send_work = c10::make_intrusive<FakeWork>();
   ProcessGroupTransport transport(group, std::chrono::seconds(5));
-  CpuDevice device;
-  std::vector<uint8_t> out(8), in(16);
-  const std::string error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  const std::string error = sendrecv_error(transport);
   EXPECT_NE(error.find("sendrecv of 24 bytes on rank 0 of 2 (fake process group) failed: the connection to rank 1 "
                        "is closed"),
             std::string::npos)
@@ -413,8 +412,7 @@ TEST(ProcessGroupTransport, AWaitThatReturnsFalseFails) {
                        "backend's wait (timeout 1500 ms) returned false, which means the operation was aborted"),
             std::string::npos)
       << error;
-  std::vector<uint8_t> out(8), in(16);
-  error = comm_error([&] { transport.sendrecv(device, out.data(), 8, 1, in.data(), 16, 1); });
+  error = sendrecv_error(transport);
   EXPECT_NE(error.find("sendrecv (receive) of 16 bytes"), std::string::npos) << error;
   EXPECT_NE(error.find("returned false"), std::string::npos) << error;
 }
