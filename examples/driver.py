@@ -766,6 +766,7 @@ class Run:
         if self.args.synthetic_data:
             return
         state = {
+            "task_name": self.task.name,
             "method": self.method,
             "world_size": self.world,
             "options": run_options(self.args),
@@ -831,10 +832,12 @@ class Run:
         state = torch.load(self.checkpoint_path(), map_location=device(), weights_only=False)
         problem = None
         changed = changed_options(state.get("options", {}), run_options(self.args))
-        if state["world_size"] != self.world or state["method"] != self.method:
+        saved_task = state.get("task_name", self.task.name)  # not recorded before 2026-12-01
+        if state["world_size"] != self.world or state["method"] != self.method or saved_task != self.task.name:
             problem = (
-                f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers, this run "
-                f"is {self.method} on {self.world}; use another --out or pass --fresh"
+                f"{self.folder}: the checkpoint is for {state['method']} on {state['world_size']} workers "
+                f"({saved_task}), this run is {self.method} on {self.world} ({self.task.name}); use another --out or "
+                "pass --fresh"
             )
         elif changed:  # resuming would continue the saved run as if it had been this one
             problem = (

@@ -145,7 +145,7 @@ def test_resume_is_exact(tmp_path, task):
     """Stopped after 4 steps and resumed to 9 equals 9 steps straight: parameters, optimizer,
     gradsparse state (residuals, method state), the task's state (the LSTM's carried hidden
     state and data position) and the random number generator, bit for bit. Resuming with another
-    --seed or learning rate, or with another method, is refused on every rank, naming both, and
+    --seed or learning rate, or with another method or task, is refused on every rank, naming both, and
     leaves the saved run as it was; options that do not shape the training (its length, checkpointing) may change. The
     refusal is the driver's, the same for every task, so one task checks it."""
     args = [*TASKS[task], "--method", "topk,micro,sidco,powersgd", "--no-progress"]
@@ -162,6 +162,12 @@ def test_resume_is_exact(tmp_path, task):
         refused = start(torchrun(task), other)
         said = refused.stdout + refused.stderr
         assert refused.returncode != 0 and said.count("the checkpoint is for topk on 2 workers") == 2, said[-3000:]
+        assert (saved / "topk" / "config.json").read_text() == config
+        # another task in the same folder: named as such (it was refused for a list of differing options)
+        other = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--max-steps", "9", "--out", str(saved / "topk")]
+        refused = start(torchrun("lstm"), other)
+        said = refused.stdout + refused.stderr
+        assert refused.returncode != 0 and said.count("(smallcnn on fashion-mnist), this run is topk on 2") == 2, said
         assert (saved / "topk" / "config.json").read_text() == config
         assert torch.load(saved / "topk" / "checkpoint-rank0.pt", weights_only=False)["step"] == 4
     out = launch(torchrun(task), [*args, "--max-steps", "9", "--out", str(saved), "--checkpoint-every", "3"])
