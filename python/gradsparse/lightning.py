@@ -8,7 +8,9 @@ The callback registers the state on the DistributedDataParallel that Lightning b
 GPU alike: Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks on CUDA devices
 only), logs the achieved density, bytes and times through the Trainer's loggers, and keeps every
 rank's residuals in the Lightning checkpoint (which rank 0 writes), giving each rank its own back
-on resume.
+on resume. Under float16 loss scaling (``precision="16-mixed"`` on CUDA) it hands the Trainer's
+GradScaler to the state (``State.set_scaler``), which must then be made with
+``nonfinite="propagate"``.
 
 Needs ``lightning`` (``pip install gradsparse[lightning]``).
 """
