@@ -271,22 +271,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def session(args: argparse.Namespace, prog: str = "benchmarks.cluster"):
     """The cluster the parsed options describe, removed on every exit path (SIGINT, SIGTERM and
-    SIGHUP included). Raises ClusterError without root."""
+    SIGHUP included: their handlers are replaced for the session and put back after it). Raises
+    ClusterError without root."""
     if os.geteuid() != 0:
         raise ClusterError(
             f"{prog} needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
             "(or as root in a container with CAP_NET_ADMIN)."
         )
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _raise_on_signal)
-    with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
-        print(
-            f"{prog}: {args.hosts} hosts on one bridge, every link {args.rate} each way (tbf burst {cluster.burst} B)"
-            + (f", {args.delay} ms delay per end" if args.delay else ""),
-            file=sys.stderr,
-            flush=True,
-        )
-        yield cluster
+    replaced = {signum: signal.signal(signum, _raise_on_signal) for signum in STOP_SIGNALS}
+    try:
+        with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:
+            print(
+                f"{prog}: {args.hosts} hosts on one bridge, every link {args.rate} each way (tbf burst "
+                f"{cluster.burst} B)" + (f", {args.delay} ms delay per end" if args.delay else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            yield cluster
+    finally:  # the caller's handlers again (a program that runs several sessions, or goes on after one)
+        for signum, handler in replaced.items():
+            signal.signal(signum, handler)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -55,6 +55,23 @@ def test_a_sparse_run_on_two_emulated_hosts_finishes_and_cleans_up(tmp_path, nam
     assert namespaces_left() == []
 
 
+def test_a_session_puts_back_the_signal_handlers_it_replaced(namespaces_left):
+    """benchmarks.cluster.session replaces the SIGINT, SIGTERM and SIGHUP handlers so that a stop
+    cleans up; a program that goes on after the session gets its own back (they stayed replaced)."""
+    import argparse
+
+    from benchmarks import cluster as emulated
+
+    def handlers():
+        return {signum: signal.getsignal(signum) for signum in emulated.STOP_SIGNALS}
+
+    before = handlers()
+    with emulated.session(argparse.Namespace(hosts=2, rate="200mbit", burst=None, delay=0.0)):
+        assert set(handlers().values()) == {emulated._raise_on_signal}
+    assert handlers() == before
+    assert namespaces_left() == []
+
+
 def test_a_failing_worker_ends_the_run_and_cleans_up(namespaces_left):
     done = cluster("-m", "examples.cnn", "--method", "no-such-method", "--max-steps", "1")
     assert done.returncode != 0
