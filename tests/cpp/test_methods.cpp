@@ -164,7 +164,8 @@ TEST(Methods, RejectBadOptions) {
 }
 
 // Loss scaling (Method::rescale): a factor that is no positive finite number is refused naming
-// the method, for every method; Threshold's magnitude follows the factor and its state keeps it.
+// the method, for every method; Threshold's magnitude follows the factor and its state keeps it
+// (as "loss_scale").
 // (tests/python/test_methods.py checks that every rescaled method selects what it selects
 // without loss scaling.)
 TEST(Methods, RescaleRefusesBadFactorsAndMovesThresholdsMagnitude) {
@@ -193,11 +194,11 @@ TEST(Methods, RescaleRefusesBadFactorsAndMovesThresholdsMagnitude) {
   EXPECT_EQ(selected(method, 1.0f), 2);
   method.rescale(4.0);
   EXPECT_EQ(selected(method, 4.0f), 2);  // |v| >= 8 of the values times 4: the same two
-  EXPECT_EQ(method.state().at("scale"), 4.0);
+  EXPECT_EQ(method.state().at("loss_scale"), 4.0);
   Threshold loaded(2.0, std::nullopt);
   loaded.load_state(method.state());
   EXPECT_EQ(selected(loaded, 4.0f), 2);
-  EXPECT_THROW(loaded.load_state({{"scale", -1.0}}), ValueError);
+  EXPECT_THROW(loaded.load_state({{"loss_scale", -1.0}}), ValueError);
 }
 
 /// SAGE's sampled means of steps 0..steps-1 on one rank, per-tensor sampling over `segments`, on

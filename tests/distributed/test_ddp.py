@@ -228,14 +228,14 @@ def test_nonfinite_gradient_skip_policy_skips_on_every_rank(momentum):
     "method,momentum", [("topk", 0.0), ("topk", 0.9), ("micro", 0.0), ("micro", 0.9), ("threshold", 0.0)]
 )
 def test_loss_scaled_training_equals_training_without_loss_scaling(method, momentum):
-    """Under a GradScaler whose scale changes every other step, the state moves its residuals,
+    """Under a GradScaler whose scale changes at every step, the state moves its residuals,
     velocities and method thresholds to each step's scale, so training ends with the very
     parameters of the same training without loss scaling (the factors are powers of two), also
     when resumed from a state dict into a fresh scaler at another scale. The NaN of step 4 reaches
     the scaler on every rank (nonfinite="propagate"): it skips that step and halves its scale."""
     for out in run_distributed(workers.loss_scaled_training, 2, method, momentum):
-        assert out["scales"][:6] == [1.0, 2.0, 2.0, 4.0, 2.0, 2.0]
-        assert out["saved_scale"] == 4.0  # the scale of step 7's gradients
+        assert out["scales"][:6] == [2.0**5, 2.0**6, 2.0**7, 2.0**8, 2.0**7, 2.0**8]
+        assert out["saved_scale"] == 2.0**9  # the scale of step 7's gradients
         for name in ("scaled", "resumed"):
             for got, want in zip(out[name], out["plain"], strict=True):
                 assert torch.equal(got, want), name

@@ -283,10 +283,10 @@ def nonfinite_gradient(rank: int, world_size: int, policy: str, momentum: float 
 
 def loss_scaled_training(rank: int, world_size: int, method: str, momentum: float) -> dict:
     """12 steps of a 2-rank DDP with a sparse state, three ways: without loss scaling
-    (nonfinite="skip"); under a GradScaler whose scale doubles after every two good steps
-    (growth_interval=2; state.set_scaler, nonfinite="propagate"); and the same with the state
-    saved after step 7 and loaded into a new state and DDP with a fresh scaler at another scale
-    (growth_interval=1).
+    (nonfinite="skip"); under a GradScaler whose scale starts at 16 and doubles after every good
+    step (growth_interval=1; state.set_scaler, nonfinite="propagate"); and the same with the
+    state saved after step 7 and loaded into a new state and DDP with a fresh scaler at another
+    scale.
     At step 4 rank 1's loss is NaN: the scaled runs' scaler skips that optimizer step and halves
     its scale; the run without one skips it by hand. Returns each run's parameters, the scales
     the scaler went through, and the saved state dict's loss scale."""
@@ -301,9 +301,7 @@ def loss_scaled_training(rank: int, world_size: int, method: str, momentum: floa
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.004)
         state = gs.register(ddp, make())
-        # From 1, for two steps: MiCRO's first step in a bucket predicts its threshold from a fixed
-        # histogram, only nearly scale-free, and DDP's rebuilt buckets take their first step at step 1.
-        scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2, enabled=scaled)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1, enabled=scaled)
         state.set_scaler(scaler if scaled else None)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if momentum else 0.9)
         for step, (x, y) in enumerate(batches(rank, 12)):

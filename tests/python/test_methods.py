@@ -571,7 +571,7 @@ def test_random_numbers_follow_the_spec_formulas():
 # Loss scaling
 
 
-LOSS_SCALES = (1.0, 2.0**10, 2.0**-4, 2.0**-4, 2.0**3, 2.0**12, 1.0)  # a GradScaler's scale, step by step
+LOSS_SCALES = (2.0**6, 2.0**10, 2.0**-4, 2.0**-4, 2.0**3, 2.0**12, 1.0)  # a GradScaler's scale, step by step
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in momentum_cases()])
@@ -580,8 +580,9 @@ def test_a_rescaled_method_selects_what_it_selects_without_loss_scaling(case):
     GradScaler's does), with the residual and the method moved to each step's scale before it
     (Method.rescale; what State does at a step's first bucket): every step selects the same
     elements as the unscaled run, and its output and residual are the unscaled ones times the
-    scale, to the bit. Without the rescale the carried residuals, thresholds (MiCRO, ExDyna,
-    SAGE) and fixed magnitudes (Threshold) are off by the factor."""
+    scale, to the bit, from the first step on. Without the rescale the carried residuals,
+    thresholds (MiCRO, ExDyna, SAGE) and fixed magnitudes (Threshold's, the initial threshold
+    1/(2 sqrt(k)), MiCRO's and ExDyna's sampling histogram) are off by the factor."""
     method_id, name, kwargs, n = case
     world = 2
     grads = [list(step[:world]) for step in gradient_stream(n, len(LOSS_SCALES), SEED + 9)]

@@ -173,7 +173,7 @@ Selection PartitionedMethod::select(Device& device, const BucketView& bucket, Co
 Selection PartitionedMethod::select_reference(Device& device, const BucketView& bucket, Range range, int64_t k) {
   const int64_t t = committed_.t;
   const double lambda =
-      t == 0 ? initial_threshold(k)
+      t == 0 ? initial_threshold(k) * loss_scale_
              : committed_.threshold * online_scaling_factor(static_cast<double>(committed_.k_prev) /
                                                             static_cast<double>(std::max<int64_t>(k, 1)));
   pending_.threshold = lambda;
@@ -219,11 +219,12 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
       const Selection sample = device.gather(bucket, positions);
       const std::vector<float> values = HostMessage(device, sample, bucket).value_list();
       const double weight = static_cast<double>(length) / static_cast<double>(samples);
+      // (binned as unscaled magnitudes: the histogram's edges are fixed, and follow the loss scale)
       for (size_t j = 0; j < positions.size(); ++j)
-        weights[BandController::sample_bin(std::fabs(values[j]))] += weight * multiplicity[positions[j]];
+        weights[BandController::sample_bin(std::fabs(values[j]) / loss_scale_)] += weight * multiplicity[positions[j]];
     }
     group.sum(weights);
-    prediction = BandController::predict_from_samples(weights, static_cast<double>(k));
+    prediction = BandController::predict_from_samples(weights, static_cast<double>(k)) * loss_scale_;
   }
   // Zero is never a candidate: the band's lowest edge stays at or above the dtype's least positive
   // value (a sample of zeros predicts the histogram's lowest edge, which rounds to 0 in the dtype).
@@ -310,6 +311,7 @@ MethodState PartitionedMethod::state() const {
                 {"trend_miss", committed_.trend_miss},
                 {"mean_miss", committed_.mean_miss}};
   save_layout(s);
+  save_loss_scale(s);
   return s;
 }
 
@@ -330,8 +332,10 @@ void PartitionedMethod::load_state(const MethodState& state) {
   if (auto it = state.find("band"); it != state.end()) loaded.band = it->second;
   if (auto it = state.find("trend_miss"); it != state.end()) loaded.trend_miss = it->second;
   if (auto it = state.find("mean_miss"); it != state.end()) loaded.mean_miss = it->second;
+  const double loss_scale = saved_loss_scale(state);
   load_layout(state);
   committed_ = loaded;
+  loss_scale_ = loss_scale;
 }
 
 Range MiCRO::partition_range(int partition, int64_t n, int world_size) {

@@ -100,7 +100,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     for (double m : magnitudes) sample_sum += m;
   }
   const double sample_mean = sample_sum / static_cast<double>(positions.size());
-  const double start = initial_ ? *initial_ : initial_threshold(k);
+  const double start = (initial_ ? *initial_ : initial_threshold(k)) * loss_scale_;
   const int64_t t = committed_.t;
   // The sampled scale change since the last step (1 when either mean is zero).
   double alpha = t > 0 ? sample_mean / committed_.sample_mean : 1.0;
@@ -186,10 +186,12 @@ double SAGE::sampled_prediction(std::vector<double> magnitudes, int64_t k, int64
 }
 
 MethodState SAGE::state() const {
-  return {{"step", static_cast<double>(committed_.t)},
-          {"threshold", committed_.threshold},
-          {"sample_mean", committed_.sample_mean},
-          {"restart", committed_.restart ? 1.0 : 0.0}};
+  MethodState state{{"step", static_cast<double>(committed_.t)},
+                    {"threshold", committed_.threshold},
+                    {"sample_mean", committed_.sample_mean},
+                    {"restart", committed_.restart ? 1.0 : 0.0}};
+  save_loss_scale(state);
+  return state;
 }
 
 void SAGE::rescale_state(double factor) {
@@ -198,6 +200,7 @@ void SAGE::rescale_state(double factor) {
 }
 
 void SAGE::load_state(const MethodState& state) {
+  loss_scale_ = saved_loss_scale(state);
   committed_.t = saved_count(state, "step");
   committed_.threshold = state.at("threshold");
   committed_.sample_mean = state.at("sample_mean");

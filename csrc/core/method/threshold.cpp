@@ -20,21 +20,16 @@ Threshold::Threshold(std::optional<double> threshold, std::optional<double> dens
 }
 
 Selection Threshold::select(Device& device, const BucketView& bucket, Collective& /*group*/) {
-  threshold_ = (fixed_ ? *fixed_ : initial_threshold(target_count(*density_, bucket.numel))) * scale_;
+  threshold_ = (fixed_ ? *fixed_ : initial_threshold(target_count(*density_, bucket.numel))) * loss_scale_;
   return device.select_threshold(bucket, threshold_);
 }
 
 MethodState Threshold::state() const {
-  if (scale_ == 1.0) return {};
-  return {{"scale", scale_}};
+  MethodState state;
+  save_loss_scale(state);
+  return state;
 }
 
-void Threshold::load_state(const MethodState& state) {
-  const auto it = state.find("scale");
-  const double scale = it == state.end() ? 1.0 : it->second;
-  GS_CHECK(scale > 0.0 && std::isfinite(scale), ValueError, "method state: 'scale' is ", scale,
-           ", not a positive finite number; load a state the method saved");
-  scale_ = scale;
-}
+void Threshold::load_state(const MethodState& state) { loss_scale_ = saved_loss_scale(state); }
 
 }  // namespace gradsparse

@@ -92,18 +92,36 @@ class Method {
 
   /// Loss scaling: the gradients of the steps to come are `factor` times those of the steps
   /// before (a torch.amp.GradScaler changed its scale). The numbers the method carries from step
-  /// to step in gradient units (thresholds, estimates) and its fixed magnitudes (Threshold's)
-  /// follow, so that with a power-of-two factor the method selects what it would have selected
-  /// without the change. `factor` is a positive finite number (ValueError otherwise).
+  /// to step in gradient units (thresholds, estimates) and its fixed magnitudes (Threshold's, the
+  /// initial threshold 1/(2 sqrt(k)), the edges of MiCRO's and ExDyna's sampling histogram)
+  /// follow, so that with power-of-two factors the method selects what it would select without
+  /// loss scaling. `factor` is a positive finite number (ValueError otherwise).
   void rescale(double factor) {
     GS_CHECK(factor > 0.0 && std::isfinite(factor), ValueError, name(), ": rescale factor must be a positive finite ",
              "number, got ", factor, "; pass the new loss scale divided by the old one");
+    loss_scale_ *= factor;
     rescale_state(factor);
   }
 
  protected:
-  /// What rescale() changes; methods that carry nothing in gradient units keep this no-op.
+  /// What rescale() changes besides loss_scale_: the numbers carried in gradient units.
   virtual void rescale_state(double /*factor*/) {}
+  /// "loss_scale" in `state`, where it is not 1 (the methods whose fixed magnitudes follow it).
+  void save_loss_scale(MethodState& state) const {
+    if (loss_scale_ != 1.0) state["loss_scale"] = loss_scale_;
+  }
+  /// A state's "loss_scale" (1 where absent), checked; load_state() assigns it with the rest.
+  static double saved_loss_scale(const MethodState& state) {
+    const auto it = state.find("loss_scale");
+    const double scale = it == state.end() ? 1.0 : it->second;
+    GS_CHECK(scale > 0.0 && std::isfinite(scale), ValueError, "method state: 'loss_scale' is ", scale,
+             ", not a positive finite number; load a state the method saved");
+    return scale;
+  }
+
+  /// The factor of the loss scale the gradients carry (the product of every rescale() factor):
+  /// the fixed magnitudes apply to gradients divided by it.
+  double loss_scale_ = 1.0;
 };
 
 }  // namespace gradsparse

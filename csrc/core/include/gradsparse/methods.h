@@ -86,17 +86,13 @@ class Threshold final : public PerRankMethod {
   std::string name() const override { return "threshold"; }
   Selection select(Device& device, const BucketView& bucket, Collective& group) override;
   MethodReport report() const override { return {threshold_, std::numeric_limits<double>::quiet_NaN()}; }
-  /// {"scale": s} once rescaled: the threshold in use is the given (or density's) one times s.
+  /// {"loss_scale": s} once rescaled: the threshold in use is the given (or density's) one times s.
   MethodState state() const override;
   void load_state(const MethodState& state) override;
-
- protected:
-  void rescale_state(double factor) override { scale_ *= factor; }
 
  private:
   std::optional<double> fixed_;
   std::optional<double> density_;
-  double scale_ = 1.0;  // the loss scale the gradients carry (rescale)
   double threshold_ = std::numeric_limits<double>::quiet_NaN();
 };
 
