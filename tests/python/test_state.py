@@ -654,40 +654,65 @@ def test_spardl_teams_must_divide_the_world_size():
         gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
 
 
+def _train_scaled(ddp, batches, scaler=None):
+    """SGD over ``batches``, the loss scaled by ``scaler`` when one is given."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches:
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+
+def _batches(steps):
+    torch.manual_seed(0)
+    return [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(steps)]
+
+
 def test_a_state_saved_under_a_loss_scale_resumes_without_one():
     """The state dict records the loss scale its residuals are in (set_scaler); loaded into a
     state that follows no scaler, they move back to scale 1 at its first step: two steps under a
     GradScaler and two after the load end where four steps without loss scaling end, to the bit."""
-    torch.manual_seed(0)
-    batches = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
-
-    def train(ddp, batches, scaler=None):
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x, y in batches:
-            loss = nn.functional.cross_entropy(ddp(x), y)
-            opt.zero_grad()
-            if scaler is None:
-                loss.backward()
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-
+    batches = _batches(4)
     plain = _hooked(gs.TopK(density=0.05))
-    train(plain, batches)
+    _train_scaled(plain, batches)
     state = gs.TopK(density=0.05, nonfinite="propagate")
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**6, growth_interval=1)
     scaled = _hooked(state.set_scaler(scaler))
-    train(scaled, batches[:2], scaler)
+    _train_scaled(scaled, batches[:2], scaler)
     saved = copy.deepcopy(state.state_dict())
     assert saved["loss_scale"] == 2.0**7  # the second step's gradients were scaled by 2**7
     resumed = gs.TopK(density=0.05)
     ddp = _hooked(resumed, weights_of=scaled)
     resumed.load_state_dict(saved)
-    train(ddp, batches[2:])
+    _train_scaled(ddp, batches[2:])
     assert resumed.state_dict()["loss_scale"] == 1.0
     for got, want in zip(ddp.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_the_dense_states_velocity_follows_the_loss_scale_and_a_scaler_can_be_dropped():
+    """The Dense state with momentum correction is momentum SGD: its velocity is gradient in the
+    loss scale, and follows it (the scale doubles at every step here), so training under a
+    GradScaler ends where training without one ends, to the bit; after set_scaler(None) the
+    velocity moves back to scale 1 at the next step."""
+    batches = _batches(6)
+    plain = _hooked(gs.Dense(momentum=0.9))
+    _train_scaled(plain, batches)
+    state = gs.Dense(momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**3, growth_interval=1)
+    scaled = _hooked(state.set_scaler(scaler))
+    _train_scaled(scaled, batches[:4], scaler)
+    assert state.state_dict()["loss_scale"] == 2.0**6
+    state.set_scaler(None)
+    _train_scaled(scaled, batches[4:])
+    assert state.state_dict()["loss_scale"] == 1.0
+    for got, want in zip(scaled.parameters(), plain.parameters(), strict=True):
         assert torch.equal(got, want)
 
 
