@@ -714,6 +714,15 @@ def changed_options(saved: dict, now: dict) -> list[str]:
     ]
 
 
+def exit_on_every_rank(message: str | None) -> None:
+    """Ends the run on every rank (each calls it) with status 1, after each has printed its
+    ``message`` (None: nothing), since torchrun stops the others once one has exited."""
+    if message is not None:
+        print(message, file=sys.stderr, flush=True)
+    dist.barrier()
+    raise SystemExit(1)
+
+
 class Run:
     """One method's training run, resumable."""
 
@@ -810,13 +819,6 @@ class Run:
                         value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
                     )
 
-    def _refuse(self, message: str) -> None:
-        """Ends the run on every rank with ``message``: each prints it before any exits, since
-        torchrun stops the others once one has exited."""
-        print(message, file=sys.stderr, flush=True)
-        dist.barrier()
-        raise SystemExit(1)
-
     def try_resume(self) -> bool:
         if self.args.synthetic_data:
             return False
@@ -825,7 +827,7 @@ class Run:
         if int(exists) == 0:
             return False
         if int(exists) != self.world:
-            self._refuse(
+            exit_on_every_rank(
                 f"{self.folder}: only {int(exists)} of {self.world} ranks have a checkpoint; resume with the "
                 "same number of workers, or pass --fresh"
             )
@@ -847,7 +849,7 @@ class Run:
         refused = torch.tensor([problem is not None], dtype=torch.int32)
         dist.all_reduce(refused)  # every rank refuses if one does (each read its own checkpoint)
         if int(refused):
-            self._refuse(problem or f"{self.folder}: another rank's checkpoint was refused (see its message)")
+            exit_on_every_rank(problem or f"{self.folder}: another rank's checkpoint was refused (see its message)")
         self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.comm.load_state_dict(state["communication"])
@@ -1174,10 +1176,7 @@ def main(
     failed = torch.tensor([problem is not None], dtype=torch.int32)
     dist.all_reduce(failed)  # rank 0's verdict, before any method trains
     if int(failed):
-        if problem is not None:
-            print(problem, file=sys.stderr, flush=True)
-        dist.barrier()  # printed before any rank exits (torchrun stops the others once one has)
-        raise SystemExit(1)
+        exit_on_every_rank(problem)
     results, costs, sent = {}, {}, {}
     for method, folder in folders.items():
         run = Run(task, method, args, folder, rank, world)
