@@ -44,12 +44,11 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
   TORCH_CHECK_VALUE(indices.device() == out.device() && values.device() == out.device(),
                     "gradsparse.scatter_add_: out, indices and values must be on the same device, got ", out.device(),
                     ", ", indices.device(), ", ", values.device());
-  for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}})
+  for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}}) {
     TORCH_CHECK_VALUE(t->is_contiguous(), "gradsparse.scatter_add_: ", name, " must be contiguous, got strides ",
                       t->strides(), "; call .contiguous() first");
-  // A values or indices tensor that shares memory with out would read what the kernel already
-  // wrote (the result then depends on the order of the writes), as torch's index_add_ refuses.
-  for (const auto& [t, name] : {std::pair{&indices, "indices"}, std::pair{&values, "values"}}) {
+    // One that shares memory with out would read what the kernel already wrote (the result then
+    // depends on the order of the writes), as torch's index_add_ refuses.
     const at::MemOverlapStatus overlap = at::get_overlap_status(out, *t);
     TORCH_CHECK_VALUE(overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
                       "gradsparse.scatter_add_: ", name,
