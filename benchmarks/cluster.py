@@ -72,15 +72,20 @@ def default_burst(rate_bits: int) -> int:
     return max(16_000, rate_bits // 8 // 500)
 
 
-def kill_inside(namespace: str) -> None:
-    """Kills every process still running in ``namespace``: a namespace deleted while a process
-    runs in it loses its name but lives on, links and process with it (a worker whose torchrun
-    was killed, or the workers of a run killed with SIGKILL)."""
+def delete_namespace(namespace: str) -> str:
+    """Kills every process still running in ``namespace``, then deletes it (its links go with it);
+    returns ip's error, empty when it was deleted. A namespace deleted while a process runs in it
+    loses its name but lives on, links and process with it (a worker whose torchrun was killed, or
+    the workers of a run killed with SIGKILL)."""
     listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
     for pid in listed:
         if pid.isdigit():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
+    done = subprocess.run(["ip", "netns", "delete", namespace], capture_output=True, text=True)
+    if done.returncode == 0:
+        return ""
+    return done.stderr.strip() or f"ip netns delete exited with {done.returncode}"
 
 
 def stale_namespaces() -> list[str]:
@@ -151,8 +156,7 @@ class Cluster:
 
     def _create(self) -> None:
         for name in stale_namespaces():
-            kill_inside(name)
-            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+            delete_namespace(name)
         _run("ip", "netns", "add", self.switch)
         self.created.append(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
@@ -176,12 +180,9 @@ class Cluster:
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             for name in reversed(self.created):
-                kill_inside(name)
-                done = subprocess.run(["ip", "netns", "delete", name], capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(
-                        f"benchmarks.cluster: could not delete namespace {name}: {done.stderr.strip()}", file=sys.stderr
-                    )
+                error = delete_namespace(name)
+                if error:
+                    print(f"benchmarks.cluster: could not delete namespace {name}: {error}", file=sys.stderr)
             self.created.clear()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

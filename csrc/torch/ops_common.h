@@ -29,6 +29,8 @@ inline void check_threshold(double threshold) {
                     "gradsparse.select_threshold: threshold must be a finite number >= 0, got ", threshold);
 }
 
+inline void check_k(int64_t k) { TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k); }
+
 inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values,
                                double divisor) {
   core_dtype(out, "out");

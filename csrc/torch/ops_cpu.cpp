@@ -31,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor> select_topk_cpu(const at::Tensor& grad, const
                                                    int64_t k) {
   return named_errors("select_topk", [&] {
     check_selection_args(grad, residual);
-    TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
+    check_k(k);
     PairTensors out(grad);
     dispatch_dtype(core_dtype(grad, "grad"), [&](auto t) {
       using T = decltype(t);

@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> select_threshold_cuda(const at::Tensor& grad,
 
 std::tuple<at::Tensor, at::Tensor> select_topk_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                                                     int64_t k) {
-  TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k);
+  check_k(k);
   return select_cuda(
       "select_topk", grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;

@@ -77,18 +77,13 @@ class Sparsify(Callback):
                 "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # precision="16-mixed" on CUDA
-        if scaler is not None and self.state._CORE is not None and self.state.config()["nonfinite"] != "propagate":
-            # A GradScaler finds the steps whose scaled gradients overflowed by their Inf/NaN, skips
-            # them and lowers its scale; "raise" fails such a step and "skip" hands back zeros,
-            # which hides the overflow from the scaler. (Dense steps pass Inf/NaN on, as DDP does.)
+        try:
+            self.state.set_scaler(scaler)  # residuals follow the loss scale
+        except ValueError as e:  # a sparse state without nonfinite="propagate": the scale would never come down
             raise ValueError(
                 f"gradsparse.lightning.Sparsify: the Trainer's precision {precision!r} scales the loss with a "
-                "GradScaler, which finds the steps that overflowed by their Inf/NaN gradients, but the state's "
-                f"nonfinite={self.state.config()['nonfinite']!r} hands none back: create "
-                f"{type(self.state).__name__} with nonfinite='propagate' (or train with precision='bf16-mixed', which "
-                "needs no loss scaling)"
-            )
-        self.state.set_scaler(scaler)  # residuals follow the loss scale
+                f"GradScaler. {e} (or train with precision='bf16-mixed', which needs no loss scaling)"
+            ) from None
         register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
 
     def on_train_batch_end(
