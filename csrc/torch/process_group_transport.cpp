@@ -75,16 +75,35 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
   // (or read `out`) until its wait returns, and the caller frees them once this returns. The
   // first failure is raised after the last wait.
   std::exception_ptr first;
-  try {
-    if (coalesced) group_->startCoalescing(c10::DeviceType::CUDA);
-    if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
-    if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
-    if (coalesced) work = group_->endCoalescing(c10::DeviceType::CUDA);
-  } catch (const std::exception& e) {
+  const auto keep_first = [&](const std::exception& e) {
     try {
       failed(e, what, send_bytes + recv_bytes);
     } catch (const CommError&) {
-      first = std::current_exception();
+      if (!first) first = std::current_exception();
+    }
+  };
+  bool coalescing = false;
+  try {
+    if (coalesced) {
+      group_->startCoalescing(c10::DeviceType::CUDA);
+      coalescing = true;
+    }
+    if (send_bytes > 0) sent = group_->send(sending, dst, /*tag=*/0);
+    if (recv_bytes > 0) received = group_->recv(receiving, src, /*tag=*/0);
+    if (coalesced) {
+      coalescing = false;
+      work = group_->endCoalescing(c10::DeviceType::CUDA);
+    }
+  } catch (const std::exception& e) {
+    keep_first(e);
+  }
+  // A post that failed inside the group still ends it: NCCL's group stays open on this thread
+  // otherwise, and holds back every later NCCL operation of the process (DDP's included).
+  if (coalescing) {
+    try {
+      work = group_->endCoalescing(c10::DeviceType::CUDA);
+    } catch (const std::exception& e) {
+      keep_first(e);
     }
   }
   // One timeout for them all: a wait after a slow or failed one gets what is left of it (at least

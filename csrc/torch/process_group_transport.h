@@ -31,6 +31,12 @@ class ProcessGroupTransport final : public Transport {
 
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
+  /// Posts the send of `out` to `dst` and the receive into `in` from `src` (an empty tensor posts
+  /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes
+  /// (public for the tests of its failures).
+  void send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src, bool coalesced,
+                        const char* what);
+
  private:
   /// Posts one operation (`post` returns its Work) and waits for it. A failure in either is a
   /// CommError, which stops the engine: a backend may raise while posting (Gloo's send to a
@@ -39,10 +45,6 @@ class ProcessGroupTransport final : public Transport {
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& what, size_t bytes,
             std::chrono::milliseconds timeout);
   [[noreturn]] void failed(const std::exception& e, const std::string& what, size_t bytes) const;
-  /// Posts the send of `out` to `dst` and the receive into `in` from `src` (an empty tensor posts
-  /// nothing), then waits for both; `coalesced` posts them as one NCCL group. Counts no bytes.
-  void send_and_receive(const at::Tensor& out, int dst, const at::Tensor& in, int src, bool coalesced,
-                        const char* what);
   /// Refuses (ValueError) buffers on a CUDA device when the group has no backend for CUDA (a
   /// group created with backend="cpu:gloo"), before anything is posted.
   void check_device(const Device& device) const;

@@ -283,8 +283,14 @@ class FakeGroup final : public c10d::ProcessGroup {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&, const c10d::AllreduceOptions&) override {
     return post(allreduce_work);
   }
-  c10::intrusive_ptr<FakeWork> send_work, recv_work, allreduce_work;
+  void startCoalescing(c10::DeviceType) override { ++coalescing; }
+  c10::intrusive_ptr<c10d::Work> endCoalescing(c10::DeviceType) override {
+    --coalescing;
+    return coalesced_work;
+  }
+  c10::intrusive_ptr<FakeWork> send_work, recv_work, allreduce_work, coalesced_work;
   int posted = 0;
+  int coalescing = 0;  // groups started and not ended
 
  private:
   c10::intrusive_ptr<c10d::Work> post(const c10::intrusive_ptr<FakeWork>& work) {
@@ -395,6 +401,31 @@ TEST(ProcessGroupTransport, WaitsForTheSendWhenPostingTheReceiveFails) {
             std::string::npos)
       << error;
   EXPECT_TRUE(group->send_work->waited);
+}
+
+// A post that fails inside an NCCL group (here the receive's, after the send's) still ends the
+// group, and the group's Work is waited for: NCCL's group stayed open on the thread, holding back
+// every later NCCL operation of the process.
+TEST(ProcessGroupTransport, EndsTheCoalescedGroupWhenAPostFails) {
+  auto group = c10::make_intrusive<FakeGroup>();
+  group->send_work = c10::make_intrusive<FakeWork>();
+  group->coalesced_work = c10::make_intrusive<FakeWork>();
+  ProcessGroupTransport transport(group, std::chrono::seconds(5));
+  const at::Tensor out = at::zeros({8}, at::kByte), in = at::zeros({16}, at::kByte);
+  const std::string error =
+      comm_error([&] { transport.send_and_receive(out, 1, in, 1, /*coalesced=*/true, "sendrecv"); });
+  EXPECT_NE(error.find("sendrecv of 24 bytes on rank 0 of 2 (fake process group) failed: the connection to rank 1 "
+                       "is closed"),
+            std::string::npos)
+      << error;
+  EXPECT_EQ(group->coalescing, 0);
+  EXPECT_TRUE(group->coalesced_work->waited);
+  // and a group whose posts all succeed is ended once
+  group->recv_work = c10::make_intrusive<FakeWork>();
+  group->coalesced_work = c10::make_intrusive<FakeWork>();
+  transport.send_and_receive(out, 1, in, 1, /*coalesced=*/true, "sendrecv");
+  EXPECT_EQ(group->coalescing, 0);
+  EXPECT_TRUE(group->coalesced_work->waited);
 }
 
 // c10d's Work::wait returns false for an operation that was aborted before it completed: its
