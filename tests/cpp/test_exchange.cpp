@@ -1001,6 +1001,32 @@ TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
   }
 }
 
+// A corrupt final list of SparDL (an index outside its block, found where the lists are added to
+// the output) fails the step with this rank's residual whole: residual + gradient, nothing sent.
+// The lists before it had already written what this rank kept into the residual, losing what it
+// had sent on.
+TEST(Faults, ACorruptFinalListOfSparDLLeavesTheResidualWhole) {
+  std::vector<float> residual;
+  std::exception_ptr error;
+  run_ranks(
+      2,
+      [&](int rank, Transport& transport) {
+        Corrupting corrupting(transport, rank == 0 ? 2 : -1, 32, 0xFFFFFFF0u);  // call 2: the final lists
+        CpuDevice device;
+        std::vector<float> g = grad_of(rank, 1000), r(1000, 0.0f);
+        SparDL method(0.05, 1);
+        try {
+          reduce_bucket(&method, corrupting, device, BucketView{DType::kFloat32, 1000, g.data(), r.data()}, {});
+        } catch (...) {
+          if (rank == 0) error = std::current_exception();
+        }
+        if (rank == 0) residual = r;
+      },
+      std::chrono::seconds(30), OnError::kPeersFail);
+  expect_corrupt_from_rank_1(error, "SparDL's final list");
+  EXPECT_EQ(residual, grad_of(0, 1000));
+}
+
 // Control words and announced sizes are checked against what they must be before anything is
 // allocated or read: a huge size is not allocated (it used to be, and failed with bad_alloc or
 // length_error, which did not stop the engine), a size that is not a multiple of 8 would have

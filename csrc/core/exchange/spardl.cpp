@@ -277,19 +277,23 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
   clear_output(device, bucket);
   const auto p = static_cast<float>(transport.size());
   if (s.divided_first) device.divide(bucket.dtype, s.accumulated.data(), bucket.numel, 1.0f / p);
+  // Every list is added to the output (scatter_add checks its indices) before any residual is
+  // rewritten, so that a corrupt list fails the step with the residual whole (residual + gradient).
+  std::vector<std::vector<int64_t>> indices(s.team_size);
   for (int b = 0; b < s.team_size; ++b) {
     if (s.length(b) == 0) continue;
     MessageView list = s.view(lists[b], b);
     list.source_rank = s.global(b);  // the list of block b's owner
     device.scatter_add(list, s.at(bucket.grad, b), s.divided_first ? 1.0f : p);
-    if (bucket.residual != nullptr) {
-      const Selection kept =
-          device.gather(BucketView{bucket.dtype, s.length(b), s.at(s.accumulated.data(), b), nullptr},
-                        HostMessage(device, list).index_list());
-      device.assign(s.view(kept, b), s.at(bucket.residual, b));
-    }
+    if (bucket.residual != nullptr) indices[b] = HostMessage(device, list).index_list();
     result.union_size += list.count;
     for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = list.count;
+  }
+  for (int b = 0; b < s.team_size && bucket.residual != nullptr; ++b) {
+    if (s.length(b) == 0) continue;
+    const Selection kept =
+        device.gather(BucketView{bucket.dtype, s.length(b), s.at(s.accumulated.data(), b), nullptr}, indices[b]);
+    device.assign(s.view(kept, b), s.at(bucket.residual, b));
   }
   return result;
 }
