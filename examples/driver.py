@@ -420,7 +420,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("off", "fp16", "bf16"),
         default="off",
         help="mixed precision: the forward pass autocast to float16, with a GradScaler (gradsparse methods run "
-        "with nonfinite='propagate' and their residuals follow its scale), or to bfloat16 (no scaler)",
+        "with nonfinite='propagate' and their residuals follow its scale), or to bfloat16 (no scaler); on the CPU "
+        "float16 runs far slower than float32 (dense on the CNN 270 s an epoch against 6 s, examples/README.md): it is for GPUs",
     )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
