@@ -231,7 +231,19 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("bytes_received", [](const ReduceReport& r) { return r.traffic.bytes_received; })
       .def_property_readonly("collectives", [](const ReduceReport& r) { return r.traffic.collectives; })
       .def_readonly("select_seconds", &ReduceReport::select_seconds)
-      .def_readonly("exchange_seconds", &ReduceReport::exchange_seconds);
+      .def_readonly("exchange_seconds", &ReduceReport::exchange_seconds)
+      .def(
+          "taken_message",
+          [](const ReduceReport& r, const c10::Device& device) -> std::optional<at::Tensor> {
+            if (r.taken == nullptr) return std::nullopt;
+            std::shared_ptr<const Selection> taken = r.taken;  // the tensor keeps the message alive
+            return at::from_blob(
+                taken->message.data(), {static_cast<int64_t>(taken->bytes)}, [taken](void*) {},
+                at::TensorOptions().dtype(at::kByte).device(device));
+          },
+          py::arg("device"),
+          "With keep_taken: what the step took from the residual (its values at every position the step "
+          "rewrote), as a message (gradsparse.unpack) in the memory of `device`, the bucket's; None otherwise.");
 
   py::class_<PyThreadGroup>(m, "ThreadGroup", "N ranks as threads of this process (for tests).")
       .def(py::init<int, double>(), py::arg("size"), py::arg("timeout_seconds") = 60.0)
@@ -266,7 +278,7 @@ PYBIND11_MODULE(_C, m) {
           [](Engine& engine, const at::Tensor& grad, std::optional<at::Tensor> residual, std::shared_ptr<Method> method,
              bool dense, const std::string& nonfinite, const std::string& bucket_name,
              std::shared_ptr<ReduceReport> report, bool shard_only, std::optional<at::Tensor> velocity, double momentum,
-             bool momentum_masking) {
+             bool momentum_masking, bool keep_taken) {
             ReduceOptions options;
             options.dense = dense;
             options.shard_only = shard_only;
@@ -274,16 +286,18 @@ PYBIND11_MODULE(_C, m) {
             options.bucket_name = bucket_name;
             options.momentum = static_cast<float>(momentum);
             options.momentum_masking = momentum_masking;
+            options.keep_taken = keep_taken;
             auto future = engine.submit(grad, std::move(residual), std::move(velocity), std::move(method), options,
                                         std::move(report));
             return torch::jit::toPyObject(c10::IValue(future));
           },
           py::arg("grad"), py::arg("residual"), py::arg("method"), py::arg("dense"), py::arg("nonfinite"),
           py::arg("bucket_name"), py::arg("report"), py::arg("shard_only") = false, py::arg("velocity") = py::none(),
-          py::arg("momentum") = 0.0, py::arg("momentum_masking") = false,
+          py::arg("momentum") = 0.0, py::arg("momentum_masking") = false, py::arg("keep_taken") = false,
           "Queue one bucket; returns a torch.futures.Future holding `grad`, reduced in place (with `shard_only`, "
           "only this rank's 1/P of it, in rank order). With a `velocity`, momentum correction with factor "
-          "`momentum` runs first (`momentum_masking`: where the residual is zero the velocity restarts).")
+          "`momentum` runs first (`momentum_masking`: where the residual is zero the velocity restarts). With "
+          "`keep_taken`, the report keeps what a sparse step took from the residual (ReduceReport.taken_message).")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
            "Finish queued work and stop the thread.");
 }

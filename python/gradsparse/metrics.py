@@ -56,6 +56,16 @@ class BucketStats:
             self.imbalance_sum += report.imbalance
             self.imbalance_steps += 1
 
+    def withdraw(self, report) -> None:
+        """A sparse step recorded before and then taken back (nonfinite="propagate": another bucket
+        of its step overflowed): it counts as skipped, in no density; its bytes were sent."""
+        self.sparse_elements -= report.numel
+        self.selected -= report.selected
+        self.selected_all -= report.selected_all
+        self.union -= report.union_size
+        self.elements_sent -= report.selected
+        self.skipped_steps += 1
+
     def add(self, other: BucketStats) -> None:
         for f in fields(self):
             if f.name in ("numel", "threshold", "exchange"):
@@ -83,6 +93,10 @@ class Metrics:
 
     def record(self, bucket_index: int, report, world_size: int, element_size: int) -> None:
         self.buckets.setdefault(bucket_index, BucketStats()).record(report, world_size, element_size)
+
+    def withdraw(self, bucket_index: int, report) -> None:
+        if bucket_index in self.buckets:  # else reset since it was recorded
+            self.buckets[bucket_index].withdraw(report)
 
     def summary(self, world_size: int, global_target: bool = False) -> dict:
         """``global_target``: the method's density counts all ranks' pairs (MiCRO, ExDyna,

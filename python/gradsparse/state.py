@@ -72,6 +72,16 @@ def _close_all_states() -> None:
         state.close()
 
 
+class _PropagatedStep:
+    """nonfinite="propagate": what one step's buckets did so far (State._propagate)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
+        self.dense: list[torch.Tensor] = []  # the outputs of its dense buckets, which pass NaN on
+        self.taken: list[tuple[int, Any, torch.Tensor]] = []  # (bucket index, report, residual) of its sparse buckets
+
+
 class State:
     """Base class of every gradsparse state; use a subclass such as :class:`TopK`.
 
@@ -189,6 +199,7 @@ class State:
         self._metrics = Metrics()
         self._scaler = None  # set_scaler(): the GradScaler whose scale the gradients carry
         self._scale_read_at: int | None = None  # the step whose loss scale was read (_follow_scale)
+        self._propagated: _PropagatedStep | None = None  # nonfinite="propagate": this step's buckets so far
         _LIVE_STATES.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -421,6 +432,7 @@ class State:
             self._deferred = []
             self._failed_step = not last
             self._scale_read_at = None  # the step is not counted: its retry reads the scale again
+            self._propagated = None
 
             def fail(_: torch.futures.Future, error: Exception = error) -> torch.Tensor:
                 raise error
@@ -578,14 +590,16 @@ class State:
             for piece, saved in held:
                 piece.copy_(saved)
 
+        propagate = self._nonfinite == "propagate"
         try:
             future = self._engine.submit(
                 buffer, residual, entry.method, dense, _ENGINE_POLICY[self._nonfinite], label, report, shard_only,
-                entry.velocity, self._momentum, masking,
+                entry.velocity, self._momentum, masking, propagate and residual is not None,
             )  # fmt: skip
         except BaseException:
             put_back()
             raise
+        step = self._step
         if last:
             self._step += 1
             self._table.end_step()
@@ -593,15 +607,49 @@ class State:
 
         def finish(fut: torch.futures.Future) -> torch.Tensor:
             put_back()
-            value = fut.value()  # raises the engine's error, if any
+            try:
+                value = fut.value()  # raises the engine's error, if any
+            except Exception:
+                self._propagated = None
+                raise
             self._metrics.record(index, report, self._world_size, element_size)
             if timed is not None and not report.skipped:
                 self._trial.record(index, timed, report.exchange_seconds)
-            if report.skipped and self._nonfinite == "propagate":
-                value.fill_(math.nan)
+            if propagate:
+                if report.skipped:
+                    value.fill_(math.nan)
+                self._propagate(step, index, report, residual, value, last)
             return value
 
         return future.then(finish)
+
+    def _propagate(
+        self, step: int, index: int, report, residual: torch.Tensor | None, value: torch.Tensor, last: bool
+    ) -> None:
+        """nonfinite="propagate": a step that hands back NaN in any bucket is skipped whole by the
+        loss scaler (or whoever reads the NaN), so what the step's other buckets sent is applied
+        nowhere. At the step's last bucket every such bucket takes back what its selection took from
+        its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
+        bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
+        NaN on as DDP does, and counts too."""
+        pending = self._propagated
+        if pending is None or pending.step != step:
+            pending = self._propagated = _PropagatedStep(step)
+        if report.skipped:
+            pending.overflowed = True
+        elif report.dense:
+            pending.dense.append(value)
+        elif residual is not None:
+            pending.taken.append((index, report, residual))
+        if not last:
+            return
+        self._propagated = None
+        if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):
+            for bucket_index, taken_report, taken_residual in pending.taken:
+                message = taken_report.taken_message(taken_residual.device)
+                indices, values = torch.ops.gradsparse.unpack(message, taken_residual.dtype, taken_residual.numel())
+                taken_residual.index_copy_(0, indices, values)
+                self._metrics.withdraw(bucket_index, taken_report)
 
     def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:
         """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""

@@ -745,6 +745,64 @@ TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
     }
 }
 
+// With keep_taken, a completed sparse step reports what it took from the residual: written back
+// (out[index] = value), the residual is residual + gradient, to the bit, as if nothing had been
+// sent (nonfinite="propagate" takes back the step of a bucket when another one overflowed). Every
+// exchange: the ones whose selection zeroes the residual, reduce-scatter + all-gather (which takes
+// back what no owner kept), the union's and SparDL's (which rewrite the residual themselves), and
+// FSDP's sparse reduce-scatter. Without keep_taken nothing is kept.
+TEST(ReduceBucket, WritingBackWhatAStepTookLeavesResidualPlusGradient) {
+  const std::vector<std::pair<const char*, std::function<std::unique_ptr<Method>()>>> methods = {
+      {"Top-k, fixed-size gather", [] { return std::make_unique<TopK>(0.05); }},
+      {"Threshold, gather-and-add", [] { return std::make_unique<Threshold>(1.0); }},
+      {"Top-k, reduce-scatter + all-gather", [] { return std::make_unique<TopK>(0.05, "reduce_scatter"); }},
+      {"Random-k, shared indices", [] { return std::make_unique<RandomK>(0.05, 3); }},
+      {"MiCRO, union", [] { return std::make_unique<MiCRO>(0.05, "union", false, 0); }},
+      {"ExDyna, exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", false, 0); }},
+      {"SparDL, one team", [] { return std::make_unique<SparDL>(0.05, 1); }},
+      {"SparDL, two teams", [] { return std::make_unique<SparDL>(0.05, 2); }},
+  };
+  constexpr int kRanks = 4;
+  constexpr int64_t n = 4000;
+  for (const auto& [name, make] : methods) {
+    for (const bool shard_only : {false, true}) {
+      for (const bool keep : {true, false}) {
+        std::vector<std::vector<float>> residuals(kRanks);
+        std::vector<ReduceReport> reports(kRanks);
+        int64_t taken = 0;  // pairs taken, over the ranks (ExDyna's first step may select on one rank only)
+        rethrow_first(run_ranks(kRanks, [&](int rank, Transport& transport) {
+          CpuDevice device;
+          std::vector<float> g = grad_of(rank, n);
+          residuals[rank] = residual_of(rank, n);
+          auto method = make();
+          ReduceOptions options;
+          options.keep_taken = keep;
+          options.shard_only = shard_only;
+          reports[rank] = reduce_bucket(method.get(), transport, device,
+                                        BucketView{DType::kFloat32, n, g.data(), residuals[rank].data()}, options);
+          if (reports[rank].taken != nullptr)
+            device.assign(reports[rank].taken->view(DType::kFloat32, n), residuals[rank].data());
+        }));
+        for (int r = 0; r < kRanks; ++r) {
+          SCOPED_TRACE(std::string(name) + (shard_only ? ", shard only" : "") + ", rank " + std::to_string(r));
+          ASSERT_FALSE(reports[r].skipped);
+          if (!keep) {
+            EXPECT_EQ(reports[r].taken, nullptr);
+            continue;
+          }
+          ASSERT_NE(reports[r].taken, nullptr);
+          taken += reports[r].taken->count;
+          const std::vector<float> res = residual_of(r, n), g = grad_of(r, n);
+          std::vector<float> want(n);
+          for (int64_t i = 0; i < n; ++i) want[i] = res[i] + g[i];
+          EXPECT_EQ(residuals[r], want);
+        }
+        if (keep) EXPECT_GT(taken, 0) << name;
+      }
+    }
+  }
+}
+
 // A step skipped for a non-finite value leaves every method's state as it was (method.h,
 // observe()): the density control of the estimating methods learned from the skipped step's
 // selection before, and the next step started from there. Nor does a step after it that asks no

@@ -716,6 +716,64 @@ def test_the_dense_states_velocity_follows_the_loss_scale_and_a_scaler_can_be_dr
         assert torch.equal(got, want)
 
 
+class _Overflowing(nn.Module):
+    """Two linear layers in DDP buckets of their own (bucket_cap_mb below); with ``overflow`` set,
+    the first layer's gradients get an Inf, the second's stay finite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.l0, self.l2 = nn.Linear(8, 32), nn.Linear(32, 3)
+        self.overflow = False
+
+    def forward(self, x):
+        h = torch.relu(self.l0(x))
+        if self.overflow:
+            h.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), math.inf))
+        return self.l2(h)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gs.TopK(density=0.1, nonfinite="propagate"),
+        lambda: gs.TopK(density=0.1, exchange="reduce_scatter", nonfinite="propagate"),
+        lambda: gs.MiCRO(density=0.1, nonfinite="propagate"),
+        lambda: gs.SparDL(density=0.1, nonfinite="propagate"),
+    ],
+    ids=["topk", "topk-reduce-scatter", "micro", "spardl"],
+)
+def test_a_step_that_overflows_in_one_bucket_takes_back_what_the_other_buckets_sent(make):
+    """nonfinite="propagate" under a GradScaler: an overflow in one bucket makes the scaler skip
+    the whole step, so what the other buckets sent is applied nowhere. They take it back: their
+    residuals hold residual + gradient after the step, to the bit, as the skipped bucket's do
+    (ruling 5), and their statistics count the step as skipped. What they sent was lost before."""
+    net = _Overflowing()
+    ddp = DDP(net, bucket_cap_mb=0.0003)
+    state = gs.register(ddp, make())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    state.set_scaler(scaler)
+    batches = _batches(5)
+    _train_scaled(ddp, batches[:4], scaler)  # residuals hold gradient of earlier steps
+    assert [sorted(names) for names in state.state_dict()["layout"]] == [
+        ["l2.bias", "l2.weight"],
+        ["l0.bias", "l0.weight"],
+    ]
+    before = {name: t.clone() for name, t in state.state_dict()["residuals"].items()}
+    weights = [p.detach().clone() for p in net.parameters()]
+    x, y = batches[4]
+    twin = copy.deepcopy(net)  # the same step's own gradient of the finite layer
+    (nn.functional.cross_entropy(twin(x), y) * scaler.get_scale()).backward()
+    net.overflow = True
+    _train_scaled(ddp, [(x, y)], scaler)
+    assert all(torch.equal(a, b) for a, b in zip(weights, net.parameters(), strict=True)), "the scaler stepped"
+    after = state.state_dict()["residuals"]
+    for name in ("l2.weight", "l2.bias"):
+        assert torch.equal(after[name], before[name] + twin.get_parameter(name).grad.reshape(-1)), name
+    buckets = state.stats()["buckets"]
+    assert buckets[0]["skipped_steps"] == 1 and buckets[1]["skipped_steps"] == 1, buckets
+
+
 def _saved(steps=2):
     state = gs.TopK(density=0.05)
     _train(_hooked(state), steps)

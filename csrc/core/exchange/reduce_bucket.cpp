@@ -118,7 +118,7 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   exchange.check(bucket, transport.size());
   TransportCollective group(transport, device, exchange);
   report.exchange = exchange.name();
-  const Selection selection = method->select(device, bucket, group);
+  Selection selection = method->select(device, bucket, group);
   report.select_seconds = seconds_since(t0);
   report.nonfinite = selection.nonfinite;
   // Where the step does not complete, this rank's residual gets back what its selection zeroed
@@ -128,10 +128,18 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
       device.scatter_add(selection.view(bucket), bucket.residual, 1.0f);
   };
 
+  // What the step takes from the residual: the selection where it zeroed it (the exchanges that
+  // take back what no owner kept write back the selection's own values), else what the exchange
+  // records before it rewrites the residual.
+  const bool keep_taken = options.keep_taken && bucket.residual != nullptr;
+  Selection taken;
+  BucketView view = bucket;
+  if (keep_taken && !exchange.selection_zeroes()) view.taken = &taken;
+
   t0 = std::chrono::steady_clock::now();
   const ExchangeResult result = [&] {
     try {
-      return guarded(options, bucket, [&] { return exchange.run(transport, device, bucket, selection); });
+      return guarded(options, bucket, [&] { return exchange.run(transport, device, view, selection); });
     } catch (...) {  // a refusal or a failure: the selection reached no one this rank can count on
       restore_residual();
       throw;
@@ -148,6 +156,9 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
     restore_residual();
     return abort_step(result, options, bucket, device, report);
   }
+  if (keep_taken)
+    report.taken =
+        std::make_shared<const Selection>(exchange.selection_zeroes() ? std::move(selection) : std::move(taken));
   method->observe(bucket, result);
   const MethodReport figures = method->report();
   report.threshold = figures.threshold;

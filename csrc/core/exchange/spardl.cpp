@@ -289,6 +289,12 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
     result.union_size += list.count;
     for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = list.count;
   }
+  if (bucket.taken != nullptr) {  // the residual at every position of the final lists, before they rewrite it
+    std::vector<int64_t> global;
+    for (int b = 0; b < s.team_size; ++b)
+      for (int64_t i : indices[b]) global.push_back(s.begin(b) + i);
+    *bucket.taken = device.gather(bucket, global);
+  }
   for (int b = 0; b < s.team_size && bucket.residual != nullptr; ++b) {
     if (s.length(b) == 0) continue;
     const Selection kept =

@@ -58,7 +58,8 @@ class UnionAllreduce final : public Exchange {
     }
     clear_output(device, bucket);
     device.scatter_add(view, bucket.grad, divisor);
-    device.zero_at(bucket, view);  // every rank zeroes the whole union
+    if (bucket.taken != nullptr) *bucket.taken = device.gather(bucket, all);  // before the union is zeroed
+    device.zero_at(bucket, view);                                             // every rank zeroes the whole union
     return result;
   }
 };

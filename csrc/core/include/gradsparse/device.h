@@ -58,6 +58,8 @@ class Buffer {
 };
 
 /// A dense bucket as the core sees it: `grad` is also where the averaged result is written.
+struct Selection;
+
 struct BucketView {
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
@@ -69,6 +71,10 @@ struct BucketView {
   /// view. reduce_bucket overwrites both from its ReduceOptions, the one place its callers set them.
   float momentum = 0.0f;
   bool momentum_masking = false;
+  /// Where set (reduce_bucket, ReduceOptions::keep_taken), an exchange that rewrites the residual
+  /// itself after the data moved (union + all-reduce, SparDL: Exchange::selection_zeroes() false)
+  /// records here the residual's values at the positions it rewrites, just before rewriting them.
+  Selection* taken = nullptr;
 };
 
 /// One rank's packed selection for one bucket: a message (message.h) in device memory.

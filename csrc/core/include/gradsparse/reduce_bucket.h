@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,10 @@ struct ReduceOptions {
   /// Momentum factor masking: the velocity restarts from zero where the residual is zero, which is
   /// where the previous step emptied it (set when the previous step was sparse).
   bool momentum_masking = false;
+  /// Keep what a completed sparse step took from the residual (ReduceReport::taken), so that the
+  /// step can be taken back if its result is not applied (nonfinite="propagate": another bucket
+  /// of the step overflowed, so the loss scaler skips the whole step).
+  bool keep_taken = false;
 };
 
 struct ReduceReport {
@@ -58,6 +63,10 @@ struct ReduceReport {
   std::string exchange;  ///< the exchange that ran (exchange_name), or "dense all-reduce"
   double select_seconds = 0.0;
   double exchange_seconds = 0.0;
+  /// With ReduceOptions::keep_taken, after a completed sparse step with a residual: the residual's
+  /// values (residual + gradient) at every position the step rewrote, as a message for the bucket.
+  /// Writing them back (out[index] = value) leaves the residual as if nothing had been sent.
+  std::shared_ptr<const Selection> taken;
 };
 
 ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device, const BucketView& bucket,
