@@ -97,6 +97,22 @@ class BucketTable:
         self.parked_methods = parked_methods
         self.scale = scale
 
+    def overflows(self, scale: float) -> bool:
+        """Whether moving to loss scale ``scale`` would overflow a 16-bit residual or velocity
+        (float16 holds at most 65504): a scale that grows can take a residual that fit past it."""
+        if not scale > self.scale:
+            return False
+        factor = scale / self.scale
+        tensors = [getattr(b, kind) for b in self.buckets.values() for kind in KINDS]
+        tensors += [piece for pieces in self.parked.values() for piece in pieces.values()]
+        return any(
+            t is not None
+            and t.element_size() == 2
+            and t.numel() > 0
+            and float(t.abs().max()) * factor > torch.finfo(t.dtype).max
+            for t in tensors
+        )
+
     def rescale(self, scale: float) -> None:
         """Moves every residual, velocity and method of the table to loss scale ``scale`` (a
         GradScaler changed its scale: this step's gradients are in the new one). Powers of two,

@@ -200,6 +200,7 @@ class State:
         self._scaler = None  # set_scaler(): the GradScaler whose scale the gradients carry
         self._scale_read_at: int | None = None  # the step whose loss scale was read (_follow_scale)
         self._propagated: _PropagatedStep | None = None  # nonfinite="propagate": this step's buckets so far
+        self._overflowed_at: int | None = None  # the step whose loss scale the residuals could not follow
         _LIVE_STATES.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -560,8 +561,15 @@ class State:
                 f"gradsparse: the loss scale of {type(self).__name__}'s GradScaler is {scale}; it must be a positive "
                 "finite number (the scaler's init_scale, or a scale it came to): check the scaler's settings"
             )
-        self._table.rescale(scale)
         self._scale_read_at = self._step
+        self._overflowed_at = self._step if self._table.overflows(scale) else None
+        if self._overflowed_at is not None:
+            # A float16 residual or velocity cannot follow the scale up. This rank hands the step to
+            # the engine as NaN instead (_submit): every rank skips it and hands back NaN, so every
+            # scaler backs off, and the residuals keep what they held (this rank's gradient of the
+            # step is dropped, as DDP drops an overflowed step's). The table stays at its scale.
+            return
+        self._table.rescale(scale)
 
     def _submit(
         self, entry: Bucket, buffer: torch.Tensor, last: bool, shard_only: bool = False
@@ -569,6 +577,8 @@ class State:
         """Hands the bucket to the engine (selection and exchange run there, C++); the future's
         callback records the statistics and yields the reduced bucket."""
         self._follow_scale()
+        if self._overflowed_at == self._step:
+            buffer.fill_(math.nan)
         dense = self._step < self._warmup_steps or entry.method is None
         residual = None
         if self._error_feedback and not dense:

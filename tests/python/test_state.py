@@ -774,6 +774,59 @@ def test_a_step_that_overflows_in_one_bucket_takes_back_what_the_other_buckets_s
     assert buckets[0]["skipped_steps"] == 1 and buckets[1]["skipped_steps"] == 1, buckets
 
 
+class _Scale:
+    """A loss scaler as set_scaler reads one (get_scale()), set by hand."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def get_scale(self):
+        return self.scale
+
+
+def test_a_float16_residual_that_cannot_follow_the_scale_up_skips_the_step_instead_of_overflowing():
+    """A float16 bucket (FSDP2 with reduce_dtype=float16, say) whose residual holds more than half
+    of float16's range when the scaler doubles its scale: the residual cannot follow (x 2 would
+    be Inf, and Inf never comes back down, so every later step came back NaN). The step is skipped
+    instead, handed back as NaN, so the scaler backs off, and the residual keeps what it held; at
+    the old scale training goes on."""
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.zeros(100, dtype=torch.float16))
+
+        def forward(self, c):
+            return (self.p.float() * c).sum()
+
+    c = torch.full((100,), 8.0)
+    c[0] = 60.0  # element 0 is sent at every step (k = 1); the others pile up in the residual
+    model = Half()
+    ddp = DDP(model)
+    scaler = _Scale(2.0**9)
+    state = gs.register(ddp, gs.TopK(density=0.01, nonfinite="propagate").set_scaler(scaler))
+
+    def step():
+        model.p.grad = None
+        (ddp(c) * scaler.get_scale()).backward()
+        return model.p.grad, state.state_dict()["residuals"]["p"].clone()
+
+    for _ in range(9):
+        grad, residual = step()
+        assert torch.isfinite(grad).all()
+    assert float(residual.abs().max()) > 65504 / 2
+    scaler.scale = 2.0**10
+    grad, after = step()
+    assert torch.isnan(grad).all()
+    assert torch.equal(after, residual) and state.state_dict()["loss_scale"] == 2.0**9
+    scaler.scale = 2.0**9  # the scaler backed off
+    grad, after = step()
+    assert torch.isfinite(grad).all() and torch.isfinite(after).all()
+    want = residual + c.to(torch.float16) * 2**9
+    sent = after != want  # the one element the step sent, zero in the residual
+    assert int(sent.sum()) == 1 and float(after[sent]) == 0.0
+
+
 def _saved(steps=2):
     state = gs.TopK(density=0.05)
     _train(_hooked(state), steps)
