@@ -281,18 +281,21 @@ class ShardedState:
         """The per-element state this state checkpoints: residuals, and velocities with momentum."""
         return ("residuals", "velocities") if self.state._momentum else ("residuals",)
 
-    def _methods_blob(self, methods: list, stats: dict) -> torch.Tensor:
+    def _methods_blob(self, saved: dict) -> torch.Tensor:
         """This rank's method states (a list of {name: float} or None) and statistics (bucket index
-        -> counters) as JSON in a zero-padded uint8 tensor of a size every rank computes alike
-        (their keys can change with the steps: ExDyna's layout appears at its first step, and a
-        bucket's counters at its first step, so DCP could not load them key by key). The size is
-        that of the checkpoints before the statistics joined the method states, so that those load:
-        they hold a JSON list (the method states alone), these a JSON object."""
+        -> counters), with the link of exchange="auto" and the loss scale (the same on every rank),
+        as JSON in a zero-padded uint8 tensor of a size every rank computes alike (their keys can
+        change with the steps: ExDyna's layout appears at its first step, and a bucket's counters at
+        its first step, so DCP could not load them key by key; and an entry of its own would make
+        DCP refuse every checkpoint saved before it). The size is that of the checkpoints before
+        the statistics joined the method states, so that those load: they hold a JSON list (the
+        method states alone), these a JSON object."""
         world_size = dist.get_world_size(self.state.process_group)
         size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
-        text = json.dumps({"methods": methods, "stats": stats}, separators=(",", ":")).encode()
+        entries = {"methods": saved["methods"], "link": saved.get("link"), "loss_scale": saved["loss_scale"]}
+        text = json.dumps({**entries, "stats": saved["stats"]}, separators=(",", ":")).encode()
         if len(text) > size:
-            text = json.dumps(methods).encode()
+            text = json.dumps(entries, separators=(",", ":")).encode()
             if len(text) > size:
                 raise RuntimeError(
                     f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}"
@@ -331,11 +334,8 @@ class ShardedState:
             # The method states and statistics of each rank. Statistics differ by rank: saved once
             # (as a plain entry), DCP would keep one rank's, and a process that holds no counters
             # yet would name none of them to load.
-            "methods": self._per_rank(self._methods_blob(saved["methods"], saved["stats"])),
-            # exchange="auto": the link its picks come from (the same on every rank; an empty list without it)
-            "link": list(saved.get("link") or []),
-            # set_scaler: the loss scale of residuals, velocities and method states (the same on every rank)
-            "loss_scale": saved["loss_scale"],
+            # exchange="auto"'s link and set_scaler's loss scale ride along.
+            "methods": self._per_rank(self._methods_blob(saved)),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -349,7 +349,7 @@ class ShardedState:
             for key in ("residuals", "velocities")
         }
         state = self.state
-        methods, stats = _decode_methods(local(state_dict["methods"]))
+        blob = _decode_methods(local(state_dict["methods"]))
         state.load_state_dict(
             {
                 "version": STATE_DICT_VERSION,
@@ -359,22 +359,25 @@ class ShardedState:
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
                 **with_checksums(tensors["residuals"], tensors["velocities"]),
-                "methods": methods,
                 "layout": state_dict["layout"],
-                "stats": stats,
-                "link": state_dict.get("link") or None,  # absent from checkpoints of gradsparse before it
-                "loss_scale": state_dict.get("loss_scale", 1.0),  # likewise
+                **blob,
             }
         )
 
 
-def _decode_methods(blob: torch.Tensor) -> tuple[list, dict]:
-    """A rank's method states and statistics from its block of the "methods" entry. A checkpoint of
-    gradsparse before per-rank statistics holds the method states alone (a JSON list), and its
-    statistics, saved once for all ranks, are not loaded: they are one rank's (or none), and a
-    load that named them would fail on a checkpoint saved before a bucket's first step."""
+def _decode_methods(blob: torch.Tensor) -> dict:
+    """A rank's method states, statistics, link and loss scale from its block of the "methods"
+    entry, each with its default where a checkpoint of an earlier gradsparse holds none. One before
+    per-rank statistics holds the method states alone (a JSON list), and its statistics, saved
+    once for all ranks, are not loaded: they are one rank's (or none), and a load that named them
+    would fail on a checkpoint saved before a bucket's first step."""
     text = bytes(blob.cpu().numpy().tobytes()).rstrip(b"\0")
     saved = json.loads(text) if text else []
     if isinstance(saved, list):
-        return saved, {}
-    return saved["methods"], saved["stats"]
+        saved = {"methods": saved}
+    return {
+        "methods": saved["methods"],
+        "stats": saved.get("stats", {}),
+        "link": saved.get("link"),
+        "loss_scale": saved.get("loss_scale", 1.0),
+    }

@@ -381,10 +381,12 @@ def test_dcp_checkpoint_gives_every_rank_its_own_statistics(tmp_path, world_size
 class EarlierShardedState(gs.fsdp.ShardedState):
     """ShardedState as gradsparse saved it before per-rank statistics: the "methods" entry (of the
     same size) holds each rank's method states alone, as a JSON list, and "stats" one copy of the
-    statistics, of which DCP kept one rank's."""
+    statistics, of which DCP kept one rank's; no link of exchange="auto" and no loss scale (entries
+    of their own from 2026-11-30 to 2026-12-01 made DCP refuse such checkpoints: "Missing key in
+    checkpoint state_dict: gradsparse.link")."""
 
     def state_dict(self) -> dict:
-        sd = super().state_dict()
+        sd = {k: v for k, v in super().state_dict().items() if k not in ("link", "loss_scale")}
         saved = self.state.state_dict()
         text = json.dumps(saved["methods"]).encode()
         blob = torch.zeros(sd["methods"].to_local().numel(), dtype=torch.uint8)
