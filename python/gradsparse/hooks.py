@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse.config import _describe
-from gradsparse.state import State
+from gradsparse.state import State, _failed
 
 __all__ = ["hook", "register"]
 
@@ -75,8 +75,9 @@ def _hook_for_ddp(user_hook: object) -> Callable:
     """``user_hook`` as DistributedDataParallel.register_comm_hook takes it, checked here, before any
     collective, so that every rank refuses it alike. DDP reads the hook's ``__name__`` and its
     parameter named ``bucket``: a functools.partial, a callable object or a function whose second
-    parameter has another name failed there with an AttributeError or a KeyError naming nothing;
-    such hooks are passed through a function of that form."""
+    parameter has another name failed there with an AttributeError or a KeyError naming nothing.
+    Every hook but gradsparse.hook is passed through a function of that form, which also turns what
+    the hook raises, or returns in place of a future, into a failed future."""
     if user_hook is hook:
         return hook
     fix = (
@@ -101,13 +102,26 @@ def _hook_for_ddp(user_hook: object) -> Callable:
         raise TypeError(
             f"gradsparse.register: hook must take two arguments, the state and the bucket, got {name}{signature}; {fix}"
         ) from None
-    if "bucket" in signature.parameters and hasattr(user_hook, "__name__"):
-        return user_hook  # as DDP takes it (and DDP checks its annotations)
+    name = getattr(user_hook, "__name__", type(user_hook).__name__)
 
     def adapted(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return user_hook(state, bucket)
+        # What the hook raises or returns in place of a future becomes a failed future: DDP
+        # crashed the process on a hook that returned None, and a raise inside its call leaves
+        # its reducer broken (State._failed).
+        try:
+            future = user_hook(state, bucket)
+        except Exception as error:
+            return _failed(error)
+        if not isinstance(future, torch._C.Future):
+            return _failed(
+                TypeError(
+                    f"gradsparse.register: the hook {name} returned {_what(future)}, not a future; "
+                    "return gradsparse.hook(state, bucket) from it (or a torch.futures.Future of its own)"
+                )
+            )
+        return future
 
-    adapted.__name__ = adapted.__qualname__ = getattr(user_hook, "__name__", type(user_hook).__name__)
+    adapted.__name__ = adapted.__qualname__ = name
     return adapted
 
 

@@ -434,11 +434,7 @@ class State:
             self._failed_step = not last
             self._scale_read_at = None  # the step is not counted: its retry reads the scale again
             self._propagated = None
-
-            def fail(_: torch.futures.Future, error: Exception = error) -> torch.Tensor:
-                raise error
-
-            return _done(None).then(fail)
+            return _failed(error)
 
     def _reduce_bucket(self, bucket: dist.GradBucket, index: int, last: bool) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -1088,3 +1084,15 @@ def _done(value) -> torch.futures.Future:
     future: torch.futures.Future = torch.futures.Future()
     future.set_result(value)
     return future
+
+
+def _failed(error: Exception) -> torch.futures.Future:
+    """A future that raises ``error``: what a DDP hook returns instead of raising, since an
+    exception thrown inside DDP's hook call leaves its reducer half-way through the step (every
+    later step then dies in one of PyTorch's internal asserts), while a failed future makes
+    backward() raise it once DDP has finished the step."""
+
+    def fail(_: torch.futures.Future) -> torch.Tensor:
+        raise error
+
+    return _done(None).then(fail)

@@ -466,6 +466,34 @@ def test_an_error_in_the_hook_leaves_the_model_usable():
     assert state.step == 4
 
 
+def test_a_hook_that_returns_no_future_or_raises_fails_the_step_and_leaves_the_model_usable():
+    """A hook given to gradsparse.register that forgets to return gradsparse.hook's future (a
+    timing wrapper, say) crashed the process inside DDP (a segfault); one that raises broke DDP's
+    reducer for every later step. Both now fail the step's backward() with the cause, and the
+    next step trains once the hook is fixed."""
+    broken = {"on": True}
+
+    def timed(state, bucket):
+        future = gs.hook(state, bucket)
+        if broken["on"] == "raise":
+            raise RuntimeError("the timer failed")
+        return None if broken["on"] else future
+
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_model())
+    gs.register(ddp, state, hook=timed)
+    with pytest.raises(
+        RuntimeError, match=r"the hook timed returned None \(NoneType\), not a future; return gradsparse\.hook"
+    ):
+        _train(ddp, 1)
+    broken["on"] = "raise"
+    with pytest.raises(RuntimeError, match="the timer failed"):
+        _train(ddp, 1)
+    broken["on"] = False
+    _train(ddp, 2)
+    assert state.stats()["total"]["steps"] >= 2
+
+
 class _ClosedGroup(dist.ProcessGroup):
     """Rank 0 of 2 whose collectives fail as they are posted, as a backend reports a connection
     its peer closed; counts the collectives posted."""
