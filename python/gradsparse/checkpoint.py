@@ -203,6 +203,10 @@ def _check(where: str, state_dict: dict) -> None:
     methods, layout = state_dict["methods"], state_dict["layout"]
     if not isinstance(methods, list) or not all(m is None or isinstance(m, dict) for m in methods):
         refuse("methods", "a list of method states (dicts, or None) by bucket index", methods)
+    for index, method in enumerate(methods):
+        for name, value in (method or {}).items():
+            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+                refuse(f"methods[{index}][{name!r}]", "a number (a method state maps names to numbers)", value)
     if not isinstance(layout, list) or not all(
         isinstance(names, list) and all(isinstance(n, str) for n in names) for names in layout
     ):

@@ -915,6 +915,11 @@ def _saved(steps=2):
             r"keep .* drop the statistics \(sd\['stats'\] = \{\}\) to resume without them",
         ),
         (lambda sd: dict(sd, link=5), r"the state dict's link should be None or the pair \(alpha, beta\)"),
+        (  # it failed at the first step, with pybind11's "incompatible function arguments", on this rank only
+            lambda sd: dict(sd, methods=[{"threshold": "0.1"}]),
+            r"the state dict's methods\[0\]\['threshold'\] should be a number \(a method state maps names to "
+            r"numbers\), got '0.1'",
+        ),
         (lambda sd: dict(sd, exchanges={0: "ring"}), "the state dict's exchanges should be None or the exchange by"),
     ],
 )
