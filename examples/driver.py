@@ -325,6 +325,15 @@ def count(text: str) -> int:
     return value
 
 
+def seed(text: str) -> int:
+    """argparse type of --seed: the runs derive their data order and augmentation from it in
+    64-bit arithmetic (seed * 100003 + ...), so it is kept to 32 bits."""
+    value = int(text)
+    if not 0 <= value < 2**32:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0 to {2**32 - 1}: give a seed in that range")
+    return value
+
+
 def positive(text: str) -> int:
     """argparse type of sizes and counts that must be at least 1 (epochs, batch size, widths)."""
     value = int(text)
@@ -423,7 +432,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with nonfinite='propagate' and their residuals follow its scale), or to bfloat16 (no scaler); on the CPU "
         "float16 runs far slower than float32 (dense on the CNN 270 s an epoch against 6 s, examples/README.md): it is for GPUs",
     )
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=seed, default=0)
     g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
     g.add_argument(
         "--threads",
@@ -1160,6 +1169,12 @@ def main(
     check_arguments(parser, args, methods)
     out = args.out or default_out
     rank, world = init_distributed(args)
+    for method in methods:  # the options that depend on the world size (SparDL's teams), on every rank alike
+        if method in gs.METHODS:
+            try:
+                gs.METHODS[method](**gradsparse_options(method, args))._check_world_size(world)
+            except ValueError as e:
+                exit_on_every_rank(f"--method {method}: {e}")
     task = make_task(args)
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())

@@ -405,6 +405,8 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
         # finished checkpoint (or, with --fresh, overwriting it); no method at all trained nothing
         (["--method", "dense,topk,dense"], "--method: dense given twice; each method trains once, in its run folder"),
         (["--method", ","], "--method: no method in ','; give one, or several separated by commas"),
+        # it overflowed the data order's 64-bit arithmetic mid-run
+        (["--seed", "200000000000000"], "argument --seed: 200000000000000 is outside 0 to 4294967295"),
     ],
 )
 def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
@@ -478,6 +480,21 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_train
     assert refused.returncode != 0
     assert said.count(f"cannot write the run folder {tmp_path / 'topk'}: {tmp_path / 'topk'} is a file") == 1, said
     assert "FileExistsError" not in said and not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
+
+
+def test_an_option_that_does_not_fit_the_world_size_is_refused_before_any_method_trains(tmp_path):
+    """SparDL's teams must divide the world size, which is known once the process group exists:
+    --teams 3 on 2 workers ended every rank in a traceback at SparDL's turn, after dense had
+    trained. Refused on every rank before any method trains, with SparDL's own message."""
+    args = [*TASKS["lstm"], "--method", "dense,spardl", "--teams", "3", "--max-steps", "2", "--no-progress"]
+    refused = start(torchrun("lstm"), [*args, "--out", str(tmp_path)])
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert (
+        "--method spardl: SparDL: teams=3 does not divide the world size 2; the ranks form teams of equal size" in said
+    )
+    assert "ValueError" not in said and "examples/driver.py" not in said, said[-3000:]  # no worker's traceback
+    assert not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
 
 
 def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_path):
