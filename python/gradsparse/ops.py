@@ -9,13 +9,33 @@ ops' fake kernels (so they trace under torch.compile and pass torch.library.opch
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from gradsparse import _C  # noqa: F401  (loading the library registers the ops)
+from gradsparse.config import _describe
 
 __all__ = ["pack", "scatter_add_", "select_threshold", "select_topk", "unpack"]
 
 _ops = torch.ops.gradsparse
+
+
+def _int(op: str, name: str, value: object, fix: str) -> None:
+    """Refuses what the op's int64 argument cannot take (a float, a bool, None, past 64 bits),
+    naming it; PyTorch's dispatcher named neither the op's wrapper nor the fix."""
+    if isinstance(value, torch.SymInt):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not -(2**63) <= value < 2**63:
+        raise TypeError(f"gradsparse.{op}: {name} must be a 64-bit int, got {_describe(value)}; {fix}")
+
+
+def _real(op: str, name: str, value: object, fix: str) -> None:
+    """Refuses what the op's double argument cannot take (a string, a bool, None), naming it."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"gradsparse.{op}: {name} must be a number, got {_describe(value)}; {fix}")
 
 
 def select_threshold(
@@ -30,6 +50,7 @@ def select_threshold(
     Returns:
         ``(indices, values)``: int64 indices in ascending order and the selected values.
     """
+    _real("select_threshold", "threshold", threshold, "pass the magnitude to select at, e.g. 1e-3")
     return _ops.select_threshold(grad, residual, threshold)
 
 
@@ -39,23 +60,29 @@ def select_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tu
     Returns:
         ``(indices, values)`` of the ``min(k, numel)`` selected elements, indices ascending.
     """
+    _int("select_topk", "k", k, "pass the count to select, e.g. int(density * grad.numel())")
     return _ops.select_topk(grad, residual, k)
 
 
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, divisor: float = 1.0) -> None:
     """``out[indices] += values / divisor`` with duplicates accumulated; every index is
     validated first (IndexError, and nothing written, when one is outside ``out``)."""
+    _real("scatter_add_", "divisor", divisor, "pass the number of ranks to average over, or 1.0")
     _ops.scatter_add_(out, indices, values, divisor)
 
 
 def pack(indices: torch.Tensor, values: torch.Tensor, dense_size: int) -> torch.Tensor:
     """Packs pairs (indices strictly ascending, in ``[0, dense_size)``) into one uint8 message:
     a 32-byte header, the indices (uint32 when they fit) and the values."""
+    _int("pack", "dense_size", dense_size, "pass the number of elements of the dense tensor, e.g. grad.numel()")
     return _ops.pack(indices, values, dense_size)
 
 
 def unpack(message: torch.Tensor, dtype: torch.dtype, dense_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Validates a message (header, length, indices) and returns its ``(indices, values)``."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"gradsparse.unpack: dtype must be a torch.dtype, got {_describe(dtype)}; e.g. torch.float32")
+    _int("unpack", "dense_size", dense_size, "pass the number of elements of the dense tensor, e.g. grad.numel()")
     return _ops.unpack(message, dtype, dense_size)
 
 

@@ -358,6 +358,19 @@ def test_sizes_from_a_dynamic_shape_compile_once():
          r"gradsparse\.unpack: sparse message is 10 bytes, shorter than its 32-byte header"),
         (lambda: gs.pack(torch.tensor([2, 1]), torch.ones(2), 9), IndexError,
          r"gradsparse\.pack: indices must be strictly ascending"),
+        # PyTorch's dispatcher refused these without the wrapper's name or a fix, or took a bool
+        (lambda: gs.select_topk(torch.ones(10), None, 0.01 * 10), TypeError,
+         r"gradsparse\.select_topk: k must be a 64-bit int, got 0\.1 \(float\); pass the count to select"),
+        (lambda: gs.select_topk(torch.ones(10), None, True), TypeError,
+         r"gradsparse\.select_topk: k must be a 64-bit int, got True \(bool\)"),
+        (lambda: gs.select_threshold(torch.ones(4), None, "1"), TypeError,
+         r"gradsparse\.select_threshold: threshold must be a number, got '1' \(str\)"),
+        (lambda: gs.scatter_add_(torch.zeros(5), torch.tensor([1]), torch.ones(1), None), TypeError,
+         r"gradsparse\.scatter_add_: divisor must be a number, got None \(NoneType\)"),
+        (lambda: gs.pack(torch.tensor([1]), torch.ones(1), 9.0), TypeError,
+         r"gradsparse\.pack: dense_size must be a 64-bit int, got 9\.0 \(float\)"),
+        (lambda: gs.unpack(gs.pack(torch.tensor([1]), torch.ones(1), 9), "float32", 9), TypeError,
+         r"gradsparse\.unpack: dtype must be a torch\.dtype, got 'float32' \(str\); e\.g\. torch\.float32"),
     ],
 )  # fmt: skip
 def test_every_error_of_an_op_names_the_op(call, error, message):
