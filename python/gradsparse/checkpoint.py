@@ -306,6 +306,20 @@ class AllRanks:
         mine = _to_cpu(state.state_dict())
         group = state.process_group
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world_size > 1 and dist.get_backend(group) == "gloo":
+            # Called on rank 0 alone (under `if rank == 0:`), the gather waited for ranks that never
+            # came, then failed with Gloo's "Connection closed by peer" once one exited. A monitored
+            # barrier (Gloo's) first bounds the wait by the state's timeout and names who is missing.
+            from gradsparse.state import _DEFAULT_TIMEOUT
+
+            try:
+                dist.monitored_barrier(group, timeout=state._timeout or _DEFAULT_TIMEOUT, wait_all_ranks=True)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"gradsparse.AllRanks.state_dict is collective: every rank of the state's group calls it, and "
+                    f"rank 0 receives every rank's residuals, but not every rank came: {e}. Call it on every rank, "
+                    "and save on rank 0: sd = gradsparse.AllRanks(state).state_dict(); if rank == 0: torch.save(sd, path)"
+                ) from None
         gathered: list | None = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)
         return {

@@ -80,3 +80,15 @@ def test_reshard_refuses_a_damaged_rank_instead_of_averaging_it(damage, message)
     damage(saved)
     with pytest.raises(ValueError, match=rf"gradsparse.reshard: .*{message}.*"):
         gs.reshard(saved, 1)
+
+
+def test_all_ranks_called_on_rank_0_alone_fails_within_the_timeout_naming_the_fix():
+    """AllRanks(state).state_dict() is collective; called on rank 0 alone (the usual `if rank ==
+    0: torch.save(...)`), rank 0 waited for the other ranks without bound, then failed with Gloo's
+    'Connection closed by peer' once one exited. It now fails within the state's timeout, saying
+    that every rank must call it and how to save."""
+    error = run_distributed(workers.all_ranks_on_rank_0_alone, 2, timeout=120)[0]
+    assert error is not None and error != "returned"
+    assert "gradsparse.AllRanks.state_dict is collective" in error, error
+    assert "Call it on every rank, and save on rank 0" in error, error
+    assert "Connection closed by peer" not in error, error

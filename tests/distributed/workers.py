@@ -848,3 +848,22 @@ def resume_exactly(rank: int, world_size: int, method: str, path: str, static_gr
         "first_step_buckets": first_step_buckets,
         "residual_norms": {n: float(t.norm()) for n, t in saved["gs"]["residuals"].items()},
     }
+
+
+def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
+    """gradsparse.AllRanks(state).state_dict() called under ``if rank == 0:``: rank 0's error (the
+    others go on without calling it, and stay past the state's timeout of 2 s)."""
+    import time
+
+    state = gs.TopK(density=0.05, timeout=2)
+    ddp = DDP(make_model())
+    gs.register(ddp, state)
+    train(ddp, rank, steps=2)
+    if rank != 0:
+        time.sleep(6)
+        return None
+    try:
+        gs.AllRanks(state).state_dict()
+    except RuntimeError as e:
+        return str(e)
+    return "returned"
