@@ -39,7 +39,8 @@ def _check_environment() -> None:
             "the CPU has, the default), avx2 (no AVX-512) or 0 (portable code only), or unset it"
         )
     threads = os.environ.get("GRADSPARSE_NUM_THREADS", "")
-    if threads and not (threads.strip(" ").isdigit() and 1 <= int(threads) <= 4096):
+    digits = threads.strip(" ")  # ASCII digits only: the kernels' reader takes no others ('٤'), int() not all ('²')
+    if threads and not (digits.isascii() and digits.isdigit() and 1 <= int(digits) <= 4096):
         raise ValueError(
             f"GRADSPARSE_NUM_THREADS={threads!r} is not a whole number of threads from 1 to 4096 for the CPU "
             "kernels: set it to, for example, 2, or unset it for OpenMP's default"

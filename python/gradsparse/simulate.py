@@ -551,6 +551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             import matplotlib
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or gradsparse[examples])")
+        if os.path.splitext(args.plot)[1].lower() != ".png":  # else savefig picks the format from the name
+            parser.error(f"--plot {args.plot}: the plot is a PNG; give a file name ending in .png")
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):  # else savefig's FileNotFoundError, after the table
             parser.error(

@@ -66,6 +66,9 @@ def _import_with(env_changes: dict[str, str], code: str = "import gradsparse") -
         ("GRADSPARSE_SIMD", "avx512", "set it to 1 (the widest the CPU has, the default), avx2 (no AVX-512) or 0"),
         ("GRADSPARSE_NUM_THREADS", "0", "set it to, for example, 2, or unset it"),
         ("GRADSPARSE_NUM_THREADS", "two", "set it to, for example, 2, or unset it"),
+        # digits of other scripts: one passed the check and the kernels ignored it, the other raised int()'s error
+        ("GRADSPARSE_NUM_THREADS", "\u0664", "set it to, for example, 2, or unset it"),
+        ("GRADSPARSE_NUM_THREADS", "\u00b2", "set it to, for example, 2, or unset it"),
     ],
 )
 def test_a_bad_kernel_variable_is_refused_at_import_naming_it_its_value_and_the_fix(variable, value, fix):

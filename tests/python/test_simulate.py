@@ -365,6 +365,20 @@ def test_a_plot_into_a_missing_folder_is_refused_before_the_table(tmp_path, caps
     assert out == ""
 
 
+@pytest.mark.parametrize("name", ["simulate.txt", "simulate"])
+def test_a_plot_whose_name_is_no_png_is_refused_before_the_table(tmp_path, capsys, name):
+    """savefig took the format from the name: 'x.txt' failed after the table (matplotlib's 'Format
+    txt is not supported'), and 'results' was written as results.png while the run said 'plot
+    written to results'."""
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as info:
+        simulate.main(["--world-size", "4", "--plot", str(tmp_path / name)])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert f"--plot {tmp_path / name}: the plot is a PNG; give a file name ending in .png" in err
+    assert out == ""
+
+
 def test_measure_link_at_one_rank_says_there_is_no_link():
     """Its fit divides by P - 1: at one rank (python -m benchmarks.link under torchrun
     --nproc-per-node=1) it ended in a ZeroDivisionError."""
