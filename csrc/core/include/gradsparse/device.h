@@ -57,9 +57,9 @@ class Buffer {
   std::function<void(void*)> release_;
 };
 
-/// A dense bucket as the core sees it: `grad` is also where the averaged result is written.
 struct Selection;
 
+/// A dense bucket as the core sees it: `grad` is also where the averaged result is written.
 struct BucketView {
   DType dtype = DType::kFloat32;
   int64_t numel = 0;
