@@ -81,10 +81,11 @@ ALL_RANKS_KEYS = ("class", "config", "world_size", "ranks")
 def _require(where: str, state_dict: dict, keys: tuple[str, ...], what: str) -> None:
     """Each of ``keys`` is in ``state_dict`` (``what`` it is, for the message; ``where``, the
     function that reads it)."""
-    missing = [k for k in keys if k not in state_dict]
-    if missing:
+    missing = [k for k in keys if k not in state_dict] if isinstance(state_dict, dict) else None
+    if missing is None or missing:
+        lacks = f"lacks {', '.join(missing)}" if missing else f"is {_describe(state_dict)}, no dict"
         raise ValueError(
-            f"{where}: {what} lacks {', '.join(missing)} (it should hold {', '.join(keys)}): it was "
+            f"{where}: {what} {lacks} (it should hold {', '.join(keys)}): it was "
             "cut short or changed after it was saved; load what State.state_dict() or "
             "gradsparse.AllRanks(state).state_dict() returned, as saved"
         )
@@ -386,6 +387,13 @@ def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]], scales: list[float
     out = {}
     for name in sorted({name for tensors in per_rank for name in tensors}):
         parts = [(tensors[name], scale) for tensors, scale in zip(per_rank, scales, strict=True) if name in tensors]
+        sizes = sorted({p.numel() for p, _ in parts})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"gradsparse.reshard: the ranks' residuals of {name} differ in size ({', '.join(map(str, sizes))} "
+                "elements): the state dict's ranks were saved from different models; reshard a state dict that "
+                "gradsparse.AllRanks(state).state_dict() returned, as saved"
+            )
         total = torch.stack([p.double() * (scales[0] / scale) for p, scale in parts]).sum(0)
         out[name] = (total / len(per_rank)).to(parts[0][0].dtype)
     return out

@@ -4,6 +4,7 @@ restoring its own residuals."""
 import pytest
 import torch
 
+from gradsparse.checkpoint import checksum
 from gradsparse.testing import run_distributed
 from tests.distributed import workers
 
@@ -70,6 +71,13 @@ def test_reshard_averages_residuals_saved_in_other_loss_scales_in_rank_0s():
         # a rank cut out of the file: the mean divided by the ranks left
         (lambda sd: sd["ranks"].pop(), "holds 1 ranks' state dicts but was saved at world size 2"),
         (lambda sd: sd["ranks"][0].pop("residuals"), "rank 0's part of the state dict lacks residuals"),
+        # these two ended in Python's "argument of type 'NoneType' is not iterable" and torch.stack's error
+        (lambda sd: sd["ranks"].__setitem__(1, None), r"rank 1's part of the state dict is None \(NoneType\), no dict"),
+        (
+            lambda sd: sd["ranks"][1].update(residuals={"w": torch.ones(5)}, checksums={"w": checksum(torch.ones(5))}),
+            r"the ranks' residuals of w differ in size \(5, 6 elements\): the state dict's ranks were saved from "
+            "different models",
+        ),
     ],
 )
 def test_reshard_refuses_a_damaged_rank_instead_of_averaging_it(damage, message):
