@@ -208,7 +208,10 @@ class Communication:
             )
         if method in gs.METHODS and not (args.fsdp and method == "dense"):  # dense FSDP: its own reduce-scatter
             state = gs.METHODS[method](**gradsparse_options(method, args))
-            self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
+            try:  # refused on every rank alike (--transport mpi under torchrun, say): no traceback
+                self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
+            except (TypeError, ValueError) as e:
+                exit_on_every_rank(f"--method {method}: {e}")
         elif method == "fp16":
             parallel.register_comm_hook(None, default_hooks.fp16_compress_hook)
             self.bytes_per_step = int(ring * numel * 2)

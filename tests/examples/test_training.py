@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import gradsparse as gs
 from examples import driver
 from gradsparse.testing import free_port, run_distributed
 from tests.refusals import assert_refused, never
@@ -482,19 +483,35 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_train
     assert "FileExistsError" not in said and not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
 
 
-def test_an_option_that_does_not_fit_the_world_size_is_refused_before_any_method_trains(tmp_path):
-    """SparDL's teams must divide the world size, which is known once the process group exists:
-    --teams 3 on 2 workers ended every rank in a traceback at SparDL's turn, after dense had
-    trained. Refused on every rank before any method trains, with SparDL's own message."""
-    args = [*TASKS["lstm"], "--method", "dense,spardl", "--teams", "3", "--max-steps", "2", "--no-progress"]
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        # SparDL's teams must divide the world size, known once the process group exists
+        (
+            ["--method", "dense,spardl", "--teams", "3"],
+            "--method spardl: SparDL: teams=3 does not divide the world size 2; the ranks form teams of equal size",
+        ),
+        # the exchanges on MPI_COMM_WORLD, which torchrun does not make
+        pytest.param(
+            ["--method", "topk", "--transport", "mpi"],
+            '--method topk: TopK: transport="mpi" runs on MPI_COMM_WORLD (rank 0 of 1) but torch.distributed has '
+            "rank 0 of 2",
+            marks=pytest.mark.skipif(not gs._C.mpi_available(), reason="this build has no MPI"),
+        ),
+    ],
+    ids=["teams", "mpi-under-torchrun"],
+)
+def test_an_option_that_does_not_fit_the_launch_is_refused_on_every_rank_without_a_traceback(tmp_path, argv, message):
+    """Options that only the process group can check ended every rank in a traceback at the
+    method's turn, after the methods before it had trained (--teams 3 on 2 workers), or at its
+    registration (--transport mpi under torchrun). Refused on every rank with the state's own
+    message: the world size before any method trains, the transport where it is registered."""
+    args = [*TASKS["lstm"], *argv, "--max-steps", "2", "--no-progress"]
     refused = start(torchrun("lstm"), [*args, "--out", str(tmp_path)])
     said = refused.stdout + refused.stderr
     assert refused.returncode != 0
-    assert (
-        "--method spardl: SparDL: teams=3 does not divide the world size 2; the ranks form teams of equal size" in said
-    )
+    assert message in said, said[-3000:]
     assert "ValueError" not in said and "examples/driver.py" not in said, said[-3000:]  # no worker's traceback
-    assert not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
 
 
 def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_path):
