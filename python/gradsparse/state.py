@@ -79,7 +79,8 @@ class _PropagatedStep:
         self.step = step
         self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
         self.dense: list[torch.Tensor] = []  # the outputs of its dense buckets, which pass NaN on
-        self.taken: list[tuple[int, Any, torch.Tensor]] = []  # (bucket index, report, residual) of its sparse buckets
+        # (bucket index, report, residual, the (start, length) spans of the pieces held out) of its sparse buckets
+        self.taken: list[tuple[int, Any, torch.Tensor, list[tuple[int, int]]]] = []
 
 
 class State:
@@ -624,20 +625,28 @@ class State:
             if propagate:
                 if report.skipped:
                     value.fill_(math.nan)
-                self._propagate(step, index, report, residual, value, last)
+                self._propagate(step, index, report, residual, held, value, last)
             return value
 
         return future.then(finish)
 
     def _propagate(
-        self, step: int, index: int, report, residual: torch.Tensor | None, value: torch.Tensor, last: bool
+        self,
+        step: int,
+        index: int,
+        report,
+        residual: torch.Tensor | None,
+        held: list[tuple[torch.Tensor, torch.Tensor]],
+        value: torch.Tensor,
+        last: bool,
     ) -> None:
         """nonfinite="propagate": a step that hands back NaN in any bucket is skipped whole by the
         loss scaler (or whoever reads the NaN), so what the step's other buckets sent is applied
         nowhere. At the step's last bucket every such bucket takes back what its selection took from
         its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
         bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
-        NaN on as DDP does, and counts too."""
+        NaN on as DDP does, and counts too. The pieces ``held`` out of the step (_hold_unused) were
+        put back after it and are left alone: the step wrote only zeros there."""
         pending = self._propagated
         if pending is None or pending.step != step:
             pending = self._propagated = _PropagatedStep(step)
@@ -646,14 +655,23 @@ class State:
         elif report.dense:
             pending.dense.append(value)
         elif residual is not None:
-            pending.taken.append((index, report, residual))
+            size, start = residual.element_size(), residual.data_ptr()
+            spans = [
+                ((piece.data_ptr() - start) // size, piece.numel())
+                for piece, _ in held
+                if start <= piece.data_ptr() < start + residual.numel() * size  # the residual's, not the velocity's
+            ]
+            pending.taken.append((index, report, residual, spans))
         if not last:
             return
         self._propagated = None
         if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):
-            for bucket_index, taken_report, taken_residual in pending.taken:
+            for bucket_index, taken_report, taken_residual, spans in pending.taken:
                 message = taken_report.taken_message(taken_residual.device)
                 indices, values = torch.ops.gradsparse.unpack(message, taken_residual.dtype, taken_residual.numel())
+                for begin, length in spans:
+                    outside = (indices < begin) | (indices >= begin + length)
+                    indices, values = indices[outside], values[outside]
                 taken_residual.index_copy_(0, indices, values)
                 self._metrics.withdraw(bucket_index, taken_report)
 

@@ -98,6 +98,19 @@ def test_a_find_unused_parameters_with_a_head_unused_every_other_step(density):
             assert torch.equal(h, p) if density == 1.0 else not torch.equal(h, first)
 
 
+def test_a_taken_back_step_leaves_the_residual_of_a_parameter_unused_on_this_rank_alone():
+    """nonfinite="propagate": when a step overflows in one bucket, the others take back what they
+    sent. With find_unused_parameters=True a parameter unused on this rank sits the step out (its
+    residual set aside and put back after it), yet the union exchange writes the positions other
+    ranks chose in it: taking those back wrote the step's zeros over the residual put back."""
+    for rank, (before, after, unused) in enumerate(
+        run_distributed(workers.propagated_overflow_with_a_head_unused_here, 2)
+    ):
+        for name in unused:
+            assert before[name].abs().sum() > 0, f"rank {rank}: {name} holds no residual to lose"
+            assert torch.equal(after[name], before[name]), f"rank {rank}: {name}"
+
+
 def test_a_state_follows_its_model_into_a_new_ddp_after_parameters_are_frozen_or_unfrozen():
     """Unfreezing a layer (or freezing one) needs a new DDP; registering the state there was
     refused as "registered on another model". At density 1.0 the three phases train as DDP without

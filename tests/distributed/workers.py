@@ -867,3 +867,35 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     except RuntimeError as e:
         return str(e)
     return "returned"
+
+
+def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> tuple[dict, dict, list[str]]:
+    """MiCRO (union exchange) under a GradScaler with nonfinite="propagate" on TwoHeads with
+    find_unused_parameters=True, rank 0 using the even head and rank 1 the odd one for 3 steps,
+    then the other; at step 4 an Inf in rank 0's trunk makes the scaler skip the step, and the
+    heads' buckets take back what they sent. Returns this rank's residuals before and after that
+    step, and the names of the head it did not use in it (whose residual the step must leave alone)."""
+    model = TwoHeads()
+    ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001)
+    state = gs.register(ddp, gs.MiCRO(density=0.1, nonfinite="propagate"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    state.set_scaler(scaler)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    before = {}
+
+    def overflow(module, inputs, out):
+        out.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), math.inf))
+
+    for i, (x, y) in enumerate(batches(rank, 4)):
+        if i == 3:
+            before = {name: t.clone() for name, t in state.state_dict()["residuals"].items()}
+        handle = model.trunk.register_forward_hook(overflow) if i == 3 and rank == 0 else None
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x, (rank == 0) != (i == 3)), y)  # the heads swap at step 4
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        if handle is not None:
+            handle.remove()
+    unused = [f"{'even' if rank == 0 else 'odd'}.{p}" for p in ("weight", "bias")]
+    return before, {name: t.clone() for name, t in state.state_dict()["residuals"].items()}, unused
