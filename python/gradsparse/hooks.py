@@ -39,8 +39,11 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         >>> state = gradsparse.TopK(density=0.01)
         >>> ddp_model.register_comm_hook(state, gradsparse.hook)
     """
-    if not isinstance(state, State):
-        _check_state("gradsparse.hook", state)
+    if not isinstance(state, State):  # as the state's own errors: a failed future, not a raise inside DDP's call
+        try:
+            _check_state("gradsparse.hook", state)
+        except TypeError as error:
+            return _failed(error)
     return state._reduce(bucket)
 
 

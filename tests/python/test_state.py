@@ -170,9 +170,18 @@ print("after:", state.step, state.stats()["total"]["selected"])
     assert "after: 1 3" in out.stdout  # 10% of 36 elements
 
 
-def test_hook_rejects_a_foreign_state():
-    with pytest.raises(TypeError, match="state must be a gradsparse state"):
-        gs.hook(object(), None)
+def test_hook_rejects_a_foreign_state_through_its_future_and_leaves_ddp_whole():
+    """gradsparse.hook given something that is no state (register_comm_hook(None, gs.hook))
+    raised inside DDP's hook call: the error was clear, but DDP's reducer was left half-way and
+    the next backward died in a PyTorch internal assert. The future carries the error, as for
+    the state's own errors, so every backward raises it."""
+    with pytest.raises(RuntimeError, match="state must be a gradsparse state"):
+        gs.hook(object(), None).wait()
+    ddp = DDP(_model())
+    ddp.register_comm_hook(None, gs.hook)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"gradsparse.hook: state must be a gradsparse state .* got None"):
+            _train(ddp, 1)
 
 
 def _train(ddp, steps, seed=0, momentum=0.0, switch_at=None):
