@@ -30,6 +30,15 @@ def _int(op: str, name: str, value: object, fix: str) -> None:
         raise TypeError(f"gradsparse.{op}: {name} must be a 64-bit int, got {_describe(value)}; {fix}")
 
 
+def _one_device(op: str, **tensors: torch.Tensor | None) -> None:
+    """Refuses meta tensors mixed with others: the dispatcher then ran the op's fake kernel, which
+    returned uninitialised pairs and wrote nothing, instead of the device checks' error."""
+    given = {name: t for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len({t.device for t in given.values()}) > 1 and any(t.is_meta for t in given.values()):
+        where = ", ".join(f"{name} is on {t.device}" for name, t in given.items())
+        raise ValueError(f"gradsparse.{op}: {where}; put them on one device")
+
+
 def _real(op: str, name: str, value: object, fix: str) -> None:
     """Refuses what the op's double argument cannot take (a string, a bool, None), naming it."""
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
@@ -51,6 +60,7 @@ def select_threshold(
         ``(indices, values)``: int64 indices in ascending order and the selected values.
     """
     _real("select_threshold", "threshold", threshold, "pass the magnitude to select at, e.g. 1e-3")
+    _one_device("select_threshold", grad=grad, residual=residual)
     return _ops.select_threshold(grad, residual, threshold)
 
 
@@ -61,6 +71,7 @@ def select_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tu
         ``(indices, values)`` of the ``min(k, numel)`` selected elements, indices ascending.
     """
     _int("select_topk", "k", k, "pass the count to select, e.g. int(density * grad.numel())")
+    _one_device("select_topk", grad=grad, residual=residual)
     return _ops.select_topk(grad, residual, k)
 
 
@@ -68,6 +79,7 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
     """``out[indices] += values / divisor`` with duplicates accumulated; every index is
     validated first (IndexError, and nothing written, when one is outside ``out``)."""
     _real("scatter_add_", "divisor", divisor, "pass the number of ranks to average over, or 1.0")
+    _one_device("scatter_add_", out=out, indices=indices, values=values)
     _ops.scatter_add_(out, indices, values, divisor)
 
 
@@ -75,6 +87,7 @@ def pack(indices: torch.Tensor, values: torch.Tensor, dense_size: int) -> torch.
     """Packs pairs (indices strictly ascending, in ``[0, dense_size)``) into one uint8 message:
     a 32-byte header, the indices (uint32 when they fit) and the values."""
     _int("pack", "dense_size", dense_size, "pass the number of elements of the dense tensor, e.g. grad.numel()")
+    _one_device("pack", indices=indices, values=values)
     return _ops.pack(indices, values, dense_size)
 
 

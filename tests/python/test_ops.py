@@ -369,6 +369,11 @@ def test_sizes_from_a_dynamic_shape_compile_once():
          r"gradsparse\.scatter_add_: divisor must be a number, got None \(NoneType\)"),
         (lambda: gs.pack(torch.tensor([1]), torch.ones(1), 9.0), TypeError,
          r"gradsparse\.pack: dense_size must be a 64-bit int, got 9\.0 \(float\)"),
+        # a meta tensor among others ran the fake kernel: uninitialised pairs, nothing written
+        (lambda: gs.select_topk(torch.ones(10), torch.zeros(10, device="meta"), 3), ValueError,
+         r"gradsparse\.select_topk: grad is on cpu, residual is on meta; put them on one device"),
+        (lambda: gs.scatter_add_(torch.zeros(5), torch.tensor([7], device="meta"), torch.ones(1)), ValueError,
+         r"gradsparse\.scatter_add_: out is on cpu, indices is on meta, values is on cpu; put them on one device"),
         (lambda: gs.unpack(gs.pack(torch.tensor([1]), torch.ones(1), 9), "float32", 9), TypeError,
          r"gradsparse\.unpack: dtype must be a torch\.dtype, got 'float32' \(str\); e\.g\. torch\.float32"),
     ],
