@@ -27,7 +27,7 @@ import datetime
 import inspect
 import math
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,15 @@ def _close_all_states() -> None:
         state.close()
 
 
+class _Taken(NamedTuple):
+    """A sparse bucket of a step under nonfinite="propagate": what it may have to take back."""
+
+    index: int
+    report: Any  # its _C.ReduceReport, which holds what the step took (taken_message)
+    residual: torch.Tensor
+    held: list[tuple[int, int]]  # (start, length) of the residual's pieces held out of the step (_hold_unused)
+
+
 class _PropagatedStep:
     """nonfinite="propagate": what one step's buckets did so far (State._propagate)."""
 
@@ -79,8 +88,7 @@ class _PropagatedStep:
         self.step = step
         self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
         self.dense: list[torch.Tensor] = []  # the outputs of its dense buckets, which pass NaN on
-        # (bucket index, report, residual, the (start, length) spans of the pieces held out) of its sparse buckets
-        self.taken: list[tuple[int, Any, torch.Tensor, list[tuple[int, int]]]] = []
+        self.taken: list[_Taken] = []  # its sparse buckets
 
 
 class State:
@@ -661,19 +669,19 @@ class State:
                 for piece, _ in held
                 if start <= piece.data_ptr() < start + residual.numel() * size  # the residual's, not the velocity's
             ]
-            pending.taken.append((index, report, residual, spans))
+            pending.taken.append(_Taken(index, report, residual, spans))
         if not last:
             return
         self._propagated = None
         if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):
-            for bucket_index, taken_report, taken_residual, spans in pending.taken:
-                message = taken_report.taken_message(taken_residual.device)
-                indices, values = torch.ops.gradsparse.unpack(message, taken_residual.dtype, taken_residual.numel())
-                for begin, length in spans:
+            for taken in pending.taken:
+                message = taken.report.taken_message(taken.residual.device)
+                indices, values = torch.ops.gradsparse.unpack(message, taken.residual.dtype, taken.residual.numel())
+                for begin, length in taken.held:
                     outside = (indices < begin) | (indices >= begin + length)
                     indices, values = indices[outside], values[outside]
-                taken_residual.index_copy_(0, indices, values)
-                self._metrics.withdraw(bucket_index, taken_report)
+                taken.residual.index_copy_(0, indices, values)
+                self._metrics.withdraw(taken.index, taken.report)
 
     def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:
         """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""
