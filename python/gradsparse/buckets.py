@@ -97,20 +97,25 @@ class BucketTable:
         self.parked_methods = parked_methods
         self.scale = scale
 
+    def _held_tensors(self):
+        """Every residual and velocity of the table: the buckets' and the parked pieces."""
+        for bucket in self.buckets.values():
+            for kind in KINDS:
+                tensor = getattr(bucket, kind)
+                if tensor is not None:
+                    yield tensor
+        for pieces in self.parked.values():
+            yield from pieces.values()
+
     def overflows(self, scale: float) -> bool:
         """Whether moving to loss scale ``scale`` would overflow a 16-bit residual or velocity
         (float16 holds at most 65504): a scale that grows can take a residual that fit past it."""
         if not scale > self.scale:
             return False
         factor = scale / self.scale
-        tensors = [getattr(b, kind) for b in self.buckets.values() for kind in KINDS]
-        tensors += [piece for pieces in self.parked.values() for piece in pieces.values()]
         return any(
-            t is not None
-            and t.element_size() == 2
-            and t.numel() > 0
-            and float(t.abs().max()) * factor > torch.finfo(t.dtype).max
-            for t in tensors
+            t.element_size() == 2 and t.numel() > 0 and float(t.abs().max()) * factor > torch.finfo(t.dtype).max
+            for t in self._held_tensors()
         )
 
     def rescale(self, scale: float) -> None:
@@ -121,16 +126,11 @@ class BucketTable:
         if scale == self.scale:
             return
         factor = scale / self.scale
+        for tensor in self._held_tensors():
+            tensor.mul_(factor)
         for bucket in self.buckets.values():
-            for kind in KINDS:
-                tensor = getattr(bucket, kind)
-                if tensor is not None:
-                    tensor.mul_(factor)
             if bucket.method is not None:
                 bucket.method.rescale(factor)
-        for pieces in self.parked.values():
-            for piece in pieces.values():
-                piece.mul_(factor)
         self.scale = scale
 
     def add(
