@@ -39,11 +39,7 @@ class BucketStats:
             self.dense_steps += 1
             self.elements_sent += report.numel
         elif not report.skipped:  # a skipped step applied nothing: its selection went back to the residual
-            self.sparse_elements += report.numel
-            self.selected += report.selected
-            self.selected_all += report.selected_all
-            self.union += report.union_size
-            self.elements_sent += report.selected
+            self._count_sparse(report, 1)
         self.skipped_steps += int(report.skipped)
         self.bytes_sent += report.bytes_sent
         self.bytes_received += report.bytes_received
@@ -59,12 +55,16 @@ class BucketStats:
     def withdraw(self, report) -> None:
         """A sparse step recorded before and then taken back (nonfinite="propagate": another bucket
         of its step overflowed): it counts as skipped, in no density; its bytes were sent."""
-        self.sparse_elements -= report.numel
-        self.selected -= report.selected
-        self.selected_all -= report.selected_all
-        self.union -= report.union_size
-        self.elements_sent -= report.selected
+        self._count_sparse(report, -1)
         self.skipped_steps += 1
+
+    def _count_sparse(self, report, sign: int) -> None:
+        """Adds (sign 1) or takes out (-1) a sparse step's elements and pairs."""
+        self.sparse_elements += sign * report.numel
+        self.selected += sign * report.selected
+        self.selected_all += sign * report.selected_all
+        self.union += sign * report.union_size
+        self.elements_sent += sign * report.selected
 
     def add(self, other: BucketStats) -> None:
         for f in fields(self):
