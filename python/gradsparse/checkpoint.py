@@ -311,10 +311,8 @@ class AllRanks:
             # Called on rank 0 alone (under `if rank == 0:`), the gather waited for ranks that never
             # came, then failed with Gloo's "Connection closed by peer" once one exited. A monitored
             # barrier (Gloo's) first bounds the wait by the state's timeout and names who is missing.
-            from gradsparse.state import _DEFAULT_TIMEOUT
-
             try:
-                dist.monitored_barrier(group, timeout=state._timeout or _DEFAULT_TIMEOUT, wait_all_ranks=True)
+                dist.monitored_barrier(group, timeout=state._wait_timeout, wait_all_ranks=True)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"gradsparse.AllRanks.state_dict is collective: every rank of the state's group calls it, and "

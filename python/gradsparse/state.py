@@ -27,6 +27,7 @@ import datetime
 import inspect
 import math
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -78,7 +79,7 @@ class _Taken(NamedTuple):
     index: int
     report: Any  # its _C.ReduceReport, which holds what the step took (taken_message)
     residual: torch.Tensor
-    held: list[tuple[int, int]]  # (start, length) of the residual's pieces held out of the step (_hold_unused)
+    put_back: Callable[[], None]  # puts the pieces held out of the step back again (_hold_unused)
 
 
 class _PropagatedStep:
@@ -336,7 +337,7 @@ class State:
         group = self._group_option or dist.group.WORLD
         if dist.get_rank(group) < 0:
             raise ValueError(f"{owner}: this rank is not a member of the given process_group")
-        timeout = self._timeout or _DEFAULT_TIMEOUT
+        timeout = self._wait_timeout
         world_size = dist.get_world_size(group)
         try:
             comm = self._make_comm_group(group)
@@ -370,6 +371,11 @@ class State:
         self._load_unchecked(at_setup=True)
         return self
 
+    @property
+    def _wait_timeout(self) -> datetime.timedelta:
+        """How long a collective of this state waits for the other ranks: its ``timeout``."""
+        return self._timeout or _DEFAULT_TIMEOUT
+
     def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
         """The exchanges' own process group over the ranks of ``group``, created with the state's
         timeout (None on MPI). Never ``group`` itself: the engine thread's collectives would
@@ -378,7 +384,7 @@ class State:
         its members create it (use_local_synchronization)."""
         if self._transport == "mpi":
             return None
-        kwargs = {"backend": dist.get_backend(group), "timeout": self._timeout or _DEFAULT_TIMEOUT}
+        kwargs = {"backend": dist.get_backend(group), "timeout": self._wait_timeout}
         if group is dist.group.WORLD:
             return dist.new_group(**kwargs)
         return dist.new_group(group_ranks(group), use_local_synchronization=True, **kwargs)
@@ -399,7 +405,7 @@ class State:
                     "variables (gradsparse.launch.setup_environment()), on the default group"
                 )
             return engine
-        timeout = self._timeout or _DEFAULT_TIMEOUT
+        timeout = self._wait_timeout
         return _C.Engine(comm or self._process_group, timeout.total_seconds())
 
     # ----------------------------------------------------------------------------------------
@@ -633,7 +639,7 @@ class State:
             if propagate:
                 if report.skipped:
                     value.fill_(math.nan)
-                self._propagate(step, index, report, residual, held, value, last)
+                self._propagate(step, index, report, residual, put_back, value, last)
             return value
 
         return future.then(finish)
@@ -644,7 +650,7 @@ class State:
         index: int,
         report,
         residual: torch.Tensor | None,
-        held: list[tuple[torch.Tensor, torch.Tensor]],
+        put_back: Callable[[], None],
         value: torch.Tensor,
         last: bool,
     ) -> None:
@@ -653,8 +659,8 @@ class State:
         nowhere. At the step's last bucket every such bucket takes back what its selection took from
         its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
         bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
-        NaN on as DDP does, and counts too. The pieces ``held`` out of the step (_hold_unused) were
-        put back after it and are left alone: the step wrote only zeros there."""
+        NaN on as DDP does, and counts too. The pieces held out of the step (_hold_unused) were put
+        back after it and are put back again after the take-back: the step wrote only zeros there."""
         pending = self._propagated
         if pending is None or pending.step != step:
             pending = self._propagated = _PropagatedStep(step)
@@ -663,13 +669,7 @@ class State:
         elif report.dense:
             pending.dense.append(value)
         elif residual is not None:
-            size, start = residual.element_size(), residual.data_ptr()
-            spans = [
-                ((piece.data_ptr() - start) // size, piece.numel())
-                for piece, _ in held
-                if start <= piece.data_ptr() < start + residual.numel() * size  # the residual's, not the velocity's
-            ]
-            pending.taken.append(_Taken(index, report, residual, spans))
+            pending.taken.append(_Taken(index, report, residual, put_back))
         if not last:
             return
         self._propagated = None
@@ -677,10 +677,8 @@ class State:
             for taken in pending.taken:
                 message = taken.report.taken_message(taken.residual.device)
                 indices, values = torch.ops.gradsparse.unpack(message, taken.residual.dtype, taken.residual.numel())
-                for begin, length in taken.held:
-                    outside = (indices < begin) | (indices >= begin + length)
-                    indices, values = indices[outside], values[outside]
                 taken.residual.index_copy_(0, indices, values)
+                taken.put_back()
                 self._metrics.withdraw(taken.index, taken.report)
 
     def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:
