@@ -1175,7 +1175,7 @@ def main(
     for method in methods:  # the options that depend on the world size (SparDL's teams), on every rank alike
         if method in gs.METHODS:
             try:
-                gs.METHODS[method](**gradsparse_options(method, args))._check_world_size(world)
+                gs.METHODS[method](**gradsparse_options(method, args)).check_world_size(world)
             except ValueError as e:
                 exit_on_every_rank(f"--method {method}: {e}")
     task = make_task(args)

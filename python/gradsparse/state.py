@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import inspect
 import math
+import numbers
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -296,8 +297,19 @@ class State:
             self._world_size, numel, density, self._link, fixed=self._CORE == "TopK", value_bytes=value_bytes
         )
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raises ValueError where an option does not fit ``world_size`` ranks (SparDL's ``teams``
+        must divide it). :meth:`setup` checks it on every rank alike; call it before a job starts
+        (a launcher, a driver checking its options) to refuse such options before any training."""
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+            raise ValueError(
+                f"{type(self).__name__}.check_world_size: world_size must be an integer >= 1 (the number of "
+                f"ranks), got {world_size!r}; for example dist.get_world_size()"
+            )
+        self._check_world_size(int(world_size))
+
     def _check_world_size(self, world_size: int) -> None:
-        """Options that depend on the number of ranks, checked in setup() (on every rank alike)."""
+        """The options that depend on the number of ranks (methods override it)."""
 
     def config(self) -> dict[str, Any]:
         """The options this state was created with (method options and shared options)."""
@@ -356,7 +368,7 @@ class State:
                 + "; ".join(f"rank {r}: {fp}" for r, fp in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
-        self._check_world_size(world_size)
+        self.check_world_size(world_size)
         self._process_group = group
         self._world_size = world_size
         self._rank = dist.get_rank(group)

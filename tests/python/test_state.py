@@ -691,6 +691,16 @@ def test_spardl_teams_must_divide_the_world_size():
         gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
 
 
+def test_check_world_size_refuses_before_any_process_group():
+    gs.SparDL(density=0.1, teams=3).check_world_size(6)  # fits: no error
+    gs.TopK(density=0.1).check_world_size(7)
+    with pytest.raises(ValueError, match=r"SparDL: teams=3 does not divide the world size 4; .* among 1, 2, 4"):
+        gs.SparDL(density=0.1, teams=3).check_world_size(4)
+    for bad in (0, 2.0, True, "4"):
+        with pytest.raises(ValueError, match=r"TopK.check_world_size: world_size must be an integer >= 1 .*, got "):
+            gs.TopK(density=0.1).check_world_size(bad)
+
+
 def _train_scaled(ddp, batches, scaler=None):
     """SGD over ``batches``, the loss scaled by ``scaler`` when one is given."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
