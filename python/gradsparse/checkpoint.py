@@ -165,7 +165,9 @@ _COUNTERS = frozenset(f.name for f in fields(BucketStats))
 def _refuse(where: str, key: str, expected: str, value: object) -> None:
     """A state dict's entry ``key`` is not what state_dict() gives it (``expected``)."""
     described = _describe(value)
-    if len(described) > 120:  # a long list or an array: its type says enough
+    if isinstance(value, torch.Tensor):
+        described = f"a tensor of {value.dtype}, shape {list(value.shape)}"
+    elif len(described) > 120:  # a long list or an array: its type says enough
         described = f"a {type(value).__module__}.{type(value).__name__}"
     raise ValueError(
         f"{where}: the state dict's {key} should be {expected}, got {described}: it was changed after it "
@@ -197,8 +199,8 @@ def _check(where: str, state_dict: dict) -> None:
         if not isinstance(tensors, dict):
             refuse(key, "a dict of tensors by parameter name", tensors)
         for name, tensor in tensors.items():
-            if not isinstance(tensor, torch.Tensor):
-                refuse(f"{key}[{name!r}]", "a tensor", tensor)
+            if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+                refuse(f"{key}[{name!r}]", "a floating-point tensor", tensor)
         if not isinstance(state_dict.get(checksums_key, {}), dict):
             refuse(checksums_key, "a dict of checksums by parameter name", state_dict[checksums_key])
     methods, layout = state_dict["methods"], state_dict["layout"]

@@ -926,7 +926,15 @@ def _saved(steps=2):
         (lambda sd: dict(sd, layout=None), "the state dict's layout should be a list of parameter-name lists by"),
         (
             lambda sd: dict(sd, residuals={k: v.numpy() for k, v in sd["residuals"].items()}, checksums={}),
-            r"the state dict's residuals\['2.bias'\] should be a tensor, got .*numpy.ndarray.*: it was changed",
+            r"the state dict's residuals\['2.bias'\] should be a floating-point tensor, got .*numpy.ndarray.*: it was",
+        ),
+        (  # bool and complex residuals were cast into the bucket without a word (complex dropping its imaginary part)
+            lambda sd: dict(sd, residuals={k: v.to(torch.complex64) for k, v in sd["residuals"].items()}, checksums={}),
+            r"residuals\['2.bias'\] should be a floating-point tensor, got a tensor of torch.complex64, shape \[3\]",
+        ),
+        (
+            lambda sd: dict(sd, residuals={k: v > 0 for k, v in sd["residuals"].items()}, checksums={}),
+            r"residuals\['2.bias'\] should be a floating-point tensor, got a tensor of torch.bool, shape \[3\]",
         ),
         (
             lambda sd: dict(sd, stats={0: dict(sd["stats"][0], counter_of_a_later_version=1)}),
