@@ -131,11 +131,15 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
     residual finite and matching its checksum."""
     where = f"{owner}.load_state_dict"
     if state_dict.get("all_ranks"):
+        _check_integer(where, state_dict, "world_size", 1)
         if state_dict["world_size"] != world_size:
             raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
         _check_rank_count(where, state_dict)
         state_dict = state_dict["ranks"][rank]
         _require(where, state_dict, RANK_KEYS, f"rank {rank}'s part of the state dict")
+    # compared below: "0" or 4.0 would have read as another rank's or world size's ("rank 0's ... this is rank 0")
+    _check_integer(where, state_dict, "world_size", 1)
+    _check_integer(where, state_dict, "rank", 0)
     if state_dict["world_size"] != world_size:
         raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
     if state_dict["rank"] != rank and not any_rank:
@@ -146,6 +150,12 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         )
     _check(where, state_dict)
     return state_dict
+
+
+def _check_integer(where: str, state_dict: dict, key: str, least: int) -> None:
+    value = state_dict[key]
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        _refuse(where, key, f"an integer >= {least}", value)
 
 
 def _check_rank_count(where: str, state_dict: dict) -> None:
@@ -191,9 +201,7 @@ def _check(where: str, state_dict: dict) -> None:
     def refuse(key: str, expected: str, value: object) -> None:
         _refuse(where, key, expected, value)
 
-    step = state_dict["step"]
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        refuse("step", "an integer >= 0", step)
+    _check_integer(where, state_dict, "step", 0)
     for _, key, checksums_key in TENSORS:
         tensors = state_dict.get(key, {})
         if not isinstance(tensors, dict):

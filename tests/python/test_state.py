@@ -922,6 +922,9 @@ def _saved(steps=2):
         ),
         # entries of the wrong type failed with Python's own errors (some half-way through the load)
         (lambda sd: dict(sd, step="two"), r"the state dict's step should be an integer >= 0, got 'two' \(str\)"),
+        # compared as they were: "rank 0's residuals but this is rank 0", "saved at world size 1 but this run has 1"
+        (lambda sd: dict(sd, rank="0"), r"the state dict's rank should be an integer >= 0, got '0' \(str\)"),
+        (lambda sd: dict(sd, world_size=1.0), r"the state dict's world_size should be an integer >= 1, got 1.0"),
         (lambda sd: dict(sd, config=None), "the state dict's config should be a dict of options, got None"),
         (lambda sd: dict(sd, layout=None), "the state dict's layout should be a list of parameter-name lists by"),
         (
