@@ -30,8 +30,9 @@ void validate_indices(const I* indices, int64_t count, int64_t n, bool strictly_
     const int64_t i = first_bad[b];
     if (i < 0) continue;
     GS_CHECK(index_in_range(indices[i], n), CorruptMessageError, "sparse index ", static_cast<long long>(indices[i]),
-             " at position ", i, " is outside the bucket [0, ", n,
-             "); the message is corrupt or was built for another bucket");
+             " at position ", i, " is outside [0, ", n,
+             "), the elements of the tensor it adds into: the pairs are corrupt "
+             "or were made for a tensor of another size");
     throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", i, " (",
                                   static_cast<long long>(indices[i - 1]), " then ", static_cast<long long>(indices[i]),
                                   "); the message is corrupt"));

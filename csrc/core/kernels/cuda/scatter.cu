@@ -96,7 +96,9 @@ void validate(CudaDevice& device, const I* indices, int64_t count, int64_t n, bo
   device.copy_to_host(pair, indices + (at > 0 ? at - 1 : 0), sizeof(I) * (at > 0 ? 2 : 1));
   const I bad = at > 0 ? pair[1] : pair[0];
   GS_CHECK(index_in_range(bad, n), CorruptMessageError, "sparse index ", static_cast<long long>(bad), " at position ",
-           at, " is outside the bucket [0, ", n, "); the message is corrupt or was built for another bucket");
+           at, " is outside [0, ", n,
+           "), the elements of the tensor it adds into: the pairs are corrupt "
+           "or were made for a tensor of another size");
   throw CorruptMessageError(str("sparse indices are not strictly ascending at position ", at, " (",
                                 static_cast<long long>(pair[0]), " then ", static_cast<long long>(pair[1]),
                                 "); the message is corrupt"));
