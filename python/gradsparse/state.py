@@ -991,6 +991,20 @@ class State:
             return
         self._load(state_dict, any_rank)
 
+    def _check_method_states(self, methods: list[dict | None]) -> None:
+        """Each saved method state loads into a new method object now, so that one the method
+        refuses ('step' NaN or 2.5) raises here, not in the first backward after the load."""
+        for index, saved in enumerate(methods):
+            if saved is None or self._CORE is None:
+                continue
+            try:
+                self._make_method([1]).load_state(saved)
+            except (ValueError, IndexError, KeyError) as e:
+                raise ValueError(
+                    f"{type(self).__name__}.load_state_dict: the state dict's methods[{index}] is refused by the "
+                    f"method: {e}"
+                ) from e
+
     def _load_unchecked(self, *, at_setup: bool = False) -> None:
         """A state dict loaded before init_process_group is loaded once the process group exists,
         as a load then would have been: state_dict(), step and stats() read this rank's part of
@@ -1019,6 +1033,7 @@ class State:
         # way leaves this state as it was (its step, residuals and statistics), not half loaded.
         step = int(state_dict["step"])
         loaded = Loaded(state_dict)
+        self._check_method_states(state_dict["methods"])
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
         metrics.load_state_dict(state_dict["stats"])

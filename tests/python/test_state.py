@@ -563,6 +563,26 @@ def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_s
     assert all(bool(torch.isfinite(t).all()) for t in state.state_dict()["residuals"].values())
 
 
+@pytest.mark.parametrize("change", [dict(step=math.nan), dict(step=2.5), dict(k_prev=-3)])
+def test_a_method_state_the_method_refuses_is_refused_at_load_and_the_state_stays_as_it_was(change):
+    """It was refused in the first backward after the load, on the damaged rank only, inside
+    DDP's callback error; now load_state_dict raises it, naming the entry, and training goes on."""
+    saving = gs.MiCRO(density=0.1)
+    _train(_hooked(saving), 3)
+    sd = saving.state_dict()
+    state = gs.MiCRO(density=0.1)
+    ddp = _hooked(state)
+    damaged = dict(sd, methods=[dict(sd["methods"][0], **change)])
+    (name,) = change
+    with pytest.raises(ValueError, match=rf"methods\[0\] is refused by the method: method state: '{name}' is "):
+        state.load_state_dict(damaged)
+    assert state.step == 0
+    _train(ddp, 1)
+    state.load_state_dict(sd)  # an intact one loads after the refusal
+    _train(ddp, 1)
+    assert state.step == 4 and state.state_dict()["methods"][0]["step"] == 4
+
+
 def _bucketed(cap_mb, weights_of=None):
     """A DDP model of _model() in buckets of ``cap_mb`` (from its second step on; its first has one)."""
     ddp = DDP(_model(), bucket_cap_mb=cap_mb)
