@@ -60,7 +60,18 @@ class Sparsify(Callback):
 
     @property
     def state_key(self) -> str:
-        return f"gradsparse.lightning.Sparsify[{type(self.state).__name__}]"
+        # One key whatever the method: Lightning hands a callback only the entry under its own key,
+        # so a key naming the method (as before 2026-12-01, "...Sparsify[TopK]") let a resume with
+        # another method start from zero residuals without a word instead of being refused.
+        return "gradsparse.lightning.Sparsify"
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint saved under the earlier keys, which named the method, loads under this one
+        (Lightning then calls load_state_dict with it, which refuses another method)."""
+        callbacks = checkpoint.get("callbacks") or {}
+        earlier = sorted(key for key in callbacks if key.startswith(self.state_key + "["))
+        if earlier and self.state_key not in callbacks:
+            callbacks[self.state_key] = callbacks.pop(earlier[0])
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         ddp = find_ddp(trainer.strategy.model)

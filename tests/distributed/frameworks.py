@@ -95,6 +95,27 @@ def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
     state = gs.ExDyna(density=0.05)
     _trainer(f"{folder}/resumed", 2, [gs.lightning.Sparsify(state)]).fit(resumed, ckpt_path=f"{folder}/epoch1.ckpt")
     out["resumed"] = params_of(resumed)
+
+    # A checkpoint of gradsparse before 2026-12-01 keeps the state under a key that names the method.
+    if rank == 0:
+        checkpoint = torch.load(f"{folder}/epoch1.ckpt", weights_only=False)
+        checkpoint["callbacks"] = {
+            k.replace("Sparsify", "Sparsify[ExDyna]"): v for k, v in checkpoint["callbacks"].items()
+        }
+        torch.save(checkpoint, f"{folder}/earlier.ckpt")
+    dist.barrier()
+    resumed = Classifier(seed=123)
+    state = gs.ExDyna(density=0.05)
+    _trainer(f"{folder}/earlier", 2, [gs.lightning.Sparsify(state)]).fit(resumed, ckpt_path=f"{folder}/earlier.ckpt")
+    out["resumed_earlier"] = params_of(resumed)
+
+    # Another method: refused on every rank (it resumed from zero residuals without a word)
+    try:
+        _trainer(f"{folder}/other", 2, [gs.lightning.Sparsify(gs.MiCRO(density=0.05))]).fit(
+            Classifier(seed=123), ckpt_path=f"{folder}/epoch1.ckpt"
+        )
+    except ValueError as e:
+        out["other_method"] = str(e)
     return out
 
 

@@ -27,6 +27,8 @@ def test_lightning_sparsify_trains_logs_and_resumes_each_rank_exactly(tmp_path):
         assert r["steps"] == 8, r["steps"]  # 2 epochs x 4 batches went through the hook
         # rank 0 wrote the checkpoint, but each rank got its own residuals back: resume is exact
         _assert_equal_params(r["straight"], r["resumed"], f"rank {rank}")
+        _assert_equal_params(r["straight"], r["resumed_earlier"], f"rank {rank}, a checkpoint of the earlier key")
+        assert "MiCRO.load_state_dict: the state dict was saved by ExDyna(" in r.get("other_method", ""), r
     assert any(not torch.equal(a, b) for a, b in zip(results[0]["saved_residuals"].values(),
                                                      results[1]["saved_residuals"].values(), strict=True))  # fmt: skip
     logged = results[0]["logged"]
