@@ -237,7 +237,8 @@ class ShardedState:
     over the default process group (DCP's) with one block per rank, and the method states and
     statistics (``stats()``) one block of JSON per rank, so that ``dcp.save`` writes each rank's own
     and ``dcp.load`` puts each back on the rank that saved it (same world size; another world size
-    is refused). Options, step, layout and the link that exchange="auto" picks from are saved once.
+    is refused). Step and layout are saved once; the options, the link that exchange="auto" picks
+    from and the loss scale ride in each rank's block.
     A checkpoint of gradsparse before per-rank statistics loads with none (statistics start from
     zero). Implements DCP's ``Stateful`` protocol, for states given to :func:`sparsify`.
 
@@ -283,7 +284,10 @@ class ShardedState:
 
     def _methods_blob(self, saved: dict) -> torch.Tensor:
         """This rank's method states (a list of {name: float} or None) and statistics (bucket index
-        -> counters), with the link of exchange="auto" and the loss scale (the same on every rank),
+        -> counters), with the options, the link of exchange="auto" and the loss scale (the same on
+        every rank; the options as entries of their own, one key per option, made DCP refuse a
+        checkpoint of another method or of an earlier gradsparse with "Missing key" before
+        load_state_dict could say which options differ),
         as JSON in a zero-padded uint8 tensor of a size every rank computes alike (their keys can
         change with the steps: ExDyna's layout appears at its first step, and a bucket's counters at
         its first step, so DCP could not load them key by key; and an entry of its own would make
@@ -292,7 +296,12 @@ class ShardedState:
         method states alone), these a JSON object."""
         world_size = dist.get_world_size(self.state.process_group)
         size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
-        entries = {"methods": saved["methods"], "link": saved.get("link"), "loss_scale": saved["loss_scale"]}
+        entries = {
+            "methods": saved["methods"],
+            "config": saved["config"],
+            "link": saved.get("link"),
+            "loss_scale": saved["loss_scale"],
+        }
         text = json.dumps({**entries, "stats": saved["stats"]}, separators=(",", ":")).encode()
         if len(text) > size:
             text = json.dumps(entries, separators=(",", ":")).encode()
@@ -326,7 +335,6 @@ class ShardedState:
         return {
             "version": saved["version"],
             "class": saved["class"],
-            "config": saved["config"],
             "step": saved["step"],
             "world_size": saved["world_size"],
             "layout": [[name] for name in binding.numels],  # bucket i: the i-th module sparsified
@@ -350,11 +358,14 @@ class ShardedState:
         }
         state = self.state
         blob = _decode_methods(local(state_dict["methods"]))
+        # Checkpoints before 2026-12-01 hold the options as entries DCP is no longer asked for:
+        # they load with this state's own (their class is still checked).
+        config = blob.pop("config") or state._saved_config()
         state.load_state_dict(
             {
                 "version": STATE_DICT_VERSION,
                 "class": state_dict["class"],
-                "config": state_dict["config"],
+                "config": config,
                 "step": state_dict["step"],
                 "rank": state._rank,
                 "world_size": state_dict["world_size"],
@@ -377,6 +388,7 @@ def _decode_methods(blob: torch.Tensor) -> dict:
         saved = {"methods": saved}
     return {
         "methods": saved["methods"],
+        "config": saved.get("config"),
         "stats": saved.get("stats", {}),
         "link": saved.get("link"),
         "loss_scale": saved.get("loss_scale", 1.0),

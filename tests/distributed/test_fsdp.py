@@ -383,7 +383,7 @@ class EarlierShardedState(gs.fsdp.ShardedState):
     same size) holds each rank's method states alone, as a JSON list, and "stats" one copy of the
     statistics, of which DCP kept one rank's; no link of exchange="auto" and no loss scale (entries
     of their own from 2026-11-30 to 2026-12-01 made DCP refuse such checkpoints: "Missing key in
-    checkpoint state_dict: gradsparse.link")."""
+    checkpoint state_dict: gradsparse.link"); the options as entries of their own, one per option."""
 
     def state_dict(self) -> dict:
         sd = {k: v for k, v in super().state_dict().items() if k not in ("link", "loss_scale")}
@@ -391,7 +391,7 @@ class EarlierShardedState(gs.fsdp.ShardedState):
         text = json.dumps(saved["methods"]).encode()
         blob = torch.zeros(sd["methods"].to_local().numel(), dtype=torch.uint8)
         blob[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
-        return {**sd, "methods": self._per_rank(blob), "stats": saved["stats"]}
+        return {**sd, "config": saved["config"], "methods": self._per_rank(blob), "stats": saved["stats"]}
 
 
 def earlier_checkpoint_through_dcp(rank: int, world_size: int, path: str) -> dict:
@@ -425,6 +425,29 @@ def test_dcp_checkpoint_of_the_earlier_layout_loads_without_statistics(tmp_path)
             assert sorted(loaded["residuals"]) == sorted(saved["residuals"])
             for name, residual in saved["residuals"].items():
                 assert torch.equal(loaded["residuals"][name], residual), f"rank {rank}, {key}: residual {name}"
+
+
+def other_method_through_dcp(rank: int, world_size: int, path: str) -> str:
+    """A TopK checkpoint loaded into a MiCRO state: what dcp.load raises."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    other = gs.fsdp.sparsify(sharded_model(world_size), gs.MiCRO(density=0.05, exchange="gather"))
+    try:
+        dcp.load({"gradsparse": gs.fsdp.ShardedState(other)}, checkpoint_id=path)
+    except Exception as e:  # DCP wraps what a rank raised in a CheckpointException
+        return str(e)
+    return "loaded"
+
+
+def test_dcp_checkpoint_of_another_method_is_refused_naming_both(tmp_path):
+    """The options were entries of their own, one per option: DCP refused a checkpoint whose
+    method has other options with "Missing key in checkpoint state_dict: gradsparse.config.seed"
+    before the state could say what differs (and would have refused every checkpoint of an
+    earlier gradsparse once an option was added)."""
+    for text in run_distributed(other_method_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300):
+        assert "MiCRO.load_state_dict: the state dict was saved by TopK({'density': 0.05" in text, text
 
 
 def overfull_block_through_dcp(rank: int, world_size: int, path: str) -> tuple[list, dict, list, int]:
