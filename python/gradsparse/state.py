@@ -359,7 +359,8 @@ class State:
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
                 f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
-                "same options on every rank, and register it (or run the first backward) on every rank"
+                "same options on every rank, and register it (or run the first backward) on every rank; a rank "
+                "that raised before it (a load_state_dict refused there) never arrives: see that rank's error"
                 + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
         if len(set(gathered)) > 1:

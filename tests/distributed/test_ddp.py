@@ -215,6 +215,7 @@ def test_d_a_state_rejected_or_missing_on_one_rank_fails_the_others_within_the_t
     assert kind == "RuntimeError", text
     assert "not every rank of the process group [0, 1] reached the set-up" in text
     assert "Create the state with the same options on every rank" in text
+    assert "a rank that raised before it (a load_state_dict refused there) never arrives" in text
     # the other way to get here: a rank outside a sub-group made with local synchronization
     assert "use_local_synchronization=True) returns None on the ranks outside ranks" in text
 
