@@ -80,7 +80,7 @@ class _Taken(NamedTuple):
     index: int
     report: Any  # its _C.ReduceReport, which holds what the step took (taken_message)
     residual: torch.Tensor
-    put_back: Callable[[], None]  # puts the pieces held out of the step back again (_hold_unused)
+    put_back: Callable[..., None]  # puts the pieces held out of the step back again (_hold_unused)
 
 
 class _PropagatedStep:
@@ -557,8 +557,9 @@ class State:
         used untouched, so it drops whatever the exchange averaged for it: what a selection took
         from that parameter's residual would be lost. So a parameter whose gradient is zero on
         this rank (DDP hands an unused one over as zeros) sits the step out on this rank: its
-        residual and velocity are set aside as zeros for the step and put back after it. Returns
-        the (piece, saved copy) pairs to put back."""
+        residual and velocity are set aside as zeros for the step and put back after it (added to
+        what the exchange wrote there: other ranks' mass). Returns the (piece, saved copy) pairs
+        to put back."""
         ddp = self._binding.model()
         tensors = [t for t in (entry.residual, entry.velocity) if t is not None]
         if ddp is None or not getattr(ddp, "find_unused_parameters", False) or not tensors:
@@ -620,9 +621,16 @@ class State:
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
         held = [] if dense or shard_only else self._hold_unused(entry, buffer)
 
-        def put_back() -> None:
+        def put_back(undone: bool = False) -> None:
+            # What the exchange wrote into a held piece (zero for the step) is other ranks' mass:
+            # SparDL with several teams leaves a team's sum in an owner's residual at an index
+            # another team's owner took. It stays, on top of what was held; after a take-back
+            # (``undone``), which undid this rank's part of the step, the piece is what was held.
             for piece, saved in held:
-                piece.copy_(saved)
+                if undone:
+                    piece.copy_(saved)
+                else:
+                    piece.add_(saved)
 
         propagate = self._nonfinite == "propagate"
         try:
@@ -663,7 +671,7 @@ class State:
         index: int,
         report,
         residual: torch.Tensor | None,
-        put_back: Callable[[], None],
+        put_back: Callable[..., None],
         value: torch.Tensor,
         last: bool,
     ) -> None:
@@ -691,7 +699,7 @@ class State:
                 message = taken.report.taken_message(taken.residual.device)
                 indices, values = torch.ops.gradsparse.unpack(message, taken.residual.dtype, taken.residual.numel())
                 taken.residual.index_copy_(0, indices, values)
-                taken.put_back()
+                taken.put_back(undone=True)
                 self._metrics.withdraw(taken.index, taken.report)
 
     def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:

@@ -228,6 +228,42 @@ def sub_group_unused_parameters(rank: int, world_size: int) -> list[torch.Tensor
     return train_two_heads(ddp, rank, 30)
 
 
+class _HalfUsed(nn.Module):
+    """Two parameters; ``b`` takes part only when ``use_b`` (else unused: find_unused_parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(20))
+        self.b = nn.Parameter(torch.zeros(20))
+
+    def forward(self, ga, gb, use_b):
+        loss = (self.a * ga).sum()
+        return loss + (self.b * gb).sum() if use_b else loss
+
+
+def spardl_teams_with_a_parameter_unused_on_some_ranks(rank: int, world_size: int) -> list[float]:
+    """SparDL(teams=2), ``b`` used on alternate ranks each step: per step, the largest element of
+    |sum of residuals after + P x gradient - (sum of residuals before + sum of local gradients)| for ``b``."""
+    model = _HalfUsed()
+    ddp = DDP(model, find_unused_parameters=True)
+    state = gs.register(ddp, gs.SparDL(density=0.34, teams=2))
+    gen = torch.Generator().manual_seed(rank)
+    errors = []
+    for step in range(6):
+        ga, gb = torch.randn(20, generator=gen), torch.randn(20, generator=gen)
+        use_b = (step + rank) % 2 == 0
+        before = state.state_dict()["residuals"].get("b", torch.zeros(20)).clone()
+        model.a.grad = model.b.grad = None
+        ddp(ga, gb, use_b).backward()
+        after = state.state_dict()["residuals"]["b"]
+        grad = torch.zeros(20) if model.b.grad is None else model.b.grad
+        mine = torch.stack([before, after, gb if use_b else torch.zeros(20), grad]).double()
+        total = mine.clone()
+        dist.all_reduce(total)
+        errors.append(float((total[1] + world_size * mine[3] - total[0] - total[2]).abs().max()))
+    return errors
+
+
 # (d) bad configurations and bad data ----------------------------------------------------------
 
 
