@@ -212,6 +212,9 @@ PYBIND11_MODULE(_C, m) {
       },
       "The glossary names of the exchanges (docs/architecture.md, \"Exchanges and transports\").");
   m.def("mpi_available", &mpi_available, "True when this build has MPI support (transport=\"mpi\").");
+  m.def("mpi_abort", &mpi_abort, py::arg("code"),
+        "Ends every process of the MPI job (MPI_Abort) when MPI is initialised and not finalised.",
+        py::call_guard<py::gil_scoped_release>());
 
   py::class_<ReduceReport, std::shared_ptr<ReduceReport>>(m, "ReduceReport",
                                                           "What one bucket's reduction did on this rank.")

@@ -27,6 +27,7 @@ import datetime
 import inspect
 import math
 import numbers
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -354,7 +355,7 @@ class State:
         try:
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm or group)
+            dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
@@ -377,7 +378,7 @@ class State:
             if self._link is None:
                 from gradsparse import simulate
 
-                self._link = simulate.measure_link(comm or group)  # what exchange="auto" starts from
+                self._link = simulate.measure_link(comm)  # what exchange="auto" starts from
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._binding.check_group(group)
@@ -389,37 +390,48 @@ class State:
         """How long a collective of this state waits for the other ranks: its ``timeout``."""
         return self._timeout or _DEFAULT_TIMEOUT
 
-    def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    def _make_comm_group(self, group: dist.ProcessGroup) -> dist.ProcessGroup:
         """The exchanges' own process group over the ranks of ``group``, created with the state's
-        timeout (None on MPI). Never ``group`` itself: the engine thread's collectives would
-        interleave with those DDP issues on it from the training thread (the used-parameter map
-        of find_unused_parameters=True), in a different order on each rank. For a sub-group only
-        its members create it (use_local_synchronization)."""
-        if self._transport == "mpi":
-            return None
+        timeout. Never ``group`` itself: the engine thread's collectives would interleave with
+        those DDP issues on it from the training thread (the used-parameter map of
+        find_unused_parameters=True), in a different order on each rank. For a sub-group only its
+        members create it (use_local_synchronization). With transport="mpi" the exchanges run on
+        MPI_COMM_WORLD, but the set-up's agreement still runs here: every rank creates the group
+        alike, so a rank given another transport is refused by name, not left waiting."""
         kwargs = {"backend": dist.get_backend(group), "timeout": self._wait_timeout}
         if group is dist.group.WORLD:
             return dist.new_group(**kwargs)
         return dist.new_group(group_ranks(group), use_local_synchronization=True, **kwargs)
 
-    def _make_engine(self, comm: dist.ProcessGroup | None):
+    def _make_engine(self, comm: dist.ProcessGroup):
         """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the
         exchanges' own group (_make_comm_group), over the ranks of the model's group."""
         if self._transport == "mpi":
+            fix = (
+                "launch with mpirun and initialise torch.distributed from its variables "
+                "(gradsparse.launch.setup_environment()), on the default group"
+            )
+            if self._process_group is not dist.group.WORLD:  # before MPI_Init, which waits for the whole world
+                raise ValueError(
+                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, but a sub-group '
+                    f'{group_ranks(self._process_group)} was given; use transport="process_group" for a sub-group, '
+                    f"or {fix}"
+                )
             engine = _C.Engine.mpi()
-            if (engine.rank, engine.size) != (dist.get_rank(), dist.get_world_size()) or (
-                self._process_group is not dist.group.WORLD
-            ):
+            mine = (engine.rank, engine.size)
+            differ = torch.tensor([int(mine != (dist.get_rank(), dist.get_world_size()))])
+            dist.all_reduce(differ, group=comm)  # every rank refuses alike, not only those numbered otherwise
+            if int(differ):
                 engine.shutdown()
                 raise ValueError(
-                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD (rank {engine.rank} of '
-                    f"{engine.size}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()} "
-                    "or a sub-group was given; launch with mpirun and initialise torch.distributed from its "
-                    "variables (gradsparse.launch.setup_environment()), on the default group"
+                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, whose ranks are numbered '
+                    f"otherwise than torch.distributed's on {int(differ)} rank(s) (this one: MPI rank {mine[0]} of "
+                    f"{mine[1]}, torch.distributed rank {dist.get_rank()} of {dist.get_world_size()}); {fix}"
                 )
+            _end_the_mpi_job_on_an_uncaught_error()
             return engine
         timeout = self._wait_timeout
-        return _C.Engine(comm or self._process_group, timeout.total_seconds())
+        return _C.Engine(comm, timeout.total_seconds())
 
     # ----------------------------------------------------------------------------------------
     # The model (gradsparse.binding)
@@ -1138,6 +1150,25 @@ def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Fu
 
 def _value(future: torch.futures.Future):
     return future.value()
+
+
+def _end_the_mpi_job_on_an_uncaught_error() -> None:
+    """transport="mpi": a process that dies of an uncaught exception ends the whole MPI job
+    (MPI_Abort) once its traceback is printed. Otherwise its exit runs MPI_Finalize, which waits
+    for every other rank while they wait in a collective for this one: the job hung for ever,
+    where mpirun ends it at once when a rank exits without finalising. Installed once, in front
+    of the hook found (sys.excepthook)."""
+    previous = sys.excepthook
+    if getattr(previous, "_gradsparse_mpi", False):
+        return
+
+    def end_the_job(kind, value, traceback) -> None:
+        previous(kind, value, traceback)
+        sys.stderr.flush()
+        _C.mpi_abort(1)
+
+    end_the_job._gradsparse_mpi = True  # type: ignore[attr-defined]
+    sys.excepthook = end_the_job
 
 
 def _done(value) -> torch.futures.Future:

@@ -117,12 +117,36 @@ def test_a_rank_that_exits_or_stalls_mid_step_fails_the_others_within_the_timeou
             assert "timed out" in seen["message"].lower() or "timeout" in seen["message"].lower(), seen
 
 
-def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path):
+@pytest.mark.parametrize("case", ["mixed", "sub_group"])
+def test_transport_mpi_refusals_reach_every_rank_at_once(tmp_path, case):
+    """Ranks given different transports waited the whole timeout, then blamed the set-up (the
+    "process_group" ranks created a group the "mpi" ranks did not); transport="mpi" on a sub-group
+    initialised MPI before its check, which waits for every rank of the world: forever."""
+    results = run_under_mpirun(tmp_path, 3, "mpi_refusal", case, timeout=120)
+    expected = "the ranks were given different configurations" if case == "mixed" else "but a sub-group [0, 1]"
+    for rank, (kind, text) in enumerate(results):
+        if case == "sub_group" and rank == 2:
+            continue
+        assert kind == "ValueError" and expected in text, f"rank {rank}: {kind}: {text}"
+        if case == "mixed":
+            assert "('transport', 'mpi')" in text and "('transport', 'process_group')" in text, text
+
+
+@pytest.mark.parametrize("how", ["exit", "raise"])
+def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path, how):
     """OpenMPI ends the whole job when a rank exits mid-step, within seconds (MPI has no timeout:
-    the survivors would otherwise wait in their collective forever), naming the rank and its code."""
-    output = run_under_mpirun(tmp_path, 3, "peer_exits", "micro", "20", "mpi", expect_failure=True, timeout=120)
+    the survivors would otherwise wait in their collective forever), naming the rank and its code.
+    A rank that dies of an uncaught exception ran MPI_Finalize at its exit, which waited for the
+    others while they waited for it: the job hung for ever. It now aborts the job."""
+    output = run_under_mpirun(
+        tmp_path, 3, "peer_exits", "micro", "20", "mpi", "", "", how, expect_failure=True, timeout=120
+    )
     ended = time.time()
     exited = re.search(r"rank 1 exits at ([0-9.]+)", output)
     assert exited, output
-    assert re.search(r"Process name: \[\[\d+,\d+\],1\]\s+Exit code:\s+3", output), output
+    if how == "exit":
+        assert re.search(r"Process name: \[\[\d+,\d+\],1\]\s+Exit code:\s+3", output), output
+    else:
+        assert "_Crash: rank 1 dies of an error in its training loop" in output, output  # its traceback first
+        assert "MPI_ABORT was invoked on rank 1" in output, output
     assert ended - float(exited.group(1)) < 30, f"the job took {ended - float(exited.group(1)):.1f} s to end"

@@ -267,6 +267,23 @@ def spardl_teams_with_a_parameter_unused_on_some_ranks(rank: int, world_size: in
 # (d) bad configurations and bad data ----------------------------------------------------------
 
 
+def mpi_refusal(rank: int, world_size: int, case: str) -> tuple[str, str]:
+    """Under mpirun, what registering a TopK state raises on this rank. "mixed": rank 0 asks for
+    transport="mpi", the others for "process_group"; "sub_group": ranks 0 and 1 give their
+    sub-group with transport="mpi" (the others wait at a barrier)."""
+    group = None
+    if case == "sub_group":
+        group = dist.new_group([0, 1])
+        if rank > 1:
+            dist.barrier()
+            return "not a member", ""
+    transport = "mpi" if case == "sub_group" or rank == 0 else "process_group"
+    state = gs.TopK(density=0.25, transport=transport, process_group=group, timeout=20)
+    outcome = _outcome(lambda: gs.register(DDP(nn.Linear(8, 2), process_group=group), state))
+    dist.barrier()
+    return outcome
+
+
 def _outcome(fn) -> tuple[str, str]:
     try:
         fn()
@@ -718,6 +735,10 @@ def exchange_stream(rank: int, world_size: int, transport: str, steps: int = 6, 
 # Faults -------------------------------------------------------------------------------------------
 
 
+class _Crash(RuntimeError):
+    """What kills rank 1 in peer_exits(how="raise")."""
+
+
 def peer_exits(
     rank: int,
     world_size: int,
@@ -726,11 +747,13 @@ def peer_exits(
     transport: str = "process_group",
     stall: bool = False,
     reports: str = "",
+    how: str = "exit",
 ) -> dict:
     """Rank 1 exits in the middle of step 3 (after its forward pass), or with ``stall`` first
     stays there, alive and silent, until every other rank has seen its error (each leaves a file
     in the folder ``reports``; at most three timeouts); the others report what their training
-    loop saw and how long it took to see it."""
+    loop saw and how long it took to see it. ``how``: "exit" (os._exit(3)) or "raise" (an
+    exception nobody catches, as a crashing training script dies)."""
     import os
     import time
 
@@ -752,10 +775,14 @@ def peer_exits(
                     while time.monotonic() < deadline and not all(map(os.path.exists, others)):
                         time.sleep(0.05)
                 print(f"rank 1 exits at {time.time():.3f}", flush=True)  # read by the mpirun test
+                if how == "raise":
+                    raise _Crash("rank 1 dies of an error in its training loop")
                 os._exit(3)
             opt.zero_grad()
             loss.backward()
             opt.step()
+        except _Crash:
+            raise
         except Exception as e:  # the test checks the type, the message and the time
             seconds = time.monotonic() - start
             if reports:

@@ -18,6 +18,7 @@ namespace gradsparse {
 #if !defined(GRADSPARSE_WITH_MPI)
 
 bool mpi_available() { return false; }
+void mpi_abort(int) {}
 
 struct MpiTransport::Comm {};
 
@@ -38,6 +39,13 @@ void MpiTransport::set_max_count(size_t) {}
 #else
 
 bool mpi_available() { return true; }
+
+void mpi_abort(int code) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (initialized && !finalized) MPI_Abort(MPI_COMM_WORLD, code);
+}
 
 namespace {
 

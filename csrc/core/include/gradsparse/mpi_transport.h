@@ -15,6 +15,12 @@ namespace gradsparse {
 /// True when this build has MPI support.
 bool mpi_available();
 
+/// Ends every process of the MPI job (MPI_Abort on MPI_COMM_WORLD with `code`) when MPI is
+/// initialised and not finalised; otherwise (or without MPI support) does nothing. For a process
+/// that is dying of an error: at its exit MPI_Finalize would wait for every other rank, while
+/// they wait in a collective for this one.
+void mpi_abort(int code);
+
 class MpiTransport final : public Transport {
  public:
   /// A transport over a private duplicate of MPI_COMM_WORLD. Initialises MPI when nobody has
