@@ -37,7 +37,7 @@ class BucketStats:
         self.elements += report.numel
         if report.dense:
             self.dense_steps += 1
-            self.elements_sent += report.numel
+            self.elements_sent += 0 if report.skipped else report.numel  # a skipped warm-up step sent its count only
         elif not report.skipped:  # a skipped step applied nothing: its selection went back to the residual
             self._count_sparse(report, 1)
         self.skipped_steps += int(report.skipped)

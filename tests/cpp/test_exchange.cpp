@@ -745,6 +745,45 @@ TEST(NonFinite, EveryRankAppliesTheSamePolicy) {
     }
 }
 
+// A warm-up step (dense, with a method) applies the policy too: it passed the NaN on whatever the
+// policy. Nothing moves: the residual is not part of a warm-up step, the velocity stays as it was.
+TEST(NonFinite, AWarmUpStepAppliesThePolicyToo) {
+  const int p = 3;
+  const int64_t n = 1000;
+  for (NonFinitePolicy policy : {NonFinitePolicy::kRaise, NonFinitePolicy::kSkip}) {
+    std::vector<std::vector<float>> outputs(p), residuals(p), velocities(p);
+    std::vector<ReduceReport> reports(p);
+    const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      outputs[rank] = grad_of(rank, n);
+      if (rank == 1) outputs[rank][17] = std::numeric_limits<float>::infinity();
+      residuals[rank] = residual_of(rank, n);
+      velocities[rank] = grad_of(rank + 7, n);
+      TopK method(0.05);
+      BucketView bucket{DType::kFloat32, n, outputs[rank].data(), residuals[rank].data()};
+      bucket.velocity = velocities[rank].data();
+      ReduceOptions options;
+      options.dense = true;
+      options.momentum = 0.9f;
+      options.nonfinite = policy;
+      options.bucket_name = "bucket 2";
+      reports[rank] = reduce_bucket(&method, transport, device, bucket, options);
+    });
+    for (int r = 0; r < p; ++r) {
+      if (policy == NonFinitePolicy::kRaise) {
+        ASSERT_TRUE(errors[r]) << "rank " << r << " did not raise";
+        EXPECT_THROW(std::rethrow_exception(errors[r]), NonFiniteError);
+      } else {
+        ASSERT_FALSE(errors[r]);
+        EXPECT_TRUE(reports[r].skipped && reports[r].dense);
+        EXPECT_EQ(outputs[r], std::vector<float>(n, 0.0f));
+      }
+      EXPECT_EQ(residuals[r], residual_of(r, n)) << "rank " << r;
+      EXPECT_EQ(velocities[r], grad_of(r + 7, n)) << "rank " << r;
+    }
+  }
+}
+
 // With keep_taken, a completed sparse step reports what it took from the residual: written back
 // (out[index] = value), the residual is residual + gradient, to the bit, as if nothing had been
 // sent (nonfinite="propagate" takes back the step of a bucket when another one overflowed). Every

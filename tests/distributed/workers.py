@@ -324,10 +324,14 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
     return _outcome(run)
 
 
-def nonfinite_gradient(rank: int, world_size: int, policy: str, momentum: float = 0.0) -> tuple[tuple[str, str], list]:
+def nonfinite_gradient(
+    rank: int, world_size: int, policy: str, momentum: float = 0.0, warmup_steps: int = 0
+) -> tuple[tuple[str, str], list]:
     """The outcome, the skipped steps, and whether every residual and velocity is finite after."""
     ddp = DDP(make_model())
-    state = gs.register(ddp, gs.TopK(density=0.1, nonfinite=policy, momentum=momentum))
+    state = gs.register(
+        ddp, gs.TopK(density=0.1, nonfinite=policy, momentum=momentum, warmup_steps=warmup_steps)
+    )
     outcome = _outcome(lambda: train(ddp, rank, steps=4, nan_at=(2, 1)))
     saved = state.state_dict()
     finite = all(bool(t.isfinite().all()) for kind in ("residuals", "velocities") for t in saved[kind].values())

@@ -101,6 +101,22 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
   if (options.dense || method == nullptr) {
     report.dense = true;
     report.exchange = "dense all-reduce";
+    if (method != nullptr) {
+      // A warm-up step of a sparse method applies the state's non-finite policy, as its sparse
+      // steps do (a bucket without a method passes NaN on, as DDP does): every rank's count of
+      // NaN/Inf in its gradient, before the velocity moves or anything is sent.
+      BucketView gradient = bucket;
+      gradient.residual = gradient.velocity = nullptr;
+      report.nonfinite = gradient.numel > 0 ? device.moments(gradient, false).nonfinite : 0;
+      ExchangeResult counts;
+      for (int64_t count : allgather_count(transport, device, report.nonfinite)) {
+        counts.control.emplace_back().nonfinite = count;
+      }
+      if (!counts.nonfinite_ranks().empty()) {
+        report.traffic = transport.traffic() - before;
+        return abort_step(counts, options, bucket, device, report);
+      }
+    }
     if (bucket.velocity != nullptr) device.momentum(bucket);
     t0 = std::chrono::steady_clock::now();
     dense_allreduce(transport, device, bucket);
