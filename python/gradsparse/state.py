@@ -424,9 +424,9 @@ class State:
             if int(differ):
                 engine.shutdown()
                 raise ValueError(
-                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, whose ranks are numbered '
-                    f"otherwise than torch.distributed's on {int(differ)} rank(s) (this one: MPI rank {mine[0]} of "
-                    f"{mine[1]}, torch.distributed rank {dist.get_rank()} of {dist.get_world_size()}); {fix}"
+                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD (here rank {mine[0]} of '
+                    f"{mine[1]}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}; the "
+                    f"two differ on {int(differ)} of the {dist.get_world_size()} ranks: {fix}"
                 )
             _end_the_mpi_job_on_an_uncaught_error()
             return engine

@@ -494,8 +494,8 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_train
         # the exchanges on MPI_COMM_WORLD, which torchrun does not make
         pytest.param(
             ["--method", "topk", "--transport", "mpi"],
-            '--method topk: TopK: transport="mpi" runs on MPI_COMM_WORLD (rank 0 of 1) but torch.distributed has '
-            "rank 0 of 2",
+            '--method topk: TopK: transport="mpi" runs on MPI_COMM_WORLD (here rank 0 of 1) but torch.distributed '
+            "has rank 0 of 2; the two differ on 2 of the 2 ranks",
             marks=pytest.mark.skipif(not gs._C.mpi_available(), reason="this build has no MPI"),
         ),
     ],
