@@ -329,9 +329,7 @@ def nonfinite_gradient(
 ) -> tuple[tuple[str, str], list]:
     """The outcome, the skipped steps, and whether every residual and velocity is finite after."""
     ddp = DDP(make_model())
-    state = gs.register(
-        ddp, gs.TopK(density=0.1, nonfinite=policy, momentum=momentum, warmup_steps=warmup_steps)
-    )
+    state = gs.register(ddp, gs.TopK(density=0.1, nonfinite=policy, momentum=momentum, warmup_steps=warmup_steps))
     outcome = _outcome(lambda: train(ddp, rank, steps=4, nan_at=(2, 1)))
     saved = state.state_dict()
     finite = all(bool(t.isfinite().all()) for kind in ("residuals", "velocities") for t in saved[kind].values())
