@@ -693,7 +693,8 @@ class State:
         its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
         bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
         NaN on as DDP does, and counts too. The pieces held out of the step (_hold_unused) were put
-        back after it and are put back again after the take-back: the step wrote only zeros there."""
+        back after it, added to what the exchange wrote there; after the take-back, which undoes
+        this rank's part of the step, they are put back as they were held (put_back(undone=True))."""
         pending = self._propagated
         if pending is None or pending.step != step:
             pending = self._propagated = _PropagatedStep(step)
