@@ -16,7 +16,7 @@ measures:
    bucket, so every rank holds the same figures and takes the same decision.
 3. Each bucket keeps the exchange with the lower mean (gather-and-add on a tie) for the rest of
    the run. The decision is saved in the state dict; a resumed run keeps it (one saved during
-   the trial times again).
+   the trial times again, and so does a trial during which DDP rebuilt its buckets).
 
 Both exchanges complete a step's state (residual, method state), so switching between steps
 changes nothing but the exchange. At one rank nothing is timed: the model's pick stays.

@@ -555,6 +555,11 @@ class State:
         entry = self._table.get(index, names)
         if entry is not None:
             return entry
+        if self._trial is not None and not self._trial.decided and self._step > self._trial.first_step:
+            # DDP rebuilt its buckets after a timed step of the trial (with static_graph=True it
+            # rebuilds after the second step): the times so far belong to the old buckets. Every
+            # rank times the new ones anew, from the next step.
+            self._trial = ExchangeTrial(self._step)
         self._table.park_from(index)
         numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
@@ -630,6 +635,7 @@ class State:
         report = _C.ReduceReport()
         index = entry.index
         timed = self._choose_exchange(entry, buffer.device) if not dense and not shard_only else None
+        trial = self._trial  # the trial this step's time belongs to (a rebuild may start a new one)
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
         held = [] if dense or shard_only else self._hold_unused(entry, buffer)
 
@@ -668,7 +674,7 @@ class State:
                 raise
             self._metrics.record(index, report, self._world_size, element_size)
             if timed is not None and not report.skipped:
-                self._trial.record(index, timed, report.exchange_seconds)
+                trial.record(index, timed, report.exchange_seconds)
             if propagate:
                 if report.skipped:
                     value.fill_(math.nan)

@@ -306,3 +306,17 @@ def test_uneven_inputs_under_ddp_join(method):
 def test_every_method_trains_close_to_dense():
     """Each method trains the same small model on the same data as dense DDP."""
     workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, timeout=250))
+
+
+def test_auto_times_every_bucket_of_the_layout_static_graph_rebuilds():
+    """static_graph=True: DDP rebuilds its buckets after the second step, inside the trial; every
+    bucket of the final layout is still timed on both exchanges and decided by its times."""
+    results = run_distributed(workers.auto_exchange_static_graph, 2)
+    buckets = sorted(results[0]["steps"][-1])
+    assert len(buckets) > 1
+    for r in results:
+        assert (r["steps"], r["chosen"]) == (results[0]["steps"], results[0]["chosen"])  # every rank alike
+        assert sorted(r["trial"]) == buckets  # every bucket timed on every rank
+        for b in buckets:
+            means = r["trial"][b]
+            assert r["chosen"][b] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")

@@ -964,3 +964,19 @@ def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> t
             handle.remove()
     unused = [f"{'even' if rank == 0 else 'odd'}.{p}" for p in ("weight", "bias")]
     return before, {name: t.clone() for name, t in state.state_dict()["residuals"].items()}, unused
+
+
+def auto_exchange_static_graph(rank: int, world_size: int) -> dict:
+    """exchange="auto" under static_graph=True, where DDP rebuilds its buckets after the second
+    step: each exchange per bucket and step, and the trial's figures."""
+    model = make_model(0)
+    ddp = DDP(model, bucket_cap_mb=0.004, static_graph=True)
+    state = gs.register(ddp, gs.TopK(density=0.1, exchange="auto"))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    steps = []
+    for x, y in batches(rank, 12):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+    return {"steps": steps, "trial": state.stats()["exchange_trial"], "chosen": state.state_dict()["exchanges"]}
