@@ -18,7 +18,7 @@ class BucketStats:
     sparse_elements: int = 0  # elements of sparse steps (not skipped ones: the densities leave them out)
     selected: int = 0  # pairs this rank sent in sparse steps
     selected_all: int = 0  # pairs all ranks sent in sparse steps
-    union: int = 0  # elements the sparse steps' exchanges wrote (the averaged bucket's support)
+    union: int = 0  # elements the sparse steps' exchanges wrote (gather-and-add: every rank's pairs, each counted)
     elements_sent: int = 0  # selected + every element of dense steps
     bytes_sent: int = 0
     bytes_received: int = 0

@@ -893,7 +893,9 @@ class State:
         ``elements_sent`` by this rank; ``selected`` (pairs this rank sent) and
         ``selected_all`` (all ranks); ``density`` (achieved: selected / elements of sparse
         steps; a skipped step counts in no density), ``global_density`` (all ranks: selected_all / (elements * P)) and
-        ``union_density`` (elements the exchanges wrote / elements); ``achieved_density``, the
+        ``union_density`` (elements the exchanges wrote / elements; gather-and-add, which adds
+        every rank's pairs without merging them, counts each pair, so there it is selected_all /
+        elements and exceeds 1 where the ranks chose the same elements); ``achieved_density``, the
         one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
         (one target for all ranks together), ``density`` for the others; ``bytes_sent`` and ``bytes_received`` by this
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
