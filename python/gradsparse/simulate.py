@@ -453,7 +453,8 @@ def minimum_bytes(world_size: int, numel: int, density: float) -> dict[str, int]
         "gather-and-add (counts exchanged)": (p - 1) * k * pair,
         "union + all-reduce (MiCRO/ExDyna)": others * index_bytes(numel) + (allreduce if p > 1 else 0),
         "exclusive gather (MiCRO/ExDyna)": others * pair,
-        "reduce-scatter + all-gather (Top-k)": 2 * others * pair,
+        # the parts go to their shard's owner, indexed within the shard (narrower past 2^32 elements)
+        "reduce-scatter + all-gather (Top-k)": others * (index_bytes(-(-numel // p)) + 4) + others * pair,
     }
 
 
@@ -546,6 +547,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency = parse_latency(args.latency)
     except ValueError as e:
         parser.error(str(e))
+    if args.plot and max(worlds) < 2:  # at one rank every time is 0, which a log axis cannot show
+        parser.error("--plot: at one rank nothing crosses a link (every time is 0); add a world size of 2 or more")
     if args.plot:
         try:
             import matplotlib
@@ -579,7 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             speedup = f"{dense_time / seconds:8.1f}x" if seconds > 0 else f"{'-':>9}"
             ratio = f"{sent / minimum[name]:9.3f}x" if minimum.get(name) else f"{'-':>10}"
             print(f"{p:>6}  {name:<36} {_human(sent):>12} {ratio} {seconds * 1e3:9.3f}ms {speedup}")
-            rows.setdefault(name, []).append((p, seconds))
+            if seconds > 0:  # P = 1: no time, and no point on the log axis
+                rows.setdefault(name, []).append((p, seconds))
         print()
     if args.plot:
         matplotlib.use("Agg")

@@ -406,3 +406,23 @@ def test_the_command_runs_without_runpys_warning():
     assert run.returncode == 0, run.stderr
     assert "RuntimeWarning" not in run.stderr
     assert "dense all-reduce" in run.stdout
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 8])
+def test_no_exchange_sends_less_than_its_minimum_past_two_to_the_32_elements(world_size):
+    """Reduce-scatter + all-gather's parts are indexed within their shard (4 bytes where the bucket
+    needs 8): its bound counts them so, and stays a lower bound."""
+    numel = 5 * 10**9
+    plans, minimum = (
+        simulate.exchanges_at_scale(world_size, numel, 0.001),
+        simulate.minimum_bytes(world_size, numel, 0.001),
+    )
+    for name, bound in minimum.items():
+        assert sum(c.bytes_sent(world_size) for c in plans[name]) >= bound, name
+
+
+def test_a_plot_leaves_out_one_rank_where_every_time_is_zero(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit):
+        simulate.main(["--world-size", "1", "--plot", str(tmp_path / "one.png")])
+    assert "--plot" in capsys.readouterr().err and not (tmp_path / "one.png").exists()
