@@ -462,8 +462,8 @@ _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 
 
 def parse_bandwidth(text: str) -> float:
-    """'10Gbit', '25gbps', '1.25GB/s', '100Mbit' -> bytes per second."""
-    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(bit|bps|b/s|B/s|B|Bps)?\s*", text)
+    """'10Gbit', '10Gbit/s', '25gbps', '1.25GB/s', '100Mbit' -> bytes per second."""
+    m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMgGtT]?)(bit/s|bit|bps|b/s|B/s|B|Bps)?\s*", text)
     if not m:
         raise ValueError(f"--bandwidth: cannot read {text!r}; write for example 10Gbit, 100Mbit or 1.25GB/s")
     try:
@@ -532,8 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    if not (math.isfinite(args.params) and args.params >= 1):
-        parser.error(f"--params must be a finite number of elements, at least 1, got {args.params}")
+    if not (math.isfinite(args.params) and args.params >= 1 and args.params == int(args.params)):
+        parser.error(f"--params must be a whole number of elements, at least 1 (for example 25e6), got {args.params}")
     if args.teams < 1:
         parser.error(f"--teams must be at least 1, got {args.teams}")
     undivided = [w for w in worlds if w % args.teams]

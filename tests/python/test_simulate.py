@@ -310,7 +310,8 @@ def test_scale_table_runs_and_orders_exchanges(capsys):
 
 
 @pytest.mark.parametrize(
-    "text,value", [("10Gbit", 1.25e9), ("100Mbit", 12.5e6), ("1.25GB/s", 1.25e9), ("25gbps", 25e9 / 8)]
+    "text,value",
+    [("10Gbit", 1.25e9), ("100Mbit", 12.5e6), ("1.25GB/s", 1.25e9), ("25gbps", 25e9 / 8), ("10Gbit/s", 1.25e9)],
 )
 def test_bandwidth_units(text, value):
     assert simulate.parse_bandwidth(text) == pytest.approx(value)
@@ -338,8 +339,9 @@ def test_bad_arguments_name_the_argument():
         (["--latency=-1us"], "--latency: '-1us' is not a finite latency >= 0; write for example 5us"),
         (["--latency", "1e999"], "--latency: '1e999' is not a finite latency >= 0"),
         (["--latency", "1.2.3us"], "--latency: '1.2.3us' is not a finite latency >= 0"),
-        (["--params", "nan"], "--params must be a finite number of elements, at least 1, got nan"),
-        (["--params", "inf"], "--params must be a finite number of elements, at least 1, got inf"),
+        (["--params", "nan"], "--params must be a whole number of elements, at least 1 (for example 25e6), got nan"),
+        (["--params", "inf"], "--params must be a whole number of elements, at least 1 (for example 25e6), got inf"),
+        (["--params", "1.9"], "--params must be a whole number of elements, at least 1 (for example 25e6), got 1.9"),
         # every plan listed its P - 1 rounds: 10^8 ranks took gigabytes and minutes before any row
         (["--world-size", "8,100000000"], "--world-size: at most 1,048,576 ranks, got 100,000,000; the model lists"),
         # SparDL's row was left out without a word
