@@ -15,7 +15,9 @@ measures:
    exchange is averaged over the ranks: one small all-reduce through the engine, queued like a
    bucket, so every rank holds the same figures and takes the same decision.
 3. Each bucket keeps the exchange with the lower mean (gather-and-add on a tie) for the rest of
-   the run. The decision is saved in the state dict; a resumed run keeps it (one saved during
+   the run. A bucket that some rank did not time at every step (a step skipped for NaN/Inf, as
+   a loss scaler's first steps often are) is timed again from that step, at most ``ROUNDS``
+   rounds in all; one still missing a time then keeps the model's pick. The decision is saved in the state dict; a resumed run keeps it (one saved during
    the trial times again, and so does a trial during which DDP rebuilt its buckets).
 
 Both exchanges complete a step's state (residual, method state), so switching between steps
@@ -28,19 +30,22 @@ import statistics
 
 import torch
 
-__all__ = ["CHOICES", "STEPS_EACH", "ExchangeTrial"]
+__all__ = ["CHOICES", "ROUNDS", "STEPS_EACH", "ExchangeTrial"]
 
 #: The option values that exchange="auto" chooses between, gather-and-add first (the tie's pick).
 CHOICES = ("gather", "reduce_scatter")
 #: Timed steps per exchange and bucket.
 STEPS_EACH = 3
+#: Rounds of timed steps at most, for a bucket whose times some skipped step left incomplete.
+ROUNDS = 3
 
 
 class ExchangeTrial:
     """The trial of one state: when it runs, what it measured, what it decided (see the module)."""
 
     def __init__(self, first_sparse_step: int, chosen: dict[int, str] | None = None) -> None:
-        self.first_step = first_sparse_step + 1  # the trial's first step
+        self.first_step = first_sparse_step + 1  # the first step of the trial's current round
+        self.rounds = 1
         self.seconds: dict[int, dict[str, list[float]]] = {}  # bucket index -> exchange -> this rank's times
         self.chosen = {int(i): str(name) for i, name in (chosen or {}).items()}  # bucket index -> exchange
         self.means: dict[int, dict[str, float]] = {}  # bucket index -> exchange -> mean over the ranks
@@ -49,13 +54,18 @@ class ExchangeTrial:
     def exchange_at(self, index: int, step: int) -> str | None:
         """The exchange bucket ``index`` runs at ``step``: the trial's alternation, the decision,
         or None (the method's own: the model's pick)."""
-        if self.decided:
+        if self.decided or index in self.chosen:
             return self.chosen.get(index)
         t = step - self.first_step
         return CHOICES[t % 2] if 0 <= t < 2 * STEPS_EACH else None
 
+    def timed(self, index: int) -> bool:
+        """Whether bucket ``index`` is still being timed (its exchange at a step of the current
+        round is one of the trial's)."""
+        return not self.decided and index not in self.chosen
+
     def due(self, step: int) -> bool:
-        """Whether the ranks agree now (at the first bucket of the step after the trial)."""
+        """Whether the ranks agree now (at the first bucket of the step after a round)."""
         return not self.decided and step >= self.first_step + 2 * STEPS_EACH
 
     def record(self, index: int, exchange: str, seconds: float) -> None:
@@ -75,13 +85,18 @@ class ExchangeTrial:
             rows.append([*medians, 0.0 if complete else 1.0])
         return torch.tensor(rows, dtype=torch.float32).reshape(-1)
 
-    def decide(self, averaged: torch.Tensor) -> None:
-        """Takes the ranks' averaged figures (``medians`` after the all-reduce): each bucket timed
-        on every rank keeps the faster exchange."""
+    def decide(self, averaged: torch.Tensor, step: int) -> None:
+        """Takes the ranks' averaged figures (``medians`` after the all-reduce) at ``step``: each
+        bucket timed on every rank keeps the faster exchange; where some are missing, another
+        round starts at ``step`` (up to ``ROUNDS``), else the trial ends."""
         rows = averaged.reshape(-1, len(CHOICES) + 1).tolist()
         for index, (*means, missing) in enumerate(rows):
-            if missing == 0.0:
+            if missing == 0.0 and index not in self.chosen:
                 self.means[index] = dict(zip(CHOICES, means, strict=True))
                 self.chosen[index] = min(CHOICES, key=lambda name: self.means[index][name])
         self.seconds.clear()
-        self.decided = True
+        if len(self.chosen) < len(rows) and self.rounds < ROUNDS:
+            self.rounds += 1
+            self.first_step = step
+        else:
+            self.decided = True

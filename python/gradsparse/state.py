@@ -116,12 +116,12 @@ class State:
       optimizer with momentum 0 (plain SGD). Warm-up steps, and the Dense state, apply it too:
       there it is momentum SGD.
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf in
-      a sparse step: "raise" an error naming the bucket, "skip" the bucket's update for that
+      a step (a warm-up step too): "raise" an error naming the bucket, "skip" the bucket's update for that
       step (its gradient comes back as zeros), or "propagate": skip it and hand the bucket back
       filled with NaN on every rank, as DDP's all-reduce hands an overflow on, so that a
       torch.amp.GradScaler sees it (float16 loss scaling: see :meth:`set_scaler`). Each way the
-      residuals keep every finite value (docs/method-spec.md ruling 5). Dense steps (warm-up
-      steps, the Dense state) all-reduce as DDP does: NaN/Inf reach every rank's gradient.
+      residuals keep every finite value (docs/method-spec.md ruling 5). The Dense state
+      all-reduces as DDP does: NaN/Inf reach every rank's gradient.
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
@@ -739,14 +739,14 @@ class State:
             done = self._engine.submit(
                 figures, None, None, True, "raise", "the timings of exchange=auto", report, False, None, 0.0, False
             )  # fmt: skip
-            self._trial.decide(done.wait().cpu())
+            self._trial.decide(done.wait().cpu(), self._step)
             for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
-                if index not in self._trial.chosen:
+                if self._trial.decided and index not in self._trial.chosen:
                     self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels), bucket.value_bytes)
         exchange = self._trial.exchange_at(entry.index, self._step)
         if exchange is not None:
             entry.method.set_exchange(exchange)
-        return None if self._trial.decided else exchange
+        return exchange if self._trial.timed(entry.index) else None
 
     def _in_saved_layout(self) -> bool:
         """Whether this step, though not the first after the load, is reduced in the saved layout:

@@ -308,10 +308,12 @@ def test_every_method_trains_close_to_dense():
     workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, timeout=250))
 
 
-def test_auto_times_every_bucket_of_the_layout_static_graph_rebuilds():
-    """static_graph=True: DDP rebuilds its buckets after the second step, inside the trial; every
-    bucket of the final layout is still timed on both exchanges and decided by its times."""
-    results = run_distributed(workers.auto_exchange_static_graph, 2)
+@pytest.mark.parametrize("static_graph,nan_step", [(True, None), (False, 3)], ids=["rebuilt", "skipped"])
+def test_auto_times_every_bucket_again_where_a_rebuild_or_a_skipped_step_spoiled_its_times(static_graph, nan_step):
+    """DDP rebuilds its buckets after the second step with static_graph=True, inside the trial,
+    and a step skipped for a NaN leaves every bucket without one of its times: every bucket of
+    the final layout is still timed on both exchanges, and decided by its times."""
+    results = run_distributed(workers.auto_exchange_timed_again, 2, static_graph, nan_step)
     buckets = sorted(results[0]["steps"][-1])
     assert len(buckets) > 1
     for r in results:

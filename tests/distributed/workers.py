@@ -966,17 +966,20 @@ def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> t
     return before, {name: t.clone() for name, t in state.state_dict()["residuals"].items()}, unused
 
 
-def auto_exchange_static_graph(rank: int, world_size: int) -> dict:
-    """exchange="auto" under static_graph=True, where DDP rebuilds its buckets after the second
-    step: each exchange per bucket and step, and the trial's figures."""
+def auto_exchange_timed_again(rank: int, world_size: int, static_graph: bool, nan_step: int | None) -> dict:
+    """exchange="auto" where the trial's first times do not count: under static_graph=True DDP
+    rebuilds its buckets after the second step; ``nan_step`` puts a NaN in rank 0's gradient at
+    that step, which nonfinite="skip" skips on every rank. Each step's exchange per bucket, and the
+    trial's figures."""
     model = make_model(0)
-    ddp = DDP(model, bucket_cap_mb=0.004, static_graph=True)
-    state = gs.register(ddp, gs.TopK(density=0.1, exchange="auto"))
+    ddp = DDP(model, bucket_cap_mb=0.004, static_graph=static_graph)
+    state = gs.register(ddp, gs.TopK(density=0.1, exchange="auto", nonfinite="skip"))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     steps = []
-    for x, y in batches(rank, 12):
+    for step, (x, y) in enumerate(batches(rank, 16), start=1):
         opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        (loss * math.nan if step == nan_step and rank == 0 else loss).backward()
         opt.step()
         steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
     return {"steps": steps, "trial": state.stats()["exchange_trial"], "chosen": state.state_dict()["exchanges"]}

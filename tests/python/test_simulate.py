@@ -10,7 +10,7 @@ import torch
 
 import gradsparse
 from gradsparse import _C, simulate
-from gradsparse.exchange_trial import ExchangeTrial
+from gradsparse.exchange_trial import ROUNDS, STEPS_EACH, ExchangeTrial
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -240,15 +240,29 @@ def test_the_exchange_trial_alternates_then_keeps_the_faster_where_every_rank_ti
         trial.record(0, "reduce_scatter", 0.020 + t)
         trial.record(1, "gather", 0.030)
         trial.record(1, "reduce_scatter", 0.005)
-    trial.record(2, "gather", 0.001)  # bucket 2 lacks times (a skipped step): it keeps the model's pick
+    trial.record(2, "gather", 0.001)  # bucket 2 lacks times (a skipped step): it is timed again
     mine = trial.medians(3)
     assert mine.tolist() == pytest.approx([1.010, 1.020, 0, 0.030, 0.005, 0, 0, 0, 1])
     other_rank = mine.clone()
     other_rank[[0, 1]] = torch.tensor([3.0, 1.0])  # another rank timed bucket 0 the other way round
-    trial.decide((mine + other_rank) / 2)
-    assert trial.chosen == {0: "reduce_scatter", 1: "reduce_scatter"} and trial.decided
+    trial.decide((mine + other_rank) / 2, step=9)
+    assert trial.chosen == {0: "reduce_scatter", 1: "reduce_scatter"} and not trial.decided
     assert trial.means[0] == pytest.approx({"gather": 2.005, "reduce_scatter": 1.010})
+    # the second round, from step 9: bucket 2 alternates, the decided buckets keep their exchange
+    assert [trial.exchange_at(2, step) for step in range(9, 16)] == ["gather", "reduce_scatter"] * 3 + [None]
+    assert trial.exchange_at(0, 10) == "reduce_scatter" and not trial.timed(0) and trial.timed(2)
+    assert not trial.due(14) and trial.due(15)
+    for _ in range(ROUNDS - 1):  # every round misses a time of bucket 2: after the last, the trial ends
+        trial.decide(trial.medians(3), step=15)
+    assert trial.decided and trial.rounds == ROUNDS and 2 not in trial.chosen
     assert trial.exchange_at(0, 20) == "reduce_scatter" and trial.exchange_at(2, 20) is None
+    again = ExchangeTrial(first_sparse_step=0)  # a bucket timed completely in the second round
+    again.decide(again.medians(1), step=7)
+    for _ in range(STEPS_EACH):
+        again.record(0, "gather", 0.2)
+        again.record(0, "reduce_scatter", 0.1)
+    again.decide(again.medians(1), step=13)
+    assert again.decided and again.chosen == {0: "reduce_scatter"} and again.rounds == 2
     resumed = ExchangeTrial(first_sparse_step=30, chosen={"1": "gather"})  # keys as some checkpointers write them
     assert resumed.decided and resumed.exchange_at(1, 31) == "gather" and resumed.exchange_at(0, 31) is None
 
