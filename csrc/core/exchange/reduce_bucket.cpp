@@ -1,6 +1,7 @@
 #include "gradsparse/reduce_bucket.h"
 
 #include <chrono>
+#include <cmath>
 #include <new>
 #include <stdexcept>
 
@@ -107,7 +108,9 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
       // NaN/Inf in its gradient, before the velocity moves or anything is sent.
       BucketView gradient = bucket;
       gradient.residual = gradient.velocity = nullptr;
-      report.nonfinite = gradient.numel > 0 ? device.moments(gradient, false).nonfinite : 0;
+      // A scan without sums, range or list: the count alone.
+      report.nonfinite =
+          gradient.numel > 0 ? device.scan(gradient, false, Range{}, HUGE_VAL, 0, false).moments.nonfinite : 0;
       ExchangeResult counts;
       for (int64_t count : allgather_count(transport, device, report.nonfinite)) {
         counts.control.emplace_back().nonfinite = count;
