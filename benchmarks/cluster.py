@@ -43,6 +43,7 @@ from collections.abc import Sequence
 PREFIX = "gsc"  # namespaces: gsc<pid>-sw, gsc<pid>-h<i>
 SUBNET = "10.214.0"
 RDZV_PORT = 29400
+MIN_BURST = 1514  # one full frame on the 1500-byte-MTU veth links (with its 14-byte Ethernet header)
 #: The signals that end a run with its clean-up: Ctrl-C, kill's default, a closed terminal.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -54,7 +55,14 @@ class ClusterError(RuntimeError):
 def _run(*command: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ClusterError(f"`{shlex.join(command)}` failed: {done.stderr.strip() or done.stdout.strip()}")
+        error = done.stderr.strip() or done.stdout.strip()
+        if "Operation not permitted" in error:  # root in name only: a user namespace, or capabilities dropped
+            error += (
+                "; the emulated cluster needs CAP_SYS_ADMIN and CAP_NET_ADMIN of the machine's own namespaces (a "
+                "container: --privileged, or --cap-add SYS_ADMIN --cap-add NET_ADMIN); without them run the workers "
+                "on this machine: torchrun --standalone --nproc-per-node=N ARGS"
+            )
+        raise ClusterError(f"`{shlex.join(command)}` failed: {error}")
 
 
 def _parse_rate(rate: str) -> int:
@@ -69,7 +77,7 @@ def _parse_rate(rate: str) -> int:
 
 def default_burst(rate_bits: int) -> int:
     """tbf's bucket: 2 ms at the rate, at least 16 KB (see benchmarks/slow_network.sh)."""
-    return max(16_000, rate_bits // 8 // 500)
+    return min(2**32 - 1, max(16_000, rate_bits // 8 // 500))  # tc reads the burst as 32 bits
 
 
 def delete_namespace(namespace: str) -> str:
@@ -89,14 +97,15 @@ def delete_namespace(namespace: str) -> str:
 
 
 def stale_namespaces() -> list[str]:
-    """Namespaces of earlier runs whose process is gone."""
+    """Namespaces of earlier runs whose process is gone, and those named after this process's pid
+    (a killed run's, whose pid this process reused: this one has made none yet)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     stale = []
     for name in listed:
         if not name.startswith(PREFIX) or "-" not in name:
             continue
         pid = name[len(PREFIX) : name.index("-")]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isdigit() and (int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}")):
             stale.append(name)
     return stale
 
@@ -111,6 +120,10 @@ class Cluster:
             raise ClusterError(f"--delay must be a finite number of ms >= 0 (0: none), got {delay_ms}")
         if burst is not None and burst < 0:  # else tc's error, once the namespaces were made
             raise ClusterError(f"--burst must be a number of bytes >= 0 (0: 2 ms at --rate), got {burst}")
+        if burst and burst < MIN_BURST:  # tbf drops every packet larger than its bucket: the run hung, then failed
+            raise ClusterError(
+                f"--burst must hold one full Ethernet frame, at least {MIN_BURST} bytes (0: 2 ms at --rate), got {burst}"
+            )
         self.hosts = hosts
         self.rate = rate
         self.rate_bits = _parse_rate(rate)
@@ -148,22 +161,34 @@ class Cluster:
             _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "root", "handle", "1:", "netem", "delay",
                  f"{self.delay_ms}ms")  # fmt: skip
         except ClusterError as e:
+            if "unknown" not in str(e):  # netem is there and refused the value (tc's time is at most 4294 s)
+                raise ClusterError(
+                    f"--delay {self.delay_ms}: tc refused it ({e}); give a delay of at most a few seconds"
+                ) from None
             raise ClusterError(
                 f"--delay {self.delay_ms}ms needs tc's netem, which this kernel refused ({e}); run without --delay "
                 "(rate-limited links only) or on a kernel with sch_netem"
             ) from None
         _run("tc", "-n", namespace, "qdisc", "add", "dev", device, "parent", "1:1", "handle", "10:", *tbf)
 
+    def _add_namespace(self, name: str) -> None:
+        """``ip netns add`` and its record in ``created`` as one step: a stop signal between them
+        (or one that killed ip after it made the namespace) left the namespace behind."""
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            _run("ip", "netns", "add", name)
+            self.created.append(name)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
     def _create(self) -> None:
         for name in stale_namespaces():
             delete_namespace(name)
-        _run("ip", "netns", "add", self.switch)
-        self.created.append(self.switch)
+        self._add_namespace(self.switch)
         _run("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _run("ip", "-n", self.switch, "link", "set", "br0", "up")
         for i, ns in enumerate(self.namespaces):
-            _run("ip", "netns", "add", ns)
-            self.created.append(ns)
+            self._add_namespace(ns)
             port = f"p{i}"
             _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.switch)
             _run("ip", "-n", self.switch, "link", "set", port, "master", "br0")
@@ -265,7 +290,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="50mbit",
         help="rate of every link, each direction (tc rate; docs/benchmarks.md says why 50mbit)",
     )
-    parser.add_argument("--burst", type=int, default=None, help="tbf bucket in bytes (default: 2 ms at --rate)")
+    parser.add_argument(
+        "--burst",
+        type=int,
+        default=None,
+        help="tbf bucket in bytes, at least one frame (1514; default: 2 ms at --rate, at least 16000)",
+    )
     parser.add_argument("--delay", type=float, default=0.0, help="one-way delay in ms per link end (needs netem)")
 
 

@@ -177,3 +177,51 @@ def test_a_host_killed_by_a_signal_ends_the_run_with_the_shells_status(tmp_path,
             os.kill(pid, signal.SIGKILL)
         for name in namespaces_left():
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_burst_below_one_frame_is_refused():
+    """tbf drops every packet larger than its bucket: with --burst 1000 the hosts could not reach
+    each other, and the run failed after a minute of socket errors."""
+    from benchmarks import cluster as emulated
+
+    with pytest.raises(emulated.ClusterError, match="--burst must hold one full Ethernet frame, at least 1514 bytes"):
+        emulated.Cluster(2, "50mbit", burst=1000)
+    assert emulated.Cluster(2, "50mbit", burst=0).burst == 16000
+    assert emulated.default_burst(10**14) == 2**32 - 1  # tc reads 32 bits
+
+
+def test_namespaces_named_after_this_pid_are_stale():
+    """A killed run's namespaces whose pid this process reuses (in a container, often always the
+    same): they counted as alive, and every later run failed on "File exists"."""
+    from benchmarks import cluster as emulated
+
+    name = f"{emulated.PREFIX}{os.getpid()}-sw"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert name in emulated.stale_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_stop_while_ip_makes_a_namespace_leaves_none(tmp_path, namespaces_left):
+    """A Ctrl-C while `ip netns add` ran killed ip after it had made the namespace, which the
+    cluster had not recorded yet, so its clean-up left it behind."""
+    real = subprocess.run(["which", "ip"], capture_output=True, text=True, check=True).stdout.strip()
+    added = tmp_path / "added"
+    (tmp_path / "ip").write_text(  # ip, slow after it adds a namespace; it says when it has added one
+        f'#!/bin/bash\n{real} "$@"; rc=$?\nif [ "$1 $2" = "netns add" ]; then touch {added}; sleep 3; fi\nexit $rc\n'
+    )
+    (tmp_path / "ip").chmod(0o755)
+    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "true"]
+    started = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_for(added.exists, 60)
+        started.send_signal(signal.SIGINT)
+        assert started.wait(timeout=60) == 130, started.stderr.read()[-2000:]
+        assert namespaces_left() == []
+    finally:
+        started.kill()
+        for name in namespaces_left():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
