@@ -477,10 +477,14 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, pres
         return
     if args.preset not in presets:
         parser.error(f"--preset: unknown preset {args.preset!r}; choose from {', '.join(sorted(presets))}")
-    given = {a.split("=")[0] for a in (argv or []) if a.startswith("--")}
-    given |= {"--" + a[len("--no-") :] for a in given if a.startswith("--no-")}  # --no-x gives x too
+    # The options the command line gave, as argparse read them (abbreviations such as --epoch and
+    # --no-x included): parsed again into a namespace whose every value is a marker, which argparse
+    # replaces only for the options given.
+    unset = object()
+    probe = argparse.Namespace(**dict.fromkeys(vars(args), unset))
+    parser.parse_known_args(argv, namespace=probe)
     for key, value in presets[args.preset].items():
-        if "--" + key.replace("_", "-") not in given:
+        if getattr(probe, key, unset) is unset:
             setattr(args, key, value)
 
 

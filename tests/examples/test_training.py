@@ -371,6 +371,10 @@ def test_the_cnn_main_job_preset_fills_in_what_the_command_line_leaves_out():
         True,
     )
     assert _cnn_args(["--no-momentum-correction", "--epochs", "2"]).momentum_correction is False
+    # abbreviations, as argparse reads them (the preset's values replaced them)
+    assert _cnn_args(["--epoch", "1"]).epochs == 1 and _cnn_args(["--epochs=2"]).epochs == 2
+    assert _cnn_args(["--no-momentum-c"]).momentum_correction is False
+    assert _cnn_args(["--preset", "demo", "--meth", "topk"]).method == "topk"
     demo = _cnn_args(["--preset", "demo"])
     assert (demo.epochs, demo.lr_milestones, demo.momentum_correction) == (4, "", False)
     for name, settings in cnn.PRESETS.items():
