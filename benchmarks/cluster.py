@@ -306,8 +306,8 @@ def session(args: argparse.Namespace, prog: str = "benchmarks.cluster"):
     ClusterError without root."""
     if os.geteuid() != 0:
         raise ClusterError(
-            f"{prog} needs root to create network namespaces, veth links and tc qdiscs: run it with sudo "
-            "(or as root in a container with CAP_NET_ADMIN)."
+            "the emulated cluster needs root to create network namespaces, veth links and tc qdiscs: run "
+            f"{prog} with sudo (or as root in a container with CAP_SYS_ADMIN and CAP_NET_ADMIN)."
         )
     replaced = {signum: signal.signal(signum, _raise_on_signal) for signum in STOP_SIGNALS}
     try:
