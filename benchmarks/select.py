@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
+    if not args.methods and (args.rounds != 1 or args.momentum or args.only):
+        parser.error("--rounds, --momentum and --only apply to the --methods table; add --methods")
     if args.device != "cpu" and (args.rounds != 1 or args.momentum):
         parser.error(
             f"--rounds and --momentum apply to the CPU's --methods table; drop them with --device {args.device}"

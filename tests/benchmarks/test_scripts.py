@@ -71,6 +71,10 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         (["--device", "tpu"], "--device: 'tpu' is neither cpu nor cuda (cuda:N for another GPU)"),
         # refused only once the first table had been timed
         (["--methods", "--only", "topk"], "--only: unknown method(s) topk; choose from TopK"),
+        # the options of the methods' table, ignored without a word where it was not asked for
+        (["--momentum", "0.9"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
+        (["--rounds", "3"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
+        (["--only", "TopK"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
     ],
 )
 def test_select_refuses_bad_values_before_timing_anything(argv, message, capsys, monkeypatch):
@@ -103,7 +107,19 @@ def test_density_reports_errors_and_imbalance(tmp_path):
     for name in ("MiCRO", "ExDyna"):  # the mean factor of their adaptive band
         assert 1.05 <= numbers(text, name)[3] <= 1.25, name
     assert numbers(text, "TopK")[1:] == [0.0, 0.0]  # exact top-k hits its count every step, and has no band
-    assert "## Load imbalance" in text
+    imbalance = text.split("## Load imbalance")[1]  # at the densities asked for (it took 0.01 and 0.001)
+    assert "| 0.01 |" in imbalance and "| 0.001 |" not in imbalance
+
+
+def test_density_errors_are_against_the_count_the_methods_aim_at():
+    """The error was |achieved / density - 1|, but every method aims at k = max(1, floor(density *
+    n)) elements: exact Top-k read 1.0 at 500 elements and 0.001 (k = 1 against 0.5), and 0.0025
+    on the CNN stream's 80,202 (80 against 80.202)."""
+    stream = density.drift_stream(density.WARMUP + 5, 1, n=500)
+    for name in ("TopK", "RandomK"):
+        mean, p95, _ = density.density_errors(stream, 0.001, 1, name, density.methods(0.001)[name])
+        assert (mean, p95) == (0.0, 0.0), name
+    assert density.target_fraction(0.001, 80_202) == 80 / 80_202
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--steps", "50"), ("--imbalance-steps", "10")])
