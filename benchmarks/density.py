@@ -9,7 +9,8 @@ Streams (every rank gets its own gradients; error feedback on, as in training):
 - cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
   SGD, one mini-batch per rank and step).
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
-|achieved density / target - 1| per step. Achieved density: all ranks' selected count / n for
+|achieved density / target - 1| per step; the target is k / n with k = max(1, floor(density x
+n)), the count every method aims at. Achieved density: all ranks' selected count / n for
 MiCRO, ExDyna and SparDL (one global target), the mean over ranks of count / n for the others.
 MiCRO's and ExDyna's rows also give the mean factor of their adaptive band (1.05 to 1.25: the
 narrower, the fewer candidates each step lists and counts).
