@@ -444,6 +444,11 @@ class State:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
             self._binding.check_names(self._loaded.saved)
+        elif self._table.buckets:
+            # A new DDP over the model the state already reduced for (Lightning's next fit()): its
+            # first step comes in a fresh DDP's layout, so it is reduced in the layout of the steps
+            # so far, as after load_state_dict, and continues the run as the old DDP would have.
+            self._saved_layout = [names for names in self._table.layout() if names]
 
     def _bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""

@@ -134,6 +134,25 @@ def frozen_then_unfrozen(rank: int, world_size: int, density: float | None) -> t
     return params_of(model), state.step, sorted(state.state_dict()["residuals"])
 
 
+def rewrapped_continues(rank: int, world_size: int, method: str, rewrap_at: int | None, static_graph: bool) -> list:
+    """8 steps of one state on Shuffled (first-step bucket layout differs from the rebuilt one),
+    with the module wrapped in a new DDP and the state registered there before step ``rewrap_at``
+    (as Lightning's next fit() does); the same optimizer throughout. Returns the parameters."""
+    torch.manual_seed(0)
+    model = Shuffled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    state = gs.TopK(density=0.05) if method == "topk" else gs.ExDyna(density=0.05)
+    ddp = None
+    for i, (x, y) in enumerate(batches(rank, 8)):
+        if i in (0, rewrap_at):
+            ddp = DDP(model, bucket_cap_mb=0.004, static_graph=static_graph)
+            gs.register(ddp, state)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
 # (b), (c) recording every bucket the hook sees -------------------------------------------------
 
 
