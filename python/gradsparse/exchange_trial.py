@@ -17,8 +17,9 @@ measures:
 3. Each bucket keeps the exchange with the lower mean (gather-and-add on a tie) for the rest of
    the run. A bucket that some rank did not time at every step (a step skipped for NaN/Inf, as
    a loss scaler's first steps often are) is timed again from that step, at most ``ROUNDS``
-   rounds in all; one still missing a time then keeps the model's pick. The decision is saved in the state dict; a resumed run keeps it (one saved during
-   the trial times again, and so does a trial during which DDP rebuilt its buckets).
+   rounds in all; one still missing a time then keeps the model's pick. The decision is saved
+   in the state dict; a resumed run keeps it (one saved during the trial times again, and so
+   does a trial during which DDP rebuilt its buckets).
 
 Both exchanges complete a step's state (residual, method state), so switching between steps
 changes nothing but the exchange. At one rank nothing is timed: the model's pick stays.

@@ -116,12 +116,12 @@ class State:
       optimizer with momentum 0 (plain SGD). Warm-up steps, and the Dense state, apply it too:
       there it is momentum SGD.
     - ``nonfinite`` ("raise"): what every rank does when any rank's gradient holds NaN/Inf in
-      a step (a warm-up step too): "raise" an error naming the bucket, "skip" the bucket's update for that
-      step (its gradient comes back as zeros), or "propagate": skip it and hand the bucket back
-      filled with NaN on every rank, as DDP's all-reduce hands an overflow on, so that a
-      torch.amp.GradScaler sees it (float16 loss scaling: see :meth:`set_scaler`). Each way the
-      residuals keep every finite value (docs/method-spec.md ruling 5). The Dense state
-      all-reduces as DDP does: NaN/Inf reach every rank's gradient.
+      a step (a warm-up step too): "raise" an error naming the bucket, "skip" the bucket's
+      update for that step (its gradient comes back as zeros), or "propagate": skip it and hand
+      the bucket back filled with NaN on every rank, as DDP's all-reduce hands an overflow on,
+      so that a torch.amp.GradScaler sees it (float16 loss scaling: see :meth:`set_scaler`).
+      Each way the residuals keep every finite value (docs/method-spec.md ruling 5). The Dense
+      state all-reduces as DDP does: NaN/Inf reach every rank's gradient.
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
