@@ -21,11 +21,11 @@ can_emulate() {
   local probe="gsc-probe-$$"
   ip netns add "$probe" 2> /dev/null || return 1
   # what the cluster does next: a veth pair and a rate-limited link (CAP_NET_ADMIN, sch_tbf)
-  local ok=0
+  local status=0
   ip -n "$probe" link add eth0 type veth peer name eth1 2> /dev/null \
-    && tc -n "$probe" qdisc add dev eth0 root tbf rate 50mbit burst 16000 latency 20ms 2> /dev/null || ok=1
+    && tc -n "$probe" qdisc add dev eth0 root tbf rate 50mbit burst 16000 latency 20ms 2> /dev/null || status=1
   ip netns delete "$probe"
-  return $ok
+  return $status
 }
 if [ "${GRADSPARSE_DEMO_NETWORK:-cluster}" != loopback ] && can_emulate; then
   exec "$PYTHON" -m benchmarks.cluster --hosts 4 --rate 50mbit -- -m examples.cnn "$@"
