@@ -37,7 +37,8 @@ class TransportCollective final : public Collective {
     Buffer recv = device_.allocate(bytes * static_cast<size_t>(transport_.size()));
     device_.copy_from_host(send.data(), mine, bytes);
     transport_.allgather(device_, send.data(), recv.data(), bytes);
-    device_.copy_to_host(all, recv.data(), recv.bytes());
+    device_.copy_to_host(all, recv.data(), bytes * static_cast<size_t>(transport_.size()));  // not recv.bytes():
+    // a device may round a buffer up (PyTorch's CUDA allocator hook, to 8 bytes), and `all` holds P x bytes
   }
   bool exchange_takes_agreed_words() const override { return exchange_.takes_agreed_words(); }
 

@@ -148,7 +148,8 @@ class Device {
   virtual int index() const { return 0; }
 
   // Memory.
-  /// Memory on this device, at least 64-byte aligned.
+  /// Memory on this device, at least 64-byte aligned. Its bytes() may exceed the request (a
+  /// device may round it up): copy what was asked for, not bytes().
   virtual Buffer allocate(size_t bytes) = 0;
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;

@@ -512,6 +512,7 @@ template <typename T, typename I>
 SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, Range range, bool zero,
                    const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
+  check_range(range, n, "select");  // as the CPU kernel (it clipped the range to the bucket)
   SelectStats stats;
   if (n == 0) {
     sink(0);
@@ -530,6 +531,7 @@ template <typename T>
 void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
              std::vector<float>& value) {
   GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
+  check_range(range, n, "collect");
   index.clear();
   value.clear();
   if (n == 0) return;

@@ -148,6 +148,7 @@ template <typename T>
 void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const std::vector<uint32_t>& keys,
                 std::vector<int64_t>& counts) {
   GS_CHECK(!src.update, ValueError, "count_keys reads values only; apply the error-feedback update first");
+  check_range(range, n, "count_keys");  // as the CPU kernel: a range past the bucket would be read
   const int m = static_cast<int>(keys.size());
   counts.assign(keys.size(), 0);
   if (m == 0 || range.end <= range.begin) return;
