@@ -10,7 +10,7 @@ Streams (every rank gets its own gradients; error feedback on, as in training):
   SGD, one mini-batch per rank and step).
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
 |achieved density / target - 1| per step; the target is k / n with k = max(1, floor(density x
-n)), the count every method aims at. Achieved density: all ranks' selected count / n for
+n)), the count the methods aim at (DGC's k = ceil(density x n)). Achieved density: all ranks' selected count / n for
 MiCRO, ExDyna and SparDL (one global target), the mean over ranks of count / n for the others.
 MiCRO's and ExDyna's rows also give the mean factor of their adaptive band (1.05 to 1.25: the
 narrower, the fewer candidates each step lists and counts).
@@ -116,17 +116,19 @@ def cnn_stream(steps: int, world_size: int, seed: int = 0) -> list[list[torch.Te
     return stream
 
 
-def target_fraction(density: float, n: int) -> float:
-    """The share of n the methods aim at: k / n with k = max(1, floor(density * n)) capped at n, the
-    core's target_count (docs/method-spec.md ruling 4), not density itself (80 of 80,202 at 0.001)."""
-    return min(n, max(1, math.floor(density * n))) / n
+def target_fraction(density: float, n: int, name: str = "") -> float:
+    """The share of n the method ``name`` aims at, not density itself (80 of 80,202 at 0.001):
+    k / n with k = max(1, floor(density * n)) capped at n, the core's target_count
+    (docs/method-spec.md ruling 4), and for DGC k = ceil(density * n) (method-spec 4.5)."""
+    k = math.ceil(density * n) if name.startswith("DGC") else max(1, math.floor(density * n))
+    return min(n, k) / n
 
 
 def density_errors(stream, density: float, world_size: int, name: str, make) -> tuple[float, float, float | str]:
     """The mean and 95th percentile of |achieved / target - 1| after the warm-up, and the mean band
     factor of the steps after it (MiCRO's and ExDyna's default mode; "" for the others)."""
     n = stream[0][0].numel()
-    target = target_fraction(density, n)
+    target = target_fraction(density, n, name)
     steps = run_steps(world_size, make, stream)
     bands = [step[0].state["band"] for step in steps[WARMUP:] if "band" in step[0].state]
     # One global target for the partitioned methods, one per rank for the others.

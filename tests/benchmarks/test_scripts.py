@@ -120,6 +120,7 @@ def test_density_errors_are_against_the_count_the_methods_aim_at():
         mean, p95, _ = density.density_errors(stream, 0.001, 1, name, density.methods(0.001)[name])
         assert (mean, p95) == (0.0, 0.0), name
     assert density.target_fraction(0.001, 80_202) == 80 / 80_202
+    assert density.target_fraction(0.001, 80_202, "DGC reference") == 81 / 80_202  # DGC's k = ceil(density n)
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--steps", "50"), ("--imbalance-steps", "10")])
