@@ -5,8 +5,10 @@ A state dict (version 2) holds ``class``, ``config``, ``step``, ``rank``, ``worl
 ``residuals`` (parameter name -> tensor, the model's own names), ``checksums`` (name -> CRC-32 of
 the residual's bytes), ``velocities`` and ``velocity_checksums`` (the same for momentum
 correction's velocities; absent or empty without it), ``methods`` and ``layout`` (by bucket
-index: the method's state and the bucket's parameter names) and ``stats``; docs/architecture.md,
-"Checkpoints", says why.
+index: the method's state and the bucket's parameter names), ``stats``, ``link`` and
+``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
+decision by bucket index; None otherwise), ``loss_scale`` (the scale the residuals are in: 1
+without a scaler) and ``version``; docs/architecture.md, "Checkpoints", says why.
 
 Error-feedback residuals differ from rank to rank, but most frameworks write a checkpoint from
 rank 0 only (Lightning's ``Trainer.save_checkpoint``, Accelerate's ``save_state``), from what

@@ -1,7 +1,7 @@
 """The selection methods of gradsparse: one State class each (docs/methods.md explains them,
 docs/method-spec.md pins down every detail). Every class takes its own options plus the options
 shared by all states (:class:`gradsparse.State`: ``process_group``, ``warmup_steps``,
-``error_feedback``, ``nonfinite``, ``timeout``, ``reference``).
+``error_feedback``, ``momentum``, ``nonfinite``, ``timeout``, ``reference``, ``transport``).
 
 Example::
 
@@ -157,7 +157,14 @@ class DGC(State):
     exceedances beyond 4k/3 are trimmed to the exact top k. Exchange: gather-and-add, or
     reduce-scatter + all-gather (``exchange``)."""
 
-    OPTIONS = (_DENSITY, seed_option(), _EXCHANGE)
+    OPTIONS = (
+        density_option(
+            "fraction of each bucket's elements to send, in (0, 1]; k = ceil(density * n) (SIDCo's "
+            "dgcsampling; docs/method-spec.md 4.5)"
+        ),
+        seed_option(),
+        _EXCHANGE,
+    )
     _CORE = "DGC"
     _CORE_EXTRAS = ("reference",)
 
