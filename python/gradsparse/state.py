@@ -428,7 +428,7 @@ class State:
                     f"{mine[1]}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}; the "
                     f"two differ on {int(differ)} of the {dist.get_world_size()} ranks: {fix}"
                 )
-            _end_the_mpi_job_on_an_uncaught_error()
+            _end_the_mpi_job_on_an_uncaught_error(engine.rank)
             return engine
         timeout = self._wait_timeout
         return _C.Engine(comm, timeout.total_seconds())
@@ -1166,18 +1166,21 @@ def _value(future: torch.futures.Future):
     return future.value()
 
 
-def _end_the_mpi_job_on_an_uncaught_error() -> None:
+def _end_the_mpi_job_on_an_uncaught_error(rank: int) -> None:
     """transport="mpi": a process that dies of an uncaught exception ends the whole MPI job
     (MPI_Abort) once its traceback is printed. Otherwise its exit runs MPI_Finalize, which waits
     for every other rank while they wait in a collective for this one: the job hung for ever,
     where mpirun ends it at once when a rank exits without finalising. Installed once, in front
-    of the hook found (sys.excepthook)."""
+    of the hook found (sys.excepthook); ``rank`` is this process's MPI rank."""
     previous = sys.excepthook
     if getattr(previous, "_gradsparse_mpi", False):
         return
 
     def end_the_job(kind, value, traceback) -> None:
         previous(kind, value, traceback)
+        print(
+            f"gradsparse: rank {rank} ends the MPI job (MPI_Abort) after its uncaught {kind.__name__}", file=sys.stderr
+        )
         sys.stderr.flush()
         _C.mpi_abort(1)
 

@@ -148,5 +148,6 @@ def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path, how):
         assert re.search(r"Process name: \[\[\d+,\d+\],1\]\s+Exit code:\s+3", output), output
     else:
         assert "_Crash: rank 1 dies of an error in its training loop" in output, output  # its traceback first
-        assert "MPI_ABORT was invoked on rank 1" in output, output
+        # the library's own line (OpenMPI's "MPI_ABORT was invoked on rank 1" came garbled in one run)
+        assert "gradsparse: rank 1 ends the MPI job (MPI_Abort) after its uncaught _Crash" in output, output
     assert ended - float(exited.group(1)) < 30, f"the job took {ended - float(exited.group(1)):.1f} s to end"
