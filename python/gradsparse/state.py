@@ -564,7 +564,7 @@ class State:
             # DDP rebuilt its buckets after a timed step of the trial (with static_graph=True it
             # rebuilds after the second step): the times so far belong to the old buckets. Every
             # rank times the new ones anew, from the next step.
-            self._trial = ExchangeTrial(self._step)
+            self._trial = self._new_trial(self._step, None)
         self._table.park_from(index)
         numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
