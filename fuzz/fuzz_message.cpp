@@ -4,7 +4,9 @@
 // Input: mode, dtype, bucket size, seed, k, then either edits (offset, byte) applied to a valid
 // message of the top-k of a random gradient (mode bit 0 clear: deep cases), or the raw bytes of
 // the message (bit 0 set). Bit 1 truncates the message, bit 2 places it 4 bytes off alignment,
-// bit 3 checks its first 32 bytes as a control word that carries a message.
+// bit 3 checks its first 32 bytes as a control word that carries a message, bit 4 reads the
+// bytes after the header as a bare message of k pairs (the count a control word announced), as
+// every exchange but the fixed-size gather and SparDL receives its messages.
 // Properties: no out-of-bounds or misaligned access (ASan, UBSan); a rejection is a
 // CorruptMessageError and leaves the output untouched; a misaligned message is always rejected.
 #include <cstring>
@@ -57,6 +59,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   std::vector<unsigned char> out = fuzz::random_bucket(dtype, n, seed + 1);
   const std::vector<unsigned char> before = out;
+  if (mode & 16) {
+    const MessageView bare = bare_view(at + kMessageHeaderBytes, k, dtype, n, 0, 1);
+    if (message.size() < kMessageHeaderBytes + bare.bytes()) return 0;  // a bare message arrives at its size
+    try {
+      device.scatter_add(bare, out.data(), 2.0f);
+    } catch (const CorruptMessageError&) {
+      if (out != before) __builtin_trap();  // a rejected message wrote to the output
+    }
+    return 0;
+  }
   try {
     device.scatter_add(read_message(device, at, message.size(), dtype, n, 1), out.data(), 2.0f);
     if (shift != 0) __builtin_trap();  // a misaligned message was accepted

@@ -4,8 +4,9 @@
         --bandwidth 10Gbit --latency 5us [--teams 1] [--plot exchanges.png]
 
 Each exchange is written down as the sequence of collectives one rank issues in one step, with
-the exact message sizes of the library (docs/architecture.md, "Sparse message"), so the byte
-counts follow the transports' accounting rule (csrc/core/include/gradsparse/transport.h):
+the exact message sizes of the library (csrc/core/include/gradsparse/message.h: a header, or
+none where the count travelled first, then indices and values), so the byte counts follow the
+transports' accounting rule (csrc/core/include/gradsparse/transport.h):
 
     allgather of b bytes per rank    sent = (P - 1) b
     all-reduce of b bytes            sent = floor(2 (P - 1) b / P)        (ring)
@@ -32,8 +33,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-HEADER_BYTES = 32  # sparse message header
-CONTROL_BYTES = 32  # control word: message bytes, count, non-finite count, index digest
+HEADER_BYTES = 32  # sparse message header (bare messages, whose count travelled first, have none)
 FLOAT64 = 8
 
 
@@ -46,14 +46,25 @@ def index_bytes(numel: int) -> int:
     return 4 if numel <= 2**32 else 8
 
 
-def message_bytes(count: int, numel: int, value_bytes: int = 4) -> int:
-    """Size of a sparse message of ``count`` pairs: header, padded indices, padded values."""
-    return HEADER_BYTES + _pad8(count * index_bytes(numel)) + _pad8(count * value_bytes)
+def count_bytes(most: int) -> int:
+    """Bytes of one count on the wire (control words, part and kept counts) where none exceeds ``most``."""
+    return 4 if most < 2**32 else 8
+
+
+def control_bytes(numel: int, digest: bool = False) -> int:
+    """One rank's control word: its count and non-finite count, or with the index digest (shared
+    indices) those and the digest, 8 bytes each."""
+    return 24 if digest else 2 * count_bytes(numel)
+
+
+def message_bytes(count: int, numel: int, value_bytes: int = 4, bare: bool = False) -> int:
+    """Size of a sparse message of ``count`` pairs: header (none when ``bare``), padded indices, padded values."""
+    return (0 if bare else HEADER_BYTES) + _pad8(count * index_bytes(numel)) + _pad8(count * value_bytes)
 
 
 def index_part_bytes(count: int, numel: int) -> int:
-    """Header and indices of a message: what the union exchange all-gathers."""
-    return HEADER_BYTES + _pad8(count * index_bytes(numel))
+    """The indices of a bare message: what the union exchange all-gathers."""
+    return _pad8(count * index_bytes(numel))
 
 
 @dataclass(frozen=True)
@@ -98,15 +109,16 @@ def dense(numel: int, value_bytes: int = 4) -> list[Collective]:
     return [Collective("allreduce", numel * value_bytes)] if numel > 0 else []
 
 
-def variable_blocks(sizes: Sequence[int], rank: int) -> Collective:
-    """The all-gather of one block per rank, unpadded (every rank's size known from the control words)."""
-    return Collective("allgatherv", sizes[rank], sum(sizes) - sizes[rank])
+def variable_blocks(sizes: Sequence[int], rank: int) -> list[Collective]:
+    """The all-gather of one block per rank, unpadded (every rank's size known from the control
+    words); none where every block is empty."""
+    return [Collective("allgatherv", sizes[rank], sum(sizes) - sizes[rank])] if any(sizes) else []
 
 
 def gather_and_add(counts: Sequence[int], numel: int, value_bytes: int = 4, rank: int = 0) -> list[Collective]:
-    """Control words, then every rank's message, unpadded (as rank ``rank`` sees it)."""
-    sizes = [message_bytes(c, numel, value_bytes) for c in counts]
-    return [Collective("allgather", CONTROL_BYTES), variable_blocks(sizes, rank)]
+    """Control words, then every rank's bare message, unpadded (as rank ``rank`` sees it)."""
+    sizes = [message_bytes(c, numel, value_bytes, bare=True) for c in counts]
+    return [Collective("allgather", control_bytes(numel)), *variable_blocks(sizes, rank)]
 
 
 def fixed_gather(k: int, numel: int, value_bytes: int = 4) -> list[Collective]:
@@ -122,10 +134,10 @@ def exclusive_gather(counts: Sequence[int], numel: int, value_bytes: int = 4, ra
 def union_allreduce(
     counts: Sequence[int], union: int, numel: int, value_bytes: int = 4, rank: int = 0
 ) -> list[Collective]:
-    """Control words, the index lists (unpadded), then one all-reduce of the values on the union
-    (skipped when the union is empty)."""
+    """Control words, the index lists (bare, unpadded), then one all-reduce of the values on the
+    union (skipped when the union is empty)."""
     sizes = [index_part_bytes(c, numel) for c in counts]
-    steps = [Collective("allgather", CONTROL_BYTES), variable_blocks(sizes, rank)]
+    steps = [Collective("allgather", control_bytes(numel)), *variable_blocks(sizes, rank)]
     if union > 0:
         steps.append(Collective("allreduce", union * value_bytes))
     return steps
@@ -133,7 +145,7 @@ def union_allreduce(
 
 def shared_indices(count: int, value_bytes: int = 4) -> list[Collective]:
     """Random-k: control words (with the index digest), then an all-reduce of the values."""
-    steps = [Collective("allgather", CONTROL_BYTES)]
+    steps = [Collective("allgather", control_bytes(0, digest=True))]
     if count > 0:
         steps.append(Collective("allreduce", count * value_bytes))
     return steps
@@ -144,17 +156,18 @@ def sparse_reduce_scatter(
 ) -> list[Collective]:
     """FSDP's sparse reduce-scatter (P equal shards; ``counts[r][o]``: rank r's pairs in the shard
     of owner o): every rank's P + 1 counts (all-gather), then P - 1 send-receive rounds, in round
-    s each rank sending the pairs of owner rank + s and receiving those of rank - s for its own."""
+    s each rank sending the pairs of owner rank + s and receiving those of rank - s for its own
+    (bare)."""
     p = len(counts)
     shard = numel // p
-    steps = [Collective("allgather", (p + 1) * 8)]
+    steps = [Collective("allgather", (p + 1) * count_bytes(numel))]
     for s in range(1, p):
         dst, src = (rank + s) % p, (rank - s) % p
         steps.append(
             Collective(
                 "sendrecv",
-                message_bytes(counts[rank][dst], shard, value_bytes),
-                message_bytes(counts[src][rank], shard, value_bytes),
+                message_bytes(counts[rank][dst], shard, value_bytes, bare=True),
+                message_bytes(counts[src][rank], shard, value_bytes, bare=True),
             )
         )
     return steps
@@ -171,31 +184,32 @@ def reduce_scatter_allgather(
     value_bytes: int = 4,
     rank: int = 0,
 ) -> list[Collective]:
-    """Reduce-scatter + all-gather on rank ``rank``: control words; P - 1 rounds of part sizes
-    (8 bytes) and P - 1 rounds of parts, in round s to the owner rank + s (``parts_out[o]``: this
+    """Reduce-scatter + all-gather on rank ``rank``: control words; P - 1 rounds of part counts
+    and P - 1 rounds of parts (bare), in round s to the owner rank + s (``parts_out[o]``: this
     rank's pairs in shard o) and from rank - s (``parts_in[r]``: rank r's pairs in this rank's
     shard); the histogram all-reduce; every owner's kept count (all-gather); every owner's kept
-    pairs (``kept[o]``, all-gatherv). Shards of ceil(numel / P) elements."""
+    pairs (``kept[o]``, bare, all-gatherv). Shards of ceil(numel / P) elements."""
     p = len(parts_out)
     chunk = -(-numel // p)
+    width = count_bytes(chunk)
 
     def shard(o: int) -> int:
         return min(numel, (o + 1) * chunk) - min(numel, o * chunk)
 
-    steps = [Collective("allgather", CONTROL_BYTES)] + [Collective("sendrecv", 8, 8)] * (p - 1)
+    steps = [Collective("allgather", control_bytes(numel))] + [Collective("sendrecv", width, width)] * (p - 1)
     mine = shard(rank)
     for s in range(1, p):
         dst, src = (rank + s) % p, (rank - s) % p
         steps.append(
             Collective(
                 "sendrecv",
-                message_bytes(parts_out[dst], shard(dst), value_bytes),
-                message_bytes(parts_in[src], mine, value_bytes),
+                message_bytes(parts_out[dst], shard(dst), value_bytes, bare=True),
+                message_bytes(parts_in[src], mine, value_bytes, bare=True),
             )
         )
     steps.append(Collective("allreduce", HISTOGRAM_BINS * FLOAT64))
-    steps.append(Collective("allgather", 8))
-    steps.append(variable_blocks([message_bytes(c, numel, value_bytes) for c in kept], rank))
+    steps.append(Collective("allgather", width))
+    steps += variable_blocks([message_bytes(c, numel, value_bytes, bare=True) for c in kept], rank)
     return steps
 
 
@@ -203,17 +217,12 @@ BAND_BINS = 257  # MiCRO/ExDyna's band counts
 SAMPLE_BINS = 2838  # the bins of their sampled prediction's histogram (band_agreement's first_step)
 
 
-def band_tally_width(numel: int) -> int:
-    """Bytes of one count when the band counts travel folded (csrc/core/method/partitioned.cpp)."""
-    return 4 if numel < 2**32 else 8
-
-
 def band_agreement_folded(world_size: int, numel: int) -> bool:
     """Whether the band counts travel with the control words: where one all-gather of every
     rank's counts sends no more bytes than the all-reduce and the control words it replaces (up
     to 4 ranks)."""
-    folded = Collective("allgather", (2 + BAND_BINS) * band_tally_width(numel))
-    apart = [Collective("allreduce", BAND_BINS * FLOAT64), Collective("allgather", CONTROL_BYTES)]
+    folded = Collective("allgather", (2 + BAND_BINS) * count_bytes(numel))
+    apart = [Collective("allreduce", BAND_BINS * FLOAT64), Collective("allgather", control_bytes(numel))]
     return folded.bytes_sent(world_size) <= sum(c.bytes_sent(world_size) for c in apart)
 
 
@@ -233,8 +242,8 @@ def band_agreement(
     counts can leave none at any step; ``first_step`` is that flag, named for the common case."""
     steps = [Collective("allreduce", SAMPLE_BINS * FLOAT64)] if first_step else []
     if band_agreement_folded(world_size, numel):
-        assert exchange[0] == Collective("allgather", CONTROL_BYTES), exchange[0]
-        return [*steps, Collective("allgather", (2 + BAND_BINS) * band_tally_width(numel)), *exchange[1:]]
+        assert exchange[0] == Collective("allgather", control_bytes(numel)), exchange[0]
+        return [*steps, Collective("allgather", (2 + BAND_BINS) * count_bytes(numel)), *exchange[1:]]
     return [*steps, Collective("allreduce", BAND_BINS * FLOAT64), *exchange]
 
 
@@ -298,7 +307,7 @@ def spardl(
     def message(b: int, pairs: int) -> int:
         return message_bytes(min(pairs, length(b)), length(b), value_bytes)
 
-    steps = [Collective("allgather", CONTROL_BYTES)]
+    steps = [Collective("allgather", control_bytes(numel))]
     steps += [
         Collective("sendrecv", message(send, k), message(recv, k)) for _, _, send, recv in srs_schedule(team_size, me)
     ]

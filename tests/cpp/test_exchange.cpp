@@ -219,7 +219,11 @@ TEST(EachExchange, FixedGatherIsOneCollectiveWithTheSameResult) {
       ASSERT_EQ(fixed.output[r], gathered.output[r]) << "P=" << p;
       EXPECT_EQ(fixed.traffic[r].collectives, 1);  // the messages only: no control words
       EXPECT_EQ(gathered.traffic[r].collectives, 2);
-      if (p > 1) EXPECT_LT(fixed.traffic[r].bytes_sent, gathered.traffic[r].bytes_sent);
+      // The same messages; each rank's fixed-size one carries its 32-byte header where the
+      // gathered one travels bare after an 8-byte control word.
+      EXPECT_EQ(fixed.traffic[r].bytes_sent - gathered.traffic[r].bytes_sent,
+                (p - 1) * static_cast<int64_t>(kMessageHeaderBytes - control_bytes(kSmall)))
+          << "P=" << p;
     }
   }
 }
@@ -579,13 +583,13 @@ TEST(GatherAdd, UnequalCountsAndEmptySelectionsNeverIssueZeroLengthCollectives) 
     ASSERT_EQ(outputs[0][i], 50.0f * senders / 4) << i;
   }
   for (int r = 0; r < p; ++r) EXPECT_EQ(traffic[r].collectives, 2);  // control + data
-  // No padding on the wire: each rank receives exactly the other ranks' messages (10 r pairs from
-  // rank r), after the control words.
+  // No padding on the wire: each rank receives exactly the other ranks' bare messages (10 r pairs
+  // from rank r), after their 8-byte control words.
   for (int r = 0; r < p; ++r) {
     int64_t others = 0;
     for (int q = 0; q < p; ++q)
-      if (q != r) others += static_cast<int64_t>(MessageLayout(10 * q, 4, DType::kFloat32).total_bytes);
-    EXPECT_EQ(traffic[r].bytes_received, (p - 1) * static_cast<int64_t>(sizeof(ControlWord)) + others) << r;
+      if (q != r) others += static_cast<int64_t>(MessageLayout(10 * q, 4, DType::kFloat32, /*bare=*/true).total_bytes);
+    EXPECT_EQ(traffic[r].bytes_received, (p - 1) * static_cast<int64_t>(control_bytes(100)) + others) << r;
   }
 }
 
@@ -1154,36 +1158,40 @@ struct CorruptCase {
   std::function<std::unique_ptr<Method>()> make;
   int call;  // which allgather/sendrecv carries the data (0 is the control word where there is one)
   bool shard_only = false;
+  bool bare = false;  // the messages travel without their header
 };
 
 const auto topk_reduce_scatter = [] { return std::make_unique<TopK>(0.05, "reduce_scatter"); };
 
-// A corrupt message (bad magic, an index outside the bucket, a count that disagrees with its
-// control word) is rejected with CorruptMessageError on the rank that received it; every other
-// rank finishes or fails within the timeout: nothing writes out of bounds, nothing hangs.
+// A corrupt message (bad magic, a count that disagrees with its size, an index outside the bucket
+// or out of order) is rejected with CorruptMessageError on the rank that received it; every other
+// rank finishes or fails within the timeout: nothing writes out of bounds, nothing hangs. Bare
+// messages (no header: their counts travelled first) start with their indices.
 TEST(Faults, CorruptMessagesAreRejectedInEveryExchange) {
   const std::vector<CorruptCase> cases = {
       {"fixed-size gather", [] { return std::make_unique<TopK>(0.05); }, 0},
-      {"gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, 1},
-      {"union", [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }, 1},
-      {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1},
+      {"gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, 1, false, true},
+      {"union", [] { return std::make_unique<MiCRO>(0.05, "union", true, 0); }, 1, false, true},
+      {"exclusive gather", [] { return std::make_unique<ExDyna>(0.05, "gather", true, 0); }, 1, false, true},
       {"SparDL reduce-scatter", [] { return std::make_unique<SparDL>(0.05, 1); }, 1},
       {"SparDL all-gather", [] { return std::make_unique<SparDL>(0.05, 1); }, 2},
-      // control words, part sizes, then the parts; a histogram all-reduce; kept counts, kept pairs
-      {"reduce-scatter + all-gather: a part", topk_reduce_scatter, 2},
-      {"reduce-scatter + all-gather: kept pairs", topk_reduce_scatter, 4},
+      // control words, part counts, then the parts; a histogram all-reduce; kept counts, kept pairs
+      {"reduce-scatter + all-gather: a part", topk_reduce_scatter, 2, false, true},
+      {"reduce-scatter + all-gather: kept pairs", topk_reduce_scatter, 4, false, true},
       // one row of counts per rank, then the parts
-      {"sparse reduce-scatter", [] { return std::make_unique<Threshold>(1.0); }, 1, true},
+      {"sparse reduce-scatter", [] { return std::make_unique<Threshold>(1.0); }, 1, true, true},
   };
   struct Mutation {
     const char* name;
     size_t offset;
     uint32_t value;
   };
-  const std::vector<Mutation> mutations = {
+  const std::vector<Mutation> headed = {
       {"magic", 0, 0xDEADBEEFu}, {"count", 16, 0x7FFFFFu}, {"first index", 32, 0xFFFFFFF0u}};
+  const std::vector<Mutation> bare = {
+      {"first index", 0, 0xFFFFFFF0u}, {"fifth index out of order", 16, 0}, {"fifth index", 16, 0x7FFFFFu}};
   for (const CorruptCase& c : cases) {
-    for (const Mutation& m : mutations) {
+    for (const Mutation& m : c.bare ? bare : headed) {
       expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, m.offset, m.value, 4, c.shard_only),
                                  std::string(c.name) + ", " + m.name);
     }
@@ -1226,45 +1234,44 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
   const auto spardl = [] { return std::make_unique<SparDL>(0.05, 1); };
   // Two teams of two: the final lists' sizes travel (call 3, from rank 1) before the lists.
   const auto spardl_teams = [] { return std::make_unique<SparDL>(0.05, 2); };
-  constexpr uint64_t kHuge = uint64_t{1} << 62;
+  constexpr uint64_t kHuge = uint64_t{1} << 62, kLargest = 0xFFFFFFFFu;  // kLargest: the most 4 bytes hold
   struct Case {
     const char* name;
     std::function<std::unique_ptr<Method>()> make;
     int call;
     size_t offset;
     uint64_t value;
+    size_t width = 4;
     bool shard_only = false;
     int ranks = 2;
   };
   const auto threshold = gather;
-  // Control word: message_bytes at 0, count at 8, nonfinite at 16. The sparse reduce-scatter's
-  // row: nonfinite at 0, then the pairs for each owner's shard (500 elements each).
+  // A control word of a bucket of 1000 elements: the count at 0 and the non-finite count at 4, 4
+  // bytes each; part and kept counts: 4 bytes. The sparse reduce-scatter's row: the non-finite
+  // count at 0, then the pairs for each owner's shard (500 elements each), 4 bytes each. SparDL's
+  // list sizes: 8 bytes.
   const std::vector<Case> cases = {
-      {"gather: huge message_bytes", gather, 0, 0, kHuge},
-      {"gather: message_bytes not a multiple of 8", gather, 0, 0, 45},
-      {"gather: message_bytes that disagree with the count", gather, 0, 0, 1024},
-      {"gather: count above the bucket's elements", gather, 0, 8, 1001},
-      {"gather: huge count", gather, 0, 8, kHuge},
-      {"gather: huge non-finite count", gather, 0, 16, kHuge},
-      {"gather: negative count", gather, 0, 8, ~uint64_t{0}},
-      {"union: huge count", micro_union, 0, 8, kHuge},
-      {"SparDL: huge non-finite count", spardl, 0, 16, kHuge},
-      {"SparDL: a control word with a message", spardl, 0, 0, 32},
-      {"SparDL: huge Bruck list size", spardl_teams, 3, 0, kHuge, false, 4},
-      {"SparDL: Bruck list size not a multiple of 8", spardl_teams, 3, 0, 44, false, 4},
-      {"SparDL: Bruck list size below the header", spardl_teams, 3, 0, 8, false, 4},
-      {"reduce-scatter + all-gather: huge part size", topk_reduce_scatter, 1, 0, kHuge},
-      {"reduce-scatter + all-gather: part size not a multiple of 8", topk_reduce_scatter, 1, 0, 44},
-      {"reduce-scatter + all-gather: part size above the sender's selection", topk_reduce_scatter, 1, 0, 4096},
-      {"reduce-scatter + all-gather: part size below the header", topk_reduce_scatter, 1, 0, 8},
+      {"gather: count above the bucket's elements", gather, 0, 0, 1001},
+      {"gather: largest count", gather, 0, 0, kLargest},
+      {"gather: largest non-finite count", gather, 0, 4, kLargest},
+      {"union: largest count", micro_union, 0, 0, kLargest},
+      {"SparDL: largest non-finite count", spardl, 0, 4, kLargest},
+      {"SparDL: a control word with pairs", spardl, 0, 0, 3},
+      {"SparDL: huge Bruck list size", spardl_teams, 3, 0, kHuge, 8, false, 4},
+      {"SparDL: Bruck list size not a multiple of 8", spardl_teams, 3, 0, 44, 8, false, 4},
+      {"SparDL: Bruck list size below the header", spardl_teams, 3, 0, 8, 8, false, 4},
+      {"reduce-scatter + all-gather: largest part count", topk_reduce_scatter, 1, 0, kLargest},
+      {"reduce-scatter + all-gather: part count above the sender's selection", topk_reduce_scatter, 1, 0, 51},
       {"reduce-scatter + all-gather: kept count above the owner's shard", topk_reduce_scatter, 3, 0, 501},
-      {"reduce-scatter + all-gather: negative kept count", topk_reduce_scatter, 3, 0, ~uint64_t{0}},
-      {"sparse reduce-scatter: huge non-finite count", threshold, 0, 0, kHuge, true},
-      {"sparse reduce-scatter: pairs above an owner's shard", threshold, 0, 8, 501, true},
-      {"sparse reduce-scatter: negative pairs for an owner", threshold, 0, 16, ~uint64_t{0}, true},
+      {"reduce-scatter + all-gather: largest kept count", topk_reduce_scatter, 3, 0, kLargest},
+      {"sparse reduce-scatter: largest non-finite count", threshold, 0, 0, kLargest, 4, true},
+      {"sparse reduce-scatter: pairs above an owner's shard", threshold, 0, 4, 501, 4, true},
+      {"sparse reduce-scatter: largest pairs for an owner", threshold, 0, 8, kLargest, 4, true},
   };
-  for (const Case& c : cases)
-    expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, 8, c.shard_only, c.ranks), c.name);
+  for (const Case& c : cases) {
+    expect_corrupt_from_rank_1(corrupted_run(c.make, c.call, c.offset, c.value, c.width, c.shard_only, c.ranks),
+                               c.name);
+  }
 }
 
 /// A transport whose `target_call`-th allgather fails to allocate.

@@ -3,6 +3,7 @@
 #include "gradsparse/exchange.h"
 
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 
 namespace gradsparse {
@@ -66,23 +67,54 @@ void check_control_word(const ControlWord& w, const BucketView& bucket, bool wit
            dtype_name(bucket.dtype));
 }
 
+namespace {
+
+/// A count of `width` (4 or 8) little-endian bytes at `at`.
+int64_t read_count(const unsigned char* at, size_t width) {
+  if (width == 8) {
+    int64_t v;
+    std::memcpy(&v, at, 8);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, at, 4);
+  return static_cast<int64_t>(v);
+}
+
+void write_count(unsigned char* at, int64_t value, size_t width) {
+  GS_ASSERT(width == 8 || (value >= 0 && value <= int64_t{0xFFFFFFFF}));
+  if (width == 8) {
+    std::memcpy(at, &value, 8);
+  } else {
+    const uint32_t v = static_cast<uint32_t>(value);
+    std::memcpy(at, &v, 4);
+  }
+}
+
+}  // namespace
+
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
-                                          const BucketView& bucket, bool with_message) {
-  const int p = transport.size();
-  Buffer send = device.allocate(sizeof(ControlWord));
-  Buffer recv = device.allocate(sizeof(ControlWord) * p);
-  device.copy_from_host(send.data(), &mine, sizeof(ControlWord));
-  transport.allgather(device, send.data(), recv.data(), sizeof(ControlWord));
-  std::vector<ControlWord> words(p);
-  device.copy_to_host(words.data(), recv.data(), sizeof(ControlWord) * p);
-  for (int r = 0; r < p; ++r) check_control_word(words[r], bucket, with_message, r);
+                                          const BucketView& bucket, bool with_message, bool with_digest) {
+  std::vector<int64_t> row{mine.count, mine.nonfinite};
+  if (with_digest) row.push_back(mine.index_digest);
+  const std::vector<int64_t> all =
+      allgather_counts(transport, device, row, control_bytes(bucket.numel, with_digest) / row.size());
+  std::vector<ControlWord> words(static_cast<size_t>(transport.size()));
+  for (size_t r = 0; r < words.size(); ++r) {
+    ControlWord& w = words[r];
+    w.count = all[r * row.size()];
+    w.nonfinite = all[r * row.size() + 1];
+    if (with_digest) w.index_digest = all[r * row.size() + 2];
+    w.message_bytes = with_message && w.count >= 0 && w.count <= bucket.numel ? message_bytes(w.count, bucket) : 0;
+    check_control_word(w, bucket, with_message, static_cast<int>(r));
+  }
   return words;
 }
 
 ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const ControlWord& mine,
-                     bool with_message) {
+                     bool with_message, bool with_digest) {
   ExchangeResult result;
-  result.control = exchange_control(transport, device, mine, bucket, with_message);
+  result.control = exchange_control(transport, device, mine, bucket, with_message, with_digest);
   result.aborted = !result.nonfinite_ranks().empty();
   return result;
 }
@@ -104,17 +136,11 @@ ExchangeResult agree(Transport& transport, Device& device, const BucketView& buc
   return result;
 }
 
-MessageView read_announced(Device& device, const void* data, size_t bytes, const BucketView& bucket,
-                           const ControlWord& control, int r) {
-  const MessageView m = read_message(device, data, bytes, bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
-  GS_CHECK(m.count == control.count, CorruptMessageError, "sparse message from rank ", r, " holds ", m.count,
-           " pairs but its control word announced ", control.count);
-  return m;
-}
-
 Buffer allgather_blocks(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes) {
-  Buffer recv = device.allocate(block_offsets(sizes).back());
-  transport.allgatherv(device, mine.message.data(), recv.data(), sizes);
+  const size_t total = block_offsets(sizes).back();
+  if (total == 0) return Buffer{};  // every rank announced an empty block: nothing to move
+  Buffer recv = device.allocate(total);
+  transport.allgatherv(device, mine.message.as<unsigned char>() + kMessageHeaderBytes, recv.data(), sizes);
   return recv;
 }
 
@@ -127,13 +153,17 @@ void allreduce_host(Transport& transport, Device& device, std::vector<double>& v
   device.copy_to_host(values.data(), buffer.data(), bytes);
 }
 
-std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64_t value) {
-  const int p = transport.size();
-  Buffer send = device.allocate(8), recv = device.allocate(8 * static_cast<size_t>(p));
-  device.copy_from_host(send.data(), &value, 8);
-  transport.allgather(device, send.data(), recv.data(), 8);
-  std::vector<int64_t> out(static_cast<size_t>(p));
-  device.copy_to_host(out.data(), recv.data(), 8 * static_cast<size_t>(p));
+std::vector<int64_t> allgather_counts(Transport& transport, Device& device, const std::vector<int64_t>& row,
+                                      size_t width) {
+  const size_t n = row.size(), p = static_cast<size_t>(transport.size());
+  std::vector<unsigned char> host(width * n * p);
+  for (size_t j = 0; j < n; ++j) write_count(host.data() + width * j, row[j], width);
+  Buffer send = device.allocate(width * n), recv = device.allocate(host.size());
+  device.copy_from_host(send.data(), host.data(), width * n);
+  transport.allgather(device, send.data(), recv.data(), width * n);
+  device.copy_to_host(host.data(), recv.data(), host.size());
+  std::vector<int64_t> out;
+  for (size_t j = 0; j < n * p; ++j) out.push_back(read_count(host.data() + width * j, width));
   return out;
 }
 

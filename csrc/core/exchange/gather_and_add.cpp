@@ -8,18 +8,6 @@
 namespace gradsparse {
 namespace {
 
-/// Reads (validates) every rank's message, laid back to back in `recv` (rank r's at offsets[r],
-/// sizes[r] bytes), against the count its control word announced.
-std::vector<MessageView> read_all(Device& device, const BucketView& bucket, const unsigned char* recv,
-                                  const std::vector<size_t>& sizes, const ExchangeResult& result) {
-  const std::vector<size_t> offsets = block_offsets(sizes);
-  std::vector<MessageView> messages;
-  for (size_t r = 0; r < sizes.size(); ++r)
-    messages.push_back(
-        read_announced(device, recv + offsets[r], sizes[r], bucket, result.control[r], static_cast<int>(r)));
-  return messages;
-}
-
 /// Adds every message / P into the cleared output, in rank order.
 void add_all(Device& device, const BucketView& bucket, const std::vector<MessageView>& messages,
              ExchangeResult& result) {
@@ -40,9 +28,16 @@ class GatherAndAdd final : public Exchange {
                      const Selection& mine) const override {
     ExchangeResult result = agree(transport, device, bucket, mine);
     if (result.aborted) return result;
-    const std::vector<size_t> sizes = block_sizes(result, [](const ControlWord& w) { return w.message_bytes; });
+    // Every rank's message travels bare: its control word fixed its count.
+    const std::vector<size_t> sizes =
+        block_sizes(result, [&](const ControlWord& w) { return message_bytes(w.count, bucket, /*bare=*/true); });
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);
-    add_all(device, bucket, read_all(device, bucket, recv.as<unsigned char>(), sizes, result), result);
+    const std::vector<size_t> offsets = block_offsets(sizes);
+    std::vector<MessageView> messages;
+    for (size_t r = 0; r < sizes.size(); ++r)
+      messages.push_back(bare_view(recv.as<unsigned char>() + offsets[r], result.control[r].count, bucket.dtype,
+                                   bucket.numel, 0, static_cast<int>(r)));
+    add_all(device, bucket, messages, result);
     return result;
   }
 
@@ -70,9 +65,15 @@ class FixedGather final : public Exchange {
     transport.allgather(device, mine.message.data(), recv.data(), mine.bytes);
     ExchangeResult result;
     result.control.assign(p, ControlWord{static_cast<int64_t>(mine.bytes), mine.count, 0, 0});
-    const std::vector<MessageView> messages =
-        read_all(device, bucket, recv.as<unsigned char>(), std::vector<size_t>(p, mine.bytes), result);
-    for (int r = 0; r < p; ++r) result.control[r].nonfinite = messages[r].nonfinite;
+    std::vector<MessageView> messages;
+    for (int r = 0; r < p; ++r) {
+      const MessageView m = read_message(device, recv.as<unsigned char>() + mine.bytes * r, mine.bytes, bucket.dtype,
+                                         static_cast<uint64_t>(bucket.numel), r);
+      GS_CHECK(m.count == mine.count, CorruptMessageError, "sparse message from rank ", r, " holds ", m.count,
+               " pairs where every rank sends ", mine.count);
+      result.control[r].nonfinite = m.nonfinite;
+      messages.push_back(m);
+    }
     result.aborted = !result.nonfinite_ranks().empty();
     if (!result.aborted) add_all(device, bucket, messages, result);
     return result;

@@ -26,7 +26,8 @@ OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Select
   std::vector<size_t> sizes(static_cast<size_t>(p));
   for (int o = 0; o < p; ++o) {
     out.counts.push_back(begin[o + 1] - begin[o]);
-    sizes[o] = MessageLayout(static_cast<uint64_t>(out.counts[o]), index_bytes_for(shards.length(o)), bucket.dtype)
+    sizes[o] = MessageLayout(static_cast<uint64_t>(out.counts[o]), index_bytes_for(shards.length(o)), bucket.dtype,
+                             /*bare=*/true)
                    .total_bytes;
   }
   out.offsets = block_offsets(sizes);
@@ -35,9 +36,7 @@ OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Select
     unsigned char* m = out.bytes.data() + out.offsets[o];
     const uint64_t count = static_cast<uint64_t>(out.counts[o]);
     const int index_bytes = index_bytes_for(static_cast<uint64_t>(shards.length(o)));
-    const MessageHeader sub = make_header(bucket.dtype, index_bytes, static_cast<uint64_t>(shards.length(o)), count);
-    std::memcpy(m, &sub, sizeof(sub));
-    const MessageLayout part(count, index_bytes, bucket.dtype);
+    const MessageLayout part(count, index_bytes, bucket.dtype, /*bare=*/true);
     const uint64_t first = static_cast<uint64_t>(shards.begin(o));
     dispatch_index(whole.index_bytes, [&](auto i) {
       using I = decltype(i);
@@ -55,38 +54,41 @@ OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Select
   return out;
 }
 
-std::vector<size_t> exchange_part_sizes(Transport& transport, Device& device, const BucketView& bucket,
-                                        const OwnerParts& parts, const Shards& shards,
-                                        const std::vector<int64_t>& most) {
+std::vector<int64_t> exchange_part_counts(Transport& transport, Device& device, const OwnerParts& parts,
+                                          const Shards& shards, const std::vector<int64_t>& most) {
   const int p = shards.p, me = transport.rank();
-  std::vector<int64_t> sizes(static_cast<size_t>(p), 0);
-  sizes[me] = static_cast<int64_t>(parts.size(me));
-  Buffer send = device.allocate(8), recv = device.allocate(8);
+  const size_t width = count_bytes(static_cast<uint64_t>(shards.chunk));  // no shard is longer
+  std::vector<int64_t> counts(static_cast<size_t>(p), 0);
+  counts[me] = parts.counts[me];
+  Buffer send = device.allocate(width), recv = device.allocate(width);
   for (int s = 1; s < p; ++s) {
     const int dst = (me + s) % p, src = (me - s + p) % p;
-    const int64_t out = static_cast<int64_t>(parts.size(dst));
-    device.copy_from_host(send.data(), &out, 8);
-    transport.sendrecv(device, send.data(), 8, dst, recv.data(), 8, src);
-    device.copy_to_host(&sizes[src], recv.data(), 8);
+    uint64_t out = static_cast<uint64_t>(parts.counts[dst]), in = 0;  // little-endian: the low `width` bytes
+    device.copy_from_host(send.data(), &out, width);
+    transport.sendrecv(device, send.data(), width, dst, recv.data(), width, src);
+    device.copy_to_host(&in, recv.data(), width);
+    counts[src] = static_cast<int64_t>(in);
   }
   const int64_t length = shards.length(me);
-  std::vector<size_t> out;
   for (int r = 0; r < p; ++r) {
-    const int64_t largest = static_cast<int64_t>(
-        MessageLayout(static_cast<uint64_t>(std::min(most[r], length)), index_bytes_for(length), bucket.dtype)
-            .total_bytes);
-    GS_CHECK(sizes[r] >= static_cast<int64_t>(kMessageHeaderBytes) && sizes[r] <= largest && sizes[r] % 8 == 0,
-             CorruptMessageError, "rank ", r, " announced a ", sizes[r], "-byte part for the shard of rank ", me,
-             ", whose parts from it take 32 to ", largest, " bytes in multiples of 8");
-    out.push_back(static_cast<size_t>(sizes[r]));
+    GS_CHECK(counts[r] >= 0 && counts[r] <= std::min(most[r], length), CorruptMessageError, "rank ", r,
+             " announced a part of ", counts[r], " pairs for the shard of rank ", me, ", where it can send at most ",
+             std::min(most[r], length));
   }
-  return out;
+  return counts;
 }
 
 std::vector<MessageView> route_to_owners(Transport& transport, Device& device, const BucketView& bucket,
                                          const OwnerParts& parts, const Shards& shards,
-                                         const std::vector<size_t>& sizes, Buffer& storage) {
+                                         const std::vector<int64_t>& counts, Buffer& storage) {
   const int p = shards.p, me = transport.rank();
+  const int64_t length = shards.length(me);
+  std::vector<size_t> sizes;
+  for (int64_t count : counts) {
+    sizes.push_back(MessageLayout(static_cast<uint64_t>(count), index_bytes_for(static_cast<uint64_t>(length)),
+                                  bucket.dtype, /*bare=*/true)
+                        .total_bytes);
+  }
   const std::vector<size_t> at = block_offsets(sizes);
   Buffer send = device.allocate(parts.bytes.size());
   storage = device.allocate(at.back());
@@ -98,12 +100,8 @@ std::vector<MessageView> route_to_owners(Transport& transport, Device& device, c
                        storage.as<unsigned char>() + at[src], sizes[src], src);
   }
   std::vector<MessageView> received;
-  for (int r = 0; r < p; ++r) {
-    const MessageView m = read_message(device, storage.as<unsigned char>() + at[r], sizes[r], bucket.dtype,
-                                       static_cast<uint64_t>(shards.length(me)), r);
-    check_message_size(m, sizes[r]);
-    received.push_back(m);
-  }
+  for (int r = 0; r < p; ++r)
+    received.push_back(bare_view(storage.as<unsigned char>() + at[r], counts[r], bucket.dtype, length, 0, r));
   return received;
 }
 

@@ -113,7 +113,8 @@ ReduceReport reduce_bucket(Method* method, Transport& transport, Device& device,
       report.nonfinite =
           gradient.numel > 0 ? device.scan(gradient, false, Range{}, HUGE_VAL, 0, false).moments.nonfinite : 0;
       ExchangeResult counts;
-      for (int64_t count : allgather_count(transport, device, report.nonfinite)) {
+      for (int64_t count :
+           allgather_counts(transport, device, {report.nonfinite}, count_bytes(static_cast<uint64_t>(bucket.numel)))) {
         counts.control.emplace_back().nonfinite = count;
       }
       if (!counts.nonfinite_ranks().empty()) {

@@ -47,10 +47,10 @@ class ReduceScatterAllgather final : public Exchange {
 
     // 1. Reduce-scatter: every rank's pairs in this rank's shard, averaged.
     const OwnerParts parts = split_by_owner(device, bucket, mine, shards);
-    const std::vector<size_t> sizes_in = exchange_part_sizes(transport, device, bucket, parts, shards, counts_by_rank);
+    const std::vector<int64_t> counts_in = exchange_part_counts(transport, device, parts, shards, counts_by_rank);
     Buffer received;
     const std::vector<MessageView> incoming =
-        route_to_owners(transport, device, bucket, parts, shards, sizes_in, received);
+        route_to_owners(transport, device, bucket, parts, shards, counts_in, received);
     const int64_t length = shards.length(me);
     const size_t value_size = dtype_size(bucket.dtype);
     Buffer sum = device.allocate(static_cast<size_t>(length) * value_size);
@@ -78,26 +78,25 @@ class ReduceScatterAllgather final : public Exchange {
       kept_value.push_back(values[j]);
     }
 
-    // 3. All-gather every owner's kept pairs (counts first), into the cleared output.
+    // 3. All-gather every owner's kept pairs (counts first, then the bare messages), into the
+    //    cleared output.
     const Selection kept =
         device.emit(BucketView{bucket.dtype, bucket.numel, nullptr, nullptr}, kept_index, kept_value, /*zero=*/false);
-    const std::vector<int64_t> counts = allgather_count(transport, device, kept.count);
-    const int index_bytes = index_bytes_for(static_cast<uint64_t>(bucket.numel));
+    const std::vector<int64_t> counts =
+        allgather_counts(transport, device, {kept.count}, count_bytes(static_cast<uint64_t>(shards.chunk)));
     std::vector<size_t> sizes;
     for (int r = 0; r < p; ++r) {
       GS_CHECK(counts[r] >= 0 && counts[r] <= shards.length(r), CorruptMessageError, "rank ", r, " announces ",
                counts[r], " kept pairs for its shard of ", shards.length(r), " elements");
-      sizes.push_back(MessageLayout(static_cast<uint64_t>(counts[r]), index_bytes, bucket.dtype).total_bytes);
+      sizes.push_back(static_cast<size_t>(message_bytes(counts[r], bucket, /*bare=*/true)));
     }
     const Buffer gathered = allgather_blocks(transport, device, kept, sizes);
     const std::vector<size_t> offsets = block_offsets(sizes);
     clear_output(device, bucket);
     std::vector<int64_t> global;  // every kept index, ascending (the owners' shards ascend)
     for (int r = 0; r < p; ++r) {
-      const MessageView m = read_message(device, gathered.as<unsigned char>() + offsets[r], sizes[r], bucket.dtype,
-                                         static_cast<uint64_t>(bucket.numel), r);
-      GS_CHECK(m.count == counts[r], CorruptMessageError, message_source(r), " holds ", m.count,
-               " pairs but announced ", counts[r]);
+      const MessageView m =
+          bare_view(gathered.as<unsigned char>() + offsets[r], counts[r], bucket.dtype, bucket.numel, 0, r);
       device.scatter_add(m, bucket.grad, 1.0f);  // checks every index first (in range, ascending)
       const std::vector<int64_t> index = HostMessage(device, m).index_list();
       GS_CHECK(index.empty() || (index.front() >= shards.begin(r) && index.back() < shards.begin(r) + shards.length(r)),

@@ -22,7 +22,7 @@ class SharedIndices final : public Exchange {
                      const Selection& mine) const override {
     ControlWord word = control_word(mine);
     word.index_digest = digest_of(device, mine, bucket);
-    ExchangeResult result = agree(transport, device, bucket, word);
+    ExchangeResult result = agree(transport, device, bucket, word, /*with_message=*/true, /*with_digest=*/true);
     if (result.aborted) return result;
     for (size_t r = 1; r < result.control.size(); ++r) {
       GS_CHECK(result.control[r].count == result.control[0].count &&

@@ -25,17 +25,14 @@ class SparseReduceScatter final : public Exchange {
     const Shards shards(bucket.numel, p);
     const OwnerParts parts = split_by_owner(device, bucket, mine, shards);
 
-    // Control: every rank's non-finite count and its pair count for each owner.
+    // Control: every rank's non-finite count and its pair count for each owner, count_bytes wide.
     const size_t row = static_cast<size_t>(p) + 1;
     std::vector<int64_t> table(row * static_cast<size_t>(p));
     {
       std::vector<int64_t> mine_row(row);
       mine_row[0] = mine.nonfinite;
       std::copy(parts.counts.begin(), parts.counts.end(), mine_row.begin() + 1);
-      Buffer send = device.allocate(row * 8), recv = device.allocate(row * 8 * static_cast<size_t>(p));
-      device.copy_from_host(send.data(), mine_row.data(), row * 8);
-      transport.allgather(device, send.data(), recv.data(), row * 8);
-      device.copy_to_host(table.data(), recv.data(), table.size() * 8);
+      table = allgather_counts(transport, device, mine_row, count_bytes(static_cast<uint64_t>(bucket.numel)));
     }
     ExchangeResult result;
     result.control.resize(static_cast<size_t>(p));
@@ -57,15 +54,11 @@ class SparseReduceScatter final : public Exchange {
     }
 
     // Data: each owner receives every rank's pairs in its shard (rank me + s sends to me in round s).
-    const int index_bytes = index_bytes_for(static_cast<uint64_t>(shard));
-    std::vector<size_t> sizes(static_cast<size_t>(p));
-    for (int r = 0; r < p; ++r) {
-      const int64_t count = table[static_cast<size_t>(r) * row + 1 + static_cast<size_t>(me)];
-      sizes[r] = MessageLayout(static_cast<uint64_t>(count), index_bytes, bucket.dtype).total_bytes;
-    }
+    std::vector<int64_t> counts(static_cast<size_t>(p));
+    for (int r = 0; r < p; ++r) counts[r] = table[static_cast<size_t>(r) * row + 1 + static_cast<size_t>(me)];
     Buffer received;
     const std::vector<MessageView> incoming =
-        route_to_owners(transport, device, bucket, parts, shards, sizes, received);
+        route_to_owners(transport, device, bucket, parts, shards, counts, received);
     clear_output(device, bucket);
     void* owned = static_cast<unsigned char*>(bucket.grad) + static_cast<size_t>(me * shard) * dtype_size(bucket.dtype);
     for (const MessageView& m : incoming) device.scatter_add(m, owned, static_cast<float>(p));

@@ -6,10 +6,11 @@
 namespace gradsparse {
 namespace {
 
-/// The header and indices of a message of `count` pairs (its values follow them, so they are a
-/// prefix of the message): what travels in the first collective.
+/// The indices of a bare message of `count` pairs (its values follow them, so they are a prefix
+/// of the message): what travels in the first collective.
 size_t index_part_bytes(int64_t count, const BucketView& bucket) {
-  return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(bucket.numel), bucket.dtype).values_offset;
+  return MessageLayout(static_cast<uint64_t>(count), index_bytes_for(bucket.numel), bucket.dtype, /*bare=*/true)
+      .values_offset;
 }
 
 class UnionAllreduce final : public Exchange {
@@ -23,27 +24,19 @@ class UnionAllreduce final : public Exchange {
     ExchangeResult result = agree(transport, device, bucket, mine);
     if (result.aborted) return result;
     const int p = transport.size();
-    // Only the headers and index lists travel first (a message's values follow its indices).
+    // Only the index lists travel first, bare (a message's values follow its indices).
     const std::vector<size_t> sizes =
         block_sizes(result, [&](const ControlWord& w) { return index_part_bytes(w.count, bucket); });
     const std::vector<size_t> offsets = block_offsets(sizes);
     const Buffer recv = allgather_blocks(transport, device, mine, sizes);
 
-    // Every rank's header and index list on the host at once (one wait, not one per rank).
+    // Every rank's index list on the host at once (one wait, not one per rank).
     const HostBytes host(device, recv.data(), offsets.back());
     std::vector<std::vector<int64_t>> lists;
     for (int r = 0; r < p; ++r) {
-      // Rank r's header is checked with the length of the whole message it announced, of which
-      // only the index part arrived.
-      const unsigned char* part = host.data() + offsets[r];
-      const MessageHeader h = parse_header(part, bucket.dtype, static_cast<uint64_t>(bucket.numel), r);
-      GS_CHECK(static_cast<int64_t>(h.count) == result.control[r].count &&
-                   h.index_bytes == index_bytes_for(static_cast<uint64_t>(bucket.numel)),
-               CorruptMessageError, "sparse message from rank ", r, " holds ", h.count, " indices of ",
-               int(h.index_bytes), " bytes but its control word announced ", result.control[r].count, " of ",
-               index_bytes_for(static_cast<uint64_t>(bucket.numel)));
-      const HostMessage indices(view_from_header(part, h, r));
-      indices.check_indices();
+      const HostMessage indices(
+          bare_view(host.data() + offsets[r], result.control[r].count, bucket.dtype, bucket.numel, 0, r));
+      indices.check_indices();  // only the indices of rank r's message arrived: index_list reads no value
       lists.push_back(indices.index_list());
     }
     const std::vector<int64_t> all = ascending_union(std::move(lists));

@@ -82,16 +82,13 @@ int64_t add_band_counts_by_pass(Device& device, const BucketView& bucket, Range 
   return below;
 }
 
-/// Bytes of one count in the folded agreement: 4 where the bucket has fewer than 2^32 elements.
-size_t tally_width(int64_t numel) { return numel < (int64_t{1} << 32) ? 4 : 8; }
-
 /// Whether the band counts travel folded (agree_on_band): where that sends no more bytes, by
 /// transport.h's accounting, than the all-reduce of the 257 float64 counts and the all-gather of
 /// the control words it replaces, which holds up to 4 ranks (4-byte counts); beyond, the
 /// all-gather of every rank's counts would grow with P.
 bool fold_agreement(int p, int64_t numel) {
-  const int64_t folded = (p - 1) * (2 + kBins) * static_cast<int64_t>(tally_width(numel));
-  const int64_t apart = 2 * (p - 1) * kBins * 8 / p + (p - 1) * static_cast<int64_t>(sizeof(ControlWord));
+  const int64_t folded = (p - 1) * (2 + kBins) * static_cast<int64_t>(count_bytes(static_cast<uint64_t>(numel)));
+  const int64_t apart = 2 * (p - 1) * kBins * 8 / p + (p - 1) * static_cast<int64_t>(control_bytes(numel));
   return folded <= apart;
 }
 
@@ -132,7 +129,7 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
   std::vector<int64_t> mine{nonfinite, below};
   for (double c : counts) mine.push_back(static_cast<int64_t>(c));
   // rows[r]: rank r's non-finite count, below-band count and 257 band counts
-  const std::vector<std::vector<int64_t>> rows = tally_width(bucket.numel) == 4
+  const std::vector<std::vector<int64_t>> rows = count_bytes(static_cast<uint64_t>(bucket.numel)) == 4
                                                      ? allgather_counts<uint32_t>(group, mine, bucket.numel)
                                                      : allgather_counts<uint64_t>(group, mine, bucket.numel);
   std::fill(counts.begin(), counts.end(), 0.0);

@@ -142,13 +142,21 @@ class ExchangeSetting {
   const Exchange* exchange_;
 };
 
-/// All-gathers the control words of every rank and checks each against what it must be for
-/// `bucket` (peers are not trusted): 0 <= count <= bucket.numel, 0 <= nonfinite <= bucket.numel,
-/// and message_bytes equal to the layout of `count` pairs, or 0 (with count 0) when
-/// `with_message` is false (the word only carries the non-finite count). A violation is a
-/// CorruptMessageError naming the rank and the field.
+/// Bytes of one rank's control word on the wire for a bucket of `numel` elements: its count and
+/// non-finite count, count_bytes(numel) each, or, `with_digest`, those and the index digest, 8
+/// bytes each.
+inline size_t control_bytes(int64_t numel, bool with_digest = false) {
+  return with_digest ? 24 : 2 * count_bytes(static_cast<uint64_t>(numel));
+}
+
+/// All-gathers the control words of every rank (control_bytes each: message_bytes follows from
+/// the count, and index_digest travels only `with_digest`) and checks each against what it must
+/// be for `bucket` (peers are not trusted): 0 <= count <= bucket.numel and 0 <= nonfinite <=
+/// bucket.numel, and count 0 when `with_message` is false (the word only carries the non-finite
+/// count; message_bytes is then 0). A violation is a CorruptMessageError naming the rank and the
+/// field.
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
-                                          const BucketView& bucket, bool with_message = true);
+                                          const BucketView& bucket, bool with_message = true, bool with_digest = false);
 
 /// The check exchange_control applies to rank `source_rank`'s word (exposed for the fuzzers).
 void check_control_word(const ControlWord& word, const BucketView& bucket, bool with_message, int source_rank);
@@ -156,13 +164,14 @@ void check_control_word(const ControlWord& word, const BucketView& bucket, bool 
 /// The first collective of an exchange: every rank's control word (exchange_control), and
 /// `aborted` when any rank saw non-finite values.
 ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const ControlWord& mine,
-                     bool with_message = true);
+                     bool with_message = true, bool with_digest = false);
 
-/// The bytes of a message of `count` (>= 0) pairs for `bucket`: what a control word announces.
-inline int64_t message_bytes(int64_t count, const BucketView& bucket) {
-  return static_cast<int64_t>(
-      MessageLayout(static_cast<uint64_t>(count), index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype)
-          .total_bytes);
+/// The bytes of a message of `count` (>= 0) pairs for `bucket` (bare: without its header): what
+/// a control word announces.
+inline int64_t message_bytes(int64_t count, const BucketView& bucket, bool bare = false) {
+  return static_cast<int64_t>(MessageLayout(static_cast<uint64_t>(count),
+                                            index_bytes_for(static_cast<uint64_t>(bucket.numel)), bucket.dtype, bare)
+                                  .total_bytes);
 }
 
 /// The control word of this rank's selection.
@@ -174,11 +183,6 @@ inline ControlWord control_word(const Selection& mine) {
 /// (Selection::agreed), checked like received ones and with no collective.
 ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine);
 
-/// Reads rank r's message (the `bytes` at `data` in device memory) and checks that it holds the
-/// pairs its control word announced.
-MessageView read_announced(Device& device, const void* data, size_t bytes, const BucketView& bucket,
-                           const ControlWord& control, int r);
-
 /// Each rank's block size in a collective: `size_of(control word)`, by rank.
 template <typename SizeOf>
 std::vector<size_t> block_sizes(const ExchangeResult& result, SizeOf&& size_of) {
@@ -187,15 +191,19 @@ std::vector<size_t> block_sizes(const ExchangeResult& result, SizeOf&& size_of) 
   return sizes;
 }
 
-/// All-gathers the first sizes[r] bytes of every rank r's message (this rank's is `mine`), laid
-/// back to back in the returned buffer (allgatherv: unpadded).
+/// All-gathers the first sizes[r] bytes of every rank r's bare message (this rank's is `mine`,
+/// sent without its header), laid back to back in the returned buffer (allgatherv: unpadded); no
+/// collective, and an empty buffer, where every size is 0.
 Buffer allgather_blocks(Transport& transport, Device& device, const Selection& mine, const std::vector<size_t>& sizes);
 
 /// In-place sum over all ranks of a host vector of float64 (every rank passes as many values).
 void allreduce_host(Transport& transport, Device& device, std::vector<double>& values);
 
-/// Every rank's `value`, by rank (one all-gather of 8 bytes per rank).
-std::vector<int64_t> allgather_count(Transport& transport, Device& device, int64_t value);
+/// Every rank's `row` of counts (each 0 <= count < 2^(8 width); any int64 with width 8), rank
+/// after rank: one all-gather of `width` (4 or 8: count_bytes) bytes per count. A forged 8-byte
+/// count past 2^63 reads negative, for the caller's range check.
+std::vector<int64_t> allgather_counts(Transport& transport, Device& device, const std::vector<int64_t>& row,
+                                      size_t width);
 
 /// Dense average, DDP style: divide by the world size, then all-reduce (sum) in place.
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket);

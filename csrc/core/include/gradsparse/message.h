@@ -7,6 +7,12 @@
 // Indices are strictly ascending, so a message never names an element twice: receivers add
 // messages one after another, deterministically, without atomics.
 //
+// A message travels bare (its body alone, without the 32-byte header) wherever the receiver
+// already knows its count from an earlier collective (control words, part counts): a bare
+// message is the header-less rest of the layout below, its offsets 32 bytes lower. Only the
+// fixed-size gather, which sends no control words, and SparDL's steps, whose sizes travel as
+// bytes, send headers (their non-finite count and dense size are checked from it).
+//
 // Layout (little-endian, offsets in bytes):
 //   0  uint32 magic 0x4D505347 ("GSPM")     8  uint64 dense_size (length of the bucket)
 //   4  uint8  version (1)                   16 uint64 count (number of pairs)
@@ -25,7 +31,7 @@
 namespace gradsparse {
 
 constexpr uint32_t kMessageMagic = 0x4D505347u;
-constexpr uint8_t kMessageVersion = 1;
+constexpr uint8_t kMessageVersion = 2;  // 2: bare messages and compact control words
 constexpr size_t kMessageHeaderBytes = 32;
 
 struct MessageHeader {
@@ -45,9 +51,9 @@ inline size_t pad8(size_t bytes) { return (bytes + 7) & ~static_cast<size_t>(7);
 /// Index width for a bucket of `dense_size` elements: 4 bytes when every index (< dense_size) fits in uint32.
 inline int index_bytes_for(uint64_t dense_size) { return dense_size <= 0x100000000ull ? 4 : 8; }
 
-/// Where each part of a message with these parameters lives: the header, the indices from
-/// indices_offset to indices_end, zero padding up to values_offset, the values up to values_end,
-/// zero padding up to total_bytes (a multiple of 8).
+/// Where each part of a message with these parameters lives: the header (none when bare), the
+/// indices from indices_offset to indices_end, zero padding up to values_offset, the values up
+/// to values_end, zero padding up to total_bytes (a multiple of 8).
 struct MessageLayout {
   size_t indices_offset = kMessageHeaderBytes;
   size_t indices_end = 0;
@@ -55,8 +61,9 @@ struct MessageLayout {
   size_t values_end = 0;
   size_t total_bytes = 0;
 
-  MessageLayout(uint64_t count, int index_bytes, DType dtype)
-      : indices_end(kMessageHeaderBytes + count * index_bytes),
+  MessageLayout(uint64_t count, int index_bytes, DType dtype, bool bare = false)
+      : indices_offset(bare ? 0 : kMessageHeaderBytes),
+        indices_end(indices_offset + count * index_bytes),
         values_offset(pad8(indices_end)),
         values_end(values_offset + count * dtype_size(dtype)),
         total_bytes(pad8(values_end)) {}
@@ -136,17 +143,18 @@ inline MessageHeader read_header(const void* data, size_t bytes, DType expected_
 /// lives: in a device's memory or on the host. The kernels that read its pairs check every index
 /// (in range, strictly ascending) as they go, so a view is all they need: no header is read twice.
 struct MessageView {
-  const unsigned char* data = nullptr;  ///< the first byte of the header
+  const unsigned char* data = nullptr;  ///< the first byte of the header (of the indices when bare)
   DType dtype = DType::kFloat32;
   int64_t dense_size = 0;  ///< elements of the bucket (or shard) the indices address
   int64_t count = 0;       ///< pairs
   int index_bytes = 4;
   int64_t nonfinite = 0;  ///< the sender's NaN/Inf count, from the header
   int source_rank = -1;   ///< who sent it, for error messages (-1: this rank)
+  bool bare = false;      ///< no header: the indices start at `data`
 
-  MessageLayout layout() const { return MessageLayout(static_cast<uint64_t>(count), index_bytes, dtype); }
+  MessageLayout layout() const { return MessageLayout(static_cast<uint64_t>(count), index_bytes, dtype, bare); }
   size_t bytes() const { return layout().total_bytes; }
-  const void* indices() const { return data + kMessageHeaderBytes; }
+  const void* indices() const { return data + layout().indices_offset; }
   const void* values() const { return data + layout().values_offset; }
 };
 
@@ -160,6 +168,25 @@ inline MessageView view_from_header(const void* data, const MessageHeader& h, in
                      static_cast<int64_t>(h.nonfinite),
                      source_rank};
 }
+
+/// The view of a bare message of `count` pairs at `data`, for a bucket (or shard) of
+/// `dense_size` elements: what its sender announced in an earlier collective, already checked
+/// (0 <= count <= dense_size). Its indices are checked by whichever kernel reads them.
+inline MessageView bare_view(const void* data, int64_t count, DType dtype, int64_t dense_size, int64_t nonfinite,
+                             int source_rank) {
+  return MessageView{static_cast<const unsigned char*>(data),
+                     dtype,
+                     dense_size,
+                     count,
+                     index_bytes_for(static_cast<uint64_t>(dense_size)),
+                     nonfinite,
+                     source_rank,
+                     /*bare=*/true};
+}
+
+/// Bytes of one count on the wire (control words, part and kept counts), where no count exceeds
+/// `most`: 4, or 8 past 2^32 - 1.
+inline size_t count_bytes(uint64_t most) { return most < 0x100000000ull ? 4 : 8; }
 
 /// Checks that a received message is exactly the `bytes` its sender announced.
 inline void check_message_size(const MessageView& m, size_t bytes) {
@@ -208,10 +235,12 @@ std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const Host
 /// and position, so that it costs no chain of dependent steps over a long list.
 int64_t index_digest(const int64_t* index, size_t count);
 
-/// What every exchange sends first (one allgather of 32 bytes per rank, unless the ranks agreed
-/// them while selecting: Selection::agreed): the size of each rank's message, its pair count,
-/// whether it saw non-finite values, and a digest of its indices, so that all ranks agree on
-/// buffer sizes and on aborting the step before any data moves.
+/// What every exchange sends first (one allgather per step, unless the ranks agreed them while
+/// selecting: Selection::agreed): the size of each rank's message, its pair count, whether it
+/// saw non-finite values, and a digest of its indices, so that all ranks agree on buffer sizes
+/// and on aborting the step before any data moves. On the wire only the count and the
+/// non-finite count travel, count_bytes(numel) each, and the digest where the exchange checks
+/// one (exchange_control); the message size follows from the count.
 struct ControlWord {
   int64_t message_bytes = 0;
   int64_t count = 0;

@@ -23,8 +23,9 @@ struct Shards {
   int64_t chunk;
 };
 
-/// A selection split at the shard boundaries: one message per owner, with shard-local indices,
-/// laid back to back in host memory (owner o's at offsets[o], each a multiple of 8 bytes).
+/// A selection split at the shard boundaries: one bare message per owner (no header: the owner
+/// learns its count first), with shard-local indices, laid back to back in host memory (owner
+/// o's at offsets[o], each a multiple of 8 bytes).
 struct OwnerParts {
   std::vector<unsigned char> bytes;
   std::vector<size_t> offsets;  ///< P + 1 entries
@@ -36,19 +37,18 @@ struct OwnerParts {
 /// This rank's selection (for the bucket) split by owner.
 OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Selection& mine, const Shards& shards);
 
-/// The size of the part every rank sends this rank (by rank; this rank's own from `parts`):
-/// P - 1 rounds of 8-byte send-receive, in round s with ranks rank + s (to) and rank - s (from).
-/// Each announced size is checked against what rank r can send: a message of at most
-/// min(most[r], this shard's length) pairs.
-std::vector<size_t> exchange_part_sizes(Transport& transport, Device& device, const BucketView& bucket,
-                                        const OwnerParts& parts, const Shards& shards,
-                                        const std::vector<int64_t>& most);
+/// The pair count of the part every rank sends this rank (by rank; this rank's own from
+/// `parts`): P - 1 rounds of send-receive of one count (count_bytes of a shard's length), in
+/// round s with ranks rank + s (to) and rank - s (from). Each announced count is checked against
+/// what rank r can send: at most min(most[r], this shard's length) pairs.
+std::vector<int64_t> exchange_part_counts(Transport& transport, Device& device, const OwnerParts& parts,
+                                          const Shards& shards, const std::vector<int64_t>& most);
 
-/// Sends each owner its part and receives every rank's part of this rank's shard (`sizes[r]`
-/// bytes from rank r), in P - 1 rounds of send-receive; returns the parts, validated (header,
-/// exact size), in rank order. `storage` holds them.
+/// Sends each owner its part and receives every rank's part of this rank's shard (`counts[r]`
+/// pairs from rank r, bare), in P - 1 rounds of send-receive; returns their views in rank order
+/// (the kernels that read them check their indices). `storage` holds them.
 std::vector<MessageView> route_to_owners(Transport& transport, Device& device, const BucketView& bucket,
                                          const OwnerParts& parts, const Shards& shards,
-                                         const std::vector<size_t>& sizes, Buffer& storage);
+                                         const std::vector<int64_t>& counts, Buffer& storage);
 
 }  // namespace gradsparse
