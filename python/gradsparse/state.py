@@ -355,7 +355,7 @@ class State:
         try:
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (owner, repr(sorted(self.config().items()))), group=comm)
+            dist.all_gather_object(gathered, (_version(), owner, repr(sorted(self.config().items()))), group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
@@ -364,10 +364,16 @@ class State:
                 "that raised before it (a load_state_dict refused there) never arrives: see that rank's error"
                 + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
+        if len({version for version, *_ in gathered}) > 1:  # their messages and control words may differ
+            raise ValueError(
+                f"{owner}: the ranks run different gradsparse versions: "
+                + "; ".join(f"rank {r}: {version}" for r, (version, *_) in enumerate(gathered))
+                + ". Install the same gradsparse on every rank."
+            )
         if len(set(gathered)) > 1:
             raise ValueError(
                 f"{owner}: the ranks were given different configurations: "
-                + "; ".join(f"rank {r}: {fp}" for r, fp in enumerate(gathered))
+                + "; ".join(f"rank {r}: {tuple(fp)}" for r, (_, *fp) in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
         self.check_world_size(world_size)

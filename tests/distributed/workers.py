@@ -328,6 +328,10 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
             gs.TopK(density=0.1, warmup=3)
         elif case == "options_differ":
             gs.TopK(density=0.1, warmup_steps=rank).setup()
+        elif case == "versions_differ":  # a rank whose installation is older or newer
+            if rank == 1:
+                gs.__version__ = "0.0.1"
+            gs.TopK(density=0.1).setup()
         elif case == "float64_bucket":
             ddp = DDP(make_model(dtype=torch.float64))
             ddp.register_comm_hook(gs.TopK(density=0.1), gs.hook)
