@@ -355,7 +355,7 @@ class State:
         try:
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (_version(), owner, repr(sorted(self.config().items()))), group=comm)
+            dist.all_gather_object(gathered, (_wire(), owner, repr(sorted(self.config().items()))), group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
@@ -1159,6 +1159,12 @@ def _version() -> str:
     from gradsparse import __version__
 
     return __version__
+
+
+def _wire() -> str:
+    """This installation's version and the version of its messages and control words, which
+    every rank of a group must share."""
+    return f"gradsparse {_version()} (message version {_C.MESSAGE_VERSION})"
 
 
 def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]) -> None:
