@@ -8,7 +8,8 @@
 // bytes after the header as a bare message of k pairs (the count a control word announced), as
 // every exchange but the fixed-size gather and SparDL receives its messages.
 // Properties: no out-of-bounds or misaligned access (ASan, UBSan); a rejection is a
-// CorruptMessageError and leaves the output untouched; a misaligned message is always rejected.
+// CorruptMessageError and leaves the output untouched; a misaligned message with a header is
+// always rejected.
 #include <cstring>
 #include <vector>
 

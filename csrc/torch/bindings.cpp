@@ -211,7 +211,7 @@ PYBIND11_MODULE(_C, m) {
         return names;
       },
       "The glossary names of the exchanges (docs/architecture.md, \"Exchanges and transports\").");
-  m.attr("MESSAGE_VERSION") = static_cast<int>(kMessageVersion);  // the wire format: ranks must agree on it
+  m.attr("WIRE_VERSION") = kWireVersion;  // what the ranks exchange: every rank of a group must have the same
   m.def("mpi_available", &mpi_available, "True when this build has MPI support (transport=\"mpi\").");
   m.def("mpi_abort", &mpi_abort, py::arg("code"),
         "Ends every process of the MPI job (MPI_Abort) when MPI is initialised and not finalised.",

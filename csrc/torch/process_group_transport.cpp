@@ -70,6 +70,7 @@ void ProcessGroupTransport::send_and_receive(const at::Tensor& out, int dst, con
   // run point-to-point operations asynchronously anyway.
   std::vector<at::Tensor> sending{out}, receiving{in};
   const auto send_bytes = static_cast<size_t>(out.numel()), recv_bytes = static_cast<size_t>(in.numel());
+  if (send_bytes == 0 && recv_bytes == 0) return;  // nothing either way (empty parts): no group to open
   c10::intrusive_ptr<c10d::Work> sent, received, work;
   // Every operation posted is waited for, even after a failure: the backend may write into `in`
   // (or read `out`) until its wait returns, and the caller frees them once this returns. The

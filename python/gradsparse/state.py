@@ -364,16 +364,16 @@ class State:
                 "that raised before it (a load_state_dict refused there) never arrives: see that rank's error"
                 + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
-        if len({version for version, *_ in gathered}) > 1:  # their messages and control words may differ
+        if len({_wire_of(entry) for entry in gathered}) > 1:  # their messages and control words may differ
             raise ValueError(
                 f"{owner}: the ranks run different gradsparse versions: "
-                + "; ".join(f"rank {r}: {version}" for r, (version, *_) in enumerate(gathered))
+                + "; ".join(f"rank {r}: {_wire_of(entry)}" for r, entry in enumerate(gathered))
                 + ". Install the same gradsparse on every rank."
             )
         if len(set(gathered)) > 1:
             raise ValueError(
                 f"{owner}: the ranks were given different configurations: "
-                + "; ".join(f"rank {r}: {tuple(fp)}" for r, (_, *fp) in enumerate(gathered))
+                + "; ".join(f"rank {r}: {entry[1:]}" for r, entry in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
         self.check_world_size(world_size)
@@ -1162,9 +1162,14 @@ def _version() -> str:
 
 
 def _wire() -> str:
-    """This installation's version and the version of its messages and control words, which
-    every rank of a group must share."""
-    return f"gradsparse {_version()} (message version {_C.MESSAGE_VERSION})"
+    """This installation's version and the version of what its ranks exchange (messages, control
+    words), which every rank of a group must share."""
+    return f"gradsparse {_version()} (wire version {_C.WIRE_VERSION})"
+
+
+def _wire_of(entry: tuple) -> str:
+    """The version a rank's set-up entry names (one of a gradsparse that sent none: no version)."""
+    return entry[0] if len(entry) == 3 else "an earlier gradsparse (wire version 1)"
 
 
 def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]) -> None:

@@ -1274,6 +1274,41 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
   }
 }
 
+// Past 2^32 elements every count on the wire is 8 bytes wide: control words carry counts above
+// 2^32 whole (16 bytes per rank), and a forged count that reads negative or above the bucket is
+// refused. No bucket memory is touched: exchange_control reads the words alone.
+TEST(Faults, EightByteCountsPastTwoToThe32Elements) {
+  const BucketView huge{DType::kFloat32, int64_t{1} << 33, nullptr, nullptr};
+  const int p = 3;
+  std::vector<std::vector<ControlWord>> words(p);
+  std::vector<Traffic> traffic(p);
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    const int64_t count = (int64_t{1} << 32) + rank;  // too large for 4 bytes
+    CpuDevice device;
+    words[rank] = exchange_control(transport, device, ControlWord{message_bytes(count, huge), count, rank, 0}, huge);
+    traffic[rank] = transport.traffic();
+  }));
+  for (int r = 0; r < p; ++r) {
+    EXPECT_EQ(traffic[r].bytes_sent, (p - 1) * 16) << r;
+    for (int q = 0; q < p; ++q) {
+      EXPECT_EQ(words[r][q].count, (int64_t{1} << 32) + q);
+      EXPECT_EQ(words[r][q].nonfinite, q);
+      EXPECT_EQ(words[r][q].message_bytes, message_bytes((int64_t{1} << 32) + q, huge));
+    }
+  }
+  for (uint64_t forged : {~uint64_t{0}, (uint64_t{1} << 33) + 1}) {
+    const auto errors = run_ranks(
+        2,
+        [&](int rank, Transport& transport) {
+          Corrupting corrupting(transport, rank == 0 ? 0 : -1, 0, forged, 8);
+          CpuDevice device;
+          exchange_control(corrupting, device, ControlWord{message_bytes(7, huge), 7, 0, 0}, huge);
+        },
+        std::chrono::seconds(30), OnError::kPeersFail);
+    expect_corrupt_from_rank_1(errors[0], "a forged 8-byte count " + std::to_string(forged));
+  }
+}
+
 /// A transport whose `target_call`-th allgather fails to allocate.
 class FailingAllocation final : public Forwarding {
  public:

@@ -212,7 +212,7 @@ def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, mo
         ("negative_threshold", 2, "ValueError", "threshold must be a finite number >= 0, got -0.5"),
         ("unknown_option", 2, "TypeError", "unknown option(s) warmup"),
         ("options_differ", 2, "ValueError", "different configurations"),
-        ("versions_differ", 2, "ValueError", "rank 1: gradsparse 0.0.1 (message version "),
+        ("versions_differ", 2, "ValueError", "rank 1: gradsparse 0.0.1 (wire version "),
         ("float64_bucket", 2, "RuntimeError", "TypeError: gradsparse: bucket 0 holds torch.float64 gradients"),
         ("group_mismatch", 4, "ValueError", "process_group=<the group passed to DistributedDataParallel>"),
     ],

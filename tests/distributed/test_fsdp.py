@@ -149,13 +149,13 @@ def traffic(rank: int, world_size: int) -> dict:
 
 def test_per_rank_k_methods_send_each_pair_to_its_owner_only():
     """At 4 ranks, Top-k's pairs travel once, to the owner of their shard: a rank receives about
-    the pairs the others selected in its shard (k (P - 1) / P on average, plus headers and counts),
+    the pairs the others selected in its shard (k (P - 1) / P on average, plus counts and padding),
     where gather-and-add would deliver it every rank's k pairs."""
     world_size = 4
     pair_bytes = 4 + 4  # uint32 index, float32 value
     for rank, s in enumerate(run_distributed(traffic, world_size, timeout=300)):
         every_pair = s["selected_all"] * pair_bytes  # what gather-and-add hands every rank
-        overhead = s["steps"] * 3 * (world_size - 1) * (32 + 8 * (world_size + 1))  # per group: headers, counts
+        overhead = s["steps"] * 3 * (world_size - 1) * (8 + 4 * (world_size + 1))  # per group: padding, counts
         assert 0 < s["bytes_received"] <= every_pair / world_size * 1.5 + overhead, (rank, s)
 
 

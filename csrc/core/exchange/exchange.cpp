@@ -95,6 +95,7 @@ void write_count(unsigned char* at, int64_t value, size_t width) {
 
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
                                           const BucketView& bucket, bool with_message, bool with_digest) {
+  GS_ASSERT(!with_message || mine.message_bytes == message_bytes(mine.count, bucket));  // what the blocks will send
   std::vector<int64_t> row{mine.count, mine.nonfinite};
   if (with_digest) row.push_back(mine.index_digest);
   const std::vector<int64_t> all =

@@ -31,7 +31,10 @@
 namespace gradsparse {
 
 constexpr uint32_t kMessageMagic = 0x4D505347u;
-constexpr uint8_t kMessageVersion = 2;  // 2: bare messages and compact control words
+constexpr uint8_t kMessageVersion = 1;  // the layout of a message with its header (gs.pack, gs.unpack)
+/// What the ranks of a group exchange, which they must agree on (State.setup compares it): 2 since
+/// messages travel bare where their count came first and control words are compact.
+constexpr int kWireVersion = 2;
 constexpr size_t kMessageHeaderBytes = 32;
 
 struct MessageHeader {
@@ -247,6 +250,6 @@ struct ControlWord {
   int64_t nonfinite = 0;
   int64_t index_digest = 0;  ///< hash of the selected indices (checked by the shared exchange)
 };
-static_assert(sizeof(ControlWord) == 32, "control word must be 32 bytes");
+static_assert(sizeof(ControlWord) == 32, "a control word in memory is 32 bytes (on the wire: control_bytes)");
 
 }  // namespace gradsparse
