@@ -33,8 +33,9 @@ OwnerParts split_by_owner(Device& device, const BucketView& bucket, const Select
   out.offsets = block_offsets(sizes);
   out.bytes.assign(out.offsets.back(), 0);
   for (int o = 0; o < p; ++o) {
-    unsigned char* m = out.bytes.data() + out.offsets[o];
     const uint64_t count = static_cast<uint64_t>(out.counts[o]);
+    if (count == 0) continue;  // an empty part is no bytes (and every part may be: no buffer at all)
+    unsigned char* m = out.bytes.data() + out.offsets[o];
     const int index_bytes = index_bytes_for(static_cast<uint64_t>(shards.length(o)));
     const MessageLayout part(count, index_bytes, bucket.dtype, /*bare=*/true);
     const uint64_t first = static_cast<uint64_t>(shards.begin(o));
