@@ -1,5 +1,4 @@
 // The sparse reduce-scatter (exchange.h): each rank's pairs go only to the owner of their shard.
-#include <algorithm>
 
 #include "gradsparse/exchange.h"
 #include "gradsparse/owners.h"
@@ -26,14 +25,11 @@ class SparseReduceScatter final : public Exchange {
     const OwnerParts parts = split_by_owner(device, bucket, mine, shards);
 
     // Control: every rank's non-finite count and its pair count for each owner, count_bytes wide.
-    const size_t row = static_cast<size_t>(p) + 1;
-    std::vector<int64_t> table(row * static_cast<size_t>(p));
-    {
-      std::vector<int64_t> mine_row(row);
-      mine_row[0] = mine.nonfinite;
-      std::copy(parts.counts.begin(), parts.counts.end(), mine_row.begin() + 1);
-      table = allgather_counts(transport, device, mine_row, count_bytes(static_cast<uint64_t>(bucket.numel)));
-    }
+    std::vector<int64_t> mine_row{mine.nonfinite};
+    mine_row.insert(mine_row.end(), parts.counts.begin(), parts.counts.end());
+    const size_t row = mine_row.size();  // P + 1
+    const std::vector<int64_t> table =
+        allgather_counts(transport, device, mine_row, count_bytes(static_cast<uint64_t>(bucket.numel)));
     ExchangeResult result;
     result.control.resize(static_cast<size_t>(p));
     for (int r = 0; r < p; ++r) {
