@@ -1,5 +1,4 @@
 // The sparse reduce-scatter (exchange.h): each rank's pairs go only to the owner of their shard.
-
 #include "gradsparse/exchange.h"
 #include "gradsparse/owners.h"
 
