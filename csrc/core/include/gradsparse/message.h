@@ -11,7 +11,7 @@
 // already knows its count from an earlier collective (control words, part counts): a bare
 // message is the header-less rest of the layout below, its offsets 32 bytes lower. Only the
 // fixed-size gather, which sends no control words, and SparDL's steps, whose sizes travel as
-// bytes, send headers (their non-finite count and dense size are checked from it).
+// bytes, send headers (the receiver checks count, dense size and non-finite count from them).
 //
 // Layout (little-endian, offsets in bytes):
 //   0  uint32 magic 0x4D505347 ("GSPM")     8  uint64 dense_size (length of the bucket)
