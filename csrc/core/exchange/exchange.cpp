@@ -3,7 +3,6 @@
 #include "gradsparse/exchange.h"
 
 #include <algorithm>
-#include <cstring>
 #include <iterator>
 
 namespace gradsparse {
@@ -66,32 +65,6 @@ void check_control_word(const ControlWord& w, const BucketView& bucket, bool wit
            " pairs, where that count takes ", expected, " bytes in a bucket of ", n, " elements of ",
            dtype_name(bucket.dtype));
 }
-
-namespace {
-
-/// A count of `width` (4 or 8) little-endian bytes at `at`.
-int64_t read_count(const unsigned char* at, size_t width) {
-  if (width == 8) {
-    int64_t v;
-    std::memcpy(&v, at, 8);
-    return v;
-  }
-  uint32_t v;
-  std::memcpy(&v, at, 4);
-  return static_cast<int64_t>(v);
-}
-
-void write_count(unsigned char* at, int64_t value, size_t width) {
-  GS_ASSERT(width == 8 || (value >= 0 && value <= int64_t{0xFFFFFFFF}));
-  if (width == 8) {
-    std::memcpy(at, &value, 8);
-  } else {
-    const uint32_t v = static_cast<uint32_t>(value);
-    std::memcpy(at, &v, 4);
-  }
-}
-
-}  // namespace
 
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
                                           const BucketView& bucket, bool with_message, bool with_digest) {

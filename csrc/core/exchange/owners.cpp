@@ -64,11 +64,12 @@ std::vector<int64_t> exchange_part_counts(Transport& transport, Device& device, 
   Buffer send = device.allocate(width), recv = device.allocate(width);
   for (int s = 1; s < p; ++s) {
     const int dst = (me + s) % p, src = (me - s + p) % p;
-    uint64_t out = static_cast<uint64_t>(parts.counts[dst]), in = 0;  // little-endian: the low `width` bytes
-    device.copy_from_host(send.data(), &out, width);
+    unsigned char out[8], in[8];
+    write_count(out, parts.counts[dst], width);
+    device.copy_from_host(send.data(), out, width);
     transport.sendrecv(device, send.data(), width, dst, recv.data(), width, src);
-    device.copy_to_host(&in, recv.data(), width);
-    counts[src] = static_cast<int64_t>(in);
+    device.copy_to_host(in, recv.data(), width);
+    counts[src] = read_count(in, width);
   }
   const int64_t length = shards.length(me);
   for (int r = 0; r < p; ++r) {

@@ -191,6 +191,30 @@ inline MessageView bare_view(const void* data, int64_t count, DType dtype, int64
 /// `most`: 4, or 8 past 2^32 - 1.
 inline size_t count_bytes(uint64_t most) { return most < 0x100000000ull ? 4 : 8; }
 
+/// A count on the wire: `width` (4 or 8) little-endian bytes at `at`. An 8-byte count past 2^63
+/// reads negative, for the caller's range check.
+inline int64_t read_count(const unsigned char* at, size_t width) {
+  if (width == 8) {
+    int64_t v;
+    std::memcpy(&v, at, 8);
+    return v;
+  }
+  uint32_t v;
+  std::memcpy(&v, at, 4);
+  return static_cast<int64_t>(v);
+}
+
+/// Writes `value` as read_count reads it (any int64 in 8 bytes; 0 to 2^32 - 1 in 4).
+inline void write_count(unsigned char* at, int64_t value, size_t width) {
+  GS_ASSERT(width == 8 || (value >= 0 && value <= int64_t{0xFFFFFFFF}));
+  if (width == 8) {
+    std::memcpy(at, &value, 8);
+  } else {
+    const uint32_t v = static_cast<uint32_t>(value);
+    std::memcpy(at, &v, 4);
+  }
+}
+
 /// Checks that a received message is exactly the `bytes` its sender announced.
 inline void check_message_size(const MessageView& m, size_t bytes) {
   GS_CHECK(m.bytes() == bytes, CorruptMessageError, message_source(m.source_rank), " holds ", m.count, " pairs (",
