@@ -4,7 +4,8 @@
 // Input: mode, dtype, bucket size, seed, k, then either edits (offset, byte) applied to a valid
 // message of the top-k of a random gradient (mode bit 0 clear: deep cases), or the raw bytes of
 // the message (bit 0 set). Bit 1 truncates the message, bit 2 places it 4 bytes off alignment,
-// bit 3 checks its first 32 bytes as a control word that carries a message, bit 4 reads the
+// bit 3 decodes its first bytes as a control word on the wire (count and non-finite count,
+// count_bytes(n) each) and checks it as one that carries a message, bit 4 reads the
 // bytes after the header as a bare message of k pairs (the count a control word announced), as
 // every exchange but the fixed-size gather and SparDL receives its messages.
 // Properties: no out-of-bounds or misaligned access (ASan, UBSan); a rejection is a
@@ -49,9 +50,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   unsigned char* at = reinterpret_cast<unsigned char*>(storage.data()) + shift;
   if (!message.empty()) std::memcpy(at, message.data(), message.size());
 
-  if ((mode & 8) && message.size() >= sizeof(ControlWord)) {
-    ControlWord word;
-    std::memcpy(&word, message.data(), sizeof(word));
+  const size_t width = count_bytes(static_cast<uint64_t>(n));
+  if ((mode & 8) && message.size() >= 2 * width) {  // a control word as it travels: count, non-finite count
+    const ControlWord word{read_count(message.data(), width), read_count(message.data() + width, width), 0};
     try {
       check_control_word(word, BucketView{dtype, n, nullptr, nullptr}, /*with_message=*/true, 1);
     } catch (const CorruptMessageError&) {

@@ -239,7 +239,7 @@ TEST(CudaMethods, SelectLikeTheCpu) {
         ASSERT_EQ(r.host(), residual) << on_cpu->name() << " step " << t << " momentum " << momentum;
         ASSERT_EQ(u.host(), velocity) << on_cpu->name() << " step " << t << " momentum " << momentum;
         ExchangeResult result;
-        result.control = {ControlWord{static_cast<int64_t>(b.bytes), b.count, 0, 0}};
+        result.control = {ControlWord{b.count, 0, 0}};
         on_gpu->observe(BucketView{}, result);
         on_cpu->observe(BucketView{}, result);
       }

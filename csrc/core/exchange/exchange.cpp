@@ -59,16 +59,12 @@ void check_control_word(const ControlWord& w, const BucketView& bucket, bool wit
            " pairs for a bucket of ", n, " elements");
   GS_CHECK(w.nonfinite >= 0 && w.nonfinite <= n, CorruptMessageError, "control word from rank ", r, " announces ",
            w.nonfinite, " non-finite values in a bucket of ", n, " elements");
-  const int64_t expected = with_message ? message_bytes(w.count, bucket) : 0;
-  GS_CHECK(w.message_bytes == expected && (with_message || w.count == 0), CorruptMessageError,
-           "control word from rank ", r, " announces a ", w.message_bytes, "-byte message of ", w.count,
-           " pairs, where that count takes ", expected, " bytes in a bucket of ", n, " elements of ",
-           dtype_name(bucket.dtype));
+  GS_CHECK(with_message || w.count == 0, CorruptMessageError, "control word from rank ", r, " announces ", w.count,
+           " pairs in a step that sends none this way");
 }
 
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
                                           const BucketView& bucket, bool with_message, bool with_digest) {
-  GS_ASSERT(!with_message || mine.message_bytes == message_bytes(mine.count, bucket));  // what the blocks will send
   std::vector<int64_t> row{mine.count, mine.nonfinite};
   if (with_digest) row.push_back(mine.index_digest);
   const std::vector<int64_t> all =
@@ -79,7 +75,6 @@ std::vector<ControlWord> exchange_control(Transport& transport, Device& device, 
     w.count = all[r * row.size()];
     w.nonfinite = all[r * row.size() + 1];
     if (with_digest) w.index_digest = all[r * row.size() + 2];
-    w.message_bytes = with_message && w.count >= 0 && w.count <= bucket.numel ? message_bytes(w.count, bucket) : 0;
     check_control_word(w, bucket, with_message, static_cast<int>(r));
   }
   return words;
@@ -94,6 +89,7 @@ ExchangeResult agree(Transport& transport, Device& device, const BucketView& buc
 }
 
 ExchangeResult agree(Transport& transport, Device& device, const BucketView& bucket, const Selection& mine) {
+  GS_ASSERT(mine.bytes == static_cast<size_t>(message_bytes(mine.count, bucket)));  // what the blocks will send
   if (mine.agreed.empty()) return agree(transport, device, bucket, control_word(mine));
   const int p = transport.size(), me = transport.rank();
   GS_CHECK(static_cast<int>(mine.agreed.size()) == p, CorruptMessageError, "the selection carries ", mine.agreed.size(),
@@ -103,10 +99,8 @@ ExchangeResult agree(Transport& transport, Device& device, const BucketView& buc
   for (int r = 0; r < p; ++r) check_control_word(result.control[r], bucket, true, r);
   result.aborted = !result.nonfinite_ranks().empty();
   const ControlWord own = control_word(mine), agreed = result.control[me];
-  GS_CHECK(result.aborted || (agreed.count == own.count && agreed.message_bytes == own.message_bytes &&
-                              agreed.nonfinite == own.nonfinite),
-           CorruptMessageError, "rank ", me, " selected ", own.count, " pairs where the agreed control word says ",
-           agreed.count);
+  GS_CHECK(result.aborted || (agreed.count == own.count && agreed.nonfinite == own.nonfinite), CorruptMessageError,
+           "rank ", me, " selected ", own.count, " pairs where the agreed control word says ", agreed.count);
   return result;
 }
 

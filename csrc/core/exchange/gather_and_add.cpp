@@ -64,7 +64,7 @@ class FixedGather final : public Exchange {
     Buffer recv = device.allocate(mine.bytes * p);
     transport.allgather(device, mine.message.data(), recv.data(), mine.bytes);
     ExchangeResult result;
-    result.control.assign(p, ControlWord{static_cast<int64_t>(mine.bytes), mine.count, 0, 0});
+    result.control.assign(p, ControlWord{mine.count, 0, 0});
     std::vector<MessageView> messages;
     for (int r = 0; r < p; ++r) {
       const MessageView m = read_message(device, recv.as<unsigned char>() + mine.bytes * r, mine.bytes, bucket.dtype,

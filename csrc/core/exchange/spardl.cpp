@@ -262,7 +262,7 @@ void allgather_lists(Step& s, std::vector<Selection>& lists) {
 ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const BucketView& bucket,
                                    const Selection& mine) const {
   // Agree on aborting before any data moves (the selection carries the update's non-finite count).
-  ExchangeResult result = agree(transport, device, bucket, ControlWord{0, 0, mine.nonfinite, 0}, false);
+  ExchangeResult result = agree(transport, device, bucket, ControlWord{0, mine.nonfinite, 0}, false);
   if (result.aborted) return result;
   Step s(transport, device, bucket, sizes);
 

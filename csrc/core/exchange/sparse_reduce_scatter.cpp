@@ -41,7 +41,7 @@ class SparseReduceScatter final : public Exchange {
       }
       GS_CHECK(words[0] >= 0 && words[0] <= bucket.numel, CorruptMessageError, "control word from rank ", r,
                " announces ", words[0], " non-finite values in a bucket of ", bucket.numel, " elements");
-      result.control[r] = ControlWord{message_bytes(total, bucket), total, words[0], 0};
+      result.control[r] = ControlWord{total, words[0], 0};
     }
     if (!result.nonfinite_ranks().empty()) {
       result.aborted = true;

@@ -141,7 +141,7 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
     int64_t count = best == 0 ? -rows[r][1] : 0;  // bin 0 also holds the candidates below the band
     for (int b = best; b < kBins; ++b) count += rows[r][2 + b];
     // a negative count (forged) keeps its sign for agree()'s check of the word
-    agreed.push_back(ControlWord{message_bytes(std::max<int64_t>(count, 0), bucket), count, rows[r][0], 0});
+    agreed.push_back(ControlWord{count, rows[r][0], 0});
   }
   return best;
 }

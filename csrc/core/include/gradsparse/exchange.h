@@ -149,12 +149,11 @@ inline size_t control_bytes(int64_t numel, bool with_digest = false) {
   return with_digest ? 24 : 2 * count_bytes(static_cast<uint64_t>(numel));
 }
 
-/// All-gathers the control words of every rank (control_bytes each: message_bytes follows from
-/// the count, and index_digest travels only `with_digest`) and checks each against what it must
-/// be for `bucket` (peers are not trusted): 0 <= count <= bucket.numel and 0 <= nonfinite <=
-/// bucket.numel, and count 0 when `with_message` is false (the word only carries the non-finite
-/// count; message_bytes is then 0). A violation is a CorruptMessageError naming the rank and the
-/// field.
+/// All-gathers the control words of every rank (control_bytes each: index_digest travels only
+/// `with_digest`) and checks each against what it must be for `bucket` (peers are not trusted):
+/// 0 <= count <= bucket.numel and 0 <= nonfinite <= bucket.numel, and count 0 when
+/// `with_message` is false (the word only carries the non-finite count). A violation is a
+/// CorruptMessageError naming the rank and the field.
 std::vector<ControlWord> exchange_control(Transport& transport, Device& device, const ControlWord& mine,
                                           const BucketView& bucket, bool with_message = true, bool with_digest = false);
 
@@ -175,9 +174,7 @@ inline int64_t message_bytes(int64_t count, const BucketView& bucket, bool bare 
 }
 
 /// The control word of this rank's selection.
-inline ControlWord control_word(const Selection& mine) {
-  return ControlWord{static_cast<int64_t>(mine.bytes), mine.count, mine.nonfinite, 0};
-}
+inline ControlWord control_word(const Selection& mine) { return ControlWord{mine.count, mine.nonfinite, 0}; }
 
 /// agree() on this rank's selection: its control word, or the words the method already agreed
 /// (Selection::agreed), checked like received ones and with no collective.

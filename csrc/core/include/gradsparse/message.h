@@ -263,17 +263,15 @@ std::vector<unsigned char> pack_host(DType dtype, int64_t dense_size, const Host
 int64_t index_digest(const int64_t* index, size_t count);
 
 /// What every exchange sends first (one allgather per step, unless the ranks agreed them while
-/// selecting: Selection::agreed): the size of each rank's message, its pair count, whether it
-/// saw non-finite values, and a digest of its indices, so that all ranks agree on buffer sizes
-/// and on aborting the step before any data moves. On the wire only the count and the
-/// non-finite count travel, count_bytes(numel) each, and the digest where the exchange checks
-/// one (exchange_control); the message size follows from the count.
+/// selecting: Selection::agreed): each rank's pair count, whether it saw non-finite values, and
+/// a digest of its indices, so that all ranks agree on buffer sizes (a message's size follows
+/// from its count: message_bytes) and on aborting the step before any data moves. On the wire
+/// the count and the non-finite count take count_bytes(numel) each, and the digest 8 bytes where
+/// the exchange checks one (exchange_control).
 struct ControlWord {
-  int64_t message_bytes = 0;
   int64_t count = 0;
   int64_t nonfinite = 0;
   int64_t index_digest = 0;  ///< hash of the selected indices (checked by the shared exchange)
 };
-static_assert(sizeof(ControlWord) == 32, "a control word in memory is 32 bytes (on the wire: control_bytes)");
 
 }  // namespace gradsparse
