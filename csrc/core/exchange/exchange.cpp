@@ -121,18 +121,19 @@ void allreduce_host(Transport& transport, Device& device, std::vector<double>& v
   device.copy_to_host(values.data(), buffer.data(), bytes);
 }
 
+void allgather_host(Transport& transport, Device& device, const void* mine, void* all, size_t bytes) {
+  const size_t total = bytes * static_cast<size_t>(transport.size());  // what `all` holds
+  Buffer send = device.allocate(bytes), recv = device.allocate(total);
+  device.copy_from_host(send.data(), mine, bytes);
+  transport.allgather(device, send.data(), recv.data(), bytes);
+  device.copy_to_host(all, recv.data(), total);  // not recv.bytes(): a device may round a buffer up
+}
+
 std::vector<int64_t> allgather_counts(Transport& transport, Device& device, const std::vector<int64_t>& row,
                                       size_t width) {
-  const size_t n = row.size(), p = static_cast<size_t>(transport.size());
-  std::vector<unsigned char> host(width * n * p);
-  for (size_t j = 0; j < n; ++j) write_count(host.data() + width * j, row[j], width);
-  Buffer send = device.allocate(width * n), recv = device.allocate(host.size());
-  device.copy_from_host(send.data(), host.data(), width * n);
-  transport.allgather(device, send.data(), recv.data(), width * n);
-  device.copy_to_host(host.data(), recv.data(), host.size());
-  std::vector<int64_t> out;
-  for (size_t j = 0; j < n * p; ++j) out.push_back(read_count(host.data() + width * j, width));
-  return out;
+  return gather_counts(
+      row, width, static_cast<size_t>(transport.size()),
+      [&](const void* mine, void* all, size_t bytes) { allgather_host(transport, device, mine, all, bytes); });
 }
 
 float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype) {

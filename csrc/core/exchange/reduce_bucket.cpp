@@ -33,12 +33,7 @@ class TransportCollective final : public Collective {
   int size() const override { return transport_.size(); }
   void sum(std::vector<double>& values) override { allreduce_host(transport_, device_, values); }
   void allgather(const void* mine, void* all, size_t bytes) override {
-    const size_t total = bytes * static_cast<size_t>(transport_.size());  // what `all` holds
-    Buffer send = device_.allocate(bytes);
-    Buffer recv = device_.allocate(total);
-    device_.copy_from_host(send.data(), mine, bytes);
-    transport_.allgather(device_, send.data(), recv.data(), bytes);
-    device_.copy_to_host(all, recv.data(), total);  // not recv.bytes(): a device may round a buffer up
+    allgather_host(transport_, device_, mine, all, bytes);
   }
   bool exchange_takes_agreed_words() const override { return exchange_.takes_agreed_words(); }
 

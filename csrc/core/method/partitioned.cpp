@@ -92,21 +92,20 @@ bool fold_agreement(int p, int64_t numel) {
   return folded <= apart;
 }
 
-/// Every rank's row of counts (`mine` is this rank's), all-gathered as `Count`s. Peers are not
-/// trusted: a count above the bucket's size is a CorruptMessageError naming the rank.
-template <typename Count>
+/// Every rank's row of counts (`mine` is this rank's), count_bytes(numel) bytes per count. Peers
+/// are not trusted: a count outside [0, numel] is a CorruptMessageError naming the rank.
 std::vector<std::vector<int64_t>> allgather_counts(Collective& group, const std::vector<int64_t>& mine, int64_t numel) {
   const size_t n = mine.size();
-  const std::vector<Count> send(mine.begin(), mine.end());
-  std::vector<Count> all(n * static_cast<size_t>(group.size()));
-  group.allgather(send.data(), all.data(), n * sizeof(Count));
+  const std::vector<int64_t> all =
+      gather_counts(mine, count_bytes(static_cast<uint64_t>(numel)), static_cast<size_t>(group.size()),
+                    [&](const void* send, void* recv, size_t bytes) { group.allgather(send, recv, bytes); });
   std::vector<std::vector<int64_t>> rows(group.size(), std::vector<int64_t>(n));
   for (int r = 0; r < group.size(); ++r) {
     for (size_t j = 0; j < n; ++j) {
-      const Count v = all[static_cast<size_t>(r) * n + j];
-      GS_CHECK(v <= static_cast<uint64_t>(numel), CorruptMessageError, "band counts from rank ", r, " hold ", v,
-               " at position ", j, " for a bucket of ", numel, " elements");
-      rows[r][j] = static_cast<int64_t>(v);
+      const int64_t v = all[static_cast<size_t>(r) * n + j];
+      GS_CHECK(v >= 0 && v <= numel, CorruptMessageError, "band counts from rank ", r, " hold ", v, " at position ", j,
+               " for a bucket of ", numel, " elements");
+      rows[r][j] = v;
     }
   }
   return rows;
@@ -129,9 +128,7 @@ int agree_on_band(Collective& group, const BucketView& bucket, const std::vector
   std::vector<int64_t> mine{nonfinite, below};
   for (double c : counts) mine.push_back(static_cast<int64_t>(c));
   // rows[r]: rank r's non-finite count, below-band count and 257 band counts
-  const std::vector<std::vector<int64_t>> rows = count_bytes(static_cast<uint64_t>(bucket.numel)) == 4
-                                                     ? allgather_counts<uint32_t>(group, mine, bucket.numel)
-                                                     : allgather_counts<uint64_t>(group, mine, bucket.numel);
+  const std::vector<std::vector<int64_t>> rows = allgather_counts(group, mine, bucket.numel);
   std::fill(counts.begin(), counts.end(), 0.0);
   for (const auto& row : rows)
     for (int b = 0; b < kBins; ++b) counts[b] += static_cast<double>(row[2 + b]);

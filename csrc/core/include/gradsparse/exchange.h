@@ -196,6 +196,10 @@ Buffer allgather_blocks(Transport& transport, Device& device, const Selection& m
 /// In-place sum over all ranks of a host vector of float64 (every rank passes as many values).
 void allreduce_host(Transport& transport, Device& device, std::vector<double>& values);
 
+/// Every rank's `bytes` host bytes at `mine`, by rank, into host memory `all` (size() x bytes),
+/// through device buffers.
+void allgather_host(Transport& transport, Device& device, const void* mine, void* all, size_t bytes);
+
 /// Every rank's `row` of counts (each 0 <= count < 2^(8 width); any int64 with width 8), rank
 /// after rank: one all-gather of `width` (4 or 8: count_bytes) bytes per count. A forged 8-byte
 /// count past 2^63 reads negative, for the caller's range check.

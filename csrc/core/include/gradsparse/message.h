@@ -215,6 +215,21 @@ inline void write_count(unsigned char* at, int64_t value, size_t width) {
   }
 }
 
+/// Every rank's `row` of counts, rank after rank, through `allgather(mine, all, bytes)`: a host
+/// all-gather of `bytes` bytes per rank into `all` (ranks x bytes). Each count travels as
+/// write_count writes it in `width` bytes (count_bytes), so a forged 8-byte count past 2^63 reads
+/// negative, for the caller's range check.
+template <typename AllGather>
+std::vector<int64_t> gather_counts(const std::vector<int64_t>& row, size_t width, size_t ranks, AllGather&& allgather) {
+  const size_t n = row.size();
+  std::vector<unsigned char> mine(width * n), all(width * n * ranks);
+  for (size_t j = 0; j < n; ++j) write_count(mine.data() + width * j, row[j], width);
+  allgather(mine.data(), all.data(), mine.size());
+  std::vector<int64_t> out(n * ranks);
+  for (size_t j = 0; j < out.size(); ++j) out[j] = read_count(all.data() + width * j, width);
+  return out;
+}
+
 /// Checks that a received message is exactly the `bytes` its sender announced.
 inline void check_message_size(const MessageView& m, size_t bytes) {
   GS_CHECK(m.bytes() == bytes, CorruptMessageError, message_source(m.source_rank), " holds ", m.count, " pairs (",
