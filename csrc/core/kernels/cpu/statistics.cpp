@@ -390,7 +390,7 @@ GS_TARGET_AVX512 Moments moments_f32_avx512(const Source<float>& src, int64_t be
     if constexpr (kRead == Read::kUpdate) {
       __mmask16 bad;
       v = update16_avx512(src, j, bad);
-      nonfinite += __builtin_popcount(bad);
+      if (__builtin_expect(bad != 0, 0)) nonfinite += __builtin_popcount(bad);
     } else if constexpr (kRead == Read::kResidual) {
       v = _mm512_loadu_ps(src.residual + j);
     } else {
