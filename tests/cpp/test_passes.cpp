@@ -324,6 +324,39 @@ TEST(Passes, ScanListsCandidatesAfterBlocksOfEveryDensity) {
     ASSERT_EQ(s.candidates.value[j], residual[static_cast<size_t>(s.candidates.index[j])]);
 }
 
+// The scan's fused update where residual + gradient is not finite (the AVX-512 path branches to
+// its blend only then; ctest runs this on every SIMD path): such an element keeps its residual
+// and is counted, a finite neighbour in the same vector is updated, with sums or without, and the
+// candidates are those of the updated values.
+TEST(Passes, ScanKeepsTheResidualWhereTheSumIsNotFinite) {
+  for (const bool sums : {true, false}) {
+    Bucket b;
+    const int64_t bad[] = {0, 5, 17, 31, kCpuBlock + 8, 2 * kCpuBlock + 3, kN - 2};  // vectors, tail
+    b.grad[0] = NAN;
+    b.grad[5] = INFINITY;
+    b.grad[17] = -INFINITY;
+    b.residual[31] = 3.0e38f, b.grad[31] = 3.0e38f;  // a finite residual and gradient whose sum overflows
+    b.grad[kCpuBlock + 8] = NAN;
+    b.grad[2 * kCpuBlock + 3] = -NAN;
+    b.grad[kN - 2] = INFINITY;
+    std::vector<float> want = b.residual;
+    for (int64_t i = 0; i < kN; ++i)
+      if (std::isfinite(b.residual[i] + b.grad[i])) want[i] = b.residual[i] + b.grad[i];
+    std::vector<int64_t> candidates;
+    for (int64_t i = 0; i < kN; ++i)
+      if (std::fabs(want[i]) >= 1.5f) candidates.push_back(i);
+    CpuDevice device;
+    const Scan s = device.scan(b.view(), true, Range{0, kN}, 1.5, -1, sums);
+    EXPECT_EQ(s.moments.nonfinite, static_cast<int64_t>(std::size(bad))) << sums;
+    for (int64_t i = 0; i < kN; ++i) ASSERT_TRUE(ref::same_bits(b.residual[i], want[i])) << i << " " << sums;
+    EXPECT_EQ(s.candidates.index, candidates) << sums;
+    if (sums) {
+      EXPECT_TRUE(std::isfinite(s.moments.sum) && std::isfinite(s.moments.sum_sq));
+      EXPECT_EQ(s.moments.max_abs, 3.0e38f);  // the kept residual of element 31
+    }
+  }
+}
+
 // Large fills and copies run in parallel blocks of 128 KiB (cpu_device.cpp): every byte of an
 // odd length is written, none outside it, and an overlapping copy keeps memmove's result.
 TEST(Passes, LargeFillsAndCopiesWriteEveryByte) {
