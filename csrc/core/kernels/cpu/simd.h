@@ -125,8 +125,8 @@ GS_TARGET_AVX512 inline __m512 update16_avx512(const Source<float>& src, int64_t
   }
   const __m512 a = _mm512_add_ps(old, addend);
   nonfinite = not_finite16_avx512(a);
-  // A branch, not a blend: sums are finite all but never, and the blend's work on every vector
-  // cost the scan about a tenth of its time.
+  // A branch, not a blend: a sum is all but always finite, and a blend on every vector cost the
+  // scan 4% to 6% of its time (docs/benchmarks.md).
   const __m512 v = __builtin_expect(nonfinite != 0, 0) ? _mm512_mask_blend_ps(nonfinite, a, old) : a;
   _mm512_storeu_ps(src.residual + j, v);
   return v;
