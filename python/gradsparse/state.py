@@ -578,7 +578,41 @@ class State:
                 f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "
                 "this DDP configuration is not supported"
             )
+        self._check_bucket_agrees(index, buffer)
         return self._table.add(index, names, numels, lambda: self._make_method(numels, buffer.element_size()), buffer)
+
+    def _average(self, values: torch.Tensor, name: str) -> torch.Tensor:
+        """The average over the ranks of a small float32 tensor (on the buckets' device: a group of
+        NCCL alone reduces no CPU tensor), on the CPU: a dense all-reduce queued on the engine like
+        a bucket, so it keeps its place among the exchanges on every rank."""
+        report = _C.ReduceReport()  # of its own: not counted in any bucket's statistics
+        done = self._engine.submit(values, None, None, True, "raise", name, report, False, None, 0.0, False)
+        return done.wait().cpu()
+
+    def _check_bucket_agrees(self, index: int, buffer: torch.Tensor) -> None:
+        """Every rank's size and dtype of a new bucket, compared once (one small all-reduce queued
+        on the engine like a bucket). A message whose count its receiver already knows travels
+        without a header naming its bucket, so buckets that differ between ranks would reach the
+        exchanges unnoticed: DDP gives every rank the same buckets, except with
+        find_unused_parameters=True and another bucket_cap_mb on some rank (no single first bucket,
+        no rebuild), where Gloo would end the process and MPI accept a short receive."""
+        p = self._world_size
+        if p < 2:
+            return
+        # This rank's row only (the average of the rows hands every rank every row), in float32
+        # (the engine's dense dtypes): the size in 16-bit digits, which come back exactly.
+        row = torch.zeros(p, 5)
+        digits = [(buffer.numel() >> 16 * j) & 0xFFFF for j in range(4)]
+        row[self._rank] = torch.tensor([*digits, _SUPPORTED_DTYPES.index(buffer.dtype)])
+        rows = (self._average(row.to(buffer.device), f"the size of bucket {index}") * p).round().long().tolist()
+        every = [(sum(seen[j] << 16 * j for j in range(4)), _SUPPORTED_DTYPES[seen[4]]) for seen in rows]
+        if any(seen != every[0] for seen in every):
+            raise ValueError(
+                f"gradsparse: DDP's bucket {index} differs between the ranks: "
+                + "; ".join(f"rank {r}: {n} elements of {dtype}" for r, (n, dtype) in enumerate(every))
+                + ". With find_unused_parameters=True DDP keeps the buckets that bucket_cap_mb gives each rank: "
+                "give every rank the same bucket_cap_mb (and the same model)"
+            )
 
     def _hold_unused(self, entry: Bucket, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """With ``find_unused_parameters=True`` DDP leaves the gradient of a parameter that no rank
@@ -746,11 +780,7 @@ class State:
             return None
         if self._trial.due(self._step):
             figures = self._trial.medians(max(self._table.buckets) + 1).to(device)
-            report = _C.ReduceReport()  # the dense all-reduce averages them, queued like a bucket
-            done = self._engine.submit(
-                figures, None, None, True, "raise", "the timings of exchange=auto", report, False, None, 0.0, False
-            )  # fmt: skip
-            self._trial.decide(done.wait().cpu(), self._step)
+            self._trial.decide(self._average(figures, "the timings of exchange=auto"), self._step)
             for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
                 if self._trial.decided and index not in self._trial.chosen:
                     self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels), bucket.value_bytes)

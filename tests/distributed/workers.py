@@ -336,6 +336,10 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
             ddp = DDP(make_model(dtype=torch.float64))
             ddp.register_comm_hook(gs.TopK(density=0.1), gs.hook)
             train(ddp, rank, steps=2)
+        elif case == "buckets_differ":  # DDP keeps each rank's buckets under find_unused_parameters=True
+            ddp = DDP(make_model(), find_unused_parameters=True, bucket_cap_mb=1e-6 if rank == 0 else 25)
+            gs.register(ddp, gs.TopK(density=0.1))
+            train(ddp, rank, steps=2)
         elif case == "group_mismatch":
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             ddp = DDP(make_model(), process_group=pairs[rank // 2])
