@@ -39,9 +39,8 @@ class SparseReduceScatter final : public Exchange {
                  " announces ", words[1 + o], " pairs for the shard of rank ", o, ", which holds ", shard, " elements");
         total += words[1 + o];
       }
-      GS_CHECK(words[0] >= 0 && words[0] <= bucket.numel, CorruptMessageError, "control word from rank ", r,
-               " announces ", words[0], " non-finite values in a bucket of ", bucket.numel, " elements");
       result.control[r] = ControlWord{total, words[0], 0};
+      check_control_word(result.control[r], bucket, /*with_message=*/true, r);  // the non-finite count's range
     }
     if (!result.nonfinite_ranks().empty()) {
       result.aborted = true;
