@@ -131,8 +131,9 @@ TEST(OnePass, ScanMatchesThePassesItFusesFloat16) { scan_matches_the_passes_it_f
 TEST(OnePass, ScanMatchesThePassesItFusesBFloat16) { scan_matches_the_passes_it_fuses<BFloat16>(); }
 
 /// The same with momentum correction (with and without masking): the scan's update of residual and
-/// velocity, its non-finite count and candidates against the plain passes'. Some residual entries
-/// are +-0 (masking restarts their velocity), one velocity overflows.
+/// velocity, its non-finite count and candidates against the plain passes', and the update against
+/// the element-by-element one. Some residual entries are +-0 (masking restarts their velocity), one
+/// velocity overflows.
 template <typename T>
 void scan_with_momentum_matches_the_passes() {
   for (bool masking : {false, true}) {
@@ -147,6 +148,14 @@ void scan_with_momentum_matches_the_passes() {
       fused.grad[40] = Num<T>::from_float(std::numeric_limits<float>::max());
       plain = fused;
       plain_velocity = fused_velocity;
+      // The update element by element, as Source::update_element defines it: the SIMD paths that
+      // both passes share must match it too.
+      std::vector<T> one_residual = fused.residual, one_velocity = fused_velocity;
+      const Source<T> one{one_residual.data(), fused.grad.data(), true, one_velocity.data(), 0.9f, masking};
+      for (int64_t i = 0; i < kN; ++i) {
+        bool finite;
+        one.update_element(i, finite);
+      }
       auto with_velocity = [&](Bucket<T>& b, std::vector<T>& velocity) {
         BucketView view = b.view();
         view.velocity = velocity.data();
@@ -170,6 +179,8 @@ void scan_with_momentum_matches_the_passes() {
       EXPECT_EQ(s.candidates.value, c.value);
       EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
       EXPECT_EQ(0, std::memcmp(fused_velocity.data(), plain_velocity.data(), kN * sizeof(T)));
+      EXPECT_EQ(0, std::memcmp(fused.residual.data(), one_residual.data(), kN * sizeof(T)));
+      EXPECT_EQ(0, std::memcmp(fused_velocity.data(), one_velocity.data(), kN * sizeof(T)));
     }
   }
 }

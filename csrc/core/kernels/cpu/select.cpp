@@ -137,7 +137,8 @@ GS_TARGET_AVX2 int64_t update_block_f32_avx2(const Source<float>& src, int64_t b
   int64_t j = 0;
   for (; j + 8 <= len; j += 8) {
     __m256i nonfinite;
-    const __m256 v = update8_avx2(src, begin + j, nonfinite);
+    const __m256 v = src.velocity != nullptr ? update8_avx2<true>(src, begin + j, nonfinite)
+                                             : update8_avx2<false>(src, begin + j, nonfinite);
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below_threshold);
     mask[j / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
     bad += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nonfinite))));

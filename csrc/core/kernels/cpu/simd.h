@@ -81,12 +81,13 @@ GS_TARGET_AVX2 inline __m256i not_finite8_avx2(__m256 x) {  // -1 in the lanes h
 /// The first pass's update of float32 elements j..j+7 (Source::update_element in 8 lanes, to the
 /// bit): momentum correction when the source has a velocity, then residual += addend where the
 /// sum is finite. Returns the residual's new values; `nonfinite` holds -1 in the lanes whose sum
-/// is not finite (their residual is kept).
+/// is not finite (their residual is kept). kVelocity says whether src.velocity is set.
+template <bool kVelocity>
 GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, __m256i& nonfinite) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256 old = _mm256_loadu_ps(src.residual + j);
   __m256 addend = _mm256_loadu_ps(src.grad + j);
-  if (src.velocity != nullptr) {
+  if constexpr (kVelocity) {
     const __m256 u = _mm256_loadu_ps(src.velocity + j);
     __m256 kept = u;
     if (src.masking) {  // +0 where the residual is +-0 (momentum_emptied)
@@ -110,12 +111,14 @@ GS_TARGET_AVX512 inline __mmask16 not_finite16_avx512(__m512 x) {  // a bit per 
 }
 
 /// update8_avx2 for elements j..j+15, to the bit; `nonfinite` gets a bit per lane whose sum is
-/// not finite.
+/// not finite. kVelocity says whether src.velocity is set (a loop calls the version for its case,
+/// not a test per vector).
+template <bool kVelocity>
 GS_TARGET_AVX512 inline __m512 update16_avx512(const Source<float>& src, int64_t j, __mmask16& nonfinite) {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   const __m512 old = _mm512_loadu_ps(src.residual + j);
   __m512 addend = _mm512_loadu_ps(src.grad + j);
-  if (src.velocity != nullptr) {
+  if constexpr (kVelocity) {
     const __m512 u = _mm512_loadu_ps(src.velocity + j);
     // +0 where the residual is +-0 when masking (momentum_emptied)
     const __m512 kept =

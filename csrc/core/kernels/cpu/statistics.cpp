@@ -186,15 +186,15 @@ float value1(const Source<float>& src, int64_t j, int64_t& bad) {
 #if GS_HAVE_AVX2_PATHS
 
 /// The selection values of elements j..j+7; counts non-finite sums (or gradients) into `bad` as
-/// -1 lanes.
-template <Read kRead>
+/// -1 lanes. kVelocity: whether an update has a velocity.
+template <Read kRead, bool kVelocity>
 GS_TARGET_AVX2 inline __m256 values8(const Source<float>& src, int64_t j, __m256i& bad) {
   if constexpr (kRead == Read::kResidual) {
     (void)bad;
     return _mm256_loadu_ps(src.residual + j);
   } else if constexpr (kRead == Read::kUpdate) {
     __m256i nonfinite;
-    const __m256 v = update8_avx2(src, j, nonfinite);
+    const __m256 v = update8_avx2<kVelocity>(src, j, nonfinite);
     bad = _mm256_add_epi32(bad, nonfinite);
     return v;
   } else {
@@ -295,49 +295,68 @@ GS_TARGET_AVX2 inline float max8_avx2(__m256 x) {
   return *std::max_element(t, t + 8);
 }
 
-/// moments() of a float32 block, 16 elements a step as two vectors of 8 lanes, in MomentLanes'
+/// A run's float32 sums of v, |v| and v * v over 16 lanes (two vectors of 8 each), and the
+/// largest |v| over 8.
+struct Run8x2 {
+  __m256 s[2], a[2], q[2], mx;
+};
+
+/// One row of moments_f32_avx2 (elements j..j+15): with kMask marks their candidates in `mask`
+/// (two bytes), with kSums adds them to the run.
+template <Read kRead, bool kSums, bool kVelocity, bool kMask>
+GS_TARGET_AVX2 inline void take16_avx2(const Source<float>& src, int64_t j, __m256i below, uint8_t* mask, __m256i& bad,
+                                       Run8x2& run) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 v = values8<kRead, kVelocity>(src, j + 8 * h, bad);
+    if constexpr (kMask) {
+      const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
+      mask[h] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+    }
+    if constexpr (kSums) {
+      const __m256 av = _mm256_and_ps(v, _mm256_castsi256_ps(magnitude));
+      run.s[h] = _mm256_add_ps(run.s[h], v);
+      run.a[h] = _mm256_add_ps(run.a[h], av);
+      run.q[h] = _mm256_add_ps(run.q[h], _mm256_mul_ps(v, v));
+      run.mx = _mm256_max_ps(av, run.mx);  // a NaN keeps mx, as MomentLanes does
+    }
+  }
+}
+
+/// moments() of a float32 block, 16 elements a row as two vectors of 8 lanes, in MomentLanes'
 /// order to the bit. With a `mask` (room for (end - begin + 7) / 8 bytes), bit t of it is set
 /// when element begin + t has key >= `key`: the block's candidates, marked while its values are
 /// in registers, so that scan() lists them without reading the block again. Without kSums only
-/// `nonfinite` is counted (the sums stay zero).
-template <Read kRead, bool kSums = true>
-GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
-                                        uint8_t* mask = nullptr) {
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+/// `nonfinite` is counted (the sums stay zero). The loop takes whole runs of MomentLanes::kRows
+/// rows unrolled, from a local copy of the source, in a version for each case of velocity and
+/// mask instead of a test per row: fewer instructions per row keep more of the rows' loads in
+/// flight (docs/benchmarks.md, 2026-12-01, second).
+template <Read kRead, bool kSums, bool kVelocity, bool kMask>
+GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_t begin, int64_t end, uint32_t key,
+                                             uint8_t* mask) {
+  const Source<float> src = source;  // the mask's stores cannot change it
   const __m256i below = _mm256_set1_epi32(below_key(key));
   const __m256 zero = _mm256_setzero_ps();
   MomentLanes lanes;
-  __m256 s[2] = {zero, zero}, a[2] = {zero, zero}, q[2] = {zero, zero}, mx = zero;  // the run's float32 sums
+  Run8x2 run{{zero, zero}, {zero, zero}, {zero, zero}, zero};
   __m256i bad = _mm256_setzero_si256();
-  int rows = 0;
+  auto at = [&](int64_t j) { return kMask ? mask + (j - begin) / 8 : nullptr; };  // row j's bytes of the mask
+  constexpr int64_t kRun = 16 * MomentLanes::kRows;
   int64_t j = begin;
-  for (; j + 16 <= end; j += 16) {
-    for (int h = 0; h < 2; ++h) {
-      const __m256 v = values8<kRead>(src, j + 8 * h, bad);
-      if (mask != nullptr) {
-        const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
-        mask[(j - begin) / 8 + h] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
-      }
-      if constexpr (kSums) {
-        const __m256 av = _mm256_and_ps(v, _mm256_castsi256_ps(magnitude));
-        s[h] = _mm256_add_ps(s[h], v);
-        a[h] = _mm256_add_ps(a[h], av);
-        q[h] = _mm256_add_ps(q[h], _mm256_mul_ps(v, v));
-        mx = _mm256_max_ps(av, mx);  // a NaN keeps mx, as MomentLanes does
-      }
-    }
-    if constexpr (kSums) {
-      if (++rows == MomentLanes::kRows) {
-        end_run16_avx2(lanes, s, a, q);
-        rows = 0;
-      }
-    }
+  for (; j + kRun <= end; j += kRun) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MomentLanes::kRows; ++r)
+      take16_avx2<kRead, kSums, kVelocity, kMask>(src, j + 16 * r, below, at(j + 16 * r), bad, run);
+    if constexpr (kSums) end_run16_avx2(lanes, run.s, run.a, run.q);
+  }
+  if (j + 16 <= end) {  // a last, shorter run
+    for (; j + 16 <= end; j += 16) take16_avx2<kRead, kSums, kVelocity, kMask>(src, j, below, at(j), bad, run);
+    if constexpr (kSums) end_run16_avx2(lanes, run.s, run.a, run.q);
   }
   int64_t nonfinite = count_lanes(bad);
   Moments m;
   if constexpr (kSums) {
-    if (rows > 0) end_run16_avx2(lanes, s, a, q);
-    lanes.max_abs = max8_avx2(mx);
+    lanes.max_abs = max8_avx2(run.mx);
     moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
     m = finish_moments(lanes, src.residual, begin, end);
   } else {
@@ -345,6 +364,26 @@ GS_TARGET_AVX2 Moments moments_f32_avx2(const Source<float>& src, int64_t begin,
   }
   m.nonfinite = nonfinite;
   return m;
+}
+
+/// f(velocity, marks) with both as std::bool_constant: a pass's loop in its version for this
+/// source (an update with a velocity or not) and mask (one to mark or none).
+template <Read kRead, typename F>
+Moments by_velocity_and_mask(const Source<float>& src, const uint8_t* mask, F&& f) {
+  auto marking = [&](auto velocity) {
+    return mask != nullptr ? f(velocity, std::true_type{}) : f(velocity, std::false_type{});
+  };
+  return kRead == Read::kUpdate && src.velocity != nullptr ? marking(std::true_type{}) : marking(std::false_type{});
+}
+
+/// moments_f32_avx2_loop in its version for this source and mask.
+template <Read kRead, bool kSums = true>
+Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
+                         uint8_t* mask = nullptr) {
+  return by_velocity_and_mask<kRead>(src, mask, [&](auto velocity, auto marks) {
+    return moments_f32_avx2_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value>(src, begin, end, key,
+                                                                                                  mask);
+  });
 }
 
 // GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
@@ -370,61 +409,85 @@ GS_TARGET_AVX512 inline void end_runs_avx512(__m512d* sum, __m512d* sum_abs, __m
   end_run16_avx512(sum_sq, q);
 }
 
+/// The selection values of elements j..j+15, read as `kRead` says; counts the non-finite sums
+/// (or gradients) into `nonfinite`.
+template <Read kRead, bool kVelocity>
+GS_TARGET_AVX512 inline __m512 values16_avx512(const Source<float>& src, int64_t j, int64_t& nonfinite) {
+  if constexpr (kRead == Read::kUpdate) {
+    __mmask16 bad;
+    const __m512 v = update16_avx512<kVelocity>(src, j, bad);
+    if (__builtin_expect(bad != 0, 0)) nonfinite += __builtin_popcount(bad);
+    return v;
+  } else if constexpr (kRead == Read::kResidual) {
+    return _mm512_loadu_ps(src.residual + j);
+  } else {
+    const __m512 x = _mm512_loadu_ps(src.grad + j);
+    const __mmask16 bad = not_finite16_avx512(x);
+    nonfinite += __builtin_popcount(bad);
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), x);
+  }
+}
+
+/// A run's float32 sums of v, |v| and v * v, and the largest |v|, over 16 lanes.
+struct Run16 {
+  __m512 s, a, q, mx;
+};
+
+/// One row of moments_f32_avx512: with kMask marks v's candidates in `mask` (two bytes), with
+/// kSums adds v to the run.
+template <bool kSums, bool kMask>
+GS_TARGET_AVX512 inline void take16_avx512(__m512 v, __m512i below, uint8_t* mask, Run16& run) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  if constexpr (kMask) {
+    const uint16_t hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
+    std::memcpy(mask, &hit, sizeof(hit));
+  }
+  if constexpr (kSums) {
+    const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
+    run.s = _mm512_add_ps(run.s, v);
+    run.a = _mm512_add_ps(run.a, av);
+    run.q = _mm512_add_ps(run.q, _mm512_mul_ps(v, v));
+    run.mx = _mm512_max_ps(av, run.mx);  // a NaN keeps mx, as MomentLanes does
+  }
+}
+
 /// moments_f32_avx2 in 16 lanes of 512 bits, in MomentLanes' order to the bit: the non-finite
 /// count and the candidate mask, with kSums the sums too. Without them this is the whole of
-/// Top-k's, SAGE's, MiCRO's and ExDyna's scan.
-template <Read kRead, bool kSums>
-GS_TARGET_AVX512 Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
-                                            uint8_t* mask) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+/// Top-k's, SAGE's, MiCRO's and ExDyna's scan. Built as moments_f32_avx2_loop is.
+template <Read kRead, bool kSums, bool kVelocity, bool kMask>
+GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, int64_t begin, int64_t end, uint32_t key,
+                                                 uint8_t* mask) {
+  const Source<float> src = source;  // the mask's stores cannot change it
   const __m512i below = _mm512_set1_epi32(below_key(key));
-  const __m512 zero = _mm512_setzero_ps();
   const __m512d zero_d = _mm512_setzero_pd();
-  __m512 s = zero, a = zero, q = zero, mx = zero;  // the run's float32 sums
+  const __m512 zero = _mm512_setzero_ps();
+  Run16 run{zero, zero, zero, zero};
   __m512d sum[2] = {zero_d, zero_d}, sum_abs[2] = {zero_d, zero_d}, sum_sq[2] = {zero_d, zero_d};
   int64_t nonfinite = 0;
-  int rows = 0;
+  auto row = [&](int64_t j) GS_TARGET_AVX512 {
+    take16_avx512<kSums, kMask>(values16_avx512<kRead, kVelocity>(src, j, nonfinite), below,
+                                kMask ? mask + (j - begin) / 8 : nullptr, run);
+  };
+  constexpr int64_t kRun = 16 * MomentLanes::kRows;
   int64_t j = begin;
-  for (; j + 16 <= end; j += 16) {
-    __m512 v;
-    if constexpr (kRead == Read::kUpdate) {
-      __mmask16 bad;
-      v = update16_avx512(src, j, bad);
-      if (__builtin_expect(bad != 0, 0)) nonfinite += __builtin_popcount(bad);
-    } else if constexpr (kRead == Read::kResidual) {
-      v = _mm512_loadu_ps(src.residual + j);
-    } else {
-      const __m512 x = _mm512_loadu_ps(src.grad + j);
-      const __mmask16 bad = not_finite16_avx512(x);
-      nonfinite += __builtin_popcount(bad);
-      v = _mm512_maskz_mov_ps(static_cast<__mmask16>(~bad), x);
-    }
-    if (mask != nullptr) {
-      const uint16_t hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
-      std::memcpy(mask + (j - begin) / 8, &hit, sizeof(hit));
-    }
-    if constexpr (kSums) {
-      const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
-      s = _mm512_add_ps(s, v);
-      a = _mm512_add_ps(a, av);
-      q = _mm512_add_ps(q, _mm512_mul_ps(v, v));
-      mx = _mm512_max_ps(av, mx);  // a NaN keeps mx, as MomentLanes does
-      if (++rows == MomentLanes::kRows) {
-        end_runs_avx512(sum, sum_abs, sum_sq, s, a, q);
-        rows = 0;
-      }
-    }
+  for (; j + kRun <= end; j += kRun) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MomentLanes::kRows; ++r) row(j + 16 * r);
+    if constexpr (kSums) end_runs_avx512(sum, sum_abs, sum_sq, run.s, run.a, run.q);
+  }
+  if (j + 16 <= end) {  // a last, shorter run
+    for (; j + 16 <= end; j += 16) row(j);
+    if constexpr (kSums) end_runs_avx512(sum, sum_abs, sum_sq, run.s, run.a, run.q);
   }
   Moments m;
   if constexpr (kSums) {
-    if (rows > 0) end_runs_avx512(sum, sum_abs, sum_sq, s, a, q);
     MomentLanes lanes;
     for (int h = 0; h < 2; ++h) {
       _mm512_store_pd(lanes.sum + 8 * h, sum[h]);
       _mm512_store_pd(lanes.sum_abs + 8 * h, sum_abs[h]);
       _mm512_store_pd(lanes.sum_sq + 8 * h, sum_sq[h]);
     }
-    lanes.max_abs = _mm512_reduce_max_ps(mx);
+    lanes.max_abs = _mm512_reduce_max_ps(run.mx);
     moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
     m = finish_moments(lanes, src.residual, begin, end);
   } else {
@@ -432,6 +495,15 @@ GS_TARGET_AVX512 Moments moments_f32_avx512(const Source<float>& src, int64_t be
   }
   m.nonfinite = nonfinite;
   return m;
+}
+
+/// moments_f32_avx512_loop in its version for this source and mask.
+template <Read kRead, bool kSums>
+Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask) {
+  return by_velocity_and_mask<kRead>(src, mask, [&](auto velocity, auto marks) {
+    return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value>(src, begin, end,
+                                                                                                    key, mask);
+  });
 }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -476,6 +548,7 @@ GS_TARGET_AVX2 inline int add_exceedances4(float* buffer, int n, double scale, _
 template <Read kRead>
 GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
                                               double scale) {
+  static_assert(kRead != Read::kUpdate, "exceedance passes are read-only");
   ExceedanceLanes lanes;
   if (key > 0x7fffffffu) return lanes.total();
   static const PackTable pack;
@@ -489,7 +562,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
   __m256i unused = _mm256_setzero_si256();
   int64_t j = begin;
   for (; j + 8 <= end; j += 8) {
-    const __m256 v = values8<kRead>(src, j, unused);
+    const __m256 v = values8<kRead, false>(src, j, unused);
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
     const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
     if (bits == 0) continue;
