@@ -106,3 +106,13 @@ bool same_bits(T a, T b) {
 }
 
 }  // namespace gradsparse::reference
+
+namespace gradsparse {
+
+/// A HostBuffer (a scan's candidates) against the std::vector a test expects (found by ADL).
+template <typename T>
+bool operator==(const HostBuffer<T>& a, const std::vector<T>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end());
+}
+
+}  // namespace gradsparse

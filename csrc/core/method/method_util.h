@@ -73,7 +73,7 @@ inline Selection nothing(Device& device, const BucketView& bucket, int64_t nonfi
 inline Range whole(const BucketView& bucket) { return Range{0, bucket.numel}; }
 
 /// The k-th largest of `keys` (1 <= k <= keys.size()): two counting rounds over 16-bit halves.
-inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
+inline uint32_t kth_largest_key(const HostBuffer<uint32_t>& keys, int64_t k) {
   GS_ASSERT(k >= 1 && k <= static_cast<int64_t>(keys.size()));
   std::vector<int64_t> hist(65536, 0);
   for (uint32_t key : keys) ++hist[key >> 16];
@@ -90,7 +90,7 @@ inline uint32_t kth_largest_key(const std::vector<uint32_t>& keys, int64_t k) {
 
 /// The positions of the k largest of `keys` (1 <= k <= keys.size(); ties: the lowest positions),
 /// ascending; `kth_key` gets the k-th largest key.
-inline std::vector<size_t> largest_positions(const std::vector<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
+inline std::vector<size_t> largest_positions(const HostBuffer<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
   kth_key = kth_largest_key(keys, k);
   const uint32_t kth = kth_key;
   std::vector<size_t> out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
@@ -107,8 +107,9 @@ inline std::vector<size_t> largest_positions(const std::vector<uint32_t>& keys, 
 
 /// The float32 keys (|v| bits) of values: for values of any bucket dtype, exact as floats, they
 /// order as the dtype's keys do.
-inline std::vector<uint32_t> float_keys(const std::vector<float>& values) {
-  std::vector<uint32_t> keys(values.size());
+template <typename Values>
+HostBuffer<uint32_t> float_keys(const Values& values) {
+  HostBuffer<uint32_t> keys(values.size());
   for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<float>::key(values[j]);
   return keys;
 }

@@ -190,7 +190,7 @@ void OnePass::zeroed(const std::vector<size_t>& chosen) {
   });
 }
 
-const std::vector<uint32_t>& OnePass::keys() {
+const HostBuffer<uint32_t>& OnePass::keys() {
   if (keys_.size() != scan_.candidates.size()) {
     keys_.resize(scan_.candidates.size());
     dispatch_dtype(bucket_.dtype, [&](auto t) {
@@ -202,7 +202,7 @@ const std::vector<uint32_t>& OnePass::keys() {
 }
 
 std::vector<size_t> OnePass::reaching(uint32_t key) {
-  const std::vector<uint32_t>& k = keys();
+  const HostBuffer<uint32_t>& k = keys();
   return positions_where(k.size(), [&](size_t j) { return k[j] >= key; });
 }
 
@@ -228,7 +228,7 @@ int64_t OnePass::Counts::operator[](size_t j) {
       // No branch on a candidate's key: whether it reaches a key is as good as random, and a
       // mispredicted branch per candidate cost more than the count. A few keys: one vectorised
       // comparison loop per key; more: one look-up per candidate in a table of bins.
-      const std::vector<uint32_t>& keys = pass_.keys();
+      const HostBuffer<uint32_t>& keys = pass_.keys();
       if (which.size() <= kFewKeys) {
         for (size_t i = 0; i < which.size(); ++i) {
           const uint32_t at = keys_[which[i]];
@@ -327,7 +327,7 @@ Selection OnePass::largest(int64_t k) {
     stale_ = true;
     return s;
   }
-  const std::vector<uint32_t>& key = keys();
+  const HostBuffer<uint32_t>& key = keys();
   uint32_t kth_key;
   const std::vector<size_t> chosen = method_util::largest_positions(key, k, kth_key);
   asked(method_util::key_value(bucket_.dtype, kth_key), k, true);

@@ -39,7 +39,7 @@ bool plain_edges(const std::vector<double>& edges) {
 /// at or above edges[b] (method_util::dtype_ceil), a comparison of keys: so the bins are KeyBins'
 /// (a table look-up, 16 values a step on the AVX-512 path) rather than a binary search of the
 /// edges per value.
-int64_t add_band_counts(const std::vector<double>& edges, const std::vector<float>& values,
+int64_t add_band_counts(const std::vector<double>& edges, const HostBuffer<float>& values,
                         std::vector<double>& counts) {
   int64_t below = 0;
   if (!plain_edges(edges)) {  // not expected; band_bin defines the bins

@@ -47,8 +47,8 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
     return cpu::log_sum<T>(src, n, scale, eps, sample);
   }
   template <typename T>
-  void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-                 std::vector<float>& value) {
+  void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index,
+                 HostBuffer<float>& value) {
     cpu::collect<T>(src, n, range, key, index, value);
   }
   template <typename T>

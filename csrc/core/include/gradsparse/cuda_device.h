@@ -42,8 +42,8 @@ Exceedance exceedance(CudaDevice& device, Source<T> src, int64_t n, uint32_t key
 template <typename T>
 double log_sum(CudaDevice& device, Source<T> src, int64_t n, double scale, double eps, BlockSample sample);
 template <typename T>
-void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-             std::vector<float>& value);
+void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index,
+             HostBuffer<float>& value);
 template <typename T>
 double sample_abs_sum(CudaDevice& device, Source<T> src, const std::vector<int64_t>& positions);
 template <typename T, typename I>
@@ -108,8 +108,8 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
     return cuda::log_sum<T>(*this, src, n, scale, eps, sample);
   }
   template <typename T>
-  void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-                 std::vector<float>& value) {
+  void k_collect(Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index,
+                 HostBuffer<float>& value) {
     cuda::collect<T>(*this, src, n, range, key, index, value);
   }
   template <typename T>

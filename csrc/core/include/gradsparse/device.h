@@ -119,8 +119,8 @@ struct SelectRule {
 /// Elements of a bucket copied to the host for a method to decide on: ascending indices and
 /// their selection values (exact as float for every bucket dtype).
 struct Candidates {
-  std::vector<int64_t> index;
-  std::vector<float> value;
+  HostBuffer<int64_t> index;
+  HostBuffer<float> value;
   size_t size() const { return index.size(); }
 };
 

@@ -251,7 +251,7 @@ Moments moments(Source<T> src, int64_t n);
 /// more than `capacity` leaves both empty.
 template <typename T>
 Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
-             std::vector<int64_t>& index, std::vector<float>& value);
+             HostBuffer<int64_t>& index, HostBuffer<float>& value);
 
 /// counts[j] = number of elements of `range` with key >= keys[j]; `keys` ascending, read-only.
 template <typename T>
@@ -267,8 +267,7 @@ double log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample s
 
 /// The elements of `range` with key >= `key`, ascending, read-only (values exact as float).
 template <typename T>
-void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-             std::vector<float>& value);
+void collect(Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index, HostBuffer<float>& value);
 
 /// Sum of |v| at the given positions (repeats allowed), read-only.
 template <typename T>

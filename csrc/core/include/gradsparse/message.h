@@ -256,8 +256,9 @@ struct HostPairs {
       : index(i.data()), value(v == nullptr ? nullptr : v->data()), count(i.size()) {
     GS_ASSERT(v == nullptr || v->size() == i.size());
   }
-  /// The pairs at `positions` of `i` and `v`, in that order.
-  HostPairs(const std::vector<int64_t>& i, const std::vector<float>& v, const std::vector<size_t>& positions)
+  /// The pairs at `positions` of `i` and `v` (std::vector or HostBuffer), in that order.
+  template <typename Index, typename Value>
+  HostPairs(const Index& i, const Value& v, const std::vector<size_t>& positions)
       : index(i.data()), value(v.data()), at(positions.data()), count(positions.size()) {
     GS_ASSERT(v.size() == i.size());
   }

@@ -177,7 +177,7 @@ class OnePass {
   /// The magnitudes |v| at `positions` (of the bucket), gathered from the device.
   std::vector<float> magnitudes_at(const std::vector<int64_t>& positions);
   /// The candidates' keys in the bucket's dtype (computed on first use).
-  const std::vector<uint32_t>& keys();
+  const HostBuffer<uint32_t>& keys();
   /// The candidates whose key reaches `key`, as positions in the candidate lists.
   std::vector<size_t> reaching(uint32_t key);
 
@@ -187,7 +187,7 @@ class OnePass {
   int64_t capacity_;
   Scan scan_;
   uint32_t lower_key_;
-  std::vector<uint32_t> keys_;
+  HostBuffer<uint32_t> keys_;
   int64_t lowest_answer_ = 0;
   double lowest_asked_ = std::numeric_limits<double>::infinity();
   bool missed_ = false;

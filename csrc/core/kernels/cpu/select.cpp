@@ -227,8 +227,8 @@ SelectStats select_threshold(T* residual, const T* grad, int64_t n, double thres
 }
 
 template <typename T>
-void collect(Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-             std::vector<float>& value) {
+void collect(Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index,
+             HostBuffer<float>& value) {
   GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
   check_range(range, n, "collect");
   const int64_t nblocks = num_blocks(n);
@@ -381,7 +381,7 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
   GS_INSTANTIATE_SELECT(T, uint32_t) \
   GS_INSTANTIATE_SELECT(T, uint64_t) \
   GS_INSTANTIATE_SELECT(T, int64_t)  \
-  template void collect<T>(Source<T>, int64_t, Range, uint32_t, std::vector<int64_t>&, std::vector<float>&);
+  template void collect<T>(Source<T>, int64_t, Range, uint32_t, HostBuffer<int64_t>&, HostBuffer<float>&);
 
 GS_INSTANTIATE_TYPE(float)
 GS_INSTANTIATE_TYPE(Half)

@@ -725,7 +725,7 @@ Moments moments(Source<T> src, int64_t n) {
 
 template <typename T>
 Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
-             std::vector<int64_t>& index, std::vector<float>& value) {
+             HostBuffer<int64_t>& index, HostBuffer<float>& value) {
   GS_CHECK(n >= 0, ValueError, "scan: n must be >= 0, got ", n);
   check_range(range, n, "scan");
   const int64_t nblocks = num_blocks(n);
@@ -934,14 +934,14 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   return total;
 }
 
-#define GS_INSTANTIATE_STATISTICS(T)                                                                            \
-  template Moments moments<T>(Source<T>, int64_t);                                                              \
-  template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, bool, int64_t&, std::vector<int64_t>&, \
-                           std::vector<float>&);                                                                \
-  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                       \
-  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                         \
-  template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                                  \
-  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                        \
+#define GS_INSTANTIATE_STATISTICS(T)                                                                           \
+  template Moments moments<T>(Source<T>, int64_t);                                                             \
+  template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, bool, int64_t&, HostBuffer<int64_t>&, \
+                           HostBuffer<float>&);                                                                \
+  template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                      \
+  template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                        \
+  template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                                 \
+  template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                       \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 
 GS_INSTANTIATE_STATISTICS(float)

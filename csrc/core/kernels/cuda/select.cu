@@ -528,8 +528,8 @@ SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, R
 }
 
 template <typename T>
-void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, std::vector<int64_t>& index,
-             std::vector<float>& value) {
+void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index,
+             HostBuffer<float>& value) {
   GS_CHECK(!src.update, ValueError, "collect reads values only; apply the error-feedback update first");
   check_range(range, n, "collect");
   index.clear();
@@ -541,7 +541,8 @@ void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t
   Scratch<int64_t> idx(device, count);
   Scratch<T> val(device, count);
   tiles.write(device, src, false, idx.get(), val.get());
-  index = to_host(device, idx.get(), count);
+  const std::vector<int64_t> at = to_host(device, idx.get(), count);
+  index.assign(at.begin(), at.end());
   const std::vector<T> raw = to_host(device, val.get(), count);
   value.resize(raw.size());
   for (size_t j = 0; j < raw.size(); ++j) value[j] = Num<T>::to_float(raw[j]);
@@ -621,12 +622,11 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
 #define GS_INSTANTIATE_CUDA_SELECT(T, I)                                                                      \
   template SelectStats select<T, I>(CudaDevice&, Source<T>, int64_t, uint32_t, Range, bool, const PairSink&); \
   template SelectStats select_topk<T, I>(CudaDevice&, Source<T>, int64_t, int64_t, bool, const PairSink&);
-#define GS_INSTANTIATE_CUDA_SELECT_TYPE(T)                                                          \
-  GS_INSTANTIATE_CUDA_SELECT(T, uint32_t)                                                           \
-  GS_INSTANTIATE_CUDA_SELECT(T, uint64_t)                                                           \
-  GS_INSTANTIATE_CUDA_SELECT(T, int64_t)                                                            \
-  template void collect<T>(CudaDevice&, Source<T>, int64_t, Range, uint32_t, std::vector<int64_t>&, \
-                           std::vector<float>&);
+#define GS_INSTANTIATE_CUDA_SELECT_TYPE(T) \
+  GS_INSTANTIATE_CUDA_SELECT(T, uint32_t)  \
+  GS_INSTANTIATE_CUDA_SELECT(T, uint64_t)  \
+  GS_INSTANTIATE_CUDA_SELECT(T, int64_t)   \
+  template void collect<T>(CudaDevice&, Source<T>, int64_t, Range, uint32_t, HostBuffer<int64_t>&, HostBuffer<float>&);
 
 GS_INSTANTIATE_CUDA_SELECT_TYPE(float)
 GS_INSTANTIATE_CUDA_SELECT_TYPE(Half)
