@@ -21,8 +21,9 @@ namespace gradsparse {
 
 /// std::allocator, except that a vector's resize() leaves new elements of a trivial type
 /// uninitialised instead of zeroing them: for host buffers whose every element is written next
-/// (the candidates of a scan and their keys), where zeroing 9 MB a step in one thread cost about
-/// 0.9 ms of a 12 ms selection (docs/benchmarks.md, 2026-12-01, third).
+/// (the candidates of a scan and their keys: 7 MB a step at density 0.01 and 25M elements, whose
+/// zeroing in one thread cost about 3% of the selection step; docs/benchmarks.md, 2026-12-01,
+/// third).
 template <typename T>
 struct Uninitialized : std::allocator<T> {
   template <typename U>
