@@ -541,8 +541,8 @@ void collect(CudaDevice& device, Source<T> src, int64_t n, Range range, uint32_t
   Scratch<int64_t> idx(device, count);
   Scratch<T> val(device, count);
   tiles.write(device, src, false, idx.get(), val.get());
-  const std::vector<int64_t> at = to_host(device, idx.get(), count);
-  index.assign(at.begin(), at.end());
+  index.resize(static_cast<size_t>(count));  // copied in place: a HostBuffer is not zeroed first
+  device.copy_to_host(index.data(), idx.get(), static_cast<size_t>(count) * sizeof(int64_t));
   const std::vector<T> raw = to_host(device, val.get(), count);
   value.resize(raw.size());
   for (size_t j = 0; j < raw.size(); ++j) value[j] = Num<T>::to_float(raw[j]);
