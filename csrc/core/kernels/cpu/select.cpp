@@ -21,11 +21,12 @@ namespace {
 /// The pairs one block selected, as offsets inside the block.
 template <typename T>
 struct BlockPairs {
-  std::vector<uint32_t> offsets;
-  std::vector<T> values;
-  std::vector<uint32_t> tie_offsets;  // top-k only: elements exactly at the k-th magnitude
-  std::vector<T> tie_values;
+  HostBuffer<uint32_t> offsets;
+  HostBuffer<T> values;
+  HostBuffer<uint32_t> tie_offsets;  // top-k only: elements exactly at the k-th magnitude
+  HostBuffer<T> tie_values;
   int64_t nonfinite = 0;
+  int writes = 2;  // list_marked's writes without a branch, from this block's last selection
 
   void clear() {
     offsets.clear();
@@ -102,11 +103,29 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
   }
 }
 
-// float32 with error feedback, the hot path. One pass updates the residual (and the velocity, with
-// momentum correction) and writes, per 8 elements, a bit mask of the candidates: the elements whose
-// new residual reaches the threshold key (the portable code also marks a non-finite sum); a second
-// look at the masks, from cache, checks each candidate's residual and collects the few selected
-// pairs. The pass runs as AVX2 code when the CPU has it (chosen at run time), else as portable code.
+/// float32 with error feedback on the AVX2 and AVX-512 paths, the hot path: the scan's pass
+/// (mark_block_f32) updates the block's residual (and velocity, with momentum correction) and
+/// marks the elements whose new residual reaches `key`; list_marked lists those in [lo, hi) from
+/// the mask, while the block is in cache, and zeroes them there when `zero`.
+void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t end, int64_t lo, int64_t hi,
+                              uint32_t key, bool zero, BlockPairs<float>& p) {
+  uint8_t mask[kCpuBlock / 8 + 8] = {};
+  p.nonfinite += mark_block_f32(src, begin, end, lo < hi ? key : kNoKey, mask);
+  p.offsets.resize(static_cast<size_t>(std::max<int64_t>(hi - lo, 0) + 2));
+  p.values.resize(p.offsets.size());
+  const int64_t found =
+      list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);
+  p.offsets.resize(static_cast<size_t>(found));
+  p.values.resize(static_cast<size_t>(found));
+  p.writes = unmarked_writes(found, hi - lo);
+  if (zero)
+    for (const uint32_t off : p.offsets) src.residual[begin + off] = 0.0f;
+}
+
+// float32 with error feedback in portable code. One pass updates the residual (and the velocity,
+// with momentum correction) and writes, per 8 elements, a bit mask of the candidates: the elements
+// whose new residual reaches the threshold key or whose sum is not finite; a second look at the
+// masks, from cache, checks each candidate's residual and collects the few selected pairs.
 int64_t update_block_f32_portable(const Source<float>& src, int64_t begin, int64_t len, uint32_t tkey,
                                   uint8_t* __restrict mask) {
   float* r = src.residual + begin;  // not restrict: src.addend reads the residual too (masking)
@@ -127,46 +146,15 @@ int64_t update_block_f32_portable(const Source<float>& src, int64_t begin, int64
   return bad;
 }
 
-#if GS_HAVE_AVX2_PATHS
-GS_TARGET_AVX2 int64_t update_block_f32_avx2(const Source<float>& src, int64_t begin, int64_t len, uint32_t tkey,
-                                             uint8_t* __restrict mask) {
-  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
-  // key >= tkey as a signed comparison (keys are < 2^31); kNoKey must match nothing.
-  const __m256i below_threshold = _mm256_set1_epi32(tkey > 0x7fffffffu ? 0x7fffffff : static_cast<int>(tkey) - 1);
-  int64_t bad = 0;
-  int64_t j = 0;
-  for (; j + 8 <= len; j += 8) {
-    __m256i nonfinite;
-    const __m256 v = src.velocity != nullptr ? update8_avx2<true>(src, begin + j, nonfinite)
-                                             : update8_avx2<false>(src, begin + j, nonfinite);
-    const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below_threshold);
-    mask[j / 8] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
-    bad += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(nonfinite))));
-  }
-  if (j < len) bad += update_block_f32_portable(src, begin + j, len - j, tkey, mask + j / 8);
-  return bad;
-}
-#endif
-
-using UpdateBlockF32 = int64_t (*)(const Source<float>&, int64_t, int64_t, uint32_t, uint8_t*);
-
-UpdateBlockF32 pick_update_block_f32() {
-#if GS_HAVE_AVX2_PATHS
-  if (use_avx2()) return update_block_f32_avx2;
-#endif
-  return update_block_f32_portable;
-}
-
 /// The float32 update of [begin, end) with selection by `tkey` (kNoKey: update only); calls
 /// visit(i, value) for the selected elements.
 template <typename Visit>
 void update_select_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t tkey, int64_t& nonfinite,
                        Visit&& visit) {
-  static const UpdateBlockF32 update = pick_update_block_f32();
   uint8_t mask[kCpuBlock / 8 + 8] = {};
   const int64_t len = end - begin;
   const float* residual = src.residual;
-  nonfinite += update(src, begin, len, tkey, mask);
+  nonfinite += update_block_f32_portable(src, begin, len, tkey, mask);
   for (int64_t w = 0; w * 64 < len; ++w) {  // 64 elements (8 mask bytes) at a time
     uint64_t word;
     std::memcpy(&word, mask + w * 8, sizeof(word));
@@ -200,6 +188,12 @@ SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zer
     };
     if constexpr (std::is_same_v<T, float>) {
       if (src.update && src.residual != nullptr) {
+#if GS_HAVE_AVX2_PATHS
+        if (use_avx2()) {
+          update_select_f32_marked(src, begin, end, lo, hi, key, zero, p);
+          return;
+        }
+#endif
         update_select_f32(src, begin, lo, kNoKey, p.nonfinite, take);
         update_select_f32(src, lo, hi, key, p.nonfinite, take);
         update_select_f32(src, hi, end, kNoKey, p.nonfinite, take);

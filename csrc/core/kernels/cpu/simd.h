@@ -197,28 +197,29 @@ inline int unmarked_writes(int64_t found, int64_t length) {
   return length <= 0 || per_word < 5 * length / 4 ? 2 : per_word < 2 * length ? 3 : 4;
 }
 
-/// Writes i to index[] and v[i] to value[], in ascending order, for every i in [lo, hi) whose bit
-/// is set in `mask` (for_mask_words), and returns how many. The first `writes` (2 to 4) of each
+/// Writes i - origin to index[] and v[i] to value[], in ascending order, for every i in [lo, hi)
+/// whose bit is set in `mask` (for_mask_words), and returns how many. The first `writes` (2 to 4) of each
 /// word are written without a branch (a word's next position and its value are stored whether
 /// or not it counts; unmarked_writes chooses how many), so few branches are mispredicted at the
 /// densities of candidates. A group of four words (256 elements) without a mark is passed over
 /// with one test: where the candidates gather in a few layers, the blocks of the others have
 /// none. index and value need room for hi - lo + 2 entries; `mask` must be readable up to the end
 /// of the last group (room for a multiple of 32 bytes from `base`).
-inline int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, int64_t lo, int64_t hi, int64_t* index,
-                           float* value, int writes) {
+template <typename I>
+int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, int64_t lo, int64_t hi, I* index, float* value,
+                    int writes, int64_t origin = 0) {
   int64_t n = 0;
   auto list_word = [&](int64_t from, uint64_t bits) {
     for (int first = 0; first < writes; ++first) {  // without a branch: n moves on only for a hit
       const int64_t i = std::min(from + __builtin_ctzll(bits | (uint64_t{1} << 63)), hi - 1);  // in [lo, hi)
-      index[n] = i;
+      index[n] = static_cast<I>(i - origin);
       value[n] = v[i];
       n += bits != 0;
       bits &= bits - 1;
     }
     for (; bits != 0; bits &= bits - 1, ++n) {  // the rest
       const int64_t i = from + __builtin_ctzll(bits);
-      index[n] = i;
+      index[n] = static_cast<I>(i - origin);
       value[n] = v[i];
     }
   };
@@ -241,6 +242,12 @@ GS_TARGET_POPCNT inline int64_t count_marked(const uint8_t* mask, int64_t base, 
   for_mask_words(mask, base, lo, hi, [&](int64_t, uint64_t bits) { n += __builtin_popcountll(bits); });
   return n;
 }
+
+/// The float32 pass of the scan's AVX2 and AVX-512 loops (statistics.cpp) over one block
+/// [begin, end) without sums: the error-feedback update when `src.update`, and in `mask` (room
+/// for (end - begin) / 8 bytes, a multiple of 32) bit t set when element begin + t has key >=
+/// `key`. Returns the count of non-finite sums. Only where use_avx2().
+int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 
 }  // namespace cpu
 }  // namespace gradsparse

@@ -683,6 +683,18 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
   return m;
 }
 
+}  // namespace
+
+int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask) {
+  GS_ASSERT(use_avx2());
+  bool marked = false;
+  const Moments m = block_moments(src, begin, end, /*sums=*/false, key, mask, &marked);
+  GS_ASSERT(marked);
+  return m.nonfinite;
+}
+
+namespace {
+
 /// The moments of a pass made in blocks: the blocks' figures added in block order.
 Moments combine_moments(const std::vector<Moments>& blocks) {
   Moments total;
