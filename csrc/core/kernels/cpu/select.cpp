@@ -110,8 +110,8 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
 void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t end, int64_t lo, int64_t hi,
                               uint32_t key, bool zero, BlockPairs<float>& p) {
   uint8_t mask[kCpuBlock / 8 + 8] = {};
-  p.nonfinite += mark_block_f32(src, begin, end, lo < hi ? key : kNoKey, mask);
-  p.offsets.resize(static_cast<size_t>(std::max<int64_t>(hi - lo, 0) + 2));
+  p.nonfinite += mark_block_f32(src, begin, end, key, mask);  // marks outside [lo, hi) are not listed
+  p.offsets.resize(static_cast<size_t>(hi - lo + 2));
   p.values.resize(p.offsets.size());
   const int64_t found =
       list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);

@@ -198,10 +198,10 @@ inline int unmarked_writes(int64_t found, int64_t length) {
 }
 
 /// Writes i - origin to index[] and v[i] to value[], in ascending order, for every i in [lo, hi)
-/// whose bit is set in `mask` (for_mask_words), and returns how many. The first `writes` (2 to 4) of each
-/// word are written without a branch (a word's next position and its value are stored whether
-/// or not it counts; unmarked_writes chooses how many), so few branches are mispredicted at the
-/// densities of candidates. A group of four words (256 elements) without a mark is passed over
+/// whose bit is set in `mask` (for_mask_words), and returns how many. The first `writes` (2 to 4)
+/// of each word are written without a branch (a word's next position and its value are stored
+/// whether or not it counts; unmarked_writes chooses how many), so few branches are mispredicted
+/// at the densities of candidates. A group of four words (256 elements) without a mark is passed over
 /// with one test: where the candidates gather in a few layers, the blocks of the others have
 /// none. index and value need room for hi - lo + 2 entries; `mask` must be readable up to the end
 /// of the last group (room for a multiple of 32 bytes from `base`).
