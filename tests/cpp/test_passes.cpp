@@ -136,6 +136,47 @@ TEST(Passes, MomentsCountsExceedancesAndLogSums) {
   EXPECT_EQ(device.log_sum(b.view(), 1.0, 1e-3, BlockSample{}), INFINITY);
 }
 
+// log_sum's order restated (kernels/cpu/statistics.cpp): per block, 8 running products, each
+// multiplied by 8 factors |v| * scale + eps (a product, then a sum) and then brought back into
+// [1, 2) with its exponent counted; one log per product; the block's tail one log at a time.
+double restated_log_sum(const std::vector<float>& v, double scale, double eps) {
+  double total = 0.0;
+  for (int64_t begin = 0; begin < static_cast<int64_t>(v.size()); begin += kCpuBlock) {
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(v.size()), begin + kCpuBlock);
+    auto y = [&](int64_t i) { return std::fabs(static_cast<double>(v[static_cast<size_t>(i)])) * scale + eps; };
+    std::vector<double> product(8, 1.0);
+    int64_t exponent = 0, i = begin;
+    for (; i + 64 <= end; i += 64)
+      for (int64_t l = 0; l < 8; ++l) {
+        for (int64_t r = 0; r < 8; ++r) product[l] *= y(i + r * 8 + l);
+        int e = 0;
+        product[l] = 2.0 * std::frexp(product[l], &e);  // all normal here: [1, 2) and the exponent
+        exponent += e - 1;
+      }
+    double s = static_cast<double>(exponent) * std::log(2.0);
+    for (double p : product) s += std::log(p);
+    for (; i < end; ++i) s += std::log(y(i));
+    total += s;
+  }
+  return total;
+}
+
+// Every SIMD path (this test runs on each, GRADSPARSE_SIMD) multiplies the same factors in the
+// same order, so the sums are the same to the bit.
+TEST(Passes, LogSumsAreTheSameToTheBitOnEveryPath) {
+  Bucket b;
+  CpuDevice device;
+  device.moments(b.view(), true);  // applies the update
+  for (const auto& [scale, eps] : {std::pair{0.25, 1e-3}, std::pair{1.0 / 3.0, std::ldexp(1.0, -52)}})
+    EXPECT_EQ(device.log_sum(b.view(), scale, eps, BlockSample{}), restated_log_sum(b.residual, scale, eps)) << scale;
+  // Without a residual the gradient's values are read (non-finite ones as zeros).
+  b.grad[7] = NAN;
+  std::vector<float> read = b.grad;
+  read[7] = 0.0f;
+  const BucketView grad_only{DType::kFloat32, kN, b.grad.data(), nullptr};
+  EXPECT_EQ(device.log_sum(grad_only, 0.5, 1e-3, BlockSample{}), restated_log_sum(read, 0.5, 1e-3));
+}
+
 // A sample of every few blocks: which elements it reads, how many, and the statistics over them.
 TEST(Passes, BlockSamplesReadEveryFewBlocks) {
   EXPECT_EQ(BlockSample::at_least(kN, 2).every, 2);  // 4 blocks

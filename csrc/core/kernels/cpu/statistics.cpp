@@ -881,40 +881,106 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale, Bloc
   return Exceedance::combine(blocks);
 }
 
+namespace {
+
+// log_sum()'s running products: kLogLanes independent products (so that they vectorise), each
+// brought back into [1, 2) after every kLogRounds factors with its binary exponent counted apart.
+constexpr int64_t kLogLanes = 8, kLogRounds = 8, kLogGroup = kLogLanes * kLogRounds;
+constexpr uint64_t kMantissa = (uint64_t{1} << 52) - 1, kOne = uint64_t{1023} << 52;
+
+/// The products over [i, end) in whole groups of kLogGroup factors y(j), i advanced past them.
+/// False (the products then unusable) when a product leaves the positive normal numbers.
+template <typename Y>
+bool log_products(const Y& y, int64_t& i, int64_t end, double* product, int64_t& exponent) {
+  for (; i + kLogGroup <= end; i += kLogGroup) {
+    for (int64_t r = 0; r < kLogRounds; ++r)
+      for (int64_t l = 0; l < kLogLanes; ++l) product[l] *= y(i + r * kLogLanes + l);
+    for (int64_t l = 0; l < kLogLanes; ++l) {
+      uint64_t bits;
+      std::memcpy(&bits, &product[l], sizeof bits);
+      const int64_t e = static_cast<int64_t>(bits >> 52);  // with the sign bit: 0 for zero and subnormals
+      if (e == 0 || e >= 0x7ff) return false;              // not a positive normal number
+      exponent += e - 1023;
+      bits = (bits & kMantissa) | kOne;
+      std::memcpy(&product[l], &bits, sizeof bits);
+    }
+  }
+  return true;
+}
+
+#if GS_HAVE_AVX2_PATHS
+/// log_products() of a float32 block, four lanes to a vector: the same factors, rounded the same
+/// way (a product, then a sum) and multiplied in the same order, so the same bits. Over SIDCo's
+/// sample of a 25M-element bucket (2.3M elements, 2 threads) 0.28 ms against the portable loop's
+/// 0.93 (compiled for SSE2, with a selection value read per element).
+template <Read kRead>
+GS_TARGET_AVX2 bool log_products_f32_avx2(const Source<float>& src, int64_t& i, int64_t end, double scale, double eps,
+                                          double* product, int64_t& exponent) {
+  static_assert(kRead != Read::kUpdate && kLogLanes == 8, "read-only passes; two vectors of four lanes");
+  const __m256d s = _mm256_set1_pd(scale), e = _mm256_set1_pd(eps), sign = _mm256_set1_pd(-0.0);
+  const __m256i mantissa = _mm256_set1_epi64x(static_cast<int64_t>(kMantissa)),
+                one = _mm256_set1_epi64x(static_cast<int64_t>(kOne)), bias = _mm256_set1_epi64x(1023),
+                largest = _mm256_set1_epi64x(0x7fe), zero = _mm256_setzero_si256();
+  __m256d p[2] = {_mm256_loadu_pd(product), _mm256_loadu_pd(product + 4)};
+  __m256i exponents = zero, unused = zero;
+  bool normal = true;
+  for (; i + kLogGroup <= end; i += kLogGroup) {
+    for (int64_t r = 0; r < kLogRounds; ++r) {
+      const __m256 v = values8<kRead, false>(src, i + r * kLogLanes, unused);
+      const __m256d y[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))};
+      for (int h = 0; h < 2; ++h)
+        p[h] = _mm256_mul_pd(p[h], _mm256_add_pd(_mm256_mul_pd(_mm256_andnot_pd(sign, y[h]), s), e));
+    }
+    __m256i bad = zero;
+    for (__m256d& q : p) {
+      const __m256i bits = _mm256_castpd_si256(q);
+      const __m256i ex = _mm256_srli_epi64(bits, 52);  // with the sign bit, as in log_products
+      bad = _mm256_or_si256(bad, _mm256_or_si256(_mm256_cmpeq_epi64(ex, zero), _mm256_cmpgt_epi64(ex, largest)));
+      exponents = _mm256_add_epi64(exponents, _mm256_sub_epi64(ex, bias));
+      q = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, mantissa), one));
+    }
+    if (!_mm256_testz_si256(bad, bad)) {
+      normal = false;
+      break;
+    }
+  }
+  _mm256_storeu_pd(product, p[0]);
+  _mm256_storeu_pd(product + 4, p[1]);
+  alignas(32) int64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), exponents);
+  exponent += lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  return normal;
+}
+#else   // only named by code that never runs without AVX2 paths
+template <Read kRead>
+bool log_products_f32_avx2(const Source<float>& src, int64_t& i, int64_t end, double scale, double eps, double* product,
+                           int64_t& exponent);
+#endif  // GS_HAVE_AVX2_PATHS
+
+}  // namespace
+
 template <typename T>
 double log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample sample) {
   check_read_only(src.update, "log_sum");
   auto y = [&](int64_t i) { return std::fabs(static_cast<double>(Num<T>::to_float(src.value(i)))) * scale + eps; };
   // A log per element would cost ten times the read. The sum of logs is the log of a product
-  // instead: kLanes running products (independent, so they vectorise), each brought back into
-  // [1, 2) after every kRounds factors with its binary exponent counted apart, and one log per
-  // block. A block whose products leave the positive normal numbers (a factor that is not
-  // finite, not positive, or so small or large that kRounds of them underflow or overflow) adds
-  // its logs one by one instead. Both ways agree to rounding (a few units in the last place of
-  // each product against one per log).
-  constexpr int64_t kLanes = 8, kRounds = 8;
-  constexpr uint64_t kMantissa = (uint64_t{1} << 52) - 1, kOne = uint64_t{1023} << 52;
+  // instead (log_products), and one log per lane and block. A block whose products leave the
+  // positive normal numbers (a factor that is not finite, not positive, or so small or large that
+  // kLogRounds of them underflow or overflow) adds its logs one by one instead. Both ways agree to
+  // rounding (a few units in the last place of each product against one per log).
   const auto blocks = per_block<double>(n, sample, [&](int64_t begin, int64_t end) {
-    double product[kLanes];
-    std::fill(product, product + kLanes, 1.0);
-    int64_t exponent = 0;
-    int64_t i = begin;
-    for (; i + kLanes * kRounds <= end; i += kLanes * kRounds) {
-      for (int64_t r = 0; r < kRounds; ++r)
-        for (int64_t l = 0; l < kLanes; ++l) product[l] *= y(i + r * kLanes + l);
-      for (double& p : product) {
-        uint64_t bits;
-        std::memcpy(&bits, &p, sizeof bits);
-        const int64_t e = static_cast<int64_t>(bits >> 52);  // with the sign bit: 0 for zero and subnormals
-        if (e == 0 || e >= 0x7ff) {                          // not a positive normal number
-          double s = 0.0;
-          for (int64_t j = begin; j < end; ++j) s += std::log(y(j));
-          return s;
-        }
-        exponent += e - 1023;
-        bits = (bits & kMantissa) | kOne;
-        std::memcpy(&p, &bits, sizeof p);
-      }
+    double product[kLogLanes];
+    std::fill(product, product + kLogLanes, 1.0);
+    int64_t exponent = 0, i = begin;
+    bool normal = true;
+    if (!avx2_f32(src, [&](auto read) {
+          normal = log_products_f32_avx2<decltype(read)::value>(as_f32(src), i, end, scale, eps, product, exponent);
+        }))
+      normal = log_products(y, i, end, product, exponent);
+    if (!normal) {
+      double s = 0.0;
+      for (int64_t j = begin; j < end; ++j) s += std::log(y(j));
+      return s;
     }
     double s = static_cast<double>(exponent) * std::log(2.0);
     for (double p : product) s += std::log(p);
