@@ -131,9 +131,12 @@ class OnePass {
   /// strict).
   Exceedance exceedance(double threshold, bool strict, double scale, BlockSample sample = {});
   /// The elements of the range with |v| >= threshold (> when strict), as a message; zeroes their
-  /// residual when `zero`.
+  /// residual when `zero`. A selection that zeroes is a step's last question: the candidates no
+  /// longer match the residual, so any question after it passes over the bucket (and counts as
+  /// one the candidates missed).
   Selection select(double threshold, bool strict, bool zero);
-  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual.
+  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual (as
+  /// select() with `zero`).
   Selection largest(int64_t k);
   /// The s-th largest magnitude |v| among a sample of the range: the elements whose bit is set
   /// in `sampled` (a bitmap over the bucket's positions, as sample_distinct_bits writes it; `count`
@@ -165,10 +168,6 @@ class OnePass {
   uint32_t key_of(double threshold, bool strict) const;
   /// True when the candidates hold every element of the range whose key reaches `key`.
   bool covers(uint32_t key) const { return scan_.complete() && !stale_ && key >= lower_key_; }
-  /// After a selection that zeroed residual entries: the chosen candidates become zero (a
-  /// selection made by a pass over the bucket leaves the candidates stale: later answers pass
-  /// over the bucket too).
-  void zeroed(const std::vector<size_t>& chosen);
   /// Notes a question at `threshold` whose answer holds `elements` elements.
   void asked(double threshold, int64_t elements, bool covered);
   /// The s-th largest of `magnitude` (reordered), noted as a question that about s / count of
@@ -191,7 +190,7 @@ class OnePass {
   int64_t lowest_answer_ = 0;
   double lowest_asked_ = std::numeric_limits<double>::infinity();
   bool missed_ = false;
-  bool stale_ = false;
+  bool stale_ = false;  ///< after a selection that zeroed residual entries: the candidates are out of date
 };
 
 }  // namespace gradsparse
