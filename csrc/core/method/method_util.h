@@ -90,10 +90,10 @@ inline uint32_t kth_largest_key(const HostBuffer<uint32_t>& keys, int64_t k) {
 
 /// The positions of the k largest of `keys` (1 <= k <= keys.size(); ties: the lowest positions),
 /// ascending; `kth_key` gets the k-th largest key.
-inline std::vector<size_t> largest_positions(const HostBuffer<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
+inline Positions largest_positions(const HostBuffer<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
   kth_key = kth_largest_key(keys, k);
   const uint32_t kth = kth_key;
-  std::vector<size_t> out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
+  Positions out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
   if (static_cast<int64_t>(out.size()) > k) {  // more ties at the k-th key than are taken
     int64_t ties = k;                          // those taken: k minus the keys above the k-th
     for (size_t j : out) ties -= keys[j] > kth ? 1 : 0;
@@ -131,7 +131,7 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
   const std::vector<int64_t> index = in.index_list();
   const std::vector<float> value = in.value_list();  // exact for every bucket dtype, in the same order
   uint32_t kth_key;
-  const std::vector<size_t> chosen = largest_positions(float_keys(value), k, kth_key);
+  const Positions chosen = largest_positions(float_keys(value), k, kth_key);
   kth = static_cast<double>(from_key<float>(kth_key));
   GS_ASSERT(static_cast<int64_t>(chosen.size()) == k);
   return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);
@@ -185,8 +185,8 @@ inline std::vector<double> sample_magnitudes_before_update(Device& device, const
 }
 
 /// The candidates at the given positions, as a message.
-inline Selection emit_subset(Device& device, const BucketView& bucket, const Candidates& c,
-                             const std::vector<size_t>& positions, bool zero) {
+inline Selection emit_subset(Device& device, const BucketView& bucket, const Candidates& c, const Positions& positions,
+                             bool zero) {
   return device.emit(bucket, HostPairs(c.index, c.value, positions), zero);
 }
 

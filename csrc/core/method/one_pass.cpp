@@ -187,7 +187,7 @@ const HostBuffer<uint32_t>& OnePass::keys() {
   return keys_;
 }
 
-std::vector<size_t> OnePass::reaching(uint32_t key) {
+Positions OnePass::reaching(uint32_t key) {
   const HostBuffer<uint32_t>& k = keys();
   return positions_where(k.size(), [&](size_t j) { return k[j] >= key; });
 }
@@ -291,7 +291,7 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   const uint32_t key = key_of(threshold, strict);
   Selection s;
   if (covers(key)) {
-    const std::vector<size_t> chosen = reaching(key);
+    const Positions chosen = reaching(key);
     asked(threshold, static_cast<int64_t>(chosen.size()), true);
     s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, zero);
   } else {
@@ -309,7 +309,7 @@ Selection OnePass::largest(int64_t k) {
   Selection s;
   if (scan_.complete() && !stale_ && scan_.above >= k) {
     uint32_t kth_key;
-    const std::vector<size_t> chosen = method_util::largest_positions(keys(), k, kth_key);
+    const Positions chosen = method_util::largest_positions(keys(), k, kth_key);
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
     s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
   } else {  // the k-th largest lies below the candidates, or they are out of date
@@ -339,7 +339,7 @@ std::optional<double> OnePass::kth_hashed(uint64_t stream, int64_t s) {
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   int64_t count = (range_.end - range_.begin + 99) / 100;  // the sample's expected size
   if (!covered) {
-    const std::vector<size_t> at = positions_where(static_cast<size_t>(range_.end - range_.begin), [&](size_t j) {
+    const Positions at = positions_where(static_cast<size_t>(range_.end - range_.begin), [&](size_t j) {
       return in_percent_sample(stream, static_cast<uint64_t>(range_.begin) + j);
     });
     if (static_cast<int64_t>(at.size()) < s) return std::nullopt;

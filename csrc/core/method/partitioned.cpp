@@ -258,7 +258,7 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const bool zero = exchange_->selection_zeroes();
   Selection s;
   if (listed) {
-    const std::vector<size_t> chosen =
+    const Positions chosen =
         positions_where(c.size(), [&](size_t j) { return static_cast<double>(std::fabs(c.value[j])) >= lambda; });
     s = method_util::emit_subset(device, bucket, c, chosen, zero);
   } else {

@@ -133,7 +133,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
                                     /*sums=*/false);
       nonfinite = scan.moments.nonfinite;
       const Candidates& c = scan.candidates;
-      std::vector<size_t> chosen;
+      Positions chosen;
       if (static_cast<int64_t>(c.size()) >= k) {
         uint32_t kth_key;
         chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);

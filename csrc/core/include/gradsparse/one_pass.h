@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gradsparse/device.h"
+#include "gradsparse/parallel.h"
 
 namespace gradsparse {
 
@@ -178,7 +179,7 @@ class OnePass {
   /// The candidates' keys in the bucket's dtype (computed on first use).
   const HostBuffer<uint32_t>& keys();
   /// The candidates whose key reaches `key`, as positions in the candidate lists.
-  std::vector<size_t> reaching(uint32_t key);
+  Positions reaching(uint32_t key);
 
   Device& device_;
   BucketView bucket_;

@@ -7,6 +7,8 @@
 #include <numeric>
 #include <vector>
 
+#include "gradsparse/common.h"
+
 #if defined(_OPENMP)
 #include <omp.h>
 #endif
@@ -45,13 +47,18 @@ void parallel_blocks(int64_t blocks, F&& f) {
   parallel_blocks(blocks, cpu_threads(), [&](int64_t b, int) { f(b); });
 }
 
+/// Positions into a host array (positions_where): a buffer whose resize writes nothing, since
+/// every position is written after it (a zero-filled vector cost 0.1 of positions_where's 0.36 ms
+/// over 445 thousand candidates, 250 thousand kept).
+using Positions = HostBuffer<size_t>;
+
 /// The positions j in [0, n) with keep(j), ascending: a count per block, then each block writes
 /// its positions from its offset, both in parallel. No branch on keep(j) (for selections from
 /// candidates, where keep is as good as random: a mispredicted branch per candidate cost MiCRO
 /// 4.1 ms against 1.1 ms for the whole loop over 980 thousand candidates). keep must be cheap and
 /// free of side effects: it runs twice per position.
 template <typename Keep>
-std::vector<size_t> positions_where(size_t n, const Keep& keep) {
+Positions positions_where(size_t n, const Keep& keep) {
   const int64_t blocks = num_blocks(static_cast<int64_t>(n));
   auto block_end = [&](int64_t b) { return std::min(n, static_cast<size_t>((b + 1) * kCpuBlock)); };
   std::vector<size_t> at(static_cast<size_t>(blocks) + 1, 0);  // where each block's positions go
@@ -61,7 +68,7 @@ std::vector<size_t> positions_where(size_t n, const Keep& keep) {
     at[static_cast<size_t>(b) + 1] = count;
   });
   std::partial_sum(at.begin(), at.end(), at.begin());
-  std::vector<size_t> out(at.back());
+  Positions out(at.back());
   parallel_blocks(blocks, [&](int64_t b) {
     // Every write lands in the block's share: the loop ends at the block's last kept position.
     size_t o = at[static_cast<size_t>(b)];
