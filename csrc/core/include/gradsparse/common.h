@@ -47,6 +47,11 @@ struct Uninitialized : std::allocator<T> {
 template <typename T>
 using HostBuffer = std::vector<T, Uninitialized<T>>;
 
+/// Positions into a host array (positions_where, parallel.h): a buffer whose resize writes
+/// nothing, since every position is written after it (a zero-filled vector cost 0.1 of
+/// positions_where's 0.36 ms over 445 thousand candidates, 250 thousand kept).
+using Positions = HostBuffer<size_t>;
+
 /// Element type of a buffer. Buckets are float32, float16 or bfloat16 (the numeric values of
 /// those three are part of the message format); float64 and int64 carry the small agreement
 /// payloads of some methods.

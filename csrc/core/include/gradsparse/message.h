@@ -257,8 +257,8 @@ struct HostPairs {
     GS_ASSERT(v == nullptr || v->size() == i.size());
   }
   /// The pairs at `positions` of `i` and `v` (std::vector or HostBuffer), in that order.
-  template <typename Index, typename Value, typename At>
-  HostPairs(const Index& i, const Value& v, const At& positions)
+  template <typename Index, typename Value>
+  HostPairs(const Index& i, const Value& v, const Positions& positions)
       : index(i.data()), value(v.data()), at(positions.data()), count(positions.size()) {
     GS_ASSERT(v.size() == i.size());
   }

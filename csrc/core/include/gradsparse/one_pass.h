@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "gradsparse/device.h"
-#include "gradsparse/parallel.h"
 
 namespace gradsparse {
 

@@ -47,11 +47,6 @@ void parallel_blocks(int64_t blocks, F&& f) {
   parallel_blocks(blocks, cpu_threads(), [&](int64_t b, int) { f(b); });
 }
 
-/// Positions into a host array (positions_where): a buffer whose resize writes nothing, since
-/// every position is written after it (a zero-filled vector cost 0.1 of positions_where's 0.36 ms
-/// over 445 thousand candidates, 250 thousand kept).
-using Positions = HostBuffer<size_t>;
-
 /// The positions j in [0, n) with keep(j), ascending: a count per block, then each block writes
 /// its positions from its offset, both in parallel. No branch on keep(j) (for selections from
 /// candidates, where keep is as good as random: a mispredicted branch per candidate cost MiCRO
