@@ -1033,8 +1033,8 @@ class RoundingDevice final : public Device {
   }
   double log_sum(const BucketView& b, double c, double e, BlockSample p) override { return cpu_.log_sum(b, c, e, p); }
   Candidates collect(const BucketView& b, Range r, double t, bool s) override { return cpu_.collect(b, r, t, s); }
-  Scan scan(const BucketView& b, bool u, Range r, double l, int64_t c, bool s) override {
-    return cpu_.scan(b, u, r, l, c, s);
+  Scan scan(const BucketView& b, bool u, Range r, double l, int64_t c, bool s, double z) override {
+    return cpu_.scan(b, u, r, l, c, s, z);
   }
   double sample_abs_sum(const BucketView& b, const std::vector<int64_t>& p) override {
     return cpu_.sample_abs_sum(b, p);

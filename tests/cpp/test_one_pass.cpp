@@ -69,7 +69,9 @@ void expect_same_moments(const Moments& a, const Moments& b) {
 
 /// Device::scan against moments and collect, for every thread count (the threads' lists are
 /// joined in index order), bounds that list every element, many, few or none of each 32, and
-/// capacities that hold all candidates or overflow; without the sums, the same but for them.
+/// capacities that hold all candidates or overflow; without the sums, the same but for them. Asked
+/// to zero from a threshold, the scan zeroes exactly the listed candidates that reach it (from one
+/// above the bound: some of them; from one below: all), and nothing when they overflowed.
 template <typename T>
 void scan_matches_the_passes_it_fuses() {
   for (int threads : {1, 3}) {  // 2, the default here, runs in every other test
@@ -79,44 +81,58 @@ void scan_matches_the_passes_it_fuses() {
         for (Range range : {Range{0, kN}, Range{kCpuBlock - 5, 2 * kCpuBlock + 9}}) {
           for (int64_t capacity : {int64_t{-1}, int64_t{0}, int64_t{100}, int64_t{1} << 20}) {
             for (bool sums : {true, false}) {
-              SCOPED_TRACE(::testing::Message() << "threads " << threads << ", lower " << lower << ", residual "
-                                                << with_residual << ", range " << range.begin << ".." << range.end
-                                                << ", capacity " << capacity << ", sums " << sums);
-              Bucket<T> fused(with_residual), plain(with_residual);
-              plain.grad[7] = fused.grad[7] = Num<T>::from_float(INFINITY);  // a non-finite sum keeps its residual
-              CpuDevice device;
-              const Scan s = device.scan(fused.view(), true, range, lower, capacity, sums);
-              Moments m = device.moments(plain.view(), true);
-              EXPECT_EQ(m.nonfinite, 1);  // grad[7]: what the scans without sums are compared on
-              if (!sums) {                // only the non-finite count
-                Moments only;
-                only.nonfinite = m.nonfinite;
-                m = only;
+              for (double zero_from : {double{INFINITY}, 2.0}) {
+                SCOPED_TRACE(::testing::Message()
+                             << "threads " << threads << ", lower " << lower << ", residual " << with_residual
+                             << ", range " << range.begin << ".." << range.end << ", capacity " << capacity << ", sums "
+                             << sums << ", zero from " << zero_from);
+                Bucket<T> fused(with_residual), plain(with_residual);
+                plain.grad[7] = fused.grad[7] = Num<T>::from_float(INFINITY);  // a non-finite sum keeps its residual
+                CpuDevice device;
+                const Scan s = device.scan(fused.view(), true, range, lower, capacity, sums, zero_from);
+                Moments m = device.moments(plain.view(), true);
+                EXPECT_EQ(m.nonfinite, 1);  // grad[7]: what the scans without sums are compared on
+                if (!sums) {                // only the non-finite count
+                  Moments only;
+                  only.nonfinite = m.nonfinite;
+                  m = only;
+                }
+                const Candidates c = device.collect(plain.view(), range, lower, false);
+                expect_same_moments(s.moments, m);
+                if (capacity == 0) {  // nothing listed, nothing counted
+                  EXPECT_EQ(s.above, Scan::kNotCounted);
+                } else {
+                  EXPECT_EQ(s.above, static_cast<int64_t>(c.size()));
+                  if (std::isfinite(lower)) EXPECT_GT(s.above, 100);
+                }
+                if (capacity < 0 || (capacity > 0 && s.above <= capacity)) {
+                  EXPECT_TRUE(s.complete());
+                  EXPECT_EQ(s.candidates.index, c.index);
+                  EXPECT_EQ(s.candidates.value, c.value);
+                } else {
+                  EXPECT_FALSE(s.complete());
+                  EXPECT_EQ(s.candidates.size(), 0u);
+                }
+                const uint32_t zero_key = with_residual && s.complete() ? key_at_least<T>(zero_from) : kNoKey;
+                EXPECT_EQ(s.candidates.zeroed, zero_key);
+                int64_t zeroed = 0;
+                for (size_t j = 0; j < c.size(); ++j) {
+                  if (Num<T>::key(Num<T>::from_float(c.value[j])) < zero_key) continue;
+                  plain.residual[static_cast<size_t>(c.index[j])] = Num<T>::zero();
+                  ++zeroed;
+                }
+                if (zero_key != kNoKey && std::isfinite(lower)) EXPECT_GT(zeroed, 100);
+                if (lower == 1.5 && zero_key != kNoKey) EXPECT_LT(zeroed, s.above);
+                EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
+                // The unfused default that other devices inherit gives the same, zeroing nothing.
+                Bucket<T> composed(with_residual);
+                composed.grad[7] = Num<T>::from_float(INFINITY);
+                const Scan d = device.Device::scan(composed.view(), true, range, lower, capacity, sums, zero_from);
+                expect_same_moments(d.moments, m);
+                EXPECT_EQ(d.above, s.above);
+                EXPECT_EQ(d.candidates.index, s.candidates.index);
+                EXPECT_EQ(d.candidates.zeroed, kNoKey);
               }
-              const Candidates c = device.collect(plain.view(), range, lower, false);
-              expect_same_moments(s.moments, m);
-              if (capacity == 0) {  // nothing listed, nothing counted
-                EXPECT_EQ(s.above, Scan::kNotCounted);
-              } else {
-                EXPECT_EQ(s.above, static_cast<int64_t>(c.size()));
-                if (std::isfinite(lower)) EXPECT_GT(s.above, 100);
-              }
-              if (capacity < 0 || (capacity > 0 && s.above <= capacity)) {
-                EXPECT_TRUE(s.complete());
-                EXPECT_EQ(s.candidates.index, c.index);
-                EXPECT_EQ(s.candidates.value, c.value);
-              } else {
-                EXPECT_FALSE(s.complete());
-                EXPECT_EQ(s.candidates.size(), 0u);
-              }
-              EXPECT_EQ(0, std::memcmp(fused.residual.data(), plain.residual.data(), kN * sizeof(T)));
-              // The unfused default that other devices inherit gives the same.
-              Bucket<T> composed(with_residual);
-              composed.grad[7] = Num<T>::from_float(INFINITY);
-              const Scan d = device.Device::scan(composed.view(), true, range, lower, capacity, sums);
-              expect_same_moments(d.moments, m);
-              EXPECT_EQ(d.above, s.above);
-              EXPECT_EQ(d.candidates.index, s.candidates.index);
             }
           }
         }
@@ -287,6 +303,52 @@ TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
     EXPECT_LT(bound.lower(), kth);
   }
   EXPECT_TRUE(settled);
+}
+
+/// A step whose zeroing selection its candidates answered teaches the bound to zero from its
+/// threshold in the next scan; a step that then makes no zeroing selection (it ends without one,
+/// selects without zeroing, or reads the bucket again) leaves the residual as a plain update does,
+/// and a step that read the bucket again teaches no zeroing.
+TEST(OnePass, ZeroesFromTheLastSelectionAndLosesNothing) {
+  const int64_t k = 500;
+  CandidateBound bound = bound_at(2.45);
+  CpuDevice device;
+  {
+    Bucket<float> b(true, 20);
+    OnePass pass(device, b.view(), bound, k);
+    pass.largest(k);
+    EXPECT_FALSE(pass.missed());
+    bound.learn(pass);
+  }
+  ASSERT_GT(bound.zero_from(), 2.6);
+  ASSERT_TRUE(std::isfinite(bound.zero_from()));
+  const double t = bound.zero_from() * 1.01;  // above the bound: the candidates answer it
+  for (int ending = 0; ending < 3; ++ending) {
+    SCOPED_TRACE(ending);
+    Bucket<float> one(true, 21), plain(true, 21);
+    device.moments(plain.view(), true);  // the plain update
+    {
+      OnePass pass(device, one.view(), bound, k);
+      EXPECT_NE(one.residual, plain.residual) << "the scan zeroed nothing";
+      if (ending == 1) {  // then zeroed by the method through the device, as DGC's reference mode does
+        const Selection s = pass.select(t, false, /*zero=*/false);
+        const Selection want = device.select(plain.view(), SelectRule{t, false, Range{0, kN}, false, false});
+        EXPECT_EQ(bytes(s), bytes(want));
+        EXPECT_FALSE(pass.missed());
+        device.zero_at(one.view(), s.view(one.view()));
+        device.zero_at(plain.view(), want.view(plain.view()));
+      } else if (ending == 2) {  // a count below the bound (a pass over the bucket), then the selection
+        EXPECT_EQ(pass.counts({1.0}, false)[0], device.count(plain.view(), Range{0, kN}, {1.0}, false)[0]);
+        const Selection s = pass.select(t, false, /*zero=*/true);
+        EXPECT_EQ(bytes(s), bytes(device.select(plain.view(), SelectRule{t, false, Range{0, kN}, false, true})));
+        EXPECT_GT(s.count, 100);
+        CandidateBound after = bound;
+        after.learn(pass);
+        EXPECT_EQ(after.zero_from(), INFINITY);
+      }
+    }
+    EXPECT_EQ(one.residual, plain.residual);
+  }
 }
 
 /// From estimates off by a factor of up to 10 either way, the density control's threshold holds

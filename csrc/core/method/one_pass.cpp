@@ -31,9 +31,45 @@ std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sa
   }
   return magnitude;
 }
+
+/// Leaves the residual zero at exactly the candidates `chosen` (positions in the candidate lists,
+/// ascending; none when null) among those the scan zeroed (Candidates::zeroed): writes back the
+/// zeroed ones not chosen and zeroes the chosen ones not zeroed. Then nothing is zeroed (kNoKey).
+/// Host memory only, as the scan that zeroes (the CPU's).
+void settle_zeroed(const BucketView& bucket, Candidates& c, const Positions* chosen) {
+  if (c.zeroed == kNoKey) return;
+  const int64_t n = static_cast<int64_t>(c.size());
+  // Which candidates are chosen, as bytes: comparing them with what the scan zeroed then takes no
+  // branch a candidate (a merge with the positions waits on each load of the next one).
+  HostBuffer<uint8_t> taken(chosen == nullptr ? 0 : c.size());
+  if (chosen != nullptr) {
+    const int64_t m = static_cast<int64_t>(chosen->size());
+    parallel_blocks(num_blocks(n), [&](int64_t b) {
+      std::fill(taken.begin() + b * kCpuBlock, taken.begin() + std::min(n, (b + 1) * kCpuBlock), uint8_t{0});
+    });
+    parallel_blocks(num_blocks(m), [&](int64_t b) {
+      for (int64_t i = b * kCpuBlock; i < std::min(m, (b + 1) * kCpuBlock); ++i) taken[(*chosen)[i]] = 1;
+    });
+  }
+  dispatch_dtype(bucket.dtype, [&](auto t) {
+    using T = decltype(t);
+    T* residual = static_cast<T*>(bucket.residual);
+    parallel_blocks(num_blocks(n), [&](int64_t b) {
+      for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j) {
+        const bool is_taken = chosen != nullptr && taken[j] != 0;
+        const T v = Num<T>::from_float(c.value[j]);
+        // Rarely true (the scan zeroed from about this step's threshold): a predicted branch.
+        if (is_taken != (Num<T>::key(v) >= c.zeroed)) residual[c.index[j]] = is_taken ? Num<T>::zero() : v;
+      }
+    });
+  });
+  c.zeroed = kNoKey;
+}
+
 }  // namespace
 
-Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums) {
+Scan Device::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
+                  double /*zero_from*/) {
   Scan s;
   s.moments = moments(bucket, update);
   if (!sums) {  // as a device that skips them
@@ -59,6 +95,7 @@ void CandidateBound::learn(const OnePass& pass) {
   }
   const double t = pass.lowest_asked();
   lower_ = std::isfinite(t) && t > 0.0 ? factor_ * t : std::numeric_limits<double>::infinity();
+  zero_from_ = pass.zeroed_from();
 }
 
 double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
@@ -156,9 +193,11 @@ OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound&
       bucket_(bucket),
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
       capacity_(CandidateBound::capacity(device, k, listing)) {
-  scan_ = device.scan(bucket, update, range_, bound.lower(), capacity_, sums);
+  scan_ = device.scan(bucket, update, range_, bound.lower(), capacity_, sums, bound.zero_from());
   lower_key_ = key_of(bound.lower(), false);
 }
+
+OnePass::~OnePass() { settle_zeroed(bucket_, scan_.candidates, nullptr); }
 
 uint32_t OnePass::key_of(double threshold, bool strict) const {
   return dispatch_dtype(bucket_.dtype, [&](auto t) {
@@ -185,6 +224,25 @@ const HostBuffer<uint32_t>& OnePass::keys() {
     });
   }
   return keys_;
+}
+
+Device& OnePass::reading() {
+  settle_zeroed(bucket_, scan_.candidates, nullptr);
+  passed_ = true;
+  return device_;
+}
+
+Selection OnePass::emit(const Positions& chosen, bool zero, double threshold) {
+  if (zero) zeroed_from_ = threshold;
+  stale_ = stale_ || zero;
+  Candidates& c = scan_.candidates;
+  Selection s = method_util::emit_subset(device_, bucket_, c, chosen, zero && c.zeroed == kNoKey);
+  settle_zeroed(bucket_, c, zero ? &chosen : nullptr);  // where the scan zeroed some of them
+  return s;
+}
+
+double OnePass::log_sum(double scale, double eps, BlockSample sample) {
+  return reading().log_sum(bucket_, scale, eps, sample);
 }
 
 Positions OnePass::reaching(uint32_t key) {
@@ -241,7 +299,7 @@ int64_t OnePass::Counts::operator[](size_t j) {
     } else {
       std::vector<double> thresholds;
       for (size_t i : which) thresholds.push_back(thresholds_[i]);
-      counts = pass_.device_.count(pass_.bucket_, pass_.range_, thresholds, strict_);
+      counts = pass_.reading().count(pass_.bucket_, pass_.range_, thresholds, strict_);
     }
     for (size_t i = 0; i < which.size(); ++i) {
       value_[which[i]] = counts[i];
@@ -262,7 +320,7 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale, Bloc
     return static_cast<int64_t>(std::llround(static_cast<double>(count) * static_cast<double>(bucket_.numel) / read));
   };
   if (!covers(key)) {
-    const Exceedance e = device_.exceedance(bucket_, threshold, strict, scale, sample);
+    const Exceedance e = reading().exceedance(bucket_, threshold, strict, scale, sample);
     asked(threshold, whole(e.count), false);
     return e;
   }
@@ -293,12 +351,12 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   if (covers(key)) {
     const Positions chosen = reaching(key);
     asked(threshold, static_cast<int64_t>(chosen.size()), true);
-    s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, zero);
+    s = emit(chosen, zero, threshold);
   } else {
-    s = device_.select(bucket_, SelectRule{threshold, strict, range_, false, zero});
+    s = reading().select(bucket_, SelectRule{threshold, strict, range_, false, zero});
     asked(threshold, s.count, false);
+    stale_ = stale_ || zero;
   }
-  stale_ = stale_ || zero;
   return s;
 }
 
@@ -311,9 +369,9 @@ Selection OnePass::largest(int64_t k) {
     uint32_t kth_key;
     const Positions chosen = method_util::largest_positions(keys(), k, kth_key);
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
-    s = method_util::emit_subset(device_, bucket_, scan_.candidates, chosen, /*zero=*/true);
+    s = emit(chosen, /*zero=*/true, method_util::key_value(bucket_.dtype, kth_key));
   } else {  // the k-th largest lies below the candidates, or they are out of date
-    s = device_.select_topk(bucket_, k, /*update=*/false);
+    s = reading().select_topk(bucket_, k, /*update=*/false);
     // The bound learns the k-th magnitude only where it could be listed.
     if (k <= capacity_) asked(method_util::least_magnitude(bucket_, s), k, false);
   }
@@ -362,7 +420,7 @@ double OnePass::kth_of(std::vector<float>& magnitude, int64_t s, int64_t count, 
 std::vector<float> OnePass::magnitudes_at(const std::vector<int64_t>& positions) {
   std::vector<float> magnitude;
   magnitude.reserve(positions.size());
-  const Selection all = device_.gather(bucket_, positions);
+  const Selection all = reading().gather(bucket_, positions);
   for (float v : HostMessage(device_, all, bucket_).value_list()) magnitude.push_back(std::fabs(v));
   return magnitude;
 }

@@ -65,10 +65,9 @@ Selection SIDCo::select(Device& device, const BucketView& bucket, Collective& /*
   const double first = (stages == 1 || density_ >= first_ratio_) ? density_ : first_ratio_;
   const double mean = m.sum_abs / (dn * norm);
   const double variance = unbiased_variance(dn, m.sum_abs / norm, m.sum_sq / (norm * norm));
-  const double mean_log =
-      fit_ == SidcoFit::kGammaGPareto
-          ? device.log_sum(bucket, 1.0 / norm, std::ldexp(1.0, -52), sample) / static_cast<double>(sample.size(n))
-          : std::numeric_limits<double>::quiet_NaN();
+  const double mean_log = fit_ == SidcoFit::kGammaGPareto ? pass.log_sum(1.0 / norm, std::ldexp(1.0, -52), sample) /
+                                                                static_cast<double>(sample.size(n))
+                                                          : std::numeric_limits<double>::quiet_NaN();
   double eta = stage_threshold(mean, variance, mean_log, first, true);
 
   // Further stages on the exceedances (x above every threshold so far).

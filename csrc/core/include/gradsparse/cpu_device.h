@@ -19,7 +19,8 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   void synchronize() override {}
 
   /// One fused pass (cpu::scan).
-  Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums) override;
+  Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
+            double zero_from = HUGE_VAL) override;
 
   // Typed kernels used by KernelDevice.
   template <typename T, typename I>

@@ -4,6 +4,7 @@
 // in its memory; host vectors are named as such.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -121,6 +122,9 @@ struct SelectRule {
 struct Candidates {
   HostBuffer<int64_t> index;
   HostBuffer<float> value;
+  /// The scan that listed them zeroed in the residual those whose key reaches this (kNoKey: none);
+  /// OnePass (one_pass.h) then leaves the residual as the step's selection wants it.
+  uint32_t zeroed = kNoKey;
   size_t size() const { return index.size(); }
 };
 
@@ -185,8 +189,12 @@ class Device {
   /// `capacity` (< 0: any number). With capacity 0 nothing is listed and nothing counted (above is
   /// Scan::kNotCounted, the scan incomplete): only the moments. Without `sums` the moments hold
   /// only `nonfinite` (the sums zero), for a method that reads no statistic: a device may then skip
-  /// their arithmetic. This default makes the passes one by one; a device may fuse them.
-  virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums);
+  /// their arithmetic. A device may also zero in the residual the listed candidates with |v| >=
+  /// `zero_from` while it has them in cache, saying so in `candidates.zeroed`: for a step whose
+  /// selection will zero about those (OnePass, one_pass.h, then writes back the few it left and
+  /// zeroes the few it added). This default makes the passes one by one and zeroes nothing.
+  virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
+                    double zero_from = HUGE_VAL);
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
 

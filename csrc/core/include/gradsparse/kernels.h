@@ -248,10 +248,12 @@ Moments moments(Source<T> src, int64_t n);
 /// the moments of the whole bucket (without `sums` only their `nonfinite`, the sums left zero),
 /// sets `above` to the number of elements of `range` with key >= `key` and, when they are at most
 /// `capacity` (< 0: any number), lists them ascending in `index` and `value` (exact as float);
-/// more than `capacity` leaves both empty.
+/// more than `capacity` leaves both empty. When listed, those whose key also reaches `zero_key`
+/// are zeroed in the residual (`src.residual` must be set unless zero_key is kNoKey), each while
+/// its block is in cache; when not listed, nothing is zeroed.
 template <typename T>
 Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
-             HostBuffer<int64_t>& index, HostBuffer<float>& value);
+             HostBuffer<int64_t>& index, HostBuffer<float>& value, uint32_t zero_key = kNoKey);
 
 /// counts[j] = number of elements of `range` with key >= keys[j]; `keys` ascending, read-only.
 template <typename T>

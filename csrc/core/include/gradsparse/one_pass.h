@@ -43,6 +43,10 @@ class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
   double lower() const { return lower_; }
+  /// From where the next step's scan zeroes its candidates (Device::scan): the threshold of the
+  /// last step's zeroing selection, when the candidates answered it and every question before it;
+  /// +inf otherwise (a step that reads the bucket again would first write back what was zeroed).
+  double zero_from() const { return zero_from_; }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
   /// none on a device whose memory the host does not read in place (a GPU): there a listed
   /// candidate costs a copy to the host and host work, while a question answered by a pass is one
@@ -59,6 +63,7 @@ class CandidateBound {
  private:
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
+  double zero_from_ = std::numeric_limits<double>::infinity();
 };
 
 /// The statistical estimators' default mode (docs/method-spec.md ruling 9): a method's estimate
@@ -97,7 +102,11 @@ class DensityControl {
 };
 
 /// One step's pass over a bucket and the questions a threshold estimator asks about it. The
-/// constructor makes the pass (with the error-feedback update); every answer is exact.
+/// constructor makes the pass (with the error-feedback update); every answer is exact. Where the
+/// bound says so, the pass also zeroes the candidates at or above the last step's selection (on
+/// the CPU, in cache), and the step's zeroing selection settles the difference; any question that
+/// reads the bucket again first writes them back, as does the end of a step that made no zeroing
+/// selection. So a method reads the bucket only through its OnePass while one is alive.
 class OnePass {
  public:
   /// Without `sums` the pass does not compute the moments' sums (moments() holds only nonfinite):
@@ -105,6 +114,11 @@ class OnePass {
   /// error-feedback update): for a selection from values accumulated elsewhere (SparDL's blocks).
   OnePass(Device& device, const BucketView& bucket, const CandidateBound& bound, int64_t k,
           Listing listing = Listing::kHostMemory, Range range = {0, -1}, bool sums = true, bool update = true);
+  /// Writes back what the scan zeroed and no selection settled: a step that ends early (a zero
+  /// vector, no selection) or throws loses nothing.
+  ~OnePass();
+  OnePass(const OnePass&) = delete;
+  OnePass& operator=(const OnePass&) = delete;
 
   const Moments& moments() const { return scan_.moments; }
 
@@ -149,6 +163,8 @@ class OnePass {
   /// are among them, else by hashing every position and gathering the sampled ones. nullopt when
   /// the whole sample holds fewer than s elements.
   std::optional<double> kth_hashed(uint64_t stream, int64_t s);
+  /// Device::log_sum over the bucket.
+  double log_sum(double scale, double eps, BlockSample sample);
 
   /// The lowest threshold of a question whose answer held at most the capacity of elements (the
   /// others cannot be answered from candidates at any bound); +inf when none did.
@@ -161,6 +177,9 @@ class OnePass {
   int64_t candidates() const { return scan_.above; }
   /// Whether the candidates were too many to list.
   bool overflowed() const { return !scan_.complete(); }
+  /// The threshold of the zeroing selection, when the candidates answered it and nothing read the
+  /// bucket after the scan; +inf otherwise.
+  double zeroed_from() const { return passed_ ? std::numeric_limits<double>::infinity() : zeroed_from_; }
 
  private:
   /// The key a question's elements reach (|v| >= t, or > t when strict; t rounded to the dtype, as
@@ -179,6 +198,11 @@ class OnePass {
   const HostBuffer<uint32_t>& keys();
   /// The candidates whose key reaches `key`, as positions in the candidate lists.
   Positions reaching(uint32_t key);
+  /// The device, for a question that reads the bucket: first writes back what the scan zeroed.
+  Device& reading();
+  /// The message of the candidates at `chosen` (a selection at `threshold`), zeroed in the
+  /// residual when `zero`: then the residual is zero at exactly those, whatever the scan zeroed.
+  Selection emit(const Positions& chosen, bool zero, double threshold);
 
   Device& device_;
   BucketView bucket_;
@@ -190,7 +214,9 @@ class OnePass {
   int64_t lowest_answer_ = 0;
   double lowest_asked_ = std::numeric_limits<double>::infinity();
   bool missed_ = false;
-  bool stale_ = false;  ///< after a selection that zeroed residual entries: the candidates are out of date
+  bool stale_ = false;   ///< after a selection that zeroed residual entries: the candidates are out of date
+  bool passed_ = false;  ///< a question read the bucket after the scan
+  double zeroed_from_ = std::numeric_limits<double>::infinity();  ///< the zeroing selection's threshold, if any
 };
 
 }  // namespace gradsparse

@@ -59,14 +59,17 @@ void CpuDevice::fill_zero(void* dst, size_t bytes) {
   in_blocks(bytes, [&](size_t at, size_t length) { std::memset(d + at, 0, length); });
 }
 
-Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums) {
+Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
+                     double zero_from) {
   if (range.end < 0) range.end = bucket.numel;
   return dispatch_dtype(bucket.dtype, [&](auto t) {
     using T = decltype(t);
     Scan s;
+    const uint32_t zero_key = bucket.residual != nullptr ? key_at_least<T>(zero_from) : kNoKey;
     s.moments = cpu::scan<T>(source<T>(bucket, update), bucket.numel, range, key_at_least<T>(lower), capacity, sums,
-                             s.above, s.candidates.index, s.candidates.value);
-    if (capacity == 0) s.above = Scan::kNotCounted;  // as every device answers a scan that lists nothing
+                             s.above, s.candidates.index, s.candidates.value, zero_key);
+    if (capacity == 0) s.above = Scan::kNotCounted;    // as every device answers a scan that lists nothing
+    if (s.complete()) s.candidates.zeroed = zero_key;  // (an incomplete scan wrote back what it zeroed)
     return s;
   });
 }

@@ -737,9 +737,10 @@ Moments moments(Source<T> src, int64_t n) {
 
 template <typename T>
 Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capacity, bool sums, int64_t& above,
-             HostBuffer<int64_t>& index, HostBuffer<float>& value) {
+             HostBuffer<int64_t>& index, HostBuffer<float>& value, uint32_t zero_key) {
   GS_CHECK(n >= 0, ValueError, "scan: n must be >= 0, got ", n);
   check_range(range, n, "scan");
+  GS_ASSERT(zero_key == kNoKey || src.residual != nullptr);
   const int64_t nblocks = num_blocks(n);
   const int threads = cpu_threads();
   thread_local std::vector<ScanList> per_thread;  // the calling thread's; workers use it by reference
@@ -770,6 +771,15 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
         if (listing) {
           found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size,
                               p.writes);
+          if (zero_key != kNoKey) {
+            // Each listed one written again, from cache: zero, or itself by a mask of its bits
+            // (whether it is zeroed is as good as random, and a branch on it mispredicts).
+            for (int64_t j = p.size; j < p.size + found; ++j) {
+              const uint32_t bits = float_bits(p.value[static_cast<size_t>(j)]);
+              const uint32_t keep = 0u - static_cast<uint32_t>((bits & 0x7fffffffu) < zero_key);
+              src.residual[p.index[static_cast<size_t>(j)]] = bits_float(bits & keep);
+            }
+          }
           p.size += found;
           p.writes = unmarked_writes(found, hi - lo);
         } else {
@@ -787,6 +797,7 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
       if (listing) {
         p.index[static_cast<size_t>(p.size)] = i;
         p.value[static_cast<size_t>(p.size++)] = Num<T>::to_float(v);
+        if (Num<T>::key(v) >= zero_key) src.residual[i] = Num<T>::zero();  // (no key reaches kNoKey)
       }
     }
     p.above += found;
@@ -807,7 +818,17 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
              "order); run with GRADSPARSE_NUM_THREADS=1");
   index.clear();
   value.clear();
-  if (capacity < 0 || above <= capacity) {
+  if (capacity >= 0 && above > capacity) {  // not listed after all: what the blocks zeroed is written back
+    if (zero_key != kNoKey) {
+      parallel_blocks(static_cast<int64_t>(order.size()), [&](int64_t t) {
+        const ScanList& list = *order[static_cast<size_t>(t)];
+        for (int64_t j = 0; j < list.size; ++j) {
+          const T v = Num<T>::from_float(list.value[static_cast<size_t>(j)]);
+          if (Num<T>::key(v) >= zero_key) src.residual[list.index[static_cast<size_t>(j)]] = v;
+        }
+      });
+    }
+  } else {
     std::vector<int64_t> at(order.size() + 1, 0);  // where each thread's candidates go
     for (size_t t = 0; t < order.size(); ++t) at[t + 1] = at[t] + order[t]->size;
     index.resize(static_cast<size_t>(above));
@@ -1015,7 +1036,7 @@ int64_t count_nonfinite(const T* data, int64_t n) {
 #define GS_INSTANTIATE_STATISTICS(T)                                                                           \
   template Moments moments<T>(Source<T>, int64_t);                                                             \
   template Moments scan<T>(Source<T>, int64_t, Range, uint32_t, int64_t, bool, int64_t&, HostBuffer<int64_t>&, \
-                           HostBuffer<float>&);                                                                \
+                           HostBuffer<float>&, uint32_t);                                                      \
   template void count_keys<T>(Source<T>, int64_t, Range, const uint32_t*, int, int64_t*);                      \
   template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                        \
   template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                                 \
