@@ -305,6 +305,31 @@ TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
   EXPECT_TRUE(settled);
 }
 
+/// The hashed sample's s-th largest from more candidates than one block of them (their hashes are
+/// taken block by block on the pool's threads, then joined).
+TEST(OnePass, KthHashedFromManyCandidates) {
+  CpuDevice device;
+  CandidateBound bound;  // at 0.3: about 80% of the elements are candidates
+  {
+    Bucket<float> b(true);
+    OnePass pass(device, b.view(), bound, kN);
+    pass.counts({0.3 / 0.68}, false)[0];
+    bound.learn(pass);
+  }
+  ASSERT_DOUBLE_EQ(bound.lower(), 0.3);
+  Bucket<float> one(true), plain(true);
+  OnePass pass(device, one.view(), bound, kN);
+  device.moments(plain.view(), true);  // the plain update
+  EXPECT_GT(pass.candidates(), 2 * kCpuBlock);
+  std::vector<float> hashed;
+  for (int64_t i = 0; i < kN; ++i) {
+    if (in_percent_sample(9, static_cast<uint64_t>(i))) hashed.push_back(std::fabs(plain.residual[i]));
+  }
+  std::sort(hashed.begin(), hashed.end(), std::greater<float>());
+  for (int64_t s : {1, 5, 200}) EXPECT_EQ(pass.kth_hashed(9, s), hashed[static_cast<size_t>(s - 1)]) << s;
+  EXPECT_FALSE(pass.missed());
+}
+
 /// A step whose zeroing selection its candidates answered teaches the bound to zero from its
 /// threshold in the next scan; a step that then makes no zeroing selection (it ends without one,
 /// selects without zeroing, or reads the bucket again) leaves the residual as a plain update does,
