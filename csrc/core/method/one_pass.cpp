@@ -242,7 +242,6 @@ Device& OnePass::reading() {
 
 Selection OnePass::emit(const Positions& chosen, bool zero, double threshold) {
   if (zero) zeroed_from_ = threshold;
-  stale_ = stale_ || zero;
   Candidates& c = scan_.candidates;
   Selection s = method_util::emit_subset(device_, bucket_, c, chosen, zero && c.zeroed == kNoKey);
   settle_zeroed(bucket_, c, zero ? &chosen : nullptr);  // where the scan zeroed some of them
@@ -363,8 +362,8 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   } else {
     s = reading().select(bucket_, SelectRule{threshold, strict, range_, false, zero});
     asked(threshold, s.count, false);
-    stale_ = stale_ || zero;
   }
+  stale_ = stale_ || zero;
   return s;
 }
 
