@@ -170,6 +170,29 @@ TEST(Rng, DrawsAreReproducibleAndDistinctSamplingIsDistinct) {
   }
 }
 
+TEST(Rng, PercentSampleBitsHashEachPosition) {
+  // in_percent_sample_bits on every SIMD path (ctest runs each) against the hash of each position:
+  // lengths around the vector step of 64, positions in order and scattered up to 2^40.
+  std::vector<int64_t> positions(100003);
+  for (size_t j = 0; j < positions.size(); ++j)
+    positions[j] = j % 3 == 0 ? static_cast<int64_t>(j) : static_cast<int64_t>(rng_draw(11, j) >> 24);
+  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{63}, int64_t{64}, int64_t{65}, int64_t{1000}, int64_t{100003}}) {
+    SCOPED_TRACE(::testing::Message() << "n " << n);
+    std::vector<uint64_t> bits(static_cast<size_t>((n + 63) / 64) + 1, ~uint64_t{0});  // stale bits are replaced
+    in_percent_sample_bits(7, positions.data(), n, bits.data());
+    std::vector<uint64_t> want(bits.size(), 0);
+    want.back() = ~uint64_t{0};  // the word past the last is not written
+    int64_t sampled = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const bool in = in_percent_sample(7, static_cast<uint64_t>(positions[j]));
+      want[j / 64] |= uint64_t{in ? 1u : 0u} << (j % 64);
+      sampled += in ? 1 : 0;
+    }
+    EXPECT_EQ(bits, want);
+    if (n == 100003) EXPECT_NEAR(static_cast<double>(sampled), 1000.0, 150.0);  // about 1 in 100
+  }
+}
+
 TEST(Rng, SampleDistinctIsTheFirstDistinctDrawsInEveryForm) {
   // Every path (the walk on a bitmap or a hash set, the positions left out, all of them) and the
   // bitmap form give the first `count` distinct values of draw(stream, i) % n.

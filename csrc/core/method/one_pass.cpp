@@ -20,10 +20,11 @@ namespace gradsparse {
 namespace {
 constexpr size_t kFewKeys = 8;  ///< counts at up to this many keys compare every candidate with each
 
-/// The magnitudes of the candidates whose position `sampled` keeps (none when they are not
-/// `listed`), in candidate order. About one candidate in a hundred is sampled: a branch taken that
-/// rarely is predicted. In blocks on the pool's threads: asking `sampled` (a hash of the position)
-/// is most of the work.
+/// The magnitudes of the sampled candidates (none when they are not `listed`), in candidate order.
+/// `sampled(index, n, bits)` writes whether each of n candidates' positions is sampled as bits
+/// (in_percent_sample_bits' layout). About one candidate in a hundred is: the set bits are gone
+/// through, not the candidates. In blocks on the pool's threads: asking whether a position is
+/// sampled (a hash of it) is most of the work.
 template <typename Sampled>
 std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sampled& sampled) {
   std::vector<float> magnitude;
@@ -31,20 +32,25 @@ std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sa
   const int64_t n = static_cast<int64_t>(c.size());
   std::vector<std::vector<float>> parts(static_cast<size_t>(num_blocks(n)));
   parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, size = std::min(n - begin, kCpuBlock);
+    uint64_t bits[kCpuBlock / 64];
+    sampled(c.index.data() + begin, size, bits);
     std::vector<float>& part = parts[static_cast<size_t>(b)];
-    for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j) {
-      if (sampled(static_cast<uint64_t>(c.index[j]))) part.push_back(std::fabs(c.value[j]));
+    for (int64_t w = 0; w < (size + 63) / 64; ++w) {
+      for (uint64_t word = bits[w]; word != 0; word &= word - 1)
+        part.push_back(std::fabs(c.value[begin + 64 * w + __builtin_ctzll(word)]));
     }
   });
   for (const std::vector<float>& part : parts) magnitude.insert(magnitude.end(), part.begin(), part.end());
   return magnitude;
 }
 
-/// Leaves the residual zero at exactly the candidates `chosen` (positions in the candidate lists,
-/// ascending; none when null) among those the scan zeroed (Candidates::zeroed): writes back the
-/// zeroed ones not chosen and zeroes the chosen ones not zeroed. Then nothing is zeroed (kNoKey).
-/// Host memory only, as the scan that zeroes (the CPU's).
-void settle_zeroed(const BucketView& bucket, Candidates& c, const Positions* chosen) {
+/// Leaves the residual zero at exactly the chosen candidates among those the scan zeroed
+/// (Candidates::zeroed): writes back the zeroed ones not chosen and zeroes the chosen ones not
+/// zeroed. Then nothing is zeroed (kNoKey). The chosen candidates are those whose key reaches
+/// `chosen_from` (kNoKey: none), or where `chosen` is given, exactly those (positions in the
+/// candidate lists, ascending). Host memory only, as the scan that zeroes (the CPU's).
+void settle_zeroed(const BucketView& bucket, Candidates& c, uint32_t chosen_from, const Positions* chosen = nullptr) {
   if (c.zeroed == kNoKey) return;
   const int64_t n = static_cast<int64_t>(c.size());
   // Which candidates are chosen, as bytes: comparing them with what the scan zeroed then takes no
@@ -58,16 +64,36 @@ void settle_zeroed(const BucketView& bucket, Candidates& c, const Positions* cho
     parallel_blocks(num_blocks(m), [&](int64_t b) {
       for (int64_t i = b * kCpuBlock; i < std::min(m, (b + 1) * kCpuBlock); ++i) taken[(*chosen)[i]] = 1;
     });
+  } else if (chosen_from == c.zeroed) {  // the scan zeroed exactly the chosen ones
+    c.zeroed = kNoKey;
+    return;
   }
+  // Chosen by key, a candidate differs where its key lies from the lower of the two keys to below
+  // the higher: one unsigned comparison, tested for a run of candidates at once without a branch
+  // (a vectorised loop); the rare runs that hold one are gone through again.
+  const uint32_t low = std::min(chosen_from, c.zeroed), span = std::max(chosen_from, c.zeroed) - low;
+  constexpr int64_t kRun = 64;
   dispatch_dtype(bucket.dtype, [&](auto t) {
     using T = decltype(t);
     T* residual = static_cast<T*>(bucket.residual);
+    const float* value = c.value.data();
+    auto key = [&](int64_t j) { return Num<T>::key(Num<T>::from_float(value[j])); };
     parallel_blocks(num_blocks(n), [&](int64_t b) {
-      for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j) {
-        const bool is_taken = chosen != nullptr && taken[j] != 0;
-        const T v = Num<T>::from_float(c.value[j]);
-        // Rarely true (the scan zeroed from about this step's threshold): a predicted branch.
-        if (is_taken != (Num<T>::key(v) >= c.zeroed)) residual[c.index[j]] = is_taken ? Num<T>::zero() : v;
+      const int64_t end = std::min(n, (b + 1) * kCpuBlock);
+      for (int64_t run = b * kCpuBlock; run < end; run += kRun) {
+        const int64_t run_end = std::min(end, run + kRun);
+        if (chosen == nullptr) {
+          uint32_t differs = 0;
+          for (int64_t j = run; j < run_end; ++j) differs |= key(j) - low < span ? 1u : 0u;
+          if (differs == 0) continue;
+        }
+        for (int64_t j = run; j < run_end; ++j) {
+          const uint32_t k = key(j);
+          const bool is_taken = chosen != nullptr ? taken[j] != 0 : k >= chosen_from;
+          // Rarely true (the scan zeroed from about this step's threshold): a predicted branch.
+          if (is_taken != (k >= c.zeroed))
+            residual[c.index[j]] = is_taken ? Num<T>::zero() : Num<T>::from_float(value[j]);
+        }
       }
     });
   });
@@ -205,7 +231,7 @@ OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound&
   lower_key_ = key_of(bound.lower(), false);
 }
 
-OnePass::~OnePass() { settle_zeroed(bucket_, scan_.candidates, nullptr); }
+OnePass::~OnePass() { settle_zeroed(bucket_, scan_.candidates, kNoKey); }
 
 uint32_t OnePass::key_of(double threshold, bool strict) const {
   return dispatch_dtype(bucket_.dtype, [&](auto t) {
@@ -225,26 +251,32 @@ void OnePass::asked(double threshold, int64_t elements, bool covered) {
 
 const HostBuffer<uint32_t>& OnePass::keys() {
   if (keys_.size() != scan_.candidates.size()) {
-    keys_.resize(scan_.candidates.size());
+    const int64_t n = static_cast<int64_t>(scan_.candidates.size());
+    keys_.resize(static_cast<size_t>(n));
     dispatch_dtype(bucket_.dtype, [&](auto t) {
       using T = decltype(t);
-      for (size_t j = 0; j < keys_.size(); ++j) keys_[j] = Num<T>::key(Num<T>::from_float(scan_.candidates.value[j]));
+      const float* value = scan_.candidates.value.data();
+      parallel_blocks(num_blocks(n), [&](int64_t b) {
+        for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j)
+          keys_[j] = Num<T>::key(Num<T>::from_float(value[j]));
+      });
     });
   }
   return keys_;
 }
 
 Device& OnePass::reading() {
-  settle_zeroed(bucket_, scan_.candidates, nullptr);
+  settle_zeroed(bucket_, scan_.candidates, kNoKey);
   passed_ = true;
   return device_;
 }
 
-Selection OnePass::emit(const Positions& chosen, bool zero, double threshold) {
+Selection OnePass::emit(const Positions& chosen, uint32_t chosen_from, bool zero, double threshold) {
   if (zero) zeroed_from_ = threshold;
   Candidates& c = scan_.candidates;
   Selection s = method_util::emit_subset(device_, bucket_, c, chosen, zero && c.zeroed == kNoKey);
-  settle_zeroed(bucket_, c, zero ? &chosen : nullptr);  // where the scan zeroed some of them
+  // where the scan zeroed some of them; a selection that does not zero chose none of them to zero
+  settle_zeroed(bucket_, c, zero ? chosen_from : kNoKey, zero && chosen_from == kNoKey ? &chosen : nullptr);
   return s;
 }
 
@@ -281,12 +313,20 @@ int64_t OnePass::Counts::operator[](size_t j) {
       // comparison loop per key; more: one look-up per candidate in a table of bins.
       const HostBuffer<uint32_t>& keys = pass_.keys();
       if (which.size() <= kFewKeys) {
-        for (size_t i = 0; i < which.size(); ++i) {
-          const uint32_t at = keys_[which[i]];
-          int64_t c = 0;  // 0 for kNoKey, which no key reaches
-          for (uint32_t key : keys) c += key >= at ? 1 : 0;
-          counts[i] = c;
-        }
+        // In blocks on the pool's threads, each block compared with every key while it is in cache.
+        const int64_t n = static_cast<int64_t>(keys.size()), m = static_cast<int64_t>(which.size());
+        std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n) * m), 0);
+        parallel_blocks(num_blocks(n), [&](int64_t b) {
+          const uint32_t* block = keys.data() + b * kCpuBlock;
+          const int64_t size = std::min(n - b * kCpuBlock, kCpuBlock);
+          for (int64_t i = 0; i < m; ++i) {
+            const uint32_t at = keys_[which[i]];
+            int64_t c = 0;  // 0 for kNoKey, which no key reaches
+            for (int64_t j = 0; j < size; ++j) c += block[j] >= at ? 1 : 0;
+            in_block[b * m + i] = c;
+          }
+        });
+        for (size_t x = 0; x < in_block.size(); ++x) counts[x % which.size()] += in_block[x];
       } else {
         std::vector<uint32_t> sorted;
         for (size_t i : which) sorted.push_back(keys_[i]);
@@ -358,7 +398,7 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   if (covers(key)) {
     const Positions chosen = reaching(key);
     asked(threshold, static_cast<int64_t>(chosen.size()), true);
-    s = emit(chosen, zero, threshold);
+    s = emit(chosen, key, zero, threshold);
   } else {
     s = reading().select(bucket_, SelectRule{threshold, strict, range_, false, zero});
     asked(threshold, s.count, false);
@@ -376,7 +416,7 @@ Selection OnePass::largest(int64_t k) {
     uint32_t kth_key;
     const Positions chosen = method_util::largest_positions(keys(), k, kth_key);
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
-    s = emit(chosen, /*zero=*/true, method_util::key_value(bucket_.dtype, kth_key));
+    s = emit(chosen, kNoKey, /*zero=*/true, method_util::key_value(bucket_.dtype, kth_key));
   } else {  // the k-th largest lies below the candidates, or they are out of date
     s = reading().select_topk(bucket_, k, /*update=*/false);
     // The bound learns the k-th magnitude only where it could be listed.
@@ -390,7 +430,10 @@ double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count,
   GS_ASSERT(s >= 1 && s <= count);
   const bool listed = scan_.complete() && !stale_;
   std::vector<float> magnitude =
-      sampled_candidates(scan_.candidates, listed, [&](uint64_t p) { return (sampled[p >> 6] >> (p & 63)) & 1; });
+      sampled_candidates(scan_.candidates, listed, [&](const int64_t* p, int64_t n, uint64_t* bits) {
+        std::fill(bits, bits + (n + 63) / 64, uint64_t{0});
+        for (int64_t j = 0; j < n; ++j) bits[j / 64] |= ((sampled[p[j] >> 6] >> (p[j] & 63)) & 1) << (j % 64);
+      });
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   if (!covered) magnitude = magnitudes_at(set_positions(sampled));
   return kth_of(magnitude, s, count, covered);
@@ -399,8 +442,9 @@ double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count,
 std::optional<double> OnePass::kth_hashed(uint64_t stream, int64_t s) {
   GS_ASSERT(s >= 1);
   const bool listed = scan_.complete() && !stale_;
-  std::vector<float> magnitude =
-      sampled_candidates(scan_.candidates, listed, [&](uint64_t p) { return in_percent_sample(stream, p); });
+  std::vector<float> magnitude = sampled_candidates(
+      scan_.candidates, listed,
+      [&](const int64_t* p, int64_t n, uint64_t* bits) { in_percent_sample_bits(stream, p, n, bits); });
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   int64_t count = (range_.end - range_.begin + 99) / 100;  // the sample's expected size
   if (!covered) {

@@ -202,7 +202,9 @@ class OnePass {
   Device& reading();
   /// The message of the candidates at `chosen` (a selection at `threshold`), zeroed in the
   /// residual when `zero`: then the residual is zero at exactly those, whatever the scan zeroed.
-  Selection emit(const Positions& chosen, bool zero, double threshold);
+  /// `chosen_from`: the key that every chosen candidate and no other reaches, where there is one
+  /// (kNoKey where not: the k largest with some of the ties at the k-th left out).
+  Selection emit(const Positions& chosen, uint32_t chosen_from, bool zero, double threshold);
 
   Device& device_;
   BucketView bucket_;

@@ -36,6 +36,10 @@ GS_HD inline uint64_t rng_draw(uint64_t stream, uint64_t i) { return mix64(strea
 /// or search: a method that needs the sampled elements among a few candidates hashes only those.
 inline constexpr uint64_t kPercentCut = ~uint64_t{0} / 100;
 GS_HD inline bool in_percent_sample(uint64_t stream, uint64_t p) { return rng_draw(stream, p) < kPercentCut; }
+/// in_percent_sample(stream, positions[j]) for j in [0, n), as bit j % 64 of bits[j / 64] ((n + 63) / 64
+/// words written). Host code (kernels/cpu/percent_sample.cpp): eight hashes a step on the AVX-512
+/// path, where DGC's default mode hashes about a million candidates a step at density 0.01.
+void in_percent_sample_bits(uint64_t stream, const int64_t* positions, int64_t n, uint64_t* bits);
 
 /// `count` positions in [0, n), drawn with replacement: draw(stream, i) % n.
 inline std::vector<int64_t> sample_with_replacement(uint64_t stream, int64_t count, int64_t n) {
