@@ -30,13 +30,7 @@ void count_portable(const KeyBins::Lookup& bins, const In* in, int64_t begin, in
 }
 
 #if GS_HAVE_AVX2_PATHS
-// GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
-// bug 105593); nothing here reads one.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+GS_AVX512_INTRINSICS_BEGIN
 
 /// count_portable over the first n - n % 16 inputs, 16 a step, for a table that is not crowded;
 /// returns how many it counted. The lanes' bins go through a small buffer to the scalar
@@ -65,9 +59,7 @@ GS_TARGET_AVX512 int64_t count_avx512(const KeyBins::Lookup& bins, const In* in,
   return i;
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+GS_AVX512_INTRINSICS_END
 #endif  // GS_HAVE_AVX2_PATHS
 
 template <typename In>

@@ -16,13 +16,7 @@ void bits_portable(uint64_t stream, const int64_t* positions, int64_t begin, int
 }
 
 #if GS_HAVE_AVX2_PATHS
-// GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
-// bug 105593); nothing here reads one.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+GS_AVX512_INTRINSICS_BEGIN
 
 /// The low 64 bits of a * b in each lane.
 GS_TARGET_AVX512 inline __m512i mul64_avx512(__m512i a, uint64_t b) {
@@ -53,9 +47,7 @@ GS_TARGET_AVX512 int64_t bits_avx512(uint64_t stream, const int64_t* positions, 
   return j;
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+GS_AVX512_INTRINSICS_END
 #endif  // GS_HAVE_AVX2_PATHS
 
 }  // namespace

@@ -21,6 +21,17 @@
 // Code that only the AVX2 paths reach may count bits with the POPCNT instruction (every AVX2 CPU
 // has it); without it GCC calls libgcc's __popcountdi2 for each word.
 #define GS_TARGET_POPCNT __attribute__((target("popcnt")))
+// Around code that calls AVX-512 intrinsics: GCC 12's pass an undefined vector that
+// -W(maybe-)uninitialized reports (GCC bug 105593); no code here reads one.
+#if defined(__GNUC__) && !defined(__clang__)
+#define GS_AVX512_INTRINSICS_BEGIN                                                     \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define GS_AVX512_INTRINSICS_END _Pragma("GCC diagnostic pop")
+#else
+#define GS_AVX512_INTRINSICS_BEGIN
+#define GS_AVX512_INTRINSICS_END
+#endif
 #else
 #define GS_HAVE_AVX2_PATHS 0
 #define GS_TARGET_POPCNT

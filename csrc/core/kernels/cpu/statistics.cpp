@@ -386,13 +386,7 @@ Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, u
   });
 }
 
-// GCC 12's AVX-512 intrinsics pass an undefined vector that -W(maybe-)uninitialized reports (GCC
-// bug 105593); nothing here reads one.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+GS_AVX512_INTRINSICS_BEGIN
 
 /// Adds 16 lanes' float32 run sums `x` to their float64 sums (`to`: lanes 0-7, 8-15), and clears `x`.
 GS_TARGET_AVX512 inline void end_run16_avx512(__m512d* to, __m512& x) {
@@ -506,9 +500,7 @@ Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end,
   });
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+GS_AVX512_INTRINSICS_END
 
 /// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
 /// the selected lanes of a vector at its front.
