@@ -160,6 +160,8 @@ ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 4))
 ddp.register_comm_hook(state, gs.hook)  # plain registration: set-up at the first backward
 ddp(torch.randn(2, 8)).sum().backward()
 print("after:", state.step, state.stats()["total"]["selected"])
+state.close()
+dist.destroy_process_group()  # once in a CI run, an exit with the group alive aborted in teardown
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
