@@ -588,6 +588,12 @@ TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   expect_refused(exdyna, with(banded, "blocks.0", -3.0), "blocks.0");
   SAGE sage(0.01, "flat", {}, false, 3, std::nullopt, std::nullopt);
   expect_refused(sage, {{"step", -2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}}, "step");
+  for (double band : {1.0, 1.3, std::nan("")})
+    expect_refused(sage, {{"step", 2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}, {"band", band}}, "band");
+  sage.load_state({{"step", 2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}, {"band", 1.1}});
+  EXPECT_EQ(sage.state().at("band"), 1.1);
+  sage.load_state({{"step", 2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}});  // before the adaptive band
+  EXPECT_EQ(sage.state().at("band"), 1.25);
   SIDCo sidco(0.01, "exp", -1, 0.25, std::nullopt);  // adaptive stages
   MethodState saved = sidco.state();
   ASSERT_TRUE(saved.count("stages"));
@@ -786,6 +792,41 @@ TEST(Methods, SidcoHoldsItsDensityWhereItsLaterStagesFallBelowZero) {
 // A step of an empty bucket has nothing to sample: SAGE reports no threshold (NaN) for it and keeps
 // its last one for the next step. It dropped it, and the reference mode, which scales the last
 // threshold (NaN times anything), then selected nothing at every later step.
+// SAGE's default mode where its prediction misses by more than the band: at step 0 the top k of
+// 100,000 elements lie at 2 (the others at 1), at step 1 at 1.4. The sampled scale ratio (the top
+// is a hundredth of the sample) predicts about 2, so the band after the sampled step, from 2 / 1.25,
+// holds nothing; the second, from 2 / 1.25^2, holds the k at 1.4. The step sends exactly them,
+// does not restart and widens the band to its widest (the miss was about 35%).
+TEST(Methods, SageTakesTheTopKFromASecondBandWhereTheFirstMissed) {
+  const int64_t n = 100000, k = 1000;
+  for (Listing listing : {Listing::kHostMemory, Listing::kNowhere}) {
+    SCOPED_TRACE(listing == Listing::kNowhere ? "passes on the device" : "candidates listed");
+    SAGE sage(0.01, "flat", {}, false, 3, std::nullopt, std::nullopt, listing);
+    std::vector<float> residual(n);
+    auto step = [&](float top) {
+      std::vector<float> g(n);
+      for (int64_t i = 0; i < n; ++i) g[i] = (i % 100 == 7 ? top : 1.0f) * (i % 2 == 0 ? 1.0f : -1.0f);
+      std::fill(residual.begin(), residual.end(), 0.0f);  // each step sees exactly g
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        report = reduce_bucket(&sage, transport, device, BucketView{DType::kFloat32, n, g.data(), residual.data()},
+                               ReduceOptions{});
+      }));
+      int64_t wrong = 0;  // what was sent is gone from the residual: exactly the top
+      for (int64_t i = 0; i < n; ++i) wrong += (residual[i] == 0.0f) != (i % 100 == 7) ? 1 : 0;
+      EXPECT_EQ(wrong, 0);
+      return report.selected;
+    };
+    EXPECT_EQ(step(2.0f), k);
+    EXPECT_EQ(sage.report().threshold, 2.0);
+    EXPECT_EQ(step(1.4f), k);
+    EXPECT_EQ(sage.report().threshold, 1.4f);
+    EXPECT_EQ(sage.state().at("restart"), 0.0);
+    EXPECT_EQ(sage.state().at("band"), 1.25);
+  }
+}
+
 TEST(Methods, SageKeepsItsThresholdOverAnEmptyBucket) {
   const int64_t n = 10000;
   for (bool reference : {true, false}) {

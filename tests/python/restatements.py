@@ -469,6 +469,7 @@ class SAGE(Restatement):
         self.s_prev = NAN  # s_{t-1}
         self.s_cur = NAN
         self.restart = False  # default mode: the last band held fewer than k, so predict from the sample
+        self.band = 1.25  # default mode: the band factor of the next step that does not sample
 
     def sample(self, v: torch.Tensor, rank: int) -> torch.Tensor:
         """The sampled |a| (§4.7), with repeats, in the order drawn."""
@@ -521,15 +522,21 @@ class SAGE(Restatement):
         if sampled and not (self.t == 0 and self.initial_threshold is not None) and positive:
             share = math.ceil(k * sample.numel() / n)  # the sample's share of k
             predicted = positive[min(max(share, 1), len(positive)) - 1]
-        w = 2.0 if sampled else 1.25
-        candidates = where(at_least(v, predicted / w))
-        if candidates.numel() >= k:
-            chosen = largest(v, candidates, k)
-            # the k-th largest |v| of C (none exists when k = 0, i.e. n = 0)
-            self.lam = float(v[chosen].abs().min()) if k > 0 else NAN
-            return chosen, self.lam
-        self.lam = predicted / w
+        w = 2.0 if sampled else self.band
+        # the band from predicted / w; at a step that did not sample, once more from predicted / w^2
+        lows = [predicted / w] if sampled else [predicted / w, predicted / (w * w)]
+        for low in lows:
+            candidates = where(at_least(v, low))
+            if candidates.numel() >= k:
+                chosen = largest(v, candidates, k)
+                # the k-th largest |v| of C (none exists when k = 0, i.e. n = 0)
+                self.lam = float(v[chosen].abs().min()) if k > 0 else NAN
+                # the next band: §4.8's rule, from the widest after a sampled step
+                self.band = 1.25 if sampled else Partitioned.next_band(w, predicted, self.lam)
+                return chosen, self.lam
+        self.lam = lows[-1]
         self.restart = True
+        self.band = 1.25  # the next step samples; the one after it starts from the widest
         return candidates, self.lam
 
     def observe(self, counts_by_rank):

@@ -73,16 +73,18 @@ inline Selection nothing(Device& device, const BucketView& bucket, int64_t nonfi
 inline Range whole(const BucketView& bucket) { return Range{0, bucket.numel}; }
 
 /// The k-th largest of `keys` (1 <= k <= keys.size()): two counting rounds over 16-bit halves.
-inline uint32_t kth_largest_key(const HostBuffer<uint32_t>& keys, int64_t k) {
+/// `keys`: a HostBuffer<uint32_t>, or FloatKeys (below); both give keys[j] and keys.size().
+template <typename Keys>
+uint32_t kth_largest_key(const Keys& keys, int64_t k) {
   GS_ASSERT(k >= 1 && k <= static_cast<int64_t>(keys.size()));
   std::vector<int64_t> hist(65536, 0);
-  for (uint32_t key : keys) ++hist[key >> 16];
+  for (size_t j = 0; j < keys.size(); ++j) ++hist[keys[j] >> 16];
   int64_t above = 0;  // keys above the bins passed so far
   uint32_t high = 65535;
   for (; high > 0 && above + hist[high] < k; --high) above += hist[high];
   std::fill(hist.begin(), hist.end(), 0);
-  for (uint32_t key : keys)
-    if ((key >> 16) == high) ++hist[key & 0xffffu];
+  for (size_t j = 0; j < keys.size(); ++j)
+    if ((keys[j] >> 16) == high) ++hist[keys[j] & 0xffffu];
   uint32_t low = 65535;
   for (; low > 0 && above + hist[low] < k; --low) above += hist[low];
   return (high << 16) | low;
@@ -90,7 +92,8 @@ inline uint32_t kth_largest_key(const HostBuffer<uint32_t>& keys, int64_t k) {
 
 /// The positions of the k largest of `keys` (1 <= k <= keys.size(); ties: the lowest positions),
 /// ascending; `kth_key` gets the k-th largest key.
-inline Positions largest_positions(const HostBuffer<uint32_t>& keys, int64_t k, uint32_t& kth_key) {
+template <typename Keys>
+Positions largest_positions(const Keys& keys, int64_t k, uint32_t& kth_key) {
   kth_key = kth_largest_key(keys, k);
   const uint32_t kth = kth_key;
   Positions out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
@@ -105,13 +108,20 @@ inline Positions largest_positions(const HostBuffer<uint32_t>& keys, int64_t k, 
   return out;
 }
 
-/// The float32 keys (|v| bits) of values: for values of any bucket dtype, exact as floats, they
-/// order as the dtype's keys do.
+/// The float32 keys (|v| bits) of float values, read from the values where they lie (a key is
+/// one mask of the value's bits: writing them out first cost SAGE 0.7 ms a step over 1.2 million
+/// candidates). For values of any bucket dtype, exact as floats, they order as the dtype's keys do.
+struct FloatKeys {
+  const float* values;
+  size_t count;
+  size_t size() const { return count; }
+  uint32_t operator[](size_t j) const { return Num<float>::key(values[j]); }
+};
+
+/// FloatKeys of a container of floats (which must outlive them).
 template <typename Values>
-HostBuffer<uint32_t> float_keys(const Values& values) {
-  HostBuffer<uint32_t> keys(values.size());
-  for (size_t j = 0; j < keys.size(); ++j) keys[j] = Num<float>::key(values[j]);
-  return keys;
+FloatKeys float_keys(const Values& values) {
+  return FloatKeys{values.data(), values.size()};
 }
 
 /// The least magnitude among the values of a selection by Device::select_topk (+inf when it has

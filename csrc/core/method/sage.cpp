@@ -84,6 +84,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     // change is then unknown (α = 1) and whose band is not restarted. (It was dropped: the
     // reference mode, which scales the last threshold, then selected nothing at every later step.)
     pending_.threshold = committed_.threshold;
+    pending_.band = committed_.band;
     return method_util::nothing(device, bucket, 0);
   }
   const int64_t k = target_count(density_, n);
@@ -108,7 +109,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   const bool zero = exchange_.get().selection_zeroes();
 
   Selection s;
-  double lambda;
+  double lambda = std::numeric_limits<double>::quiet_NaN();
   if (reference_) {
     lambda = start;
     if (t > 0) {
@@ -124,38 +125,56 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     const bool sampled = t == 0 || committed_.restart;
     double prediction = t == 0 ? start : committed_.threshold * alpha;
     if (sampled && !(t == 0 && initial_)) prediction = sampled_prediction(std::move(magnitudes), k, n, prediction);
-    const double low = prediction / BandController::band_factor(sampled ? 0 : 1);
-    // The exact top k among the candidates (|v| >= low), or all of them where they are fewer:
-    // listed in one pass with the update, then chosen on the host; or, where the host does not
-    // read the bucket in place, counted and selected by passes on the device.
-    if (lists_candidates(device, listing_)) {
-      const Scan scan = device.scan(bucket, /*update=*/true, method_util::whole(bucket), low, /*capacity=*/-1,
-                                    /*sums=*/false);
-      nonfinite = scan.moments.nonfinite;
-      const Candidates& c = scan.candidates;
-      Positions chosen;
-      if (static_cast<int64_t>(c.size()) >= k) {
-        uint32_t kth_key;
-        chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
-        lambda = static_cast<double>(method_util::from_key<float>(kth_key));
+    const double w = sampled ? BandController::band_factor(0) : committed_.band;
+    // The band from `low`: its exact top k where it holds k or more; where it holds fewer and is
+    // the `last`, all of it, and the next step samples its prediction (a restart); otherwise
+    // nothing (false). Listed in one pass (with the update, where `update`), then chosen on the
+    // host; or, where the host does not read the bucket in place, counted and selected by passes
+    // on the device.
+    auto restart = [&](double low) {
+      lambda = low;
+      pending_.restart = true;
+    };
+    auto band = [&](double low, bool update, bool last) {
+      if (lists_candidates(device, listing_)) {
+        const Scan scan = device.scan(bucket, update, method_util::whole(bucket), low, /*capacity=*/-1, /*sums=*/false);
+        if (update) nonfinite = scan.moments.nonfinite;
+        const Candidates& c = scan.candidates;
+        const bool enough = static_cast<int64_t>(c.size()) >= k;
+        if (!enough && !last) return false;
+        Positions chosen;
+        if (enough) {
+          uint32_t kth_key;
+          chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
+          lambda = static_cast<double>(method_util::from_key<float>(kth_key));
+        } else {
+          chosen.resize(c.size());
+          std::iota(chosen.begin(), chosen.end(), size_t{0});
+        }
+        s = method_util::emit_subset(device, bucket, c, chosen, zero);
+        if (!enough) restart(low);
       } else {
-        chosen.resize(c.size());
-        std::iota(chosen.begin(), chosen.end(), size_t{0});
-        lambda = low;
-        pending_.restart = true;
+        if (update) nonfinite = method_util::update_pass(device, bucket);
+        const bool enough = device.count(bucket, method_util::whole(bucket), {low}, false)[0] >= k;
+        if (!enough && !last) return false;
+        if (enough) {
+          s = device.select_topk(bucket, k, /*update=*/false, zero);
+          lambda = method_util::least_magnitude(bucket, s);
+        } else {
+          s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
+          restart(low);
+        }
       }
-      s = method_util::emit_subset(device, bucket, c, chosen, zero);
-    } else {
-      nonfinite = method_util::update_pass(device, bucket);
-      if (device.count(bucket, method_util::whole(bucket), {low}, false)[0] >= k) {
-        s = device.select_topk(bucket, k, /*update=*/false, zero);
-        lambda = method_util::least_magnitude(bucket, s);
-      } else {
-        s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
-        lambda = low;
-        pending_.restart = true;
-      }
-    }
+      return true;
+    };
+    // Where the band of a step that did not sample holds fewer than k, its prediction missed by
+    // more than the band's width: once more from as far below (one more pass, without the update).
+    if (!band(prediction / w, /*update=*/true, /*last=*/sampled)) band(prediction / (w * w), false, true);
+    // The next band (MiCRO's rule, method-spec 4.8): twice this prediction's miss of λ, or 0.9 of
+    // this band in log scale, from 1.05 to 1.25; the widest after a sampled step (whose prediction
+    // is the sample's) and after a restart (whose next step samples).
+    pending_.band = sampled || pending_.restart ? BandController::band_factor(1)
+                                                : BandController::next_band_factor(w, prediction, lambda);
   }
   pending_.threshold = lambda;
   reported_ = lambda;
@@ -189,7 +208,8 @@ MethodState SAGE::state() const {
   MethodState state{{"step", static_cast<double>(committed_.t)},
                     {"threshold", committed_.threshold},
                     {"sample_mean", committed_.sample_mean},
-                    {"restart", committed_.restart ? 1.0 : 0.0}};
+                    {"restart", committed_.restart ? 1.0 : 0.0},
+                    {"band", committed_.band}};
   save_loss_scale(state);
   return state;
 }
@@ -200,12 +220,23 @@ void SAGE::rescale_state(double factor) {
 }
 
 void SAGE::load_state(const MethodState& state) {
-  loss_scale_ = saved_loss_scale(state);
-  committed_.t = saved_count(state, "step");
-  committed_.threshold = state.at("threshold");
-  committed_.sample_mean = state.at("sample_mean");
-  committed_.restart = false;  // absent from checkpoints before the sampled restart
-  if (auto it = state.find("restart"); it != state.end()) committed_.restart = it->second != 0.0;
+  Step loaded;
+  // Absent from checkpoints before the adaptive band: its widest. A band outside the rule's range
+  // (a damaged or hand-made state) is refused before anything loads.
+  if (auto it = state.find("band"); it != state.end()) {
+    GS_CHECK(it->second >= BandController::kNarrowestBand && it->second <= BandController::band_factor(1), ValueError,
+             "method state: 'band' is ", it->second, ", not a number from ", BandController::kNarrowestBand, " to ",
+             BandController::band_factor(1), "; load a state the method saved");
+    loaded.band = it->second;
+  }
+  const double loss_scale = saved_loss_scale(state);
+  loaded.t = saved_count(state, "step");
+  loaded.threshold = state.at("threshold");
+  loaded.sample_mean = state.at("sample_mean");
+  // absent from checkpoints before the sampled restart: false
+  if (auto it = state.find("restart"); it != state.end()) loaded.restart = it->second != 0.0;
+  committed_ = loaded;
+  loss_scale_ = loss_scale;
 }
 
 }  // namespace gradsparse

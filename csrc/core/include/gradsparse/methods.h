@@ -208,6 +208,7 @@ class SAGE final : public Method {
     double threshold = std::numeric_limits<double>::quiet_NaN();  // λ of the last step that selected
     double sample_mean = std::numeric_limits<double>::quiet_NaN();
     bool restart = false;  // its band held fewer than k: the next prediction is sampled (default mode)
+    double band = BandController::band_factor(1);  // default mode: w of the next step that does not sample
   };
   std::vector<int64_t> sample_positions(int64_t n, int rank) const;
   /// The default mode's prediction from the sampled magnitudes (method-spec 4.7); `otherwise`
