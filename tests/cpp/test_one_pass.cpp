@@ -376,6 +376,63 @@ TEST(OnePass, ZeroesFromTheLastSelectionAndLosesNothing) {
   }
 }
 
+/// A question that reads only a sample of the blocks (SIDCo's exceedances and sum of logs) writes
+/// back what the scan zeroed there alone, answers as a read after the plain update does, and
+/// keeps the zeroing for the next step; the step's zeroing selection then leaves the residual as
+/// the plain update and that selection do.
+template <typename T>
+void reads_a_sample_of_blocks_without_undoing_the_zeroing() {
+  const int64_t k = 500;
+  CandidateBound bound = bound_at(2.45);
+  CpuDevice device;
+  {
+    Bucket<T> b(true, 20);
+    OnePass pass(device, b.view(), bound, k);
+    pass.largest(k);
+    bound.learn(pass);
+  }
+  ASSERT_TRUE(std::isfinite(bound.zero_from()));
+  const BlockSample sample{2};  // blocks 0 and 2 of 4
+  Bucket<T> one(true, 21), plain(true, 21);
+  device.moments(plain.view(), true);  // the plain update
+  {
+    OnePass pass(device, one.view(), bound, k);
+    const std::vector<T> scanned = one.residual;
+    int64_t zeroed_in_sample = 0;
+    for (int64_t i = 0; i < kN; ++i)
+      zeroed_in_sample += sample.holds(i) && Num<T>::to_float(scanned[i]) != Num<T>::to_float(plain.residual[i]);
+    ASSERT_GT(zeroed_in_sample, 50) << "the scan zeroed nothing in the sampled blocks";
+    for (double t : {1.0, 3.0}) {  // below every candidate, and among them
+      const Exceedance e = pass.exceedance(t, true, 0.5, sample);
+      const Exceedance want = device.exceedance(plain.view(), t, true, 0.5, sample);
+      EXPECT_EQ(e.count, want.count) << t;
+      EXPECT_EQ(e.sum, want.sum) << t;
+      EXPECT_EQ(e.sum_sq, want.sum_sq) << t;
+      EXPECT_EQ(e.min, want.min) << t;
+    }
+    EXPECT_EQ(pass.log_sum(0.5, 1e-9, sample), device.log_sum(plain.view(), 0.5, 1e-9, sample));
+    int64_t differ = 0;  // the sampled blocks as the plain update left them, the rest as the scan did
+    for (int64_t i = 0; i < kN; ++i) {
+      const T want = sample.holds(i) ? plain.residual[i] : scanned[i];
+      differ += std::memcmp(&one.residual[i], &want, sizeof(T)) != 0;
+    }
+    EXPECT_EQ(differ, 0);
+    const double t = bound.zero_from() * 1.01;
+    EXPECT_EQ(bytes(pass.select(t, false, /*zero=*/true)),
+              bytes(device.select(plain.view(), SelectRule{t, false, Range{0, kN}, false, true})));
+    CandidateBound after = bound;
+    after.learn(pass);
+    EXPECT_EQ(after.zero_from(), t) << "the next scan does not zero";
+  }
+  EXPECT_EQ(0, std::memcmp(one.residual.data(), plain.residual.data(), kN * sizeof(T)));
+}
+TEST(OnePass, ReadsASampleOfBlocksWithoutUndoingTheZeroing) {
+  reads_a_sample_of_blocks_without_undoing_the_zeroing<float>();
+}
+TEST(OnePass, ReadsASampleOfBlocksWithoutUndoingTheZeroingBFloat16) {
+  reads_a_sample_of_blocks_without_undoing_the_zeroing<BFloat16>();
+}
+
 /// From estimates off by a factor of up to 10 either way, the density control's threshold holds
 /// k elements within its 2% (random normal values: no ties); the next step starts where this one
 /// ended, so the same estimate needs no further count.

@@ -267,12 +267,48 @@ const HostBuffer<uint32_t>& OnePass::keys() {
 
 Device& OnePass::reading() {
   settle_zeroed(bucket_, scan_.candidates, kNoKey);
+  written_back_ = 0;  // with the rest
   passed_ = true;
   return device_;
 }
 
+template <typename Read>
+auto OnePass::reading(BlockSample sample, const Read& read) {
+  if (sample.every == 1) return read(reading());
+  if (scan_.candidates.zeroed != kNoKey && written_back_ != sample.every) {
+    zero_written_back();
+    write_sample(sample.every, /*zero=*/false);
+    written_back_ = sample.every;
+  }
+  return read(device_);
+}
+
+void OnePass::zero_written_back() {
+  if (written_back_ != 0) write_sample(written_back_, /*zero=*/true);
+  written_back_ = 0;
+}
+
+void OnePass::write_sample(int64_t every, bool zero) {
+  const Candidates& c = scan_.candidates;
+  // The candidates ascend: those of a sampled block are one run of them, found by bisection.
+  dispatch_dtype(bucket_.dtype, [&](auto t) {
+    using T = decltype(t);
+    T* residual = static_cast<T*>(bucket_.residual);
+    const int64_t* index = c.index.data();
+    const int64_t* end = index + c.size();
+    parallel_blocks((num_blocks(bucket_.numel) + every - 1) / every, [&](int64_t s) {
+      const int64_t b = s * every;
+      for (const int64_t* j = std::lower_bound(index, end, b * kCpuBlock); j != end && *j < (b + 1) * kCpuBlock; ++j) {
+        const T v = Num<T>::from_float(c.value[static_cast<size_t>(j - index)]);
+        if (Num<T>::key(v) >= c.zeroed) residual[*j] = zero ? Num<T>::zero() : v;
+      }
+    });
+  });
+}
+
 Selection OnePass::emit(const Positions& chosen, uint32_t chosen_from, bool zero, double threshold) {
   if (zero) zeroed_from_ = threshold;
+  zero_written_back();
   Candidates& c = scan_.candidates;
   Selection s = method_util::emit_subset(device_, bucket_, c, chosen, zero && c.zeroed == kNoKey);
   // where the scan zeroed some of them; a selection that does not zero chose none of them to zero
@@ -281,7 +317,7 @@ Selection OnePass::emit(const Positions& chosen, uint32_t chosen_from, bool zero
 }
 
 double OnePass::log_sum(double scale, double eps, BlockSample sample) {
-  return reading().log_sum(bucket_, scale, eps, sample);
+  return reading(sample, [&](Device& device) { return device.log_sum(bucket_, scale, eps, sample); });
 }
 
 Positions OnePass::reaching(uint32_t key) {
@@ -367,7 +403,8 @@ Exceedance OnePass::exceedance(double threshold, bool strict, double scale, Bloc
     return static_cast<int64_t>(std::llround(static_cast<double>(count) * static_cast<double>(bucket_.numel) / read));
   };
   if (!covers(key)) {
-    const Exceedance e = reading().exceedance(bucket_, threshold, strict, scale, sample);
+    const Exceedance e =
+        reading(sample, [&](Device& device) { return device.exceedance(bucket_, threshold, strict, scale, sample); });
     asked(threshold, whole(e.count), false);
     return e;
   }

@@ -45,7 +45,8 @@ class CandidateBound {
   double lower() const { return lower_; }
   /// From where the next step's scan zeroes its candidates (Device::scan): the threshold of the
   /// last step's zeroing selection, when the candidates answered it and every question before it;
-  /// +inf otherwise (a step that reads the bucket again would first write back what was zeroed).
+  /// +inf otherwise (a step that reads the whole bucket again would first write back what was
+  /// zeroed).
   double zero_from() const { return zero_from_; }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
   /// none on a device whose memory the host does not read in place (a GPU): there a listed
@@ -105,8 +106,9 @@ class DensityControl {
 /// constructor makes the pass (with the error-feedback update); every answer is exact. Where the
 /// bound says so, the pass also zeroes the candidates at or above the last step's selection (on
 /// the CPU, in cache), and the step's zeroing selection settles the difference; any question that
-/// reads the bucket again first writes them back, as does the end of a step that made no zeroing
-/// selection. So a method reads the bucket only through its OnePass while one is alive.
+/// reads the bucket again first writes them back (one that reads a sample of its blocks, those in
+/// the sample), as does the end of a step that made no zeroing selection. So a method reads the
+/// bucket only through its OnePass while one is alive.
 class OnePass {
  public:
   /// Without `sums` the pass does not compute the moments' sums (moments() holds only nonfinite):
@@ -178,7 +180,7 @@ class OnePass {
   /// Whether the candidates were too many to list.
   bool overflowed() const { return !scan_.complete(); }
   /// The threshold of the zeroing selection, when the candidates answered it and nothing read the
-  /// bucket after the scan; +inf otherwise.
+  /// whole bucket after the scan (a sample of its blocks may have been); +inf otherwise.
   double zeroed_from() const { return passed_ ? std::numeric_limits<double>::infinity() : zeroed_from_; }
 
  private:
@@ -200,6 +202,16 @@ class OnePass {
   Positions reaching(uint32_t key);
   /// The device, for a question that reads the bucket: first writes back what the scan zeroed.
   Device& reading();
+  /// `read(device)` for a question that reads only the blocks of `sample`: first writes back what
+  /// the scan zeroed in those blocks alone (once for every question on the same sample), which
+  /// the step's zeroing selection zeroes again before it settles the difference, so the next scan
+  /// still zeroes (reading() where the sample is the whole bucket).
+  template <typename Read>
+  auto reading(BlockSample sample, const Read& read);
+  /// Zeroes again what reading(sample, ...) wrote back.
+  void zero_written_back();
+  /// Writes back (or zeroes) the candidates the scan zeroed in every `every`-th block.
+  void write_sample(int64_t every, bool zero);
   /// The message of the candidates at `chosen` (a selection at `threshold`), zeroed in the
   /// residual when `zero`: then the residual is zero at exactly those, whatever the scan zeroed.
   /// `chosen_from`: the key that every chosen candidate and no other reaches, where there is one
@@ -216,8 +228,9 @@ class OnePass {
   int64_t lowest_answer_ = 0;
   double lowest_asked_ = std::numeric_limits<double>::infinity();
   bool missed_ = false;
-  bool stale_ = false;   ///< after a selection that zeroed residual entries: the candidates are out of date
-  bool passed_ = false;  ///< a question read the bucket after the scan
+  bool stale_ = false;        ///< after a selection that zeroed residual entries: the candidates are out of date
+  bool passed_ = false;       ///< a question read the whole bucket after the scan
+  int64_t written_back_ = 0;  ///< the BlockSample::every whose zeroed candidates are written back (0: none)
   double zeroed_from_ = std::numeric_limits<double>::infinity();  ///< the zeroing selection's threshold, if any
 };
 
