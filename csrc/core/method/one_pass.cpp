@@ -320,9 +320,14 @@ double OnePass::log_sum(double scale, double eps, BlockSample sample) {
   return reading(sample, [&](Device& device) { return device.log_sum(bucket_, scale, eps, sample); });
 }
 
+template <typename F>
+decltype(auto) OnePass::with_keys(const F& f) {
+  if (bucket_.dtype == DType::kFloat32) return f(method_util::float_keys(scan_.candidates.value));
+  return f(keys());
+}
+
 Positions OnePass::reaching(uint32_t key) {
-  const HostBuffer<uint32_t>& k = keys();
-  return positions_where(k.size(), [&](size_t j) { return k[j] >= key; });
+  return with_keys([&](const auto& k) { return positions_where(k.size(), [&](size_t j) { return k[j] >= key; }); });
 }
 
 OnePass::Counts::Counts(OnePass& pass, std::vector<double> thresholds, bool strict)
@@ -347,23 +352,24 @@ int64_t OnePass::Counts::operator[](size_t j) {
       // No branch on a candidate's key: whether it reaches a key is as good as random, and a
       // mispredicted branch per candidate cost more than the count. A few keys: one vectorised
       // comparison loop per key; more: one look-up per candidate in a table of bins.
-      const HostBuffer<uint32_t>& keys = pass_.keys();
       if (which.size() <= kFewKeys) {
         // In blocks on the pool's threads, each block compared with every key while it is in cache.
-        const int64_t n = static_cast<int64_t>(keys.size()), m = static_cast<int64_t>(which.size());
-        std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n) * m), 0);
-        parallel_blocks(num_blocks(n), [&](int64_t b) {
-          const uint32_t* block = keys.data() + b * kCpuBlock;
-          const int64_t size = std::min(n - b * kCpuBlock, kCpuBlock);
-          for (int64_t i = 0; i < m; ++i) {
-            const uint32_t at = keys_[which[i]];
-            int64_t c = 0;  // 0 for kNoKey, which no key reaches
-            for (int64_t j = 0; j < size; ++j) c += block[j] >= at ? 1 : 0;
-            in_block[b * m + i] = c;
-          }
+        pass_.with_keys([&](const auto& keys) {
+          const int64_t n = static_cast<int64_t>(keys.size()), m = static_cast<int64_t>(which.size());
+          std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n) * m), 0);
+          parallel_blocks(num_blocks(n), [&](int64_t b) {
+            const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+            for (int64_t i = 0; i < m; ++i) {
+              const uint32_t at = keys_[which[i]];
+              int64_t c = 0;  // 0 for kNoKey, which no key reaches
+              for (int64_t j = begin; j < end; ++j) c += keys[static_cast<size_t>(j)] >= at ? 1 : 0;
+              in_block[b * m + i] = c;
+            }
+          });
+          for (size_t x = 0; x < in_block.size(); ++x) counts[x % which.size()] += in_block[x];
         });
-        for (size_t x = 0; x < in_block.size(); ++x) counts[x % which.size()] += in_block[x];
       } else {
+        const HostBuffer<uint32_t>& keys = pass_.keys();
         std::vector<uint32_t> sorted;
         for (size_t i : which) sorted.push_back(keys_[i]);
         std::sort(sorted.begin(), sorted.end());
@@ -451,7 +457,8 @@ Selection OnePass::largest(int64_t k) {
   Selection s;
   if (scan_.complete() && !stale_ && scan_.above >= k) {
     uint32_t kth_key;
-    const Positions chosen = method_util::largest_positions(keys(), k, kth_key);
+    const Positions chosen =
+        with_keys([&](const auto& keys) { return method_util::largest_positions(keys, k, kth_key); });
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
     s = emit(chosen, kNoKey, /*zero=*/true, method_util::key_value(bucket_.dtype, kth_key));
   } else {  // the k-th largest lies below the candidates, or they are out of date

@@ -198,6 +198,10 @@ class OnePass {
   std::vector<float> magnitudes_at(const std::vector<int64_t>& positions);
   /// The candidates' keys in the bucket's dtype (computed on first use).
   const HostBuffer<uint32_t>& keys();
+  /// f(keys) with the candidates' keys: of a float32 bucket read from their values in place
+  /// (method_util::FloatKeys), of the others keys().
+  template <typename F>
+  decltype(auto) with_keys(const F& f);
   /// The candidates whose key reaches `key`, as positions in the candidate lists.
   Positions reaching(uint32_t key);
   /// The device, for a question that reads the bucket: first writes back what the scan zeroed.
