@@ -330,21 +330,28 @@ TEST(OnePass, KthHashedFromManyCandidates) {
   EXPECT_FALSE(pass.missed());
 }
 
+/// A bound learned from a step whose zeroing selection (the k largest) its candidates answered:
+/// the next scan zeroes from that step's threshold.
+template <typename T>
+CandidateBound zeroing_bound(int64_t k) {
+  CandidateBound bound = bound_at(2.45);
+  CpuDevice device;
+  Bucket<T> b(true, 20);
+  OnePass pass(device, b.view(), bound, k);
+  pass.largest(k);
+  EXPECT_FALSE(pass.missed());
+  bound.learn(pass);
+  return bound;
+}
+
 /// A step whose zeroing selection its candidates answered teaches the bound to zero from its
 /// threshold in the next scan; a step that then makes no zeroing selection (it ends without one,
 /// selects without zeroing, or reads the bucket again) leaves the residual as a plain update does,
 /// and a step that read the bucket again teaches no zeroing.
 TEST(OnePass, ZeroesFromTheLastSelectionAndLosesNothing) {
   const int64_t k = 500;
-  CandidateBound bound = bound_at(2.45);
+  const CandidateBound bound = zeroing_bound<float>(k);
   CpuDevice device;
-  {
-    Bucket<float> b(true, 20);
-    OnePass pass(device, b.view(), bound, k);
-    pass.largest(k);
-    EXPECT_FALSE(pass.missed());
-    bound.learn(pass);
-  }
   ASSERT_GT(bound.zero_from(), 2.6);
   ASSERT_TRUE(std::isfinite(bound.zero_from()));
   const double t = bound.zero_from() * 1.01;  // above the bound: the candidates answer it
@@ -383,14 +390,8 @@ TEST(OnePass, ZeroesFromTheLastSelectionAndLosesNothing) {
 template <typename T>
 void reads_a_sample_of_blocks_without_undoing_the_zeroing() {
   const int64_t k = 500;
-  CandidateBound bound = bound_at(2.45);
+  const CandidateBound bound = zeroing_bound<T>(k);
   CpuDevice device;
-  {
-    Bucket<T> b(true, 20);
-    OnePass pass(device, b.view(), bound, k);
-    pass.largest(k);
-    bound.learn(pass);
-  }
   ASSERT_TRUE(std::isfinite(bound.zero_from()));
   const BlockSample sample{2};  // blocks 0 and 2 of 4
   Bucket<T> one(true, 21), plain(true, 21);
