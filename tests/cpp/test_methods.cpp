@@ -557,8 +557,9 @@ TEST(Methods, GaussianKSelectsAboutKWhereItsFitIsNoThreshold) {
 }  // namespace
 
 // A damaged or hand-made method state (a negative or fractional step, a missing entry, a stage
-// count of 0, a negative block count) is refused naming the entry: the step picks a partition by
-// index, and a negative one read outside the layout's tables.
+// count of 0, a negative block count, a band factor outside its rule's range) is refused naming
+// the entry: the step picks a partition by index, and a negative one read outside the layout's
+// tables; a band of NaN or 0 would put every later band off.
 TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   const MethodState banded = {
       {"step", 3.0}, {"threshold", 0.1}, {"estimate", 0.1}, {"before_last", 0.1}, {"k_prev", 10.0}};
@@ -584,8 +585,14 @@ TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   expect_refused(micro, with(banded, "step", std::nan("")), "step");
   expect_refused(micro, with(banded, "k_prev", -4.0), "k_prev");
   expect_refused(micro, without(banded, "step"), "step");
+  for (double band : {1.0, 2.5, 0.0, std::nan("")}) expect_refused(micro, with(banded, "band", band), "band");
+  micro.load_state(with(banded, "band", 2.0));  // as the sampled step leaves it
+  EXPECT_EQ(micro.state().at("band"), 2.0);
+  micro.load_state(banded);  // before the adaptive band
+  EXPECT_EQ(micro.state().at("band"), 1.25);
   ExDyna exdyna(0.01, "union", false, 0);
   expect_refused(exdyna, with(banded, "blocks.0", -3.0), "blocks.0");
+  expect_refused(exdyna, with(banded, "band", 1.01), "band");
   SAGE sage(0.01, "flat", {}, false, 3, std::nullopt, std::nullopt);
   expect_refused(sage, {{"step", -2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}}, "step");
   for (double band : {1.0, 1.3, std::nan("")})

@@ -182,6 +182,14 @@ double BandController::next_band_factor(double w, double prediction, double esti
   return std::clamp(std::exp(std::max(2.0 * m, 0.9 * std::log(w))), kNarrowestBand, widest);
 }
 
+double BandController::saved_band(const std::map<std::string, double>& state, double widest, double absent) {
+  const auto it = state.find("band");
+  if (it == state.end()) return absent;
+  GS_CHECK(it->second >= kNarrowestBand && it->second <= widest, ValueError, "method state: 'band' is ", it->second,
+           ", not a number from ", kNarrowestBand, " to ", widest, "; load a state the method saved");
+  return it->second;
+}
+
 std::vector<double> BandController::band_edges(double prediction, double w) {
   std::vector<double> e(kBandBins + 1);
   const double lo = prediction / w;

@@ -322,8 +322,9 @@ void PartitionedMethod::load_state(const MethodState& state) {
   GS_CHECK(!reference_ || loaded.t == 0 || (std::isfinite(loaded.threshold) && loaded.threshold > 0.0), ValueError,
            "method state: 'threshold' is ", loaded.threshold, " at step ", loaded.t,
            ", not a finite number > 0; load a state the method saved");
-  // Absent from checkpoints before the adaptive band: then its start.
-  if (auto it = state.find("band"); it != state.end()) loaded.band = it->second;
+  // Absent from checkpoints before the adaptive band: then its start. After the sampled step the
+  // band stays at that step's width (band_factor(0)), and narrows from the next.
+  loaded.band = BandController::saved_band(state, BandController::band_factor(0), loaded.band);
   if (auto it = state.find("trend_miss"); it != state.end()) loaded.trend_miss = it->second;
   if (auto it = state.find("mean_miss"); it != state.end()) loaded.mean_miss = it->second;
   const double loss_scale = saved_loss_scale(state);

@@ -223,12 +223,7 @@ void SAGE::load_state(const MethodState& state) {
   Step loaded;
   // Absent from checkpoints before the adaptive band: its widest. A band outside the rule's range
   // (a damaged or hand-made state) is refused before anything loads.
-  if (auto it = state.find("band"); it != state.end()) {
-    GS_CHECK(it->second >= BandController::kNarrowestBand && it->second <= BandController::band_factor(1), ValueError,
-             "method state: 'band' is ", it->second, ", not a number from ", BandController::kNarrowestBand, " to ",
-             BandController::band_factor(1), "; load a state the method saved");
-    loaded.band = it->second;
-  }
+  loaded.band = BandController::saved_band(state, BandController::band_factor(1), BandController::band_factor(1));
   const double loss_scale = saved_loss_scale(state);
   loaded.t = saved_count(state, "step");
   loaded.threshold = state.at("threshold");

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 namespace gradsparse {
@@ -72,6 +74,10 @@ class BandController {
   /// band at once; a run of close predictions narrows it slowly, so fewer candidates are listed
   /// and counted.
   static double next_band_factor(double w, double prediction, double estimate);
+  /// The band factor a checkpoint saved as "band", or `absent` where it holds none (saved before
+  /// the adaptive band). One outside [kNarrowestBand, widest] (NaN, 0, a damaged or hand-made
+  /// state), which would put every later band off, is a ValueError naming the entry.
+  static double saved_band(const std::map<std::string, double>& state, double widest, double absent);
   /// Edges e_b = (prediction / w) w^(2b/256), b = 0..256.
   static std::vector<double> band_edges(double prediction, double w);
   /// The band bin of a candidate magnitude: b with e_b <= m < e_{b+1}, 256 above the last edge,
