@@ -2,7 +2,7 @@
 step, against a plain residual add and against torch.topk, as ratios measured in one run.
 
     python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N] [--methods]
-                                [--rounds R] [--device cpu|cuda]
+                                [--rounds R] [--warmup W] [--device cpu|cuda]
 
 For each size N and density d, on the same float32 gradient and residual:
 - add:        residual.add_(grad), the memory traffic any error feedback needs (baseline);
@@ -15,9 +15,14 @@ The residual is restored before every timed call, so each call does the same wor
 
 With --methods, a second table: every method's selection step (all its passes over the bucket,
 as reduce_bucket's select_seconds reports it on one rank) as a multiple of the add, the add timed
-between the method's steps (its median is the row's "add ms"). With --rounds R every method is
-timed R times, in turn with the others, and the medians pool all its steps: the machine's speed
-drifts over minutes, which one round per method cannot average out. With --momentum M every
+between the method's steps (its median is the row's "add ms"). Each method is made once and
+lives through the whole table, as in a training run: its first W steps (--warmup, 20) are timed
+apart, in a column of their own (a method that learns the gradient's scale is slower while it
+learns), and the row is its cost after them. Every step's gradient is another draw at another
+scale (step_gradient), so a method that predicts this step from the last ones misses as in
+training, where no two gradients are alike. With --rounds R every method is timed R times, in
+turn with the others, and the medians pool all its steps: the machine's speed drifts over
+minutes, which one round per method cannot average out. With --momentum M every
 method is also timed with momentum correction at factor M (the velocity's update, fused into the
 method's first pass, is part of the selection step), on a row of its own, in turn with the rest.
 With --methods --device cuda the table is every method's whole step on the GPU instead (the
@@ -32,6 +37,7 @@ import argparse
 import math
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -42,6 +48,10 @@ import torch.distributed as dist
 import gradsparse as gs
 from benchmarks.utils import OUTPUT_HELP, markdown_table, median_seconds, number_list, write_result
 from gradsparse import _C
+
+WARMUP = 20  # a method's first steps, timed apart from the rest (--warmup)
+GRADIENT_DRAWS = 4  # the methods' table's gradients: this many draws, taken in turn
+SCALE_SPREAD = 0.06  # the standard deviation of the log of each step's gradient scale
 
 
 def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[object]:
@@ -90,14 +100,19 @@ def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[ob
 
 
 def method_rows(
-    n: int, density: float, repeat: int, rounds: int = 1, momentum: float = 0.0, only: str = ""
+    n: int, density: float, repeat: int, rounds: int = 1, momentum: float = 0.0, only: str = "", warmup: int = WARMUP
 ) -> list[list[object]]:
     """Every method's selection time on one rank, relative to the plain add, in one run. The add
     is timed again next to every step of every method (add, step, add, step, ...), so the two are
     compared under the same conditions; with several rounds every method is timed once per round
-    and its steps and adds pooled, since this machine's speed drifts over minutes."""
+    and its steps and adds pooled, since this machine's speed drifts over minutes. Each method
+    lives through every round, as in training: its first ``warmup`` steps are timed on their own
+    (its start, while a method learns the gradient's scale), the ``repeat`` steps of every round
+    after them make its row (its cost for the rest of a run). Every step's gradient is another
+    draw at another scale (``step_gradient``), so a method that predicts from its last steps
+    misses as it would in training."""
     gen = torch.Generator().manual_seed(0)
-    grad = torch.randn(n, generator=gen) * 1e-3
+    draws = [torch.randn(n, generator=gen) * 1e-3 for _ in range(GRADIENT_DRAWS)]
     start = torch.randn(n, generator=gen) * 5e-4
     residual, velocity = start.clone(), start.clone()
     group = _C.ThreadGroup(1, 600.0)
@@ -107,27 +122,44 @@ def method_rows(
             factories[name] = (make, 0.0)
             if momentum:
                 factories[f"{name} + momentum {momentum:g}"] = (make, momentum)
+    methods = {name: make(0) for name, (make, _) in factories.items()}
+    steps = dict.fromkeys(factories, 0)
     times: dict[str, list[float]] = {name: [] for name in factories}
     adds: dict[str, list[float]] = {name: [] for name in factories}
-    for _ in range(rounds):
-        for name, (make, factor) in factories.items():
-            method = make(0)
-            for i in range(repeat + 2):  # two warm-up steps: some methods start differently
-                add = median_seconds(lambda: residual.add_(grad), lambda: residual.copy_(start), 1)
+    first: dict[str, list[float]] = {name: [] for name in factories}  # select / add of the first steps
+    for r in range(rounds):
+        for name, (_, factor) in factories.items():
+            for _ in range(repeat + (warmup if r == 0 else 0)):
+                grad = step_gradient(draws, steps[name])
+                add = median_seconds(lambda g=grad: residual.add_(g), lambda: residual.copy_(start), 1)
                 residual.copy_(start)
                 velocity.copy_(start)
                 report, _ = group.reduce(
-                    0, grad.clone(), residual, method, record=False, velocity=velocity if factor else None,
+                    0, grad, residual, methods[name], record=False, velocity=velocity if factor else None,
                     momentum=factor, momentum_masking=True,
                 )  # fmt: skip
-                if i >= 2:
+                steps[name] += 1
+                if steps[name] > warmup:
                     times[name].append(report.select_seconds)
                     adds[name].append(add)
+                elif steps[name] > 2:  # the first two: some methods start differently
+                    first[name].append(report.select_seconds / add)
     rows = []
     for name in factories:
         t, t_add = statistics.median(times[name]), statistics.median(adds[name])
-        rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, 1e3 * t_add, t / t_add])
+        start_ratio = statistics.median(first[name]) if first[name] else float("nan")
+        rows.append([f"{n / 1e6:g}M", density, name, 1e3 * t, 1e3 * t_add, t / t_add, start_ratio])
     return rows
+
+
+def step_gradient(draws: list[torch.Tensor], step: int) -> torch.Tensor:
+    """The gradient of a method's `step`, a new tensor: one of the draws in turn, at a scale of
+    its own, exp(SCALE_SPREAD z) with z a standard normal seeded by the step. The k-th largest
+    magnitude of residual + gradient then moves by a median 4% from one step to the next, as it
+    does between the steps of the CNN example's gradients under Top-k's error feedback (density
+    0.01; docs/benchmarks.md)."""
+    z = random.Random(step).gauss(0.0, 1.0)
+    return draws[step % len(draws)] * math.exp(SCALE_SPREAD * z)
 
 
 def chosen_methods(density: float, only: str) -> dict[str, callable]:
@@ -196,15 +228,22 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--momentum", type=float, default=0.0, help="also time every method with momentum correction at this factor"
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=WARMUP,
+        help="a method's first steps, timed apart from its row's (the methods' table)",
+    )
     parser.add_argument("--only", default="", help="comma-separated methods for --methods (default: every one)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
-    if not args.methods and (args.rounds != 1 or args.momentum or args.only):
-        parser.error("--rounds, --momentum and --only apply to the --methods table; add --methods")
-    if args.device != "cpu" and (args.rounds != 1 or args.momentum):
+    if not args.methods and (args.rounds != 1 or args.momentum or args.only or args.warmup != WARMUP):
+        parser.error("--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods")
+    if args.device != "cpu" and (args.rounds != 1 or args.momentum or args.warmup != WARMUP):
         parser.error(
-            f"--rounds and --momentum apply to the CPU's --methods table; drop them with --device {args.device}"
+            "--rounds, --momentum and --warmup apply to the CPU's --methods table; drop them with "
+            f"--device {args.device}"
         )
     sizes = number_list(
         parser,
@@ -222,6 +261,7 @@ def main(argv: list[str] | None = None) -> str:
         ("--repeat", args.repeat, 1),
         ("--rounds", args.rounds, 1),
         ("--threads", args.threads, 0),
+        ("--warmup", args.warmup, 0),
     ):
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
@@ -261,12 +301,15 @@ def main(argv: list[str] | None = None) -> str:
         method_table = [
             row
             for n, d in sizes_densities
-            for row in method_rows(n, d, args.repeat, args.rounds, args.momentum, args.only)
+            for row in method_rows(n, d, args.repeat, args.rounds, args.momentum, args.only, args.warmup)
         ]
+        first = f"steps 3-{args.warmup} / add" if args.warmup > 2 else "first steps / add"
         text += (
             "\n## Selection step of every method (one rank)\n\n"
-            + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add"], method_table)
-            + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method. "
+            + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add", first], method_table)
+            + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method, after each "
+            + f"method's first {args.warmup} steps (the last column: the median ratio of those but the first two). "
+            + "Every step's gradient is another draw at another scale. "
             + "SparDL is not listed: it selects block by block inside its exchange.\n"
         )
     elif args.methods:

@@ -5,12 +5,15 @@
 //
 //     OMP_NUM_THREADS=2 <dir>/select_step gaussiank 0.01 [steps=20] [n=25e6]
 //
-// Every step restores the residual first (the same work each step, as benchmarks/select.py does),
-// times a residual add on the same data just before the step, and reads the step's
+// Every step restores the residual first and scales the gradient (the same data each step at a
+// scale of its own, as benchmarks/select.py's gradients: the threshold moves as in training),
+// skips the method's first 20 steps (benchmarks.select's warm-up), times a residual add on the
+// same data just before each step, and reads the step's
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
 // and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, sage, micro, exdyna, sidco (exp,
 // adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes.
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -77,7 +80,8 @@ int main(int argc, char** argv) {
   CpuDevice device;
   const int threads = cpu_threads();  // the add runs on the kernels' threads
   std::vector<double> select, add, exchange;
-  for (int s = 0; s < steps + 2; ++s) {  // two warm-up steps: some methods start differently
+  constexpr int kWarmup = 20;  // as benchmarks.select: a method's first steps, while it learns the scale
+  for (int s = 0; s < steps + kWarmup; ++s) {
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
     const auto t0 = std::chrono::steady_clock::now();
     float* r = residual.data();
@@ -86,10 +90,14 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < n; ++i) r[i] += g[i];
     const double t_add = seconds_since(t0);
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
-    std::memcpy(out.data(), grad.data(), out.size() * sizeof(float));
+    // The gradient at a scale of its own each step, exp(0.06 z) with z a standard normal seeded by
+    // the step, as benchmarks.select's step_gradient scales it (other numbers, the same spread).
+    std::mt19937 scale_rng(static_cast<unsigned>(s));
+    const auto scale = static_cast<float>(std::exp(0.06 * std::normal_distribution<double>(0.0, 1.0)(scale_rng)));
+    for (size_t i = 0; i < out.size(); ++i) out[i] = grad[i] * scale;
     BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};
     const ReduceReport report = reduce_bucket(method.get(), *transport, device, bucket, ReduceOptions{});
-    if (s < 2) continue;
+    if (s < kWarmup) continue;
     select.push_back(report.select_seconds);
     add.push_back(t_add);
     exchange.push_back(report.exchange_seconds);

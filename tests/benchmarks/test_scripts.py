@@ -6,8 +6,10 @@ import math
 import re
 
 import pytest
+import torch
 
 from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio
+from gradsparse.methods import core_method
 from tests.refusals import assert_refused, never
 
 DRIFT_METHODS = ("TopK", "SAGE", "MiCRO", "ExDyna", "SIDCo exp")
@@ -26,7 +28,7 @@ def numbers(text: str, row_start: str) -> list[float]:
 
 def test_select_reports_every_method(tmp_path):
     text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--rounds", "2",
-                        "--output", str(tmp_path / "select.md")])  # fmt: skip
+                        "--warmup", "4", "--output", str(tmp_path / "select.md")])  # fmt: skip
     assert (tmp_path / "select.md").read_text() == text
     _density, achieved, *times = numbers(text, "0.02M")  # the size cell is not a number
     assert achieved == pytest.approx(0.01, rel=0.05)
@@ -34,9 +36,37 @@ def test_select_reports_every_method(tmp_path):
     for name in ("TopK", "RandomK", "GaussianK spardl", "DGC", "RedSync", "SAGE", "MiCRO", "ExDyna", "SIDCo exp"):
         assert f"| {name} |" in text, name
     assert "| SparDL |" not in text  # selects inside its exchange: no separate step
-    _density, select_ms, add_ms, ratio = numbers(text, "0.02M | 0.01 | DGC")
+    _density, select_ms, add_ms, ratio, first = numbers(text, "0.02M | 0.01 | DGC")
     assert select_ms > 0 and add_ms > 0
     assert ratio == pytest.approx(select_ms / add_ms, rel=0.02)  # against the add timed beside it (3 digits each)
+    assert first > 0 and math.isfinite(first)  # steps 3 and 4, apart
+    assert "| steps 3-4 / add |" in text
+
+
+def test_select_methods_live_through_every_round_on_changing_gradients(monkeypatch):
+    """Each method is made once and steps on through the rounds, as in training, each step on
+    another gradient."""
+    made = []
+
+    def sage(_rank):
+        made.append(core_method("sage", density=0.01))
+        return made[-1]
+
+    monkeypatch.setattr(select, "chosen_methods", lambda density, only: {"SAGE": sage})
+    rows = select.method_rows(20_000, 0.01, repeat=2, rounds=3, warmup=5)
+    assert len(made) == 2  # one asked for its exchange, one timed
+    assert made[1].state()["step"] == 5 + 3 * 2
+    assert made[0].state()["step"] == 0
+    assert len(rows) == 1 and rows[0][2] == "SAGE"
+    draws = [torch.ones(3), torch.full((3,), 2.0)]
+    gradients = [select.step_gradient(draws, step) for step in range(400)]
+    assert all(g is not draws[0] and g is not draws[1] for g in gradients)  # the reduce writes into it
+    scales = [float(g[0] / draws[step % 2][0]) for step, g in enumerate(gradients)]
+    assert all(torch.equal(g, torch.full((3,), float(g[0]))) for g in gradients)  # each draw, scaled whole
+    assert select.step_gradient(draws, 7).equal(gradients[7])  # the same at every run
+    logs = torch.tensor(scales).log()
+    assert float(logs.std()) == pytest.approx(select.SCALE_SPREAD, rel=0.15)
+    assert float((logs[1:] - logs[:-1]).abs().median()) > 0.03  # no two steps alike
 
 
 def test_a_bare_report_name_goes_under_runs_not_over_the_committed_reports(tmp_path, monkeypatch):
@@ -50,7 +80,7 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
     text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--only", "TopK,DGC",
                         "--momentum", "0.9", "--output", str(tmp_path / "select.md")])  # fmt: skip
     for name in ("TopK", "TopK + momentum 0.9", "DGC", "DGC + momentum 0.9"):
-        _density, select_ms, add_ms, _ratio = numbers(text, f"0.02M | 0.01 | {name}")
+        _density, select_ms, add_ms, _ratio, _first = numbers(text, f"0.02M | 0.01 | {name}")
         assert select_ms > 0 and add_ms > 0, name
     assert "| RandomK |" not in text
     with pytest.raises(SystemExit, match="--only: unknown method"):
@@ -72,9 +102,14 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         # refused only once the first table had been timed
         (["--methods", "--only", "topk"], "--only: unknown method(s) topk; choose from TopK"),
         # the options of the methods' table, ignored without a word where it was not asked for
-        (["--momentum", "0.9"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
-        (["--rounds", "3"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
-        (["--only", "TopK"], "--rounds, --momentum and --only apply to the --methods table; add --methods"),
+        (
+            ["--momentum", "0.9"],
+            "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods",
+        ),
+        (["--rounds", "3"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
+        (["--only", "TopK"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
+        (["--warmup", "5"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
+        (["--warmup", "-1", "--methods"], "--warmup must be at least 0, got -1"),
     ],
 )
 def test_select_refuses_bad_values_before_timing_anything(argv, message, capsys, monkeypatch):
