@@ -305,6 +305,105 @@ TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
   EXPECT_TRUE(settled);
 }
 
+/// A stream whose threshold moves by 8% from step to step, up and down: the bound stays below
+/// every step's threshold once it has learned the moves (it never tightens to within 2.5 standard
+/// deviations of them), so no step after the first dozen misses its candidates or lists too many
+/// (either costs a pass).
+TEST(OnePass, TheBoundStaysBelowAThresholdThatMoves) {
+  CandidateBound bound;
+  const int64_t k = 300;
+  int missed = 0;
+  for (int step = 0; step < 40; ++step) {
+    Bucket<float> b(true, 10 + step);
+    const float scale = step % 2 == 0 ? 1.04f : 1.0f / 1.04f;
+    for (float& g : b.grad) g *= scale;
+    for (float& r : b.residual) r *= scale;
+    CpuDevice device;
+    OnePass pass(device, b.view(), bound, k);
+    pass.largest(k);
+    if (step >= 12) missed += pass.missed() || pass.overflowed() ? 1 : 0;
+    bound.learn(pass);
+  }
+  EXPECT_EQ(missed, 0);
+}
+
+/// Over a bucket of 64 blocks and more whose threshold has been moving (`moving`: by 10% a step),
+/// the scan zeroes from this step's k-th largest magnitude, estimated from a sample of its blocks
+/// before the scan, and not from the last step's threshold: a step whose gradient grew by 15%
+/// zeroes about k candidates, not the twice k and more above the last threshold. Where it has not
+/// been moving, from the last threshold. The sample reads the update without writing it (the
+/// velocity too), and the step then leaves the residual and the velocity as the plain update and
+/// its top k do.
+template <typename T>
+void zeroes_from_an_estimate_of_this_steps_threshold(bool momentum, bool moving) {
+  const int64_t n = 70 * kCpuBlock + 5, k = n / 100;
+  const std::vector<float> grad = ref::random_vector<float>(n, 31), start = ref::random_vector<float>(n, 32, 0.5f);
+  const std::vector<float> velocity_start = ref::random_vector<float>(n, 33, 0.2f);
+  struct Step {
+    std::vector<T> grad, residual, velocity;
+    Step(const std::vector<float>& g, const std::vector<float>& r, const std::vector<float>& u, float scale) {
+      for (float v : g) grad.push_back(Num<T>::from_float(v * scale));
+      for (float v : r) residual.push_back(Num<T>::from_float(v));
+      for (float v : u) velocity.push_back(Num<T>::from_float(v));
+    }
+  };
+  auto view = [&](Step& s) {
+    BucketView v{dtype_of<T>(), n, s.grad.data(), s.residual.data()};
+    if (momentum) {
+      v.velocity = s.velocity.data();
+      v.momentum = 0.9f;
+      v.momentum_masking = true;
+    }
+    return v;
+  };
+  CpuDevice device;
+  CandidateBound bound;
+  // The first step lists nothing, the next too many; then they zero their top k.
+  float scale = 1.0f;
+  for (int step = 0; step < 12 && !(step > 6 && std::isfinite(bound.zero_from())); ++step) {
+    scale = moving && step % 2 == 1 ? 1.1f : 1.0f;
+    Step s(grad, start, velocity_start, scale);
+    OnePass pass(device, view(s), bound, k);
+    pass.largest(k);
+    bound.learn(pass);
+  }
+  const double last = bound.zero_from();
+  ASSERT_TRUE(std::isfinite(last));
+  if (moving) {
+    ASSERT_GT(bound.moves(), 0.01);
+  } else {
+    ASSERT_EQ(bound.moves(), 0.0);
+  }
+  Step one(grad, start, velocity_start, 1.15f * scale), plain = one;
+  device.moments(view(plain), true);  // the plain update
+  int64_t above_last = 0;
+  for (const T& v : plain.residual) above_last += std::fabs(Num<T>::to_float(v)) >= last ? 1 : 0;
+  ASSERT_GT(above_last, 2 * k) << "the gradient's growth moves the threshold";
+  {
+    OnePass pass(device, view(one), bound, k);
+    int64_t zeroed = 0;
+    for (int64_t i = 0; i < n; ++i)
+      zeroed += Num<T>::to_float(one.residual[i]) == 0.0f && Num<T>::to_float(plain.residual[i]) != 0.0f ? 1 : 0;
+    if (moving) {
+      EXPECT_GT(zeroed, k * 9 / 10);
+      EXPECT_LT(zeroed, k * 11 / 10);
+    } else {
+      EXPECT_EQ(zeroed, above_last);
+    }
+    const Selection s = pass.largest(k);
+    EXPECT_EQ(bytes(s), bytes(device.select_topk(view(plain), k, /*update=*/false, /*zero=*/true)));
+  }
+  EXPECT_EQ(0, std::memcmp(one.residual.data(), plain.residual.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(one.velocity.data(), plain.velocity.data(), n * sizeof(T)));
+}
+
+TEST(OnePass, ZeroesFromAnEstimateOfThisStepsThreshold) {
+  zeroes_from_an_estimate_of_this_steps_threshold<float>(false, true);
+  zeroes_from_an_estimate_of_this_steps_threshold<float>(true, true);
+  zeroes_from_an_estimate_of_this_steps_threshold<BFloat16>(true, true);
+  zeroes_from_an_estimate_of_this_steps_threshold<float>(false, false);
+}
+
 /// The hashed sample's s-th largest from more candidates than one block of them (their hashes are
 /// taken block by block on the pool's threads, then joined).
 TEST(OnePass, KthHashedFromManyCandidates) {

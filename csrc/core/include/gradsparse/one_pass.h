@@ -10,6 +10,7 @@
 // So the results never depend on the bound: only the time does.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -37,8 +38,10 @@ inline bool lists_candidates(const Device& device, Listing listing) {
 
 /// Where a method's next step starts listing candidates: a factor below the lowest threshold its
 /// last step asked about, tightened when the candidates were many more than that question needed
-/// and widened when a question fell below them. Not part of a checkpoint (it changes the time of a step, never its
-/// result).
+/// and widened when a question fell below them, but never tightened into the spread of that
+/// threshold's moves from step to step (where it moves, a bound as close as a quiet stream allows
+/// is missed every few steps, and each miss costs a pass). Not part of a checkpoint (it changes
+/// the time of a step, never its result).
 class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
@@ -48,6 +51,9 @@ class CandidateBound {
   /// +inf otherwise (a step that reads the whole bucket again would first write back what was
   /// zeroed).
   double zero_from() const { return zero_from_; }
+  /// The standard deviation of the lowest question's log moves from step to step, lately (a
+  /// moving mean of their squares, over about ten steps; 0 before two steps asked one).
+  double moves() const { return std::sqrt(moves_); }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
   /// none on a device whose memory the host does not read in place (a GPU): there a listed
   /// candidate costs a copy to the host and host work, while a question answered by a pass is one
@@ -56,7 +62,7 @@ class CandidateBound {
   /// them everywhere (Listing::kEveryDevice): its sampled quantile, when the candidates cannot
   /// answer it, gathers the whole 1% sample to the host (11 ms a step there, against 4 to 9 ms).
   static int64_t capacity(const Device& device, int64_t k, Listing listing) {
-    return lists_candidates(device, listing) ? 4 * k + 1024 : 0;
+    return lists_candidates(device, listing) ? 8 * k + 1024 : 0;
   }
   /// Learns from a finished step.
   void learn(const OnePass& pass);
@@ -64,6 +70,8 @@ class CandidateBound {
  private:
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
+  double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
+  double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
   double zero_from_ = std::numeric_limits<double>::infinity();
 };
 
