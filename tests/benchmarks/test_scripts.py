@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio
+from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio, threshold_moves
 from gradsparse.methods import core_method
 from tests.refusals import assert_refused, never
 
@@ -67,6 +67,17 @@ def test_select_methods_live_through_every_round_on_changing_gradients(monkeypat
     logs = torch.tensor(scales).log()
     assert float(logs.std()) == pytest.approx(select.SCALE_SPREAD, rel=0.15)
     assert float((logs[1:] - logs[:-1]).abs().median()) > 0.03  # no two steps alike
+
+
+def test_threshold_moves_reports_both_streams(tmp_path):
+    text = threshold_moves.main(["--steps", "60", "--size", "2e4", "--output", str(tmp_path / "moves.md")])
+    for name, count in (("cnn", 9), ("select", 9)):  # the cnn's first 50 steps left out, 10 steps of each
+        moves, median, mean, p90 = numbers(text, name)
+        assert moves == count, name
+        assert 0 < median <= p90 and mean > 0, name
+    assert threshold_moves.moves([1.0, 2.0, 1.0]) == pytest.approx([math.log(2), math.log(2)])
+    with pytest.raises(SystemExit):
+        threshold_moves.main(["--steps", "10", "--output", str(tmp_path / "x.md")])
 
 
 def test_a_bare_report_name_goes_under_runs_not_over_the_committed_reports(tmp_path, monkeypatch):
