@@ -219,7 +219,7 @@ CandidateBound bound_at(double lower) {
 }
 
 TEST(OnePass, AnswersEqualPlainPasses) {
-  // Values ~ N(0, 1.12^2), 98 thousand of them; k = 500 lists at most 3024 candidates, so the
+  // Values ~ N(0, 1.12^2), 98 thousand of them; k = 500 lists at most 5024 candidates, so the
   // answers at 2.5 and above fit (about 2.5%) and a bound at 2.0 finds too many (about 7%).
   const int64_t k = 500;
   struct Case {
@@ -330,10 +330,10 @@ TEST(OnePass, TheBoundStaysBelowAThresholdThatMoves) {
 /// Over a bucket of 64 blocks and more whose threshold has been moving (`moving`: by 10% a step),
 /// the scan zeroes from this step's k-th largest magnitude, estimated from a sample of its blocks
 /// before the scan, and not from the last step's threshold: a step whose gradient grew by 15%
-/// zeroes about k candidates, not the twice k and more above the last threshold. Where it has not
-/// been moving, from the last threshold. The sample reads the update without writing it (the
-/// velocity too), and the step then leaves the residual and the velocity as the plain update and
-/// its top k do.
+/// zeroes about k candidates, not the twice k and more above the last threshold, and its bound
+/// moves up with the estimate. Where it has not been moving, from the last threshold. The sample
+/// reads the update without writing it (the velocity too), and the step then leaves the residual
+/// and the velocity as the plain update and its top k do.
 template <typename T>
 void zeroes_from_an_estimate_of_this_steps_threshold(bool momentum, bool moving) {
   const int64_t n = 70 * kCpuBlock + 5, k = n / 100;
@@ -387,10 +387,15 @@ void zeroes_from_an_estimate_of_this_steps_threshold(bool momentum, bool moving)
     if (moving) {
       EXPECT_GT(zeroed, k * 9 / 10);
       EXPECT_LT(zeroed, k * 11 / 10);
+      EXPECT_LT(pass.candidates(), 3 * k);
     } else {
       EXPECT_EQ(zeroed, above_last);
+      EXPECT_EQ(pass.rescale(), 1.0);
     }
     const Selection s = pass.largest(k);
+    if (moving) {  // the bound moved as the threshold did, estimated from the same blocks both steps
+      EXPECT_NEAR(pass.rescale(), smallest_magnitude(device, s, view(one)) / last, 0.01);
+    }
     EXPECT_EQ(bytes(s), bytes(device.select_topk(view(plain), k, /*update=*/false, /*zero=*/true)));
   }
   EXPECT_EQ(0, std::memcmp(one.residual.data(), plain.residual.data(), n * sizeof(T)));

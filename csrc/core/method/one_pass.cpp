@@ -101,37 +101,33 @@ void settle_zeroed(const BucketView& bucket, Candidates& c, uint32_t chosen_from
   c.zeroed = kNoKey;
 }
 
-/// Where this step's scan zeroes its candidates, where the last step's zeroing selection held
-/// (bound.zero_from() finite) and the threshold moves from step to step: the k-th largest
-/// magnitude of this step's update, estimated from a sample of the bucket's blocks read on the
-/// host before the scan (the update computed on copies, nothing written), so that the zeroing
-/// misses by the sample's error (about 0.2% of the threshold at 25M elements and density 0.01)
-/// and not by the threshold's move since the last step (a median 4% a step on the CNN example's
-/// gradients: then a tenth of the candidates were zeroed or left wrongly, and the writes that set
-/// them right cost Top-k 1.2 ms a step at that size). The last step's threshold where it moved by
-/// less than 1% (standard deviation; the sample would cost more than it saves: 1 ms a step where
-/// it does not move at all), where the bucket is short (its scan too), where the sample lists
-/// too few at or above the candidates' bound, off the CPU (whose scan alone zeroes) and over a
-/// part of the bucket.
-double zeroing_from(const Device& device, const BucketView& bucket, Range range, bool update, int64_t k,
-                    const CandidateBound& bound) {
+/// This step's k-th largest magnitude of the update, estimated from a sample of the bucket's
+/// blocks (the same 16 blocks, about, every step) read on the host before the scan, the update
+/// computed on copies and nothing written; NaN where it is not made: where the threshold moved by
+/// less than 1% a step lately (standard deviation, CandidateBound::moves: the sample would cost
+/// more than it saves, 1 ms a step where it does not move at all), before the bound has one, where
+/// the bucket is short (its scan too), where the sample holds too few at or above `floor`, off the
+/// CPU (whose scan alone zeroes and lists in host memory) and over a part of the bucket. At 25M
+/// elements and density 0.01 it is off by about 0.2% (the rank of 5,600 among 560 thousand).
+double estimated_kth(const Device& device, const BucketView& bucket, Range range, bool update, int64_t k,
+                     const CandidateBound& bound, double floor) {
   constexpr int64_t kBlocks = 16;  // blocks read, about
+  constexpr double kNone = std::numeric_limits<double>::quiet_NaN();
   const int64_t n = bucket.numel;
-  const double last = bound.zero_from();
-  if (!std::isfinite(last) || bound.moves() < 0.01 || device.kind() != DeviceKind::kCPU || bucket.residual == nullptr ||
-      range.begin != 0 || range.end != n || num_blocks(n) < 4 * kBlocks)
-    return last;
+  if (!std::isfinite(bound.lower()) || bound.moves() < 0.01 || device.kind() != DeviceKind::kCPU ||
+      bucket.residual == nullptr || range.begin != 0 || range.end != n || num_blocks(n) < 4 * kBlocks)
+    return kNone;
   const BlockSample sample = BlockSample::at_least(n, kBlocks);
   const int64_t blocks = (num_blocks(n) + sample.every - 1) / sample.every;
   const auto rank = static_cast<int64_t>(
       std::ceil(static_cast<double>(k) * static_cast<double>(sample.size(n)) / static_cast<double>(n)));
-  if (rank < 64) return last;  // too few of the sample above it to place it
+  if (rank < 64) return kNone;  // too few of the sample above it to place it
   return dispatch_dtype(bucket.dtype, [&](auto t) -> double {
     using T = decltype(t);
     const auto* residual = static_cast<const T*>(bucket.residual);
     const auto* grad = static_cast<const T*>(bucket.grad);
     const auto* velocity = static_cast<const T*>(bucket.velocity);
-    const uint32_t lower_key = key_at_least<T>(bound.lower());
+    const uint32_t lower_key = key_at_least<T>(floor);
     std::vector<std::vector<uint32_t>> parts(static_cast<size_t>(blocks));
     parallel_blocks(blocks, [&](int64_t s) {
       const int64_t begin = s * sample.every * kCpuBlock, end = std::min(n, begin + kCpuBlock);
@@ -153,7 +149,7 @@ double zeroing_from(const Device& device, const BucketView& bucket, Range range,
     });
     std::vector<uint32_t> keys;
     for (const std::vector<uint32_t>& part : parts) keys.insert(keys.end(), part.begin(), part.end());
-    if (static_cast<int64_t>(keys.size()) < rank) return last;
+    if (static_cast<int64_t>(keys.size()) < rank) return kNone;
     std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<>());
     return method_util::key_value(bucket.dtype, keys[static_cast<size_t>(rank - 1)]);
   });
@@ -183,18 +179,23 @@ void CandidateBound::learn(const OnePass& pass) {
   const double t = pass.lowest_asked();
   const bool asked = std::isfinite(t) && t > 0.0;
   if (asked && std::isfinite(last_)) {
-    const double move = std::log(t / last_);
+    const double move = std::log(t / last_), miss = move - std::log(pass.rescale());
     moves_ = 0.9 * moves_ + 0.1 * move * move;
+    misses_ = 0.9 * misses_ + 0.1 * miss * miss;
   }
   if (asked) last_ = t;
-  // Too many candidates (then every question missed them) or far more than needed: start closer,
-  // but 2.5 standard deviations of the moves below at least (4% a step, as on the CNN example's
-  // gradients: 0.85 at most; a stream that does not move: 0.98).
-  if (pass.overflowed() || (!pass.missed() && pass.candidates() > 3 * std::max<int64_t>(pass.lowest_answer(), 64))) {
-    const double closest = std::exp(-std::max(0.02, 2.5 * std::sqrt(moves_)));
-    factor_ = std::max(factor_, std::min(closest, 1.0 - (1.0 - factor_) / 2.0));
-  } else if (pass.missed()) {
-    factor_ = std::max(0.25, factor_ * 0.8);  // a question fell below the candidates: start lower
+  estimate_ = pass.estimate();
+  // The bound's next step follows its estimate where the threshold moves (OnePass): then the
+  // factor covers what the estimate misses of the lowest question, otherwise the moves.
+  const double spread = std::sqrt(moves() >= 0.01 ? misses_ : moves_);
+  // A question fell below the candidates: start lower. Otherwise (also where the candidates were
+  // too many, which a closer start lists fewer of) halfway closer, up to 2.5 standard deviations
+  // of that spread below (0.98 where nothing moves).
+  const double closest = std::exp(-std::max(0.02, 2.5 * spread));
+  if (pass.missed() && !pass.overflowed()) {
+    factor_ = std::max(0.25, factor_ * 0.8);
+  } else if (factor_ < closest) {
+    factor_ = std::min(closest, 1.0 - (1.0 - factor_) / 2.0);
   }
   lower_ = std::isfinite(t) && t > 0.0 ? factor_ * t : std::numeric_limits<double>::infinity();
   zero_from_ = pass.zeroed_from();
@@ -295,9 +296,16 @@ OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound&
       bucket_(bucket),
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
       capacity_(CandidateBound::capacity(device, k, listing)) {
-  scan_ = device.scan(bucket, update, range_, bound.lower(), capacity_, sums,
-                      zeroing_from(device, bucket, range_, update, k, bound));
-  lower_key_ = key_of(bound.lower(), false);
+  // Where the threshold moves, the bound and the zeroing follow this step's estimated k-th largest
+  // (CandidateBound::learn): the bound by its move since the last step's estimate (from the same
+  // blocks), the zeroing to it. Where the last step's zeroing selection did not hold, no zeroing.
+  // The sample lists from 0.85 of the bound (a fall of 15% since the last step).
+  estimate_ = estimated_kth(device, bucket, range_, update, k, bound, 0.85 * bound.lower());
+  if (std::isfinite(estimate_) && std::isfinite(bound.estimate())) rescale_ = estimate_ / bound.estimate();
+  const double lower = bound.lower() * rescale_;
+  const double zero_from = std::isfinite(bound.zero_from()) && std::isfinite(estimate_) ? estimate_ : bound.zero_from();
+  scan_ = device.scan(bucket, update, range_, lower, capacity_, sums, zero_from);
+  lower_key_ = key_of(lower, false);
 }
 
 OnePass::~OnePass() { settle_zeroed(bucket_, scan_.candidates, kNoKey); }

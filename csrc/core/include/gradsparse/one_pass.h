@@ -37,11 +37,13 @@ inline bool lists_candidates(const Device& device, Listing listing) {
 }
 
 /// Where a method's next step starts listing candidates: a factor below the lowest threshold its
-/// last step asked about, tightened when the candidates were many more than that question needed
-/// and widened when a question fell below them, but never tightened into the spread of that
-/// threshold's moves from step to step (where it moves, a bound as close as a quiet stream allows
-/// is missed every few steps, and each miss costs a pass). Not part of a checkpoint (it changes
-/// the time of a step, never its result).
+/// last step asked about, widened when a question fell below the candidates and otherwise
+/// tightened halfway, up to 2.5 standard deviations of that question's log moves from step to step
+/// below it (a bound closer than the moves is missed every few steps, and each miss costs a
+/// pass). Where the threshold moves (by 1% a step or more), OnePass moves the bound by the change
+/// of an estimate of the k-th largest magnitude made before its scan, and the factor then covers
+/// only what that misses. Not part of a checkpoint (it changes the time of a step, never its
+/// result).
 class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
@@ -49,11 +51,13 @@ class CandidateBound {
   /// From where the next step's scan zeroes its candidates (Device::scan): the threshold of the
   /// last step's zeroing selection, when the candidates answered it and every question before it;
   /// +inf otherwise (a step that reads the whole bucket again would first write back what was
-  /// zeroed).
+  /// zeroed). Where the threshold moves, OnePass zeroes from its estimate instead.
   double zero_from() const { return zero_from_; }
   /// The standard deviation of the lowest question's log moves from step to step, lately (a
   /// moving mean of their squares, over about ten steps; 0 before two steps asked one).
   double moves() const { return std::sqrt(moves_); }
+  /// The last step's estimate of its k-th largest magnitude (OnePass::estimate; NaN: none).
+  double estimate() const { return estimate_; }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
   /// none on a device whose memory the host does not read in place (a GPU): there a listed
   /// candidate costs a copy to the host and host work, while a question answered by a pass is one
@@ -71,7 +75,9 @@ class CandidateBound {
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
   double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
-  double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
+  double moves_ = 0.0;   ///< a moving mean of the squared log moves of the lowest question, step to step
+  double misses_ = 0.0;  ///< the same of those moves less the step's rescale (OnePass::rescale)
+  double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
 };
 
@@ -183,6 +189,11 @@ class OnePass {
   bool missed() const { return missed_; }
   /// How many elements the answer at lowest_asked() held.
   int64_t lowest_answer() const { return lowest_answer_; }
+  /// This step's k-th largest magnitude, estimated from a sample of blocks before the scan where
+  /// the threshold moves (NaN where not), and the factor by which the bound was moved for it: the
+  /// estimate over the last step's (1 where either is missing).
+  double estimate() const { return estimate_; }
+  double rescale() const { return rescale_; }
   /// How many candidates the scan found.
   int64_t candidates() const { return scan_.above; }
   /// Whether the candidates were too many to list.
@@ -244,6 +255,8 @@ class OnePass {
   bool passed_ = false;       ///< a question read the whole bucket after the scan
   int64_t written_back_ = 0;  ///< the BlockSample::every whose zeroed candidates are written back (0: none)
   double zeroed_from_ = std::numeric_limits<double>::infinity();  ///< the zeroing selection's threshold, if any
+  double estimate_ = std::numeric_limits<double>::quiet_NaN();
+  double rescale_ = 1.0;
 };
 
 }  // namespace gradsparse
