@@ -155,9 +155,9 @@ def method_rows(
 def step_gradient(draws: list[torch.Tensor], step: int) -> torch.Tensor:
     """The gradient of a method's `step`, a new tensor: one of the draws in turn, at a scale of
     its own, exp(SCALE_SPREAD z) with z a standard normal seeded by the step. The k-th largest
-    magnitude of residual + gradient then moves by a median 4% from one step to the next, as it
-    does between the steps of the CNN example's gradients under Top-k's error feedback (density
-    0.01; docs/benchmarks.md)."""
+    magnitude of residual + gradient then moves by 5.5% a step on average, as it does between the
+    steps of the CNN example's gradients under Top-k's error feedback (density 0.01;
+    benchmarks.threshold_moves)."""
     z = random.Random(step).gauss(0.0, 1.0)
     return draws[step % len(draws)] * math.exp(SCALE_SPREAD * z)
 
