@@ -319,10 +319,7 @@ uint32_t OnePass::key_of(double threshold, bool strict) const {
 
 void OnePass::asked(double threshold, int64_t elements, bool covered) {
   if (elements > capacity_) return;  // no bound could have listed them
-  if (threshold < lowest_asked_) {
-    lowest_asked_ = threshold;
-    lowest_answer_ = elements;
-  }
+  lowest_asked_ = std::min(lowest_asked_, threshold);
   missed_ = missed_ || !covered;
 }
 

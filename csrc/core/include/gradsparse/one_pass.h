@@ -187,8 +187,6 @@ class OnePass {
   double lowest_asked() const { return lowest_asked_; }
   /// Whether such a question fell below the candidates and needed a pass over the bucket.
   bool missed() const { return missed_; }
-  /// How many elements the answer at lowest_asked() held.
-  int64_t lowest_answer() const { return lowest_answer_; }
   /// This step's k-th largest magnitude, estimated from a sample of blocks before the scan where
   /// the threshold moves (NaN where not), and the factor by which the bound was moved for it: the
   /// estimate over the last step's (1 where either is missing).
@@ -248,7 +246,6 @@ class OnePass {
   Scan scan_;
   uint32_t lower_key_;
   HostBuffer<uint32_t> keys_;
-  int64_t lowest_answer_ = 0;
   double lowest_asked_ = std::numeric_limits<double>::infinity();
   bool missed_ = false;
   bool stale_ = false;        ///< after a selection that zeroed residual entries: the candidates are out of date
