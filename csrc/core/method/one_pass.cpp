@@ -133,16 +133,9 @@ double estimated_kth(const Device& device, const BucketView& bucket, Range range
       const int64_t begin = s * sample.every * kCpuBlock, end = std::min(n, begin + kCpuBlock);
       std::vector<uint32_t>& part = parts[static_cast<size_t>(s)];
       for (int64_t i = begin; i < end; ++i) {
-        T r = residual[i];
-        if (update) {  // as Source::update_element, on copies
-          T addend = grad[i];
-          if (velocity != nullptr) {
-            T u = velocity[i];
-            addend = momentum_value(addend, u, momentum_emptied(bucket.momentum_masking, r), bucket.momentum);
-          }
-          bool finite;
-          ef_accumulate(r, addend, finite);
-        }
+        const T r = update ? method_util::updated_copy(residual[i], grad[i],
+                                                       velocity != nullptr ? velocity + i : nullptr, bucket)
+                           : residual[i];
         const uint32_t key = Num<T>::key(r);
         if (key >= lower_key) part.push_back(key);  // a few in a hundred: a predicted branch
       }
