@@ -288,6 +288,33 @@ TEST(OnePass, AnswersEqualPlainPasses) {
   }
 }
 
+// holds() says what a count would say; where the candidates hold k or more it answers from them,
+// above the bound and below it, as no question for the bound (the k-th largest is one).
+TEST(OnePass, HoldsAnswersAsACountAndAsksNothingOfTheCandidates) {
+  CpuDevice device;
+  Bucket<float> one(true), plain(true);
+  OnePass pass(device, one.view(), bound_at(2.45), 500);
+  device.moments(plain.view(), true);  // the update the pass made
+  const int64_t candidates = pass.candidates();
+  int answers[2] = {0, 0};
+  for (double t : {0.5, 2.0, 2.45, 2.5, 2.6, 3.0, 3.3, 4.0}) {
+    for (int64_t m : {int64_t{1}, int64_t{300}, int64_t{500}, candidates}) {
+      const bool want = device.count(plain.view(), Range{0, kN}, {t}, false)[0] >= m;
+      EXPECT_EQ(pass.holds(t, m), want) << t << ", " << m;
+      ++answers[want ? 1 : 0];
+    }
+  }
+  EXPECT_GT(answers[0], 0);
+  EXPECT_GT(answers[1], 0);
+  EXPECT_EQ(pass.lowest_asked(), INFINITY);
+  EXPECT_FALSE(pass.missed());
+  // More than the candidates: a count, below them a pass over the bucket (of about 3,900, a
+  // question the bound learns).
+  EXPECT_TRUE(pass.holds(2.3, candidates + 1));
+  EXPECT_TRUE(pass.missed());
+  EXPECT_EQ(pass.lowest_asked(), 2.3);
+}
+
 TEST(OnePass, TheBoundSettlesOnAStationaryStream) {
   CandidateBound bound;
   const int64_t k = 300;
@@ -680,6 +707,21 @@ TEST(OnePass, SIDCoDoesNotDependOnTheBound) {
       for (int stages : {1, 2, 0, -1})
         same_with_and_without_bound(
             [=] { return std::make_unique<SIDCo>(0.01, fit, stages, 0.25, std::nullopt, "gather", reference); });
+}
+
+// SAGE's default mode lists its band's top k from the bound's candidates: with its default
+// exchange (union, which zeroes nothing at the selection) and with gather (which does).
+TEST(OnePass, SAGEDoesNotDependOnTheBound) {
+  for (const char* exchange : {"union", "gather"}) {
+    for (bool ties : {false, true}) {
+      same_with_and_without_bound(
+          [=] {
+            return std::make_unique<SAGE>(0.01, "flat", std::vector<int64_t>{}, false, 3, std::nullopt,
+                                          std::string(exchange));
+          },
+          ties);
+    }
+  }
 }
 
 /// A banded method's default mode (MiCRO, ExDyna, SAGE) on `ranks` ranks, twice side by side: the

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <numeric>
 
 #include "gradsparse/key_bins.h"
 #include "gradsparse/methods.h"
@@ -517,7 +518,7 @@ Selection OnePass::select(double threshold, bool strict, bool zero) {
   return s;
 }
 
-Selection OnePass::largest(int64_t k) {
+Selection OnePass::largest(int64_t k, bool zero) {
   GS_ASSERT(range_.begin == 0 && range_.end == bucket_.numel);
   k = std::min(k, bucket_.numel);
   if (k <= 0) return device_.emit(bucket_, {}, {}, false);
@@ -527,14 +528,34 @@ Selection OnePass::largest(int64_t k) {
     const Positions chosen =
         with_keys([&](const auto& keys) { return method_util::largest_positions(keys, k, kth_key); });
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
-    s = emit(chosen, kNoKey, /*zero=*/true, method_util::key_value(bucket_.dtype, kth_key));
+    s = emit(chosen, kNoKey, zero, method_util::key_value(bucket_.dtype, kth_key));
+    s.kth_key = kth_key;
   } else {  // the k-th largest lies below the candidates, or they are out of date
-    s = reading().select_topk(bucket_, k, /*update=*/false);
+    s = reading().select_topk(bucket_, k, /*update=*/false, zero);
     // The bound learns the k-th magnitude only where it could be listed.
     if (k <= capacity_) asked(method_util::least_magnitude(bucket_, s), k, false);
   }
-  stale_ = true;
+  stale_ = stale_ || zero;
   return s;
+}
+
+bool OnePass::holds(double threshold, int64_t k) {
+  const uint32_t key = key_of(threshold, false);
+  if (!scan_.complete() || stale_ || scan_.above < k) return counts({threshold}, /*strict=*/false)[0] >= k;
+  // The k largest are candidates: the question is whether the k-th largest reaches the threshold,
+  // not a count for the bound to cover (the step's selection asks the k-th largest itself).
+  if (key <= lower_key_) return true;
+  return with_keys([&](const auto& keys) {
+    const int64_t n = static_cast<int64_t>(keys.size());
+    std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n)), 0);
+    parallel_blocks(num_blocks(n), [&](int64_t b) {
+      int64_t c = 0;
+      for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j)
+        c += keys[static_cast<size_t>(j)] >= key ? 1 : 0;
+      in_block[static_cast<size_t>(b)] = c;
+    });
+    return std::accumulate(in_block.begin(), in_block.end(), int64_t{0}) >= k;
+  });
 }
 
 double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s) {

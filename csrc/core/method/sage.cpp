@@ -128,48 +128,29 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     const double w = sampled ? BandController::band_factor(0) : committed_.band;
     // The band from `low`: its exact top k where it holds k or more; where it holds fewer and is
     // the `last`, all of it, and the next step samples its prediction (a restart); otherwise
-    // nothing (false). Listed in one pass (with the update, where `update`), then chosen on the
-    // host; or, where the host does not read the bucket in place, counted and selected by passes
-    // on the device.
-    auto restart = [&](double low) {
-      lambda = low;
-      pending_.restart = true;
-    };
-    auto band = [&](double low, bool update, bool last) {
-      if (lists_candidates(device, listing_)) {
-        const Scan scan = device.scan(bucket, update, method_util::whole(bucket), low, /*capacity=*/-1, /*sums=*/false);
-        if (update) nonfinite = scan.moments.nonfinite;
-        const Candidates& c = scan.candidates;
-        const bool enough = static_cast<int64_t>(c.size()) >= k;
-        if (!enough && !last) return false;
-        Positions chosen;
-        if (enough) {
-          uint32_t kth_key;
-          chosen = method_util::largest_positions(method_util::float_keys(c.value), k, kth_key);
-          lambda = static_cast<double>(method_util::from_key<float>(kth_key));
-        } else {
-          chosen.resize(c.size());
-          std::iota(chosen.begin(), chosen.end(), size_t{0});
-        }
-        s = method_util::emit_subset(device, bucket, c, chosen, zero);
-        if (!enough) restart(low);
+    // nothing (false). One pass with the update lists the candidates from the bound (OnePass):
+    // where k of them lie above the band's edge, the band holds its top k; the band's count is
+    // a pass only where it reaches below them. On a device whose memory the host does not read
+    // in place, the count and the selection are passes on the device.
+    OnePass pass(device, bucket, bound_, k, listing_, method_util::whole(bucket), /*sums=*/false);
+    nonfinite = pass.moments().nonfinite;
+    auto band = [&](double low, bool last) {
+      const bool enough = pass.holds(low, k);
+      if (!enough && !last) return false;
+      if (enough) {
+        s = pass.largest(k, zero);
+        lambda = method_util::least_magnitude(bucket, s);
       } else {
-        if (update) nonfinite = method_util::update_pass(device, bucket);
-        const bool enough = device.count(bucket, method_util::whole(bucket), {low}, false)[0] >= k;
-        if (!enough && !last) return false;
-        if (enough) {
-          s = device.select_topk(bucket, k, /*update=*/false, zero);
-          lambda = method_util::least_magnitude(bucket, s);
-        } else {
-          s = device.select(bucket, SelectRule{low, false, method_util::whole(bucket), false, zero});
-          restart(low);
-        }
+        s = pass.select(low, /*strict=*/false, zero);
+        lambda = low;
+        pending_.restart = true;
       }
       return true;
     };
     // Where the band of a step that did not sample holds fewer than k, its prediction missed by
-    // more than the band's width: once more from as far below (one more pass, without the update).
-    if (!band(prediction / w, /*update=*/true, /*last=*/sampled)) band(prediction / (w * w), false, true);
+    // more than the band's width: once more from as far below.
+    if (!band(prediction / w, /*last=*/sampled)) band(prediction / (w * w), true);
+    bound_.learn(pass);
     // The next band (MiCRO's rule, method-spec 4.8): twice this prediction's miss of λ, or 0.9 of
     // this band in log scale, from 1.05 to 1.25; the widest after a sampled step (whose prediction
     // is the sample's) and after a restart (whose next step samples).

@@ -185,7 +185,7 @@ class SAGE final : public Method {
  public:
   enum class Sampling { kFlat, kPerTensor };
   /// `segments`: the sizes of the bucket's parameters, in order (for per-tensor sampling).
-  /// `listing`: where the default mode lists its band's candidates for the host (one_pass.h). Where
+  /// `listing`: where the default mode's one pass lists candidates for the host (one_pass.h). Where
   /// it does not (a GPU), the band's count, its top k and the selection are passes on the device.
   SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
        std::optional<double> initial_threshold, std::optional<std::string> exchange,
@@ -223,6 +223,7 @@ class SAGE final : public Method {
   std::optional<double> initial_;
   ExchangeSetting exchange_;
   Listing listing_;
+  CandidateBound bound_;  ///< default mode: where the next step's one pass starts listing candidates
   Step committed_;
   Step pending_;
   double reported_ = std::numeric_limits<double>::quiet_NaN();  // the last step's λ (NaN: an empty bucket)

@@ -165,9 +165,14 @@ class OnePass {
   /// longer match the residual, so any question after it passes over the bucket (and counts as
   /// one the candidates missed).
   Selection select(double threshold, bool strict, bool zero);
-  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual (as
-  /// select() with `zero`).
-  Selection largest(int64_t k);
+  /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual
+  /// where `zero` (as select()); the selection's kth_key is the k-th largest's key.
+  Selection largest(int64_t k, bool zero = true);
+  /// Whether at least k elements of the range have |v| >= threshold. Where the candidates hold
+  /// k or more, from them, and not a question the bound learns from (whether the k-th largest
+  /// reaches the threshold: a band's edge below the candidates holds them all); otherwise a count
+  /// (counts()).
+  bool holds(double threshold, int64_t k);
   /// The s-th largest magnitude |v| among a sample of the range: the elements whose bit is set
   /// in `sampled` (a bitmap over the bucket's positions, as sample_distinct_bits writes it; `count`
   /// bits set, all inside the range, 1 <= s <= count). From the candidates when at least s sampled
