@@ -5,8 +5,9 @@
 //
 //     OMP_NUM_THREADS=2 <dir>/select_step gaussiank 0.01 [steps=20] [n=25e6]
 //
-// Every step restores the residual first and scales the gradient (the same data each step at a
-// scale of its own, as benchmarks/select.py's gradients: the threshold moves as in training),
+// Every step restores the residual first and takes its gradient as benchmarks/select.py's
+// step_gradient does (one of 4 draws in turn, at a scale of its own: the threshold moves as in
+// training),
 // skips the method's first 20 steps (benchmarks.select's warm-up), times a residual add on the
 // same data just before each step, and reads the step's
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
@@ -68,13 +69,14 @@ int main(int argc, char** argv) {
                  name.c_str());
     return 2;
   }
-  std::vector<float> grad(static_cast<size_t>(n)), start(grad.size()), residual(grad.size()), out(grad.size());
+  constexpr int kDraws = 4;  // as benchmarks.select: each draw has its own largest magnitudes
+  std::vector<std::vector<float>> draws(kDraws, std::vector<float>(static_cast<size_t>(n)));
+  std::vector<float> start(static_cast<size_t>(n)), residual(start.size()), out(start.size());
   std::mt19937 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (size_t i = 0; i < grad.size(); ++i) {
-    grad[i] = normal(rng) * 1e-3f;
-    start[i] = normal(rng) * 5e-4f;
-  }
+  for (size_t i = 0; i < start.size(); ++i) start[i] = normal(rng) * 5e-4f;
+  for (std::vector<float>& draw : draws)
+    for (float& g : draw) g = normal(rng) * 1e-3f;
   auto group = ThreadGroup::create(1);
   auto transport = group->transport(0);
   CpuDevice device;
@@ -83,18 +85,18 @@ int main(int argc, char** argv) {
   constexpr int kWarmup = 20;  // as benchmarks.select: a method's first steps, while it learns the scale
   for (int s = 0; s < steps + kWarmup; ++s) {
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
+    const float* g = draws[static_cast<size_t>(s % kDraws)].data();
     const auto t0 = std::chrono::steady_clock::now();
     float* r = residual.data();
-    const float* g = grad.data();
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < n; ++i) r[i] += g[i];
     const double t_add = seconds_since(t0);
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
-    // The gradient at a scale of its own each step, exp(0.06 z) with z a standard normal seeded by
-    // the step, as benchmarks.select's step_gradient scales it (other numbers, the same spread).
+    // The step's draw at a scale of its own, exp(0.06 z) with z a standard normal seeded by the
+    // step, as benchmarks.select's step_gradient scales it (other numbers, the same spread).
     std::mt19937 scale_rng(static_cast<unsigned>(s));
     const auto scale = static_cast<float>(std::exp(0.06 * std::normal_distribution<double>(0.0, 1.0)(scale_rng)));
-    for (size_t i = 0; i < out.size(); ++i) out[i] = grad[i] * scale;
+    for (size_t i = 0; i < out.size(); ++i) out[i] = g[i] * scale;
     BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};
     const ReduceReport report = reduce_bucket(method.get(), *transport, device, bucket, ReduceOptions{});
     if (s < kWarmup) continue;
