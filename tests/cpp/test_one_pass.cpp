@@ -354,6 +354,36 @@ TEST(OnePass, TheBoundStaysBelowAThresholdThatMoves) {
   EXPECT_EQ(missed, 0);
 }
 
+/// Where the threshold moves and a method asks, every fourth step, about a threshold 6% below
+/// its k-th largest (as RedSync's first count does when the largest magnitude moves), the bound
+/// stands below that question's usual place relative to the step's estimate: no step misses, and
+/// none lists from as far below as a bound placed below the last lowest question would (which,
+/// after such a step, put it there and then lower by the spread of the moves).
+TEST(OnePass, TheBoundStandsBelowQuestionsAwayFromTheEstimate) {
+  const int64_t n = 70 * kCpuBlock + 5, k = n / 100;
+  const std::vector<float> grad = ref::random_vector<float>(n, 31), start = ref::random_vector<float>(n, 32, 0.5f);
+  CpuDevice device;
+  CandidateBound bound;
+  int missed = 0;
+  int64_t most = 0;
+  for (int step = 0; step < 40; ++step) {
+    const float scale = step % 2 == 1 ? 1.05f : 1.0f;
+    std::vector<float> g(grad), r(start);
+    for (float& v : g) v *= scale;
+    BucketView view{DType::kFloat32, n, g.data(), r.data()};
+    OnePass pass(device, view, bound, k);
+    if (step % 4 == 2 && std::isfinite(pass.estimate())) pass.counts({0.94 * pass.estimate()}, true)[0];
+    pass.largest(k);
+    if (step >= 16) {
+      missed += pass.missed() || pass.overflowed() ? 1 : 0;
+      most = std::max(most, pass.candidates());
+    }
+    bound.learn(pass);
+  }
+  EXPECT_EQ(missed, 0);
+  EXPECT_LT(most, 23 * k / 10) << most;  // 2.6 k with the bound below the last lowest question
+}
+
 /// Over a bucket of 64 blocks and more whose threshold has been moving (`moving`: by 10% a step),
 /// the scan zeroes from this step's k-th largest magnitude, estimated from a sample of its blocks
 /// before the scan, and not from the last step's threshold: a step whose gradient grew by 15%

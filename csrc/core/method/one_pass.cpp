@@ -173,25 +173,37 @@ void CandidateBound::learn(const OnePass& pass) {
   const double t = pass.lowest_asked();
   const bool asked = std::isfinite(t) && t > 0.0;
   if (asked && std::isfinite(last_)) {
-    const double move = std::log(t / last_), miss = move - std::log(pass.rescale());
+    const double move = std::log(t / last_);
     moves_ = 0.9 * moves_ + 0.1 * move * move;
-    misses_ = 0.9 * misses_ + 0.1 * miss * miss;
   }
   if (asked) last_ = t;
   estimate_ = pass.estimate();
-  // The bound's next step follows its estimate where the threshold moves (OnePass): then the
-  // factor covers what the estimate misses of the lowest question, otherwise the moves.
-  const double spread = std::sqrt(moves() >= 0.01 ? misses_ : moves_);
+  // Where the threshold moves, OnePass moves the bound by its estimate (OnePass::rescale): then
+  // the bound stands below the lowest question's usual place relative to the estimate (a moving
+  // mean of its log ratio) by that ratio's spread, which holds both the estimate's error and a
+  // method's own questions away from the k-th largest (RedSync's first count moves with the
+  // largest magnitude). Otherwise below the last lowest question, by the spread of its moves.
+  const bool follows = asked && std::isfinite(estimate_) && estimate_ > 0.0;
+  if (follows) {
+    const double r = std::log(t / estimate_);
+    ratio_mean_ = ratios_ == 0 ? r : 0.95 * ratio_mean_ + 0.05 * r;
+    ratio_square_ = ratios_ == 0 ? r * r : 0.95 * ratio_square_ + 0.05 * r * r;
+    ++ratios_;
+  }
+  const bool by_estimate = follows && moves() >= 0.01;
+  const double spread =
+      by_estimate ? std::sqrt(std::max(0.0, ratio_square_ - ratio_mean_ * ratio_mean_)) : std::sqrt(moves_);
   // A question fell below the candidates: start lower. Otherwise (also where the candidates were
-  // too many, which a closer start lists fewer of) halfway closer, up to 2.5 standard deviations
-  // of that spread below (0.98 where nothing moves).
+  // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 standard
+  // deviations of that spread (0.98 where nothing moves): a spread that grew widens it at once.
   const double closest = std::exp(-std::max(0.02, 2.5 * spread));
   if (pass.missed() && !pass.overflowed()) {
     factor_ = std::max(0.25, factor_ * 0.8);
-  } else if (factor_ < closest) {
+  } else {
     factor_ = std::min(closest, 1.0 - (1.0 - factor_) / 2.0);
   }
-  lower_ = std::isfinite(t) && t > 0.0 ? factor_ * t : std::numeric_limits<double>::infinity();
+  const double from = by_estimate ? estimate_ * std::exp(ratio_mean_) : t;
+  lower_ = asked ? factor_ * from : std::numeric_limits<double>::infinity();
   zero_from_ = pass.zeroed_from();
 }
 

@@ -38,12 +38,12 @@ inline bool lists_candidates(const Device& device, Listing listing) {
 
 /// Where a method's next step starts listing candidates: a factor below the lowest threshold its
 /// last step asked about, widened when a question fell below the candidates and otherwise
-/// tightened halfway, up to 2.5 standard deviations of that question's log moves from step to step
-/// below it (a bound closer than the moves is missed every few steps, and each miss costs a
+/// tightened halfway, but never within 2.5 standard deviations of that question's log moves from
+/// step to step (a bound closer than the moves is missed every few steps, and each miss costs a
 /// pass). Where the threshold moves (by 1% a step or more), OnePass moves the bound by the change
-/// of an estimate of the k-th largest magnitude made before its scan, and the factor then covers
-/// only what that misses. Not part of a checkpoint (it changes the time of a step, never its
-/// result).
+/// of an estimate of the k-th largest magnitude made before its scan, and the bound stands below
+/// the lowest question's usual place relative to that estimate, by 2.5 standard deviations of
+/// their log ratio. Not part of a checkpoint (it changes the time of a step, never its result).
 class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
@@ -75,8 +75,12 @@ class CandidateBound {
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
   double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
-  double moves_ = 0.0;   ///< a moving mean of the squared log moves of the lowest question, step to step
-  double misses_ = 0.0;  ///< the same of those moves less the step's rescale (OnePass::rescale)
+  double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
+  /// Moving means of ln(lowest question / the step's estimate) and of its square, over the steps
+  /// with an estimate (`ratios_` of them).
+  double ratio_mean_ = 0.0;
+  double ratio_square_ = 0.0;
+  int64_t ratios_ = 0;
   double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
 };
