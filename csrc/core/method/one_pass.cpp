@@ -552,10 +552,11 @@ Selection OnePass::largest(int64_t k, bool zero) {
 }
 
 bool OnePass::holds(double threshold, int64_t k) {
+  // Whether the k-th largest reaches the threshold: not a question for the bound to cover, since
+  // a bound at the k-th largest answers it (the step's selection then asks the k-th largest).
+  if (!scan_.complete() || stale_ || scan_.above < k)
+    return reading().count(bucket_, range_, {threshold}, /*strict=*/false)[0] >= k;
   const uint32_t key = key_of(threshold, false);
-  if (!scan_.complete() || stale_ || scan_.above < k) return counts({threshold}, /*strict=*/false)[0] >= k;
-  // The k largest are candidates: the question is whether the k-th largest reaches the threshold,
-  // not a count for the bound to cover (the step's selection asks the k-th largest itself).
   if (key <= lower_key_) return true;
   return with_keys([&](const auto& keys) {
     const int64_t n = static_cast<int64_t>(keys.size());

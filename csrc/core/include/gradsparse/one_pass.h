@@ -172,10 +172,10 @@ class OnePass {
   /// The exact k largest magnitudes of the range (ties: lowest index), zeroed in the residual
   /// where `zero` (as select()); the selection's kth_key is the k-th largest's key.
   Selection largest(int64_t k, bool zero = true);
-  /// Whether at least k elements of the range have |v| >= threshold. Where the candidates hold
-  /// k or more, from them, and not a question the bound learns from (whether the k-th largest
-  /// reaches the threshold: a band's edge below the candidates holds them all); otherwise a count
-  /// (counts()).
+  /// Whether at least k elements of the range have |v| >= threshold: from the candidates where
+  /// they hold k or more (a band's edge below them holds them all), otherwise by a read-only pass.
+  /// Not a question the bound learns from: it asks whether the k-th largest reaches the
+  /// threshold, which a bound at the k-th largest answers.
   bool holds(double threshold, int64_t k);
   /// The s-th largest magnitude |v| among a sample of the range: the elements whose bit is set
   /// in `sampled` (a bitmap over the bucket's positions, as sample_distinct_bits writes it; `count`
