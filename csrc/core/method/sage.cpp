@@ -6,7 +6,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <numeric>
 #include <utility>
 
 #include "gradsparse/methods.h"
