@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <numeric>
 
 #include "gradsparse/key_bins.h"
 #include "gradsparse/methods.h"
@@ -45,6 +44,27 @@ std::vector<float> sampled_candidates(const Candidates& c, bool listed, const Sa
   });
   for (const std::vector<float>& part : parts) magnitude.insert(magnitude.end(), part.begin(), part.end());
   return magnitude;
+}
+
+/// How many of the keys reach each of a few keys `at` (0 for kNoKey, which no key reaches): in
+/// blocks on the pool's threads, each block compared with every key of `at` while it is in cache,
+/// one vectorised comparison loop (no branch) per key of `at`.
+template <typename Keys>
+std::vector<int64_t> count_reaching(const Keys& keys, const std::vector<uint32_t>& at) {
+  const int64_t n = static_cast<int64_t>(keys.size()), m = static_cast<int64_t>(at.size());
+  std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n) * m), 0);
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t key = at[static_cast<size_t>(i)];
+      int64_t c = 0;
+      for (int64_t j = begin; j < end; ++j) c += keys[static_cast<size_t>(j)] >= key ? 1 : 0;
+      in_block[static_cast<size_t>(b * m + i)] = c;
+    }
+  });
+  std::vector<int64_t> counts(static_cast<size_t>(m), 0);
+  for (size_t x = 0; x < in_block.size(); ++x) counts[x % static_cast<size_t>(m)] += in_block[x];
+  return counts;
 }
 
 /// Leaves the residual zero at exactly the chosen candidates among those the scan zeroed
@@ -433,21 +453,9 @@ int64_t OnePass::Counts::operator[](size_t j) {
       // mispredicted branch per candidate cost more than the count. A few keys: one vectorised
       // comparison loop per key; more: one look-up per candidate in a table of bins.
       if (which.size() <= kFewKeys) {
-        // In blocks on the pool's threads, each block compared with every key while it is in cache.
-        pass_.with_keys([&](const auto& keys) {
-          const int64_t n = static_cast<int64_t>(keys.size()), m = static_cast<int64_t>(which.size());
-          std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n) * m), 0);
-          parallel_blocks(num_blocks(n), [&](int64_t b) {
-            const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-            for (int64_t i = 0; i < m; ++i) {
-              const uint32_t at = keys_[which[i]];
-              int64_t c = 0;  // 0 for kNoKey, which no key reaches
-              for (int64_t j = begin; j < end; ++j) c += keys[static_cast<size_t>(j)] >= at ? 1 : 0;
-              in_block[b * m + i] = c;
-            }
-          });
-          for (size_t x = 0; x < in_block.size(); ++x) counts[x % which.size()] += in_block[x];
-        });
+        std::vector<uint32_t> at;
+        for (size_t i : which) at.push_back(keys_[i]);
+        counts = pass_.with_keys([&](const auto& keys) { return count_reaching(keys, at); });
       } else {
         const HostBuffer<uint32_t>& keys = pass_.keys();
         std::vector<uint32_t> sorted;
@@ -558,17 +566,7 @@ bool OnePass::holds(double threshold, int64_t k) {
     return reading().count(bucket_, range_, {threshold}, /*strict=*/false)[0] >= k;
   const uint32_t key = key_of(threshold, false);
   if (key <= lower_key_) return true;
-  return with_keys([&](const auto& keys) {
-    const int64_t n = static_cast<int64_t>(keys.size());
-    std::vector<int64_t> in_block(static_cast<size_t>(num_blocks(n)), 0);
-    parallel_blocks(num_blocks(n), [&](int64_t b) {
-      int64_t c = 0;
-      for (int64_t j = b * kCpuBlock; j < std::min(n, (b + 1) * kCpuBlock); ++j)
-        c += keys[static_cast<size_t>(j)] >= key ? 1 : 0;
-      in_block[static_cast<size_t>(b)] = c;
-    });
-    return std::accumulate(in_block.begin(), in_block.end(), int64_t{0}) >= k;
-  });
+  return with_keys([&](const auto& keys) { return count_reaching(keys, {key})[0] >= k; });
 }
 
 double OnePass::kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s) {
