@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> str:
         "--drift-size",
         type=float,
         default=200_000,
-        help="elements of the drift stream (from 128 blocks of 32768, about 4.2M, SIDCo's default mode samples)",
+        help="elements of the drift stream (from 32 blocks of 32768, about 1.05M, SIDCo's default mode samples)",
     )
     parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
     parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")

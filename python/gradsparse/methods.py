@@ -238,7 +238,7 @@ class ExDyna(_Partitioned):
 class SIDCo(State):
     """SIDCo: thresholds from statistical fits of the normalised magnitudes, refined over stages.
     Default mode: the last stage's threshold steered to k elements by the density control, and
-    from about 4.2M elements on the later stages' statistics taken on a sample of the bucket's
+    from about 1M elements on the later stages' statistics taken on a sample of the bucket's
     blocks (docs/method-spec.md 4.10); ``reference=True``: the fits' threshold as it is, every
     statistic over the whole bucket. Exchange: gather-and-add, or reduce-scatter + all-gather
     (``exchange``)."""

@@ -772,7 +772,7 @@ class ExDyna(Partitioned):
 
 TINY = 2.0**-52
 CPU_BLOCK = 1 << 15  # elements per block of the core's CPU passes
-SAMPLE_BLOCKS = 64  # the default mode's later statistics read at least this many blocks
+SAMPLE_BLOCKS = 16  # the default mode's later statistics read at least this many blocks
 
 
 def block_sample(n: int) -> torch.Tensor:

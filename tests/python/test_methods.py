@@ -516,13 +516,13 @@ def test_degenerate_input_matches_restatement(case, world):
     compare(name, kwargs, make(n), world, partitioned=partitioned)
 
 
-N_SAMPLED = 129 * rs.CPU_BLOCK + 5  # 130 blocks: SIDCo's default mode reads blocks 0, 2, 4, ...
+N_SAMPLED = 33 * rs.CPU_BLOCK + 5  # 34 blocks: SIDCo's default mode reads blocks 0, 2, 4, ...
 
 
 @pytest.mark.parametrize("fit", ["exp", "gpareto", "gamma_gpareto"])
 def test_sidco_default_mode_samples_large_buckets(fit):
-    """From 128 blocks on, the default mode's later stages (and gamma's mean log) read a sample of
-    at least 64 blocks spread over the bucket (rs.block_sample): the restatement reads the same
+    """From 32 blocks on, the default mode's later stages (and gamma's mean log) read a sample of
+    at least 16 blocks spread over the bucket (rs.block_sample): the restatement reads the same
     blocks, and selections, thresholds, outputs and residuals agree at every step (with the whole
     bucket in the restatement instead, every fit's selection differs at the first step)."""
     grads = gradient_stream(N_SAMPLED, 3, SEED + 6, world=2)

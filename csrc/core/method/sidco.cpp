@@ -11,10 +11,12 @@ namespace gradsparse {
 namespace {
 /// The default mode's statistics beyond the fused pass's moments (the exceedances of every later
 /// stage, gamma's sum of logs) read at least this many blocks of kCpuBlock elements, spread over
-/// the bucket (BlockSample), instead of the whole bucket: 2M elements estimate a mean, variance or
-/// mean log well enough for the density control that follows, and a bucket of 25M elements is
-/// then read once, not two or three times. The reference mode reads everything.
-constexpr int64_t kSampleBlocks = 64;
+/// the bucket (BlockSample), instead of the whole bucket: 0.5M elements estimate a mean, variance
+/// or mean log well enough for the density control that follows, and a bucket of 25M elements is
+/// then read once, not two or three times. 64 blocks (2.3M elements at 25M, read twice for
+/// gamma_gpareto) cost 1.1 ms a step there, 16 blocks 0.2 ms (docs/benchmarks.md, 2026-12-03).
+/// The reference mode reads everything.
+constexpr int64_t kSampleBlocks = 16;
 
 SidcoFit parse_fit(const std::string& fit) {
   if (fit == "exp") return SidcoFit::kExp;
