@@ -203,16 +203,19 @@ void CandidateBound::learn(const OnePass& pass) {
   // mean of its log ratio) by that ratio's spread, which holds both the estimate's error and a
   // method's own questions away from the k-th largest (RedSync's first count moves with the
   // largest magnitude). Otherwise below the last lowest question, by the spread of its moves.
+  // The spread is the mean absolute deviation (times sqrt(pi / 2), a standard deviation where
+  // the ratios are normal), which one far question moves in proportion to its distance, not its
+  // square: a single question 30% below the estimate widened a standard deviation so much that
+  // the bound listed 3.5k candidates and still 1.7k forty steps later (k about 23 thousand).
   const bool follows = asked && std::isfinite(estimate_) && estimate_ > 0.0;
   if (follows) {
     const double r = std::log(t / estimate_);
+    ratio_deviation_ = ratios_ == 0 ? 0.0 : 0.95 * ratio_deviation_ + 0.05 * std::fabs(r - ratio_mean_);
     ratio_mean_ = ratios_ == 0 ? r : 0.95 * ratio_mean_ + 0.05 * r;
-    ratio_square_ = ratios_ == 0 ? r * r : 0.95 * ratio_square_ + 0.05 * r * r;
     ++ratios_;
   }
   const bool by_estimate = follows && moves() >= 0.01;
-  const double spread =
-      by_estimate ? std::sqrt(std::max(0.0, ratio_square_ - ratio_mean_ * ratio_mean_)) : std::sqrt(moves_);
+  const double spread = by_estimate ? std::sqrt(std::acos(-1.0) / 2.0) * ratio_deviation_ : std::sqrt(moves_);
   // A question fell below the candidates: start lower. Otherwise (also where the candidates were
   // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 standard
   // deviations of that spread (0.98 where nothing moves): a spread that grew widens it at once.

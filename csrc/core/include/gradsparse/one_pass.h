@@ -76,10 +76,10 @@ class CandidateBound {
   double lower_ = std::numeric_limits<double>::infinity();
   double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
   double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
-  /// Moving means of ln(lowest question / the step's estimate) and of its square, over the steps
-  /// with an estimate (`ratios_` of them).
+  /// Moving means of r = ln(lowest question / the step's estimate) and of |r - that mean|, over
+  /// the steps with an estimate (`ratios_` of them).
   double ratio_mean_ = 0.0;
-  double ratio_square_ = 0.0;
+  double ratio_deviation_ = 0.0;
   int64_t ratios_ = 0;
   double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
