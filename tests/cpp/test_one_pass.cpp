@@ -355,34 +355,49 @@ TEST(OnePass, TheBoundStaysBelowAThresholdThatMoves) {
   EXPECT_EQ(missed, 0);
 }
 
+/// A bound through a bucket of 70 blocks whose gradient grows by 5% every other step (k = 1% of
+/// it): `ask(step, pass)` asks a step's questions before its top k, `look(step, pass)` sees the
+/// finished step before the bound learns from it.
+constexpr int64_t kMovingN = 70 * kCpuBlock + 5, kMovingK = kMovingN / 100;
+template <typename Ask, typename Look>
+void moving_stream(int steps, const Ask& ask, const Look& look) {
+  const std::vector<float> grad = ref::random_vector<float>(kMovingN, 31),
+                           start = ref::random_vector<float>(kMovingN, 32, 0.5f);
+  CpuDevice device;
+  CandidateBound bound;
+  for (int step = 0; step < steps; ++step) {
+    const float scale = step % 2 == 1 ? 1.05f : 1.0f;
+    std::vector<float> g(grad), r(start);
+    for (float& v : g) v *= scale;
+    BucketView view{DType::kFloat32, kMovingN, g.data(), r.data()};
+    OnePass pass(device, view, bound, kMovingK);
+    ask(step, pass);
+    pass.largest(kMovingK);
+    look(step, pass);
+    bound.learn(pass);
+  }
+}
+
 /// Where the threshold moves and a method asks, every fourth step, about a threshold 6% below
 /// its k-th largest (as RedSync's first count does when the largest magnitude moves), the bound
 /// stands below that question's usual place relative to the step's estimate: no step misses, and
 /// none lists from as far below as a bound placed below the last lowest question would (which,
 /// after such a step, put it there and then lower by the spread of the moves).
 TEST(OnePass, TheBoundStandsBelowQuestionsAwayFromTheEstimate) {
-  const int64_t n = 70 * kCpuBlock + 5, k = n / 100;
-  const std::vector<float> grad = ref::random_vector<float>(n, 31), start = ref::random_vector<float>(n, 32, 0.5f);
-  CpuDevice device;
-  CandidateBound bound;
   int missed = 0;
   int64_t most = 0;
-  for (int step = 0; step < 40; ++step) {
-    const float scale = step % 2 == 1 ? 1.05f : 1.0f;
-    std::vector<float> g(grad), r(start);
-    for (float& v : g) v *= scale;
-    BucketView view{DType::kFloat32, n, g.data(), r.data()};
-    OnePass pass(device, view, bound, k);
-    if (step % 4 == 2 && std::isfinite(pass.estimate())) pass.counts({0.94 * pass.estimate()}, true)[0];
-    pass.largest(k);
-    if (step >= 16) {
-      missed += pass.missed() || pass.overflowed() ? 1 : 0;
-      most = std::max(most, pass.candidates());
-    }
-    bound.learn(pass);
-  }
+  moving_stream(
+      40,
+      [](int step, OnePass& pass) {
+        if (step % 4 == 2 && std::isfinite(pass.estimate())) pass.counts({0.94 * pass.estimate()}, true)[0];
+      },
+      [&](int step, const OnePass& pass) {
+        if (step < 16) return;
+        missed += pass.missed() || pass.overflowed() ? 1 : 0;
+        most = std::max(most, pass.candidates());
+      });
   EXPECT_EQ(missed, 0);
-  EXPECT_LT(most, 23 * k / 10) << most;  // 2.6 k with the bound below the last lowest question
+  EXPECT_LT(most, 23 * kMovingK / 10) << most;  // 2.6 k with the bound below the last lowest question
 }
 
 /// One question far below the estimate (30%, once) widens the bound for a few steps, not for
@@ -390,31 +405,23 @@ TEST(OnePass, TheBoundStandsBelowQuestionsAwayFromTheEstimate) {
 /// question moves in proportion to its distance. (With a standard deviation the bound listed
 /// 3.5k candidates three steps later and 1.7k forty steps later.)
 TEST(OnePass, OneFarQuestionWidensTheBoundForAFewStepsOnly) {
-  const int64_t n = 70 * kCpuBlock + 5, k = n / 100;
-  const std::vector<float> grad = ref::random_vector<float>(n, 31), start = ref::random_vector<float>(n, 32, 0.5f);
-  CpuDevice device;
-  CandidateBound bound;
   int missed = 0;
   int64_t before = 0, most = 0;
-  for (int step = 0; step < 36; ++step) {
-    const float scale = step % 2 == 1 ? 1.05f : 1.0f;
-    std::vector<float> g(grad), r(start);
-    for (float& v : g) v *= scale;
-    BucketView view{DType::kFloat32, n, g.data(), r.data()};
-    OnePass pass(device, view, bound, k);
-    if (step == 20) {
-      ASSERT_TRUE(std::isfinite(pass.estimate()));
-      pass.counts({0.7 * pass.estimate()}, true)[0];
-    }
-    pass.largest(k);
-    if (step >= 12 && step < 20) before = std::max(before, pass.candidates());
-    if (step > 21) missed += pass.missed() || pass.overflowed() ? 1 : 0;
-    if (step >= 23) most = std::max(most, pass.candidates());
-    bound.learn(pass);
-  }
+  moving_stream(
+      36,
+      [](int step, OnePass& pass) {
+        if (step != 20) return;
+        ASSERT_TRUE(std::isfinite(pass.estimate()));
+        pass.counts({0.7 * pass.estimate()}, true)[0];
+      },
+      [&](int step, const OnePass& pass) {
+        if (step >= 12 && step < 20) before = std::max(before, pass.candidates());
+        if (step > 21) missed += pass.missed() || pass.overflowed() ? 1 : 0;
+        if (step >= 23) most = std::max(most, pass.candidates());
+      });
   EXPECT_EQ(missed, 0);
-  EXPECT_LT(before, 12 * k / 10) << before;
-  EXPECT_LT(most, 18 * k / 10) << most;
+  EXPECT_LT(before, 12 * kMovingK / 10) << before;
+  EXPECT_LT(most, 18 * kMovingK / 10) << most;
 }
 
 /// Over a bucket of 64 blocks and more whose threshold has been moving (`moving`: by 10% a step),
