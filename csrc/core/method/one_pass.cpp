@@ -217,8 +217,8 @@ void CandidateBound::learn(const OnePass& pass) {
   const bool by_estimate = follows && moves() >= 0.01;
   const double spread = by_estimate ? std::sqrt(std::acos(-1.0) / 2.0) * ratio_deviation_ : std::sqrt(moves_);
   // A question fell below the candidates: start lower. Otherwise (also where the candidates were
-  // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 standard
-  // deviations of that spread (0.98 where nothing moves): a spread that grew widens it at once.
+  // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 times
+  // that spread (0.98 where nothing moves): a spread that grew widens it at once.
   const double closest = std::exp(-std::max(0.02, 2.5 * spread));
   if (pass.missed() && !pass.overflowed()) {
     factor_ = std::max(0.25, factor_ * 0.8);
