@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -46,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, markdown_table, median_seconds, number_list, write_result
+from benchmarks.utils import OUTPUT_HELP, cpu_description, markdown_table, median_seconds, number_list, write_result
 from gradsparse import _C
 
 WARMUP = 20  # a method's first steps, timed apart from the rest (--warmup)
@@ -293,8 +292,7 @@ def main(argv: list[str] | None = None) -> str:
     where = (
         torch.cuda.get_device_name()
         if args.device.startswith("cuda")
-        else f"{torch.get_num_threads()} torch threads, {gs.get_num_threads()} gradsparse threads, "
-        f"{platform.processor() or platform.machine()}"
+        else f"{torch.get_num_threads()} torch threads, {gs.get_num_threads()} gradsparse threads, {cpu_description()}"
     )
     text = f"# Selection cost (float32, {where}, torch {torch.__version__})\n\n" + markdown_table(headers, rows) + "\n"
     if args.methods and args.device == "cpu":
