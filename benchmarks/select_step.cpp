@@ -104,8 +104,10 @@ int main(int argc, char** argv) {
     add.push_back(t_add);
     exchange.push_back(report.exchange_seconds);
   }
-  std::printf("%s density %g, N %lld, %d steps: select %.2f ms, add %.2f ms, select / add %.2f, exchange %.2f ms\n",
-              name.c_str(), density, static_cast<long long>(n), steps, 1e3 * median(select), 1e3 * median(add),
-              median(select) / median(add), 1e3 * median(exchange));
+  std::printf(
+      "%s density %g, N %lld, %d steps, %s kernels: select %.2f ms, add %.2f ms, select / add %.2f, exchange %.2f "
+      "ms\n",
+      name.c_str(), density, static_cast<long long>(n), steps, cpu_simd_paths(), 1e3 * median(select),
+      1e3 * median(add), median(select) / median(add), 1e3 * median(exchange));
   return 0;
 }

@@ -28,25 +28,18 @@ def median_seconds(fn: Callable[[], object], setup: Callable[[], object] | None 
 
 
 def cpu_description() -> str:
-    """The CPU's model and the widest SIMD paths gradsparse's CPU kernels take on it (AVX-512,
-    AVX2 or portable code; GRADSPARSE_SIMD narrows them, as in kernels/cpu/simd.h): selection
-    costs move with both, and a shared machine's host can change from one day to the next."""
+    """The CPU's model and the widest SIMD paths gradsparse's CPU kernels take on it (avx512, avx2
+    or portable; GRADSPARSE_SIMD narrows them): selection costs move with both, and a shared
+    machine's host can change from one day to the next."""
+    import gradsparse
+
+    model = ""
     try:
         with open("/proc/cpuinfo") as f:
-            fields = [line.split(":", 1) for line in f if ":" in line]
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
-        return platform.processor() or platform.machine()
-    info = {key.strip(): value.strip() for key, value in fields}  # the last processor's entries
-    model = info.get("model name") or platform.machine()
-    flags = set(info.get("flags", "").split())
-    simd = os.environ.get("GRADSPARSE_SIMD", "")
-    if "avx2" not in flags or simd == "0":
-        paths = "portable"
-    elif "avx512f" not in flags or simd == "avx2":
-        paths = "AVX2"
-    else:
-        paths = "AVX-512"
-    return f"{model}, {paths} kernels"
+        pass
+    return f"{model or platform.processor() or platform.machine()}, {gradsparse.simd_paths()} kernels"
 
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:

@@ -148,6 +148,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_num_threads", &set_cpu_threads, py::arg("threads"),
         "Threads used by the CPU kernels (0 restores the default: GRADSPARSE_NUM_THREADS or OpenMP's).");
   m.def("get_num_threads", &cpu_threads, "Threads used by the CPU kernels.");
+  m.def("simd_paths", &cpu_simd_paths,
+        "The widest SIMD paths the CPU kernels take here: avx512, avx2 or portable (GRADSPARSE_SIMD narrows them).");
   m.def("target_count", &target_count, py::arg("density"), py::arg("n"),
         "floor(density * n), at least 1 when n > 0, at most n.");
 

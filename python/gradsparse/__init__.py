@@ -83,6 +83,7 @@ def set_num_threads(threads: int) -> None:
 
 
 get_num_threads = _C.get_num_threads
+simd_paths = _C.simd_paths
 built_with_cuda = _C.built_with_cuda
 
 
@@ -122,5 +123,6 @@ __all__ = [
     "select_threshold",
     "select_topk",
     "set_num_threads",
+    "simd_paths",
     "unpack",
 ]

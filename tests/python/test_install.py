@@ -107,17 +107,26 @@ for name in ("topk", "sage", "gaussiank"):
         )
         for t in (out, residual, velocity):
             digest.update(t.numpy().tobytes())
-print(digest.hexdigest())
+print(_C.simd_paths(), digest.hexdigest())
 """
 
 
 def test_every_simd_path_of_the_kernels_gives_the_same_steps_to_the_bit():
     """GRADSPARSE_SIMD chooses the kernels' paths (the widest the CPU has, AVX2, portable code):
-    the same steps, through the installed extension, give the same bytes on each."""
+    gs.simd_paths() names the one taken, and the same steps, through the installed extension,
+    give the same bytes on each."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "portable"
+    expected = {"1": widest, "avx2": "portable" if widest == "portable" else "avx2", "0": "portable"}
     digests = {}
     for simd in ("1", "avx2", "0"):
         out = _import_with({"GRADSPARSE_SIMD": simd}, _STEPS)
         assert out.returncode == 0, out.stderr
-        digests[simd] = out.stdout.strip()
+        paths, digests[simd] = out.stdout.split()
+        assert paths == expected[simd], (simd, paths, expected[simd])
     assert len(digests["1"]) == 64
     assert digests["avx2"] == digests["1"] and digests["0"] == digests["1"], digests

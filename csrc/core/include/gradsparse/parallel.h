@@ -24,6 +24,9 @@ inline int64_t num_blocks(int64_t n) { return (n + kCpuBlock - 1) / kCpuBlock; }
 int cpu_threads();
 /// Overrides the thread count for this process (0 restores the default).
 void set_cpu_threads(int threads);
+/// The widest SIMD paths the CPU kernels take on this CPU: "avx512", "avx2" or "portable" (the
+/// CPU's instructions, narrowed by GRADSPARSE_SIMD).
+const char* cpu_simd_paths();
 
 /// Runs f(block, thread) for block in [0, blocks) on up to `threads` threads (thread < threads),
 /// in parallel when there is more than one block. `f` must not throw.

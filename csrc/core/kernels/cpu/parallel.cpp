@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstdlib>
 
+#include "simd.h"
+
 namespace gradsparse {
 namespace {
 std::atomic<int> g_threads{0};
@@ -40,5 +42,17 @@ int cpu_threads() {
 }
 
 void set_cpu_threads(int threads) { g_threads.store(threads > 0 ? threads : 0, std::memory_order_relaxed); }
+
+const char* cpu_simd_paths() {
+  switch (cpu::simd_paths()) {
+    case cpu::Simd::kAvx512:
+      return "avx512";
+    case cpu::Simd::kAvx2:
+      return "avx2";
+    case cpu::Simd::kPortable:
+      break;
+  }
+  return "portable";
+}
 
 }  // namespace gradsparse
