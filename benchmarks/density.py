@@ -3,7 +3,8 @@
     python -m benchmarks.density [--steps 500] [--world-size 4] [--densities 0.01,0.001]
 
 Streams (every rank gets its own gradients; error feedback on, as in training):
-- drift: synthetic, n = 200,000 (--drift-size) in 8 "layers" of different scales; the global scale
+- drift: synthetic, n = 200,000 (--drift-size) in 8 "layers" (--drift-layers) of scales from 0.1 to 10
+  in random order; the global scale
   swings by a factor of 9 over about 20 steps (docs/method-spec.md ruling 1) and the shape moves
   between a normal and a heavy-tailed Student-t;
 - cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
@@ -69,10 +70,11 @@ GLOBAL_TARGET = ("MiCRO", "ExDyna", "SparDL")
 STREAMS = ("drift", "cnn")  # the gradient streams (see the module docstring)
 
 
-def drift_stream(steps: int, world_size: int, n: int = 200_000, seed: int = 0) -> list[list[torch.Tensor]]:
+def drift_stream(
+    steps: int, world_size: int, n: int = 200_000, seed: int = 0, layers: int = 8
+) -> list[list[torch.Tensor]]:
     """Synthetic gradients whose scale and shape drift (see the module docstring)."""
     torch.manual_seed(seed)
-    layers = 8
     layer_scale = torch.logspace(-1, 1, layers)[torch.randperm(layers)]
     bounds = torch.linspace(0, n, layers + 1).long()
     stream = []
@@ -187,6 +189,12 @@ def main(argv: list[str] | None = None) -> str:
         default=200_000,
         help="elements of the drift stream (from 32 blocks of 32768, about 1.05M, SIDCo's default mode samples)",
     )
+    parser.add_argument(
+        "--drift-layers",
+        type=int,
+        default=8,
+        help="layers of the drift stream, of scales from 0.1 to 10 (many small layers test a sampled fit)",
+    )
     parser.add_argument("--methods", default="", help="comma-separated method names of the tables (default: all)")
     parser.add_argument("--no-imbalance", action="store_true", help="skip the load-imbalance table")
     parser.add_argument("--imbalance-steps", type=int, default=100, help="steps of the load-imbalance table (> 10)")
@@ -200,6 +208,8 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--world-size must be at least 1 (thread ranks), got {args.world_size}")
     if not (math.isfinite(args.drift_size) and args.drift_size >= 1):
         parser.error(f"--drift-size must be a finite number of elements, at least 1, got {args.drift_size}")
+    if not 1 <= args.drift_layers <= args.drift_size:
+        parser.error(f"--drift-layers must be from 1 to --drift-size ({args.drift_size:g}), got {args.drift_layers}")
     densities = number_list(
         parser, "--densities", args.densities, lambda d: 0 < d <= 1, "density in (0, 1]", "0.01,0.001"
     )
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> str:
     text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"
     for stream_name in streams:
         if stream_name == "drift":
-            stream = drift_stream(args.steps, args.world_size, n=int(args.drift_size))
+            stream = drift_stream(args.steps, args.world_size, n=int(args.drift_size), layers=args.drift_layers)
         else:
             stream = cnn_stream(args.steps, args.world_size)
         rows = []
@@ -230,7 +240,8 @@ def main(argv: list[str] | None = None) -> str:
                     f"{stream_name:>5} {name:<26} density {density:<6} mean {mean:.3f} p95 {p95:.3f} band {band}",
                     flush=True,
                 )
-        text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,})\n\n"
+        layers = f", {args.drift_layers} layers" if stream_name == "drift" else ""
+        text += f"## Stream: {stream_name} (n = {stream[0][0].numel():,}{layers})\n\n"
         text += markdown_table(["method", "density", "mean |d/target - 1|", "p95", "mean band factor"], rows) + "\n\n"
     if not args.no_imbalance:
         rows = imbalance_table(args.world_size, densities, args.imbalance_steps)

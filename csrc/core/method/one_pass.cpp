@@ -210,9 +210,9 @@ void CandidateBound::learn(const OnePass& pass) {
   const bool follows = asked && std::isfinite(estimate_) && estimate_ > 0.0;
   if (follows) {
     const double r = std::log(t / estimate_);
-    ratio_deviation_ = ratios_ == 0 ? 0.0 : 0.95 * ratio_deviation_ + 0.05 * std::fabs(r - ratio_mean_);
-    ratio_mean_ = ratios_ == 0 ? r : 0.95 * ratio_mean_ + 0.05 * r;
-    ++ratios_;
+    ratio_deviation_ = has_ratio_ ? 0.95 * ratio_deviation_ + 0.05 * std::fabs(r - ratio_mean_) : 0.0;
+    ratio_mean_ = has_ratio_ ? 0.95 * ratio_mean_ + 0.05 * r : r;
+    has_ratio_ = true;
   }
   const bool by_estimate = follows && moves() >= 0.01;
   const double spread = by_estimate ? std::sqrt(std::acos(-1.0) / 2.0) * ratio_deviation_ : std::sqrt(moves_);

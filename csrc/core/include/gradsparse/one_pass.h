@@ -42,8 +42,9 @@ inline bool lists_candidates(const Device& device, Listing listing) {
 /// step to step (a bound closer than the moves is missed every few steps, and each miss costs a
 /// pass). Where the threshold moves (by 1% a step or more), OnePass moves the bound by the change
 /// of an estimate of the k-th largest magnitude made before its scan, and the bound stands below
-/// the lowest question's usual place relative to that estimate, by 2.5 standard deviations of
-/// their log ratio. Not part of a checkpoint (it changes the time of a step, never its result).
+/// the lowest question's usual place relative to that estimate, by 2.5 times the spread of their
+/// log ratio (a mean absolute deviation scaled to a standard deviation, which one far question
+/// moves less). Not part of a checkpoint (it changes the time of a step, never its result).
 class CandidateBound {
  public:
   /// The lower bound of the next step's candidates (+inf before the first step: no candidates).
@@ -77,10 +78,10 @@ class CandidateBound {
   double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
   double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
   /// Moving means of r = ln(lowest question / the step's estimate) and of |r - that mean|, over
-  /// the steps with an estimate (`ratios_` of them).
+  /// the steps with an estimate (`has_ratio_`: since one had).
   double ratio_mean_ = 0.0;
   double ratio_deviation_ = 0.0;
-  int64_t ratios_ = 0;
+  bool has_ratio_ = false;
   double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
 };
