@@ -185,6 +185,11 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
         (["--densities", "0.01,abc"], "--densities: 'abc' is no density in (0, 1]; write e.g. 0.01,0.001"),
         (["--densities", "0.01,0"], "--densities: '0' is no density in (0, 1]"),
         (["--drift-size", "nan"], "--drift-size must be a finite number of elements, at least 1, got nan"),
+        (["--drift-layers", "0"], "--drift-layers must be from 1 to --drift-size (200000), got 0"),
+        (
+            ["--drift-size", "100", "--drift-layers", "101"],
+            "--drift-layers must be from 1 to --drift-size (100), got 101",
+        ),
         # an unknown stream ran the CNN's under that name; an unknown method left an empty table
         (["--streams", "drift,resnet"], "--streams: unknown 'resnet'; choose from drift, cnn"),
         (["--methods", "TopK,topk"], "--methods: unknown 'topk'; choose from TopK, RandomK"),
