@@ -3,10 +3,9 @@
     python -m benchmarks.density [--steps 500] [--world-size 4] [--densities 0.01,0.001]
 
 Streams (every rank gets its own gradients; error feedback on, as in training):
-- drift: synthetic, n = 200,000 (--drift-size) in 8 "layers" (--drift-layers) of scales from 0.1 to 10
-  in random order; the global scale
-  swings by a factor of 9 over about 20 steps (docs/method-spec.md ruling 1) and the shape moves
-  between a normal and a heavy-tailed Student-t;
+- drift: synthetic, n = 200,000 (--drift-size) in 8 "layers" (--drift-layers) of scales from 0.1
+  to 10 in random order; the global scale swings by a factor of 9 over about 20 steps
+  (docs/method-spec.md ruling 1) and the shape moves between a normal and a heavy-tailed Student-t;
 - cnn: gradients recorded from the demo model (SmallCNN on Fashion-MNIST, 80,202 parameters,
   SGD, one mini-batch per rank and step).
 For each method, after 50 warm-up steps: the mean and the 95th percentile of
