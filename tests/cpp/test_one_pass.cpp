@@ -8,7 +8,10 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -42,15 +45,26 @@ DType dtype_of() {
 
 constexpr int64_t kN = 3 * kCpuBlock + 77;
 
+/// ref::random_vector<float>(n, seed, scale) as T, drawn once per process: the tests below build
+/// the same buckets and streams hundreds of times, and drawing them again was most of their time.
+template <typename T = float>
+const std::vector<T>& drawn_once(int64_t n, uint64_t seed, float scale = 1.0f) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int64_t, uint64_t, float>, std::vector<T>> drawn;
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto [at, fresh] = drawn.try_emplace({n, seed, scale});
+  if (fresh)
+    for (float v : ref::random_vector<float>(n, seed, scale)) at->second.push_back(Num<T>::from_float(v));
+  return at->second;
+}
+
 /// A bucket of dtype T with a residual (or none).
 template <typename T>
 struct Bucket {
   std::vector<T> grad, residual;
   bool with_residual;
-  explicit Bucket(bool with_residual_, uint64_t seed = 1) : with_residual(with_residual_) {
-    for (float v : ref::random_vector<float>(kN, seed)) grad.push_back(Num<T>::from_float(v));
-    for (float v : ref::random_vector<float>(kN, seed + 1, 0.5f)) residual.push_back(Num<T>::from_float(v));
-  }
+  explicit Bucket(bool with_residual_, uint64_t seed = 1)
+      : grad(drawn_once<T>(kN, seed)), residual(drawn_once<T>(kN, seed + 1, 0.5f)), with_residual(with_residual_) {}
   BucketView view() { return BucketView{dtype_of<T>(), kN, grad.data(), with_residual ? residual.data() : nullptr}; }
 };
 
@@ -688,7 +702,7 @@ const std::vector<float> kDriftScales{1.0f, 1.02f, 1.05f, 1.03f, 20.0f, 19.0f, 0
 /// Step t's gradient of n elements at kDriftScales[t], every 97th element eight times larger (a
 /// heavier tail).
 std::vector<float> drift_gradient(int64_t n, uint64_t seed, size_t t) {
-  std::vector<float> grad = ref::random_vector<float>(n, seed, kDriftScales[t]);
+  std::vector<float> grad = drawn_once(n, seed, kDriftScales[t]);
   for (int64_t i = 0; i < n; i += 97) grad[i] *= 8.0f;
   return grad;
 }
