@@ -69,16 +69,39 @@ TYPED_TEST(SelectTest, ThresholdWithErrorFeedbackMatchesReference) {
   }
 }
 
+/// Without a residual the gradient is read, never written: a non-finite value is counted and read
+/// as zero (selected only by a threshold of 0), in the whole bucket and within a range.
 TYPED_TEST(SelectTest, ThresholdWithoutErrorFeedbackLeavesInputAlone) {
   using T = TypeParam;
-  const int64_t n = 2 * kCpuBlock + 5;
-  const std::vector<T> grad = ref::random_vector<T>(n, 5);
-  const std::vector<T> copy = grad;
-  const auto want = ref::threshold<T>(nullptr, grad, 1.0);
-  Output<T, uint64_t> got;
-  got.stats = cpu::select_threshold<T, uint64_t>(nullptr, grad.data(), n, 1.0, got.sink());
-  expect_same(got, want);
-  expect_same_vector(grad, copy);
+  const float nonfinite[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                             -std::numeric_limits<float>::infinity()};
+  for (int64_t n : kSizes) {
+    std::vector<T> grad = ref::random_vector<T>(n, 5 + n);
+    const int64_t at[] = {0, n / 2, n - 1};
+    for (int j = 0; j < 3; ++j)
+      if (at[j] >= 0 && at[j] < n) grad[at[j]] = ref::from_float<T>(nonfinite[j]);
+    const std::vector<T> copy = grad;
+    for (double thr : {0.0, 1.0, 2.5, std::numeric_limits<double>::infinity()}) {
+      const auto want = ref::threshold<T>(nullptr, grad, thr);
+      Output<T, uint64_t> got;
+      got.stats = cpu::select_threshold<T, uint64_t>(nullptr, grad.data(), n, thr, got.sink());
+      expect_same(got, want);
+      expect_same_vector(grad, copy);
+      const Range range{n / 4, n - n / 4};  // the middle half
+      ref::Pairs<T> within;
+      within.nonfinite = want.nonfinite;  // of the whole bucket
+      for (size_t i = 0; i < want.indices.size(); ++i) {
+        if (want.indices[i] < range.begin || want.indices[i] >= range.end) continue;
+        within.indices.push_back(want.indices[i]);
+        within.values.push_back(want.values[i]);
+      }
+      Output<T, uint64_t> part;
+      part.stats = cpu::select<T, uint64_t>(Source<T>{nullptr, grad.data(), false}, n, key_at_least<T>(thr), range,
+                                            /*zero=*/true, part.sink());
+      expect_same(part, within);
+      expect_same_vector(grad, copy);
+    }
+  }
 }
 
 TYPED_TEST(SelectTest, TopKMatchesReference) {

@@ -205,6 +205,23 @@ SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zer
         scan_keys_avx2(r, lo, hi, key, [&](int64_t i) { take(i, r[i]); });
         return;
       }
+      if (src.residual == nullptr && key <= Num<float>::kInfKey && use_avx2()) {
+        // No residual (no error feedback): the gradient's keys compared 32 at a time. A non-finite
+        // gradient's key reaches every finite threshold's, so each one is a hit: counted there,
+        // and selected as the zero it is read as (selection_value) where the key is 0.
+        const float* g = src.grad;
+        for (int64_t i = begin; i < lo; ++i) p.nonfinite += !is_finite(g[i]);
+        for (int64_t i = hi; i < end; ++i) p.nonfinite += !is_finite(g[i]);
+        scan_keys_avx2(g, lo, hi, key, [&](int64_t i) {
+          if (is_finite(g[i])) {
+            take(i, g[i]);
+          } else {
+            ++p.nonfinite;
+            if (key == 0) take(i, 0.0f);
+          }
+        });
+        return;
+      }
 #endif
     }
     visit_block(src, begin, end, p.nonfinite, [&](int64_t i, T v) {
