@@ -194,7 +194,7 @@ void CandidateBound::learn(const OnePass& pass) {
   const bool asked = std::isfinite(t) && t > 0.0;
   if (asked && std::isfinite(last_)) {
     const double move = std::log(t / last_);
-    moves_ = 0.9 * moves_ + 0.1 * move * move;
+    moves_ = 0.9 * moves_ + 0.1 * std::fabs(move);
   }
   if (asked) last_ = t;
   estimate_ = pass.estimate();
@@ -203,19 +203,24 @@ void CandidateBound::learn(const OnePass& pass) {
   // mean of its log ratio) by that ratio's spread, which holds both the estimate's error and a
   // method's own questions away from the k-th largest (RedSync's first count moves with the
   // largest magnitude). Otherwise below the last lowest question, by the spread of its moves.
-  // The spread is the mean absolute deviation (times sqrt(pi / 2), a standard deviation where
-  // the ratios are normal), which one far question moves in proportion to its distance, not its
+  // Both spreads are mean absolute deviations (times sqrt(pi / 2), a standard deviation where
+  // they are normal), which one far question moves in proportion to its distance, not its
   // square: a single question 30% below the estimate widened a standard deviation so much that
-  // the bound listed 3.5k candidates and still 1.7k forty steps later (k about 23 thousand).
+  // the bound listed 3.5k candidates and still 1.7k forty steps later (k about 23 thousand), and
+  // where the threshold stood still it kept the steps estimating for 53 steps (now 21).
   const bool follows = asked && std::isfinite(estimate_) && estimate_ > 0.0;
   if (follows) {
     const double r = std::log(t / estimate_);
-    ratio_deviation_ = has_ratio_ ? 0.95 * ratio_deviation_ + 0.05 * std::fabs(r - ratio_mean_) : 0.0;
-    ratio_mean_ = has_ratio_ ? 0.95 * ratio_mean_ + 0.05 * r : r;
-    has_ratio_ = true;
+    // Over the first twenty ratios plain means (weight 1 / count), then moving ones: a spread
+    // that starts at 0 and grows by a twentieth a step left the bound above a method's recurring
+    // question for dozens of steps, each of which missed.
+    ratios_ = std::min(ratios_ + 1, 20);
+    const double w = 1.0 / ratios_;
+    ratio_deviation_ = ratios_ > 1 ? (1.0 - w) * ratio_deviation_ + w * std::fabs(r - ratio_mean_) : 0.0;
+    ratio_mean_ = (1.0 - w) * ratio_mean_ + w * r;
   }
   const bool by_estimate = follows && moves() >= 0.01;
-  const double spread = by_estimate ? std::sqrt(std::acos(-1.0) / 2.0) * ratio_deviation_ : std::sqrt(moves_);
+  const double spread = by_estimate ? kDeviationToSpread * ratio_deviation_ : moves();
   // A question fell below the candidates: start lower. Otherwise (also where the candidates were
   // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 times
   // that spread (0.98 where nothing moves): a spread that grew widens it at once.

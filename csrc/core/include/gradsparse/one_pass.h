@@ -54,9 +54,11 @@ class CandidateBound {
   /// +inf otherwise (a step that reads the whole bucket again would first write back what was
   /// zeroed). Where the threshold moves, OnePass zeroes from its estimate instead.
   double zero_from() const { return zero_from_; }
-  /// The standard deviation of the lowest question's log moves from step to step, lately (a
-  /// moving mean of their squares, over about ten steps; 0 before two steps asked one).
-  double moves() const { return std::sqrt(moves_); }
+  /// The spread of the lowest question's log moves from step to step, lately: a moving mean of
+  /// their absolute values over about ten steps, times sqrt(pi / 2) (a standard deviation where
+  /// the moves are normal; one far move raises it in proportion to its distance, not its square,
+  /// and is forgotten in about twenty steps); 0 before two steps asked one.
+  double moves() const { return kDeviationToSpread * moves_; }
   /// The last step's estimate of its k-th largest magnitude (OnePass::estimate; NaN: none).
   double estimate() const { return estimate_; }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
@@ -73,15 +75,17 @@ class CandidateBound {
   void learn(const OnePass& pass);
 
  private:
+  /// sqrt(pi / 2): a mean absolute deviation from the mean, as a normal's standard deviation.
+  static constexpr double kDeviationToSpread = 1.2533141373155003;
   double factor_ = 0.85;
   double lower_ = std::numeric_limits<double>::infinity();
   double last_ = std::numeric_limits<double>::infinity();  ///< the last step's lowest question
-  double moves_ = 0.0;  ///< a moving mean of the squared log moves of the lowest question, step to step
-  /// Moving means of r = ln(lowest question / the step's estimate) and of |r - that mean|, over
-  /// the steps with an estimate (`has_ratio_`: since one had).
+  double moves_ = 0.0;  ///< a moving mean of the absolute log moves of the lowest question, step to step
+  /// Means of r = ln(lowest question / the step's estimate) and of |r - that mean| over the steps
+  /// with an estimate: plain over the first 20 (`ratios_` counts them), then moving (weight 1/20).
   double ratio_mean_ = 0.0;
   double ratio_deviation_ = 0.0;
-  bool has_ratio_ = false;
+  int ratios_ = 0;
   double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
 };
