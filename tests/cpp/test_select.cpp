@@ -133,6 +133,26 @@ TYPED_TEST(SelectTest, TopKMatchesReference) {
   }
 }
 
+/// Without a residual Top-k reads the gradient, never writes it, and reads a non-finite value as
+/// zero: taken only where k reaches the zeros.
+TYPED_TEST(SelectTest, TopKWithoutErrorFeedbackReadsNonFiniteAsZero) {
+  using T = TypeParam;
+  const int64_t n = 3 * kCpuBlock + 17;
+  std::vector<T> grad = ref::random_vector<T>(n, 23);
+  grad[5] = ref::from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  grad[kCpuBlock + 1] = ref::from_float<T>(std::numeric_limits<float>::infinity());
+  grad[n - 1] = ref::from_float<T>(-std::numeric_limits<float>::infinity());
+  const std::vector<T> copy = grad;
+  for (int64_t k : {int64_t{1}, n / 100, n - 2, n}) {
+    const auto want = ref::topk<T>(nullptr, grad, k);
+    Output<T> got;
+    got.stats = cpu::select_topk<T, uint32_t>(nullptr, grad.data(), n, k, got.sink());
+    expect_same(got, want);
+    EXPECT_EQ(got.stats.nonfinite, 3);
+    expect_same_vector(grad, copy);
+  }
+}
+
 TYPED_TEST(SelectTest, TopKBreaksTiesByLowestIndex) {
   using T = TypeParam;
   for (float value : {0.0f, 1.0f}) {  // all zeros, all equal

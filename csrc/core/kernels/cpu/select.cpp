@@ -301,6 +301,20 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
   T* residual = src.residual;
   auto value_at = [&](int64_t i) -> T { return src.value(i); };
   auto key_at = [&](int64_t i) -> uint32_t { return Num<T>::key(value_at(i)); };
+  // Calls f(i) for every i in [begin, end) whose key_at(i) is `key` or more, and maybe for others
+  // (f checks): float32 on the AVX2 paths compares the stored keys 32 at a time (a non-finite
+  // gradient, read as zero, is among them), elsewhere every element.
+  auto from_key = [&](int64_t begin, int64_t end, uint32_t key, auto&& f) {
+#if GS_HAVE_AVX2_PATHS
+    if constexpr (std::is_same_v<T, float>) {
+      if (use_avx2()) {
+        scan_keys_avx2(residual != nullptr ? residual : src.grad, begin, end, key, f);
+        return;
+      }
+    }
+#endif
+    for (int64_t i = begin; i < end; ++i) f(i);
+  };
 
   // Pass 1: error feedback, and a histogram of the key's high bits (all bits for 16-bit types).
   constexpr int kKeyBits = Num<T>::kKeyBits;
@@ -337,10 +351,10 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
       parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
         int64_t* h = low.data() + static_cast<size_t>(t) * kLowBins;
         const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-        for (int64_t i = begin; i < end; ++i) {
+        from_key(begin, end, static_cast<uint32_t>(high) << kHighShift, [&](int64_t i) {
           const uint32_t key = key_at(i);
           if ((key >> kHighShift) == static_cast<uint32_t>(high)) ++h[key & (kLowBins - 1)];
-        }
+        });
       });
       for (int t = 1; t < threads; ++t)
         for (int64_t i = 0; i < kLowBins; ++i) low[i] += low[static_cast<size_t>(t) * kLowBins + i];
@@ -358,7 +372,7 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
     p.nonfinite = nonfinite[b];
     if (k == 0) return;
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    for (int64_t i = begin; i < end; ++i) {
+    from_key(begin, end, tkey, [&](int64_t i) {
       const uint32_t key = key_at(i);
       if (key > tkey) {
         p.offsets.push_back(static_cast<uint32_t>(i - begin));
@@ -367,7 +381,7 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
         p.tie_offsets.push_back(static_cast<uint32_t>(i - begin));
         p.tie_values.push_back(value_at(i));
       }
-    }
+    });
   });
   // The lowest-index ties win: hand out the tie quota in block order.
   std::vector<int64_t> ties_taken(nblocks, 0);
