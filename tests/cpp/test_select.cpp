@@ -46,6 +46,32 @@ void expect_same_vector(const std::vector<T>& a, const std::vector<T>& b) {
   for (size_t i = 0; i < a.size(); ++i) ASSERT_TRUE(ref::same_bits(a[i], b[i])) << "element " << i;
 }
 
+/// Top-k with error feedback from the residual `start` against the reference: the same pairs,
+/// non-finite count and k-th key, and the residual after; then without zeroing, the same pairs
+/// and the residual updated but kept where they were taken, which it returns.
+template <typename T>
+std::vector<T> expect_topk_as_reference(const std::vector<T>& start, const std::vector<T>& grad, int64_t k) {
+  const auto n = static_cast<int64_t>(grad.size());
+  std::vector<T> residual = start, want_residual = start, kept = start;
+  const auto want = ref::topk(&want_residual, grad, k);
+  Output<T> got;
+  got.stats = cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, k, got.sink());
+  expect_same(got, want);
+  expect_same_vector(residual, want_residual);
+  if (!want.values.empty()) {  // the k-th largest key: the least among the values taken
+    uint32_t least = Num<T>::key(want.values[0]);
+    for (const T& v : want.values) least = std::min(least, Num<T>::key(v));
+    EXPECT_EQ(got.stats.kth_key, least);
+  }
+  Output<T> unzeroed;
+  unzeroed.stats =
+      cpu::select_topk<T, uint32_t>(Source<T>{kept.data(), grad.data(), true}, n, k, /*zero=*/false, unzeroed.sink());
+  expect_same(unzeroed, want);
+  for (size_t j = 0; j < want.indices.size(); ++j) want_residual[want.indices[j]] = want.values[j];
+  expect_same_vector(kept, want_residual);
+  return kept;
+}
+
 const std::vector<int64_t> kSizes = {0, 1, 2, 7, kCpuBlock - 1, kCpuBlock, kCpuBlock + 3, 3 * kCpuBlock + 17};
 
 template <typename T>
@@ -109,26 +135,8 @@ TYPED_TEST(SelectTest, TopKMatchesReference) {
   for (int64_t n : kSizes) {
     for (int64_t k : {int64_t{0}, int64_t{1}, int64_t{3}, n / 100, n / 2, n - 1, n, n + 5}) {
       if (k < 0) continue;
-      std::vector<T> residual = ref::random_vector<T>(n, 21 + n, 0.5f);
-      const std::vector<T> grad = ref::random_vector<T>(n, 22 + n);
-      std::vector<T> want_residual = residual, kept = residual;
-      const auto want = ref::topk(&want_residual, grad, k);
-      Output<T> got;
-      got.stats = cpu::select_topk<T, uint32_t>(residual.data(), grad.data(), n, k, got.sink());
-      expect_same(got, want);
-      expect_same_vector(residual, want_residual);
-      if (!want.values.empty()) {  // the k-th largest key: the least among the values taken
-        uint32_t least = Num<T>::key(want.values[0]);
-        for (const T& v : want.values) least = std::min(least, Num<T>::key(v));
-        EXPECT_EQ(got.stats.kth_key, least) << "n = " << n << ", k = " << k;
-      }
-      // Without zeroing: the same pairs, and the residual updated but kept where they were taken.
-      Output<T> unzeroed;
-      unzeroed.stats = cpu::select_topk<T, uint32_t>(Source<T>{kept.data(), grad.data(), true}, n, k, /*zero=*/false,
-                                                     unzeroed.sink());
-      expect_same(unzeroed, want);
-      for (size_t j = 0; j < want.indices.size(); ++j) want_residual[want.indices[j]] = want.values[j];
-      expect_same_vector(kept, want_residual);
+      SCOPED_TRACE(::testing::Message() << "n = " << n << ", k = " << k);
+      expect_topk_as_reference(ref::random_vector<T>(n, 21 + n, 0.5f), ref::random_vector<T>(n, 22 + n), k);
     }
   }
 }
@@ -206,6 +214,74 @@ TYPED_TEST(SelectTest, OutputDoesNotDependOnThreadCount) {
   ASSERT_EQ(one.indices, two.indices);
   expect_same_vector(one.values, two.values);
   expect_same_vector(r1, r2);
+}
+
+// float32 Top-k over at least 64 blocks (on the AVX2 paths) lists its candidates in one pass from
+// a floor that a sample of its blocks places (select.cpp, select_topk_listed); where the floor
+// misses, it counts as the smaller buckets above do. Either way the result is the reference's.
+constexpr int64_t kListed = 64 * kCpuBlock + 5;  // 65 blocks: the sample is every 4th
+
+TEST(SelectTopKListed, MatchesReference) {
+  const std::vector<float> start = ref::random_vector<float>(kListed, 51, 0.5f);
+  std::vector<float> grad = ref::random_vector<float>(kListed, 52);
+  grad[7] = std::numeric_limits<float>::quiet_NaN();  // in a sampled block (0) and an other (1)
+  grad[kCpuBlock + 9] = -std::numeric_limits<float>::infinity();
+  for (int64_t k : {int64_t{1}, int64_t{300}, kListed / 100, kListed / 10}) {
+    SCOPED_TRACE(::testing::Message() << "k = " << k);
+    std::vector<float> updated = expect_topk_as_reference(start, grad, k);
+    // Read-only, as OnePass::largest reads a residual already updated: its k largest.
+    const std::vector<float> before = updated;
+    const auto want = ref::topk<float>(nullptr, updated, k);
+    Output<float> read;
+    read.stats = cpu::select_topk<float, uint32_t>(Source<float>{updated.data(), grad.data(), false}, kListed, k,
+                                                   /*zero=*/false, read.sink());
+    expect_same(read, want);
+    expect_same_vector(updated, before);
+  }
+}
+
+TEST(SelectTopKListed, MatchesReferenceWhereTheSampleMisplacesTheFloor) {
+  // Large values only in the sampled blocks put the floor too high (too few candidates); only
+  // outside them, too low (past the cap); all equal, every element ties at the floor.
+  const int64_t every = BlockSample::at_least(kListed, 16).every;
+  ASSERT_EQ(every, 4);
+  for (int layout = 0; layout < 3; ++layout) {
+    std::vector<float> grad = ref::random_vector<float>(kListed, 53 + layout);
+    for (int64_t i = 0; i < kListed; ++i) {
+      const bool sampled = (i / kCpuBlock) % every == 0;
+      grad[i] = layout == 2 ? 0.25f : sampled == (layout == 0) ? 100.0f * grad[i] : grad[i];
+    }
+    grad[kCpuBlock + 3] = std::numeric_limits<float>::quiet_NaN();  // counted on every path
+    for (int64_t k : {kListed / 100, kListed / 3}) {
+      SCOPED_TRACE(::testing::Message() << "layout " << layout << ", k = " << k);
+      expect_topk_as_reference(std::vector<float>(kListed, 0.0f), grad, k);
+    }
+  }
+}
+
+TEST(SelectTopKListed, UpdatesWithMomentumCorrectionAsTheScalarUpdate) {
+  const std::vector<float> grad = ref::random_vector<float>(kListed, 57);
+  const std::vector<float> start = ref::random_vector<float>(kListed, 58, 0.5f);
+  const std::vector<float> start_velocity = ref::random_vector<float>(kListed, 59, 0.2f);
+  for (bool masking : {false, true}) {
+    std::vector<float> want_residual = start, want_velocity = start_velocity;
+    const Source<float> scalar{want_residual.data(), grad.data(), true, want_velocity.data(), 0.9f, masking};
+    for (int64_t i = 0; i < kListed; ++i) {
+      bool finite;
+      scalar.update_element(i, finite);
+    }
+    const int64_t k = kListed / 100;
+    const auto want = ref::topk<float>(nullptr, want_residual, k);  // the updated residual's k largest
+    for (int64_t i : want.indices) want_residual[i] = 0.0f;
+    std::vector<float> residual = start, velocity = start_velocity;
+    Output<float> got;
+    got.stats = cpu::select_topk<float, uint32_t>(
+        Source<float>{residual.data(), grad.data(), true, velocity.data(), 0.9f, masking}, kListed, k, true,
+        got.sink());
+    expect_same(got, want);
+    expect_same_vector(residual, want_residual);
+    expect_same_vector(velocity, want_velocity);
+  }
 }
 
 TEST(ScatterAdd, AccumulatesDuplicatesAndDivides) {

@@ -257,7 +257,8 @@ GS_TARGET_POPCNT inline int64_t count_marked(const uint8_t* mask, int64_t base, 
 /// The float32 pass of the scan's AVX2 and AVX-512 loops (statistics.cpp) over one block
 /// [begin, end) without sums: the error-feedback update when `src.update`, and in `mask` (room
 /// for (end - begin) / 8 bytes, a multiple of 32) bit t set when element begin + t has key >=
-/// `key`. Returns the count of non-finite sums. Only where use_avx2().
+/// `key` (without a mask: the update alone). Returns the count of non-finite sums. Only where
+/// use_avx2().
 int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 
 }  // namespace cpu
