@@ -430,7 +430,7 @@ double OnePass::log_sum(double scale, double eps, BlockSample sample) {
 
 template <typename F>
 decltype(auto) OnePass::with_keys(const F& f) {
-  if (bucket_.dtype == DType::kFloat32) return f(float_keys(scan_.candidates.value));
+  if (bucket_.dtype == DType::kFloat32) return f(method_util::float_keys(scan_.candidates.value));
   return f(keys());
 }
 

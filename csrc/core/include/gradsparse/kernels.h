@@ -217,40 +217,6 @@ uint32_t key_above(double tau) {
   return k >= Num<T>::kInfKey ? kNoKey : k + 1;
 }
 
-/// The float32 keys (|v| bits) of float values, read from the values where they lie (a key is
-/// one mask of the value's bits: writing them out first cost SAGE 0.7 ms a step over 1.2 million
-/// candidates). For values of any bucket dtype, exact as floats, they order as the dtype's keys do.
-struct FloatKeys {
-  const float* values;
-  size_t count;
-  size_t size() const { return count; }
-  uint32_t operator[](size_t j) const { return Num<float>::key(values[j]); }
-};
-
-/// FloatKeys of a container of floats (which must outlive them).
-template <typename Values>
-FloatKeys float_keys(const Values& values) {
-  return FloatKeys{values.data(), values.size()};
-}
-
-/// The k-th largest of `keys` (1 <= k <= keys.size()): two counting rounds over 16-bit halves.
-/// `keys`: a HostBuffer<uint32_t>, or FloatKeys (above); both give keys[j] and keys.size().
-template <typename Keys>
-uint32_t kth_largest_key(const Keys& keys, int64_t k) {
-  GS_ASSERT(k >= 1 && k <= static_cast<int64_t>(keys.size()));
-  std::vector<int64_t> hist(65536, 0);
-  for (size_t j = 0; j < keys.size(); ++j) ++hist[keys[j] >> 16];
-  int64_t above = 0;  // keys above the bins passed so far
-  uint32_t high = 65535;
-  for (; high > 0 && above + hist[high] < k; --high) above += hist[high];
-  std::fill(hist.begin(), hist.end(), 0);
-  for (size_t j = 0; j < keys.size(); ++j)
-    if ((keys[j] >> 16) == high) ++hist[keys[j] & 0xffffu];
-  uint32_t low = 65535;
-  for (; low > 0 && above + hist[low] < k; --low) above += hist[low];
-  return (high << 16) | low;
-}
-
 namespace cpu {
 
 /// Selection by key: every element of `range` whose selection value has key >= `key` (one pass;

@@ -230,7 +230,7 @@ class OnePass {
   /// The candidates' keys in the bucket's dtype (computed on first use).
   const HostBuffer<uint32_t>& keys();
   /// f(keys) with the candidates' keys: of a float32 bucket read from their values in place
-  /// (FloatKeys, kernels.h), of the others keys().
+  /// (method_util::FloatKeys), of the others keys().
   template <typename F>
   decltype(auto) with_keys(const F& f);
   /// The candidates whose key reaches `key`, as positions in the candidate lists.

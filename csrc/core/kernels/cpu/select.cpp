@@ -225,22 +225,68 @@ void select_block(const Source<T>& src, int64_t n, int64_t b, Range range, uint3
   });
 }
 
-/// Sorts the element at `offset` of block p (value v, key `key`) for a top-k whose k-th largest
-/// key is `tkey`: a pair when above it, a tie when at it and the block holds fewer than
-/// `ties_needed` ties (the most it can give), else left out.
-template <typename T>
-void sort_by_kth(BlockPairs<T>& p, uint32_t offset, T v, uint32_t key, uint32_t tkey, int64_t ties_needed) {
-  if (key > tkey) {
-    p.offsets.push_back(offset);
-    p.values.push_back(v);
-  } else if (key == tkey && static_cast<int64_t>(p.tie_offsets.size()) < ties_needed) {
-    p.tie_offsets.push_back(offset);
-    p.tie_values.push_back(v);
-  }
+/// Per-thread histograms of `bins` bins over blocks [0, nblocks), summed: count(b, h) adds block
+/// b's counts to h. The sums lie in a workspace of the calling thread, valid until its next call
+/// (allocated once: a fresh one took longer than the counting, 0.5 ms for two threads' 65,536
+/// bins).
+template <typename Count>
+const int64_t* block_histogram(int64_t nblocks, int64_t bins, Count&& count) {
+  const int threads = cpu_threads();
+  thread_local HostBuffer<int64_t> hist;
+  hist.resize(static_cast<size_t>(threads) * bins);
+  std::fill(hist.begin(), hist.end(), int64_t{0});
+  int64_t* sums = hist.data();  // (in the lambda `hist` would be each worker thread's own)
+  parallel_blocks(nblocks, threads, [&](int64_t b, int t) { count(b, sums + static_cast<size_t>(t) * bins); });
+  for (int t = 1; t < threads; ++t)
+    for (int64_t i = 0; i < bins; ++i) sums[i] += sums[static_cast<size_t>(t) * bins + i];
+  return sums;
 }
 
-/// select_topk's end, once the blocks hold the pairs above the k-th largest key `tkey` and their
-/// ties at it (sort_by_kth): the lowest-index ties win, the tie quota handed out in block order.
+/// The highest of `bins` bins at which the counts from the top reach `need` (bin 0 if none);
+/// `above` gets the counts of the bins above it.
+inline int64_t find_bin(const int64_t* hist, int64_t bins, int64_t need, int64_t& above) {
+  above = 0;
+  for (int64_t bin = bins - 1; bin > 0; --bin) {
+    if (above + hist[bin] >= need) return bin;
+    above += hist[bin];
+  }
+  return 0;
+}
+
+/// The k-th largest of the keys of T that blocks [0, nblocks) hold, by a radix select in two
+/// rounds of histograms. first(b, f) calls f(key) for every key of block b, counted by their high
+/// 16 bits (a round that may do work of its own, as the error-feedback update: it runs even for
+/// k = 0, which returns 0). For float32, again(b, from, f) then calls f at least for every key of
+/// block b at or above `from` (and may for others), and the low bits of those in the k-th's bin of
+/// high bits are counted; a 16-bit type's first round counts every bit. `above` gets how many
+/// keys exceed the k-th.
+template <typename T, typename First, typename Again>
+uint32_t kth_key_by_histograms(int64_t nblocks, int64_t k, First&& first, Again&& again, int64_t& above) {
+  constexpr int kKeyBits = Num<T>::kKeyBits;
+  constexpr int kHighShift = kKeyBits > 16 ? kKeyBits - 16 : 0;
+  constexpr int64_t kHighBins = int64_t{1} << (kKeyBits - kHighShift), kLowBins = int64_t{1} << kHighShift;
+  const int64_t* high_hist = block_histogram(
+      nblocks, kHighBins, [&](int64_t b, int64_t* h) { first(b, [&](uint32_t key) { ++h[key >> kHighShift]; }); });
+  above = 0;
+  if (k == 0) return 0;
+  const auto high = static_cast<uint32_t>(find_bin(high_hist, kHighBins, k, above));
+  uint32_t tkey = high << kHighShift;
+  if constexpr (kHighShift > 0) {
+    const int64_t* low_hist = block_histogram(nblocks, kLowBins, [&](int64_t b, int64_t* h) {
+      again(b, tkey, [&](uint32_t key) {
+        if ((key >> kHighShift) == high) ++h[key & (kLowBins - 1)];
+      });
+    });
+    int64_t above_low = 0;
+    tkey |= static_cast<uint32_t>(find_bin(low_hist, kLowBins, k - above, above_low));
+    above += above_low;
+  }
+  return tkey;
+}
+
+/// select_topk's end, once the blocks hold the pairs above the k-th largest key `tkey` and up to
+/// `ties_needed` ties at it each: the lowest-index ties win, the tie quota handed out in block
+/// order.
 template <typename T, typename I>
 SelectStats emit_topk(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, int64_t k, int64_t ties_needed,
                       uint32_t tkey, T* zero_residual, const PairSink& sink) {
@@ -267,7 +313,7 @@ constexpr int64_t kTopKSample = 16;
 /// evenly spread (BlockSample) are updated, and a histogram of their keys places a floor at the
 /// sample's (2 k share + 64)-th largest: about twice the k largest reach it. Then one pass updates
 /// the other blocks and lists, in every block, the elements whose key reaches the floor
-/// (select_block), and the k largest are found among them (kth_largest_key): the counting path's
+/// (select_block), and the k largest are found among them (kth_key_by_histograms): the counting path's
 /// selection, whatever the floor. Returns false where the candidates are fewer than k (the floor
 /// was too high for the bucket) or past the cap (4 times the sample's count at the floor, scaled:
 /// too low, or a bucket of ties), with the update done and its non-finite sums in `nonfinite`:
@@ -279,27 +325,21 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
   const BlockSample sample = BlockSample::at_least(n, kTopKSample);
   const int64_t sampled = (nblocks + sample.every - 1) / sample.every;
   const double share = static_cast<double>(sample.size(n)) / static_cast<double>(n);
-  const int threads = cpu_threads();
   std::vector<int64_t> block_nonfinite(nblocks, 0);
 
   // The sample: updated, and a histogram of its keys' high 16 bits.
   constexpr int kShift = Num<float>::kKeyBits - 16;
   constexpr int64_t kBins = int64_t{1} << 16;
-  std::vector<int64_t> hist(static_cast<size_t>(threads) * kBins, 0);
-  parallel_blocks(sampled, threads, [&](int64_t s, int t) {
-    int64_t* h = hist.data() + static_cast<size_t>(t) * kBins;
+  const int64_t* hist = block_histogram(sampled, kBins, [&](int64_t s, int64_t* h) {
     const int64_t b = s * sample.every, begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
     if (src.update) block_nonfinite[b] = mark_block_f32(src, begin, end, kNoKey, /*mask=*/nullptr);
     for (int64_t i = begin; i < end; ++i) ++h[Num<float>::key(src.residual[i]) >> kShift];
   });
-  for (int t = 1; t < threads; ++t)
-    for (int64_t i = 0; i < kBins; ++i) hist[i] += hist[static_cast<size_t>(t) * kBins + i];
   const auto rank = static_cast<int64_t>(std::ceil(2.0 * static_cast<double>(k) * share)) + 64;
-  int64_t reaching = 0;  // the sample's elements at or above the floor's bin
-  int64_t bin = kBins - 1;
-  for (; bin > 0 && reaching + hist[bin] < rank; --bin) reaching += hist[bin];
-  reaching += hist[bin];
+  int64_t above_floor = 0;
+  const int64_t bin = find_bin(hist, kBins, rank, above_floor);
   const uint32_t floor = static_cast<uint32_t>(bin) << kShift;
+  const int64_t reaching = above_floor + hist[bin];  // the sample's elements at or above the floor
   const auto cap = static_cast<int64_t>(4.0 * static_cast<double>(reaching) / share) + 1024;
 
   // The pass: the other blocks updated, every block's candidates listed until they pass the cap.
@@ -324,24 +364,33 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
   const int64_t candidates = listed.load();
   if (candidates < k || candidates > cap) return false;
 
-  // The k largest among the candidates.
-  std::vector<float> values;
-  values.reserve(static_cast<size_t>(candidates));
-  for (int64_t b = 0; b < nblocks; ++b) values.insert(values.end(), blocks[b].values.begin(), blocks[b].values.end());
-  const uint32_t tkey = kth_largest_key(float_keys(values), k);
+  // The k largest among the candidates: each block keeps, in place, those above the k-th and
+  // sets aside up to `ties_needed` ties at it, as the counting path's last pass does (without a
+  // branch on the pairs: whether a candidate lies above the k-th is as good as random).
+  auto each_key = [&](int64_t b, uint32_t, auto&& f) {
+    for (const float v : blocks[b].values) f(Num<float>::key(v));
+  };
   int64_t above = 0;
-  for (const float v : values) above += Num<float>::key(v) > tkey;
+  const uint32_t tkey =
+      kth_key_by_histograms<float>(nblocks, k, [&](int64_t b, auto&& f) { each_key(b, 0, f); }, each_key, above);
   const int64_t ties_needed = k - above;
   parallel_blocks(nblocks, [&](int64_t b) {
     BlockPairs<float>& p = blocks[b];
-    thread_local BlockPairs<float> listed_here;  // the block's candidates, sorted back into p
-    std::swap(p.offsets, listed_here.offsets);
-    std::swap(p.values, listed_here.values);
-    p.clear();
-    for (size_t j = 0; j < listed_here.offsets.size(); ++j) {
-      const float v = listed_here.values[j];
-      sort_by_kth(p, listed_here.offsets[j], v, Num<float>::key(v), tkey, ties_needed);
+    size_t kept = 0;
+    for (size_t j = 0; j < p.offsets.size(); ++j) {
+      const uint32_t offset = p.offsets[j];
+      const float v = p.values[j];
+      const uint32_t key = Num<float>::key(v);
+      if (key == tkey && static_cast<int64_t>(p.tie_offsets.size()) < ties_needed) {
+        p.tie_offsets.push_back(offset);
+        p.tie_values.push_back(v);
+      }
+      p.offsets[kept] = offset;
+      p.values[kept] = v;
+      kept += key > tkey;
     }
+    p.offsets.resize(kept);
+    p.values.resize(kept);
     p.nonfinite = block_nonfinite[b];
   });
   stats = emit_topk<float, I>(blocks, nblocks, k, ties_needed, tkey, zero ? src.residual : nullptr, sink);
@@ -425,7 +474,6 @@ template <typename T, typename I>
 SelectStats select_topk_counted(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
-  const int threads = cpu_threads();
 
   // After pass 1 the selection value of element i can be re-read: passes 2 and 3 see exactly
   // what pass 1 counted.
@@ -447,53 +495,21 @@ SelectStats select_topk_counted(Source<T> src, int64_t n, int64_t k, bool zero, 
     for (int64_t i = begin; i < end; ++i) f(i);
   };
 
-  // Pass 1: error feedback, and a histogram of the key's high bits (all bits for 16-bit types).
-  constexpr int kKeyBits = Num<T>::kKeyBits;
-  constexpr int kHighShift = kKeyBits > 16 ? kKeyBits - 16 : 0;
-  constexpr int64_t kHighBins = int64_t{1} << (kKeyBits - kHighShift);
-  std::vector<int64_t> hist(static_cast<size_t>(threads) * kHighBins, 0);
+  // Passes 1 and 2: error feedback and the histogram of the keys' high bits, then of the low bits
+  // of those in the k-th's bin.
   std::vector<int64_t> nonfinite(nblocks, 0);
-  parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
-    int64_t* h = hist.data() + static_cast<size_t>(t) * kHighBins;
-    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    visit_block(src, begin, end, nonfinite[b], [&](int64_t, T v) { ++h[Num<T>::key(v) >> kHighShift]; });
-  });
-  for (int t = 1; t < threads; ++t)
-    for (int64_t i = 0; i < kHighBins; ++i) hist[i] += hist[static_cast<size_t>(t) * kHighBins + i];
-
-  // Find the bin holding the k-th largest key; `above` counts keys in higher bins.
-  auto find_bin = [](const int64_t* h, int64_t bins, int64_t need, int64_t& above) {
-    above = 0;
-    for (int64_t bin = bins - 1; bin > 0; --bin) {
-      if (above + h[bin] >= need) return bin;
-      above += h[bin];
-    }
-    return int64_t{0};
-  };
-  uint32_t tkey = 0;
   int64_t above = 0;
-  if (k > 0) {
-    const int64_t high = find_bin(hist.data(), kHighBins, k, above);
-    tkey = static_cast<uint32_t>(high) << kHighShift;
-    if constexpr (kHighShift > 0) {
-      // Pass 2 (float32): histogram of the low bits among keys in that bin.
-      constexpr int64_t kLowBins = int64_t{1} << kHighShift;
-      std::vector<int64_t> low(static_cast<size_t>(threads) * kLowBins, 0);
-      parallel_blocks(nblocks, threads, [&](int64_t b, int t) {
-        int64_t* h = low.data() + static_cast<size_t>(t) * kLowBins;
+  const uint32_t tkey = kth_key_by_histograms<T>(
+      nblocks, k,
+      [&](int64_t b, auto&& f) {
         const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-        from_key(begin, end, static_cast<uint32_t>(high) << kHighShift, [&](int64_t i) {
-          const uint32_t key = key_at(i);
-          if ((key >> kHighShift) == static_cast<uint32_t>(high)) ++h[key & (kLowBins - 1)];
-        });
-      });
-      for (int t = 1; t < threads; ++t)
-        for (int64_t i = 0; i < kLowBins; ++i) low[i] += low[static_cast<size_t>(t) * kLowBins + i];
-      int64_t above_low = 0;
-      tkey |= static_cast<uint32_t>(find_bin(low.data(), kLowBins, k - above, above_low));
-      above += above_low;
-    }
-  }
+        visit_block(src, begin, end, nonfinite[b], [&](int64_t, T v) { f(Num<T>::key(v)); });
+      },
+      [&](int64_t b, uint32_t from, auto&& f) {
+        const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+        from_key(begin, end, from, [&](int64_t i) { f(key_at(i)); });
+      },
+      above);
   const int64_t ties_needed = k - above;  // elements with key == tkey that must be taken
 
   // Pass 3: collect keys above the k-th, and up to `ties_needed` ties per block.
@@ -504,7 +520,14 @@ SelectStats select_topk_counted(Source<T> src, int64_t n, int64_t k, bool zero, 
     if (k == 0) return;
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
     from_key(begin, end, tkey, [&](int64_t i) {
-      sort_by_kth(p, static_cast<uint32_t>(i - begin), value_at(i), key_at(i), tkey, ties_needed);
+      const uint32_t key = key_at(i);
+      if (key > tkey) {
+        p.offsets.push_back(static_cast<uint32_t>(i - begin));
+        p.values.push_back(value_at(i));
+      } else if (key == tkey && static_cast<int64_t>(p.tie_offsets.size()) < ties_needed) {
+        p.tie_offsets.push_back(static_cast<uint32_t>(i - begin));
+        p.tie_values.push_back(value_at(i));
+      }
     });
   });
   return emit_topk<T, I>(blocks, nblocks, k, ties_needed, tkey, zero ? residual : nullptr, sink);
