@@ -307,17 +307,18 @@ SelectStats emit_topk(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, int64
 /// About how many blocks select_topk_listed's sample reads; it runs on 4 times as many or more.
 constexpr int64_t kTopKSample = 16;
 
-/// select_topk for float32 with a residual on the AVX2 paths: the candidates listed in one pass,
-/// where the counting path (select_topk_counted, below) reads the bucket three times (at 25M
-/// elements 4.2x to 4.9x a plain add, against 1.5x to 2.5x). First about kTopKSample blocks
-/// evenly spread (BlockSample) are updated, and a histogram of their keys places a floor at the
-/// sample's (2 k share + 64)-th largest: about twice the k largest reach it. Then one pass updates
-/// the other blocks and lists, in every block, the elements whose key reaches the floor
-/// (select_block), and the k largest are found among them (kth_key_by_histograms): the counting path's
-/// selection, whatever the floor. Returns false where the candidates are fewer than k (the floor
-/// was too high for the bucket) or past the cap (4 times the sample's count at the floor, scaled:
-/// too low, or a bucket of ties), with the update done and its non-finite sums in `nonfinite`:
-/// the caller then runs the counting path on the residual, read-only.
+/// select_topk for float32 on the AVX2 paths: the candidates listed in one pass, where the
+/// counting path (select_topk_counted, below) reads the bucket three times (at 25M elements 4.2x
+/// to 5.7x a plain add, against 1.3x to 2.2x). First about kTopKSample blocks evenly spread
+/// (BlockSample) are updated (with a residual and src.update), and a histogram of their selection
+/// values' keys places a floor at the sample's (2 k share + 64)-th largest: about twice the k
+/// largest reach it. Then one pass updates the other blocks and lists, in every block, the
+/// elements whose key reaches the floor (select_block), and the k largest are found among them
+/// (kth_key_by_histograms): the counting path's selection, whatever the floor. Returns false
+/// where the candidates are fewer than k (the floor was too high for the bucket) or past the cap
+/// (4 times the sample's count at the floor, scaled: too low, or a bucket of ties), with the
+/// update done and its non-finite sums in `nonfinite`: the caller then runs the counting path on
+/// the residual, read-only (or on the gradient again, which counts its own non-finite values).
 template <typename I>
 bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zero, const PairSink& sink,
                         SelectStats& stats, int64_t& nonfinite) {
@@ -326,14 +327,15 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
   const int64_t sampled = (nblocks + sample.every - 1) / sample.every;
   const double share = static_cast<double>(sample.size(n)) / static_cast<double>(n);
   std::vector<int64_t> block_nonfinite(nblocks, 0);
+  const bool updates = src.update && src.residual != nullptr;
 
-  // The sample: updated, and a histogram of its keys' high 16 bits.
+  // The sample: updated (where the call updates), and a histogram of its keys' high 16 bits.
   constexpr int kShift = Num<float>::kKeyBits - 16;
   constexpr int64_t kBins = int64_t{1} << 16;
   const int64_t* hist = block_histogram(sampled, kBins, [&](int64_t s, int64_t* h) {
     const int64_t b = s * sample.every, begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    if (src.update) block_nonfinite[b] = mark_block_f32(src, begin, end, kNoKey, /*mask=*/nullptr);
-    for (int64_t i = begin; i < end; ++i) ++h[Num<float>::key(src.residual[i]) >> kShift];
+    if (updates) block_nonfinite[b] = mark_block_f32(src, begin, end, kNoKey, /*mask=*/nullptr);
+    for (int64_t i = begin; i < end; ++i) ++h[Num<float>::key(src.value(i)) >> kShift];
   });
   const auto rank = static_cast<int64_t>(std::ceil(2.0 * static_cast<double>(k) * share)) + 64;
   int64_t above_floor = 0;
@@ -349,7 +351,7 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
   parallel_blocks(nblocks, [&](int64_t b) {
     BlockPairs<float>& p = blocks[b];
     const bool in_sample = b % sample.every == 0;
-    const Source<float>& from = src.update && !in_sample ? src : updated;
+    const Source<float>& from = updates && !in_sample ? src : updated;
     if (listed.load(std::memory_order_relaxed) > cap) {  // past the cap: only the update is left
       p.clear();
       const int64_t begin = b * kCpuBlock;
@@ -360,7 +362,7 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
     }
     block_nonfinite[b] += p.nonfinite;
   });
-  nonfinite = std::accumulate(block_nonfinite.begin(), block_nonfinite.end(), int64_t{0});
+  nonfinite = updates ? std::accumulate(block_nonfinite.begin(), block_nonfinite.end(), int64_t{0}) : 0;
   const int64_t candidates = listed.load();
   if (candidates < k || candidates > cap) return false;
 
@@ -542,11 +544,12 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
   k = std::min(k, n);
 #if GS_HAVE_AVX2_PATHS
   if constexpr (std::is_same_v<T, float>) {
-    if (src.residual != nullptr && k > 0 && num_blocks(n) >= 4 * kTopKSample && use_avx2()) {
+    if (k > 0 && num_blocks(n) >= 4 * kTopKSample && use_avx2()) {
       SelectStats stats;
       int64_t nonfinite = 0;
       if (select_topk_listed<I>(src, n, k, zero, sink, stats, nonfinite)) return stats;
-      stats = select_topk_counted<T, I>(Source<T>{src.residual, src.grad, false}, n, k, zero, sink);  // updated
+      const Source<T> updated = src.residual != nullptr ? Source<T>{src.residual, src.grad, false} : src;
+      stats = select_topk_counted<T, I>(updated, n, k, zero, sink);
       stats.nonfinite += nonfinite;
       return stats;
     }
