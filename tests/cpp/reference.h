@@ -75,11 +75,15 @@ Pairs<T> topk(std::vector<T>* residual, const std::vector<T>& grad, int64_t k) {
   const std::vector<T> a = accumulate(residual, grad, finite);
   Pairs<T> out;
   for (size_t i = 0; i < a.size(); ++i) out.nonfinite += !finite[i];
+  std::vector<float> magnitude(a.size());
+  for (size_t i = 0; i < a.size(); ++i) magnitude[i] = std::fabs(to_float(a[i]));
   std::vector<int64_t> order(a.size());
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return std::fabs(to_float(a[x])) > std::fabs(to_float(a[y])); });
   k = std::min<int64_t>(k, static_cast<int64_t>(a.size()));
+  // The k first of that order (a total one: the k-th element has one place in it).
+  std::nth_element(order.begin(), order.begin() + k, order.end(), [&](int64_t x, int64_t y) {
+    return magnitude[x] > magnitude[y] || (magnitude[x] == magnitude[y] && x < y);
+  });
   std::vector<int64_t> chosen(order.begin(), order.begin() + k);
   std::sort(chosen.begin(), chosen.end());
   for (int64_t i : chosen) {

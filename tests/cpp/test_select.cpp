@@ -231,7 +231,7 @@ constexpr int64_t kListed = 64 * kCpuBlock + 5;  // 65 blocks: the sample is eve
 TEST(SelectTopKListed, MatchesReference) {
   const std::vector<float> start = ref::random_vector<float>(kListed, 51, 0.5f);
   std::vector<float> grad = ref::random_vector<float>(kListed, 52);
-  grad[7] = std::numeric_limits<float>::quiet_NaN();  // in a sampled block (0) and an other (1)
+  grad[7] = std::numeric_limits<float>::quiet_NaN();  // in a sampled block (0) and another (1)
   grad[kCpuBlock + 9] = -std::numeric_limits<float>::infinity();
   for (int64_t k : {int64_t{1}, int64_t{300}, kListed / 100, kListed / 10}) {
     SCOPED_TRACE(::testing::Message() << "k = " << k);
