@@ -548,8 +548,8 @@ SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const Pa
       SelectStats stats;
       int64_t nonfinite = 0;
       if (select_topk_listed<I>(src, n, k, zero, sink, stats, nonfinite)) return stats;
-      const Source<T> updated = src.residual != nullptr ? Source<T>{src.residual, src.grad, false} : src;
-      stats = select_topk_counted<T, I>(updated, n, k, zero, sink);
+      // The update is done: the counting path reads the residual (or the gradient) as it is.
+      stats = select_topk_counted<T, I>(Source<T>{src.residual, src.grad, false}, n, k, zero, sink);
       stats.nonfinite += nonfinite;
       return stats;
     }
