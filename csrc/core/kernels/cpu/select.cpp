@@ -485,7 +485,7 @@ SelectStats select_topk_counted(Source<T> src, int64_t n, int64_t k, bool zero, 
   // Calls f(i) for every i in [begin, end) whose key_at(i) is `key` or more, and maybe for others
   // (f checks): float32 on the AVX2 paths compares the stored keys 32 at a time (a non-finite
   // gradient, read as zero, is among them), elsewhere every element.
-  auto from_key = [&](int64_t begin, int64_t end, uint32_t key, auto&& f) {
+  auto from_key = [&](int64_t begin, int64_t end, [[maybe_unused]] uint32_t key, auto&& f) {
 #if GS_HAVE_AVX2_PATHS
     if constexpr (std::is_same_v<T, float>) {
       if (use_avx2()) {

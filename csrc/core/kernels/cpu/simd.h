@@ -3,6 +3,8 @@
 // them only when the CPU reports the instructions and GRADSPARSE_SIMD allows them ("0": portable
 // code only, "avx2": no AVX-512, anything else: the widest the CPU has). Every path gives the
 // same results to the bit (the vector code adds in the portable code's order).
+// -DGRADSPARSE_NO_SIMD_PATHS compiles the portable code alone, as on a CPU other than x86-64 (CI
+// compiles the kernels so, warnings as errors).
 #pragma once
 
 #include <algorithm>
@@ -13,7 +15,7 @@
 
 #include "gradsparse/kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(GRADSPARSE_NO_SIMD_PATHS)
 #include <immintrin.h>
 #define GS_HAVE_AVX2_PATHS 1
 #define GS_TARGET_AVX2 __attribute__((target("avx2")))
