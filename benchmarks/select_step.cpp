@@ -12,7 +12,9 @@
 // same data just before each step, and reads the step's
 // select_seconds and exchange_seconds from reduce_bucket's report (one rank); prints the medians
 // and the ratio of the medians. Methods: topk, gaussiank, dgc, redsync, sage, micro, exdyna, sidco (exp,
-// adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes.
+// adaptive stages), sidco_gpareto and sidco_gamma (2 stages), in their default modes; and the
+// stateless exact top-k kernel alone (cpu::select_topk, what gs.select_topk runs on float32):
+// topk_op with error feedback (residual += gradient fused), topk_op_nores on the gradient alone.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
+#include "gradsparse/kernels.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/parallel.h"
 #include "gradsparse/reduce_bucket.h"
@@ -61,11 +64,12 @@ int main(int argc, char** argv) {
   const double density = std::stod(argv[2]);
   const int steps = argc > 3 ? std::stoi(argv[3]) : 20;
   const auto n = static_cast<int64_t>(argc > 4 ? std::stod(argv[4]) : 25e6);
+  const bool op = name == "topk_op" || name == "topk_op_nores";
   std::unique_ptr<Method> method = make(name, density);
-  if (method == nullptr || steps < 1 || n < 1) {
+  if ((method == nullptr && !op) || steps < 1 || n < 1) {
     std::fprintf(stderr,
                  "select_step: unknown method %s (topk, gaussiank, dgc, redsync, micro, exdyna, sidco, sidco_gpareto, "
-                 "sidco_gamma), or STEPS/N < 1\n",
+                 "sidco_gamma, topk_op, topk_op_nores), or STEPS/N < 1\n",
                  name.c_str());
     return 2;
   }
@@ -82,6 +86,8 @@ int main(int argc, char** argv) {
   CpuDevice device;
   const int threads = cpu_threads();  // the add runs on the kernels' threads
   std::vector<double> select, add, exchange;
+  std::vector<int64_t> indices;  // topk_op's pairs, kept from step to step as a caller's buffers
+  std::vector<float> values;
   constexpr int kWarmup = 20;  // as benchmarks.select: a method's first steps, while it learns the scale
   for (int s = 0; s < steps + kWarmup; ++s) {
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
@@ -97,12 +103,27 @@ int main(int argc, char** argv) {
     std::mt19937 scale_rng(static_cast<unsigned>(s));
     const auto scale = static_cast<float>(std::exp(0.06 * std::normal_distribution<double>(0.0, 1.0)(scale_rng)));
     for (size_t i = 0; i < out.size(); ++i) out[i] = g[i] * scale;
-    BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};
-    const ReduceReport report = reduce_bucket(method.get(), *transport, device, bucket, ReduceOptions{});
+    double t_select = 0.0, t_exchange = 0.0;
+    if (op) {
+      const auto k = static_cast<int64_t>(density * static_cast<double>(n));
+      const PairSink sink = [&](int64_t count) {
+        indices.resize(static_cast<size_t>(count));
+        values.resize(static_cast<size_t>(count));
+        return PairSpan{indices.data(), values.data()};
+      };
+      const auto t1 = std::chrono::steady_clock::now();
+      cpu::select_topk<float, int64_t>(name == "topk_op" ? residual.data() : nullptr, out.data(), n, k, sink);
+      t_select = seconds_since(t1);
+    } else {
+      BucketView bucket{DType::kFloat32, n, out.data(), residual.data()};
+      const ReduceReport report = reduce_bucket(method.get(), *transport, device, bucket, ReduceOptions{});
+      t_select = report.select_seconds;
+      t_exchange = report.exchange_seconds;
+    }
     if (s < kWarmup) continue;
-    select.push_back(report.select_seconds);
+    select.push_back(t_select);
     add.push_back(t_add);
-    exchange.push_back(report.exchange_seconds);
+    exchange.push_back(t_exchange);
   }
   std::printf(
       "%s density %g, N %lld, %d steps, %s kernels: select %.2f ms, add %.2f ms, select / add %.2f, exchange %.2f "
