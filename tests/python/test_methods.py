@@ -158,6 +158,20 @@ def zero_stream(n: int, steps: int, world: int = 4):
     return tuple(tuple(torch.zeros(n) for _ in range(world)) for _ in range(steps))
 
 
+def rows_stream(n: int, steps: int, seed: int, world: int = 4, share: float = 0.005):
+    """Zeros but at a fixed `share` of the positions (an embedding's rows that a batch touched):
+    a 1% sample's top quantiles are often zero there."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(n, generator=g)[: max(1, int(share * n))]
+
+    def grad() -> torch.Tensor:
+        out = torch.zeros(n)
+        out[rows] = torch.randn(rows.numel(), generator=g) * 1e-2
+        return out
+
+    return tuple(tuple(grad() for _ in range(world)) for _ in range(steps))
+
+
 # ----------------------------------------------------------------------------------------------
 # Side-by-side driver
 
@@ -489,6 +503,7 @@ EDGE_INPUTS = {
     "zeros": (1000, 0.01, lambda n: zero_stream(n, EDGE_STEPS)),
     # ten all-zero steps (two windows of SIDCo's adaptive stages), then gradients
     "zeros-then-grads": (1000, 0.01, lambda n: zero_stream(n, 10) + gradient_stream(n, 6, 18)),
+    "embedding-rows": (20_000, 0.01, lambda n: rows_stream(n, EDGE_STEPS, 21)),  # zero sample quantiles
     "tiny-density": (3000, 1e-5, lambda n: gradient_stream(n, EDGE_STEPS, 15)),  # floor(δ n) = 0
     # ties at every selection boundary, values exactly at the fixed threshold 2^-5
     "quantized": (3000, 0.01, lambda n: gradient_stream(n, 12, 19, kind="quantized")),

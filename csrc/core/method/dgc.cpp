@@ -21,11 +21,12 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const int64_t n = bucket.numel;
   const double dn = static_cast<double>(n);
   const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
-  OnePass pass(device, bucket, bound_, k, Listing::kEveryDevice);  // its sample: CandidateBound::capacity
+  // The default mode reads no moment: its estimate rho ||v|| is the sample's s-th largest |v|
+  // itself (the norm cancels), so its pass skips the sums (0.15 to 0.3 of an add at 25M).
+  OnePass pass(device, bucket, bound_, k, Listing::kEveryDevice, method_util::whole(bucket), /*sums=*/reference_);
   const Moments& m = pass.moments();
-  const double norm = std::sqrt(m.sum_sq);
   start_step();
-  if (n == 0 || !(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
+  if (n == 0) return method_util::nothing(device, bucket, m.nonfinite);
   const int64_t f = static_cast<int64_t>(std::ceil(0.01 * dn));
   const uint64_t stream = rng_stream(seed_, RngTag::kDgc, static_cast<uint64_t>(step_), kSharedLane);
   const int64_t s = static_cast<int64_t>(std::ceil(static_cast<double>(f) * density_));
@@ -37,9 +38,15 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
     sample_distinct_bits(stream, f, n, sampled_);
     kth = pass.kth_sampled(sampled_, f, s);
   }
-  const double x = *kth / norm;  // the s-th largest of the sample's |v| / ||v||
-  if (!reference_) return finish(pass, control_.threshold(pass, x * norm, k), m.nonfinite);
-  threshold_ = x * norm;
+  if (!reference_) {
+    // A zero vector selects nothing: where the sample's s-th is 0, whether any |v| > 0.
+    if (!(*kth > 0.0) && pass.counts({0.0}, /*strict=*/true)[0] == 0)
+      return method_util::nothing(device, bucket, m.nonfinite);
+    return finish(pass, control_.threshold(pass, *kth, k), m.nonfinite);
+  }
+  const double norm = std::sqrt(m.sum_sq);
+  if (!(norm > 0.0)) return method_util::nothing(device, bucket, m.nonfinite);
+  threshold_ = *kth / norm * norm;  // rho ||v||, rho the s-th largest of the sample's |v| / ||v||
   Selection out = pass.select(threshold_, true, false);
   if (static_cast<double>(out.count) > 4.0 * k / 3.0) {
     double kth;

@@ -166,26 +166,20 @@ Moments moments_f32_portable(Source<float> src, int64_t begin, int64_t end) {
 /// from the gradient with non-finite values read as zero.
 enum class Read { kUpdate, kResidual, kGrad };
 
-/// How far ahead of its reads a float32 pass asks for the lines it will read. With the hardware
-/// prefetcher alone, the passes whose arithmetic is heavier than a copy's waited on memory
-/// (docs/benchmarks.md, 2026-12-02, fourth): the update with the moments' sums (the estimators'
-/// scan) 256 elements ahead, and the read-only passes over a sample of blocks (SIDCo's exceedances
-/// and sum of logs), each block of which starts cold, 1024. The update without sums (Top-k's and
-/// the banded methods' scan, the fused threshold select) asks for nothing: no gain measured there.
-constexpr int64_t kScanAhead = 256, kReadAhead = 1024;
+/// How far ahead of its reads a read-only float32 pass over a sample of blocks (SIDCo's
+/// exceedances and sum of logs) asks for the lines it will read: each sampled block starts cold,
+/// and with the hardware prefetcher alone these passes waited on memory (docs/benchmarks.md,
+/// 2026-12-02, fourth). The scan's update asks for nothing: with the moments' sums it gained by
+/// asking 256 elements ahead on the host of that day, and lost 0.1 to 0.25 of an add by it on the
+/// AVX-512 host of 2026-12-04, on both paths; without sums no host gained (same page, 2026-12-04).
+constexpr int64_t kReadAhead = 1024;
 
-/// Asks for the lines of [j, j + count) of every array a pass with `kRead` reads (and writes).
-template <Read kRead, bool kVelocity>
+/// Asks for the lines of [j, j + count) of the array a read-only pass reads.
+template <Read kRead>
 inline void fetch_ahead(const Source<float>& src, int64_t j, int64_t count) {
-  for (int64_t at = j; at < j + count; at += 16) {
-    if constexpr (kRead == Read::kUpdate) {
-      __builtin_prefetch(src.residual + at, 1, 3);
-      __builtin_prefetch(src.grad + at, 0, 3);
-      if constexpr (kVelocity) __builtin_prefetch(src.velocity + at, 1, 3);
-    } else {
-      __builtin_prefetch((kRead == Read::kGrad ? src.grad : src.residual) + at, 0, 3);
-    }
-  }
+  static_assert(kRead != Read::kUpdate, "read-only passes");
+  for (int64_t at = j; at < j + count; at += 16)
+    __builtin_prefetch((kRead == Read::kGrad ? src.grad : src.residual) + at, 0, 3);
 }
 
 /// The selection value of element j, read as `kRead` says (scalar; the AVX2 passes' last few
@@ -366,7 +360,6 @@ GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_
   constexpr int64_t kRun = 16 * MomentLanes::kRows;
   int64_t j = begin;
   for (; j + kRun <= end; j += kRun) {
-    if constexpr (kSums) fetch_ahead<kRead, kVelocity>(src, j + kScanAhead, kRun);
 #pragma GCC unroll 8
     for (int r = 0; r < MomentLanes::kRows; ++r)
       take16_avx2<kRead, kSums, kVelocity, kMask>(src, j + 16 * r, below, at(j + 16 * r), bad, run);
@@ -488,7 +481,6 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
   constexpr int64_t kRun = 16 * MomentLanes::kRows;
   int64_t j = begin;
   for (; j + kRun <= end; j += kRun) {
-    if constexpr (kSums) fetch_ahead<kRead, kVelocity>(src, j + kScanAhead, kRun);
 #pragma GCC unroll 8
     for (int r = 0; r < MomentLanes::kRows; ++r) row(j + 16 * r);
     if constexpr (kSums) end_runs_avx512(sum, sum_abs, sum_sq, run.s, run.a, run.q);
@@ -578,7 +570,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
   __m256i unused = _mm256_setzero_si256();
   int64_t j = begin;
   for (; j + 8 <= end; j += 8) {
-    fetch_ahead<kRead, false>(src, j + kReadAhead, 8);
+    fetch_ahead<kRead>(src, j + kReadAhead, 8);
     const __m256 v = values8<kRead, false>(src, j, unused);
     const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
     const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(hit));
@@ -964,7 +956,7 @@ GS_TARGET_AVX2 bool log_products_f32_avx2(const Source<float>& src, int64_t& i, 
   bool normal = true;
   for (; i + kLogGroup <= end; i += kLogGroup) {
     for (int64_t r = 0; r < kLogRounds; ++r) {
-      fetch_ahead<kRead, false>(src, i + r * kLogLanes + kReadAhead, kLogLanes);
+      fetch_ahead<kRead>(src, i + r * kLogLanes + kReadAhead, kLogLanes);
       const __m256 v = values8<kRead, false>(src, i + r * kLogLanes, unused);
       const __m256d y[2] = {_mm256_cvtps_pd(_mm256_castps256_ps128(v)), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))};
       for (int h = 0; h < 2; ++h)
