@@ -22,7 +22,7 @@ Selection DGC::select(Device& device, const BucketView& bucket, Collective& /*gr
   const double dn = static_cast<double>(n);
   const int64_t k = static_cast<int64_t>(std::ceil(density_ * dn));
   // The default mode reads no moment: its estimate rho ||v|| is the sample's s-th largest |v|
-  // itself (the norm cancels), so its pass skips the sums (0.15 to 0.3 of an add at 25M).
+  // itself (the norm cancels), so its pass skips the sums (up to 0.3 of an add at 25M).
   OnePass pass(device, bucket, bound_, k, Listing::kEveryDevice, method_util::whole(bucket), /*sums=*/reference_);
   const Moments& m = pass.moments();
   start_step();
