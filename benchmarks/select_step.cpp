@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
+#include "gradsparse/estimators.h"
 #include "gradsparse/kernels.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/parallel.h"
@@ -88,6 +89,12 @@ int main(int argc, char** argv) {
   std::vector<double> select, add, exchange;
   std::vector<int64_t> indices;  // topk_op's pairs, kept from step to step as a caller's buffers
   std::vector<float> values;
+  const PairSink sink = [&](int64_t count) {
+    indices.resize(static_cast<size_t>(count));
+    values.resize(static_cast<size_t>(count));
+    return PairSpan{indices.data(), values.data()};
+  };
+  const int64_t k = target_count(density, n);  // topk_op's, as the Top-k method counts it
   constexpr int kWarmup = 20;  // as benchmarks.select: a method's first steps, while it learns the scale
   for (int s = 0; s < steps + kWarmup; ++s) {
     std::memcpy(residual.data(), start.data(), residual.size() * sizeof(float));
@@ -105,12 +112,6 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < out.size(); ++i) out[i] = g[i] * scale;
     double t_select = 0.0, t_exchange = 0.0;
     if (op) {
-      const auto k = static_cast<int64_t>(density * static_cast<double>(n));
-      const PairSink sink = [&](int64_t count) {
-        indices.resize(static_cast<size_t>(count));
-        values.resize(static_cast<size_t>(count));
-        return PairSpan{indices.data(), values.data()};
-      };
       const auto t1 = std::chrono::steady_clock::now();
       cpu::select_topk<float, int64_t>(name == "topk_op" ? residual.data() : nullptr, out.data(), n, k, sink);
       t_select = seconds_since(t1);

@@ -399,11 +399,13 @@ class DGC(Estimating):
         samples = None if self.reference else percent_sample(st, n)
         if samples is None or samples.numel() < s:
             samples = sample_distinct(st, f, n)
-        if not self.reference:  # rho ||v|| is the sample's s-th largest |v| itself (ruling 9)
-            return self.steered(v, float(torch.sort(v[samples].double().abs(), descending=True).values[s - 1]), k)
-        x_samples = v[samples].double().abs() / norm
-        rho = float(torch.sort(x_samples, descending=True).values[s - 1])
-        tau = rho * norm
+        # rho ||v||, with rho the s-th largest x = |v| / ||v|| among the samples: the s-th largest
+        # |v| itself in the default mode (ruling 9); in the reference mode divided and multiplied
+        # again (a division rounds monotonically, so rho is the s-th largest x to the bit)
+        kth = float(torch.sort(v[samples].double().abs(), descending=True).values[s - 1])
+        if not self.reference:
+            return self.steered(v, kth, k)
+        tau = kth / norm * norm
         candidates = where(above(v, tau))
         if candidates.numel() > 4 * k / 3:
             return largest(v, candidates, k), tau
