@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -396,6 +397,70 @@ TEST(Passes, ScanKeepsTheResidualWhereTheSumIsNotFinite) {
       EXPECT_EQ(s.moments.max_abs, 3.0e38f);  // the kept residual of element 31
     }
   }
+}
+
+/// Device::sample_keys looks at the values the update will give, with momentum correction and its
+/// masking, without writing the residual or the velocity: the keys at or above the floor of the
+/// sampled blocks' elements (a block's last few elements too), in index order, where a sum that is
+/// not finite keeps the residual's value and, without a residual, a non-finite gradient reads as 0.
+template <typename T>
+void sample_keys_look_without_writing() {
+  static_assert(std::is_same_v<T, float> || std::is_same_v<T, BFloat16>);
+  const int64_t n = kN;
+  std::vector<T> grad = ref::random_vector<T>(n, 41), residual = ref::random_vector<T>(n, 42, 0.5f);
+  std::vector<T> velocity = ref::random_vector<T>(n, 43, 0.5f);
+  for (int64_t i : {int64_t{3}, int64_t{40}, kCpuBlock + 9, 3 * kCpuBlock + 70}) residual[i] = Num<T>::zero();
+  for (int64_t i : {int64_t{7}, 3 * kCpuBlock + 71}) grad[i] = Num<T>::from_float(NAN);
+  grad[11] = Num<T>::from_float(INFINITY);
+  const std::vector<T> grad0 = grad, residual0 = residual, velocity0 = velocity;
+  const float f = 0.9f;
+  const double floor = 1.2;
+  auto rounded = [](float x) { return Num<T>::to_float(Num<T>::from_float(x)); };
+  for (const bool update : {true, false}) {
+    for (const bool momentum : {true, false}) {
+      for (const bool with_residual : {true, false}) {
+        if ((momentum && !update) || (!with_residual && (update || momentum))) continue;
+        for (const int64_t every : {int64_t{1}, int64_t{3}}) {
+          BucketView view{std::is_same_v<T, float> ? DType::kFloat32 : DType::kBFloat16, n, grad.data(),
+                          with_residual ? residual.data() : nullptr};
+          if (momentum) {
+            view.velocity = velocity.data();
+            view.momentum = f;
+            view.momentum_masking = true;
+          }
+          std::vector<uint32_t> want;
+          for (int64_t i = 0; i < n; ++i) {
+            if (!BlockSample{every}.holds(i)) continue;
+            const float g = Num<T>::to_float(grad[i]), r = Num<T>::to_float(residual[i]);
+            float v;
+            if (!with_residual) {
+              v = std::isfinite(g) ? g : 0.0f;
+            } else if (!update) {
+              v = r;
+            } else {
+              float a = g;
+              if (momentum) a = rounded(f * (r == 0.0f ? 0.0f : Num<T>::to_float(velocity[i])) + g);
+              const float sum = rounded(r + a);
+              v = std::isfinite(sum) ? sum : r;
+            }
+            if (std::fabs(v) >= floor) want.push_back(Num<T>::key(Num<T>::from_float(v)));
+          }
+          CpuDevice device;
+          const std::vector<uint32_t> keys = device.sample_keys(view, update, BlockSample{every}, floor);
+          EXPECT_EQ(keys, want) << update << momentum << with_residual << every;
+          EXPECT_GT(want.size(), 100u);
+          ASSERT_EQ(0, std::memcmp(residual.data(), residual0.data(), n * sizeof(T)));
+          ASSERT_EQ(0, std::memcmp(velocity.data(), velocity0.data(), n * sizeof(T)));
+          ASSERT_EQ(0, std::memcmp(grad.data(), grad0.data(), n * sizeof(T)));
+        }
+      }
+    }
+  }
+}
+
+TEST(Passes, SampleKeysLookAtTheUpdateWithoutWritingIt) {
+  sample_keys_look_without_writing<float>();
+  sample_keys_look_without_writing<BFloat16>();
 }
 
 // Large fills and copies run in parallel blocks of 128 KiB (cpu_device.cpp): every byte of an

@@ -22,6 +22,9 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
             double zero_from = HUGE_VAL) override;
 
+  /// cpu::sample_keys.
+  std::vector<uint32_t> sample_keys(const BucketView& bucket, bool update, BlockSample sample, double floor) override;
+
   // Typed kernels used by KernelDevice.
   template <typename T, typename I>
   SelectStats k_select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {

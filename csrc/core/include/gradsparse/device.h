@@ -195,6 +195,15 @@ class Device {
   /// zeroes the few it added). This default makes the passes one by one and zeroes nothing.
   virtual Scan scan(const BucketView& bucket, bool update, Range range, double lower, int64_t capacity, bool sums,
                     double zero_from = HUGE_VAL);
+  /// The keys (numeric.h Num<T>::key, in the bucket's dtype) of the elements of `sample` with |v| >=
+  /// `floor`, in index order; with `update`, of the values the update will give, computed without
+  /// writing them (read-only either way). A look at the bucket before the pass that updates it,
+  /// for an estimate that only saves time (OnePass's k-th largest): a device whose own pass does
+  /// not gain from one returns none, as this default does.
+  virtual std::vector<uint32_t> sample_keys(const BucketView& /*bucket*/, bool /*update*/, BlockSample /*sample*/,
+                                            double /*floor*/) {
+    return {};
+  }
   /// Sum of |v| at the positions (host vector; repeats allowed).
   virtual double sample_abs_sum(const BucketView& bucket, const std::vector<int64_t>& positions) = 0;
 

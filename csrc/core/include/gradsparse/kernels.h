@@ -97,6 +97,20 @@ struct Source {
   /// The update of element i (with a residual): residual += addend(i); false `finite` when the
   /// sum is not finite (the residual then keeps its value).
   GS_HD void update_element(int64_t i, bool& finite) const { ef_accumulate(residual[i], addend(i), finite); }
+
+  /// The selection value element i will have once the update is done (with `update`), computed
+  /// without writing the residual or the velocity.
+  GS_HD T peek(int64_t i) const {
+    if (!update || residual == nullptr) return value(i);
+    T r = residual[i], a = grad[i];
+    if (velocity != nullptr) {
+      T u = velocity[i];  // a copy: momentum_value writes the new velocity to it
+      a = momentum_value(a, u, momentum_emptied(masking, r), momentum);
+    }
+    bool finite;
+    ef_accumulate(r, a, finite);
+    return r;
+  }
 };
 
 /// A sub-range [begin, end) of a bucket.
@@ -270,6 +284,12 @@ double log_sum(Source<T> src, int64_t n, double scale, double eps, BlockSample s
 /// The elements of `range` with key >= `key`, ascending, read-only (values exact as float).
 template <typename T>
 void collect(Source<T> src, int64_t n, Range range, uint32_t key, HostBuffer<int64_t>& index, HostBuffer<float>& value);
+
+/// The keys (Num<T>::key) at or above `key` of the selection values of the elements of `sample`,
+/// in index order. Read-only: with `src.update` the values the update will give are computed, not
+/// written (Source::peek), for a look at them before the pass that updates.
+template <typename T>
+void sample_keys(Source<T> src, int64_t n, uint32_t key, BlockSample sample, std::vector<uint32_t>& keys);
 
 /// Sum of |v| at the given positions (repeats allowed), read-only.
 template <typename T>

@@ -74,4 +74,13 @@ Scan CpuDevice::scan(const BucketView& bucket, bool update, Range range, double 
   });
 }
 
+std::vector<uint32_t> CpuDevice::sample_keys(const BucketView& bucket, bool update, BlockSample sample, double floor) {
+  return dispatch_dtype(bucket.dtype, [&](auto t) {
+    using T = decltype(t);
+    std::vector<uint32_t> keys;
+    cpu::sample_keys<T>(source<T>(bucket, update), bucket.numel, key_at_least<T>(floor), sample, keys);
+    return keys;
+  });
+}
+
 }  // namespace gradsparse

@@ -94,8 +94,9 @@ GS_TARGET_AVX2 inline __m256i not_finite8_avx2(__m256 x) {  // -1 in the lanes h
 /// The first pass's update of float32 elements j..j+7 (Source::update_element in 8 lanes, to the
 /// bit): momentum correction when the source has a velocity, then residual += addend where the
 /// sum is finite. Returns the residual's new values; `nonfinite` holds -1 in the lanes whose sum
-/// is not finite (their residual is kept). kVelocity says whether src.velocity is set.
-template <bool kVelocity>
+/// is not finite (their residual is kept). kVelocity says whether src.velocity is set; without
+/// kStore the new residual and velocity are computed but not stored (a read-only look at them).
+template <bool kVelocity, bool kStore = true>
 GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, __m256i& nonfinite) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256 old = _mm256_loadu_ps(src.residual + j);
@@ -109,12 +110,13 @@ GS_TARGET_AVX2 inline __m256 update8_avx2(const Source<float>& src, int64_t j, _
       kept = _mm256_andnot_ps(_mm256_castsi256_ps(empty), u);
     }
     addend = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(src.momentum), kept), addend);  // scale_add
-    _mm256_storeu_ps(src.velocity + j, _mm256_blendv_ps(addend, u, _mm256_castsi256_ps(not_finite8_avx2(addend))));
+    if constexpr (kStore)
+      _mm256_storeu_ps(src.velocity + j, _mm256_blendv_ps(addend, u, _mm256_castsi256_ps(not_finite8_avx2(addend))));
   }
   const __m256 a = _mm256_add_ps(old, addend);
   nonfinite = not_finite8_avx2(a);
   const __m256 v = _mm256_blendv_ps(a, old, _mm256_castsi256_ps(nonfinite));
-  _mm256_storeu_ps(src.residual + j, v);
+  if constexpr (kStore) _mm256_storeu_ps(src.residual + j, v);
   return v;
 }
 
@@ -125,8 +127,8 @@ GS_TARGET_AVX512 inline __mmask16 not_finite16_avx512(__m512 x) {  // a bit per 
 
 /// update8_avx2 for elements j..j+15, to the bit; `nonfinite` gets a bit per lane whose sum is
 /// not finite. kVelocity says whether src.velocity is set (a loop calls the version for its case,
-/// not a test per vector).
-template <bool kVelocity>
+/// not a test per vector); kStore as in update8_avx2.
+template <bool kVelocity, bool kStore = true>
 GS_TARGET_AVX512 inline __m512 update16_avx512(const Source<float>& src, int64_t j, __mmask16& nonfinite) {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
   const __m512 old = _mm512_loadu_ps(src.residual + j);
@@ -137,14 +139,15 @@ GS_TARGET_AVX512 inline __m512 update16_avx512(const Source<float>& src, int64_t
     const __m512 kept =
         src.masking ? _mm512_maskz_mov_ps(_mm512_test_epi32_mask(_mm512_castps_si512(old), magnitude), u) : u;
     addend = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(src.momentum), kept), addend);  // scale_add
-    _mm512_storeu_ps(src.velocity + j, _mm512_mask_blend_ps(not_finite16_avx512(addend), addend, u));
+    if constexpr (kStore)
+      _mm512_storeu_ps(src.velocity + j, _mm512_mask_blend_ps(not_finite16_avx512(addend), addend, u));
   }
   const __m512 a = _mm512_add_ps(old, addend);
   nonfinite = not_finite16_avx512(a);
   // A branch, not a blend: a sum is all but always finite, and a blend on every vector cost the
   // scan 4% to 6% of its time (docs/benchmarks.md).
   const __m512 v = __builtin_expect(nonfinite != 0, 0) ? _mm512_mask_blend_ps(nonfinite, a, old) : a;
-  _mm512_storeu_ps(src.residual + j, v);
+  if constexpr (kStore) _mm512_storeu_ps(src.residual + j, v);
   return v;
 }
 

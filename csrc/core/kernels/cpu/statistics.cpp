@@ -162,9 +162,10 @@ Moments moments_f32_portable(Source<float> src, int64_t begin, int64_t end) {
 
 // ---- AVX2 paths (float32) -----------------------------------------------------------------------
 
-/// How an AVX2 pass reads its values: with the fused update, from the residual, or (no residual)
-/// from the gradient with non-finite values read as zero.
-enum class Read { kUpdate, kResidual, kGrad };
+/// How an AVX2 pass reads its values: with the fused update, from the residual, (no residual)
+/// from the gradient with non-finite values read as zero, or as the update would leave them,
+/// computed without writing (a read-only look before the pass that updates).
+enum class Read { kUpdate, kResidual, kGrad, kPeek };
 
 /// How far ahead of its reads a read-only float32 pass over a sample of blocks (SIDCo's
 /// exceedances and sum of logs) asks for the lines it will read: each sampled block starts cold,
@@ -191,6 +192,8 @@ float value1(const Source<float>& src, int64_t j, int64_t& bad) {
     src.update_element(j, finite);
     bad += !finite;
     return src.residual[j];
+  } else if constexpr (kRead == Read::kPeek) {
+    return src.peek(j);
   } else if constexpr (kRead == Read::kResidual) {
     return src.residual[j];
   } else {
@@ -208,9 +211,9 @@ GS_TARGET_AVX2 inline __m256 values8(const Source<float>& src, int64_t j, __m256
   if constexpr (kRead == Read::kResidual) {
     (void)bad;
     return _mm256_loadu_ps(src.residual + j);
-  } else if constexpr (kRead == Read::kUpdate) {
+  } else if constexpr (kRead == Read::kUpdate || kRead == Read::kPeek) {
     __m256i nonfinite;
-    const __m256 v = update8_avx2<kVelocity>(src, j, nonfinite);
+    const __m256 v = update8_avx2<kVelocity, kRead == Read::kUpdate>(src, j, nonfinite);
     bad = _mm256_add_epi32(bad, nonfinite);
     return v;
   } else {
@@ -600,6 +603,32 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
   return lanes.total();
 }
 
+/// sample_keys() of a float32 block [begin, end): the keys that reach `key`, packed into `out`
+/// (room for end - begin + 8) eight values at a time, in index order; returns how many.
+template <Read kRead, bool kVelocity>
+GS_TARGET_AVX2 int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
+                                       uint32_t* out) {
+  static const PackTable pack;
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i below = _mm256_set1_epi32(below_key(key));
+  __m256i unused = _mm256_setzero_si256();
+  int64_t found = 0, j = begin;
+  for (; j + 8 <= end; j += 8) {
+    const __m256i k = _mm256_and_si256(_mm256_castps_si256(values8<kRead, kVelocity>(src, j, unused)), magnitude);
+    const int bits = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, below)));
+    if (bits == 0) continue;  // most rows: the keys sought are a few in a hundred
+    const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(pack.lanes[bits]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + found), _mm256_permutevar8x32_epi32(k, order));
+    found += __builtin_popcount(static_cast<unsigned>(bits));
+  }
+  int64_t ignored = 0;
+  for (; j < end; ++j) {
+    const uint32_t k = Num<float>::key(value1<kRead>(src, j, ignored));
+    if (k >= key) out[found++] = k;
+  }
+  return found;
+}
+
 #else   // only named by code that never runs without AVX2 paths
 template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
@@ -608,6 +637,8 @@ template <Read kRead, bool kSums>
 Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
+template <Read kRead, bool kVelocity>
+int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint32_t* out);
 #endif  // GS_HAVE_AVX2_PATHS
 
 /// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
@@ -911,6 +942,31 @@ Exceedance exceedance(Source<T> src, int64_t n, uint32_t key, double scale, Bloc
   return Exceedance::combine(blocks);
 }
 
+template <typename T>
+void sample_keys(Source<T> src, int64_t n, uint32_t key, BlockSample sample, std::vector<uint32_t>& keys) {
+  const bool peek = src.update && src.residual != nullptr;
+  const auto blocks = per_block<HostBuffer<uint32_t>>(n, sample, [&](int64_t begin, int64_t end) {
+    HostBuffer<uint32_t> out(static_cast<size_t>(end - begin + 8));  // not zeroed: few are written
+    int64_t found = 0;
+    if (!avx2_f32<true>(src, [&](auto read) {
+          constexpr Read kRead = decltype(read)::value == Read::kUpdate ? Read::kPeek : decltype(read)::value;
+          const Source<float> f = as_f32(src);
+          found = kRead == Read::kPeek && f.velocity != nullptr
+                      ? block_keys_avx2<kRead, true>(f, begin, end, key, out.data())
+                      : block_keys_avx2<kRead, false>(f, begin, end, key, out.data());
+        })) {
+      for (int64_t i = begin; i < end; ++i) {
+        const uint32_t k = Num<T>::key(peek ? src.peek(i) : src.value(i));
+        if (k >= key) out[static_cast<size_t>(found++)] = k;
+      }
+    }
+    out.resize(static_cast<size_t>(found));
+    return out;
+  });
+  keys.clear();
+  for (const auto& part : blocks) keys.insert(keys.end(), part.begin(), part.end());
+}
+
 namespace {
 
 // log_sum()'s running products: kLogLanes independent products (so that they vectorise), each
@@ -982,6 +1038,7 @@ GS_TARGET_AVX2 bool log_products_f32_avx2(const Source<float>& src, int64_t& i, 
   exponent += lanes[0] + lanes[1] + lanes[2] + lanes[3];
   return normal;
 }
+
 #else   // only named by code that never runs without AVX2 paths
 template <Read kRead>
 bool log_products_f32_avx2(const Source<float>& src, int64_t& i, int64_t end, double scale, double eps, double* product,
@@ -1051,6 +1108,7 @@ int64_t count_nonfinite(const T* data, int64_t n) {
   template Exceedance exceedance<T>(Source<T>, int64_t, uint32_t, double, BlockSample);                        \
   template double log_sum<T>(Source<T>, int64_t, double, double, BlockSample);                                 \
   template double sample_abs_sum<T>(Source<T>, const int64_t*, int64_t);                                       \
+  template void sample_keys<T>(Source<T>, int64_t, uint32_t, BlockSample, std::vector<uint32_t>&);             \
   template int64_t count_nonfinite<T>(const T*, int64_t);
 
 GS_INSTANTIATE_STATISTICS(float)
