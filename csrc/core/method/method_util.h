@@ -147,20 +147,6 @@ inline Selection largest_of_message(Device& device, const BucketView& bucket, co
   return device.emit(bucket, HostPairs(index, value, chosen), /*zero=*/false);
 }
 
-/// The residual `r` after the error-feedback update by gradient `g` (with momentum correction
-/// from velocity `u` where `u` is given, as the bucket's factor and masking say), computed on
-/// copies as the kernels compute it: nothing is written. Where the sum is not finite, `r`.
-template <typename T>
-T updated_copy(T r, T g, const T* u, const BucketView& bucket) {
-  if (u != nullptr) {
-    T velocity = *u;
-    g = momentum_value(g, velocity, momentum_emptied(bucket.momentum_masking, r), bucket.momentum);
-  }
-  bool finite;
-  ef_accumulate(r, g, finite);
-  return r;
-}
-
 /// |v| at each of `positions` (repeats allowed; in their order) with v the selection values after
 /// the error-feedback update (with momentum correction when the bucket has a velocity), read
 /// before the update runs: the update of those elements is computed here (as the kernels compute
@@ -188,8 +174,9 @@ inline std::vector<double> sample_magnitudes_before_update(Device& device, const
       using T = decltype(t);
       for (size_t j = 0; j < value.size(); ++j) {  // exact: the values came from T
         const T u = velocity.empty() ? T{} : Num<T>::from_float(velocity[j]);
-        value[j] = Num<T>::to_float(updated_copy(Num<T>::from_float(value[j]), Num<T>::from_float(grad[j]),
-                                                 velocity.empty() ? nullptr : &u, bucket));
+        value[j] =
+            Num<T>::to_float(updated_value(Num<T>::from_float(value[j]), Num<T>::from_float(grad[j]),
+                                           velocity.empty() ? nullptr : &u, bucket.momentum, bucket.momentum_masking));
       }
     });
   }

@@ -102,14 +102,7 @@ struct Source {
   /// without writing the residual or the velocity.
   GS_HD T peek(int64_t i) const {
     if (!update || residual == nullptr) return value(i);
-    T r = residual[i], a = grad[i];
-    if (velocity != nullptr) {
-      T u = velocity[i];  // a copy: momentum_value writes the new velocity to it
-      a = momentum_value(a, u, momentum_emptied(masking, r), momentum);
-    }
-    bool finite;
-    ef_accumulate(r, a, finite);
-    return r;
+    return updated_value(residual[i], grad[i], velocity != nullptr ? velocity + i : nullptr, momentum, masking);
   }
 };
 

@@ -188,6 +188,21 @@ GS_HD inline void momentum_step(T* grad, T* velocity, const T* residual, int64_t
   grad[i] = momentum_value(grad[i], velocity[i], residual != nullptr && momentum_emptied(masking, residual[i]), factor);
 }
 
+/// The residual `r` after the error-feedback update by gradient `g`, with momentum correction from
+/// velocity `u` where it is given (its factor and masking as momentum_value takes them), computed
+/// on copies as the kernels compute it: nothing is written (not the velocity either). Where the
+/// sum is not finite, `r`.
+template <typename T>
+GS_HD inline T updated_value(T r, T g, const T* u, float factor, bool masking) {
+  if (u != nullptr) {
+    T velocity = *u;  // momentum_value writes the new velocity to its argument
+    g = momentum_value(g, velocity, momentum_emptied(masking, r), factor);
+  }
+  bool finite;
+  ef_accumulate(r, g, finite);
+  return r;
+}
+
 /// The value a selection sees for element i once the update is done: the residual (error
 /// feedback) or, without a residual, the gradient with non-finite values read as zero. It is
 /// always finite, and reading it again gives the same value, so multi-pass kernels agree.
