@@ -126,11 +126,11 @@ void settle_zeroed(const BucketView& bucket, Candidates& c, uint32_t chosen_from
 /// blocks (the same 16 blocks, about, every step) read before the scan, the update computed and
 /// nothing written (Device::sample_keys); NaN where it is not made: where the threshold moved by
 /// less than 1% a step lately (standard deviation, CandidateBound::moves: the sample would cost
-/// more than it saves, 0.1 to 0.2 ms a step at 25M where it does not move at all), before the bound
-/// has one, where the bucket is short (its scan too), where the sample holds too few at or above
-/// `floor`, on a device that does not look (a GPU, whose scan lists nothing) and over a part of the
-/// bucket. At 25M elements and density 0.01 it is off by about 0.2% (the rank of 5,600 among 560
-/// thousand).
+/// more than it saves where it does not move at all: about a quarter of a millisecond a step at
+/// 25M, a thirtieth of an add), before the bound has one, where the bucket is short (its scan
+/// too), where the sample holds too few at or above `floor`, on a device that does not look (a
+/// GPU, whose scan lists nothing) and over a part of the bucket. At 25M elements and density 0.01
+/// it is off by about 0.2% (the rank of 5,600 among 560 thousand).
 double estimated_kth(Device& device, const BucketView& bucket, Range range, bool update, int64_t k,
                      const CandidateBound& bound, double floor) {
   constexpr int64_t kBlocks = 16;  // blocks read, about
