@@ -258,8 +258,11 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const bool zero = exchange_->selection_zeroes();
   Selection s;
   if (listed) {
-    const Positions chosen =
-        positions_where(c.size(), [&](size_t j) { return static_cast<double>(std::fabs(c.value[j])) >= lambda; });
+    // |v| >= lambda in float64 is a comparison of keys with lambda raised to float32 (the listed
+    // values are exact as float): an integer test per candidate, which the counting loop vectorises.
+    const uint32_t from = Num<float>::key(static_cast<float>(method_util::dtype_ceil(DType::kFloat32, lambda)));
+    const method_util::FloatKeys keys = method_util::float_keys(c.value);
+    const Positions chosen = positions_where(keys.size(), [&](size_t j) { return keys[j] >= from; });
     s = method_util::emit_subset(device, bucket, c, chosen, zero);
   } else {
     // |v| >= lambda exactly, as the listed path compares: lambda raised to the dtype.
