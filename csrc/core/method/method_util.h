@@ -118,6 +118,12 @@ struct FloatKeys {
   uint32_t operator[](size_t j) const { return Num<float>::key(values[j]); }
 };
 
+/// The FloatKeys key from which a float value v has |v| >= x compared in float64: the key of x
+/// raised to float32 (dtype_ceil).
+inline uint32_t float_key_at_least(double x) {
+  return Num<float>::key(static_cast<float>(dtype_ceil(DType::kFloat32, x)));
+}
+
 /// FloatKeys of a container of floats (which must outlive them).
 template <typename Values>
 FloatKeys float_keys(const Values& values) {

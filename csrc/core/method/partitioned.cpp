@@ -50,8 +50,7 @@ int64_t add_band_counts(const std::vector<double>& edges, const HostBuffer<float
     return below;
   }
   std::vector<uint32_t> keys(edges.size());
-  for (size_t b = 0; b < edges.size(); ++b)
-    keys[b] = Num<float>::key(static_cast<float>(method_util::dtype_ceil(DType::kFloat32, edges[b])));
+  for (size_t b = 0; b < edges.size(); ++b) keys[b] = method_util::float_key_at_least(edges[b]);
   std::vector<int64_t> in_bin(keys.size() + 1, 0);  // [0]: below the band; [b + 1]: bin b
   const KeyBins table(keys.data(), static_cast<int>(keys.size()));
   table.count(values.data(), static_cast<int64_t>(values.size()), in_bin.data());
@@ -258,9 +257,9 @@ Selection PartitionedMethod::select_default(Device& device, const BucketView& bu
   const bool zero = exchange_->selection_zeroes();
   Selection s;
   if (listed) {
-    // |v| >= lambda in float64 is a comparison of keys with lambda raised to float32 (the listed
-    // values are exact as float): an integer test per candidate, which the counting loop vectorises.
-    const uint32_t from = Num<float>::key(static_cast<float>(method_util::dtype_ceil(DType::kFloat32, lambda)));
+    // |v| >= lambda in float64 as a comparison of keys (the listed values are exact as float): an
+    // integer test per candidate, which the counting loop vectorises.
+    const uint32_t from = method_util::float_key_at_least(lambda);
     const method_util::FloatKeys keys = method_util::float_keys(c.value);
     const Positions chosen = positions_where(keys.size(), [&](size_t j) { return keys[j] >= from; });
     s = method_util::emit_subset(device, bucket, c, chosen, zero);
