@@ -180,6 +180,26 @@ GS_TARGET_AVX2 inline void scan_keys_avx2(const float* v, int64_t begin, int64_t
   }
 }
 
+/// scan_keys_avx2 for 16-bit values (float16, bfloat16: the key is the bits without the sign).
+template <typename Hit>
+GS_TARGET_AVX2 inline void scan_keys16_avx2(const uint16_t* v, int64_t begin, int64_t end, uint32_t key, Hit&& hit) {
+  if (key > 0x7fffu) return;  // above every key
+  const __m256i below = _mm256_set1_epi16(static_cast<int16_t>(static_cast<int>(key) - 1));
+  const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+  int64_t j = begin;
+  for (; j + 32 <= end; j += 32) {
+    const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j)), magnitude);
+    const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + j + 16)), magnitude);
+    // one byte per element; packs interleaves the 128-bit halves, the permutation puts them in order
+    const __m256i hits =
+        _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_cmpgt_epi16(a, below), _mm256_cmpgt_epi16(b, below)), 0xd8);
+    for (auto bits = static_cast<uint32_t>(_mm256_movemask_epi8(hits)); bits != 0; bits &= bits - 1)
+      hit(j + __builtin_ctz(bits));
+  }
+  for (; j < end; ++j)
+    if ((v[j] & 0x7fffu) >= key) hit(j);
+}
+
 #endif
 
 /// Calls f(first, bits) for each 64-bit word of `mask` that covers [lo, hi), in ascending order:

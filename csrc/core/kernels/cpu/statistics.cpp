@@ -641,6 +641,108 @@ template <Read kRead, bool kVelocity>
 int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint32_t* out);
 #endif  // GS_HAVE_AVX2_PATHS
 
+// ---- 16-bit storage (float16, bfloat16) ---------------------------------------------------------
+
+/// A 16-bit type's values widened to float32 (exact).
+template <typename T>
+void widen(const T* v, int64_t n, float* out);
+
+/// The error-feedback update of 16-bit elements [0, n) without momentum correction (r += g,
+/// rounded to T; where the sum is not finite r stays): returns the count of non-finite sums.
+template <typename T>
+int64_t update_16(T* r, const T* g, int64_t n);
+
+#if GS_HAVE_AVX2_PATHS
+#define GS_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
+
+/// Eight 16-bit values widened to float32: float16 by F16C's conversion (exact, as half_to_float,
+/// but for a NaN's payload, which no result keeps: a non-finite sum is never stored), bfloat16 by
+/// a shift.
+template <typename T>
+GS_TARGET_AVX2_F16C inline __m256 widen8_avx2(const T* v) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+  if constexpr (std::is_same_v<T, Half>) {
+    return _mm256_cvtph_ps(bits);
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+}
+
+/// Eight float32 values rounded to T to nearest even, as Num<T>::from_float rounds every finite
+/// value; a non-finite one stays non-finite (a bfloat16 NaN may come out as an infinity), which
+/// is all the update asks of it: it stores no such sum.
+template <typename T>
+GS_TARGET_AVX2_F16C inline __m128i narrow8_avx2(__m256 x) {
+  if constexpr (std::is_same_v<T, Half>) {
+    return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    const __m256i b = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), odd), 16);
+    // 32 -> 16 bits: packus works within 128-bit halves, so the halves are put in order after.
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08));
+  }
+}
+
+/// update_16 of [0, n), n a multiple of 8.
+template <typename T>
+GS_TARGET_AVX2_F16C int64_t update_16_avx2(T* r, const T* g, int64_t n) {
+  const __m128i magnitude = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(static_cast<int16_t>(Num<T>::kInfKey));
+  int64_t nonfinite = 0;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i));
+    const __m128i sum = narrow8_avx2<T>(_mm256_add_ps(widen8_avx2(r + i), widen8_avx2(g + i)));
+    const __m128i finite = _mm_cmpgt_epi16(inf, _mm_and_si128(sum, magnitude));  // keys compare as signed
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + i), _mm_blendv_epi8(old, sum, finite));
+    nonfinite += 8 - _mm_popcnt_u32(static_cast<unsigned>(_mm_movemask_epi8(finite))) / 2;
+  }
+  return nonfinite;
+}
+
+/// widen of [0, n), n a multiple of 8.
+template <typename T>
+GS_TARGET_AVX2_F16C void widen_avx2(const T* v, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, widen8_avx2(v + i));
+}
+
+/// Whether the 16-bit paths may use AVX2 and F16C (every AVX2 CPU known has F16C; checked anyway).
+inline bool use_avx2_f16c() {
+  static const bool f16c = __builtin_cpu_supports("f16c");
+  return use_avx2() && f16c;
+}
+#endif  // GS_HAVE_AVX2_PATHS
+
+template <typename T>
+void widen(const T* v, int64_t n, float* out) {
+  int64_t i = 0;
+#if GS_HAVE_AVX2_PATHS
+  if (use_avx2_f16c()) widen_avx2(v, i = n / 8 * 8, out);
+#endif
+  for (; i < n; ++i) out[i] = Num<T>::to_float(v[i]);
+}
+
+/// The error-feedback update of the elements [begin, end) one by one (with momentum correction
+/// where the source has a velocity): returns the count of non-finite sums.
+template <typename T>
+int64_t update_elements(const Source<T>& src, int64_t begin, int64_t end) {
+  int64_t nonfinite = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    bool finite;
+    src.update_element(i, finite);
+    nonfinite += !finite;
+  }
+  return nonfinite;
+}
+
+template <typename T>
+int64_t update_16(T* r, const T* g, int64_t n) {
+  int64_t nonfinite = 0, i = 0;
+#if GS_HAVE_AVX2_PATHS
+  if (use_avx2_f16c()) nonfinite = update_16_avx2(r, g, i = n / 8 * 8);
+#endif
+  return nonfinite + update_elements(Source<T>{r, g, true}, i, n);
+}
+
 /// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
 /// with the source's read mode; returns false (nothing run) otherwise. Read-only passes
 /// (kUpdate false) have checked that the source does not ask for the update.
@@ -688,12 +790,24 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
     if (marked != nullptr) *marked = true;
     return m;
   }
-  if (src.update && src.residual != nullptr) {
-    for (int64_t i = begin; i < end; ++i) {
-      bool finite;
-      src.update_element(i, finite);
-      m.nonfinite += !finite;
+  if constexpr (!std::is_same_v<T, float>) {  // 16-bit values with a residual
+    if (src.residual != nullptr) {
+      // the update in vectors, with momentum correction element by element
+      if (src.update)
+        m.nonfinite = src.velocity == nullptr ? update_16(src.residual + begin, src.grad + begin, end - begin)
+                                              : update_elements(src, begin, end);
+      if (!sums) return m;
+      // widened to float32 (exact) and summed as a float32 block is, in MomentLanes' order
+      thread_local std::vector<float> wide(static_cast<size_t>(kCpuBlock));
+      widen(src.residual + begin, end - begin, wide.data());
+      const int64_t nonfinite = m.nonfinite;
+      m = block_moments(Source<float>{wide.data(), nullptr, false}, 0, end - begin);
+      m.nonfinite = nonfinite;
+      return m;
     }
+  }
+  if (src.update && src.residual != nullptr) {
+    m.nonfinite = update_elements(src, begin, end);
   } else if (src.residual == nullptr) {
     for (int64_t i = begin; i < end; ++i) m.nonfinite += !is_finite(src.grad[i]);
   }
@@ -830,16 +944,27 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
         return;
       }
     }
-    for (int64_t i = lo; i < hi; ++i) {  // elsewhere a second look at the block, from cache
+    auto hit = [&](int64_t i) {  // elsewhere a second look at the block, from cache
       const T v = read.value(i);
-      if (Num<T>::key(v) < key) continue;
       ++found;
       if (listing) {
         p.index[static_cast<size_t>(p.size)] = i;
         p.value[static_cast<size_t>(p.size++)] = Num<T>::to_float(v);
         if (Num<T>::key(v) >= zero_key) src.residual[i] = Num<T>::zero();  // (no key reaches kNoKey)
       }
+    };
+#if GS_HAVE_AVX2_PATHS
+    if constexpr (sizeof(T) == 2) {  // 16-bit values: their keys compared 32 at a time
+      if (use_avx2() && src.residual != nullptr) {
+        scan_keys16_avx2(reinterpret_cast<const uint16_t*>(src.residual), lo, hi, key, hit);
+        p.above += found;
+        stored.fetch_add(found, std::memory_order_relaxed);
+        return;
+      }
     }
+#endif
+    for (int64_t i = lo; i < hi; ++i)
+      if (Num<T>::key(read.value(i)) >= key) hit(i);
     p.above += found;
     stored.fetch_add(found, std::memory_order_relaxed);
   });
@@ -907,6 +1032,13 @@ void count_keys(Source<T> src, int64_t n, Range range, const uint32_t* keys, int
         }
         scan_keys_avx2(v, lo, hi, keys[0],
                        [&](int64_t i) { ++bins[static_cast<size_t>(table.bin(Num<float>::key(v[i])))]; });
+        return bins;
+      }
+    } else if constexpr (sizeof(T) == 2) {
+      if (use_avx2() && src.residual != nullptr) {
+        const T* v = src.residual;
+        scan_keys16_avx2(reinterpret_cast<const uint16_t*>(v), lo, hi, keys[0],
+                         [&](int64_t i) { ++bins[static_cast<size_t>(table.bin(Num<T>::key(v[i])))]; });
         return bins;
       }
     }
