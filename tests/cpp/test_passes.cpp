@@ -400,62 +400,80 @@ TEST(Passes, ScanKeepsTheResidualWhereTheSumIsNotFinite) {
 }
 
 /// The scan's update of float16 and bfloat16 values (a vector path on AVX2 CPUs, ctest runs every
-/// SIMD path) gives each element numeric.h's ef_accumulate to the bit: every finite 16-bit pattern
-/// as the residual, against gradients of every kind (subnormal, largest finite, ties of the rounding,
-/// NaN, infinities), over a range that ends inside a vector; the non-finite sums are counted and
-/// keep the residual, and the moments, the candidates and later counts are those of the updated
-/// values.
+/// SIMD path) gives each element numeric.h's formula to the bit, without momentum correction and
+/// with it (masked or not): every finite 16-bit pattern as the residual, against gradients of
+/// every kind (subnormal, largest finite, ties of the rounding, NaN, infinities) and velocities at
+/// zero, finite and at the largest, and zero residuals (which the masking reads), over a bucket
+/// that ends inside a vector. The non-finite sums
+/// are counted and keep the residual, a velocity changes only where its new value is finite, and
+/// the moments, the candidates and later counts are those of the updated values.
 template <typename T>
 void scan_updates_sixteen_bit_values() {
-  const int64_t n = 65536 + 13;
-  std::vector<T> residual(n), grad(n);
+  const int64_t n = 2 * 65536 + 13;  // the second half's residuals zero (where the masking restarts velocities)
+  std::vector<T> residual(n), grad(n), velocity(n);
   std::mt19937 rng(5);
   const uint16_t specials[] = {0x0000, 0x8000, 0x0001, 0x8001, 0x03ff, 0x7bff, 0xfbff, 0x7f7f,
                                0xff7f, 0x7c00, 0xfc00, 0x7f80, 0xff80, 0x7e00, 0x7fc0, 0x3c00};
+  auto finite_bits = [](uint16_t bits) {
+    T v{bits};
+    return is_finite(v) ? v : T{static_cast<uint16_t>(bits & 0x803f)};
+  };
   for (int64_t i = 0; i < n; ++i) {
-    residual[i].bits = static_cast<uint16_t>(i);  // every finite pattern (a residual is finite)
-    if (!is_finite(residual[i])) residual[i].bits &= 0x803f;
+    // every finite pattern (a residual is finite), then zeros of both signs
+    residual[i] = finite_bits(i < 65536 ? static_cast<uint16_t>(i) : static_cast<uint16_t>((i & 1) << 15));
     const uint32_t pick = rng();
     // a special value, the residual itself or its negation (sums at twice it, ties, zeros), or random bits
     grad[i].bits = pick % 4 == 0   ? specials[(pick >> 8) % std::size(specials)]
                    : pick % 4 == 1 ? static_cast<uint16_t>(residual[i].bits ^ ((pick >> 8) & 0x8000u))
                                    : static_cast<uint16_t>(pick >> 8);
-  }
-  std::vector<T> want = residual;
-  int64_t nonfinite = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    bool finite;
-    ef_accumulate(want[i], grad[i], finite);
-    nonfinite += !finite;
+    velocity[i] = finite_bits(pick % 8 == 0 ? static_cast<uint16_t>(0) : static_cast<uint16_t>(pick >> 16));
   }
   const DType dtype = std::is_same_v<T, Half> ? DType::kFloat16 : DType::kBFloat16;
-  for (const bool sums : {true, false}) {
-    std::vector<T> r = residual;
-    CpuDevice device;
-    const double threshold = 1.0;
-    const Scan s = device.scan(BucketView{dtype, n, grad.data(), r.data()}, true, Range{0, n}, threshold, -1, sums);
-    EXPECT_EQ(s.moments.nonfinite, nonfinite) << sums;
-    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(r[i].bits, want[i].bits) << i << " " << sums;
-    std::vector<int64_t> candidates;
-    double sum = 0.0, max_abs = 0.0;
+  const float factor = 0.9f;
+  for (const int momentum : {0, 1, 2}) {  // none, unmasked, masked
+    std::vector<T> want = residual, want_velocity = velocity;
+    int64_t nonfinite = 0;
     for (int64_t i = 0; i < n; ++i) {
-      const double v = Num<T>::to_float(want[i]);
-      if (std::fabs(v) >= threshold) candidates.push_back(i);
-      sum += v;
-      max_abs = std::max(max_abs, std::fabs(v));
+      const T addend =
+          momentum == 0 ? grad[i]
+                        : momentum_value(grad[i], want_velocity[i], momentum_emptied(momentum == 2, want[i]), factor);
+      bool finite;
+      ef_accumulate(want[i], addend, finite);
+      nonfinite += !finite;
     }
-    EXPECT_EQ(s.candidates.index, candidates) << sums;
-    if (sums) {
-      EXPECT_EQ(s.moments.max_abs, max_abs);
-      EXPECT_NEAR(s.moments.sum, sum, 1e-9 * max_abs * n);
-    }
-    // and a count's read-only pass over the updated values (thresholds rounded to T), over a range
-    const std::vector<double> thresholds{1e-6, 0.5, 1.0, 3.0, 60000.0};
-    const auto counts = device.count(BucketView{dtype, n, grad.data(), r.data()}, Range{7, n - 5}, thresholds, false);
-    for (size_t j = 0; j < thresholds.size(); ++j) {
-      int64_t expected = 0;
-      for (int64_t i = 7; i < n - 5; ++i) expected += Num<T>::key(want[i]) >= threshold_key<T>(thresholds[j]);
-      EXPECT_EQ(counts[j], expected) << thresholds[j];
+    for (const bool sums : {true, false}) {
+      std::vector<T> r = residual, u = velocity;
+      BucketView view{dtype, n, grad.data(), r.data()};
+      if (momentum != 0) view.velocity = u.data(), view.momentum = factor, view.momentum_masking = momentum == 2;
+      CpuDevice device;
+      const double threshold = 1.0;
+      const Scan s = device.scan(view, true, Range{0, n}, threshold, -1, sums);
+      EXPECT_EQ(s.moments.nonfinite, nonfinite) << momentum << sums;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(r[i].bits, want[i].bits) << i << " " << momentum << sums;
+        ASSERT_EQ(u[i].bits, (momentum == 0 ? velocity : want_velocity)[i].bits) << i << " " << momentum << sums;
+      }
+      std::vector<int64_t> candidates;
+      double sum = 0.0, max_abs = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        const double v = Num<T>::to_float(want[i]);
+        if (std::fabs(v) >= threshold) candidates.push_back(i);
+        sum += v;
+        max_abs = std::max(max_abs, std::fabs(v));
+      }
+      EXPECT_EQ(s.candidates.index, candidates) << momentum << sums;
+      if (sums) {
+        EXPECT_EQ(s.moments.max_abs, max_abs) << momentum;
+        EXPECT_NEAR(s.moments.sum, sum, 1e-9 * max_abs * n) << momentum;
+      }
+      // and a count's read-only pass over the updated values (thresholds rounded to T), over a range
+      const std::vector<double> thresholds{1e-6, 0.5, 1.0, 3.0, 60000.0};
+      const auto counts = device.count(BucketView{dtype, n, grad.data(), r.data()}, Range{7, n - 5}, thresholds, false);
+      for (size_t j = 0; j < thresholds.size(); ++j) {
+        int64_t expected = 0;
+        for (int64_t i = 7; i < n - 5; ++i) expected += Num<T>::key(want[i]) >= threshold_key<T>(thresholds[j]);
+        EXPECT_EQ(counts[j], expected) << thresholds[j];
+      }
     }
   }
 }

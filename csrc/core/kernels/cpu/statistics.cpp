@@ -647,25 +647,29 @@ int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, ui
 template <typename T>
 void widen(const T* v, int64_t n, float* out);
 
-/// The error-feedback update of 16-bit elements [0, n) without momentum correction (r += g,
-/// rounded to T; where the sum is not finite r stays): returns the count of non-finite sums.
+/// The error-feedback update of the 16-bit elements [begin, end) (with momentum correction where
+/// the source has a velocity): returns the count of non-finite sums.
 template <typename T>
-int64_t update_16(T* r, const T* g, int64_t n);
+int64_t update_16(const Source<T>& src, int64_t begin, int64_t end);
 
 #if GS_HAVE_AVX2_PATHS
 #define GS_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
 
-/// Eight 16-bit values widened to float32: float16 by F16C's conversion (exact, as half_to_float,
-/// but for a NaN's payload, which no result keeps: a non-finite sum is never stored), bfloat16 by
-/// a shift.
+/// Eight 16-bit values (their bits) widened to float32: float16 by F16C's conversion (exact, as
+/// half_to_float, but for a NaN's payload, which no result keeps: a non-finite sum is never
+/// stored), bfloat16 by a shift.
 template <typename T>
-GS_TARGET_AVX2_F16C inline __m256 widen8_avx2(const T* v) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
+GS_TARGET_AVX2_F16C inline __m256 widen8_avx2(__m128i bits) {
   if constexpr (std::is_same_v<T, Half>) {
     return _mm256_cvtph_ps(bits);
   } else {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
   }
+}
+
+template <typename T>
+GS_TARGET_AVX2_F16C inline __m128i load8(const T* v) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(v));
 }
 
 /// Eight float32 values rounded to T to nearest even, as Num<T>::from_float rounds every finite
@@ -684,16 +688,32 @@ GS_TARGET_AVX2_F16C inline __m128i narrow8_avx2(__m256 x) {
   }
 }
 
-/// update_16 of [0, n), n a multiple of 8.
+/// update_16 of the elements [begin, end), end - begin a multiple of 8, with momentum correction
+/// where the source has a velocity (numeric.h momentum_value, in the same float32 operations).
 template <typename T>
-GS_TARGET_AVX2_F16C int64_t update_16_avx2(T* r, const T* g, int64_t n) {
+GS_TARGET_AVX2_F16C int64_t update_16_avx2(const Source<T>& src, int64_t begin, int64_t end) {
   const __m128i magnitude = _mm_set1_epi16(0x7fff), inf = _mm_set1_epi16(static_cast<int16_t>(Num<T>::kInfKey));
+  const __m256 factor = _mm256_set1_ps(src.momentum);
   int64_t nonfinite = 0;
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m128i old = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i));
-    const __m128i sum = narrow8_avx2<T>(_mm256_add_ps(widen8_avx2(r + i), widen8_avx2(g + i)));
+  for (int64_t i = begin; i < end; i += 8) {
+    T* r = src.residual + i;
+    const __m128i old = load8(r);
+    __m256 addend = widen8_avx2<T>(load8(src.grad + i));
+    if (src.velocity != nullptr) {  // the new velocity, stored where finite, is what the residual takes
+      T* u = src.velocity + i;
+      const __m128i velocity = load8(u);
+      const __m128i emptied =
+          src.masking ? _mm_cmpeq_epi16(_mm_and_si128(old, magnitude), _mm_setzero_si128()) : _mm_setzero_si128();
+      const __m256 kept =
+          _mm256_andnot_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(emptied)), widen8_avx2<T>(velocity));
+      const __m128i a = narrow8_avx2<T>(_mm256_add_ps(_mm256_mul_ps(factor, kept), addend));
+      const __m128i finite = _mm_cmpgt_epi16(inf, _mm_and_si128(a, magnitude));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u), _mm_blendv_epi8(velocity, a, finite));
+      addend = widen8_avx2<T>(a);
+    }
+    const __m128i sum = narrow8_avx2<T>(_mm256_add_ps(widen8_avx2<T>(old), addend));
     const __m128i finite = _mm_cmpgt_epi16(inf, _mm_and_si128(sum, magnitude));  // keys compare as signed
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(r + i), _mm_blendv_epi8(old, sum, finite));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(r), _mm_blendv_epi8(old, sum, finite));
     nonfinite += 8 - _mm_popcnt_u32(static_cast<unsigned>(_mm_movemask_epi8(finite))) / 2;
   }
   return nonfinite;
@@ -702,7 +722,7 @@ GS_TARGET_AVX2_F16C int64_t update_16_avx2(T* r, const T* g, int64_t n) {
 /// widen of [0, n), n a multiple of 8.
 template <typename T>
 GS_TARGET_AVX2_F16C void widen_avx2(const T* v, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, widen8_avx2(v + i));
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, widen8_avx2<T>(load8(v + i)));
 }
 
 /// Whether the 16-bit paths may use AVX2 and F16C (every AVX2 CPU known has F16C; checked anyway).
@@ -735,12 +755,12 @@ int64_t update_elements(const Source<T>& src, int64_t begin, int64_t end) {
 }
 
 template <typename T>
-int64_t update_16(T* r, const T* g, int64_t n) {
-  int64_t nonfinite = 0, i = 0;
+int64_t update_16(const Source<T>& src, int64_t begin, int64_t end) {
+  int64_t nonfinite = 0, i = begin;
 #if GS_HAVE_AVX2_PATHS
-  if (use_avx2_f16c()) nonfinite = update_16_avx2(r, g, i = n / 8 * 8);
+  if (use_avx2_f16c()) nonfinite = update_16_avx2(src, begin, i = begin + (end - begin) / 8 * 8);
 #endif
-  return nonfinite + update_elements(Source<T>{r, g, true}, i, n);
+  return nonfinite + update_elements(src, i, end);
 }
 
 /// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
@@ -792,10 +812,7 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
   }
   if constexpr (!std::is_same_v<T, float>) {  // 16-bit values with a residual
     if (src.residual != nullptr) {
-      // the update in vectors, with momentum correction element by element
-      if (src.update)
-        m.nonfinite = src.velocity == nullptr ? update_16(src.residual + begin, src.grad + begin, end - begin)
-                                              : update_elements(src, begin, end);
+      if (src.update) m.nonfinite = update_16(src, begin, end);
       if (!sums) return m;
       // widened to float32 (exact) and summed as a float32 block is, in MomentLanes' order
       thread_local std::vector<float> wide(static_cast<size_t>(kCpuBlock));
