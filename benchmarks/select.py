@@ -99,7 +99,14 @@ def measure(n: int, density: float, repeat: int, device: str = "cpu") -> list[ob
 
 
 def method_rows(
-    n: int, density: float, repeat: int, rounds: int = 1, momentum: float = 0.0, only: str = "", warmup: int = WARMUP
+    n: int,
+    density: float,
+    repeat: int,
+    rounds: int = 1,
+    momentum: float = 0.0,
+    only: str = "",
+    warmup: int = WARMUP,
+    dtype: torch.dtype = torch.float32,
 ) -> list[list[object]]:
     """Every method's selection time on one rank, relative to the plain add, in one run. The add
     is timed again next to every step of every method (add, step, add, step, ...), so the two are
@@ -109,10 +116,10 @@ def method_rows(
     (its start, while a method learns the gradient's scale), the ``repeat`` steps of every round
     after them make its row (its cost for the rest of a run). Every step's gradient is another
     draw at another scale (``step_gradient``), so a method that predicts from its last steps
-    misses as it would in training."""
+    misses as it would in training. Buckets of ``dtype`` (the add too)."""
     gen = torch.Generator().manual_seed(0)
-    draws = [torch.randn(n, generator=gen) * 1e-3 for _ in range(GRADIENT_DRAWS)]
-    start = torch.randn(n, generator=gen) * 5e-4
+    draws = [(torch.randn(n, generator=gen) * 1e-3).to(dtype) for _ in range(GRADIENT_DRAWS)]
+    start = (torch.randn(n, generator=gen) * 5e-4).to(dtype)
     residual, velocity = start.clone(), start.clone()
     group = _C.ThreadGroup(1, 600.0)
     factories = {}  # SparDL selects inside its exchange
@@ -234,14 +241,21 @@ def main(argv: list[str] | None = None) -> str:
         help="a method's first steps, timed apart from its row's (the methods' table)",
     )
     parser.add_argument("--only", default="", help="comma-separated methods for --methods (default: every one)")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the buckets' dtype in the CPU's --methods table (its add too)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
     parser.add_argument("--output", default="select.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
-    if not args.methods and (args.rounds != 1 or args.momentum or args.only or args.warmup != WARMUP):
-        parser.error("--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods")
-    if args.device != "cpu" and (args.rounds != 1 or args.momentum or args.warmup != WARMUP):
+    table_only = args.rounds != 1 or args.momentum or args.warmup != WARMUP or args.dtype != "float32"
+    if not args.methods and (table_only or args.only):
+        parser.error("--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods")
+    if args.device != "cpu" and table_only:
         parser.error(
-            "--rounds, --momentum and --warmup apply to the CPU's --methods table; drop them with "
+            "--rounds, --momentum, --warmup and --dtype apply to the CPU's --methods table; drop them with "
             f"--device {args.device}"
         )
     sizes = number_list(
@@ -299,11 +313,13 @@ def main(argv: list[str] | None = None) -> str:
         method_table = [
             row
             for n, d in sizes_densities
-            for row in method_rows(n, d, args.repeat, args.rounds, args.momentum, args.only, args.warmup)
+            for row in method_rows(
+                n, d, args.repeat, args.rounds, args.momentum, args.only, args.warmup, getattr(torch, args.dtype)
+            )
         ]
         first = f"steps 3-{args.warmup} / add" if args.warmup > 2 else "first steps / add"
         text += (
-            "\n## Selection step of every method (one rank)\n\n"
+            f"\n## Selection step of every method (one rank, {args.dtype} buckets)\n\n"
             + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add", first], method_table)
             + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method, after each "
             + f"method's first {args.warmup} steps (the last column: the median ratio of those but the first two). "

@@ -115,11 +115,14 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         # the options of the methods' table, ignored without a word where it was not asked for
         (
             ["--momentum", "0.9"],
-            "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods",
+            "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods",
         ),
-        (["--rounds", "3"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
-        (["--only", "TopK"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
-        (["--warmup", "5"], "--rounds, --momentum, --warmup and --only apply to the --methods table; add --methods"),
+        (["--rounds", "3"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
+        (["--only", "TopK"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
+        (["--warmup", "5"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
+        (["--dtype", "bfloat16"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table"),
+        (["--dtype", "int8", "--methods"], "argument --dtype: invalid choice: 'int8'"),
+        (["--methods", "--dtype", "float16", "--device", "cuda"], "--dtype apply to the CPU's --methods table"),
         (["--warmup", "-1", "--methods"], "--warmup must be at least 0, got -1"),
     ],
 )
@@ -132,6 +135,15 @@ def test_select_refuses_bad_values_before_timing_anything(argv, message, capsys,
         select.main([*argv, "--output", "unused.md"])
     assert info.value.code != 0
     assert message in capsys.readouterr().err + str(info.value.code)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_method_rows_time_sixteen_bit_buckets(dtype):
+    """--dtype: the methods' steps on buckets of that dtype, against an add of that dtype."""
+    rows = select.method_rows(200_000, 0.01, 2, only="TopK,RedSync", warmup=3, dtype=dtype)
+    assert [row[2] for row in rows] == ["TopK", "RedSync"]
+    for _n, _density, name, select_ms, add_ms, ratio, _first in rows:
+        assert select_ms > 0 and add_ms > 0 and ratio == pytest.approx(select_ms / add_ms, rel=1e-9), name
 
 
 def test_engine_rows_time_every_chosen_method_through_a_one_rank_group():

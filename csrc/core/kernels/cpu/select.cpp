@@ -220,6 +220,16 @@ void select_block(const Source<T>& src, int64_t n, int64_t b, Range range, uint3
     }
 #endif
   }
+#if GS_HAVE_AVX2_PATHS
+  if constexpr (sizeof(T) == 2) {  // float16, bfloat16: the update in vectors, then 32 keys compared at a time
+    if (src.residual != nullptr && use_avx2()) {
+      if (src.update) p.nonfinite += update_16(src, begin, end);
+      const T* r = src.residual;
+      scan_keys16_avx2(reinterpret_cast<const uint16_t*>(r), lo, hi, key, [&](int64_t i) { take(i, r[i]); });
+      return;
+    }
+  }
+#endif
   visit_block(src, begin, end, p.nonfinite, [&](int64_t i, T v) {
     if (i >= lo && i < hi && Num<T>::key(v) >= key) take(i, v);
   });

@@ -286,5 +286,11 @@ GS_TARGET_POPCNT inline int64_t count_marked(const uint8_t* mask, int64_t base, 
 /// use_avx2().
 int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
 
+/// The error-feedback update of the float16 or bfloat16 elements [begin, end) of a source with a
+/// residual, momentum correction included (statistics.cpp; in AVX2/F16C vectors where the CPU
+/// has them, to the portable code's bits): returns the count of non-finite sums.
+template <typename T>
+int64_t update_16(const Source<T>& src, int64_t begin, int64_t end);
+
 }  // namespace cpu
 }  // namespace gradsparse

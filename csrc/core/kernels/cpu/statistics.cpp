@@ -647,11 +647,6 @@ int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, ui
 template <typename T>
 void widen(const T* v, int64_t n, float* out);
 
-/// The error-feedback update of the 16-bit elements [begin, end) (with momentum correction where
-/// the source has a velocity): returns the count of non-finite sums.
-template <typename T>
-int64_t update_16(const Source<T>& src, int64_t begin, int64_t end);
-
 #if GS_HAVE_AVX2_PATHS
 #define GS_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
 
@@ -754,6 +749,8 @@ int64_t update_elements(const Source<T>& src, int64_t begin, int64_t end) {
   return nonfinite;
 }
 
+}  // namespace
+
 template <typename T>
 int64_t update_16(const Source<T>& src, int64_t begin, int64_t end) {
   int64_t nonfinite = 0, i = begin;
@@ -762,6 +759,10 @@ int64_t update_16(const Source<T>& src, int64_t begin, int64_t end) {
 #endif
   return nonfinite + update_elements(src, i, end);
 }
+template int64_t update_16<Half>(const Source<Half>&, int64_t, int64_t);
+template int64_t update_16<BFloat16>(const Source<BFloat16>&, int64_t, int64_t);
+
+namespace {
 
 /// Runs the AVX2 version of a float32 pass when it applies: f(std::integral_constant<Read, ...>)
 /// with the source's read mode; returns false (nothing run) otherwise. Read-only passes
