@@ -98,6 +98,9 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
 
 
+TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -113,14 +116,11 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         # refused only once the first table had been timed
         (["--methods", "--only", "topk"], "--only: unknown method(s) topk; choose from TopK"),
         # the options of the methods' table, ignored without a word where it was not asked for
-        (
-            ["--momentum", "0.9"],
-            "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods",
-        ),
-        (["--rounds", "3"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
-        (["--only", "TopK"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
-        (["--warmup", "5"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"),
-        (["--dtype", "bfloat16"], "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table"),
+        (["--momentum", "0.9"], TABLE_ONLY),
+        (["--rounds", "3"], TABLE_ONLY),
+        (["--only", "TopK"], TABLE_ONLY),
+        (["--warmup", "5"], TABLE_ONLY),
+        (["--dtype", "bfloat16"], TABLE_ONLY),
         (["--dtype", "int8", "--methods"], "argument --dtype: invalid choice: 'int8'"),
         (["--methods", "--dtype", "float16", "--device", "cuda"], "--dtype apply to the CPU's --methods table"),
         (["--warmup", "-1", "--methods"], "--warmup must be at least 0, got -1"),
