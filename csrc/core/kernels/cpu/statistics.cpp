@@ -971,17 +971,16 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
         if (Num<T>::key(v) >= zero_key) src.residual[i] = Num<T>::zero();  // (no key reaches kNoKey)
       }
     };
+    int64_t from = lo;  // where the look element by element starts
 #if GS_HAVE_AVX2_PATHS
     if constexpr (sizeof(T) == 2) {  // 16-bit values: their keys compared 32 at a time
       if (use_avx2() && src.residual != nullptr) {
         scan_keys16_avx2(reinterpret_cast<const uint16_t*>(src.residual), lo, hi, key, hit);
-        p.above += found;
-        stored.fetch_add(found, std::memory_order_relaxed);
-        return;
+        from = hi;
       }
     }
 #endif
-    for (int64_t i = lo; i < hi; ++i)
+    for (int64_t i = from; i < hi; ++i)
       if (Num<T>::key(read.value(i)) >= key) hit(i);
     p.above += found;
     stored.fetch_add(found, std::memory_order_relaxed);
