@@ -648,6 +648,7 @@ template <typename T>
 void widen(const T* v, int64_t n, float* out);
 
 #if GS_HAVE_AVX2_PATHS
+// Where use_avx2(): every x86 CPU with AVX2 has F16C, which came before it (Ivy Bridge, Piledriver).
 #define GS_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
 
 /// Eight 16-bit values (their bits) widened to float32: float16 by F16C's conversion (exact, as
@@ -720,18 +721,13 @@ GS_TARGET_AVX2_F16C void widen_avx2(const T* v, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(out + i, widen8_avx2<T>(load8(v + i)));
 }
 
-/// Whether the 16-bit paths may use AVX2 and F16C (every AVX2 CPU known has F16C; checked anyway).
-inline bool use_avx2_f16c() {
-  static const bool f16c = __builtin_cpu_supports("f16c");
-  return use_avx2() && f16c;
-}
 #endif  // GS_HAVE_AVX2_PATHS
 
 template <typename T>
 void widen(const T* v, int64_t n, float* out) {
   int64_t i = 0;
 #if GS_HAVE_AVX2_PATHS
-  if (use_avx2_f16c()) widen_avx2(v, i = n / 8 * 8, out);
+  if (use_avx2()) widen_avx2(v, i = n / 8 * 8, out);
 #endif
   for (; i < n; ++i) out[i] = Num<T>::to_float(v[i]);
 }
@@ -755,7 +751,7 @@ template <typename T>
 int64_t update_16(const Source<T>& src, int64_t begin, int64_t end) {
   int64_t nonfinite = 0, i = begin;
 #if GS_HAVE_AVX2_PATHS
-  if (use_avx2_f16c()) nonfinite = update_16_avx2(src, begin, i = begin + (end - begin) / 8 * 8);
+  if (use_avx2()) nonfinite = update_16_avx2(src, begin, i = begin + (end - begin) / 8 * 8);
 #endif
   return nonfinite + update_elements(src, i, end);
 }
