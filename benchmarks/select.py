@@ -2,7 +2,7 @@
 step, against a plain residual add and against torch.topk, as ratios measured in one run.
 
     python -m benchmarks.select [--sizes 1e6,25e6] [--densities 0.01,0.001] [--threads N] [--methods]
-                                [--rounds R] [--warmup W] [--device cpu|cuda]
+                                [--rounds R] [--warmup W] [--dtype D] [--device cpu|cuda]
 
 For each size N and density d, on the same float32 gradient and residual:
 - add:        residual.add_(grad), the memory traffic any error feedback needs (baseline);
@@ -25,6 +25,7 @@ turn with the others, and the medians pool all its steps: the machine's speed dr
 minutes, which one round per method cannot average out. With --momentum M every
 method is also timed with momentum correction at factor M (the velocity's update, fused into the
 method's first pass, is part of the selection step), on a row of its own, in turn with the rest.
+With --dtype bfloat16 or float16 the methods' table's buckets (and its add) are of that dtype.
 With --methods --device cuda the table is every method's whole step on the GPU instead (the
 bucket through gradsparse's engine over a one-rank NCCL group: selection, exchange, scatter),
 timed from an idle stream to the reduced gradient, since on a GPU the host's select_seconds

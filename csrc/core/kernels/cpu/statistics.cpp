@@ -643,10 +643,6 @@ int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, ui
 
 // ---- 16-bit storage (float16, bfloat16) ---------------------------------------------------------
 
-/// A 16-bit type's values widened to float32 (exact).
-template <typename T>
-void widen(const T* v, int64_t n, float* out);
-
 #if GS_HAVE_AVX2_PATHS
 // Where use_avx2(): every x86 CPU with AVX2 has F16C, which came before it (Ivy Bridge, Piledriver).
 #define GS_TARGET_AVX2_F16C __attribute__((target("avx2,f16c")))
@@ -723,6 +719,7 @@ GS_TARGET_AVX2_F16C void widen_avx2(const T* v, int64_t n, float* out) {
 
 #endif  // GS_HAVE_AVX2_PATHS
 
+/// A 16-bit type's values widened to float32 (exact).
 template <typename T>
 void widen(const T* v, int64_t n, float* out) {
   int64_t i = 0;
