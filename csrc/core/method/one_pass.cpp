@@ -123,26 +123,34 @@ void settle_zeroed(const BucketView& bucket, Candidates& c, uint32_t chosen_from
 }
 
 /// This step's k-th largest magnitude of the update, estimated from a sample of the bucket's
-/// blocks (the same 16 blocks, about, every step) read before the scan, the update computed and
-/// nothing written (Device::sample_keys); NaN where it is not made: where the threshold moved by
-/// less than 1% a step lately (standard deviation, CandidateBound::moves: the sample would cost
-/// more than it saves where it does not move at all: about a quarter of a millisecond a step at
-/// 25M, a thirtieth of an add), before the bound has one, where the bucket is short (its scan
-/// too), where the sample holds too few at or above `floor`, on a device that does not look (a
-/// GPU, whose scan lists nothing) and over a part of the bucket. At 25M elements and density 0.01
-/// it is off by about 0.2% (the rank of 5,600 among 560 thousand).
+/// blocks (the same blocks every step: 16, about, or as many as hold 64 of the k largest, where
+/// the density is below 0.012%) read before the scan, the update computed and nothing written
+/// (Device::sample_keys); NaN where it is not made: where the threshold moved by less than 1% a
+/// step lately (standard deviation, CandidateBound::moves: the sample would cost more than it
+/// saves where it does not move at all: about a quarter of a millisecond a step at 25M, a
+/// thirtieth of an add), before the bound has one, where the bucket is short for its sample (its
+/// scan too), where the sample holds too few at or above `floor`, on a device that does not look
+/// (a GPU, whose scan lists nothing) and over a part of the bucket. At 25M elements and density
+/// 0.01 it is off by about 0.2% (the rank of 5,600 among 560 thousand).
 double estimated_kth(Device& device, const BucketView& bucket, Range range, bool update, int64_t k,
                      const CandidateBound& bound, double floor) {
-  constexpr int64_t kBlocks = 16;  // blocks read, about
+  constexpr int64_t kBlocks = 16;  // blocks read, about, at the least
+  constexpr int64_t kLeastRank = 64;  // of the sample at or above the estimate: fewer cannot place it
   constexpr double kNone = std::numeric_limits<double>::quiet_NaN();
   const int64_t n = bucket.numel;
+  // At 25M elements and density 0.0001 16 blocks held 56 of the k largest: no estimate, and the
+  // bound, left to follow moves of 6% a step by itself where the count at the k-th largest of a
+  // normal moves by 2.5 times, listed too many (DGC's step took 9 adds, then 4.5).
+  const int64_t blocks = std::max<int64_t>(
+      kBlocks, static_cast<int64_t>(std::ceil(static_cast<double>(kLeastRank) * static_cast<double>(n) /
+                                              (static_cast<double>(std::max<int64_t>(k, 1)) * kCpuBlock))));
   if (!std::isfinite(bound.lower()) || bound.moves() < 0.01 || bucket.residual == nullptr || range.begin != 0 ||
-      range.end != n || num_blocks(n) < 4 * kBlocks)
+      range.end != n || num_blocks(n) < 4 * blocks)
     return kNone;
-  const BlockSample sample = BlockSample::at_least(n, kBlocks);
+  const BlockSample sample = BlockSample::at_least(n, blocks);
   const auto rank = static_cast<int64_t>(
       std::ceil(static_cast<double>(k) * static_cast<double>(sample.size(n)) / static_cast<double>(n)));
-  if (rank < 64) return kNone;  // too few of the sample above it to place it
+  if (rank < kLeastRank) return kNone;  // too few of the sample above it to place it
   std::vector<uint32_t> keys = device.sample_keys(bucket, update, sample, floor);
   if (static_cast<int64_t>(keys.size()) < rank) return kNone;
   std::nth_element(keys.begin(), keys.begin() + (rank - 1), keys.end(), std::greater<>());
@@ -579,12 +587,8 @@ std::optional<double> OnePass::kth_hashed(uint64_t stream, int64_t s) {
   const bool covered = listed && static_cast<int64_t>(magnitude.size()) >= s;
   int64_t count = (range_.end - range_.begin + 99) / 100;  // the sample's expected size
   if (!covered) {
-    const Positions at = positions_where(static_cast<size_t>(range_.end - range_.begin), [&](size_t j) {
-      return in_percent_sample(stream, static_cast<uint64_t>(range_.begin) + j);
-    });
-    if (static_cast<int64_t>(at.size()) < s) return std::nullopt;
-    std::vector<int64_t> positions(at.size());
-    for (size_t i = 0; i < at.size(); ++i) positions[i] = range_.begin + static_cast<int64_t>(at[i]);
+    const std::vector<int64_t> positions = in_percent_sample_positions(stream, range_.begin, range_.end);
+    if (static_cast<int64_t>(positions.size()) < s) return std::nullopt;
     magnitude = magnitudes_at(positions);
     count = static_cast<int64_t>(positions.size());
   }

@@ -190,8 +190,8 @@ class OnePass {
   double kth_sampled(const std::vector<uint64_t>& sampled, int64_t count, int64_t s);
   /// The same over the hashed 1% sample of the range (in_percent_sample(stream, p), rng.h), which
   /// holds about a hundredth of the range: from the candidates when at least s sampled elements
-  /// are among them, else by hashing every position and gathering the sampled ones. nullopt when
-  /// the whole sample holds fewer than s elements.
+  /// are among them, else by hashing every position (in_percent_sample_positions) and gathering the
+  /// sampled ones. nullopt when the whole sample holds fewer than s elements.
   std::optional<double> kth_hashed(uint64_t stream, int64_t s);
   /// Device::log_sum over the bucket.
   double log_sum(double scale, double eps, BlockSample sample);

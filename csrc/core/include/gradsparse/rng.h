@@ -40,6 +40,10 @@ GS_HD inline bool in_percent_sample(uint64_t stream, uint64_t p) { return rng_dr
 /// words written). Host code (kernels/cpu/percent_sample.cpp): eight hashes a step on the AVX-512
 /// path, where DGC's default mode hashes about a million candidates a step at density 0.01.
 void in_percent_sample_bits(uint64_t stream, const int64_t* positions, int64_t n, uint64_t* bits);
+/// The positions p in [begin, end) with in_percent_sample(stream, p), ascending: the whole hashed
+/// sample of a range, in blocks on the CPU kernels' threads, each position hashed once (on the
+/// AVX-512 path eight a step).
+std::vector<int64_t> in_percent_sample_positions(uint64_t stream, int64_t begin, int64_t end);
 
 /// `count` positions in [0, n), drawn with replacement: draw(stream, i) % n.
 inline std::vector<int64_t> sample_with_replacement(uint64_t stream, int64_t count, int64_t n) {
