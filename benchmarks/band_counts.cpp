@@ -1,5 +1,6 @@
-// MiCRO's and ExDyna's band counts on the host: KeyBins::count (16 keys a step on the AVX-512
-// path) against the look-up one key at a time, side by side on the same values (target
+// MiCRO's and ExDyna's band counts on the host: KeyBins::count (on the CPU kernels' threads, 16
+// keys a step on the AVX-512 path) against the look-up one key at a time in one thread, side by
+// side on the same values (target
 // `band_counts` of the CMake build):
 //
 //     band_counts [VALUES=984e3] [REPEATS=7]

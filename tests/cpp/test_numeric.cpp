@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gradsparse/key_bins.h"
+#include "gradsparse/parallel.h"
 #include "gradsparse/numeric.h"
 
 using namespace gradsparse;
@@ -117,7 +118,7 @@ TEST(Numeric, MagnitudeKeysOrderLikeAbsoluteValues) {
 // band's keys) and for keys that crowd some slots (clusters and repeats).
 TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
   std::mt19937 rng(5);
-  auto check = [&](std::vector<uint32_t> keys, bool crowded) {
+  auto check = [&](std::vector<uint32_t> keys, bool crowded, size_t n = 16 * 125 + 7) {
     std::sort(keys.begin(), keys.end());
     const KeyBins table(keys.data(), static_cast<int>(keys.size()));
     const KeyBins::Lookup bins = table.lookup();
@@ -133,6 +134,7 @@ TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
     }
   };
   check(band_keys(), false);
+  check(band_keys(), false, 2 * kCpuBlock + 16 * 125 + 7);
   // a cluster: three keys within one slot of a wide table
   std::vector<uint32_t> cluster{100, 5000000, 5000001, 5000002, 9000000};
   check(cluster, true);
@@ -147,21 +149,22 @@ TEST(Numeric, KeyBinsFindTheLastKeyAtOrBelow) {
 TEST(Numeric, KeyBinsCountEveryKeyIntoItsBin) {
   // On the AVX-512 path (ctest also runs this with GRADSPARSE_SIMD=avx2 and 0) a table that is not
   // crowded counts 16 keys a step and the last n % 16 one at a time; a crowded one every key alone.
+  // Inputs of more than one block are counted in blocks on the kernels' threads.
   std::mt19937 rng(6);
   auto expected_bins = [](const std::vector<uint32_t>& keys, const std::vector<uint32_t>& in) {
     std::vector<int64_t> in_bin(keys.size() + 1, 0);
     for (uint32_t key : in) ++in_bin[std::upper_bound(keys.begin(), keys.end(), key) - keys.begin()];
     return in_bin;
   };
-  auto check = [&](std::vector<uint32_t> keys, bool crowded) {
+  auto check = [&](std::vector<uint32_t> keys, bool crowded, size_t n = 16 * 125 + 7) {
     std::sort(keys.begin(), keys.end());
     const KeyBins table(keys.data(), static_cast<int>(keys.size()));
     EXPECT_EQ(table.lookup().crowded, crowded);
-    // keys below, at, just past and between the table's, and the largest bin() takes: 16 * 125 + 7
+    // keys below, at, just past and between the table's, and the largest bin() takes: n in all
     std::vector<uint32_t> in{0u, 0xfffffffeu, keys.front() - 1, keys.back() + 1};
     for (uint32_t k : keys) in.insert(in.end(), {k, k + 1, k - 1});
     std::uniform_int_distribution<uint32_t> around(keys.front() / 2, keys.back() + keys.back() / 4);
-    while (in.size() < 16 * 125 + 7) in.push_back(around(rng));
+    while (in.size() < n) in.push_back(around(rng));
     std::vector<int64_t> in_bin(keys.size() + 1, 3);  // count() adds to what is there
     table.count(in.data(), static_cast<int64_t>(in.size()), in_bin.data());
     std::vector<int64_t> expected = expected_bins(keys, in);
@@ -180,6 +183,7 @@ TEST(Numeric, KeyBinsCountEveryKeyIntoItsBin) {
     EXPECT_EQ(value_bins, expected_bins(keys, magnitudes)) << keys.size() << " keys, float32 values";
   };
   check(band_keys(), false);
+  check(band_keys(), false, 2 * kCpuBlock + 16 * 125 + 7);
   check({100, 5000000, 5000001, 5000002, 9000000}, true);
   check({7, 1u << 20, 1u << 30}, false);
   check({12345}, false);

@@ -67,8 +67,9 @@ class KeyBins {
 
   /// Counts n keys (each below 0xffffffff, as bin() needs) into m + 1 bins: in_bin[0] += those
   /// below keys[0], in_bin[j + 1] += those at or above keys[j] and below keys[j + 1] (the last
-  /// bin: from keys[m - 1] up; with no keys, every key is below). On the AVX-512 path of the CPU
-  /// kernels (kernels/cpu/key_bins.cpp), a table that is not crowded looks up 16 keys a step.
+  /// bin: from keys[m - 1] up; with no keys, every key is below). In blocks on the CPU kernels'
+  /// threads (host code: not from inside a parallel region); on their AVX-512 path
+  /// (kernels/cpu/key_bins.cpp), a table that is not crowded looks up 16 keys a step.
   void count(const uint32_t* keys, int64_t n, int64_t* in_bin) const;
   /// count() of float32 values' keys (Num<float>::key: the bits of |v|).
   void count(const float* values, int64_t n, int64_t* in_bin) const;
