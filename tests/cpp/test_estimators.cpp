@@ -176,14 +176,21 @@ TEST(Rng, PercentSamplePositionsAreTheHashedSampleOfARange) {
   // in_percent_sample_positions on every SIMD path against the hash of each position: empty and
   // short ranges, ranges that start and end inside a 64-position word, and ones of several blocks.
   const int64_t far = int64_t{1} << 40;
-  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 0}, {5, 5}, {9, 4}, {0, 63}, {3, 70}, {0, 3 * kCpuBlock},
-                            {17, 2 * kCpuBlock + 1001}, {far + 31, far + kCpuBlock + 7}}) {
+  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, 0},
+                            {5, 5},
+                            {9, 4},
+                            {0, 63},
+                            {3, 70},
+                            {0, 3 * kCpuBlock},
+                            {17, 2 * kCpuBlock + 1001},
+                            {far + 31, far + kCpuBlock + 7}}) {
     SCOPED_TRACE(::testing::Message() << begin << ".." << end);
     std::vector<int64_t> want;
     for (int64_t p = begin; p < end; ++p)
       if (in_percent_sample(7, static_cast<uint64_t>(p))) want.push_back(p);
     EXPECT_EQ(in_percent_sample_positions(7, begin, end), want);
-    if (end - begin > kCpuBlock) EXPECT_NEAR(static_cast<double>(want.size()), (end - begin) / 100.0, (end - begin) / 500.0);
+    if (end - begin > kCpuBlock)
+      EXPECT_NEAR(static_cast<double>(want.size()), (end - begin) / 100.0, (end - begin) / 500.0);
   }
 }
 

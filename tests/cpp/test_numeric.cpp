@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "gradsparse/key_bins.h"
-#include "gradsparse/parallel.h"
 #include "gradsparse/numeric.h"
+#include "gradsparse/parallel.h"
 
 using namespace gradsparse;
 

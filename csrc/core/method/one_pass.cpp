@@ -134,7 +134,7 @@ void settle_zeroed(const BucketView& bucket, Candidates& c, uint32_t chosen_from
 /// 0.01 it is off by about 0.2% (the rank of 5,600 among 560 thousand).
 double estimated_kth(Device& device, const BucketView& bucket, Range range, bool update, int64_t k,
                      const CandidateBound& bound, double floor) {
-  constexpr int64_t kBlocks = 16;  // blocks read, about, at the least
+  constexpr int64_t kBlocks = 16;     // blocks read, about, at the least
   constexpr int64_t kLeastRank = 64;  // of the sample at or above the estimate: fewer cannot place it
   constexpr double kNone = std::numeric_limits<double>::quiet_NaN();
   const int64_t n = bucket.numel;
