@@ -112,11 +112,14 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
 void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t end, int64_t lo, int64_t hi,
                               uint32_t key, bool zero, BlockPairs<float>& p) {
   uint8_t mask[kCpuBlock / 8 + 8] = {};
-  p.nonfinite += mark_block_f32(src, begin, end, key, mask);  // marks outside [lo, hi) are not listed
-  p.offsets.resize(static_cast<size_t>(hi - lo + 2));
+  p.offsets.resize(static_cast<size_t>(hi - lo + 16));
   p.values.resize(p.offsets.size());
-  const int64_t found =
-      list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);
+  // a block inside [lo, hi) is listed by the AVX-512 pass itself (CandidateList)
+  CandidateList list{p.offsets.data(), p.values.data(), begin};
+  p.nonfinite += mark_block_f32(src, begin, end, key, mask, lo == begin && hi == end ? &list : nullptr);
+  const int64_t found =  // marks outside [lo, hi) are not listed
+      list.listed ? list.size
+                  : list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);
   p.offsets.resize(static_cast<size_t>(found));
   p.values.resize(static_cast<size_t>(found));
   p.writes = unmarked_writes(found, hi - lo);

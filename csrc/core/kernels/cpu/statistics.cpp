@@ -274,11 +274,11 @@ void count_few_keys_avx2(const float* v, int64_t lo, int64_t hi, const uint32_t*
 
 /// The block's last elements after a vector body (fewer than 16, from `tail`, a multiple of 8 past
 /// `begin`): read one by one (with the update), marked in `mask` when there is one, and added to
-/// `lanes` (in float64, MomentLanes::add_rest) when there are any.
+/// `lanes` (in float64, MomentLanes::add_rest) when there are any. Returns the marks (bit t: element
+/// tail + t has key >= `key`) and the values in `rest`.
 template <Read kRead>
-void moments_tail(const Source<float>& src, int64_t begin, int64_t tail, int64_t end, uint32_t key, uint8_t* mask,
-                  int64_t& nonfinite, MomentLanes* lanes) {
-  float rest[MomentLanes::kLanes];
+uint32_t moments_tail(const Source<float>& src, int64_t begin, int64_t tail, int64_t end, uint32_t key, uint8_t* mask,
+                      int64_t& nonfinite, MomentLanes* lanes, float* rest) {
   const int count = static_cast<int>(end - tail);
   uint32_t bits = 0;
   for (int t = 0; t < count; ++t) {
@@ -289,6 +289,7 @@ void moments_tail(const Source<float>& src, int64_t begin, int64_t tail, int64_t
     for (int b = 0; b < (count + 7) / 8; ++b) mask[(tail - begin) / 8 + b] = static_cast<uint8_t>(bits >> (8 * b));
   }
   if (lanes != nullptr) lanes->add_rest(rest, count);
+  return bits;
 }
 
 /// Adds 8 lanes' float32 run sums `x` to their float64 sums `to[0..8)`, and clears `x`.
@@ -374,12 +375,13 @@ GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_
   }
   int64_t nonfinite = count_lanes(bad);
   Moments m;
+  float rest[MomentLanes::kLanes];
   if constexpr (kSums) {
     lanes.max_abs = max8_avx2(run.mx);
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes, rest);
     m = finish_moments(lanes, src.residual, begin, end);
   } else {
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr);
+    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr, rest);
   }
   m.nonfinite = nonfinite;
   return m;
@@ -446,14 +448,31 @@ struct Run16 {
   __m512 s, a, q, mx;
 };
 
-/// One row of moments_f32_avx512: with kMask marks v's candidates in `mask` (two bytes), with
-/// kSums adds v to the run.
-template <bool kSums, bool kMask>
-GS_TARGET_AVX512 inline void take16_avx512(__m512 v, __m512i below, uint8_t* mask, Run16& run) {
+/// Lists the lanes of v (elements j..j+15) set in `hit` (CandidateList): the lanes set are packed
+/// to the front of a vector (a compress in registers: from memory it is slow on some CPUs), and
+/// whole vectors are stored, without a branch.
+GS_TARGET_AVX512 inline void list16_avx512(__m512 v, __mmask16 hit, int64_t j, CandidateList& list) {
+  const __m512i at = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(j - list.origin)),
+                                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  _mm512_storeu_si512(list.offset + list.size, _mm512_maskz_compress_epi32(hit, at));
+  _mm512_storeu_ps(list.value + list.size, _mm512_maskz_compress_ps(hit, v));
+  list.size += __builtin_popcount(hit);
+}
+
+/// One row of moments_f32_avx512 (elements j..j+15): with kMask marks v's candidates in `mask`
+/// (two bytes), with a list (kList) lists them, with kSums adds v to the run.
+template <bool kSums, bool kMask, bool kList>
+GS_TARGET_AVX512 inline void take16_avx512(__m512 v, __m512i below, uint8_t* mask, int64_t j, CandidateList& list,
+                                           Run16& run) {
   const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
-  if constexpr (kMask) {
-    const uint16_t hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
-    std::memcpy(mask, &hit, sizeof(hit));
+  if constexpr (kMask || kList) {
+    const __mmask16 hit = _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), below);
+    if constexpr (kMask) {
+      const auto bits = static_cast<uint16_t>(hit);
+      std::memcpy(mask, &bits, sizeof(bits));
+    } else {
+      list16_avx512(v, hit, j, list);
+    }
   }
   if constexpr (kSums) {
     const __m512 av = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), magnitude));
@@ -465,12 +484,14 @@ GS_TARGET_AVX512 inline void take16_avx512(__m512 v, __m512i below, uint8_t* mas
 }
 
 /// moments_f32_avx2 in 16 lanes of 512 bits, in MomentLanes' order to the bit: the non-finite
-/// count and the candidate mask, with kSums the sums too. Without them this is the whole of
-/// Top-k's, SAGE's, MiCRO's and ExDyna's scan. Built as moments_f32_avx2_loop is.
-template <Read kRead, bool kSums, bool kVelocity, bool kMask>
+/// count and the candidates (marked in the mask, or with kList listed in `into`), with kSums the
+/// sums too. Without them this is the whole of Top-k's, SAGE's, MiCRO's and ExDyna's scan. Built
+/// as moments_f32_avx2_loop is.
+template <Read kRead, bool kSums, bool kVelocity, bool kMask, bool kList = false>
 GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, int64_t begin, int64_t end, uint32_t key,
-                                                 uint8_t* mask) {
-  const Source<float> src = source;  // the mask's stores cannot change it
+                                                 uint8_t* mask, CandidateList* into = nullptr) {
+  const Source<float> src = source;  // the mask's and the list's stores cannot change it
+  CandidateList list = kList ? *into : CandidateList{nullptr, nullptr, 0};  // in registers
   const __m512i below = _mm512_set1_epi32(below_key(key));
   const __m512d zero_d = _mm512_setzero_pd();
   const __m512 zero = _mm512_setzero_ps();
@@ -478,8 +499,8 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
   __m512d sum[2] = {zero_d, zero_d}, sum_abs[2] = {zero_d, zero_d}, sum_sq[2] = {zero_d, zero_d};
   int64_t nonfinite = 0;
   auto row = [&](int64_t j) GS_TARGET_AVX512 {
-    take16_avx512<kSums, kMask>(values16_avx512<kRead, kVelocity>(src, j, nonfinite), below,
-                                kMask ? mask + (j - begin) / 8 : nullptr, run);
+    take16_avx512<kSums, kMask, kList>(values16_avx512<kRead, kVelocity>(src, j, nonfinite), below,
+                                       kMask ? mask + (j - begin) / 8 : nullptr, j, list, run);
   };
   constexpr int64_t kRun = 16 * MomentLanes::kRows;
   int64_t j = begin;
@@ -493,6 +514,8 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
     if constexpr (kSums) end_runs_avx512(sum, sum_abs, sum_sq, run.s, run.a, run.q);
   }
   Moments m;
+  float rest[MomentLanes::kLanes];
+  uint32_t bits;
   if constexpr (kSums) {
     MomentLanes lanes;
     for (int h = 0; h < 2; ++h) {
@@ -501,18 +524,35 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
       _mm512_store_pd(lanes.sum_sq + 8 * h, sum_sq[h]);
     }
     lanes.max_abs = _mm512_reduce_max_ps(run.mx);
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes);
+    bits = moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes, rest);
     m = finish_moments(lanes, src.residual, begin, end);
   } else {
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr);
+    bits = moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr, rest);
+  }
+  if constexpr (kList) {
+    for (int64_t t = 0; j + t < end; ++t, bits >>= 1) {  // without a branch, as the vectors
+      list.offset[list.size] = static_cast<uint32_t>(j + t - list.origin);
+      list.value[list.size] = rest[t];
+      list.size += bits & 1;
+    }
+    into->size = list.size;
+    into->listed = true;
   }
   m.nonfinite = nonfinite;
   return m;
 }
 
-/// moments_f32_avx512_loop in its version for this source and mask.
+/// moments_f32_avx512_loop in its version for this source and its candidates: marked in `mask`,
+/// listed in `list` (where it is set) or neither.
 template <Read kRead, bool kSums>
-Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask) {
+Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask,
+                           CandidateList* list) {
+  if (list != nullptr) {
+    return by_velocity_and_mask<kRead>(src, nullptr, [&](auto velocity, auto) {
+      return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, false, true>(src, begin, end, key,
+                                                                                           nullptr, list);
+    });
+  }
   return by_velocity_and_mask<kRead>(src, mask, [&](auto velocity, auto marks) {
     return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value>(src, begin, end,
                                                                                                     key, mask);
@@ -786,17 +826,18 @@ bool avx2_f32(Source<T> src, F&& f) {
 
 /// moments() of the block [begin, end) (with `src.update`: fused with the update of the block);
 /// without `sums` only their `nonfinite`. With a `mask` (float32 on the AVX2 paths only, where
-/// it returns true in `marked`), the block's candidates at `key` too (moments_f32_avx2).
+/// it returns true in `marked`), the block's candidates at `key` too (moments_f32_avx2); with a
+/// `list` as well, the AVX-512 path lists them there instead (CandidateList).
 template <typename T>
 Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = true, uint32_t key = kNoKey,
-                      uint8_t* mask = nullptr, bool* marked = nullptr) {
+                      uint8_t* mask = nullptr, bool* marked = nullptr, CandidateList* list = nullptr) {
   Moments m;
   // AVX2 and MomentLanes for a residual only: without one, the sums stay sequential (below).
   if (src.residual != nullptr && avx2_f32<true>(src, [&](auto read) {
         constexpr Read kRead = decltype(read)::value;
         if (use_avx512())
-          m = sums ? moments_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask)
-                   : moments_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask);
+          m = sums ? moments_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask, list)
+                   : moments_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask, list);
         else
           m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
                    : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
@@ -850,10 +891,11 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
 
 }  // namespace
 
-int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask) {
+int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask,
+                       CandidateList* list) {
   GS_ASSERT(use_avx2());
   bool marked = false;
-  const Moments m = block_moments(src, begin, end, /*sums=*/false, key, mask, &marked);
+  const Moments m = block_moments(src, begin, end, /*sums=*/false, key, mask, &marked, list);
   GS_ASSERT(marked);
   return m.nonfinite;
 }
@@ -927,15 +969,25 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     // the capacity, so at most the capacity and one block per thread are ever listed.
     const bool listing = capacity < 0 || stored.load(std::memory_order_relaxed) <= capacity;
     int64_t found = 0;
-    if (listing) p.room(hi - lo + 2);
+    if (listing) p.room(hi - lo + 16);
     uint8_t mask[kCpuBlock / 8 + 8] = {};  // the block's candidates, where the pass marks them
     bool marked = false;
-    moments[b] = block_moments(src, begin, end, sums, key, mask, &marked);
+    // a block inside the range is listed by the AVX-512 pass itself (CandidateList), its offsets
+    // then made positions
+    thread_local std::vector<uint32_t> offsets(static_cast<size_t>(kCpuBlock + 16));
+    CandidateList list{offsets.data(), p.value.data() + p.size, begin};
+    moments[b] =
+        block_moments(src, begin, end, sums, key, mask, &marked, listing && lo == begin && hi == end ? &list : nullptr);
     if constexpr (std::is_same_v<T, float>) {  // marked: on the AVX2 paths, the candidates from the mask
       if (marked) {
         if (listing) {
-          found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size,
-                              p.writes);
+          if (list.listed) {
+            int64_t* index = p.index.data() + p.size;
+            for (int64_t j = 0; j < list.size; ++j) index[j] = begin + offsets[static_cast<size_t>(j)];
+          }
+          found = list.listed ? list.size
+                              : list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size,
+                                            p.value.data() + p.size, p.writes);
           if (zero_key != kNoKey) {
             // Each listed one written again, from cache: zero, or itself by a mask of its bits
             // (whether it is zeroed is as good as random, and a branch on it mispredicts).
