@@ -114,7 +114,7 @@ void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t e
   uint8_t mask[kCpuBlock / 8 + 8] = {};
   p.offsets.resize(static_cast<size_t>(hi - lo + 16));
   p.values.resize(p.offsets.size());
-  // a block inside [lo, hi) is listed by the AVX-512 pass itself (CandidateList)
+  // a block inside [lo, hi) is listed by the pass itself (CandidateList)
   CandidateList list{p.offsets.data(), p.values.data(), begin};
   p.nonfinite += mark_block_f32(src, begin, end, key, mask, lo == begin && hi == end ? &list : nullptr);
   const int64_t found =  // marks outside [lo, hi) are not listed

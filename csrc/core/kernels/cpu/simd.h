@@ -18,8 +18,8 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(GRADSPARSE_NO_SIMD_PATHS)
 #include <immintrin.h>
 #define GS_HAVE_AVX2_PATHS 1
-#define GS_TARGET_AVX2 __attribute__((target("avx2")))
-// (every AVX-512 CPU has POPCNT: its loops count a mask's bits with the instruction)
+// (every AVX2 CPU has POPCNT: their loops count a mask's bits with the instruction)
+#define GS_TARGET_AVX2 __attribute__((target("avx2,popcnt")))
 #define GS_TARGET_AVX512 __attribute__((target("avx2,avx512f,popcnt")))
 // Code that only the AVX2 paths reach may count bits with the POPCNT instruction (every AVX2 CPU
 // has it); without it GCC calls libgcc's __popcountdi2 for each word.
@@ -235,9 +235,9 @@ inline int unmarked_writes(int64_t found, int64_t length) {
 }
 
 /// Writes i - origin to index[] and v[i] to value[], in ascending order, for every i in [lo, hi)
-/// whose bit is set in `mask` (for_mask_words), and returns how many: the AVX2 path's listing, and
-/// the AVX-512 path's for a block only partly inside [lo, hi) (whole ones list as they pass:
-/// CandidateList). The first `writes` (2 to 4)
+/// whose bit is set in `mask` (for_mask_words), and returns how many: the listing of a block only
+/// partly inside [lo, hi) (whole ones list as the pass reads them: CandidateList). The first
+/// `writes` (2 to 4)
 /// of each word are written without a branch (a word's next position and its value are stored
 /// whether or not it counts; unmarked_writes chooses how many), so few branches are mispredicted
 /// at the densities of candidates. A group of four words (256 elements) without a mark is passed over
@@ -272,11 +272,11 @@ int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, int64_t l
   return n;
 }
 
-/// Where a float32 pass on the AVX-512 path lists a block's candidates while their values are in
-/// registers, instead of marking them for list_marked: each one's position less `origin` (the
-/// block's first) goes to offset[size] and its value to value[size], size counting on. Whole
+/// Where a float32 pass on the AVX2 or AVX-512 path lists a block's candidates while their values
+/// are in registers, instead of marking them for list_marked: each one's position less `origin`
+/// (the block's first) goes to offset[size] and its value to value[size], size counting on. Whole
 /// vectors are stored, so both need room for 16 entries past the last one listed. `listed` says
-/// whether the pass listed (the AVX-512 path ran), else it marked the mask.
+/// whether the pass listed (an AVX path ran).
 struct CandidateList {
   uint32_t* offset;
   float* value;
@@ -298,8 +298,8 @@ GS_TARGET_POPCNT inline int64_t count_marked(const uint8_t* mask, int64_t base, 
 /// The float32 pass of the scan's AVX2 and AVX-512 loops (statistics.cpp) over one block
 /// [begin, end) without sums: the error-feedback update when `src.update`, and in `mask` (room
 /// for (end - begin) / 8 bytes, a multiple of 32) bit t set when element begin + t has key >=
-/// `key` (without a mask: the update alone). With a `list`, on the AVX-512 path the elements at
-/// or above `key` are listed there instead (CandidateList; the mask is left as it was). Returns
+/// `key` (without a mask: the update alone). With a `list` the elements at or above `key` are
+/// listed there instead (CandidateList; the mask is left as it was). Returns
 /// the count of non-finite sums. Only where use_avx2().
 int64_t mark_block_f32(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask,
                        CandidateList* list = nullptr);

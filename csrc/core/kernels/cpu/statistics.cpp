@@ -315,6 +315,47 @@ GS_TARGET_AVX2 inline float max8_avx2(__m256 x) {
   return *std::max_element(t, t + 8);
 }
 
+/// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
+/// the selected lanes of a vector at its front.
+struct PackTable {
+  alignas(32) int32_t lanes[256][8];
+  PackTable() {
+    for (int mask = 0; mask < 256; ++mask) {
+      int o = 0;
+      for (int l = 0; l < 8; ++l)
+        if ((mask >> l) & 1) lanes[mask][o++] = l;
+      for (; o < 8; ++o) lanes[mask][o] = 0;
+    }
+  }
+};
+
+/// The one PackTable (built at its first use).
+inline const PackTable& pack_table() {
+  static const PackTable table;
+  return table;
+}
+
+/// The last elements of a block after its vector rows (fewer than 16, from `tail`; `bits` and
+/// `rest` as moments_tail returns them) onto a CandidateList, without a branch, as the rows.
+inline void list_tail(uint32_t bits, const float* rest, int64_t tail, int64_t end, CandidateList& list) {
+  for (int64_t t = 0; tail + t < end; ++t, bits >>= 1) {
+    list.offset[list.size] = static_cast<uint32_t>(tail + t - list.origin);
+    list.value[list.size] = rest[t];
+    list.size += bits & 1;
+  }
+}
+
+/// Lists the lanes of v (elements j..j+7) set in `hit` (CandidateList): PackTable's permutation
+/// moves them to the front of a vector, and whole vectors are stored, without a branch.
+GS_TARGET_AVX2 inline void list8_avx2(__m256 v, unsigned hit, int64_t j, const PackTable& pack, CandidateList& list) {
+  const __m256i lanes = _mm256_load_si256(reinterpret_cast<const __m256i*>(pack.lanes[hit]));
+  const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(j - list.origin)),
+                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(list.offset + list.size), _mm256_permutevar8x32_epi32(at, lanes));
+  _mm256_storeu_ps(list.value + list.size, _mm256_permutevar8x32_ps(v, lanes));
+  list.size += __builtin_popcount(hit);
+}
+
 /// A run's float32 sums of v, |v| and v * v over 16 lanes (two vectors of 8 each), and the
 /// largest |v| over 8.
 struct Run8x2 {
@@ -322,16 +363,21 @@ struct Run8x2 {
 };
 
 /// One row of moments_f32_avx2 (elements j..j+15): with kMask marks their candidates in `mask`
-/// (two bytes), with kSums adds them to the run.
-template <Read kRead, bool kSums, bool kVelocity, bool kMask>
-GS_TARGET_AVX2 inline void take16_avx2(const Source<float>& src, int64_t j, __m256i below, uint8_t* mask, __m256i& bad,
-                                       Run8x2& run) {
+/// (two bytes), with kList lists them (list8_avx2), with kSums adds them to the run.
+template <Read kRead, bool kSums, bool kVelocity, bool kMask, bool kList>
+GS_TARGET_AVX2 inline void take16_avx2(const Source<float>& src, int64_t j, __m256i below, uint8_t* mask,
+                                       const PackTable& pack, CandidateList& list, __m256i& bad, Run8x2& run) {
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   for (int h = 0; h < 2; ++h) {
     const __m256 v = values8<kRead, kVelocity>(src, j + 8 * h, bad);
-    if constexpr (kMask) {
+    if constexpr (kMask || kList) {
       const __m256i hit = _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), magnitude), below);
-      mask[h] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+      const auto bits = static_cast<unsigned>(_mm256_movemask_ps(_mm256_castsi256_ps(hit)));
+      if constexpr (kMask) {
+        mask[h] = static_cast<uint8_t>(bits);
+      } else {
+        list8_avx2(v, bits, j + 8 * h, pack, list);
+      }
     }
     if constexpr (kSums) {
       const __m256 av = _mm256_and_ps(v, _mm256_castsi256_ps(magnitude));
@@ -351,10 +397,12 @@ GS_TARGET_AVX2 inline void take16_avx2(const Source<float>& src, int64_t j, __m2
 /// rows unrolled, from a local copy of the source, in a version for each case of velocity and
 /// mask instead of a test per row: fewer instructions per row keep more of the rows' loads in
 /// flight (docs/benchmarks.md, 2026-12-01, second).
-template <Read kRead, bool kSums, bool kVelocity, bool kMask>
+template <Read kRead, bool kSums, bool kVelocity, bool kMask, bool kList>
 GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_t begin, int64_t end, uint32_t key,
-                                             uint8_t* mask) {
-  const Source<float> src = source;  // the mask's stores cannot change it
+                                             uint8_t* mask, CandidateList* into) {
+  const Source<float> src = source;  // the mask's and the list's stores cannot change it
+  CandidateList list = kList ? *into : CandidateList{nullptr, nullptr, 0};  // in registers
+  const PackTable& pack = pack_table();
   const __m256i below = _mm256_set1_epi32(below_key(key));
   const __m256 zero = _mm256_setzero_ps();
   MomentLanes lanes;
@@ -366,44 +414,54 @@ GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_
   for (; j + kRun <= end; j += kRun) {
 #pragma GCC unroll 8
     for (int r = 0; r < MomentLanes::kRows; ++r)
-      take16_avx2<kRead, kSums, kVelocity, kMask>(src, j + 16 * r, below, at(j + 16 * r), bad, run);
+      take16_avx2<kRead, kSums, kVelocity, kMask, kList>(src, j + 16 * r, below, at(j + 16 * r), pack, list, bad, run);
     if constexpr (kSums) end_run16_avx2(lanes, run.s, run.a, run.q);
   }
   if (j + 16 <= end) {  // a last, shorter run
-    for (; j + 16 <= end; j += 16) take16_avx2<kRead, kSums, kVelocity, kMask>(src, j, below, at(j), bad, run);
+    for (; j + 16 <= end; j += 16)
+      take16_avx2<kRead, kSums, kVelocity, kMask, kList>(src, j, below, at(j), pack, list, bad, run);
     if constexpr (kSums) end_run16_avx2(lanes, run.s, run.a, run.q);
   }
   int64_t nonfinite = count_lanes(bad);
   Moments m;
   float rest[MomentLanes::kLanes];
+  uint32_t bits;
   if constexpr (kSums) {
     lanes.max_abs = max8_avx2(run.mx);
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes, rest);
+    bits = moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, &lanes, rest);
     m = finish_moments(lanes, src.residual, begin, end);
   } else {
-    moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr, rest);
+    bits = moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr, rest);
+  }
+  if constexpr (kList) {
+    list_tail(bits, rest, j, end, list);
+    into->size = list.size;
+    into->listed = true;
   }
   m.nonfinite = nonfinite;
   return m;
 }
 
-/// f(velocity, marks) with both as std::bool_constant: a pass's loop in its version for this
-/// source (an update with a velocity or not) and mask (one to mark or none).
+/// f(velocity, marks, listing), each a std::bool_constant: a pass's loop in its version for this
+/// source (an update with a velocity or not) and its candidates (listed where there is a `list`,
+/// else marked where there is a `mask`, or neither).
 template <Read kRead, typename F>
-Moments by_velocity_and_mask(const Source<float>& src, const uint8_t* mask, F&& f) {
+Moments by_velocity_and_marks(const Source<float>& src, const uint8_t* mask, const CandidateList* list, F&& f) {
   auto marking = [&](auto velocity) {
-    return mask != nullptr ? f(velocity, std::true_type{}) : f(velocity, std::false_type{});
+    if (list != nullptr) return f(velocity, std::false_type{}, std::true_type{});
+    return mask != nullptr ? f(velocity, std::true_type{}, std::false_type{})
+                           : f(velocity, std::false_type{}, std::false_type{});
   };
   return kRead == Read::kUpdate && src.velocity != nullptr ? marking(std::true_type{}) : marking(std::false_type{});
 }
 
-/// moments_f32_avx2_loop in its version for this source and mask.
+/// moments_f32_avx2_loop in its version for this source and its candidates.
 template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
-                         uint8_t* mask = nullptr) {
-  return by_velocity_and_mask<kRead>(src, mask, [&](auto velocity, auto marks) {
-    return moments_f32_avx2_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value>(src, begin, end, key,
-                                                                                                  mask);
+                         uint8_t* mask = nullptr, CandidateList* list = nullptr) {
+  return by_velocity_and_marks<kRead>(src, mask, list, [&](auto velocity, auto marks, auto listing) {
+    return moments_f32_avx2_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value,
+                                 decltype(listing)::value>(src, begin, end, key, mask, list);
   });
 }
 
@@ -487,9 +545,9 @@ GS_TARGET_AVX512 inline void take16_avx512(__m512 v, __m512i below, uint8_t* mas
 /// count and the candidates (marked in the mask, or with kList listed in `into`), with kSums the
 /// sums too. Without them this is the whole of Top-k's, SAGE's, MiCRO's and ExDyna's scan. Built
 /// as moments_f32_avx2_loop is.
-template <Read kRead, bool kSums, bool kVelocity, bool kMask, bool kList = false>
+template <Read kRead, bool kSums, bool kVelocity, bool kMask, bool kList>
 GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, int64_t begin, int64_t end, uint32_t key,
-                                                 uint8_t* mask, CandidateList* into = nullptr) {
+                                                 uint8_t* mask, CandidateList* into) {
   const Source<float> src = source;  // the mask's and the list's stores cannot change it
   CandidateList list = kList ? *into : CandidateList{nullptr, nullptr, 0};  // in registers
   const __m512i below = _mm512_set1_epi32(below_key(key));
@@ -530,11 +588,7 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
     bits = moments_tail<kRead>(src, begin, j, end, key, mask, nonfinite, nullptr, rest);
   }
   if constexpr (kList) {
-    for (int64_t t = 0; j + t < end; ++t, bits >>= 1) {  // without a branch, as the vectors
-      list.offset[list.size] = static_cast<uint32_t>(j + t - list.origin);
-      list.value[list.size] = rest[t];
-      list.size += bits & 1;
-    }
+    list_tail(bits, rest, j, end, list);
     into->size = list.size;
     into->listed = true;
   }
@@ -542,38 +596,17 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
   return m;
 }
 
-/// moments_f32_avx512_loop in its version for this source and its candidates: marked in `mask`,
-/// listed in `list` (where it is set) or neither.
+/// moments_f32_avx512_loop in its version for this source and its candidates.
 template <Read kRead, bool kSums>
 Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask,
                            CandidateList* list) {
-  if (list != nullptr) {
-    return by_velocity_and_mask<kRead>(src, nullptr, [&](auto velocity, auto) {
-      return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, false, true>(src, begin, end, key,
-                                                                                           nullptr, list);
-    });
-  }
-  return by_velocity_and_mask<kRead>(src, mask, [&](auto velocity, auto marks) {
-    return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value>(src, begin, end,
-                                                                                                    key, mask);
+  return by_velocity_and_marks<kRead>(src, mask, list, [&](auto velocity, auto marks, auto listing) {
+    return moments_f32_avx512_loop<kRead, kSums, decltype(velocity)::value, decltype(marks)::value,
+                                   decltype(listing)::value>(src, begin, end, key, mask, list);
   });
 }
 
 GS_AVX512_INTRINSICS_END
-
-/// For each 8-bit mask, the lanes that are set, in order (then zeros): a permutation that packs
-/// the selected lanes of a vector at its front.
-struct PackTable {
-  alignas(32) int32_t lanes[256][8];
-  PackTable() {
-    for (int mask = 0; mask < 256; ++mask) {
-      int o = 0;
-      for (int l = 0; l < 8; ++l)
-        if ((mask >> l) & 1) lanes[mask][o++] = l;
-      for (; o < 8; ++o) lanes[mask][o] = 0;
-    }
-  }
-};
 
 /// Adds |x| * scale of buffer[0, n / 4 * 4) to four float64 lanes (buffer[t] to lane t % 4):
 /// acc[0] the sums, acc[1] the sums of squares, acc[2] the minima; moves the last n % 4 values to
@@ -602,7 +635,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
   static_assert(kRead != Read::kUpdate, "exceedance passes are read-only");
   ExceedanceLanes lanes;
   if (key > 0x7fffffffu) return lanes.total();
-  static const PackTable pack;
+  const PackTable& pack = pack_table();
   constexpr int kBuffer = 1024;
   float buffer[kBuffer + 8];
   int buffered = 0;
@@ -648,7 +681,7 @@ GS_TARGET_AVX2 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t 
 template <Read kRead, bool kVelocity>
 GS_TARGET_AVX2 int64_t block_keys_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key,
                                        uint32_t* out) {
-  static const PackTable pack;
+  const PackTable& pack = pack_table();
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
   const __m256i below = _mm256_set1_epi32(below_key(key));
   __m256i unused = _mm256_setzero_si256();
@@ -672,9 +705,10 @@ GS_TARGET_AVX2 int64_t block_keys_avx2(const Source<float>& src, int64_t begin, 
 #else   // only named by code that never runs without AVX2 paths
 template <Read kRead, bool kSums = true>
 Moments moments_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key = kNoKey,
-                         uint8_t* mask = nullptr);
+                         uint8_t* mask = nullptr, CandidateList* list = nullptr);
 template <Read kRead, bool kSums>
-Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask);
+Moments moments_f32_avx512(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, uint8_t* mask,
+                           CandidateList* list);
 template <Read kRead>
 Exceedance exceedance_f32_avx2(const Source<float>& src, int64_t begin, int64_t end, uint32_t key, double scale);
 template <Read kRead, bool kVelocity>
@@ -827,7 +861,7 @@ bool avx2_f32(Source<T> src, F&& f) {
 /// moments() of the block [begin, end) (with `src.update`: fused with the update of the block);
 /// without `sums` only their `nonfinite`. With a `mask` (float32 on the AVX2 paths only, where
 /// it returns true in `marked`), the block's candidates at `key` too (moments_f32_avx2); with a
-/// `list` as well, the AVX-512 path lists them there instead (CandidateList).
+/// `list` they are listed there instead (CandidateList).
 template <typename T>
 Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = true, uint32_t key = kNoKey,
                       uint8_t* mask = nullptr, bool* marked = nullptr, CandidateList* list = nullptr) {
@@ -839,8 +873,8 @@ Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = tru
           m = sums ? moments_f32_avx512<kRead, true>(as_f32(src), begin, end, key, mask, list)
                    : moments_f32_avx512<kRead, false>(as_f32(src), begin, end, key, mask, list);
         else
-          m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask)
-                   : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask);
+          m = sums ? moments_f32_avx2<kRead>(as_f32(src), begin, end, key, mask, list)
+                   : moments_f32_avx2<kRead, false>(as_f32(src), begin, end, key, mask, list);
       })) {
     if (marked != nullptr) *marked = true;
     return m;
@@ -972,8 +1006,8 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     if (listing) p.room(hi - lo + 16);
     uint8_t mask[kCpuBlock / 8 + 8] = {};  // the block's candidates, where the pass marks them
     bool marked = false;
-    // a block inside the range is listed by the AVX-512 pass itself (CandidateList), its offsets
-    // then made positions
+    // a block inside the range is listed by the pass itself (CandidateList), its offsets then
+    // made positions
     thread_local std::vector<uint32_t> offsets(static_cast<size_t>(kCpuBlock + 16));
     CandidateList list{offsets.data(), p.value.data() + p.size, begin};
     moments[b] =
