@@ -1,10 +1,10 @@
 // KeyBins::count (key_bins.h): keys counted into the bins of a table, in blocks on the CPU
-// kernels' threads, 16 a step on the AVX-512 path. The band counts of MiCRO and ExDyna at density
-// 0.01 bin about a million candidates a step; one look-up at a time, a key cost 3 to 5 ns (loads
-// of the slot that wait for the key's arithmetic, a branch on whether it lies below the band), 16
-// at a time about half that; 745 thousand took 1.27 ms in one thread, 0.67 ms in two (on the AVX2
-// path, one look-up at a time, two threads gained little: 1.33 -> 1.11 to 1.27 ms)
-// (benchmarks/band_counts.cpp).
+// kernels' threads, 16 a step on the AVX-512 path, 8 on the AVX2 path (gathers on both). The band
+// counts of MiCRO and ExDyna at density 0.01 bin about a million candidates a step; one look-up at
+// a time, a key cost 3 to 5 ns (loads of the slot that wait for the key's arithmetic, a branch on
+// whether it lies below the band), 16 at a time about half that; 745 thousand took 1.27 ms in one
+// thread, 0.67 ms in two (one look-up at a time, two threads gained little: 1.33 -> 1.11 to 1.27
+// ms; the AVX2 path's gathers, 8 at a time, 0.6 to 1.0 ms in two) (benchmarks/band_counts.cpp).
 #include <algorithm>
 #include <type_traits>
 #include <vector>
@@ -35,6 +35,33 @@ void count_portable(const KeyBins::Lookup& bins, const In* in, int64_t begin, in
 }
 
 #if GS_HAVE_AVX2_PATHS
+/// count_avx512 in 8 lanes of AVX2 (its gathers; unsigned comparisons as max(a, b) == a).
+template <typename In>
+GS_TARGET_AVX2 int64_t count_avx2(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(kKeyMask<In>));
+  const __m256i lowest = _mm256_set1_epi32(static_cast<int>(bins.keys[0]));
+  const __m256i base = _mm256_set1_epi32(static_cast<int>(bins.base));
+  const __m256i last_slot = _mm256_set1_epi32(static_cast<int>(bins.last_slot));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m128i shift = _mm_cvtsi32_si128(bins.shift);
+  const auto* next = reinterpret_cast<const int*>(bins.next);
+  alignas(32) int32_t at[8];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i key = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)), mask);
+    const __m256i inside = _mm256_cmpeq_epi32(_mm256_max_epu32(key, lowest), key);  // -1 where key >= keys[0]
+    // a key below keys[0] wraps past the last slot and is clamped to it: its look-up is discarded
+    const __m256i t = _mm256_min_epu32(_mm256_srl_epi32(_mm256_sub_epi32(key, base), shift), last_slot);
+    const __m256i j = _mm256_i32gather_epi32(bins.slot, t, 4);
+    const __m256i past = _mm256_cmpeq_epi32(_mm256_max_epu32(key, _mm256_i32gather_epi32(next, t, 4)), key);
+    // bin(key) + 1 (j, one more where the key reaches the slot's next key, plus one), or 0 below
+    _mm256_store_si256(reinterpret_cast<__m256i*>(at),
+                       _mm256_and_si256(_mm256_sub_epi32(_mm256_add_epi32(j, one), past), inside));
+    for (int l = 0; l < 8; ++l) ++in_bin[at[l]];
+  }
+  return i;
+}
+
 GS_AVX512_INTRINSICS_BEGIN
 
 /// count_portable over the first n - n % 16 inputs, 16 a step, for a table that is not crowded;
@@ -71,7 +98,10 @@ template <typename In>
 void count_run(const KeyBins::Lookup& bins, const In* in, int64_t n, int64_t* in_bin) {
   int64_t done = 0;
 #if GS_HAVE_AVX2_PATHS
-  if (cpu::use_avx512() && !bins.crowded) done = count_avx512(bins, in, n, in_bin);
+  if (cpu::use_avx512() && !bins.crowded)
+    done = count_avx512(bins, in, n, in_bin);
+  else if (cpu::use_avx2() && !bins.crowded)
+    done = count_avx2(bins, in, n, in_bin);
 #endif
   count_portable(bins, in, done, n, in_bin);
 }
