@@ -115,11 +115,12 @@ void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t e
   p.offsets.resize(static_cast<size_t>(hi - lo + 16));
   p.values.resize(p.offsets.size());
   // a block inside [lo, hi) is listed by the pass itself (CandidateList)
+  const bool whole = lo == begin && hi == end;
   CandidateList list{p.offsets.data(), p.values.data(), begin};
-  p.nonfinite += mark_block_f32(src, begin, end, key, mask, lo == begin && hi == end ? &list : nullptr);
+  p.nonfinite += mark_block_f32(src, begin, end, key, mask, whole ? &list : nullptr);
   const int64_t found =  // marks outside [lo, hi) are not listed
-      list.listed ? list.size
-                  : list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);
+      whole ? list.size
+            : list_marked(src.residual, mask, begin, lo, hi, p.offsets.data(), p.values.data(), p.writes, begin);
   p.offsets.resize(static_cast<size_t>(found));
   p.values.resize(static_cast<size_t>(found));
   p.writes = unmarked_writes(found, hi - lo);

@@ -275,14 +275,12 @@ int64_t list_marked(const float* v, const uint8_t* mask, int64_t base, int64_t l
 /// Where a float32 pass on the AVX2 or AVX-512 path lists a block's candidates while their values
 /// are in registers, instead of marking them for list_marked: each one's position less `origin`
 /// (the block's first) goes to offset[size] and its value to value[size], size counting on. Whole
-/// vectors are stored, so both need room for 16 entries past the last one listed. `listed` says
-/// whether the pass listed (an AVX path ran).
+/// vectors are stored, so both need room for 16 entries past the last one listed.
 struct CandidateList {
   uint32_t* offset;
   float* value;
   int64_t origin;
   int64_t size = 0;
-  bool listed = false;
 };
 
 /// How many bits of `mask` are set for the elements of [lo, hi) (for_mask_words). Only the AVX2

@@ -436,7 +436,6 @@ GS_TARGET_AVX2 Moments moments_f32_avx2_loop(const Source<float>& source, int64_
   if constexpr (kList) {
     list_tail(bits, rest, j, end, list);
     into->size = list.size;
-    into->listed = true;
   }
   m.nonfinite = nonfinite;
   return m;
@@ -590,7 +589,6 @@ GS_TARGET_AVX512 Moments moments_f32_avx512_loop(const Source<float>& source, in
   if constexpr (kList) {
     list_tail(bits, rest, j, end, list);
     into->size = list.size;
-    into->listed = true;
   }
   m.nonfinite = nonfinite;
   return m;
@@ -861,7 +859,7 @@ bool avx2_f32(Source<T> src, F&& f) {
 /// moments() of the block [begin, end) (with `src.update`: fused with the update of the block);
 /// without `sums` only their `nonfinite`. With a `mask` (float32 on the AVX2 paths only, where
 /// it returns true in `marked`), the block's candidates at `key` too (moments_f32_avx2); with a
-/// `list` they are listed there instead (CandidateList).
+/// `list` they are listed there instead (CandidateList; on the same paths, so also where `marked`).
 template <typename T>
 Moments block_moments(Source<T> src, int64_t begin, int64_t end, bool sums = true, uint32_t key = kNoKey,
                       uint8_t* mask = nullptr, bool* marked = nullptr, CandidateList* list = nullptr) {
@@ -1008,20 +1006,21 @@ Moments scan(Source<T> src, int64_t n, Range range, uint32_t key, int64_t capaci
     bool marked = false;
     // a block inside the range is listed by the pass itself (CandidateList), its offsets then
     // made positions
+    const bool whole = listing && lo == begin && hi == end;
     thread_local std::vector<uint32_t> offsets(static_cast<size_t>(kCpuBlock + 16));
     CandidateList list{offsets.data(), p.value.data() + p.size, begin};
-    moments[b] =
-        block_moments(src, begin, end, sums, key, mask, &marked, listing && lo == begin && hi == end ? &list : nullptr);
-    if constexpr (std::is_same_v<T, float>) {  // marked: on the AVX2 paths, the candidates from the mask
+    moments[b] = block_moments(src, begin, end, sums, key, mask, &marked, whole ? &list : nullptr);
+    if constexpr (std::is_same_v<T, float>) {  // marked: on the AVX paths, the candidates listed or in the mask
       if (marked) {
         if (listing) {
-          if (list.listed) {
+          if (whole) {
+            found = list.size;
             int64_t* index = p.index.data() + p.size;
-            for (int64_t j = 0; j < list.size; ++j) index[j] = begin + offsets[static_cast<size_t>(j)];
+            for (int64_t j = 0; j < found; ++j) index[j] = begin + offsets[static_cast<size_t>(j)];
+          } else {
+            found = list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size, p.value.data() + p.size,
+                                p.writes);
           }
-          found = list.listed ? list.size
-                              : list_marked(src.residual, mask, begin, lo, hi, p.index.data() + p.size,
-                                            p.value.data() + p.size, p.writes);
           if (zero_key != kNoKey) {
             // Each listed one written again, from cache: zero, or itself by a mask of its bits
             // (whether it is zeroed is as good as random, and a branch on it mispredicts).
