@@ -586,6 +586,8 @@ TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   expect_refused(micro, with(banded, "k_prev", -4.0), "k_prev");
   expect_refused(micro, without(banded, "step"), "step");
   for (double band : {1.0, 2.5, 0.0, std::nan("")}) expect_refused(micro, with(banded, "band", band), "band");
+  for (const char* miss : {"trend_miss", "mean_miss"})
+    for (double v : {-0.5, std::nan(""), HUGE_VAL}) expect_refused(micro, with(banded, miss, v), miss);
   micro.load_state(with(banded, "band", 2.0));  // as the sampled step leaves it
   EXPECT_EQ(micro.state().at("band"), 2.0);
   micro.load_state(banded);  // before the adaptive band
@@ -593,6 +595,9 @@ TEST(Methods, DamagedStatesAreRefusedNamingTheEntry) {
   ExDyna exdyna(0.01, "union", false, 0);
   expect_refused(exdyna, with(banded, "blocks.0", -3.0), "blocks.0");
   expect_refused(exdyna, with(banded, "band", 1.01), "band");
+  expect_refused(exdyna, with(banded, "trend_miss", std::nan("")), "trend_miss");
+  exdyna.load_state(with(with(banded, "trend_miss", 0.25), "mean_miss", 0.0));
+  EXPECT_EQ(exdyna.state().at("trend_miss"), 0.25);
   SAGE sage(0.01, "flat", {}, false, 3, std::nullopt, std::nullopt);
   expect_refused(sage, {{"step", -2.0}, {"threshold", 0.1}, {"sample_mean", 0.1}}, "step");
   for (double band : {1.0, 1.3, std::nan("")})

@@ -327,8 +327,15 @@ void PartitionedMethod::load_state(const MethodState& state) {
   // Absent from checkpoints before the adaptive band: then its start. After the sampled step the
   // band stays at that step's width (band_factor(0)), and narrows from the next.
   loaded.band = BandController::saved_band(state, BandController::band_factor(0), loaded.band);
-  if (auto it = state.find("trend_miss"); it != state.end()) loaded.trend_miss = it->second;
-  if (auto it = state.find("mean_miss"); it != state.end()) loaded.mean_miss = it->second;
+  // Absent before the second prediction: 0, as at the start. Each is a decayed sum of |log|
+  // misses, finite and >= 0; a NaN would stay NaN and pin the choice to the mean for good.
+  for (auto [key, miss] : {std::pair{"trend_miss", &loaded.trend_miss}, std::pair{"mean_miss", &loaded.mean_miss}}) {
+    const auto it = state.find(key);
+    if (it == state.end()) continue;
+    GS_CHECK(it->second >= 0.0 && std::isfinite(it->second), ValueError, "method state: '", key, "' is ", it->second,
+             ", not a finite number >= 0; load a state the method saved");
+    *miss = it->second;
+  }
   const double loss_scale = saved_loss_scale(state);
   load_layout(state);
   committed_ = loaded;
