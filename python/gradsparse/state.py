@@ -425,14 +425,17 @@ class State:
                 )
             engine = _C.Engine.mpi()
             mine = (engine.rank, engine.size)
-            differ = torch.tensor([int(mine != (dist.get_rank(), dist.get_world_size()))])
-            dist.all_reduce(differ, group=comm)  # every rank refuses alike, not only those numbered otherwise
-            if int(differ):
+            # Every rank refuses alike, not only those numbered otherwise. An object collective, as the
+            # set-up's agreement: on an NCCL-only group a CPU tensor has no backend.
+            numbered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(numbered, mine, group=comm)
+            differ = sum(theirs != (r, dist.get_world_size()) for r, theirs in enumerate(numbered))
+            if differ:
                 engine.shutdown()
                 raise ValueError(
                     f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD (here rank {mine[0]} of '
                     f"{mine[1]}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}; the "
-                    f"two differ on {int(differ)} of the {dist.get_world_size()} ranks: {fix}"
+                    f"two differ on {differ} of the {dist.get_world_size()} ranks: {fix}"
                 )
             _end_the_mpi_job_on_an_uncaught_error(engine.rank)
             return engine
