@@ -7,7 +7,8 @@
 #            ctest runs them all, the CUDA kernels against the CPU kernels included.
 # 2. build:  the extension built with CUDA (GRADSPARSE_CUDA=1) into $PYTHON, editable.
 # 3. pytest: `pytest -m cuda`: the ops on CUDA tensors against the CPU, every method training with
-#            CUDA buckets over Gloo (2 ranks on one GPU) and over NCCL (1 rank).
+#            CUDA buckets over Gloo (2 ranks on one GPU) and over NCCL (1 rank), and the take-back of
+#            a step that overflowed under nonfinite="propagate" with CUDA buckets.
 # 4. train:  the CNN example, every method, 2 processes sharing the GPU over Gloo, then 1 over NCCL;
 #            dense, Top-k and MiCRO under float16 loss scaling (--amp fp16, a GradScaler), 2 over Gloo.
 # 5. bench:  benchmarks.select on the GPU: threshold and top-k selection against torch.topk, a
@@ -70,11 +71,11 @@ cpp() {
 build() {
   GRADSPARSE_CUDA=1 GRADSPARSE_MPI=0 TORCH_CUDA_ARCH_LIST=$CAPABILITY \
     "$PYTHON" -m pip install --no-build-isolation --no-deps -e . &&
-    "$PYTHON" -c "import gradsparse as gs; assert gs.built_with_cuda, 'gradsparse was built without CUDA'"
+    "$PYTHON" -c "import gradsparse as gs; assert gs.built_with_cuda(), 'gradsparse was built without CUDA'"
 }
 
 tests() {
-  "$PYTHON" -m pytest -m cuda -p no:cacheprovider -rs tests/python/test_cuda.py | tee "$OUT_DIR/pytest.txt" &&
+  "$PYTHON" -m pytest -m cuda -p no:cacheprovider -rs tests/python/test_cuda.py tests/python/test_state.py | tee "$OUT_DIR/pytest.txt" &&
     no_skips "$OUT_DIR/pytest.txt"
 }
 

@@ -92,6 +92,9 @@ class _PropagatedStep:
         self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
         self.dense: list[torch.Tensor] = []  # the outputs of its dense buckets, which pass NaN on
         self.taken: list[_Taken] = []  # its sparse buckets
+        # On a GPU, an event after each bucket's job: the step's last bucket reads the others' outputs,
+        # residuals and taken messages on a stream ordered after its own job only.
+        self.ready: list[tuple[torch.device, torch.cuda.Event]] = []
 
 
 class State:
@@ -752,6 +755,10 @@ class State:
         pending = self._propagated
         if pending is None or pending.step != step:
             pending = self._propagated = _PropagatedStep(step)
+        if value.is_cuda:  # this callback's stream waited for the bucket's job
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(value.device))
+            pending.ready.append((value.device, ready))
         if report.skipped:
             pending.overflowed = True
         elif report.dense:
@@ -761,6 +768,8 @@ class State:
         if not last:
             return
         self._propagated = None
+        for device, ready in pending.ready:
+            torch.cuda.current_stream(device).wait_event(ready)
         if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):
             for taken in pending.taken:
                 message = taken.report.taken_message(taken.residual.device)

@@ -13,7 +13,7 @@ from tests.distributed import workers
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(not gs.built_with_cuda, reason="gradsparse was built without CUDA (GRADSPARSE_CUDA=1)"),
+    pytest.mark.skipif(not gs.built_with_cuda(), reason="gradsparse was built without CUDA (GRADSPARSE_CUDA=1)"),
 ]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

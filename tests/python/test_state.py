@@ -798,10 +798,18 @@ class _Overflowing(nn.Module):
     def forward(self, x):
         h = torch.relu(self.l0(x))
         if self.overflow:
-            h.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), math.inf))
+            h.register_hook(lambda g: g.index_fill(1, torch.tensor([0], device=g.device), math.inf))
         return self.l2(h)
 
 
+ON_A_GPU = [
+    pytest.mark.cuda,  # scripts/gpu_check.sh runs these
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not gs.built_with_cuda(), reason="gradsparse was built without CUDA (GRADSPARSE_CUDA=1)"),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])
 @pytest.mark.parametrize(
     "make",
     [
@@ -812,17 +820,19 @@ class _Overflowing(nn.Module):
     ],
     ids=["topk", "topk-reduce-scatter", "micro", "spardl"],
 )
-def test_a_step_that_overflows_in_one_bucket_takes_back_what_the_other_buckets_sent(make):
+def test_a_step_that_overflows_in_one_bucket_takes_back_what_the_other_buckets_sent(make, device):
     """nonfinite="propagate" under a GradScaler: an overflow in one bucket makes the scaler skip
     the whole step, so what the other buckets sent is applied nowhere. They take it back: their
     residuals hold residual + gradient after the step, to the bit, as the skipped bucket's do
-    (ruling 5), and their statistics count the step as skipped. What they sent was lost before."""
-    net = _Overflowing()
+    (ruling 5), and their statistics count the step as skipped. What they sent was lost before.
+    On a GPU each bucket's job runs on a stream of its own, and the take-back at the step's last
+    bucket reads the others' residuals and messages after their jobs."""
+    net = _Overflowing().to(device)
     ddp = DDP(net, bucket_cap_mb=0.0003)
     state = gs.register(ddp, make())
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**4, growth_interval=1000)
     state.set_scaler(scaler)
-    batches = _batches(5)
+    batches = [(x.to(device), y.to(device)) for x, y in _batches(5)]
     _train_scaled(ddp, batches[:4], scaler)  # residuals hold gradient of earlier steps
     assert [sorted(names) for names in state.state_dict()["layout"]] == [
         ["l2.bias", "l2.weight"],
@@ -838,7 +848,8 @@ def test_a_step_that_overflows_in_one_bucket_takes_back_what_the_other_buckets_s
     assert all(torch.equal(a, b) for a, b in zip(weights, net.parameters(), strict=True)), "the scaler stepped"
     after = state.state_dict()["residuals"]
     for name in ("l2.weight", "l2.bias"):
-        assert torch.equal(after[name], before[name] + twin.get_parameter(name).grad.reshape(-1)), name
+        gradient = twin.get_parameter(name).grad.reshape(-1).to(before[name].device)
+        assert torch.equal(after[name], before[name] + gradient), name
     buckets = state.stats()["buckets"]
     assert buckets[0]["skipped_steps"] == 1 and buckets[1]["skipped_steps"] == 1, buckets
 
