@@ -26,6 +26,9 @@ minutes, which one round per method cannot average out. With --momentum M every
 method is also timed with momentum correction at factor M (the velocity's update, fused into the
 method's first pass, is part of the selection step), on a row of its own, in turn with the rest.
 With --dtype bfloat16 or float16 the methods' table's buckets (and its add) are of that dtype.
+With --steps FILE every timed step of that table, with the add beside it, also goes to a CSV file:
+on a shared host the add moves by up to 2x within a run, and a step's part that does not move
+with it shows only there (docs/benchmarks.md).
 With --methods --device cuda the table is every method's whole step on the GPU instead (the
 bucket through gradsparse's engine over a one-rank NCCL group: selection, exchange, scatter),
 timed from an idle stream to the reduced gradient, since on a GPU the host's select_seconds
@@ -108,6 +111,7 @@ def method_rows(
     only: str = "",
     warmup: int = WARMUP,
     dtype: torch.dtype = torch.float32,
+    steps_out: list[list[object]] | None = None,
 ) -> list[list[object]]:
     """Every method's selection time on one rank, relative to the plain add, in one run. The add
     is timed again next to every step of every method (add, step, add, step, ...), so the two are
@@ -117,7 +121,8 @@ def method_rows(
     (its start, while a method learns the gradient's scale), the ``repeat`` steps of every round
     after them make its row (its cost for the rest of a run). Every step's gradient is another
     draw at another scale (``step_gradient``), so a method that predicts from its last steps
-    misses as it would in training. Buckets of ``dtype`` (the add too)."""
+    misses as it would in training. Buckets of ``dtype`` (the add too). With ``steps_out``, each
+    step of a row is appended to it as it is timed: [N, density, method, round, add ms, select ms]."""
     gen = torch.Generator().manual_seed(0)
     draws = [(torch.randn(n, generator=gen) * 1e-3).to(dtype) for _ in range(GRADIENT_DRAWS)]
     start = (torch.randn(n, generator=gen) * 5e-4).to(dtype)
@@ -149,6 +154,8 @@ def method_rows(
                 if steps[name] > warmup:
                     times[name].append(report.select_seconds)
                     adds[name].append(add)
+                    if steps_out is not None:
+                        steps_out.append([n, density, name, r + 1, 1e3 * add, 1e3 * report.select_seconds])
                 elif steps[name] > 2:  # the first two: some methods start differently
                     first[name].append(report.select_seconds / add)
     rows = []
@@ -249,14 +256,22 @@ def main(argv: list[str] | None = None) -> str:
         help="the buckets' dtype in the CPU's --methods table (its add too)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (a gradsparse built with CUDA)")
+    parser.add_argument(
+        "--steps",
+        default="",
+        help="also write every step of the --methods table (N, density, method, round, add ms, select ms) to this "
+        "CSV file, named as --output names its report; the medians hide how the add moves within a run",
+    )
     parser.add_argument("--output", default="select.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
-    table_only = args.rounds != 1 or args.momentum or args.warmup != WARMUP or args.dtype != "float32"
+    table_only = args.rounds != 1 or args.momentum or args.warmup != WARMUP or args.dtype != "float32" or args.steps
     if not args.methods and (table_only or args.only):
-        parser.error("--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods")
+        parser.error(
+            "--rounds, --momentum, --warmup, --dtype, --steps and --only apply to the --methods table; add --methods"
+        )
     if args.device != "cpu" and table_only:
         parser.error(
-            "--rounds, --momentum, --warmup and --dtype apply to the CPU's --methods table; drop them with "
+            "--rounds, --momentum, --warmup, --dtype and --steps apply to the CPU's --methods table; drop them with "
             f"--device {args.device}"
         )
     sizes = number_list(
@@ -311,13 +326,19 @@ def main(argv: list[str] | None = None) -> str:
     )
     text = f"# Selection cost (float32, {where}, torch {torch.__version__})\n\n" + markdown_table(headers, rows) + "\n"
     if args.methods and args.device == "cpu":
+        steps: list[list[object]] = []
         method_table = [
             row
             for n, d in sizes_densities
             for row in method_rows(
-                n, d, args.repeat, args.rounds, args.momentum, args.only, args.warmup, getattr(torch, args.dtype)
+                n, d, args.repeat, args.rounds, args.momentum, args.only, args.warmup, getattr(torch, args.dtype), steps
             )
         ]
+        if args.steps:
+            lines = ["N,density,method,round,add ms,select ms"]
+            lines += [f"{n},{d},{name},{r},{add:.4f},{sel:.4f}" for n, d, name, r, add, sel in steps]
+            path = write_result(args.steps, "\n".join(lines) + "\n")
+            print(f"steps written to {path}")
         first = f"steps 3-{args.warmup} / add" if args.warmup > 2 else "first steps / add"
         text += (
             f"\n## Selection step of every method (one rank, {args.dtype} buckets)\n\n"

@@ -28,8 +28,21 @@ def numbers(text: str, row_start: str) -> list[float]:
 
 def test_select_reports_every_method(tmp_path):
     text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--methods", "--rounds", "2",
-                        "--warmup", "4", "--output", str(tmp_path / "select.md")])  # fmt: skip
+                        "--warmup", "4", "--steps", str(tmp_path / "steps.csv"),
+                        "--output", str(tmp_path / "select.md")])  # fmt: skip
     assert (tmp_path / "select.md").read_text() == text
+    header, *lines = (tmp_path / "steps.csv").read_text().splitlines()
+    assert header == "N,density,method,round,add ms,select ms"
+    steps: dict[str, list[tuple[int, float, float]]] = {}
+    for line in lines:
+        n, density, name, r, add, sel = line.split(",")
+        assert (n, density) == ("20000", "0.01")
+        steps.setdefault(name, []).append((int(r), float(add), float(sel)))
+    for name, timed in steps.items():  # the row's steps, one a round, and its medians are theirs
+        assert [r for r, _, _ in timed] == [1, 2], name
+        _density, select_ms, add_ms, _ratio, _first = numbers(text, f"0.02M | 0.01 | {name}")
+        assert select_ms == pytest.approx(sum(s for _, _, s in timed) / 2, rel=0.01, abs=1e-3), name
+        assert add_ms == pytest.approx(sum(a for _, a, _ in timed) / 2, rel=0.01, abs=1e-3), name
     _density, achieved, *times = numbers(text, "0.02M")  # the size cell is not a number
     assert achieved == pytest.approx(0.01, rel=0.05)
     assert all(t > 0 and math.isfinite(t) for t in times)
@@ -98,7 +111,7 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
 
 
-TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype and --only apply to the --methods table; add --methods"
+TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype, --steps and --only apply to the --methods table; add --methods"
 
 
 @pytest.mark.parametrize(
@@ -121,8 +134,12 @@ TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype and --only apply to the --
         (["--only", "TopK"], TABLE_ONLY),
         (["--warmup", "5"], TABLE_ONLY),
         (["--dtype", "bfloat16"], TABLE_ONLY),
+        (["--steps", "steps.csv"], TABLE_ONLY),
         (["--dtype", "int8", "--methods"], "argument --dtype: invalid choice: 'int8'"),
-        (["--methods", "--dtype", "float16", "--device", "cuda"], "--dtype apply to the CPU's --methods table"),
+        (
+            ["--methods", "--dtype", "float16", "--device", "cuda"],
+            "--dtype and --steps apply to the CPU's --methods table",
+        ),
         (["--warmup", "-1", "--methods"], "--warmup must be at least 0, got -1"),
     ],
 )
