@@ -91,12 +91,14 @@ uint32_t kth_largest_key(const Keys& keys, int64_t k) {
 }
 
 /// The positions of the k largest of `keys` (1 <= k <= keys.size(); ties: the lowest positions),
-/// ascending; `kth_key` gets the k-th largest key.
+/// ascending; `kth_key` gets the k-th largest key, and `ties_cut`, where given, whether keys equal
+/// to it were left out (else the positions are those of every key from it up).
 template <typename Keys>
-Positions largest_positions(const Keys& keys, int64_t k, uint32_t& kth_key) {
+Positions largest_positions(const Keys& keys, int64_t k, uint32_t& kth_key, bool* ties_cut = nullptr) {
   kth_key = kth_largest_key(keys, k);
   const uint32_t kth = kth_key;
   Positions out = positions_where(keys.size(), [&](size_t j) { return keys[j] >= kth; });
+  if (ties_cut != nullptr) *ties_cut = static_cast<int64_t>(out.size()) > k;
   if (static_cast<int64_t>(out.size()) > k) {  // more ties at the k-th key than are taken
     int64_t ties = k;                          // those taken: k minus the keys above the k-th
     for (size_t j : out) ties -= keys[j] > kth ? 1 : 0;

@@ -541,10 +541,14 @@ Selection OnePass::largest(int64_t k, bool zero) {
   Selection s;
   if (scan_.complete() && !stale_ && scan_.above >= k) {
     uint32_t kth_key;
+    bool ties_cut;
     const Positions chosen =
-        with_keys([&](const auto& keys) { return method_util::largest_positions(keys, k, kth_key); });
+        with_keys([&](const auto& keys) { return method_util::largest_positions(keys, k, kth_key, &ties_cut); });
     asked(method_util::key_value(bucket_.dtype, kth_key), k, true);
-    s = emit(chosen, kNoKey, zero, method_util::key_value(bucket_.dtype, kth_key));
+    // Where no tie at the k-th key was left out, the chosen are every candidate from that key up:
+    // the settle then compares keys and builds no array of the chosen (its fill and marks were a
+    // quarter of the settle's time, about 0.1 ms a step at 25M and density 0.01).
+    s = emit(chosen, ties_cut ? kNoKey : kth_key, zero, method_util::key_value(bucket_.dtype, kth_key));
     s.kth_key = kth_key;
   } else {  // the k-th largest lies below the candidates, or they are out of date
     s = reading().select_topk(bucket_, k, /*update=*/false, zero);
