@@ -4,11 +4,11 @@
 // its CUDA kernels; but its memory and the buckets are unreadable from the host (PROT_NONE)
 // outside its own calls and the transport's, as a GPU's memory is. A step that reads or writes
 // device memory on the host (a bucket's value, a message the device wrote) crashes here, where on
-// a GPU it would read garbage or fault; and every output and residual must equal the CpuDevice's
-// to the bit. GuardedDevice overrides what CudaDevice overrides (kernel_device.h, cuda_device.h):
-// a device operation added to CudaDevice belongs here too. With 2 ranks the regions are open while
-// either rank is inside a call, so a host read by the other rank in that window goes unseen; the
-// 1-rank runs see every one.
+// a GPU it would read garbage or fault; every output and residual must equal the CpuDevice's to
+// the bit; and no device buffer may be left allocated after the steps. GuardedDevice overrides
+// what CudaDevice overrides (kernel_device.h, cuda_device.h): a device operation added to
+// CudaDevice belongs here too. With 2 ranks the regions are open while either rank is inside a
+// call, so a host read by the other rank in that window goes unseen; the 1-rank runs see all.
 #include <gtest/gtest.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -55,6 +55,11 @@ class Guard {
     std::lock_guard<std::recursive_mutex> lock(mutex_);
     munmap(p, regions_.at(p));
     regions_.erase(p);
+  }
+  /// The regions allocated and not freed.
+  size_t live() {
+    std::lock_guard<std::recursive_mutex> lock(mutex_);
+    return regions_.size();
   }
   /// From here on the regions are closed whenever no call is inside (until `off`).
   void on() { set(true); }
@@ -299,6 +304,9 @@ Ranks run(const std::string& name, int world_size, Mode mode, bool guarded) {
   for (const std::vector<void*>* buffers : {&grads, &residuals, &velocities})
     for (void* p : *buffers) guarded ? guard.free(p) : std::free(p);
   testing::rethrow_first(errors);
+  // Every device buffer of the steps is gone with its method, report and selections: on a GPU
+  // one left over would hold device memory for good.
+  EXPECT_EQ(guard.live(), 0u) << "device buffers left allocated";
   return ranks;
 }
 
