@@ -9,12 +9,9 @@ import torch
 import gradsparse as gs
 from gradsparse.testing import run_distributed
 from tests.distributed import workers
+from tests.python.on_a_gpu import ON_A_GPU
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(not gs.built_with_cuda(), reason="gradsparse was built without CUDA (GRADSPARSE_CUDA=1)"),
-]
+pytestmark = ON_A_GPU
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [1, 1000, 100_003]

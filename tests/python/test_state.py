@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsparse as gs
 from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
+from tests.python.on_a_gpu import ON_A_GPU
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -800,13 +801,6 @@ class _Overflowing(nn.Module):
         if self.overflow:
             h.register_hook(lambda g: g.index_fill(1, torch.tensor([0], device=g.device), math.inf))
         return self.l2(h)
-
-
-ON_A_GPU = [
-    pytest.mark.cuda,  # scripts/gpu_check.sh runs these
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
-    pytest.mark.skipif(not gs.built_with_cuda(), reason="gradsparse was built without CUDA (GRADSPARSE_CUDA=1)"),
-]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_A_GPU)])

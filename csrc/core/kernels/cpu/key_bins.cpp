@@ -1,6 +1,6 @@
 // KeyBins::count (key_bins.h): keys counted into the bins of a table, in blocks on the CPU
 // kernels' threads, 16 a step on the AVX-512 path, 8 on the AVX2 path (gathers on both). The band
-// counts of MiCRO and ExDyna at density 0.01 bin about a million candidates a step; one look-up at
+// counts of MiCRO and ExDyna at density 0.01 bin up to a million candidates a step; one look-up at
 // a time, a key cost 3 to 5 ns (loads of the slot that wait for the key's arithmetic, a branch on
 // whether it lies below the band), 16 at a time about half that; 745 thousand took 1.27 ms in one
 // thread, 0.67 ms in two (one look-up at a time, two threads gained little: 1.33 -> 1.11 to 1.27
