@@ -130,15 +130,29 @@ def upgrade(owner: str, state_dict: Any) -> dict:
 
 def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_rank: bool) -> dict:
     """This rank's part of a (version 2) state dict, checked: world size, rank, and every
-    residual finite and matching its checksum."""
+    residual finite and matching its checksum. Of a state dict of every rank (AllRanks), every
+    rank checks every part alike, so that a damaged part is refused on every rank: refused on its
+    own rank only, it left the others to wait for that rank in the first step until the timeout."""
     where = f"{owner}.load_state_dict"
-    if state_dict.get("all_ranks"):
-        _check_integer(where, state_dict, "world_size", 1)
-        if state_dict["world_size"] != world_size:
-            raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
-        _check_rank_count(where, state_dict)
-        state_dict = state_dict["ranks"][rank]
-        _require(where, state_dict, RANK_KEYS, f"rank {rank}'s part of the state dict")
+    if not state_dict.get("all_ranks"):
+        return _checked_part(owner, where, state_dict, rank, world_size, any_rank)
+    _check_integer(where, state_dict, "world_size", 1)
+    if state_dict["world_size"] != world_size:
+        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+    _check_rank_count(where, state_dict)
+    for r, part in enumerate(state_dict["ranks"]):
+        _require(where, part, RANK_KEYS, f"rank {r}'s part of the state dict")
+        _checked_part(owner, f"{where} (rank {r}'s part)", part, r, world_size, any_rank=True)
+        if part["rank"] != r:
+            raise ValueError(
+                f"{where}: the state dict of gradsparse.AllRanks holds rank {part['rank']}'s residuals in the place "
+                f"of rank {r}'s: it was changed after it was saved; load an intact copy"
+            )
+    return state_dict["ranks"][rank]
+
+
+def _checked_part(owner: str, where: str, state_dict: dict, rank: int, world_size: int, any_rank: bool) -> dict:
+    """``state_dict``, checked as the part of rank ``rank``."""
     # compared below: "0" or 4.0 would have read as another rank's or world size's ("rank 0's ... this is rank 0")
     _check_integer(where, state_dict, "world_size", 1)
     _check_integer(where, state_dict, "rank", 0)
@@ -146,7 +160,7 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
     if state_dict["rank"] != rank and not any_rank:
         raise ValueError(
-            f"{owner}.load_state_dict: the state dict holds rank {state_dict['rank']}'s residuals but this is "
+            f"{where}: the state dict holds rank {state_dict['rank']}'s residuals but this is "
             f"rank {rank}; residuals are per rank: load the file this rank saved (e.g. with the rank in its name), "
             "or save all ranks' with gradsparse.AllRanks(state); any_rank=True loads it anyway"
         )

@@ -1003,7 +1003,9 @@ class State:
             "version": STATE_DICT_VERSION,
             "class": owner,
             "config": self._saved_config(),
-            "step": self._step,
+            # Under FSDP a step in which some module reduced nothing is counted at the next step's
+            # first module that reduces again (_reduce_flat): saved between the two, it is over.
+            "step": self._step + (1 if self._sharded_called else 0),
             "rank": rank,
             "world_size": world_size,
             **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
@@ -1074,9 +1076,10 @@ class State:
             return
         self._load(state_dict, any_rank)
 
-    def _check_method_states(self, methods: list[dict | None]) -> None:
+    def _check_method_states(self, methods: list[dict | None], part: str = "") -> None:
         """Each saved method state loads into a new method object now, so that one the method
-        refuses ('step' NaN or 2.5) raises here, not in the first backward after the load."""
+        refuses ('step' NaN or 2.5) raises here, not in the first backward after the load
+        (``part``: which rank's part of the state dict, for the message)."""
         for index, saved in enumerate(methods):
             if saved is None or self._CORE is None:
                 continue
@@ -1084,8 +1087,8 @@ class State:
                 self._make_method([1]).load_state(saved)
             except (ValueError, IndexError, KeyError) as e:
                 raise ValueError(
-                    f"{type(self).__name__}.load_state_dict: the state dict's methods[{index}] is refused by the "
-                    f"method: {e}"
+                    f"{type(self).__name__}.load_state_dict{part}: the state dict's methods[{index}] is refused by "
+                    f"the method: {e}"
                 ) from e
 
     def _load_unchecked(self, *, at_setup: bool = False) -> None:
@@ -1108,15 +1111,19 @@ class State:
 
     def _load(self, state_dict: dict, any_rank: bool) -> None:
         group = self.process_group
+        parts = state_dict.get("ranks") if state_dict.get("all_ranks") else None
         state_dict = this_ranks(
             type(self).__name__, state_dict, dist.get_rank(group), dist.get_world_size(group), any_rank
         )
-        self._binding.check_names(state_dict)
+        # Of a state dict of every rank (AllRanks), every part is checked on every rank, so that
+        # every rank refuses it alike (this_ranks).
+        for part in parts or [state_dict]:
+            self._binding.check_names(part)
+            self._check_method_states(part["methods"], "" if parts is None else f" (rank {part['rank']}'s part)")
         # Everything the load puts in place is read first, so that a state dict that fails on the
         # way leaves this state as it was (its step, residuals and statistics), not half loaded.
         step = int(state_dict["step"])
         loaded = Loaded(state_dict)
-        self._check_method_states(state_dict["methods"])
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
         metrics.load_state_dict(state_dict["stats"])
@@ -1133,6 +1140,7 @@ class State:
         )
         self._scale_read_at = None  # the next step moves them to its own loss scale
         self._step = step
+        self._sharded_called.clear()  # the saved step counts any step left uncounted (state_dict)
         self._loaded = loaded
         if link is not None:
             self._link = link

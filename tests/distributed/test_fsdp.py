@@ -256,6 +256,64 @@ def test_dcp_checkpoint_resumes_exactly(tmp_path, method):
     assert results[0]["residual_norms"] != results[1]["residual_norms"]  # per-rank residuals
 
 
+class SkipMiddle(nn.Sequential):
+    """workers.make_model's layers, the middle Linear (and its ReLU) left out while ``skip``."""
+
+    skip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self):
+            if not (self.skip and i in (2, 3)):
+                x = layer(x)
+        return x
+
+
+def steps_past_a_skipped_module_through_dcp(rank: int, world_size: int, path: str) -> dict:
+    """4 steps, the last without the middle module (FSDP reduces nothing for it), saved with
+    dcp.save, 2 more; then the same 2 in a new model and state loaded from the save."""
+    data = workers.teacher_data(rank, 6)
+
+    def setup():
+        torch.manual_seed(3)
+        model = shard(SkipMiddle(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 6)))
+        state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+        return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+
+    model, state, opt = setup()
+    workers.fit(model, data[:3], opt)
+    model.skip = True
+    workers.fit(model, data[3:4], opt)
+    model.skip = False
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    workers.fit(model, data[4:], opt)
+    straight, straight_step = full_params(model), state.step
+    state.close()
+
+    model, state, opt = setup()
+    msd, osd = get_state_dict(model, opt)
+    saved = {"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}
+    dcp.load(saved, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    loaded_step = state.step
+    workers.fit(model, data[4:], opt)
+    return {"straight": straight, "resumed": full_params(model), "steps": (loaded_step, straight_step, state.step)}
+
+
+def test_dcp_checkpoint_after_a_step_that_left_a_module_out_resumes_its_step_count(tmp_path):
+    """A step in which a module reduced nothing is counted once the next step reduces a module
+    again. Saved between the two, the checkpoint held the step count without it, so the resumed
+    run stayed a step behind for good (one more dense step within warmup_steps). Now it holds all
+    4 steps, and the resumed run counts 6 after 2 more, as the uninterrupted one does, with the
+    same parameters."""
+    for rank, r in enumerate(
+        run_distributed(steps_past_a_skipped_module_through_dcp, 2, str(tmp_path / "c"), timeout=300)
+    ):
+        assert r["steps"] == (4, 6, 6), f"rank {rank}: steps loaded, straight, resumed {r['steps']}"
+        for a, b in zip(r["straight"], r["resumed"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}: resumed differs by {(a - b).abs().max()}"
+
+
 def auto_link_through_dcp(rank: int, world_size: int, path: str) -> tuple:
     """exchange="auto" picks each module's exchange from the link measured at set-up; a stand-in
     link (a measurement never repeats exactly) is saved, and what a fresh state holds after the load."""

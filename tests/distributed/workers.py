@@ -961,6 +961,32 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     return "returned"
 
 
+def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
+    """Every rank loads an AllRanks state dict of 2 training steps whose rank 1's part was damaged
+    after the save (``damage``: "byte", a byte of a residual; "method", a method state the method
+    refuses). Returns this rank's error (None: it loaded) and the norm of its residuals after the
+    attempt (a refused load leaves them as they were)."""
+    state = gs.DGC(density=0.05, timeout=30)  # a method with a state of its own (its step)
+    ddp = DDP(make_model())
+    gs.register(ddp, state)
+    train(ddp, rank, steps=2)
+    saved = [gs.AllRanks(state).state_dict()]
+    dist.broadcast_object_list(saved, src=0)  # the file every rank reads
+    part = saved[0]["ranks"][1]
+    if damage == "byte":
+        next(iter(part["residuals"].values())).view(torch.uint8)[0].add_(1)
+    else:
+        part["methods"][0] = {"step": 2.5}
+    before = sum(float(t.norm()) for t in state.state_dict()["residuals"].values())
+    error = None
+    try:
+        state.load_state_dict(saved[0])
+    except ValueError as e:
+        error = str(e)
+    after = sum(float(t.norm()) for t in state.state_dict()["residuals"].values())
+    return error, after - before
+
+
 def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> tuple[dict, dict, list[str]]:
     """MiCRO (union exchange) under a GradScaler with nonfinite="propagate" on TwoHeads with
     find_unused_parameters=True, rank 0 using the even head and rank 1 the odd one for 3 steps,
