@@ -65,7 +65,12 @@ class ModelBinding:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on this model; register it once"
             )
-        params = frozenset(id(p) for p in ddp.parameters() if p.requires_grad)
+        # The parameters DDP reduces: those that require gradients, less the ones it was told to
+        # leave alone (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, and
+        # delay_all_reduce_named_params). An ignored one counted here made DDP's first
+        # static-graph step, whose buckets end it once they have held every parameter, never end.
+        ignored = getattr(ddp, "parameters_to_ignore", set())
+        params = frozenset(id(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
         module = unwrap(ddp)
         same_module = self.module is not None and self.module() is module
         if (bound is not None or self.params is not None) and params != self.params and not same_module:

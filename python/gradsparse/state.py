@@ -533,6 +533,10 @@ class State:
             last = self._binding.params is not None and self._binding.params <= ids | mine
         elif index == 0:  # a new step (or one that a failed backward left half-way)
             count, ids = 0, set()
+            # A step that failed at a bucket ends at its last one; a backward that stopped before
+            # it (an error of autograd's own) left the flag set, and the next step's buckets were
+            # all handed back unreduced.
+            self._failed_step = False
         if delayed and self._binding.params is None:
             with contextlib.suppress(RuntimeError):  # outside a backward: no step to end there
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_delayed_step)

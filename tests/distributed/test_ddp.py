@@ -337,3 +337,23 @@ def test_auto_times_every_bucket_again_where_a_rebuild_or_a_skipped_step_spoiled
         for b in buckets:
             means = r["trial"][b]
             assert r["chosen"][b] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
+
+
+def test_a_step_after_a_backward_that_stopped_past_a_failed_bucket_is_reduced():
+    """A bucket that fails in gradsparse makes the rest of its step go back unreduced until the
+    step's last bucket. A backward that then stopped in autograd before that bucket left the flag
+    set, and the next step (in a new DDP over the same state) went back unreduced whole: every rank
+    applied its own gradient, and the replicas drifted apart. Now a new step's first bucket clears
+    it, and the ranks' parameters stay equal."""
+    ranks = run_distributed(workers.step_after_a_backward_that_stopped, 2, timeout=120)
+    for a, b in zip(ranks[0], ranks[1], strict=True):
+        assert torch.equal(a, b), f"the ranks' parameters differ by {(a - b).abs().max()}"
+
+
+def test_the_first_static_graph_step_ends_with_a_parameter_that_ddp_ignores():
+    """DDP's first static-graph step hands its buckets over at the end of backward, none as the
+    last: the state ends the step at the bucket that completes the parameters DDP reduces. It
+    counted a parameter DDP was told to ignore among them, so that step never ended (not counted,
+    and after a load its held buckets were never let go)."""
+    for rank, steps in enumerate(run_distributed(workers.steps_with_a_parameter_ddp_ignores, 2, timeout=120)):
+        assert steps == [1, 2, 3], f"rank {rank}: steps {steps}"

@@ -5,6 +5,7 @@ No `from __future__ import annotations`: DDP checks hook annotations as objects.
 
 import contextlib
 import copy
+import gc
 import math
 
 import torch
@@ -959,6 +960,80 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     except RuntimeError as e:
         return str(e)
     return "returned"
+
+
+def step_after_a_backward_that_stopped(rank: int, world_size: int) -> list[torch.Tensor]:
+    """Top-k on make_model in a DDP of several buckets: a step; a step whose first bucket fails in
+    gradsparse (an injected error) and whose backward then stops in autograd, before the last
+    bucket; the module in a new DDP, the state registered there, and one more step. Returns the
+    parameters after it."""
+    torch.manual_seed(0)
+    model, state = make_model(), gs.TopK(density=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = list(batches(rank, 3))
+
+    def step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    def stop(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stopped in autograd")
+
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    step(ddp, *data[0])
+    reduce_bucket = state._reduce_bucket
+
+    def failing(bucket, index: int, last: bool):
+        if not last:
+            raise RuntimeError("injected")
+        return reduce_bucket(bucket, index, last)
+
+    state._reduce_bucket = failing
+
+    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(stop)  # the gradient of layer 0's output: after the later layers' buckets
+
+    stopper = model[0].register_forward_hook(hook_output)
+    with contextlib.suppress(RuntimeError):
+        step(ddp, *data[1])
+    stopper.remove()
+    del state._reduce_bucket
+    del ddp  # its reducer's hooks go with it
+    gc.collect()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    step(ddp, *data[2])
+    return [p.detach().clone() for p in model.parameters()]
+
+
+class TwoDtypes(nn.Module):
+    """A float32 Linear, then a bfloat16 one: DDP makes a bucket of each dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 8)
+        self.b = nn.Linear(8, 6).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
+
+
+def steps_with_a_parameter_ddp_ignores(rank: int, world_size: int) -> list[int]:
+    """TwoDtypes with b.bias left to its own devices (DDP's parameters to ignore), static_graph=True,
+    Top-k registered: the state's step after each of 3 steps."""
+    torch.manual_seed(0)
+    model = TwoDtypes()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["b.bias"])
+    ddp = DDP(model, static_graph=True)
+    state = gs.register(ddp, gs.TopK(density=0.5))
+    steps = []
+    for x, y in batches(rank, 3):
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        steps.append(state.step)
+    return steps
 
 
 def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
