@@ -1039,8 +1039,8 @@ def steps_with_a_parameter_ddp_ignores(rank: int, world_size: int) -> list[int]:
 def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
     """Every rank loads an AllRanks state dict of 2 training steps whose rank 1's part was damaged
     after the save (``damage``: "byte", a byte of a residual; "method", a method state the method
-    refuses). Returns this rank's error (None: it loaded) and the norm of its residuals after the
-    attempt (a refused load leaves them as they were)."""
+    refuses). Returns this rank's error (None: it loaded) and how far the attempt moved the sum of
+    its residuals' norms (0: a refused load leaves them as they were)."""
     state = gs.DGC(density=0.05, timeout=30)  # a method with a state of its own (its step)
     ddp = DDP(make_model())
     gs.register(ddp, state)
