@@ -201,6 +201,69 @@ TEST(SparDL, Float16ConservesMassUpToRounding) {
   }
 }
 
+// float16: where a rank keeps, on a final list, a partial sum of several ranks' values past
+// 65504 (their average fits float16, the sum does not), its residual cannot hold it. Gradients
+// near float16's limit, at sizes where 200 draws include such sums: every step either completes
+// with the mass conserved up to rounding, or is aborted on every rank with every residual holding
+// residual + gradient (the raise policy names the ranks and the fix; skip hands back zeros).
+TEST(SparDL, Float16PartialSumsPastTheRangeAbortTheStepOnEveryRank) {
+  const int64_t n = 16;
+  for (const auto& [p, teams] : std::vector<std::pair<int, int>>{{4, 2}, {8, 1}, {8, 2}}) {
+    int aborted = 0, completed = 0;
+    for (int seed = 0; seed < 200; ++seed) {
+      SCOPED_TRACE(::testing::Message() << "P=" << p << " teams=" << teams << " seed=" << seed);
+      const bool raise = seed % 2 == 0;
+      std::vector<std::vector<Half>> grad(p), out(p), residual(p, std::vector<Half>(n, Num<Half>::zero()));
+      for (int r = 0; r < p; ++r) {
+        grad[r] = ref::random_vector<Half>(n, 1000 * seed + r, 30000.0f);
+        for (Half& x : grad[r])
+          if (!std::isfinite(Num<Half>::to_float(x))) x = Num<Half>::from_float(60000.0f);
+      }
+      std::vector<int> skipped(p, 0);
+      const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+        SparDL method(0.25, teams);
+        CpuDevice device;
+        out[rank] = grad[rank];
+        ReduceOptions options;
+        options.nonfinite = raise ? NonFinitePolicy::kRaise : NonFinitePolicy::kSkip;
+        skipped[rank] = reduce_bucket(&method, transport, device,
+                                      BucketView{DType::kFloat16, n, out[rank].data(), residual[rank].data()}, options)
+                            .skipped;
+      });
+      const bool failed = errors[0] != nullptr || skipped[0];
+      for (int r = 0; r < p; ++r) {
+        ASSERT_EQ(errors[r] != nullptr || skipped[r], failed) << "rank " << r << " disagrees";
+        if (!failed) continue;
+        for (int64_t i = 0; i < n; ++i)  // an aborted step keeps residual + gradient
+          ASSERT_EQ(residual[r][i].bits, grad[r][i].bits) << "rank " << r << " i=" << i;
+        if (raise) {
+          try {
+            std::rethrow_exception(errors[r]);
+          } catch (const NonFiniteError& e) {
+            EXPECT_NE(std::string(e.what()).find("past float16's largest value (65504)"), std::string::npos)
+                << e.what();
+            EXPECT_NE(std::string(e.what()).find("Use float32 buckets"), std::string::npos) << e.what();
+          }
+        } else {
+          for (Half x : out[r]) ASSERT_EQ(Num<Half>::to_float(x), 0.0f);
+        }
+      }
+      (failed ? aborted : completed) += 1;
+      if (failed) continue;
+      for (int64_t i = 0; i < n; ++i) {
+        double before = 0.0, after = p * double(Num<Half>::to_float(out[0][i]));
+        for (int r = 0; r < p; ++r) {
+          before += Num<Half>::to_float(grad[r][i]);
+          after += Num<Half>::to_float(residual[r][i]);
+        }
+        ASSERT_NEAR(after, before, 32.0 * p) << "i=" << i;  // float16's spacing here: 32, once per rank
+      }
+    }
+    EXPECT_GT(aborted, 0) << "P=" << p << " teams=" << teams << ": no draw overflowed";
+    EXPECT_GT(completed, 0) << "P=" << p << " teams=" << teams;
+  }
+}
+
 // The selections list candidates above a bound learned from the last step (on the CPU) or make
 // the exact top-k's passes (as on a GPU): the same output and residuals to the bit, step by step,
 // while the gradients' scale jumps up and down, so that the candidates hold enough, too many and

@@ -47,14 +47,29 @@ class TransportCollective final : public Collective {
 ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& options, const BucketView& bucket,
                         Device& device, ReduceReport report) {
   if (options.nonfinite == NonFinitePolicy::kRaise) {
+    // Each rank's count: NaN/Inf in residual + gradient, or (SparDL in float16) partial sums its
+    // residual cannot hold.
+    const bool unheld = !result.unheld.empty();
+    std::vector<int> ranks;
     int64_t total = 0;
-    for (const ControlWord& w : result.control) total += w.nonfinite;
-    throw NonFiniteError(
-        str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), "): rank(s) ",
-            join(result.nonfinite_ranks()), " saw ", total,
-            " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every finite "
-            "value. Fix the source (lower the learning rate, clip gradients, check the loss and the loss scale), or "
-            "construct the state with nonfinite=\"skip\" to skip such steps."));
+    for (size_t r = 0; r < result.control.size(); ++r) {
+      const int64_t count = unheld ? result.unheld[r] : result.control[r].nonfinite;
+      if (count > 0) ranks.push_back(static_cast<int>(r));
+      total += count;
+    }
+    const std::string what =
+        unheld
+            ? str(" would keep ", total,
+                  " partial sum(s) of several ranks' gradients past float16's largest value (65504) in their "
+                  "residuals, so no rank applied this step. The residuals keep residual + gradient. Use float32 "
+                  "buckets or a lower loss scale (a GradScaler with nonfinite=\"propagate\" lowers it by itself), or")
+            : str(" saw ", total,
+                  " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every "
+                  "finite value. Fix the source (lower the learning rate, clip gradients, check the loss and the "
+                  "loss scale), or");
+    throw NonFiniteError(str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype),
+                             "): rank(s) ", join(ranks), what,
+                             " construct the state with nonfinite=\"skip\" to skip such steps."));
   }
   clear_output(device, bucket);
   report.skipped = true;

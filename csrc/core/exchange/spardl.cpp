@@ -257,6 +257,22 @@ void allgather_lists(Step& s, std::vector<Selection>& lists) {
   }
 }
 
+/// float16: whether any rank keeps, on some final list, a partial sum that float16 cannot hold
+/// once multiplied back (several ranks' values past 65504 where their average was finite). Its
+/// residual would lose that mass, so every rank learns every rank's count (one all-gather of a
+/// count) and, where any is > 0, aborts the step with the residuals untouched (residual +
+/// gradient) and `result.unheld` set.
+bool unheld_anywhere(Step& s, const std::vector<Selection>& kept, ExchangeResult& result) {
+  int64_t mine = 0;
+  for (int b = 0; b < s.team_size; ++b) {
+    if (kept[b].count == 0) continue;
+    for (float v : HostMessage(s.device, s.view(kept[b], b)).value_list()) mine += !std::isfinite(v);
+  }
+  result.unheld = allgather_counts(s.transport, s.device, {mine}, 8);
+  result.aborted = std::any_of(result.unheld.begin(), result.unheld.end(), [](int64_t c) { return c > 0; });
+  return result.aborted;
+}
+
 }  // namespace
 
 ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const BucketView& bucket,
@@ -289,18 +305,23 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
     result.union_size += list.count;
     for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = list.count;
   }
+  if (bucket.residual == nullptr) return result;
+  // What this rank keeps on each final list (read as stored: a partial sum multiplied back past
+  // float16's range is Inf there).
+  std::vector<Selection> kept(s.team_size);
+  for (int b = 0; b < s.team_size; ++b) {
+    void* block = s.at(s.accumulated.data(), b);
+    if (s.length(b) > 0) kept[b] = device.gather(BucketView{bucket.dtype, s.length(b), block, block}, indices[b]);
+  }
+  if (s.divided_first && unheld_anywhere(s, kept, result)) return result;
   if (bucket.taken != nullptr) {  // the residual at every position of the final lists, before they rewrite it
     std::vector<int64_t> global;
     for (int b = 0; b < s.team_size; ++b)
       for (int64_t i : indices[b]) global.push_back(s.begin(b) + i);
     *bucket.taken = device.gather(bucket, global);
   }
-  for (int b = 0; b < s.team_size && bucket.residual != nullptr; ++b) {
-    if (s.length(b) == 0) continue;
-    const Selection kept =
-        device.gather(BucketView{bucket.dtype, s.length(b), s.at(s.accumulated.data(), b), nullptr}, indices[b]);
-    device.assign(s.view(kept, b), s.at(bucket.residual, b));
-  }
+  for (int b = 0; b < s.team_size; ++b)
+    if (s.length(b) > 0) device.assign(s.view(kept[b], b), s.at(bucket.residual, b));
   return result;
 }
 

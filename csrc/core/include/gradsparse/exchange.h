@@ -43,6 +43,10 @@ struct ExchangeResult {
   /// SparDL with teams > 1: the pairs of this rank's block once the teams' lists were merged,
   /// before the final top-k (the figure its adaptive h follows); -1 otherwise.
   int64_t merged = -1;
+  /// SparDL in float16, by rank: the final-list positions where the rank keeps a partial sum
+  /// past float16's largest value (its residual cannot hold it); any > 0 aborts the step. Empty
+  /// for every other exchange and dtype.
+  std::vector<int64_t> unheld;
 
   int64_t total_count() const;
   std::vector<int> nonfinite_ranks() const;
