@@ -39,12 +39,28 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         >>> state = gradsparse.TopK(density=0.01)
         >>> ddp_model.register_comm_hook(state, gradsparse.hook)
     """
+    _refuse_a_parameter(bucket)
     if not isinstance(state, State):  # as the state's own errors: a failed future, not a raise inside DDP's call
         try:
             _check_state("gradsparse.hook", state)
         except TypeError as error:
             return _failed(error)
     return state._reduce(bucket)
+
+
+_PYTHON_REDUCER = (
+    'under torch._dynamo.config.optimize_ddp = "python_reducer" (compiled autograd\'s DDP), where DDP calls a '
+    "communication hook once per parameter and drops what it returns, so no sparse exchange can run; set "
+    "optimize_ddp back to its default (True) before wrapping the model in DistributedDataParallel"
+)
+
+
+def _refuse_a_parameter(bucket: object) -> None:
+    """Raises where DDP's python_reducer mode calls the hook with one parameter, ``(grad,
+    param)``, in place of a bucket: it ignores the returned future, so a failed one would leave the
+    gradients unreduced without a word; the raise stops the backward instead."""
+    if isinstance(bucket, tuple):
+        raise RuntimeError(f"gradsparse.hook: DDP passed one parameter's gradient, not a bucket, {_PYTHON_REDUCER}")
 
 
 def _what(value: object) -> str:
@@ -108,6 +124,7 @@ def _hook_for_ddp(user_hook: object) -> Callable:
     name = getattr(user_hook, "__name__", type(user_hook).__name__)
 
     def adapted(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        _refuse_a_parameter(bucket)  # before the failed futures below, which that mode would drop
         # What the hook raises or returns in place of a future becomes a failed future: DDP
         # crashed the process on a hook that returned None, and a raise inside its call leaves
         # its reducer broken (State._failed).
@@ -157,8 +174,10 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
     before = state._binding.saved()
     try:
         state._bind(model)
-        state.setup()
         ddp = state._binding.model()
+        if getattr(ddp, "_use_python_reducer", False):
+            raise ValueError(f"gradsparse.register: this DistributedDataParallel was built {_PYTHON_REDUCER}")
+        state.setup()
         try:
             ddp.register_comm_hook(state, ddp_hook)
         except RuntimeError as e:

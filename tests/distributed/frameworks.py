@@ -216,6 +216,29 @@ def load_into_eager(rank: int, world_size: int, saved: list[dict]) -> dict:
     return {"residuals": state.state_dict()["residuals"]}
 
 
+def python_reducer_refused(rank: int, world_size: int) -> dict:
+    """DDP built under optimize_ddp="python_reducer" calls hooks per parameter and drops their
+    futures: gradsparse.register refuses it, and gradsparse.hook registered directly stops the
+    backward (a failed future would have left the gradients unreduced). Each error's message."""
+    torch._dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        ddp = DDP(Shuffled())
+    finally:
+        torch._dynamo.config.optimize_ddp = True
+    out = {}
+    try:
+        gs.register(ddp, gs.TopK(density=0.05))
+    except ValueError as error:
+        out["register"] = str(error)
+    ddp.register_comm_hook(gs.TopK(density=0.05), gs.hook)
+    x, y = next(iter(batches(rank, 1)))
+    try:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    except RuntimeError as error:
+        out["backward"] = str(error)
+    return out
+
+
 # gradsparse.register's arguments ----------------------------------------------------------------
 
 

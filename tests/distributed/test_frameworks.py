@@ -59,6 +59,14 @@ def test_accelerate_recipe_resumes_each_rank_exactly(tmp_path):
         _assert_equal_params(r["straight"], r["resumed"], f"rank {rank}")
 
 
+def test_ddp_built_under_the_python_reducer_is_refused_on_every_rank():
+    for r in run_distributed(frameworks.python_reducer_refused, 2, timeout=200):
+        assert r["register"].startswith("gradsparse.register: this DistributedDataParallel was built under "), r
+        assert r["backward"].startswith("gradsparse.hook: DDP passed one parameter's gradient, not a bucket"), r
+        for message in r.values():
+            assert 'optimize_ddp = "python_reducer"' in message and "set optimize_ddp back to its default" in message
+
+
 @pytest.mark.timeout(1100)  # above its three runs' own limits (a cold inductor cache is slow)
 @pytest.mark.parametrize("wrapping", ["compile_inside", "compile_outside"])
 def test_torch_compile_trains_with_the_hook_like_eager(wrapping):
