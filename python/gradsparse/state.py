@@ -700,6 +700,8 @@ class State:
             # another team's owner took. It stays, on top of what was held; after a take-back
             # (``undone``), which undid this rank's part of the step, the piece is what was held.
             for piece, saved in held:
+                if saved.is_cuda:  # read on this callback's stream, not the one it was cloned on
+                    saved.record_stream(torch.cuda.current_stream(saved.device))
                 if undone:
                     piece.copy_(saved)
                 else:
