@@ -65,12 +65,7 @@ class ModelBinding:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on this model; register it once"
             )
-        # The parameters DDP reduces: those that require gradients, less the ones it was told to
-        # leave alone (DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, and
-        # delay_all_reduce_named_params). An ignored one counted here made DDP's first
-        # static-graph step, whose buckets end it once they have held every parameter, never end.
-        ignored = getattr(ddp, "parameters_to_ignore", set())
-        params = frozenset(id(p) for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored)
+        params = reduced_parameters(ddp)
         module = unwrap(ddp)
         same_module = self.module is not None and self.module() is module
         if (bound is not None or self.params is not None) and params != self.params and not same_module:
@@ -177,3 +172,28 @@ def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool
     a = a or dist.group.WORLD
     b = b or dist.group.WORLD
     return a is b or group_ranks(a) == group_ranks(b)
+
+
+def reduced_parameters(ddp: nn.Module) -> frozenset[int]:
+    """The ids of the parameters DDP reduces: those that required gradients when it was built,
+    less the ones it was told to leave alone (DistributedDataParallel.
+    _set_params_and_buffers_to_ignore_for_model, delay_all_reduce_named_params). A parameter
+    counted here that DDP does not reduce made DDP's first static-graph step, whose buckets end it
+    once they have held every parameter, never end; one missing made its bucket look like another
+    model's. Today's ``requires_grad`` tells them apart unless a parameter was frozen or unfrozen
+    since DDP was built, which DDP's count and size of its parameters reveal: then its buckets
+    (zero-filled copies, made once here) name them."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    params = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ignored]
+    try:
+        built = ddp._get_ddp_logging_data()
+        same = int(built["num_parameter_tensors"]) == len(params) and int(built["total_parameter_size_bytes"]) == sum(
+            p.numel() * p.element_size() for p in params
+        )
+        if not same:
+            return frozenset(
+                id(p) for bucket in ddp.reducer._get_zeros_like_grad_buckets() for p in bucket.parameters()
+            )
+    except (AttributeError, KeyError, RuntimeError, TypeError, ValueError):  # another torch: today's flags
+        pass
+    return frozenset(id(p) for p in params)

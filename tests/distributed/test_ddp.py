@@ -350,10 +350,23 @@ def test_a_step_after_a_backward_that_stopped_past_a_failed_bucket_is_reduced():
         assert torch.equal(a, b), f"the ranks' parameters differ by {(a - b).abs().max()}"
 
 
-def test_the_first_static_graph_step_ends_with_a_parameter_that_ddp_ignores():
-    """DDP's first static-graph step hands its buckets over at the end of backward, none as the
-    last: the state ends the step at the bucket that completes the parameters DDP reduces. It
-    counted a parameter DDP was told to ignore among them, so that step never ended (not counted,
-    and after a load its held buckets were never let go)."""
-    for rank, steps in enumerate(run_distributed(workers.steps_with_a_parameter_ddp_ignores, 2, timeout=120)):
+@pytest.mark.parametrize(
+    ("how", "options"),
+    [
+        ("ignored", {"static_graph": True}),
+        ("unfrozen_since", {"static_graph": True}),
+        ("frozen_since", {"static_graph": True}),
+        ("frozen_since", {"find_unused_parameters": True}),
+    ],
+)
+def test_the_state_reduces_the_parameters_ddp_reduces(how, options):
+    """The state learns at registration which parameters DDP reduces. DDP's first static-graph
+    step hands its buckets over at the end of backward, none as the last: the state ends the step
+    at the bucket that completes those parameters. It counted a parameter DDP was told to ignore,
+    or one unfrozen after DDP was built, so that step never ended (not counted, and after a load its
+    held buckets were never let go); a parameter frozen after DDP was built, which DDP still
+    reduces, made its bucket look like another model's ("registered on more than one model")."""
+    for rank, steps in enumerate(
+        run_distributed(workers.steps_where_ddp_and_requires_grad_disagree, 2, how, options, timeout=120)
+    ):
         assert steps == [1, 2, 3], f"rank {rank}: steps {steps}"

@@ -1021,13 +1021,22 @@ class TwoDtypes(nn.Module):
         return self.b(torch.relu(self.a(x)).to(torch.bfloat16)).float()
 
 
-def steps_with_a_parameter_ddp_ignores(rank: int, world_size: int) -> list[int]:
-    """TwoDtypes with b.bias left to its own devices (DDP's parameters to ignore), static_graph=True,
-    Top-k registered: the state's step after each of 3 steps."""
+def steps_where_ddp_and_requires_grad_disagree(rank: int, world_size: int, how: str, options: dict) -> list[int]:
+    """TwoDtypes with one parameter whose requires_grad does not say whether DDP reduces it
+    (``how``): b.bias left to its own devices (DDP's parameters to ignore), or unfrozen after DDP
+    was built (DDP does not reduce it), or a.bias frozen after DDP was built (DDP still reduces
+    it). DDP made with ``options``, Top-k registered: the state's step after each of 3 steps."""
     torch.manual_seed(0)
     model = TwoDtypes()
-    DDP._set_params_and_buffers_to_ignore_for_model(model, ["b.bias"])
-    ddp = DDP(model, static_graph=True)
+    if how == "ignored":
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["b.bias"])
+    if how == "unfrozen_since":
+        model.b.bias.requires_grad_(False)
+    ddp = DDP(model, **options)
+    if how == "unfrozen_since":
+        model.b.bias.requires_grad_(True)
+    if how == "frozen_since":
+        model.a.bias.requires_grad_(False)
     state = gs.register(ddp, gs.TopK(density=0.5))
     steps = []
     for x, y in batches(rank, 3):
