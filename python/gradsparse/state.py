@@ -565,6 +565,8 @@ class State:
             self._failed_step = False
             return
         self._binding.check_params([], True)  # learns the parameters met in this step
+        if self._propagated is not None and self._propagated.step == self._step:
+            self._settle_propagated()
         self._step += 1
         self._table.end_step()
 
@@ -771,9 +773,17 @@ class State:
             pending.dense.append(value)
         elif residual is not None:
             pending.taken.append(_Taken(index, report, residual, put_back))
-        if not last:
+        if last:
+            self._settle_propagated()
+
+    def _settle_propagated(self) -> None:
+        """The end of a step under nonfinite="propagate" (its last bucket, or the end of the
+        backward of DDP's first static-graph step for a state that cannot tell its last bucket):
+        where the step handed back NaN anywhere, its sparse buckets take back what they sent
+        (_propagate)."""
+        pending, self._propagated = self._propagated, None
+        if pending is None:
             return
-        self._propagated = None
         for device, ready in pending.ready:
             torch.cuda.current_stream(device).wait_event(ready)
         if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):

@@ -111,6 +111,17 @@ def test_a_taken_back_step_leaves_the_residual_of_a_parameter_unused_on_this_ran
             assert torch.equal(after[name], before[name]), f"rank {rank}: {name}"
 
 
+@pytest.mark.parametrize("bound", [True, False])
+def test_an_overflow_in_the_first_static_graph_step_is_taken_back_by_every_bucket(bound):
+    """nonfinite="propagate": DDP's first static-graph step marks no bucket as the last, and a
+    state registered with model.register_comm_hook alone ends that step when the backward ends;
+    its buckets never took back what they sent when another bucket overflowed (the float32
+    bucket's step stayed counted as applied)."""
+    for rank, r in enumerate(run_distributed(workers.first_static_graph_step_overflowed, 2, bound, timeout=120)):
+        assert r["step"] == 1, f"rank {rank}: {r}"
+        assert {i: (b["steps"], b["skipped_steps"]) for i, b in r["buckets"].items()} == {0: (1, 1), 1: (1, 1)}, r
+
+
 def test_a_state_follows_its_model_into_a_new_ddp_after_parameters_are_frozen_or_unfrozen():
     """Unfreezing a layer (or freezing one) needs a new DDP; registering the state there was
     refused as "registered on another model". At density 1.0 the three phases train as DDP without

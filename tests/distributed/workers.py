@@ -1045,6 +1045,28 @@ def steps_where_ddp_and_requires_grad_disagree(rank: int, world_size: int, how: 
     return steps
 
 
+def first_static_graph_step_overflowed(rank: int, world_size: int, bound: bool) -> dict:
+    """Top-k with nonfinite="propagate" on TwoDtypes (a bucket per dtype) with static_graph=True,
+    registered with gradsparse.register (``bound``) or with model.register_comm_hook alone, which
+    cannot tell the last bucket of DDP's first static-graph step. An Inf in rank 0's bfloat16
+    layer's gradient in that step: the float32 bucket must take back what it sent. The buckets'
+    statistics after that step."""
+    torch.manual_seed(0)
+    model = TwoDtypes()
+    ddp = DDP(model, static_graph=True)
+    state = gs.TopK(density=0.5, nonfinite="propagate")
+    if bound:
+        gs.register(ddp, state)
+    else:
+        ddp.register_comm_hook(state, gs.hook)
+    handle = model.b.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf)) if rank == 0 else None
+    x, y = next(iter(batches(rank, 1)))
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    if handle is not None:
+        handle.remove()
+    return {"step": state.step, "buckets": state.stats()["buckets"]}
+
+
 def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
     """Every rank loads an AllRanks state dict of 2 training steps whose rank 1's part was damaged
     after the save (``damage``: "byte", a byte of a residual; "method", a method state the method
