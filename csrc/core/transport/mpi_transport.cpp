@@ -49,6 +49,9 @@ void mpi_abort(int code) {
 
 namespace {
 
+/// The most bytes allgatherv stages per round where its blocks pass MPI's int count.
+constexpr size_t kMostStagedBytes = size_t{1} << 28;
+
 void check(int status, const char* what) {
   if (status == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING];
@@ -175,18 +178,33 @@ void MpiTransport::allgather(const Device& device, const void* send, void* recv,
 void MpiTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_allgatherv(sizes, "MpiTransport");
   const std::vector<size_t> at = block_offsets(sizes);
-  const size_t total = at.back();
-  std::vector<int> counts(sizes.size()), offsets(sizes.size());
-  for (size_t r = 0; r < sizes.size(); ++r) {
-    counts[r] = mpi_count(sizes[r], max_count_, "allgatherv");
-    offsets[r] = mpi_count(at[r], max_count_, "allgatherv");
+  const size_t p = sizes.size(), largest = *std::max_element(sizes.begin(), sizes.end());
+  Staged in(device, const_cast<void*>(send), sizes[static_cast<size_t>(rank_)], true);
+  Staged out(device, recv, at.back(), false);
+  auto* const sending = static_cast<unsigned char*>(in.get());
+  auto* const receiving = static_cast<unsigned char*>(out.get());
+  // MPI's counts and displacements are ints. Where the blocks fit max_count_ bytes in all, one
+  // call moves them straight into the output. Beyond it (gather-and-add at thousands of ranks),
+  // round j moves bytes [j piece, (j + 1) piece) of every block through a buffer of P pieces, at
+  // most max_count_ and kMostStagedBytes bytes; every rank computes the same rounds from the same
+  // sizes. Refusing such sizes stopped the step on every rank.
+  const bool direct = at.back() <= max_count_;
+  const size_t piece = direct ? largest : std::max<size_t>(1, std::min(max_count_, kMostStagedBytes) / p);
+  const size_t rounds = direct || largest == 0 ? 1 : (largest + piece - 1) / piece;
+  std::vector<unsigned char> staged(direct ? 0 : piece * p);
+  std::vector<int> counts(p), offsets(p);
+  for (size_t round = 0; round < rounds; ++round) {
+    const size_t from = round * piece;
+    for (size_t r = 0; r < p; ++r) {
+      counts[r] = static_cast<int>(sizes[r] > from ? std::min(piece, sizes[r] - from) : 0);
+      offsets[r] = static_cast<int>(direct ? at[r] : r * piece);
+    }
+    check(MPI_Allgatherv(sending + (counts[rank_] > 0 ? from : 0), counts[rank_], MPI_BYTE,
+                         direct ? receiving : staged.data(), counts.data(), offsets.data(), MPI_BYTE, comm_->comm),
+          "MPI_Allgatherv");
+    for (size_t r = 0; r < p && !direct; ++r)
+      if (counts[r] > 0) std::memcpy(receiving + at[r] + from, staged.data() + r * piece, counts[r]);
   }
-  const size_t mine = sizes[static_cast<size_t>(rank_)];
-  Staged in(device, const_cast<void*>(send), mine, true);
-  Staged out(device, recv, total, false);
-  check(MPI_Allgatherv(in.get(), counts[rank_], MPI_BYTE, out.get(), counts.data(), offsets.data(), MPI_BYTE,
-                       comm_->comm),
-        "MPI_Allgatherv");
   out.store();
   count_allgatherv(sizes);
 }
