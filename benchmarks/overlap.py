@@ -1,6 +1,7 @@
 """Does the engine overlap communication with the backward pass?
 
     python -m benchmarks.overlap [--world-size 2] [--steps 20] [--methods dense,topk,micro,spardl]
+    python -m benchmarks.overlap --methods exdyna,exdyna@gather   # a method with another exchange
     torchrun --nproc-per-node 2 -m benchmarks.overlap [--output overlap-lo.md] [--network "..."]
 
 On a model with several DDP buckets, per method, three timings of forward + backward (the median
@@ -75,6 +76,15 @@ def one_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def make_state(method: str, density: float) -> gs.State:
+    """The state of a --methods entry: a method's name, optionally with an exchange
+    (``exdyna@gather``)."""
+    if method == "dense":
+        return gs.Dense()
+    name, _, exchange = method.partition("@")
+    return gs.METHODS[name](density=density, **({"exchange": exchange} if exchange else {}))
+
+
 def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
     torch.set_num_threads(1)
     gs.set_num_threads(1)
@@ -86,7 +96,7 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
             if mode == "compute":
                 ddps[mode].register_comm_hook(None, immediate)
             else:
-                state = gs.METHODS[method](density=density) if method != "dense" else gs.Dense()
+                state = make_state(method, density)
                 ddps[mode].register_comm_hook(state, blocking if mode == "serial" else gs.hook)
                 states.append(state)
         # The modes take turns step by step, so that a slow spell of this shared machine hits all
@@ -134,13 +144,12 @@ def main(argv: list[str] | None = None) -> None:
     if not methods:
         parser.error(f"--methods: no method in {args.methods!r}; give them separated by commas, e.g. dense,topk")
     for method in methods:  # as the workers create them, before any process starts
-        if method not in gs.METHODS:
+        if method.partition("@")[0] not in gs.METHODS:
             parser.error(f"--methods: unknown method {method!r}; choose from {', '.join(gs.METHODS)}")
-        if method != "dense":
-            try:
-                gs.METHODS[method](density=args.density).close()
-            except (TypeError, ValueError) as e:
-                parser.error(f"--methods {method} --density {args.density}: {e}")
+        try:
+            make_state(method, args.density).close()
+        except (TypeError, ValueError) as e:
+            parser.error(f"--methods {method} --density {args.density}: {e}")
     worker_args = (methods, args.density, args.steps, args.width, args.depth)
     if "RANK" not in os.environ:
         per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)

@@ -240,6 +240,7 @@ def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsy
         # a KeyError or the state's refusal in every spawned worker, after the methods before it had run
         (["--methods", "dense,top-k"], "--methods: unknown method 'top-k'; choose from dense, topk"),
         (["--density", "2"], "--methods topk --density 2.0: TopK: density must be in (0, 1], got 2.0"),
+        (["--methods", "exdyna@all"], "--methods exdyna@all --density 0.01: ExDyna: exchange must be one of"),
     ],
 )
 def test_overlap_refuses_bad_values_before_starting_the_ranks(argv, message, capsys, monkeypatch):
@@ -250,10 +251,10 @@ def test_overlap_refuses_bad_values_before_starting_the_ranks(argv, message, cap
 
 @pytest.mark.distributed
 def test_overlap_times_every_mode(tmp_path):
-    overlap.main(["--world-size", "2", "--methods", "dense,topk", "--steps", "2", "--width", "64", "--depth", "3",
-                  "--output", str(tmp_path / "overlap.md")])  # fmt: skip
+    overlap.main(["--world-size", "2", "--methods", "dense,topk,micro@gather", "--steps", "2", "--width", "64",
+                  "--depth", "3", "--output", str(tmp_path / "overlap.md")])  # fmt: skip
     text = (tmp_path / "overlap.md").read_text()
-    for method in ("dense", "topk"):
+    for method in ("dense", "topk", "micro@gather"):
         buckets, compute, exchange, serial, overlapped = numbers(text, method)[:5]
         assert buckets >= 1 and compute > 0 and overlapped > 0
         # Each printed to 3 digits (half a unit of the third digit: 0.5% at most, also where noise
