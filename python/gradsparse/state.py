@@ -535,8 +535,10 @@ class State:
             count, ids = 0, set()
             # A step that failed at a bucket ends at its last one; a backward that stopped before
             # it (an error of autograd's own) left the flag set, and the next step's buckets were
-            # all handed back unreduced.
+            # all handed back unreduced. Such a step also left its buckets' "propagate" record,
+            # whose entries a later overflow took back again (and counted as skipped twice).
             self._failed_step = False
+            self._propagated = None
         if delayed and self._binding.params is None:
             with contextlib.suppress(RuntimeError):  # outside a backward: no step to end there
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_delayed_step)

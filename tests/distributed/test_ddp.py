@@ -122,6 +122,16 @@ def test_an_overflow_in_the_first_static_graph_step_is_taken_back_by_every_bucke
         assert {i: (b["steps"], b["skipped_steps"]) for i, b in r["buckets"].items()} == {0: (1, 1), 1: (1, 1)}, r
 
 
+def test_an_overflow_after_a_backward_that_stopped_takes_back_only_its_own_step():
+    """nonfinite="propagate" keeps a record of the step's buckets until its last one. A backward
+    that stopped in autograd before its last bucket left that record behind, and the next step
+    that overflowed took its buckets back as well (each counted as skipped a second time, and
+    its taken pairs written back over the residual where the layout was the same)."""
+    for rank, r in enumerate(run_distributed(workers.overflow_after_a_backward_that_stopped, 2, timeout=120)):
+        assert r["step"] == 2, f"rank {rank}: {r}"
+        assert r["buckets"] and all(b["skipped_steps"] == 1 for b in r["buckets"].values()), f"rank {rank}: {r}"
+
+
 def test_a_state_follows_its_model_into_a_new_ddp_after_parameters_are_frozen_or_unfrozen():
     """Unfreezing a layer (or freezing one) needs a new DDP; registering the state there was
     refused as "registered on another model". At density 1.0 the three phases train as DDP without

@@ -1067,6 +1067,40 @@ def first_static_graph_step_overflowed(rank: int, world_size: int, bound: bool) 
     return {"step": state.step, "buckets": state.stats()["buckets"]}
 
 
+def overflow_after_a_backward_that_stopped(rank: int, world_size: int) -> dict:
+    """Top-k with nonfinite="propagate" on make_model in a DDP of several buckets: a step; a step
+    whose backward stops in autograd (after the later layers' buckets were reduced, before the
+    first layer's); the module in a new DDP with the state registered there, and a step in which
+    an Inf in rank 0's first-layer gradient makes every other bucket take back what it sent. The
+    buckets' statistics after it."""
+    torch.manual_seed(0)
+    model, state = make_model(), gs.TopK(density=0.5, nonfinite="propagate")
+    data = list(batches(rank, 3))
+
+    def stop(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stopped in autograd")
+
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    nn.functional.cross_entropy(ddp(data[0][0]), data[0][1]).backward()
+
+    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(stop)  # the gradient of layer 0's output: after the later layers' buckets
+
+    stopper = model[0].register_forward_hook(hook_output)
+    with contextlib.suppress(RuntimeError):
+        nn.functional.cross_entropy(ddp(data[1][0]), data[1][1]).backward()
+    stopper.remove()
+    del ddp  # its reducer's hooks go with it
+    gc.collect()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    if rank == 0:
+        model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf))
+    nn.functional.cross_entropy(ddp(data[2][0]), data[2][1]).backward()
+    return {"step": state.step, "buckets": state.stats()["buckets"]}
+
+
 def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
     """Every rank loads an AllRanks state dict of 2 training steps whose rank 1's part was damaged
     after the save (``damage``: "byte", a byte of a residual; "method", a method state the method
