@@ -124,7 +124,8 @@ class State:
       the bucket back filled with NaN on every rank, as DDP's all-reduce hands an overflow on,
       so that a torch.amp.GradScaler sees it (float16 loss scaling: see :meth:`set_scaler`).
       Each way the residuals keep every finite value (docs/method-spec.md ruling 5). The Dense
-      state all-reduces as DDP does: NaN/Inf reach every rank's gradient.
+      state all-reduces as DDP does: NaN/Inf reach every rank's gradient. SparDL in float16
+      treats a step alike where some rank would keep a partial sum past 65504 (docs/methods.md).
     - ``timeout`` (30 min): seconds (or a timedelta) after which a stuck exchange, or a set-up
       that not every rank reaches, fails.
     - ``reference`` (False): reproduce the original code's behaviour where the project's rulings
