@@ -568,8 +568,7 @@ class State:
             self._failed_step = False
             return
         self._binding.check_params([], True)  # learns the parameters met in this step
-        if self._propagated is not None and self._propagated.step == self._step:
-            self._settle_propagated()
+        self._settle_propagated()  # the record is this step's: its bucket 0 dropped any older one (_place)
         self._step += 1
         self._table.end_step()
 

@@ -220,11 +220,11 @@ def python_reducer_refused(rank: int, world_size: int) -> dict:
     """DDP built under optimize_ddp="python_reducer" calls hooks per parameter and drops their
     futures: gradsparse.register refuses it, and gradsparse.hook registered directly stops the
     backward (a failed future would have left the gradients unreduced). Each error's message."""
-    torch._dynamo.config.optimize_ddp = "python_reducer"
+    before, torch._dynamo.config.optimize_ddp = torch._dynamo.config.optimize_ddp, "python_reducer"
     try:
         ddp = DDP(Shuffled())
     finally:
-        torch._dynamo.config.optimize_ddp = True
+        torch._dynamo.config.optimize_ddp = before
     out = {}
     try:
         gs.register(ddp, gs.TopK(density=0.05))

@@ -962,6 +962,33 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     return "returned"
 
 
+def _stopped_in_autograd(model: nn.Module, backward) -> None:
+    """Runs ``backward()`` with the gradient of make_model's layer 0 output raising in autograd:
+    after the later layers' buckets, before the first layer's. The error is swallowed."""
+
+    def stop(grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("stopped in autograd")
+
+    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        out.register_hook(stop)
+
+    stopper = model[0].register_forward_hook(hook_output)
+    try:
+        with contextlib.suppress(RuntimeError):
+            backward()
+    finally:
+        stopper.remove()
+
+
+def _rewrapped(model: nn.Module, state: gs.State) -> nn.Module:
+    """``model`` in a new DDP with ``state`` registered there, after a backward that stopped
+    half-way: the caller drops the old DDP first, so that its reducer's hooks go with it."""
+    gc.collect()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    return ddp
+
+
 def step_after_a_backward_that_stopped(rank: int, world_size: int) -> list[torch.Tensor]:
     """Top-k on make_model in a DDP of several buckets: a step; a step whose first bucket fails in
     gradsparse (an injected error) and whose backward then stops in autograd, before the last
@@ -978,9 +1005,6 @@ def step_after_a_backward_that_stopped(rank: int, world_size: int) -> list[torch
         loss.backward()
         opt.step()
 
-    def stop(grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("stopped in autograd")
-
     ddp = DDP(model, bucket_cap_mb=0.004)
     gs.register(ddp, state)
     step(ddp, *data[0])
@@ -992,19 +1016,10 @@ def step_after_a_backward_that_stopped(rank: int, world_size: int) -> list[torch
         return reduce_bucket(bucket, index, last)
 
     state._reduce_bucket = failing
-
-    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        out.register_hook(stop)  # the gradient of layer 0's output: after the later layers' buckets
-
-    stopper = model[0].register_forward_hook(hook_output)
-    with contextlib.suppress(RuntimeError):
-        step(ddp, *data[1])
-    stopper.remove()
+    _stopped_in_autograd(model, lambda: step(ddp, *data[1]))
     del state._reduce_bucket
-    del ddp  # its reducer's hooks go with it
-    gc.collect()
-    ddp = DDP(model, bucket_cap_mb=0.004)
-    gs.register(ddp, state)
+    del ddp
+    ddp = _rewrapped(model, state)
     step(ddp, *data[2])
     return [p.detach().clone() for p in model.parameters()]
 
@@ -1077,24 +1092,12 @@ def overflow_after_a_backward_that_stopped(rank: int, world_size: int) -> dict:
     model, state = make_model(), gs.TopK(density=0.5, nonfinite="propagate")
     data = list(batches(rank, 3))
 
-    def stop(grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("stopped in autograd")
-
     ddp = DDP(model, bucket_cap_mb=0.004)
     gs.register(ddp, state)
     nn.functional.cross_entropy(ddp(data[0][0]), data[0][1]).backward()
-
-    def hook_output(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
-        out.register_hook(stop)  # the gradient of layer 0's output: after the later layers' buckets
-
-    stopper = model[0].register_forward_hook(hook_output)
-    with contextlib.suppress(RuntimeError):
-        nn.functional.cross_entropy(ddp(data[1][0]), data[1][1]).backward()
-    stopper.remove()
-    del ddp  # its reducer's hooks go with it
-    gc.collect()
-    ddp = DDP(model, bucket_cap_mb=0.004)
-    gs.register(ddp, state)
+    _stopped_in_autograd(model, lambda: nn.functional.cross_entropy(ddp(data[1][0]), data[1][1]).backward())
+    del ddp
+    ddp = _rewrapped(model, state)
     if rank == 0:
         model[0].weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf))
     nn.functional.cross_entropy(ddp(data[2][0]), data[2][1]).backward()

@@ -190,7 +190,7 @@ void MpiTransport::allgatherv(Device& device, const void* send, void* recv, cons
   // sizes. Refusing such sizes stopped the step on every rank.
   const bool direct = at.back() <= max_count_;
   const size_t piece = direct ? largest : std::max<size_t>(1, std::min(max_count_, kMostStagedBytes) / p);
-  const size_t rounds = direct || largest == 0 ? 1 : (largest + piece - 1) / piece;
+  const size_t rounds = direct ? 1 : (largest + piece - 1) / piece;  // not direct: some block holds bytes
   std::vector<unsigned char> staged(direct ? 0 : piece * p);
   std::vector<int> counts(p), offsets(p);
   for (size_t round = 0; round < rounds; ++round) {
