@@ -84,14 +84,15 @@ class BucketTable:
     def park(
         self,
         tensors: dict[str, dict[str, torch.Tensor]],
-        methods: Iterable[tuple[frozenset[str] | int, dict]],
+        methods: Iterable[tuple[frozenset[str] | int, dict, float]],
         scale: float,
     ) -> None:
-        """Parks what a checkpoint holds (residuals and velocities by kind and name; method states
-        by their parameters' names, or by bucket index; all of them in loss scale ``scale``) in
-        place of everything in the table; the table stays as it was when they cannot be read."""
+        """Parks what a checkpoint holds (residuals and velocities by kind and name, in loss scale
+        ``scale``; method states by their parameters' names, or by bucket index, each with the
+        loss scale it is in) in place of everything in the table; the table stays as it was when
+        they cannot be read."""
         parked = {kind: {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()} for kind in KINDS}
-        parked_methods = {key: (dict(state), scale) for key, state in methods}
+        parked_methods = {key: (dict(state), float(in_scale)) for key, state, in_scale in methods}
         self.clear()
         self.parked = parked
         self.parked_methods = parked_methods
@@ -189,6 +190,16 @@ class BucketTable:
             self.buckets[i].method.state() if i in self.buckets and self.buckets[i].method is not None else None
             for i in range(self._count())
         ]
+
+    def parked_method_states(self) -> list[dict]:
+        """The method states parked and not yet taken by a bucket (a rebuild or a load that an
+        error interrupted), each with the names of its bucket's parameters (sorted) or its bucket
+        index, and the loss scale it is in: ``{"names" or "index": ..., "state": ..., "loss_scale": ...}``."""
+        entries = []
+        for key, (state, scale) in self.parked_methods.items():
+            where = {"index": key} if isinstance(key, int) else {"names": sorted(key)}
+            entries.append({**where, "state": dict(state), "loss_scale": scale})
+        return entries
 
     def layout(self) -> list[list[str]]:
         """The parameter names of each bucket, by index."""

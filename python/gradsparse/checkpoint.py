@@ -5,7 +5,10 @@ A state dict (version 2) holds ``class``, ``config``, ``step``, ``rank``, ``worl
 ``residuals`` (parameter name -> tensor, the model's own names), ``checksums`` (name -> CRC-32 of
 the residual's bytes), ``velocities`` and ``velocity_checksums`` (the same for momentum
 correction's velocities; absent or empty without it), ``methods`` and ``layout`` (by bucket
-index: the method's state and the bucket's parameter names), ``stats``, ``link`` and
+index: the method's state and the bucket's parameter names), ``parked_methods`` (method states
+waiting for their bucket when the state dict was taken, each with its parameters' names or its
+bucket index, and its loss scale; empty unless an error stopped a step before the buckets that
+were to take them), ``stats``, ``link`` and
 ``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
 decision by bucket index; None otherwise), ``loss_scale`` (the scale the residuals are in: 1
 without a scaler) and ``version``; docs/architecture.md, "Checkpoints", says why.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import zlib
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -54,15 +58,21 @@ class Loaded:
         self.saved = saved  # version 2, this rank's
         self.layout: list[list[str]] = [list(names) for names in saved["layout"] if names]
 
-    def method_states(self) -> list[tuple[frozenset[str] | int, dict]]:
+    def method_states(self) -> list[tuple[frozenset[str] | int, dict, float]]:
         """Each saved method state, keyed by the names of its bucket's parameters (by its bucket
-        index where the layout names none)."""
-        layout = self.saved["layout"]
-        return [
-            (frozenset(layout[index]) if index < len(layout) and layout[index] else index, state)
+        index where the layout names none), with the loss scale it is in: the buckets' and those
+        that were parked when it was saved."""
+        layout, scale = self.saved["layout"], float(self.saved.get("loss_scale", 1.0))
+        in_buckets = [
+            (frozenset(layout[index]) if index < len(layout) and layout[index] else index, state, scale)
             for index, state in enumerate(self.saved["methods"])
             if state is not None
         ]
+        parked = [
+            (frozenset(entry["names"]) if "names" in entry else entry["index"], entry["state"], entry["loss_scale"])
+            for entry in self.saved.get("parked_methods", [])
+        ]
+        return in_buckets + parked
 
 
 def with_checksums(residuals: dict[str, torch.Tensor], velocities: dict[str, torch.Tensor]) -> dict:
@@ -207,6 +217,21 @@ def _is_bucket_index(key: object) -> bool:
     return isinstance(key, numbers.Integral) or (isinstance(key, str) and key.isdecimal())
 
 
+def _is_names(names: object) -> bool:
+    return isinstance(names, list) and all(isinstance(n, str) for n in names)
+
+
+def _is_loss_scale(scale: object) -> bool:
+    return not isinstance(scale, bool) and isinstance(scale, numbers.Real) and 0 < scale < math.inf
+
+
+def _check_numbers(refuse: Callable[[str, str, object], None], key: str, method_state: dict) -> None:
+    """A method state (entry ``key``) maps names to numbers."""
+    for name, value in method_state.items():
+        if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
+            refuse(f"{key}[{name!r}]", "a number (a method state maps names to numbers)", value)
+
+
 def _check(where: str, state_dict: dict) -> None:
     """One rank's entries have the types state_dict() gives them: what the load reads is refused
     here, naming the entry, and not with an error of Python's half-way through the load. Then
@@ -231,13 +256,26 @@ def _check(where: str, state_dict: dict) -> None:
     if not isinstance(methods, list) or not all(m is None or isinstance(m, dict) for m in methods):
         refuse("methods", "a list of method states (dicts, or None) by bucket index", methods)
     for index, method in enumerate(methods):
-        for name, value in (method or {}).items():
-            if not isinstance(name, str) or isinstance(value, bool) or not isinstance(value, numbers.Real):
-                refuse(f"methods[{index}][{name!r}]", "a number (a method state maps names to numbers)", value)
-    if not isinstance(layout, list) or not all(
-        isinstance(names, list) and all(isinstance(n, str) for n in names) for names in layout
-    ):
+        _check_numbers(refuse, f"methods[{index}]", method or {})
+    if not isinstance(layout, list) or not all(_is_names(names) for names in layout):
         refuse("layout", "a list of parameter-name lists by bucket index", layout)
+    parked = state_dict.get("parked_methods", [])
+    entry_keys = ({"names", "state", "loss_scale"}, {"index", "state", "loss_scale"})
+    if not isinstance(parked, list) or not all(isinstance(e, dict) and set(e) in entry_keys for e in parked):
+        refuse("parked_methods", "a list of dicts of names (or index), state and loss_scale", parked)
+    for index, entry in enumerate(parked):
+        key = f"parked_methods[{index}]"
+        if "names" in entry and not _is_names(entry["names"]):
+            refuse(f"{key}['names']", "a list of parameter names", entry["names"])
+        if "index" in entry and not (isinstance(entry["index"], int) and entry["index"] >= 0):
+            refuse(f"{key}['index']", "a bucket index (an integer >= 0)", entry["index"])
+        if not isinstance(entry["state"], dict):
+            refuse(f"{key}['state']", "a method state (a dict of numbers by name)", entry["state"])
+        _check_numbers(refuse, f"{key}['state']", entry["state"])
+        if not _is_loss_scale(entry["loss_scale"]):
+            refuse(
+                f"{key}['loss_scale']", "a positive finite number (the loss scale of its state)", entry["loss_scale"]
+            )
     stats = state_dict["stats"]
     if not isinstance(stats, dict) or not all(isinstance(b, dict) for b in stats.values()):
         refuse("stats", "a dict of statistics by bucket index", stats)
@@ -260,7 +298,7 @@ def _check(where: str, state_dict: dict) -> None:
     ):
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured", link)
     loss_scale = state_dict.get("loss_scale", 1.0)
-    if isinstance(loss_scale, bool) or not isinstance(loss_scale, numbers.Real) or not 0 < loss_scale < math.inf:
+    if not _is_loss_scale(loss_scale):
         refuse("loss_scale", "a positive finite number (the loss scale of the residuals and method states)", loss_scale)
     exchanges = state_dict.get("exchanges")
     if exchanges is not None and not (
@@ -399,7 +437,16 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
-        dict(ranks[0], rank=rank, world_size=world_size, **entries, methods=[], layout=[], exchanges=None)
+        dict(
+            ranks[0],
+            rank=rank,
+            world_size=world_size,
+            **entries,
+            methods=[],
+            layout=[],
+            parked_methods=[],
+            exchanges=None,
+        )
         for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)

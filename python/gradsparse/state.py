@@ -1029,6 +1029,9 @@ class State:
             **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
             "methods": self._table.methods(),
             "layout": self._table.layout(),
+            # method states that a rebuild or a load left waiting for their bucket, when a bucket's
+            # error stopped the step before it (their residuals are in "residuals" by name)
+            "parked_methods": self._table.parked_method_states(),
             "stats": self._metrics.state_dict(),
             # exchange="auto": the link its first picks come from, and what its trial kept
             "link": self._link,
@@ -1094,18 +1097,20 @@ class State:
             return
         self._load(state_dict, any_rank)
 
-    def _check_method_states(self, methods: list[dict | None], part: str = "") -> None:
+    def _check_method_states(self, methods: list[dict | None], part: str = "", key: str = "methods") -> None:
         """Each saved method state loads into a new method object now, so that one the method
         refuses ('step' NaN or 2.5) raises here, not in the first backward after the load
-        (``part``: which rank's part of the state dict, for the message)."""
+        (``part``: which rank's part of the state dict, for the message; ``key``: the state
+        dict's entry that holds them)."""
         for index, saved in enumerate(methods):
             if saved is None or self._CORE is None:
                 continue
             try:
                 self._make_method([1]).load_state(saved)
             except (ValueError, IndexError, KeyError) as e:
+                entry = f"{key}[{index}]" + ("" if key == "methods" else "['state']")
                 raise ValueError(
-                    f"{type(self).__name__}.load_state_dict{part}: the state dict's methods[{index}] is refused by "
+                    f"{type(self).__name__}.load_state_dict{part}: the state dict's {entry} is refused by "
                     f"the method: {e}"
                 ) from e
 
@@ -1137,7 +1142,9 @@ class State:
         # every rank refuses it alike (this_ranks).
         for part in parts or [state_dict]:
             self._binding.check_names(part)
-            self._check_method_states(part["methods"], "" if parts is None else f" (rank {part['rank']}'s part)")
+            where = "" if parts is None else f" (rank {part['rank']}'s part)"
+            self._check_method_states(part["methods"], where)
+            self._check_method_states([e["state"] for e in part.get("parked_methods", [])], where, "parked_methods")
         # Everything the load puts in place is read first, so that a state dict that fails on the
         # way leaves this state as it was (its step, residuals and statistics), not half loaded.
         step = int(state_dict["step"])

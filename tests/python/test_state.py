@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradsparse as gs
 from gradsparse import simulate
 from gradsparse.testing.distributed import free_port
+from tests.distributed.workers import Chain
 from tests.python.on_a_gpu import ON_A_GPU
 
 
@@ -395,6 +396,54 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
     assert state2.state_dict()["methods"][0] == state.state_dict()["methods"][0]
 
 
+def test_a_method_state_that_a_failed_rebuild_step_left_parked_is_saved(monkeypatch):
+    """DDP's rebuild keeps Chain's bucket 0 and swaps the other two: the step parks both their
+    method states, and each new bucket takes its own. When the step fails at the first of them,
+    the other waits parked until the next step. A state dict taken in between held its residual
+    but not its method state, so a run resumed from it restarted that bucket's method (MiCRO's
+    threshold and step) where the run that went on kept it."""
+
+    def chain():
+        return DDP(Chain(), bucket_cap_mb_list=[0.003] * 3)  # one parameter per bucket
+
+    def backward(model, steps, seed=0):
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            model.zero_grad()
+            model(torch.randn(8, 32)).pow(2).mean().backward()
+
+    state = gs.MiCRO(density=0.1)
+    ddp = chain()
+    gs.register(ddp, state)
+    backward(ddp, 1)
+    assert state.state_dict()["layout"] == [["head.weight"], ["a.weight"], ["b.weight"]]
+    submit, calls = state._submit, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the rebuilt bucket 1 failed")
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(state, "_submit", second_fails)
+    with pytest.raises(RuntimeError, match="the rebuilt bucket 1 failed"):
+        backward(ddp, 1)
+    monkeypatch.undo()
+    sd = copy.deepcopy(state.state_dict())
+    assert sd["layout"] == [["head.weight"], ["b.weight"]]
+    (parked,) = sd["parked_methods"]
+    assert parked["names"] == ["a.weight"] and parked["loss_scale"] == 1.0 and parked["state"]["step"] == 1
+    resumed = gs.MiCRO(density=0.1)
+    resumed_ddp = chain()
+    resumed_ddp.module.load_state_dict(ddp.module.state_dict())
+    gs.register(resumed_ddp, resumed)
+    resumed.load_state_dict(sd)
+    for model in (ddp, resumed_ddp):
+        backward(model, 2, seed=3)
+    assert resumed.state_dict()["methods"] == state.state_dict()["methods"]
+    assert resumed.state_dict()["parked_methods"] == []
+
+
 # Registration and checkpoints: each wrong step gets an error that says what to do instead ---------
 
 
@@ -566,18 +615,26 @@ def test_an_error_in_the_first_step_after_a_load_reaches_backward_and_the_next_s
     assert all(bool(torch.isfinite(t).all()) for t in state.state_dict()["residuals"].values())
 
 
+@pytest.mark.parametrize("where", ["methods", "parked_methods"])
 @pytest.mark.parametrize("change", [dict(step=math.nan), dict(step=2.5), dict(k_prev=-3)])
-def test_a_method_state_the_method_refuses_is_refused_at_load_and_the_state_stays_as_it_was(change):
+def test_a_method_state_the_method_refuses_is_refused_at_load_and_the_state_stays_as_it_was(change, where):
     """It was refused in the first backward after the load, on the damaged rank only, inside
-    DDP's callback error; now load_state_dict raises it, naming the entry, and training goes on."""
+    DDP's callback error; now load_state_dict raises it, naming the entry, and training goes on.
+    Alike for a method state saved while it waited for its bucket (parked_methods)."""
     saving = gs.MiCRO(density=0.1)
     _train(_hooked(saving), 3)
     sd = saving.state_dict()
     state = gs.MiCRO(density=0.1)
     ddp = _hooked(state)
-    damaged = dict(sd, methods=[dict(sd["methods"][0], **change)])
+    bad = dict(sd["methods"][0], **change)
+    if where == "methods":
+        damaged, entry = dict(sd, methods=[bad]), r"methods\[0\]"
+    else:
+        names = sd["layout"][0]
+        damaged = dict(sd, parked_methods=[{"names": names, "state": bad, "loss_scale": 1.0}])
+        entry = r"parked_methods\[0\]\['state'\]"
     (name,) = change
-    with pytest.raises(ValueError, match=rf"methods\[0\] is refused by the method: method state: '{name}' is "):
+    with pytest.raises(ValueError, match=rf"{entry} is refused by the method: method state: '{name}' is "):
         state.load_state_dict(damaged)
     assert state.step == 0
     _train(ddp, 1)
@@ -978,6 +1035,19 @@ def _saved(steps=2):
             r"numbers\), got '0.1'",
         ),
         (lambda sd: dict(sd, exchanges={0: "ring"}), "the state dict's exchanges should be None or the exchange by"),
+        (lambda sd: dict(sd, parked_methods={}), "the state dict's parked_methods should be a list of dicts of names"),
+        (
+            lambda sd: dict(sd, parked_methods=[{"names": "0.weight", "state": {}, "loss_scale": 1.0}]),
+            r"the state dict's parked_methods\[0\]\['names'\] should be a list of parameter names, got '0.weight'",
+        ),
+        (
+            lambda sd: dict(sd, parked_methods=[{"index": 0, "state": {"k_prev": "3"}, "loss_scale": 1.0}]),
+            r"parked_methods\[0\]\['state'\]\['k_prev'\] should be a number",
+        ),
+        (
+            lambda sd: dict(sd, parked_methods=[{"index": 0, "state": {}, "loss_scale": 0}]),
+            r"parked_methods\[0\]\['loss_scale'\] should be a positive finite number",
+        ),
     ],
 )
 def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
