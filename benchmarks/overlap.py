@@ -4,10 +4,14 @@
     python -m benchmarks.overlap --methods exdyna,exdyna@gather   # a method with another exchange
     torchrun --nproc-per-node 2 -m benchmarks.overlap [--output overlap-lo.md] [--network "..."]
 
-On a model with several DDP buckets, per method, three timings of forward + backward (the median
-step, measured in the same processes, the three modes taking turns step by step):
+On a model with several DDP buckets, per method, four timings of forward + backward (the median
+step, measured in the same processes, the four modes taking turns step by step):
 
 - **compute**: a hook that returns its bucket at once (no communication at all);
+- **feedback**: a hook that adds its bucket into a residual of its own and zeroes it, as error
+  feedback must (read the gradient and the residual, write both back), with no selection and no
+  communication: the floor of any error-feedback method's step where its passes over memory share
+  the core with the backward pass (one core per worker);
 - **serial**: the gradsparse hook, but waiting for each bucket's exchange inside the hook, so
   the backward pass stops while it communicates: compute + exchange, nothing overlapped;
 - **overlapped**: the gradsparse hook as users register it (the engine thread exchanges while
@@ -18,7 +22,8 @@ exchange = serial - compute; the overlap goal is overlapped < compute + exchange
 disappear: on a slow link (exchange > compute) overlapped / serial stays above
 exchange / (compute + exchange), and "hidden" below compute / exchange. Two more ratios answer
 what a user asks: overlapped / compute, the step against one that sends nothing (1 when the
-exchange is all hidden), and overlapped / dense's, the step against dense's in the same run.
+exchange is all hidden), and overlapped / dense's, the step against dense's in the same run;
+feedback / compute says how much of the first is error feedback's memory traffic alone.
 
 By default the Gloo processes are spawned here and talk over loopback (--world-size). When RANK
 is set (with WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun, or set by hand), each process is
@@ -64,7 +69,19 @@ def blocking(state: gs.State, bucket: dist.GradBucket) -> torch.futures.Future[t
     return fut
 
 
-MODES = ("compute", "serial", "overlapped")
+def feedback(residuals: dict, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    gradient = bucket.buffer()
+    key = (bucket.index(), gradient.numel())  # DDP rebuilds its buckets after the first step
+    if key not in residuals:
+        residuals[key] = torch.zeros_like(gradient)
+    residuals[key].add_(gradient)
+    gradient.zero_()
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(gradient)
+    return fut
+
+
+MODES = ("compute", "feedback", "serial", "overlapped")
 
 
 def one_step(ddp: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -95,12 +112,14 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
             ddps[mode] = DDP(make_model(width, depth), bucket_cap_mb=4)
             if mode == "compute":
                 ddps[mode].register_comm_hook(None, immediate)
+            elif mode == "feedback":
+                ddps[mode].register_comm_hook({}, feedback)
             else:
                 state = make_state(method, density)
                 ddps[mode].register_comm_hook(state, blocking if mode == "serial" else gs.hook)
                 states.append(state)
         # The modes take turns step by step, so that a slow spell of this shared machine hits all
-        # three alike; three warm-up rounds (DDP rebuilds its buckets after the first).
+        # four alike; three warm-up rounds (DDP rebuilds its buckets after the first).
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         g = torch.Generator().manual_seed(rank)  # the same batches for every method
         for i in range(steps + 3):
@@ -181,10 +200,12 @@ def main(argv: list[str] | None = None) -> None:
                 1e3 * exchange,
                 1e3 * t["serial"],
                 1e3 * t["overlapped"],
+                1e3 * t["feedback"],
                 t["overlapped"] / t["serial"],
                 f"{100 * hidden:.0f}%",
                 t["overlapped"] / t["compute"],
                 t["overlapped"] / slowest["dense"]["overlapped"] if "dense" in slowest else float("nan"),
+                t["feedback"] / t["compute"],
             ]
         )
     table = markdown_table(
@@ -195,10 +216,12 @@ def main(argv: list[str] | None = None) -> None:
             "exchange ms",
             "compute + exchange ms",
             "overlapped ms",
+            "feedback ms",
             "overlapped / (compute + exchange)",
             "exchange hidden",
             "overlapped / compute",
             "overlapped / dense's",
+            "feedback / compute",
         ],
         rows,
     )

@@ -261,9 +261,11 @@ def test_overlap_times_every_mode(tmp_path):
         # makes the exchange, serial - compute, negative)
         rounding = 0.005 * (abs(compute) + abs(exchange) + abs(serial))
         assert serial == pytest.approx(compute + exchange, rel=0.01, abs=0.01 + rounding)
-        to_compute, to_dense = numbers(text, method)[-2:]
+        feedback = numbers(text, method)[5]
+        to_compute, to_dense, feedback_to_compute = numbers(text, method)[-3:]
         assert to_compute == pytest.approx(overlapped / compute, rel=0.02)
         assert to_dense == pytest.approx(overlapped / numbers(text, "dense")[4], rel=0.02)
+        assert feedback > 0 and feedback_to_compute == pytest.approx(feedback / compute, rel=0.02)
 
 
 def allgatherv_figures(rank: int, world_size: int) -> dict:
