@@ -88,6 +88,31 @@ TEST(Numeric, BFloat16NarrowingRoundsToNearestEven) {
   }
 }
 
+// Every finite float16 divided by P = 2 to 16: the quotient is the nearest one, or one step closer
+// to zero where P of the nearest would pass 65504; so P quotients never do (the products below are
+// exact in float32), and no quotient is more than one unit in its last place from the exact one.
+TEST(Numeric, HalfQuotientsSumToAFiniteValueAndStayWithinOneUnit) {
+  int64_t moved = 0;
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const Half v{static_cast<uint16_t>(b)};
+    if (!is_finite(v)) continue;
+    for (int p = 2; p <= 16; ++p) {
+      const Half q = quotient(v, static_cast<float>(p));
+      const float exact = half_to_float(v.bits) / static_cast<float>(p), got = half_to_float(q.bits);
+      ASSERT_LE(std::fabs(got) * static_cast<float>(p), 65504.0f) << "encoding " << b << " / " << p;
+      const Half nearest = Num<Half>::from_float(exact);
+      if (q.bits != nearest.bits) {
+        ++moved;
+        ASSERT_EQ(q.bits, nearest.bits - 1) << "encoding " << b << " / " << p;  // one step toward zero
+        ASSERT_GT(std::fabs(half_to_float(nearest.bits)), std::fabs(exact));
+      }
+    }
+  }
+  EXPECT_GT(moved, 0);  // 65504 / 3 among them
+  EXPECT_EQ(half_to_float(quotient(Num<Half>::from_float(65504.0f), 3.0f).bits), 21824.0f);
+  EXPECT_EQ(half_to_float(quotient(Num<Half>::from_float(-65504.0f), 3.0f).bits), -21824.0f);
+}
+
 TEST(Numeric, NaNAndInfSurviveNarrowing) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const float inf = std::numeric_limits<float>::infinity();

@@ -100,6 +100,7 @@ struct Num<float> {
   using Key = uint32_t;
   static constexpr int kKeyBits = 31;  // |x| as an unsigned integer: bits without the sign
   static constexpr uint32_t kInfKey = 0x7f800000u;
+  static constexpr float kMaxFinite = 3.40282347e38f;
   GS_HD static float to_float(float v) { return v; }
   GS_HD static float from_float(float v) { return v; }
   GS_HD static uint32_t key(float v) { return float_bits(v) & 0x7fffffffu; }
@@ -111,6 +112,7 @@ struct Num<Half> {
   using Key = uint32_t;
   static constexpr int kKeyBits = 15;
   static constexpr uint32_t kInfKey = 0x7c00u;
+  static constexpr float kMaxFinite = 65504.0f;
   GS_HD static float to_float(Half v) { return half_to_float(v.bits); }
   GS_HD static Half from_float(float v) { return Half{float_to_half(v)}; }
   GS_HD static uint32_t key(Half v) { return v.bits & 0x7fffu; }
@@ -122,6 +124,7 @@ struct Num<BFloat16> {
   using Key = uint32_t;
   static constexpr int kKeyBits = 15;
   static constexpr uint32_t kInfKey = 0x7f80u;
+  static constexpr float kMaxFinite = 3.38953139e38f;
   GS_HD static float to_float(BFloat16 v) { return bfloat16_to_float(v.bits); }
   GS_HD static BFloat16 from_float(float v) { return BFloat16{float_to_bfloat16(v)}; }
   GS_HD static uint32_t key(BFloat16 v) { return v.bits & 0x7fffu; }
@@ -131,6 +134,35 @@ struct Num<BFloat16> {
 template <typename T>
 GS_HD inline bool is_finite(T v) {
   return Num<T>::key(v) < Num<T>::kInfKey;
+}
+
+/// The finite nonzero `v` one step closer to zero: its magnitude bits less one (every storage
+/// type keeps sign and magnitude apart, and orders magnitudes as integers).
+template <typename T>
+GS_HD inline T one_step_toward_zero(T v) {
+  if constexpr (sizeof(T) == 4) {
+    return bits_float(float_bits(v) - 1u);
+  } else {
+    return T{static_cast<uint16_t>(v.bits - 1u)};
+  }
+}
+
+/// v / divisor, rounded to nearest, except where the nearest quotient times `divisor` would pass
+/// the type's largest finite value: there it is the quotient one step closer to zero. So P
+/// quotients of values that are finite divided by P sum, in exact arithmetic, to no more than
+/// that largest value: an average taken by dividing first (float16 all-reduces, as DDP's) cannot
+/// overflow where every dividend was finite. (Rounded to nearest, 65504 / 3 in float16 is
+/// 21840, and three of them sum to 65520, which float16 rounds to Inf.)
+template <typename T>
+GS_HD inline T quotient(T v, float divisor) {
+  const float exact = Num<T>::to_float(v) / divisor;
+  const T rounded = Num<T>::from_float(exact);
+  const float got = Num<T>::to_float(rounded);
+  const float magnitude = got < 0.0f ? -got : got, bound = exact < 0.0f ? -exact : exact;
+  const float d = divisor < 0.0f ? -divisor : divisor;
+  if (is_finite(rounded) && magnitude > bound && magnitude * d > Num<T>::kMaxFinite)
+    return one_step_toward_zero(rounded);
+  return rounded;
 }
 
 /// A threshold as the selection compares it: rounded to the bucket's dtype, as PyTorch rounds a

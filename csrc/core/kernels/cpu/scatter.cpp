@@ -73,7 +73,7 @@ void divide(T* data, int64_t n, float divisor) {
   GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
   parallel_blocks(num_blocks(n), [&](int64_t b) {
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
-    for (int64_t i = begin; i < end; ++i) data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
+    for (int64_t i = begin; i < end; ++i) data[i] = quotient(data[i], divisor);
   });
 }
 

@@ -66,7 +66,7 @@ template <typename T>
 __global__ void divide_kernel(T* data, int64_t n, float divisor) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
-    data[i] = Num<T>::from_float(Num<T>::to_float(data[i]) / divisor);
+    data[i] = quotient(data[i], divisor);
 }
 
 template <typename T>
