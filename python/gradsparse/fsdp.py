@@ -26,7 +26,8 @@ import torch.nn as nn
 
 from gradsparse.binding import group_ranks, same_group
 from gradsparse.checkpoint import STATE_DICT_VERSION, with_checksums
-from gradsparse.state import State
+from gradsparse.hooks import _check_state
+from gradsparse.state import State, unfrozen_since
 
 __all__ = ["ShardedState", "sparsify"]
 
@@ -75,12 +76,8 @@ def sparsify(model: nn.Module, state: State) -> State:
         >>> fully_shard(model)
         >>> state = gradsparse.fsdp.sparsify(model, gradsparse.TopK(density=0.01))
     """
+    _check_state("gradsparse.fsdp.sparsify", state, model, "gradsparse.fsdp.sparsify(model, state)")
     owner = type(state).__name__
-    if not isinstance(state, State):
-        raise TypeError(
-            "gradsparse.fsdp.sparsify: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
-            f"got {type(state).__name__}"
-        )
     if not isinstance(model, nn.Module):
         raise TypeError(f"gradsparse.fsdp.sparsify: model must be a torch.nn.Module, got {type(model).__name__}")
     if state._CORE is None:
@@ -110,17 +107,31 @@ def sparsify(model: nn.Module, state: State) -> State:
                 "give every parameter of that module the same mesh"
             )
     state.setup()
-    layouts = {}
+    if state._world_size == 1:
+        warnings.warn(
+            f"gradsparse.fsdp.sparsify: the {owner} state's process group has one rank, and FSDP reduce-scatters "
+            "nothing on one rank: gradsparse sees no gradient, selects nothing and keeps no residual, and training "
+            "is dense. To try a method on one process, wrap the model in DistributedDataParallel and use "
+            "gradsparse.register(ddp_model, state); under FSDP, run on two ranks or more",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    layouts, frozen = {}, []
     for fqn, module in modules:
         layout = _group_layout(module, state._world_size)
         if layout is not None:
             layouts[fqn or "(root)"] = (module, *layout)
+        elif module._get_fsdp_state()._fsdp_param_groups:  # every parameter frozen, for now
+            frozen.append((fqn or "(root)", module))
     state._bind_sharded(model, {name: (numel, dtype) for name, (_, numel, dtype) in layouts.items()})
     recovery = _Recovery(state)
     # Before FSDP's own pre-forward hooks (prepended at fully_shard): the reset must come first.
     model.register_forward_pre_hook(recovery, prepend=True)
     for index, (name, (module, _, _)) in enumerate(layouts.items()):
         module.set_custom_reduce_scatter(_SparseReduceScatter(state, index, name, len(layouts), recovery))
+    # Left to FSDP, a module unfrozen later would be reduced dense, without a residual or a word.
+    for name, module in frozen:
+        module.set_custom_reduce_scatter(_SparseReduceScatter(state, None, name, len(layouts), recovery))
     return state
 
 
@@ -174,9 +185,9 @@ class _SparseReduceScatter:
     parameter group: the state's exchange of the flat gradient with error feedback (a sparse
     reduce-scatter for gather-and-add methods), of which this rank keeps its shard."""
 
-    def __init__(self, state: State, index: int, name: str, groups: int, recovery: _Recovery) -> None:
+    def __init__(self, state: State, index: int | None, name: str, groups: int, recovery: _Recovery) -> None:
         self._state = state  # the model keeps its state alive, as DDP keeps its hook's
-        self._index = index
+        self._index = index  # None: a module whose parameters were all frozen at sparsify
         self._name = name
         self._groups = groups
         self._recovery = recovery
@@ -201,6 +212,8 @@ class _SparseReduceScatter:
     def _reduce_scatter(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op) -> None:
         state = self._state
         owner = type(state).__name__
+        if self._index is None:
+            raise RuntimeError(unfrozen_since(self._name, input_tensor.numel(), 0))
         if op == dist.ReduceOp.AVG:
             scale = 1.0
         elif op == dist.ReduceOp.SUM:
@@ -225,6 +238,9 @@ class _SparseReduceScatter:
                 "is not supported"
             )
         flat = input_tensor.view(-1)
+        if state._paused:  # State.paused(): this rank's shard back unreduced, the state unchanged
+            output_tensor.view(-1).copy_(flat.view(world_size, -1)[state._rank])
+            return
         state._reduce_flat(self._index, self._name, flat, self._groups).wait()
         shard = flat.view(world_size, -1)[state._rank]
         if scale != 1.0:
@@ -298,6 +314,7 @@ class ShardedState:
         size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
         entries = {
             "methods": saved["methods"],
+            "parked_methods": saved["parked_methods"],  # a module's, loaded and not reduced since
             "config": saved["config"],
             "link": saved.get("link"),
             "loss_scale": saved["loss_scale"],
@@ -388,6 +405,7 @@ def _decode_methods(blob: torch.Tensor) -> dict:
         saved = {"methods": saved}
     return {
         "methods": saved["methods"],
+        "parked_methods": saved.get("parked_methods", []),
         "config": saved.get("config"),
         "stats": saved.get("stats", {}),
         "link": saved.get("link"),

@@ -71,8 +71,11 @@ def _what(value: object) -> str:
     return f"a {type(value).__module__.split('.')[0]}.{type(value).__qualname__}"
 
 
-def _check_state(owner: str, state: object, model: object = None) -> None:
-    """Refuses a ``state`` that is no gradsparse state, saying what it is and what to pass."""
+def _check_state(
+    owner: str, state: object, model: object = None, call: str = "gradsparse.register(model, state)"
+) -> None:
+    """Refuses a ``state`` that is no gradsparse state, saying what it is and what to pass
+    (``call``: how the function that takes it is called, for swapped arguments)."""
     if isinstance(state, State):
         return
     example = "gradsparse.TopK(density=0.01)"
@@ -84,8 +87,7 @@ def _check_state(owner: str, state: object, model: object = None) -> None:
     if isinstance(model, State) and isinstance(state, nn.Module):
         raise TypeError(
             f"{owner}: state must be a gradsparse state, got {_what(state)}, and model got the state "
-            f"gradsparse.{type(model).__name__}: the arguments are swapped; the model comes first, "
-            "gradsparse.register(model, state)"
+            f"gradsparse.{type(model).__name__}: the arguments are swapped; the model comes first, {call}"
         )
     raise TypeError(f"{owner}: state must be a gradsparse state such as {example}, got {_what(state)}")
 

@@ -914,10 +914,11 @@ class State:
         if index in self._sharded_called:  # a group reduced twice: the groups missing last step sent nothing
             self._sharded_called.clear()
             self._step += 1
-            self._loaded = None  # a step has passed: state_dict() returns the live residuals again
         numel = flat.numel()
         expected = self._binding.numels.get(name, numel)
-        if numel != expected:  # at every step: a parameter may get a gradient in some steps only
+        if numel > expected:
+            raise RuntimeError(unfrozen_since(name, numel, expected))
+        if numel < expected:  # at every step: a parameter may get a gradient in some steps only
             raise RuntimeError(
                 f"gradsparse.fsdp: module {name!r} hands over {numel} gradient elements where its parameters "
                 f"that require gradients hold {expected} (padded): some of them got no gradient in this "
@@ -935,9 +936,12 @@ class State:
         future = self._submit(entry, flat, last, shard_only=True)
         # Recorded once the engine has taken it: a group refused above was not reduced in this step.
         self._sharded_called.add(index)
+        # A group has moved on from what was loaded: state_dict() returns the live residuals (what
+        # the groups not reduced yet wait for is parked by name, and saved with them), also when
+        # this step leaves a group out.
+        self._loaded = None
         if last:
             self._sharded_called.clear()
-            self._loaded = None  # every group has taken what was saved for it
         return future
 
     # ----------------------------------------------------------------------------------------
@@ -1210,9 +1214,9 @@ class State:
 
     @contextlib.contextmanager
     def paused(self):
-        """Within this block the hook hands every bucket back unreduced and the state does not
-        change: no selection, no communication, no step counted. For an iteration whose
-        gradients are thrown away."""
+        """Within this block the hook hands every bucket back unreduced (under FSDP, each rank's
+        shard of its own gradient) and the state does not change: no selection, no
+        communication, no step counted. For an iteration whose gradients are thrown away."""
         self._paused = True
         try:
             yield self
@@ -1228,6 +1232,18 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
+
+
+def unfrozen_since(module: str, numel: int, expected: int) -> str:
+    """The error of an FSDP module that hands over more gradient elements (``numel``) than its
+    parameters that required gradients held (``expected``) at gradsparse.fsdp.sparsify."""
+    return (
+        f"gradsparse.fsdp: module {module!r} hands over {numel} gradient elements where its parameters that "
+        f"required gradients at gradsparse.fsdp.sparsify held {expected} (padded): a parameter was unfrozen "
+        "since (requires_grad_(True)). gradsparse lays out one residual per module at sparsify, for the "
+        "parameters that train then: unfreeze parameters before gradsparse.fsdp.sparsify, or sparsify the "
+        "model again with a new state after unfreezing (its residuals start from zero)"
+    )
 
 
 def _version() -> str:

@@ -268,50 +268,73 @@ class SkipMiddle(nn.Sequential):
         return x
 
 
-def steps_past_a_skipped_module_through_dcp(rank: int, world_size: int, path: str) -> dict:
+def steps_past_a_skipped_module_through_dcp(rank: int, world_size: int, path: str, after_a_load: bool) -> dict:
     """4 steps, the last without the middle module (FSDP reduces nothing for it), saved with
-    dcp.save, 2 more; then the same 2 in a new model and state loaded from the save."""
+    dcp.save, 2 more; then the same 2 in a new model and state loaded from the save. With
+    ``after_a_load`` the step without it is the first of a process that loaded the 3 steps before."""
     data = workers.teacher_data(rank, 6)
 
     def setup():
         torch.manual_seed(3)
         model = shard(SkipMiddle(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 6)))
-        state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+        state = gs.fsdp.sparsify(model, gs.ExDyna(density=0.05))
         return model, state, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+
+    def save(model, state, opt, checkpoint):
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=checkpoint)
+
+    def load(checkpoint):
+        model, state, opt = setup()
+        msd, osd = get_state_dict(model, opt)
+        saved = {"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}
+        dcp.load(saved, checkpoint_id=checkpoint)
+        set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+        return model, state, opt
 
     model, state, opt = setup()
     workers.fit(model, data[:3], opt)
+    if after_a_load:
+        save(model, state, opt, path + "-3")
+        state.close()
+        model, state, opt = load(path + "-3")
     model.skip = True
     workers.fit(model, data[3:4], opt)
     model.skip = False
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    save(model, state, opt, path)
     workers.fit(model, data[4:], opt)
-    straight, straight_step = full_params(model), state.step
+    straight, straight_step, straight_methods = full_params(model), state.step, state.state_dict()["methods"]
     state.close()
 
-    model, state, opt = setup()
-    msd, osd = get_state_dict(model, opt)
-    saved = {"model": msd, "optim": osd, "gradsparse": gs.fsdp.ShardedState(state)}
-    dcp.load(saved, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=saved["model"], optim_state_dict=saved["optim"])
+    model, state, opt = load(path)
     loaded_step = state.step
     workers.fit(model, data[4:], opt)
-    return {"straight": straight, "resumed": full_params(model), "steps": (loaded_step, straight_step, state.step)}
+    return {
+        "straight": straight,
+        "resumed": full_params(model),
+        "steps": (loaded_step, straight_step, state.step),
+        "methods": (straight_methods, state.state_dict()["methods"]),
+    }
 
 
-def test_dcp_checkpoint_after_a_step_that_left_a_module_out_resumes_its_step_count(tmp_path):
+@pytest.mark.parametrize("after_a_load", [False, True], ids=["in_a_run", "first_after_a_load"])
+def test_dcp_checkpoint_after_a_step_that_left_a_module_out_resumes_its_step_count(tmp_path, after_a_load):
     """A step in which a module reduced nothing is counted once the next step reduces a module
     again. Saved between the two, the checkpoint held the step count without it, so the resumed
     run stayed a step behind for good (one more dense step within warmup_steps). Now it holds all
     4 steps, and the resumed run counts 6 after 2 more, as the uninterrupted one does, with the
-    same parameters."""
-    for rank, r in enumerate(
-        run_distributed(steps_past_a_skipped_module_through_dcp, 2, str(tmp_path / "c"), timeout=300)
-    ):
+    same parameters and method states. When that step was the first after a load, the checkpoint
+    held what had been loaded (3 steps, the residuals before it), and the method state that the
+    left-out module had not yet taken was lost."""
+    results = run_distributed(
+        steps_past_a_skipped_module_through_dcp, 2, str(tmp_path / "c"), after_a_load, timeout=300
+    )
+    for rank, r in enumerate(results):
         assert r["steps"] == (4, 6, 6), f"rank {rank}: steps loaded, straight, resumed {r['steps']}"
         for a, b in zip(r["straight"], r["resumed"], strict=True):
             assert torch.equal(a, b), f"rank {rank}: resumed differs by {(a - b).abs().max()}"
+        straight_methods, methods = r["methods"]
+        assert methods == straight_methods, f"rank {rank}: method states differ"
 
 
 def auto_link_through_dcp(rank: int, world_size: int, path: str) -> tuple:
@@ -582,6 +605,60 @@ def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
             assert nonfinite == ([2] if policy == "propagate" else []), nonfinite
 
 
+def a_paused_step(rank: int, world_size: int) -> dict:
+    """2 steps, then a backward inside state.paused(), then 1 more step."""
+    data = workers.teacher_data(rank, 4)
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, data[:2])
+    before = {name: t.clone() for name, t in state.state_dict()["residuals"].items()}
+    x, y = data[2]
+    local = workers.make_model(3)  # the same weights, unsharded: this rank's own gradient
+    local.load_state_dict({n: p.full_tensor() for n, p in model.named_parameters()})
+    nn.functional.cross_entropy(local(x), y).backward()
+    model.zero_grad()
+    with state.paused():
+        nn.functional.cross_entropy(model(x), y).backward()
+    shards = {n: p.grad.to_local() for n, p in model.named_parameters()}
+    own = {n: p.grad.chunk(world_size)[rank] for n, p in local.named_parameters()}
+    after = state.state_dict()["residuals"]  # views of the live residuals
+    kept = all(torch.equal(t, after[name]) for name, t in before.items())
+    step = state.step
+    workers.fit(model, data[3:])
+    return {
+        "step": (step, state.step),
+        "residuals_kept": kept,
+        "gradient_unreduced": all(torch.allclose(shards[n], own[n], atol=1e-6) for n in own),
+    }
+
+
+def test_paused_hands_each_rank_its_own_gradient_back_and_changes_nothing():
+    """State.paused() under FSDP: no selection, no communication, no step counted; each rank's shard
+    is its own gradient, unreduced (as DDP's buckets come back). It used to reduce and count the
+    step as any other."""
+    for rank, r in enumerate(run_distributed(a_paused_step, 2, timeout=120)):
+        assert r == {"step": (2, 3), "residuals_kept": True, "gradient_unreduced": True}, f"rank {rank}: {r}"
+
+
+def sparsified_on_one_rank(rank: int, world_size: int) -> tuple[list[str], int]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = sharded_model(world_size)
+        state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], state.step
+
+
+def test_sparsify_on_one_rank_says_that_fsdp_reduces_nothing_there():
+    """FSDP calls no reduce-scatter on one rank, so the state never sees a gradient (step 0, no
+    residual): silent until now, where the same state under DDP sparsifies."""
+    ((messages, step),) = run_distributed(sparsified_on_one_rank, 1, timeout=120)
+    assert step == 0
+    assert any(
+        "FSDP reduce-scatters nothing on one rank" in m and "gradsparse.register(ddp_model" in m for m in messages
+    )
+
+
 # Bad input: a clear error on every rank --------------------------------------------------------------
 
 
@@ -616,6 +693,16 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
             workers.fit(model, workers.teacher_data(rank, 1))
             model[2].use_spare = False
             workers.fit(model, workers.teacher_data(rank, 1))
+        elif case in ("unfrozen_module", "unfrozen_bias"):  # unfrozen after sparsify (model[0] wholly frozen)
+            model = sharded_model(world_size, frozen=True)
+            gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+            workers.fit(model, workers.teacher_data(rank, 1))
+            (model[0] if case == "unfrozen_module" else model[2].bias).requires_grad_(True)
+            workers.fit(model, workers.teacher_data(rank, 1))
+        elif case == "state_class":
+            gs.fsdp.sparsify(sharded_model(world_size), gs.TopK)
+        elif case == "swapped":
+            gs.fsdp.sparsify(gs.TopK(density=0.05), sharded_model(world_size))
         elif case == "several_meshes":  # biases on a mesh of their own: two parameter groups in one module
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
@@ -648,6 +735,20 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
         ("several_meshes", "ValueError", "holds 2 parameter groups"),
         ("unused_parameter", "RuntimeError", "some of them got no gradient in this backward"),
         ("unused_parameter_later", "RuntimeError", "module '2' hands over 2352 gradient elements where its"),
+        (  # FSDP reduced it dense, without a residual or a word
+            "unfrozen_module",
+            "RuntimeError",
+            "module '0' hands over 816 gradient elements where its parameters that required gradients at "
+            "gradsparse.fsdp.sparsify held 0 (padded): a parameter was unfrozen since",
+        ),
+        (  # "some of them got no gradient", the wrong cause and fix
+            "unfrozen_bias",
+            "RuntimeError",
+            "module '2' hands over 2352 gradient elements where its parameters that required gradients at "
+            "gradsparse.fsdp.sparsify held 2304 (padded): a parameter was unfrozen since",
+        ),
+        ("state_class", "TypeError", "got the class gradsparse.TopK itself; create one with its options"),
+        ("swapped", "TypeError", "the arguments are swapped; the model comes first, gradsparse.fsdp.sparsify(model"),
     ],
 )
 def test_bad_input_raises_on_every_rank(case, error, message):
