@@ -267,7 +267,9 @@ class ShardedState:
     def __init__(self, state: State) -> None:
         if not isinstance(state, State):
             raise TypeError(
-                f"gradsparse.fsdp.ShardedState: state must be a gradsparse state, got {type(state).__name__}"
+                f"gradsparse.fsdp.ShardedState: state must be a gradsparse state, got {type(state).__name__}; "
+                "pass the state that gradsparse.fsdp.sparsify returned: "
+                "gradsparse.fsdp.ShardedState(gradsparse.fsdp.sparsify(model, state))"
             )
         if state._binding.sharded is None:
             raise TypeError(

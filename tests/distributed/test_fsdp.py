@@ -605,6 +605,13 @@ def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
             assert nonfinite == ([2] if policy == "propagate" else []), nonfinite
 
 
+def test_sharded_state_of_something_else_names_what_to_pass():
+    with pytest.raises(TypeError, match=r"got object; pass the state that gradsparse.fsdp.sparsify returned: "):
+        gs.fsdp.ShardedState(object())
+    with pytest.raises(TypeError, match=r"sparsifies no FSDP model; call gradsparse.fsdp.sparsify\(model, state\)"):
+        gs.fsdp.ShardedState(gs.TopK(density=0.05))
+
+
 def a_paused_step(rank: int, world_size: int) -> dict:
     """2 steps, then a backward inside state.paused(), then 1 more step."""
     data = workers.teacher_data(rank, 4)
