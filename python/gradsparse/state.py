@@ -1101,18 +1101,21 @@ class State:
             return
         self._load(state_dict, any_rank)
 
-    def _check_method_states(self, methods: list[dict | None], part: str = "", key: str = "methods") -> None:
-        """Each saved method state loads into a new method object now, so that one the method
-        refuses ('step' NaN or 2.5) raises here, not in the first backward after the load
-        (``part``: which rank's part of the state dict, for the message; ``key``: the state
-        dict's entry that holds them)."""
-        for index, saved in enumerate(methods):
+    def _check_method_states(self, state_dict: dict, part: str = "") -> None:
+        """Each saved method state (of the buckets, and those parked) loads into a new method
+        object now, so that one the method refuses ('step' NaN or 2.5) raises here, not in the
+        first backward after the load (``part``: which rank's part of the state dict, for the
+        message)."""
+        entries = [(f"methods[{i}]", saved) for i, saved in enumerate(state_dict["methods"])]
+        entries += [
+            (f"parked_methods[{i}]['state']", e["state"]) for i, e in enumerate(state_dict.get("parked_methods", []))
+        ]
+        for entry, saved in entries:
             if saved is None or self._CORE is None:
                 continue
             try:
                 self._make_method([1]).load_state(saved)
             except (ValueError, IndexError, KeyError) as e:
-                entry = f"{key}[{index}]" + ("" if key == "methods" else "['state']")
                 raise ValueError(
                     f"{type(self).__name__}.load_state_dict{part}: the state dict's {entry} is refused by "
                     f"the method: {e}"
@@ -1146,9 +1149,7 @@ class State:
         # every rank refuses it alike (this_ranks).
         for part in parts or [state_dict]:
             self._binding.check_names(part)
-            where = "" if parts is None else f" (rank {part['rank']}'s part)"
-            self._check_method_states(part["methods"], where)
-            self._check_method_states([e["state"] for e in part.get("parked_methods", [])], where, "parked_methods")
+            self._check_method_states(part, "" if parts is None else f" (rank {part['rank']}'s part)")
         # Everything the load puts in place is read first, so that a state dict that fails on the
         # way leaves this state as it was (its step, residuals and statistics), not half loaded.
         step = int(state_dict["step"])
