@@ -129,16 +129,16 @@ class ModelBinding:
                 "DistributedDataParallel>"
             )
 
-    def check_names(self, state_dict: dict) -> None:
+    def check_names(self, state_dict: dict, part: str = "") -> None:
         """Every residual and velocity of the state dict names a parameter of the bound model,
-        with its size."""
+        with its size (``part``: which rank's part of a state dict of every rank, for the message)."""
         if not self.numels:
             return
         for kind, key, _ in TENSORS:
-            self._check_tensor_names(state_dict.get(key, {}), kind, key)
+            self._check_tensor_names(state_dict.get(key, {}), kind, key, part)
 
-    def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str) -> None:
-        owner, numels = self.owner, self.numels
+    def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str, part: str) -> None:
+        owner, numels = f"{self.owner}.load_state_dict{part}", self.numels
         unknown = sorted(set(tensors) - set(numels))
         if unknown:
             hint = ""
@@ -151,7 +151,7 @@ class ModelBinding:
                     f"{{k.removeprefix({prefixes[0]!r}): v for k, v in sd['{key}'].items()}}."
                 )
             raise ValueError(
-                f"{owner}.load_state_dict: {len(unknown)} {kind}(s) name no parameter of the model: "
+                f"{owner}: {len(unknown)} {kind}(s) name no parameter of the model: "
                 f"{', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''} (the model's parameters are named like "
                 f"{', '.join(list(numels)[:3])}).{hint} Load the state dict into a state registered on the model it "
                 "was saved from"
@@ -159,7 +159,7 @@ class ModelBinding:
         for name, tensor in tensors.items():
             if tensor.numel() != numels[name]:
                 raise ValueError(
-                    f"{owner}.load_state_dict: the {kind} of {name} holds {tensor.numel()} elements but the "
+                    f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
                     f"parameter has {numels[name]}; the state dict was saved from another model"
                 )
 

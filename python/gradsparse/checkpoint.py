@@ -54,8 +54,9 @@ class Loaded:
     """A state dict given to ``load_state_dict``, until the first step after the load has put
     everything in place (``state_dict()`` returns it as it was until then)."""
 
-    def __init__(self, saved: dict) -> None:
+    def __init__(self, saved: dict, parts: list[dict] | None = None) -> None:
         self.saved = saved  # version 2, this rank's
+        self.parts = parts  # every rank's, of a state dict of gradsparse.AllRanks (None otherwise)
         self.layout: list[list[str]] = [list(names) for names in saved["layout"] if names]
 
     def method_states(self) -> list[tuple[frozenset[str] | int, dict, float]]:
@@ -187,6 +188,11 @@ def _check_integer(where: str, state_dict: dict, key: str, least: int) -> None:
 def _check_rank_count(where: str, state_dict: dict) -> None:
     """An AllRanks state dict holds one state dict per rank of its world size."""
     ranks, world_size = state_dict["ranks"], state_dict["world_size"]
+    if ranks is None:
+        raise ValueError(
+            f"{where}: this state dict of gradsparse.AllRanks was returned on a rank other than 0, which holds no "
+            "residuals: save the one rank 0 returned, and load that file on every rank"
+        )
     if not isinstance(ranks, list) or len(ranks) != world_size:
         count = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
         raise ValueError(
@@ -395,12 +401,7 @@ class AllRanks:
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if isinstance(state_dict, dict) and state_dict.get("all_ranks") and state_dict.get("ranks") is None:
-            raise ValueError(
-                "gradsparse.AllRanks.load_state_dict: this state dict was returned on a rank other than 0, which "
-                "holds no residuals; load the one rank 0 saved"
-            )
-        self.state.load_state_dict(state_dict)
+        self.state.load_state_dict(state_dict)  # a copy of a rank other than 0 is refused there
 
 
 def reshard(state_dict: dict, world_size: int) -> dict:

@@ -456,7 +456,7 @@ class State:
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
-            self._binding.check_names(self._loaded.saved)
+            self._check_names(self._loaded.parts, self._loaded.saved)
         elif self._table.buckets:
             # A new DDP over the model the state already reduced for (Lightning's next fit()): its
             # first step comes in a fresh DDP's layout, so it is reduced in the layout of the steps
@@ -467,7 +467,14 @@ class State:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""
         self._binding.bind_sharded(model, groups)
         if self._loaded is not None:
-            self._binding.check_names(self._loaded.saved)
+            self._check_names(self._loaded.parts, self._loaded.saved)
+
+    def _check_names(self, parts: list[dict] | None, state_dict: dict) -> None:
+        """Every residual and velocity names a parameter of the bound model (before it is bound:
+        at registration): of a state dict of every rank (AllRanks), every rank checks every part,
+        so that a wrong one is refused on every rank, not on its own while the others wait."""
+        for part in parts or [state_dict]:
+            self._binding.check_names(part, _part_label(parts, part))
 
     # ----------------------------------------------------------------------------------------
     # The step: what gradsparse.hook does with one DDP bucket, top down
@@ -1147,13 +1154,13 @@ class State:
         )
         # Of a state dict of every rank (AllRanks), every part is checked on every rank, so that
         # every rank refuses it alike (this_ranks).
+        self._check_names(parts, state_dict)
         for part in parts or [state_dict]:
-            self._binding.check_names(part)
-            self._check_method_states(part, "" if parts is None else f" (rank {part['rank']}'s part)")
+            self._check_method_states(part, _part_label(parts, part))
         # Everything the load puts in place is read first, so that a state dict that fails on the
         # way leaves this state as it was (its step, residuals and statistics), not half loaded.
         step = int(state_dict["step"])
-        loaded = Loaded(state_dict)
+        loaded = Loaded(state_dict, parts)
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
         metrics.load_state_dict(state_dict["stats"])
@@ -1233,6 +1240,12 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
+
+
+def _part_label(parts: list[dict] | None, part: dict) -> str:
+    """Which rank's part of a state dict of every rank ``part`` is, for a message ("" for a
+    state dict of one rank)."""
+    return "" if parts is None else f" (rank {part['rank']}'s part)"
 
 
 def unfrozen_since(module: str, numel: int, expected: int) -> str:

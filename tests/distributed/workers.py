@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
+from gradsparse.checkpoint import checksum
 
 STEPS = 20
 
@@ -1104,11 +1105,13 @@ def overflow_after_a_backward_that_stopped(rank: int, world_size: int) -> dict:
     return {"step": state.step, "buckets": state.stats()["buckets"]}
 
 
-def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float]:
+def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tuple[str | None, float | None]:
     """Every rank loads an AllRanks state dict of 2 training steps whose rank 1's part was damaged
     after the save (``damage``: "byte", a byte of a residual; "method", a method state the method
-    refuses). Returns this rank's error (None: it loaded) and how far the attempt moved the sum of
-    its residuals' norms (0: a refused load leaves them as they were)."""
+    refuses; "size", a residual cut short, with its checksum, loaded into a new state before it is
+    registered on a new DDP). Returns this rank's error (None: it loaded) and how far the attempt
+    moved the sum of its residuals' norms (0: a refused load leaves them as they were; None for
+    "size", loaded into a new state)."""
     state = gs.DGC(density=0.05, timeout=30)  # a method with a state of its own (its step)
     ddp = DDP(make_model())
     gs.register(ddp, state)
@@ -1118,14 +1121,23 @@ def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tu
     part = saved[0]["ranks"][1]
     if damage == "byte":
         next(iter(part["residuals"].values())).view(torch.uint8)[0].add_(1)
+    elif damage == "size":
+        name = next(iter(part["residuals"]))
+        part["residuals"][name] = part["residuals"][name][:3].clone()
+        part["checksums"][name] = checksum(part["residuals"][name])
+        state = gs.DGC(density=0.05, timeout=30)
     else:
         part["methods"][0] = {"step": 2.5}
     before = sum(float(t.norm()) for t in state.state_dict()["residuals"].values())
     error = None
     try:
         state.load_state_dict(saved[0])
+        if damage == "size":  # the names are checked against the model at registration
+            gs.register(DDP(make_model()), state)
     except ValueError as e:
         error = str(e)
+    if damage == "size":  # a new state: nothing of this run's to move
+        return error, None
     after = sum(float(t.norm()) for t in state.state_dict()["residuals"].values())
     return error, after - before
 

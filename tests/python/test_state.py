@@ -1093,6 +1093,25 @@ def test_reshard_conserves_the_pending_gradient_mass():
         gs.reshard(first, 1)
 
 
+@pytest.mark.parametrize("through", ["state", "all_ranks"])
+def test_the_copy_of_an_all_ranks_state_dict_that_another_rank_returned_is_refused_naming_the_fix(through):
+    """AllRanks(state).state_dict() returns every rank's residuals on rank 0 and a copy without
+    them elsewhere. Loaded through state.load_state_dict, that copy was called cut short or
+    changed after the save ("holds NoneType ranks' state dicts"), which names neither cause nor fix."""
+    saving = gs.TopK(density=0.05)
+    _train(_hooked(saving), 2)
+    copy_elsewhere = dict(gs.AllRanks(saving).state_dict(), ranks=None)  # what ranks other than 0 get
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    load = state.load_state_dict if through == "state" else gs.AllRanks(state).load_state_dict
+    with pytest.raises(
+        ValueError,
+        match=r"TopK.load_state_dict: this state dict of gradsparse.AllRanks was returned on a rank other than 0, "
+        r"which holds no residuals: save the one rank 0 returned, and load that file on every rank",
+    ):
+        load(copy_elsewhere)
+
+
 def test_another_ranks_state_dict_loads_only_when_asked():
     sd = dict(_saved(), rank=1)
     state = gs.TopK(density=0.05)
