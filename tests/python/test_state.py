@@ -396,6 +396,19 @@ def test_method_state_follows_its_parameters_into_another_bucket_index():
     assert state2.state_dict()["methods"][0] == state.state_dict()["methods"][0]
 
 
+def _fail_second_submit(monkeypatch, state, message):
+    """The second bucket the state hands to its engine from now on raises RuntimeError(message)."""
+    submit, calls = state._submit, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError(message)
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(state, "_submit", second_fails)
+
+
 def test_a_method_state_that_a_failed_rebuild_step_left_parked_is_saved(monkeypatch):
     """DDP's rebuild keeps Chain's bucket 0 and swaps the other two: the step parks both their
     method states, and each new bucket takes its own. When the step fails at the first of them,
@@ -417,15 +430,7 @@ def test_a_method_state_that_a_failed_rebuild_step_left_parked_is_saved(monkeypa
     gs.register(ddp, state)
     backward(ddp, 1)
     assert state.state_dict()["layout"] == [["head.weight"], ["a.weight"], ["b.weight"]]
-    submit, calls = state._submit, []
-
-    def second_fails(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the rebuilt bucket 1 failed")
-        return submit(*args, **kwargs)
-
-    monkeypatch.setattr(state, "_submit", second_fails)
+    _fail_second_submit(monkeypatch, state, "the rebuilt bucket 1 failed")
     with pytest.raises(RuntimeError, match="the rebuilt bucket 1 failed"):
         backward(ddp, 1)
     monkeypatch.undo()
@@ -669,15 +674,7 @@ def test_a_saved_bucket_that_fails_in_the_first_step_after_a_load_delivers_those
     _train(resumed, 2, seed=4)
     resumed.module.load_state_dict(ddp.module.state_dict())
     state.load_state_dict(sd)
-    submit, calls = state._submit, []
-
-    def second_fails(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("the second saved bucket failed")
-        return submit(*args, **kwargs)
-
-    monkeypatch.setattr(state, "_submit", second_fails)
+    _fail_second_submit(monkeypatch, state, "the second saved bucket failed")
     x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
     for model in (ddp, resumed):
         model.zero_grad()
