@@ -28,6 +28,7 @@ import inspect
 import math
 import numbers
 import sys
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
@@ -59,6 +60,9 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # bucket is filled with NaN once the engine is done with it (State._submit).
 _ENGINE_POLICY = {"raise": "raise", "skip": "skip", "propagate": "skip"}
 _DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+#: A bucket that skips its update (nonfinite="skip" or "propagate") in this many steps in a row
+#: gets a warning (State._count_skips).
+SKIPS_BEFORE_WARNING = 100
 _LIVE_STATES: weakref.WeakSet[State] = weakref.WeakSet()
 _NOT_A_MEMBER = (
     ". If this rank was meant to stay out of a sub-group: torch.distributed.new_group(ranks, "
@@ -217,6 +221,7 @@ class State:
         self._scale_read_at: int | None = None  # the step whose loss scale was read (_follow_scale)
         self._propagated: _PropagatedStep | None = None  # nonfinite="propagate": this step's buckets so far
         self._overflowed_at: int | None = None  # the step whose loss scale the residuals could not follow
+        self._skipped_in_a_row: dict[int, int] = {}  # bucket index -> its last steps skipped for NaN/Inf, in a row
         _LIVE_STATES.add(self)
 
     # ----------------------------------------------------------------------------------------
@@ -741,6 +746,7 @@ class State:
                 self._propagated = None
                 raise
             self._metrics.record(index, report, self._world_size, element_size)
+            self._count_skips(index, label, report.skipped)
             if timed is not None and not report.skipped:
                 trial.record(index, timed, report.exchange_seconds)
             if propagate:
@@ -750,6 +756,23 @@ class State:
             return value
 
         return future.then(finish)
+
+    def _count_skips(self, index: int, label: str, skipped: bool) -> None:
+        """Warns, on every rank (they skip together), when a bucket has skipped its update for
+        NaN/Inf in residual + gradient in each of SKIPS_BEFORE_WARNING steps in a row: its
+        parameters have stopped training, which neither policy that skips would say otherwise."""
+        run = self._skipped_in_a_row.get(index, 0) + 1 if skipped else 0
+        self._skipped_in_a_row[index] = run
+        if run == SKIPS_BEFORE_WARNING:
+            warnings.warn(
+                f"{type(self).__name__}: {label} skipped its update on every rank in each of the last {run} steps "
+                f"(nonfinite={self._nonfinite!r}), each time for NaN/Inf in residual + gradient, so its parameters "
+                "have stopped training. Find the source (the loss, the learning rate, a float16 overflow: clip "
+                'gradients or lower the loss scale), or construct the state with nonfinite="raise" to stop at the '
+                "first such step with the ranks and counts named",
+                RuntimeWarning,
+                stacklevel=1,  # raised in a future's callback: no caller of the user's to point at
+            )
 
     def _propagate(
         self,

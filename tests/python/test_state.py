@@ -6,6 +6,7 @@ import gc
 import math
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -259,6 +260,40 @@ def test_a_skipped_step_counts_in_no_density(make):
     assert total["density"] == total["union_density"] == total["achieved_density"]
     if isinstance(state, gs.TopK):
         assert total["density"] == pytest.approx(math.floor(0.1 * n) / n)
+
+
+@pytest.mark.parametrize("nonfinite", ["skip", "propagate"])
+def test_a_bucket_that_skips_every_step_warns_once_that_it_stopped_training(nonfinite):
+    """A NaN that every step's gradient carries (here from the input) makes every step skip the
+    bucket: its parameters stop training, which the skipping policies said nowhere but in the
+    statistics. The state warns at the SKIPS_BEFORE_WARNING-th skip in a row, once; a good step
+    starts the count again."""
+    from gradsparse.state import SKIPS_BEFORE_WARNING
+
+    state = gs.TopK(density=0.1, nonfinite=nonfinite)
+    ddp = _hooked(state)
+
+    def steps(count, nan):
+        for _ in range(count):
+            x = torch.randn(16, 8)
+            if nan:
+                x[0, 0] = math.nan
+            ddp(x).sum().backward()
+            ddp.zero_grad()
+
+    def warnings_of(count, nan):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps(count, nan)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    assert warnings_of(SKIPS_BEFORE_WARNING - 1, nan=True) == []
+    assert warnings_of(1, nan=False) == []  # a good step: the count starts again
+    assert warnings_of(SKIPS_BEFORE_WARNING - 1, nan=True) == []
+    (message,) = warnings_of(SKIPS_BEFORE_WARNING + 5, nan=True)  # the 100th in a row, and no more after it
+    assert f"bucket 0 skipped its update on every rank in each of the last {SKIPS_BEFORE_WARNING} steps" in message
+    assert f"nonfinite={nonfinite!r}" in message and 'nonfinite="raise"' in message
+    assert state.stats()["total"]["skipped_steps"] == 3 * SKIPS_BEFORE_WARNING + 3
 
 
 def test_state_dict_round_trip_restores_residuals_by_name():
