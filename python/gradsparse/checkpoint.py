@@ -431,10 +431,13 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
         _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
         _check("gradsparse.reshard", saved)
-    # in rank 0's loss scale (set_scaler; its state dict's loss_scale stays), where another rank's was saved in another
+    # Each rank's in the loss scale it was saved in (set_scaler); the mean in the smallest of them,
+    # so that no value grows on the way (a float16 residual moved up to a larger scale could pass
+    # 65504), and the next step moves it to the scaler's scale.
     scales = [float(saved.get("loss_scale", 1.0)) for saved in ranks]
-    residuals = _mean_over_ranks([saved["residuals"] for saved in ranks], scales)
-    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks], scales)
+    common = min(scales)
+    residuals = _mean_over_ranks([saved["residuals"] for saved in ranks], scales, common)
+    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks], scales, common)
     entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
@@ -447,15 +450,18 @@ def reshard(state_dict: dict, world_size: int) -> dict:
             layout=[],
             parked_methods=[],
             exchanges=None,
+            loss_scale=common,
         )
         for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)
 
 
-def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]], scales: list[float]) -> dict[str, torch.Tensor]:
+def _mean_over_ranks(
+    per_rank: list[dict[str, torch.Tensor]], scales: list[float], common: float
+) -> dict[str, torch.Tensor]:
     """By name, the mean of the ranks' tensors (a rank without one holds zeros), rank r's in loss
-    scale ``scales[r]``, the mean in ``scales[0]``."""
+    scale ``scales[r]``, the mean in ``common``."""
     out = {}
     for name in sorted({name for tensors in per_rank for name in tensors}):
         parts = [(tensors[name], scale) for tensors, scale in zip(per_rank, scales, strict=True) if name in tensors]
@@ -466,7 +472,7 @@ def _mean_over_ranks(per_rank: list[dict[str, torch.Tensor]], scales: list[float
                 "elements): the state dict's ranks were saved from different models; reshard a state dict that "
                 "gradsparse.AllRanks(state).state_dict() returned, as saved"
             )
-        total = torch.stack([p.double() * (scales[0] / scale) for p, scale in parts]).sum(0)
+        total = torch.stack([p.double() * (common / scale) for p, scale in parts]).sum(0)
         out[name] = (total / len(per_rank)).to(parts[0][0].dtype)
     return out
 

@@ -49,16 +49,25 @@ def _all_ranks(*residuals):
             "ranks": ranks}  # fmt: skip
 
 
-def test_reshard_averages_residuals_saved_in_other_loss_scales_in_rank_0s():
+def test_reshard_averages_residuals_saved_in_other_loss_scales_in_the_smallest():
     """Residuals are in the loss scale their state dict records (State.set_scaler): rank 1's,
     saved in scale 8, count as an eighth of their values in rank 0's scale 2 (the mean of 1 and
-    3 at scale 1, so 2 and 6 at scale 2; rank 1's 24 at scale 8 is 6 at scale 2)."""
+    3 at scale 1, so 2 and 6 at scale 2; rank 1's 24 at scale 8 is 6 at scale 2). The mean is in
+    the smallest scale: in rank 0's, a float16 rank 1 at a quarter of rank 0's scale would have
+    moved 60000 up to 240000, past float16's 65504, and the resharded state dict held Inf."""
     import gradsparse as gs
 
     saved = _all_ranks({"w": torch.full((6,), 2.0)}, {"w": torch.full((6,), 24.0)})
     saved["ranks"][0]["loss_scale"], saved["ranks"][1]["loss_scale"] = 2.0, 8.0
     one = gs.reshard(saved, 1)["ranks"][0]
     assert one["loss_scale"] == 2.0 and torch.equal(one["residuals"]["w"], torch.full((6,), 4.0))
+
+    half = torch.float16
+    saved = _all_ranks({"w": torch.full((6,), 24.0, dtype=half)}, {"w": torch.full((6,), 60000.0, dtype=half)})
+    saved["ranks"][0]["loss_scale"], saved["ranks"][1]["loss_scale"] = 8.0, 2.0
+    two = gs.reshard(saved, 2)["ranks"]
+    for rank in two:  # (24 / 4 + 60000) / 2 = 30003 at scale 2, 30000 in float16
+        assert rank["loss_scale"] == 2.0 and torch.equal(rank["residuals"]["w"], torch.full((6,), 30000.0, dtype=half))
 
 
 @pytest.mark.parametrize(
