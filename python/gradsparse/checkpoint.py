@@ -413,7 +413,8 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     (their mean is the momentum the ranks apply together). Method states depend on the number of ranks (MiCRO's
     and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run, and so does
     ``exchange="auto"``'s decision (timed at the old world size, by bucket index of the old
-    layout); the step and rank 0's statistics are kept.
+    layout); the step and rank 0's statistics are kept. Ranks saved in different loss scales
+    (``set_scaler``) are averaged in the smallest of them, which the new state dict records.
 
     Example::
 
