@@ -32,6 +32,17 @@ std::string of_bucket(const std::string& bucket, const std::string& error) {
   return named ? error : str(bucket, ": ", error);
 }
 
+/// Fails `future` with `error`. A callback of the future that raises (which c10's Future lets
+/// through setError) is no concern of the exchanges, as on a completed future: the future carries
+/// the error all the same, and the callback's exception must not leave the engine thread, where it
+/// ended the process (std::terminate).
+void fail(c10::ivalue::Future& future, const std::exception_ptr& error) {
+  try {
+    future.setErrorIfNeeded(error);
+  } catch (...) {
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<JobDevice> make_cpu_job_device() { return std::make_unique<CpuJobDevice>(); }
@@ -73,6 +84,7 @@ struct Engine::Shared {
 
 Engine::Engine(std::unique_ptr<Transport> transport) : shared_(std::make_shared<Shared>(std::move(transport))) {
   thread_ = std::thread([shared = shared_] { shared->loop(); });
+  thread_id_ = thread_.get_id();
 }
 
 Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::milliseconds timeout)
@@ -100,7 +112,11 @@ void Engine::shutdown() {
     shared_->stopping = true;
   }
   shared_->cv.notify_all();
-  if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
+  if (std::this_thread::get_id() == thread_id_) return;  // a job's callback: the thread ends after it
+  // Joined under a lock: a second caller waits for the first one's join, then finds the thread
+  // joined. Two joins of one std::thread at once left the second waiting for ever.
+  std::lock_guard<std::mutex> lock(join_mu_);
+  if (thread_.joinable()) thread_.join();
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Engine::submit(at::Tensor grad, std::optional<at::Tensor> residual,
@@ -156,8 +172,9 @@ void Engine::Shared::run(Job& job) {
     earlier = failure;
   }
   if (!earlier.empty()) {
-    job.future->setError(std::make_exception_ptr(CommError(
-        str("gradsparse: ", job.options.bucket_name, " was not reduced because an earlier bucket failed: ", earlier))));
+    fail(*job.future,
+         std::make_exception_ptr(CommError(str("gradsparse: ", job.options.bucket_name,
+                                               " was not reduced because an earlier bucket failed: ", earlier))));
     return;
   }
   bool reduced = false;
@@ -170,11 +187,11 @@ void Engine::Shared::run(Job& job) {
     });
   } catch (const NonFiniteError& e) {
     // Raised identically on every rank after an agreed exchange: later buckets can proceed.
-    job.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(str("gradsparse: ", e.what()))));
+    fail(*job.future, std::make_exception_ptr(std::runtime_error(str("gradsparse: ", e.what()))));
   } catch (const ValueError& e) {
     // A refused argument or configuration, refused alike on every rank: later buckets can proceed.
-    job.future->setErrorIfNeeded(
-        std::make_exception_ptr(std::runtime_error(str("gradsparse: ", of_bucket(job.options.bucket_name, e.what())))));
+    fail(*job.future, std::make_exception_ptr(
+                          std::runtime_error(str("gradsparse: ", of_bucket(job.options.bucket_name, e.what())))));
   } catch (const std::exception& e) {
     // The bucket was reduced and its future completed; what raised was one of the future's
     // callbacks, which is no concern of the exchanges.
@@ -189,7 +206,7 @@ void Engine::Shared::run(Job& job) {
       std::lock_guard<std::mutex> lock(mu);
       failure = error;
     }
-    job.future->setErrorIfNeeded(std::make_exception_ptr(std::runtime_error(str("gradsparse: ", error))));
+    fail(*job.future, std::make_exception_ptr(std::runtime_error(str("gradsparse: ", error))));
   }
 }
 

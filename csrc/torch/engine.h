@@ -65,7 +65,8 @@ class Engine {
                                                  std::optional<at::Tensor> velocity, std::shared_ptr<Method> method,
                                                  ReduceOptions options, std::shared_ptr<ReduceReport> report);
 
-  /// Finishes queued jobs and joins the thread. Idempotent; also called by the destructor.
+  /// Finishes queued jobs and joins the thread. Idempotent, also from several threads at once
+  /// (each returns once the thread has ended); also called by the destructor.
   void shutdown();
 
   int rank() const;
@@ -75,6 +76,8 @@ class Engine {
   struct Shared;  // queue, transport and failure state, shared with the thread
   std::shared_ptr<Shared> shared_;
   std::thread thread_;
+  std::thread::id thread_id_;  // the engine thread's, read without touching thread_ (which a join rewrites)
+  std::mutex join_mu_;         // one join at a time: shutdown() from several threads at once (a second join hung)
 };
 
 }  // namespace gradsparse::torch_adapter

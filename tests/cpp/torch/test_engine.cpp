@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <future>
+#include <limits>
 #include <memory>
 #include <new>
 #include <stdexcept>
@@ -232,6 +233,87 @@ TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
     for (int b = 0; b < 2; ++b) EXPECT_EQ(errors[r][b], "") << r << " " << b;
 }
 
+// A callback that raises on a bucket's future that failed (here NaN/Inf in rank 0's bucket 0,
+// refused alike on both ranks) is as little concern of the exchanges as one on a reduced bucket:
+// the failed future carries the error and the engine goes on with the next bucket. The callback's
+// exception escaped the engine thread from the failure path (setErrorIfNeeded inside the catch
+// block) and ended the process (std::terminate).
+TEST(Engine, ACallbackThatRaisesOnAFailedBucketLeavesTheEngineRunning) {
+  auto group = ThreadGroup::create(2, std::chrono::seconds(30));
+  std::promise<void> attached;
+  std::shared_future<void> ready = attached.get_future().share();
+  std::vector<std::vector<std::string>> errors(2);
+  rethrow_first(run_ranks(2, [&](int rank, Transport&) {
+    Engine engine(group->transport(rank));
+    if (rank == 1) ready.wait();  // bucket 0 fails only once rank 0's callback is attached
+    auto method = std::shared_ptr<Method>(std::make_unique<TopK>(0.05));
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (int b = 0; b < 2; ++b) {
+      at::Tensor grad = bucket_of(rank, b, kN);
+      if (b == 0 && rank == 0) grad[7] = std::numeric_limits<float>::quiet_NaN();
+      ReduceOptions options;
+      options.bucket_name = "bucket " + std::to_string(b);
+      futures.push_back(engine.submit(grad, at::zeros({kN}), std::nullopt, method, options, nullptr));
+      if (rank == 0 && b == 0) {
+        futures[0]->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a callback raised"); });
+        attached.set_value();
+      }
+    }
+    for (auto& f : futures) {
+      f->wait();
+      errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
+    }
+  }));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r][0].find("NaN/Inf"), std::string::npos) << r << ": " << errors[r][0];
+    EXPECT_EQ(errors[r][1], "") << r;
+  }
+}
+
+/// Fails every collective with a CommError once `gate` is open (for a test that must act before
+/// the engine's first collective fails).
+class GatedFailure final : public Forwarding {
+ public:
+  GatedFailure(Transport& inner, std::shared_future<void> gate) : Forwarding(inner), gate_(std::move(gate)) {}
+  void allgather(const Device&, const void*, void*, size_t) override { fail(); }
+  void allreduce_sum(const Device&, void*, size_t, DType) override { fail(); }
+  void sendrecv(const Device&, const void*, size_t, int, void*, size_t, int) override { fail(); }
+
+ private:
+  void fail() {
+    gate_.wait();
+    throw CommError("injected failure");
+  }
+  std::shared_future<void> gate_;
+};
+
+// The same on an engine that stops: a collective of bucket 0 fails, and callbacks that raise on
+// its future and on bucket 1's (failed at once for the earlier failure) leave both futures failed
+// with their errors, and the process running.
+TEST(Engine, ACallbackThatRaisesOnABucketOfAStoppedEngineEndsNothing) {
+  auto group = ThreadGroup::create(2, std::chrono::seconds(30));
+  auto inner = group->transport(0);
+  std::promise<void> attached;
+  Engine engine(std::make_unique<GatedFailure>(*inner, attached.get_future().share()));
+  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+  for (int b = 0; b < 2; ++b) {
+    ReduceOptions options;
+    options.bucket_name = "bucket " + std::to_string(b);
+    futures.push_back(engine.submit(bucket_of(0, b, kN), std::nullopt, std::nullopt, nullptr, options, nullptr));
+    futures.back()->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a callback raised"); });
+  }
+  attached.set_value();
+  std::vector<std::string> errors;
+  for (auto& f : futures) {
+    f->wait();
+    errors.push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
+  }
+  engine.shutdown();  // `inner` outlives the engine thread
+  EXPECT_NE(errors[0].find("bucket 0: injected failure"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("bucket 1 was not reduced because an earlier bucket failed: bucket 0"), std::string::npos)
+      << errors[1];
+}
+
 // Engines shut down from other threads while buckets are still queued finish them first.
 TEST(Engine, ShutdownDrainsTheQueue) {
   auto group = ThreadGroup::create(2, std::chrono::seconds(30));
@@ -247,6 +329,35 @@ TEST(Engine, ShutdownDrainsTheQueue) {
       ASSERT_FALSE(f->hasError()) << f->tryRetrieveErrorMessage();
     }
   }));
+}
+
+// shutdown() from two threads at once while a bucket is in flight (State.close() releases the
+// GIL while it waits, so two Python threads, or atexit's close and a user's, can be in it
+// together): both wait for the thread and return. Both joined the same std::thread at once, and
+// the second join never returned.
+TEST(Engine, ShutdownFromTwoThreadsAtOnceWaitsInBoth) {
+  auto group = ThreadGroup::create(2, std::chrono::seconds(30));
+  auto inner = group->transport(0);
+  std::promise<void> release;
+  Engine engine(std::make_unique<GatedFailure>(*inner, release.get_future().share()));
+  auto future = engine.submit(bucket_of(0, 0, kN), std::nullopt, std::nullopt, nullptr, ReduceOptions{}, nullptr);
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> closers;
+  for (int t = 0; t < 2; ++t) {
+    closers.emplace_back([&, t] {
+      try {
+        engine.shutdown();
+      } catch (const std::exception& e) {
+        errors[t] = e.what();
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // both are waiting in shutdown()
+  release.set_value();
+  for (auto& closer : closers) closer.join();
+  EXPECT_TRUE(future->completed());
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
 }
 
 /// A Work that records whether it was waited for, and with which timeout; its wait takes `delay`,
