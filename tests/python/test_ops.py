@@ -381,3 +381,22 @@ def test_sizes_from_a_dynamic_shape_compile_once():
 def test_every_error_of_an_op_names_the_op(call, error, message):
     with pytest.raises(error, match="^" + message):
         call()
+
+
+@pytest.mark.parametrize("op,arg", [(gs.select_threshold, 100.0), (gs.select_topk, 2)])
+def test_selection_refuses_a_residual_that_partly_overlaps_grad(op, arg):
+    """A residual that is a shifted view of the same storage as grad (residual = buf[1:], grad =
+    buf[:-1]) read grad values the kernel had already written into the residual: residual +=
+    grad gave the running sums [2, 3, 4, ...] where the elementwise sums [2, 2, 2, ...] were due,
+    and what was selected depended on the kernel's order of writes. torch's own in-place ops
+    (residual.add_(grad)) refuse such arguments, as scatter_add_ here refuses values that share
+    memory with out."""
+    buf = torch.ones(9)
+    message = r"gradsparse\.select_\w+: residual partly overlaps grad in memory, .*grad\.clone\(\)"
+    with pytest.raises(ValueError, match=message):
+        op(buf[:-1], buf[1:], arg)
+    assert buf.tolist() == [1.0] * 9
+    # a residual apart from grad is taken
+    grad = buf[:-1].clone()
+    op(grad, buf[1:], arg)
+    assert buf[1:].tolist() == ([2.0] * 8 if op is gs.select_threshold else [0.0] * 2 + [2.0] * 6)
