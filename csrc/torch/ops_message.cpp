@@ -56,7 +56,9 @@ at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t den
 std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarType dtype, int64_t dense_size) {
   TORCH_CHECK_TYPE(message.scalar_type() == at::kByte && message.dim() == 1,
                    "gradsparse.unpack: message must be a 1-D uint8 tensor, got ", message.scalar_type(), " of shape ",
-                   message.sizes());
+                   message.sizes(),
+                   "; pass the tensor gradsparse.pack returned, or received bytes as "
+                   "buffer.view(torch.uint8).flatten()");
   TORCH_CHECK_VALUE(dense_size >= 0, "gradsparse.unpack: dense_size must be >= 0, got ", dense_size);
   const DType core = core_dtype(at::empty({0}, at::TensorOptions().dtype(dtype)), "dtype");
   // The indices and values are read as views of int32/int64 and of the values' dtype, which needs

@@ -76,8 +76,9 @@ def select_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tu
 
 
 def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, divisor: float = 1.0) -> None:
-    """``out[indices] += values / divisor`` with duplicates accumulated; every index is
-    validated first (IndexError, and nothing written, when one is outside ``out``)."""
+    """``out.view(-1)[indices] += values / divisor`` (indices count ``out``'s elements, whatever
+    its shape) with duplicates accumulated; every index is validated first (IndexError, and
+    nothing written, when one is outside ``out``)."""
     _real("scatter_add_", "divisor", divisor, "pass the number of ranks to average over, or 1.0")
     _one_device("scatter_add_", out=out, indices=indices, values=values)
     _ops.scatter_add_(out, indices, values, divisor)
