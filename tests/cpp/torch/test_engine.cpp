@@ -205,20 +205,22 @@ INSTANTIATE_TEST_SUITE_P(Faults, EngineFailure,
                            return std::string();
                          });
 
-// A callback of a bucket's future that raises once the bucket is reduced says nothing about the
-// exchanges: the engine goes on with the next bucket.
-TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
+using Submit = std::function<c10::intrusive_ptr<c10::ivalue::Future>(Engine&, int rank, int bucket)>;
+
+/// Each rank's error message ("" for none) of the two buckets `submit` hands to that rank's engine,
+/// with a callback that raises attached to rank 0's bucket 0 before rank 1 submits anything (so
+/// that bucket completes, or fails, only once the callback is there).
+std::vector<std::vector<std::string>> errors_under_a_raising_callback(const Submit& submit) {
   auto group = ThreadGroup::create(2, std::chrono::seconds(30));
   std::promise<void> attached;
   std::shared_future<void> ready = attached.get_future().share();
   std::vector<std::vector<std::string>> errors(2);
   rethrow_first(run_ranks(2, [&](int rank, Transport&) {
     Engine engine(group->transport(rank));
-    if (rank == 1) ready.wait();  // bucket 0 completes only once rank 0's callback is attached
+    if (rank == 1) ready.wait();
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     for (int b = 0; b < 2; ++b) {
-      futures.push_back(
-          engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, nullptr, ReduceOptions{}, nullptr));
+      futures.push_back(submit(engine, rank, b));
       if (rank == 0 && b == 0) {
         futures[0]->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a callback raised"); });
         attached.set_value();
@@ -229,6 +231,15 @@ TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
       errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
     }
   }));
+  return errors;
+}
+
+// A callback of a bucket's future that raises once the bucket is reduced says nothing about the
+// exchanges: the engine goes on with the next bucket.
+TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
+  const auto errors = errors_under_a_raising_callback([](Engine& engine, int rank, int b) {
+    return engine.submit(bucket_of(rank, b, kN), std::nullopt, std::nullopt, nullptr, ReduceOptions{}, nullptr);
+  });
   for (int r = 0; r < 2; ++r)
     for (int b = 0; b < 2; ++b) EXPECT_EQ(errors[r][b], "") << r << " " << b;
 }
@@ -239,31 +250,14 @@ TEST(Engine, ACallbackThatRaisesLeavesTheEngineRunning) {
 // exception escaped the engine thread from the failure path (setErrorIfNeeded inside the catch
 // block) and ended the process (std::terminate).
 TEST(Engine, ACallbackThatRaisesOnAFailedBucketLeavesTheEngineRunning) {
-  auto group = ThreadGroup::create(2, std::chrono::seconds(30));
-  std::promise<void> attached;
-  std::shared_future<void> ready = attached.get_future().share();
-  std::vector<std::vector<std::string>> errors(2);
-  rethrow_first(run_ranks(2, [&](int rank, Transport&) {
-    Engine engine(group->transport(rank));
-    if (rank == 1) ready.wait();  // bucket 0 fails only once rank 0's callback is attached
-    auto method = std::shared_ptr<Method>(std::make_unique<TopK>(0.05));
-    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
-    for (int b = 0; b < 2; ++b) {
-      at::Tensor grad = bucket_of(rank, b, kN);
-      if (b == 0 && rank == 0) grad[7] = std::numeric_limits<float>::quiet_NaN();
-      ReduceOptions options;
-      options.bucket_name = "bucket " + std::to_string(b);
-      futures.push_back(engine.submit(grad, at::zeros({kN}), std::nullopt, method, options, nullptr));
-      if (rank == 0 && b == 0) {
-        futures[0]->addCallback([](c10::ivalue::Future&) { throw std::runtime_error("a callback raised"); });
-        attached.set_value();
-      }
-    }
-    for (auto& f : futures) {
-      f->wait();
-      errors[rank].push_back(f->hasError() ? f->tryRetrieveErrorMessage() : "");
-    }
-  }));
+  const std::vector<std::shared_ptr<Method>> methods = {std::make_shared<TopK>(0.05), std::make_shared<TopK>(0.05)};
+  const auto errors = errors_under_a_raising_callback([&](Engine& engine, int rank, int b) {
+    at::Tensor grad = bucket_of(rank, b, kN);
+    if (b == 0 && rank == 0) grad[7] = std::numeric_limits<float>::quiet_NaN();
+    ReduceOptions options;
+    options.bucket_name = "bucket " + std::to_string(b);
+    return engine.submit(grad, at::zeros({kN}), std::nullopt, methods[rank], options, nullptr);
+  });
   for (int r = 0; r < 2; ++r) {
     EXPECT_NE(errors[r][0].find("NaN/Inf"), std::string::npos) << r << ": " << errors[r][0];
     EXPECT_EQ(errors[r][1], "") << r;
