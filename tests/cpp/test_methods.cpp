@@ -18,6 +18,7 @@
 #include "gradsparse/cpu_device.h"
 #include "gradsparse/methods.h"
 #include "gradsparse/reduce_bucket.h"
+#include "gradsparse/spardl.h"
 #include "reference.h"
 #include "threads.h"
 
@@ -35,8 +36,7 @@ struct Case {
   Factory make;
 };
 
-std::vector<Case> all_methods() {
-  const double d = 0.02;
+std::vector<Case> all_methods(double d = 0.02) {
   return {
       {"topk", [=] { return std::make_unique<TopK>(d); }},
       {"threshold", [=] { return std::make_unique<Threshold>(std::nullopt, d); }},
@@ -864,6 +864,469 @@ TEST(Methods, SageKeepsItsThresholdOverAnEmptyBucket) {
     for (int t = 4; t < 8; ++t) {
       EXPECT_GT(step(n, t), 0) << "step " << t;
       EXPECT_TRUE(std::isfinite(sage.report().threshold)) << "step " << t;
+    }
+  }
+}
+
+// ---- state() / load_state() round trips ---------------------------------------------------------
+
+namespace {
+
+/// all_methods() and the variants it leaves out: the reference modes, the other exchanges and
+/// listings, a fixed threshold, the adaptive SIDCo's stage counts, SparDL with one and two teams.
+std::vector<Case> every_variant(double d = 0.02) {
+  std::vector<Case> cases = all_methods(d);
+  std::vector<Case> more = {
+      {"topk_reduce_scatter", [=] { return std::make_unique<TopK>(d, "reduce_scatter"); }},
+      {"threshold_fixed", [=] { return std::make_unique<Threshold>(0.5, std::nullopt); }},
+      {"gaussiank_spardl_ref", [=] { return std::make_unique<GaussianK>(d, "spardl", "gather", true); }},
+      {"gaussiank_sidco_ref", [=] { return std::make_unique<GaussianK>(d, "sidco", "gather", true); }},
+      {"dgc_ref", [=] { return std::make_unique<DGC>(d, 3, "gather", true); }},
+      {"redsync_ref", [=] { return std::make_unique<RedSync>(d, "gather", true); }},
+      {"sage_reference_flat",
+       [=] { return std::make_unique<SAGE>(d, "flat", std::vector<int64_t>{}, true, 3, std::nullopt, std::nullopt); }},
+      {"sage_initial",
+       [=] { return std::make_unique<SAGE>(d, "flat", std::vector<int64_t>{}, false, 3, 0.3, std::nullopt); }},
+      {"sage_nowhere",
+       [=] {
+         return std::make_unique<SAGE>(d, "flat", std::vector<int64_t>{}, false, 3, std::nullopt, std::nullopt,
+                                       Listing::kNowhere);
+       }},
+      {"micro_reference", [=] { return std::make_unique<MiCRO>(d, "union", true, 3); }},
+      {"micro_gather", [=] { return std::make_unique<MiCRO>(d, "gather", false, 3); }},
+      {"micro_nowhere", [=] { return std::make_unique<MiCRO>(d, "union", false, 3, Listing::kNowhere); }},
+      {"exdyna_reference_gather", [=] { return std::make_unique<ExDyna>(d, "gather", true, 3); }},
+      {"sidco_adaptive_1", [=] { return std::make_unique<SIDCo>(d, "exp", -1, 0.25, std::nullopt); }},
+      {"sidco_adaptive_3", [=] { return std::make_unique<SIDCo>(d, "gpareto", -3, 0.25, std::nullopt); }},
+      {"sidco_adaptive_ref", [=] { return std::make_unique<SIDCo>(d, "exp", -2, 0.25, std::nullopt, "gather", true); }},
+      {"sidco_gamma_ref",
+       [=] { return std::make_unique<SIDCo>(d, "gamma_gpareto", 3, 0.25, std::nullopt, "gather", true); }},
+      {"spardl_1", [=] { return std::make_unique<SparDL>(d, 1); }},
+      {"spardl_2", [=] { return std::make_unique<SparDL>(d, 2); }},
+  };
+  cases.insert(cases.end(), more.begin(), more.end());
+  return cases;
+}
+
+/// Whether `c` runs on p ranks (SparDL's two teams need an even number of them).
+bool runs_on(const Case& c, int p) { return std::string(c.name) != "spardl_2" || p % 2 == 0; }
+
+/// Two states alike, NaN entries equal to NaN.
+::testing::AssertionResult same_state(const MethodState& a, const MethodState& b) {
+  bool same = a.size() == b.size();
+  for (auto x = a.begin(), y = b.begin(); same && x != a.end(); ++x, ++y)
+    same = x->first == y->first && (x->second == y->second || (std::isnan(x->second) && std::isnan(y->second)));
+  if (same) return ::testing::AssertionSuccess();
+  auto text = [](const MethodState& s) {
+    std::string out;
+    for (const auto& [key, value] : s) out += key + "=" + std::to_string(value) + " ";
+    return out;
+  };
+  return ::testing::AssertionFailure() << "{ " << text(a) << "} vs { " << text(b) << "}";
+}
+
+struct RankRun {
+  std::vector<float> residual;
+  std::vector<float> out;
+  double threshold = 0.0;
+};
+
+/// One step of every rank: gradients value(t, r, i) (times `scale`), residuals in `runs`.
+void step_all(const std::vector<std::unique_ptr<Method>>& methods, std::vector<RankRun>& runs, int64_t n, int t,
+              const Value& value, float scale) {
+  const int p = static_cast<int>(methods.size());
+  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+    RankRun& run = runs[rank];
+    run.out.resize(n);
+    for (int64_t i = 0; i < n; ++i) run.out[i] = value(t, rank, i) * scale;
+    CpuDevice device;
+    BucketView bucket{DType::kFloat32, n, run.out.data(), run.residual.data()};
+    const ReduceReport report = reduce_bucket(methods[rank].get(), transport, device, bucket, ReduceOptions{});
+    run.threshold = report.threshold;
+  }));
+}
+
+float drifting(int t, int r, int64_t i) {
+  // a scale that moves from step to step, so the adaptive parts of every method have work to do
+  const float level = 1.0f + 0.6f * std::sin(0.9f * t);
+  const float base = std::sin(0.37f * i + 1.3f * r + 0.71f * t * t + 0.05f * i * r);
+  return level * base * base * base * ((i % 97 == 0) ? 8.0f : 1.0f) * (i < 20000 ? 3.0f : 1.0f);
+}
+
+/// Runs `before` steps (rescaled by `rescale_by` after the first half of them), saves every rank's
+/// state, loads it into a new method, saves that one's state before any step and loads it into a
+/// third (a checkpoint loaded and saved again, unstepped), and checks that the third goes on for
+/// `after` steps exactly as the method that saved the state.
+void expect_round_trip(const Case& c, int p, int64_t n, int before, int after, double rescale_by, bool used = false) {
+  SCOPED_TRACE(::testing::Message() << c.name << " p=" << p << " n=" << n << " before=" << before
+                                    << " rescale=" << rescale_by << (used ? " into a used method" : ""));
+  auto going = make_ranks(c, p);
+  std::vector<RankRun> runs(p);
+  for (auto& r : runs) r.residual.assign(n, 0.0f);
+  const float scale = static_cast<float>(rescale_by);
+  for (int t = 0; t < before; ++t) {
+    if (t == before / 2 && rescale_by != 1.0)
+      for (auto& m : going) m->rescale(rescale_by);
+    step_all(going, runs, n, t, drifting, t < before / 2 ? 1.0f : scale);
+  }
+  if (before == 0 && rescale_by != 1.0)
+    for (auto& m : going) m->rescale(rescale_by);
+  std::vector<MethodState> saved;
+  for (auto& m : going) saved.push_back(m->state());
+  auto middle = make_ranks(c, p);
+  for (int r = 0; r < p; ++r) middle[r]->load_state(saved[r]);
+  for (int r = 0; r < p; ++r)
+    EXPECT_TRUE(same_state(middle[r]->state(), saved[r])) << "rank " << r << ": state() after load";
+  auto loaded = make_ranks(c, p);
+  if (used) {  // the state goes into methods that ran steps of their own (a checkpoint loaded mid-run)
+    std::vector<RankRun> other(p);
+    for (auto& r : other) r.residual.assign(n, 0.0f);
+    for (int t = 0; t < 5; ++t) step_all(loaded, other, n, t + 11, drifting, 2.0f);
+  }
+  for (int r = 0; r < p; ++r) loaded[r]->load_state(middle[r]->state());
+  std::vector<RankRun> runs2 = runs;
+  for (int t = before; t < before + after; ++t) {
+    step_all(going, runs, n, t, drifting, scale);
+    step_all(loaded, runs2, n, t, drifting, scale);
+    for (int r = 0; r < p; ++r) {
+      ASSERT_EQ(runs[r].residual, runs2[r].residual) << "step " << t << " rank " << r << ": residuals differ";
+      ASSERT_EQ(runs[r].out, runs2[r].out) << "step " << t << " rank " << r << ": updates differ";
+      if (!(std::isnan(runs[r].threshold) && std::isnan(runs2[r].threshold)))
+        ASSERT_EQ(runs[r].threshold, runs2[r].threshold) << "step " << t << " rank " << r;
+    }
+  }
+}
+
+}  // namespace
+
+// Every method (both modes, every exchange, SparDL too): a state saved after some steps (rescaled
+// or not), loaded, saved again before a step and loaded into a new method (or one that ran steps of
+// its own) goes on exactly as the method that saved it.
+class RoundTrip : public ::testing::TestWithParam<int> {};
+
+TEST_P(RoundTrip, LoadedStateGoesOnAsTheMethodWouldHave) {
+  const int p = GetParam();
+  for (const Case& c : every_variant()) {
+    if (!runs_on(c, p)) continue;
+    for (int before : {0, 2, 7}) expect_round_trip(c, p, 40000, before, 4, 1.0);
+    expect_round_trip(c, p, 40000, 4, 3, 4.0);
+    for (int before : {0, 4}) expect_round_trip(c, p, 40000, before, 3, 1.0, /*used=*/true);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, RoundTrip, ::testing::Values(3, 4));
+
+// ExDyna's block layout, loaded, lives only in saved_blocks_ until the next step lays it out. A
+// state saved before that step (a checkpoint loaded and saved again, as a resumed run that saves
+// before its first step does) left out the 'blocks.' entries, and a run resumed from it started
+// from even partitions: its selections differed from the run that saved the layout.
+TEST(Methods, ExDynaKeepsALoadedLayoutInAStateSavedBeforeItsNextStep) {
+  const Case c{"exdyna", [] { return std::make_unique<ExDyna>(0.02, "union", false, 3); }};
+  const int p = 2;
+  const int64_t n = 40000;
+  auto going = make_ranks(c, p);
+  std::vector<RankRun> runs(p);
+  for (auto& r : runs) r.residual.assign(n, 0.0f);
+  for (int t = 0; t < 4; ++t) step_all(going, runs, n, t, drifting, 1.0f);
+  ASSERT_NE(going[0]->state().at("blocks.0"), 512.0) << "the test needs a rebalanced layout";
+  auto middle = make_ranks(c, p), loaded = make_ranks(c, p);
+  for (int r = 0; r < p; ++r) {
+    middle[r]->load_state(going[r]->state());
+    EXPECT_TRUE(same_state(middle[r]->state(), going[r]->state())) << "rank " << r;
+    loaded[r]->load_state(middle[r]->state());
+  }
+  std::vector<RankRun> runs2 = runs;
+  for (int t = 4; t < 6; ++t) {
+    step_all(going, runs, n, t, drifting, 1.0f);
+    step_all(loaded, runs2, n, t, drifting, 1.0f);
+    for (int r = 0; r < p; ++r) ASSERT_EQ(runs[r].residual, runs2[r].residual) << "step " << t << " rank " << r;
+  }
+}
+
+// A state without a layout (saved before ExDyna's first step) loaded into an ExDyna that ran steps
+// lays out even partitions at the next step, as a new method that loads it does: the method kept
+// its own rebalanced layout, and went on differently from the run that saved the state.
+TEST(Methods, ExDynaLoadsAStateWithoutALayoutIntoAMethodThatRan) {
+  const Case c{"exdyna", [] { return std::make_unique<ExDyna>(0.02, "union", false, 3); }};
+  const int p = 2;
+  const int64_t n = 40000;
+  auto used = make_ranks(c, p), fresh = make_ranks(c, p);
+  std::vector<RankRun> runs(p);
+  for (auto& r : runs) r.residual.assign(n, 0.0f);
+  for (int t = 0; t < 4; ++t) step_all(used, runs, n, t, drifting, 1.0f);
+  ASSERT_NE(used[0]->state().at("blocks.0"), 512.0) << "the test needs a rebalanced layout";
+  for (int r = 0; r < p; ++r) used[r]->load_state(fresh[r]->state());
+  for (auto& r : runs) r.residual.assign(n, 0.0f);
+  std::vector<RankRun> runs2 = runs;
+  for (int t = 0; t < 3; ++t) {
+    step_all(fresh, runs, n, t, drifting, 1.0f);
+    step_all(used, runs2, n, t, drifting, 1.0f);
+    for (int r = 0; r < p; ++r) ASSERT_EQ(runs[r].residual, runs2[r].residual) << "step " << t << " rank " << r;
+  }
+}
+
+// ---- rescale() ----------------------------------------------------------------------------------
+
+namespace {
+
+/// A method rescaled by `first` before its first step and by `second` before step `at`, fed the
+/// gradients times the product so far, against one fed the plain gradients: with power-of-two
+/// factors every step selects the same elements (updates and residuals exactly times the scale).
+void expect_rescale_invariant(const Case& c, int p, int64_t n, double first, double second, int at, int steps) {
+  SCOPED_TRACE(::testing::Message() << c.name << " p=" << p << " first=" << first << " second=" << second);
+  auto plain = make_ranks(c, p), scaled = make_ranks(c, p);
+  std::vector<RankRun> a(p), b(p);
+  for (auto& r : a) r.residual.assign(n, 0.0f);
+  for (auto& r : b) r.residual.assign(n, 0.0f);
+  double scale = first;
+  for (auto& m : scaled) m->rescale(first);
+  for (int t = 0; t < steps; ++t) {
+    if (t == at) {
+      for (auto& m : scaled) m->rescale(second);
+      scale *= second;
+      for (auto& r : b)
+        for (float& v : r.residual) v = static_cast<float>(v * second);  // as GradScaler's unscale would leave it
+    }
+    step_all(plain, a, n, t, drifting, 1.0f);
+    step_all(scaled, b, n, t, drifting, static_cast<float>(scale));
+    for (int r = 0; r < p; ++r) {
+      int64_t wrong_residual = 0, wrong_out = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        wrong_residual += b[r].residual[i] != static_cast<float>(a[r].residual[i] * scale) ? 1 : 0;
+        wrong_out += b[r].out[i] != static_cast<float>(a[r].out[i] * scale) ? 1 : 0;
+      }
+      ASSERT_EQ(wrong_residual, 0) << "step " << t << " rank " << r << ": residual elements not times the scale";
+      ASSERT_EQ(wrong_out, 0) << "step " << t << " rank " << r << ": update elements not times the scale";
+    }
+  }
+}
+
+}  // namespace
+
+TEST(Methods, RescaledMethodsSelectWhatTheyWouldWithoutLossScaling) {
+  for (const Case& c : every_variant()) {
+    expect_rescale_invariant(c, 2, 40000, 4.0, 0.125, 2, 4);
+    expect_rescale_invariant(c, 2, 40000, 1.0 / (1024.0 * 1024.0), 1024.0 * 1024.0 * 8.0, 2, 4);
+  }
+}
+
+// ---- degenerate selections ----------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::kFloat32;
+  if constexpr (std::is_same_v<T, Half>) return DType::kFloat16;
+  return DType::kBFloat16;
+}
+
+template <typename T>
+void degenerate_run(const Case& c, int p, int64_t n, int steps, const Value& value, NonFinitePolicy policy,
+                    std::vector<int64_t>* selected = nullptr) {
+  auto methods = make_ranks(c, p);
+  std::vector<std::vector<T>> residual(p, std::vector<T>(n, Num<T>::zero()));
+  for (int t = 0; t < steps; ++t) {
+    std::vector<std::vector<T>> out(p, std::vector<T>(n));
+    for (int r = 0; r < p; ++r)
+      for (int64_t i = 0; i < n; ++i) out[r][i] = Num<T>::from_float(value(t, r, i));
+    std::vector<ReduceReport> reports(p);
+    std::vector<std::exception_ptr> errors = run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      BucketView bucket{dtype_of<T>(), n, out[rank].data(), residual[rank].data()};
+      ReduceOptions options;
+      options.nonfinite = policy;
+      reports[rank] = reduce_bucket(methods[rank].get(), transport, device, bucket, options);
+    });
+    bool raised = false;
+    for (auto& e : errors) {
+      if (!e) continue;
+      try {
+        std::rethrow_exception(e);
+      } catch (const NonFiniteError&) {
+        raised = true;  // expected under kRaise
+      } catch (const std::exception& x) {
+        ADD_FAILURE() << "step " << t << ": " << x.what();
+        return;
+      }
+    }
+    if (raised) continue;
+    for (int r = 0; r < p; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = Num<T>::to_float(out[r][i]), b = Num<T>::to_float(out[0][i]);
+        ASSERT_TRUE(a == b || (std::isnan(a) && std::isnan(b))) << "step " << t << " rank " << r << " i " << i;
+      }
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_TRUE(std::isfinite(Num<T>::to_float(residual[r][i]))) << "step " << t << " rank " << r << " i " << i;
+    }
+    if (selected) selected->push_back(reports[0].selected);
+  }
+}
+
+}  // namespace
+
+TEST(Methods, DegenerateBucketsOfEveryDtype) {
+  const float nan = std::nanf(""), inf = std::numeric_limits<float>::infinity();
+  const std::vector<std::pair<const char*, Value>> values = {
+      {"zeros", [](int, int, int64_t) { return 0.0f; }},
+      {"equal", [](int, int, int64_t) { return 1.0f; }},
+      {"wave", wave},
+      {"nan at step 1", [=](int t, int r, int64_t i) { return t == 1 && i == 0 && r == 0 ? nan : wave(t, r, i); }},
+      {"inf at step 1", [=](int t, int r, int64_t i) { return t == 1 && i % 3 == 0 ? inf : wave(t, r, i); }},
+      {"huge", [](int t, int r, int64_t i) { return (i % 2 ? 1.0f : -1.0f) * 60000.0f * (1 + r + t % 2); }},
+      {"tiny", [](int t, int r, int64_t i) { return float(i % 5) * 1e-7f * (1 + r + t); }},
+  };
+  for (double d : {0.02, 1.0}) {
+    for (const Case& c : every_variant(d)) {
+      for (int p : {1, 4}) {
+        if (!runs_on(c, p)) continue;
+        for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{5}, int64_t{300}}) {
+          for (const auto& [what, value] : values) {
+            for (NonFinitePolicy policy : {NonFinitePolicy::kSkip, NonFinitePolicy::kRaise}) {
+              SCOPED_TRACE(::testing::Message() << c.name << " d=" << d << " p=" << p << " n=" << n << " " << what
+                                                << (policy == NonFinitePolicy::kSkip ? " skip" : " raise"));
+              {
+                SCOPED_TRACE("float32");
+                degenerate_run<float>(c, p, n, 3, value, policy);
+              }
+              {
+                SCOPED_TRACE("float16");
+                degenerate_run<Half>(c, p, n, 3, value, policy);
+              }
+              {
+                SCOPED_TRACE("bfloat16");
+                degenerate_run<BFloat16>(c, p, n, 3, value, policy);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// SAGE over an empty bucket at its first step (no threshold found, NaN): the next steps start as a
+// first step does, with about the threshold of a SAGE without the empty step (the default mode
+// selecting its top k).
+// The reference mode scaled the NaN threshold at every later step and selected nothing for good;
+// the default mode selected nothing at the next step.
+TEST(Methods, SageStartsAfterAnEmptyFirstBucket) {
+  const int64_t n = 10000;
+  for (bool reference : {true, false}) {
+    SCOPED_TRACE(reference ? "reference" : "default");
+    SAGE sage(0.01, "flat", {}, reference, 3, std::nullopt, std::nullopt);
+    SAGE plain(0.01, "flat", {}, reference, 3, std::nullopt, std::nullopt);
+    std::vector<float> residual(n, 0.0f), plain_residual(n, 0.0f);
+    auto step = [&](SAGE& method, std::vector<float>& r, int64_t size, int t) {
+      std::vector<float> g = ref::random_vector<float>(n, 80 + t, 0.01f);
+      ReduceReport report;
+      rethrow_first(run_ranks(1, [&](int, Transport& transport) {
+        CpuDevice device;
+        report = reduce_bucket(&method, transport, device, BucketView{DType::kFloat32, size, g.data(), r.data()},
+                               ReduceOptions{});
+      }));
+      return report.selected;
+    };
+    EXPECT_EQ(step(sage, residual, 0, 0), 0);
+    for (int t = 1; t < 12; ++t) {
+      const int64_t selected = step(sage, residual, n, t);
+      if (!reference) EXPECT_EQ(selected, 100) << "step " << t;  // the default mode's top k
+      step(plain, plain_residual, n, t);
+      const double threshold = sage.report().threshold, expected = plain.report().threshold;
+      EXPECT_TRUE(threshold > expected / 1.5 && threshold < expected * 1.5)
+          << "step " << t << ": " << threshold << " against " << expected;
+    }
+  }
+}
+
+// ---- damaged states -----------------------------------------------------------------------------
+
+// A state short of an entry the method reads (a truncated checkpoint, or another method's state) is
+// a ValueError naming the entry. SAGE, MiCRO, ExDyna and the adaptive SIDCo read theirs with
+// std::map::at, whose std::out_of_range said only "map::at".
+TEST(Methods, StatesShortOfAnEntryAreRefusedNamingIt) {
+  const std::vector<Case> cases = {
+      {"sage",
+       [] {
+         return std::make_unique<SAGE>(0.02, "flat", std::vector<int64_t>{}, false, 3, std::nullopt, std::nullopt);
+       }},
+      {"micro", [] { return std::make_unique<MiCRO>(0.02, "union", false, 3); }},
+      {"exdyna", [] { return std::make_unique<ExDyna>(0.02, "union", true, 3); }},
+      {"sidco_adaptive", [] { return std::make_unique<SIDCo>(0.02, "exp", -2, 0.25, std::nullopt); }},
+  };
+  const int64_t n = 40000;
+  for (const Case& c : cases) {
+    auto methods = make_ranks(c, 1);
+    std::vector<RankRun> runs(1);
+    runs[0].residual.assign(n, 0.0f);
+    for (int t = 0; t < 3; ++t) step_all(methods, runs, n, t, drifting, 1.0f);
+    const MethodState saved = methods[0]->state();
+    for (const char* key : {"threshold", "sample_mean", "estimate", "before_last", "sum", "last_estimate"}) {
+      if (!saved.count(key)) continue;
+      SCOPED_TRACE(::testing::Message() << c.name << " without '" << key << "'");
+      MethodState state = saved;
+      state.erase(key);
+      auto fresh = c.make();
+      try {
+        fresh->load_state(state);
+        ADD_FAILURE() << "accepted";
+      } catch (const ValueError& e) {
+        EXPECT_NE(std::string(e.what()).find("no '" + std::string(key) + "' entry"), std::string::npos) << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "refused with " << typeid(e).name() << ": " << e.what();
+      }
+    }
+  }
+}
+
+// SAGE's reference mode scales its last threshold by α β γ at every step, as MiCRO's and ExDyna's
+// reference mode scale theirs: a loaded threshold of 0, below 0 or infinite stays so for good
+// (every element selected at every step, or none), so a state past its first step with one is
+// refused naming it, as theirs is (ReferencePartitionsRefuseADamagedThreshold). NaN (no threshold
+// yet: only empty buckets so far) loads, and the next step starts as the first.
+TEST(Methods, SageReferenceRefusesADamagedThreshold) {
+  const MethodState saved = {{"step", 3.0}, {"threshold", 0.1}, {"sample_mean", 0.1}};
+  SAGE sage(0.01, "flat", {}, /*reference=*/true, 3, std::nullopt, std::nullopt);
+  sage.load_state(saved);
+  for (double threshold : {HUGE_VAL, 0.0, -0.1, -HUGE_VAL}) {
+    MethodState state = saved;
+    state["threshold"] = threshold;
+    state["step"] = 4.0;
+    try {
+      sage.load_state(state);
+      ADD_FAILURE() << "accepted threshold = " << threshold;
+    } catch (const ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find("'threshold'"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(sage.state().at("threshold"), 0.1) << "a refused state was loaded";
+  }
+  MethodState none = saved;
+  none["threshold"] = std::nan("");
+  sage.load_state(none);
+  SAGE plain(0.01, "flat", {}, /*reference=*/false, 3, std::nullopt, std::nullopt);
+  MethodState damaged = saved;
+  damaged["threshold"] = -1.0;
+  plain.load_state(damaged);  // the default mode predicts its band afresh from it: no lasting harm
+}
+
+// Two positive finite factors whose product is no positive finite number (1e200 twice, 1e-200
+// twice): the method's loss scale became Inf or 0, which its own state then held, and load_state
+// refused that state ('loss_scale' is inf): a checkpoint the method saved that it cannot load. The
+// second rescale is refused instead, and changes nothing.
+TEST(Methods, RescaleRefusesAFactorThatTakesTheLossScaleOutOfRange) {
+  for (const Case& c : every_variant()) {
+    for (double factor : {1e200, 1e-200}) {
+      SCOPED_TRACE(::testing::Message() << c.name << " factor " << factor);
+      std::unique_ptr<Method> method = c.make();
+      method->rescale(factor);
+      const MethodState before = method->state();
+      try {
+        method->rescale(factor);
+      } catch (const ValueError&) {
+        EXPECT_TRUE(same_state(method->state(), before)) << "a refused rescale changed the state";
+      }
+      std::unique_ptr<Method> fresh = c.make();
+      EXPECT_NO_THROW(fresh->load_state(method->state())) << "the method's own state is refused";
     }
   }
 }

@@ -314,9 +314,9 @@ MethodState PartitionedMethod::state() const {
 void PartitionedMethod::load_state(const MethodState& state) {
   Step loaded;
   loaded.t = saved_count(state, "step");
-  loaded.threshold = state.at("threshold");
-  loaded.estimate = state.at("estimate");
-  loaded.before_last = state.at("before_last");
+  loaded.threshold = saved_value(state, "threshold");
+  loaded.estimate = saved_value(state, "estimate");
+  loaded.before_last = saved_value(state, "before_last");
   loaded.k_prev = saved_count(state, "k_prev");
   // Reference mode scales the last threshold by a factor near 1 at every step after the first:
   // one that is not a positive finite number (NaN, Inf, 0, negative), which no step leaves, would
@@ -366,8 +366,10 @@ void ExDyna::rebalance(const std::vector<int64_t>& counts, int64_t t, int64_t to
 }
 
 void ExDyna::save_layout(MethodState& state) const {
-  if (!layout_) return;
-  const auto& blocks = layout_->blocks();
+  // Before its first step a method that loaded a layout still holds it only as saved_blocks_: a
+  // checkpoint loaded and saved again before a step keeps it (it was dropped, and the run resumed
+  // from that second checkpoint started from an even layout).
+  const std::vector<int64_t>& blocks = layout_ ? layout_->blocks() : saved_blocks_;
   for (size_t p = 0; p < blocks.size(); ++p) state["blocks." + std::to_string(p)] = static_cast<double>(blocks[p]);
 }
 
@@ -383,7 +385,9 @@ void ExDyna::load_layout(const MethodState& state) {
            blocks.size() - 1, "' hold ", total, " blocks in all, not ", BlockPartition::kBlocks,
            "; load a state the method saved");
   if (layout_) check_saved_blocks(blocks, layout_->size());
-  if (layout_ && !blocks.empty()) layout_->set_blocks(blocks);
+  // The next step lays out the loaded blocks, or even partitions where the state holds none (saved
+  // before its first step): a method that had run kept its own rebalanced layout there.
+  layout_.reset();
   saved_blocks_ = std::move(blocks);
 }
 

@@ -102,8 +102,12 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   const double sample_mean = sample_sum / static_cast<double>(positions.size());
   const double start = (initial_ ? *initial_ : initial_threshold(k)) * loss_scale_;
   const int64_t t = committed_.t;
+  // No threshold yet: the first step, or every step so far had an empty bucket (which keeps the
+  // threshold it found, none). Such a step starts as the first does: a NaN threshold scaled
+  // selected nothing at every later step in the reference mode, and at the next one in the default.
+  const bool first = t == 0 || std::isnan(committed_.threshold);
   // The sampled scale change since the last step (1 when either mean is zero).
-  double alpha = t > 0 ? sample_mean / committed_.sample_mean : 1.0;
+  double alpha = !first ? sample_mean / committed_.sample_mean : 1.0;
   if (!(std::isfinite(alpha) && alpha > 0.0)) alpha = 1.0;
   const bool zero = exchange_.get().selection_zeroes();
 
@@ -111,7 +115,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   double lambda = std::numeric_limits<double>::quiet_NaN();
   if (reference_) {
     lambda = start;
-    if (t > 0) {
+    if (!first) {
       const double probe = committed_.threshold * alpha;
       const double exam = static_cast<double>(device.count(bucket, method_util::whole(bucket), {probe}, false)[0]) /
                           static_cast<double>(n);
@@ -121,9 +125,9 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
   } else {
     // At the first step, and after a step whose band held fewer than k (the prediction was too
     // high: the band could then fall only by its width a step), from this step's sample.
-    const bool sampled = t == 0 || committed_.restart;
-    double prediction = t == 0 ? start : committed_.threshold * alpha;
-    if (sampled && !(t == 0 && initial_)) prediction = sampled_prediction(std::move(magnitudes), k, n, prediction);
+    const bool sampled = first || committed_.restart;
+    double prediction = first ? start : committed_.threshold * alpha;
+    if (sampled && !(first && initial_)) prediction = sampled_prediction(std::move(magnitudes), k, n, prediction);
     const double w = sampled ? BandController::band_factor(0) : committed_.band;
     // The band from `low`: its exact top k where it holds k or more; where it holds fewer and is
     // the `last`, all of it, and the next step samples its prediction (a restart); otherwise
@@ -206,8 +210,15 @@ void SAGE::load_state(const MethodState& state) {
   loaded.band = BandController::saved_band(state, BandController::band_factor(1), BandController::band_factor(1));
   const double loss_scale = saved_loss_scale(state);
   loaded.t = saved_count(state, "step");
-  loaded.threshold = state.at("threshold");
-  loaded.sample_mean = state.at("sample_mean");
+  loaded.threshold = saved_value(state, "threshold");
+  loaded.sample_mean = saved_value(state, "sample_mean");
+  // The reference mode scales the last threshold by α β γ at every step: one of 0, below 0 or
+  // infinite, which no step leaves, stayed so for good (every element selected at every step, or
+  // none). NaN is no threshold yet (only empty buckets so far): the next step starts as the first.
+  GS_CHECK(!reference_ || loaded.t == 0 || std::isnan(loaded.threshold) ||
+               (std::isfinite(loaded.threshold) && loaded.threshold > 0.0),
+           ValueError, "method state: 'threshold' is ", loaded.threshold, " at step ", loaded.t,
+           ", not a finite number > 0; load a state the method saved");
   // absent from checkpoints before the sampled restart: false
   if (auto it = state.find("restart"); it != state.end()) loaded.restart = it->second != 0.0;
   committed_ = loaded;

@@ -147,7 +147,7 @@ void SIDCo::load_state(const MethodState& state) {
   const int64_t calls = saved_count(state, "calls");
   GS_CHECK(calls <= 4, ValueError, "method state: 'calls' is ", calls, ", not a whole number from 0 to 4; load a ",
            "state the method saved");
-  const double sum = state.at("sum"), last_estimate = state.at("last_estimate");
+  const double sum = saved_value(state, "sum"), last_estimate = saved_value(state, "last_estimate");
   EstimatingMethod::load_state(state);
   adaptive_->stages_ = static_cast<int>(stages);
   adaptive_->direction_ = static_cast<int>(direction->second);

@@ -34,6 +34,15 @@ inline int64_t saved_count(const MethodState& state, const std::string& key, int
   return static_cast<int64_t>(v);
 }
 
+/// The number `key` of `state`: a missing entry (a truncated checkpoint, or another method's
+/// state) is a ValueError naming it, not std::map::at's out_of_range ("map::at", which named
+/// nothing).
+inline double saved_value(const MethodState& state, const std::string& key) {
+  const auto it = state.find(key);
+  GS_CHECK(it != state.end(), ValueError, "method state: no '", key, "' entry; load a state the method saved");
+  return it->second;
+}
+
 /// What a method may ask of the group while it selects: every rank calls the same sequence.
 class Collective {
  public:
@@ -99,7 +108,13 @@ class Method {
   void rescale(double factor) {
     GS_CHECK(factor > 0.0 && std::isfinite(factor), ValueError, name(), ": rescale factor must be a positive finite ",
              "number, got ", factor, "; pass the new loss scale divided by the old one");
-    loss_scale_ *= factor;
+    // The loss scale it leaves must be one too: an Inf or 0 (1e200 twice) was held in the state,
+    // which load_state() then refused. Refused before anything changes.
+    const double scale = loss_scale_ * factor;
+    GS_CHECK(scale > 0.0 && std::isfinite(scale), ValueError, name(), ": rescale factor ", factor,
+             " takes the loss scale from ", loss_scale_, " to ", scale, ", not a positive finite number; pass the new ",
+             "loss scale divided by the old one");
+    loss_scale_ = scale;
     rescale_state(factor);
   }
 
