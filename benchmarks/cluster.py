@@ -33,6 +33,7 @@ import contextlib
 import math
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -120,6 +121,8 @@ class Cluster:
             raise ClusterError(f"--delay must be a finite number of ms >= 0 (0: none), got {delay_ms}")
         if burst is not None and burst < 0:  # else tc's error, once the namespaces were made
             raise ClusterError(f"--burst must be a number of bytes >= 0 (0: 2 ms at --rate), got {burst}")
+        if burst is not None and burst > 2**32 - 1:  # tc reads 32 bits: else its error, after set-up began
+            raise ClusterError(f"--burst must be at most {2**32 - 1} bytes (tc reads 32 bits), got {burst}")
         if burst and burst < MIN_BURST:  # tbf drops every packet larger than its bucket: the run hung, then failed
             raise ClusterError(
                 f"--burst must hold one full Ethernet frame, at least {MIN_BURST} bytes (0: 2 ms at --rate), got {burst}"
@@ -309,6 +312,12 @@ def session(args: argparse.Namespace, prog: str = "benchmarks.cluster"):
             "the emulated cluster needs root to create network namespaces, veth links and tc qdiscs: run "
             f"{prog} with sudo (or as root in a container with CAP_SYS_ADMIN and CAP_NET_ADMIN)."
         )
+    for tool in ("ip", "tc"):  # else a FileNotFoundError traceback, for tc after namespaces were made
+        if shutil.which(tool) is None:
+            raise ClusterError(
+                f"the emulated cluster needs `{tool}`, which is not on PATH ({os.environ.get('PATH', '')}): install "
+                "iproute2 (apt-get install iproute2), or run as root with a PATH that holds /usr/sbin and /sbin"
+            )
     replaced = {signum: signal.signal(signum, _raise_on_signal) for signum in STOP_SIGNALS}
     try:
         with Cluster(args.hosts, args.rate, args.burst, args.delay) as cluster:

@@ -225,3 +225,37 @@ def test_a_stop_while_ip_makes_a_namespace_leaves_none(tmp_path, namespaces_left
         started.kill()
         for name in namespaces_left():
             subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+@pytest.mark.parametrize("missing", ["ip", "tc"])
+def test_a_machine_without_iproute2_is_told_so(tmp_path, namespaces_left, missing):
+    """The cluster needs ip and tc (iproute2), as its docstring says; without ip it ended in a
+    FileNotFoundError traceback before anything was made, and without tc in one after the first
+    namespace was made. Now a one-line error says what to install, and nothing is left."""
+    real = subprocess.run(["which", "ip", "tc"], capture_output=True, text=True, check=True).stdout.split()
+    for path in real:  # a PATH holding the tool that is not missing
+        name = os.path.basename(path)
+        if name != missing:
+            os.symlink(path, tmp_path / name)
+    env = dict(os.environ, PATH=str(tmp_path))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "true"]
+    try:
+        done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert f"needs `{missing}`" in done.stderr and "iproute2" in done.stderr, done.stderr[-2000:]
+        assert namespaces_left() == []
+    finally:
+        for name in namespaces_left():
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_burst_above_32_bits_is_refused_before_anything_is_made():
+    """tc reads tbf's burst as 32 bits (default_burst stops there): --burst 5000000000 passed the
+    checks and failed in tc ("illegal value for burst") once the namespaces had been made."""
+    from benchmarks import cluster as emulated
+
+    with pytest.raises(emulated.ClusterError, match=r"--burst must be at most 4294967295 bytes .*got 5000000000"):
+        emulated.Cluster(2, "50mbit", burst=5_000_000_000)
+    assert emulated.Cluster(2, "50mbit", burst=2**32 - 1).burst == 2**32 - 1
