@@ -328,6 +328,21 @@ def count(text: str) -> int:
     return value
 
 
+#: The most threads gradsparse's CPU kernels take (gradsparse.set_num_threads, GRADSPARSE_NUM_THREADS).
+MAX_THREADS = 4096
+
+
+def thread_count(text: str) -> int:
+    """argparse type of --threads: 0 (the launcher's share) or a count the CPU kernels take."""
+    value = count(text)
+    if value > MAX_THREADS:  # else gradsparse.set_num_threads' ValueError on every rank, once launched
+        raise argparse.ArgumentTypeError(
+            f"{value} is more than {MAX_THREADS}, the most gradsparse's CPU kernels take: give a count up to "
+            f"{MAX_THREADS}, or 0 for OMP_NUM_THREADS, else this process's share of the CPUs"
+        )
+    return value
+
+
 def seed(text: str) -> int:
     """argparse type of --seed: the runs derive their data order and augmentation from it in
     64-bit arithmetic (seed * 100003 + ...), so it is kept to 32 bits."""
@@ -439,7 +454,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=count, default=0, help="stop (with a checkpoint) after this many steps")
     g.add_argument(
         "--threads",
-        type=count,
+        type=thread_count,
         default=0,
         help="CPU threads per worker (0: OMP_NUM_THREADS, else this process's CPUs / local workers)",
     )
@@ -540,6 +555,12 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
     backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+    if backend != "mpi" and "MASTER_ADDR" not in os.environ:  # mpirun across nodes (gradsparse.launch)
+        raise SystemExit(
+            f"MASTER_ADDR is unset: this mpirun spans several nodes, and the {backend} process group meets at "
+            "rank 0's node; pass its address to every worker (mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...), "
+            "or --backend mpi"
+        )
     if torch.cuda.is_available():
         # One GPU per local worker (or several workers sharing a GPU over Gloo); a task bound to
         # its own GPU (srun --gpus-per-task=1) sees one.

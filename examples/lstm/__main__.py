@@ -86,6 +86,7 @@ class LanguageModel(driver.Task):
             f"({self.vocab_size:,} words, {len(self.train_data):,} training tokens)"
         )
         self.batch_size, self.bptt = args.batch_size, args.bptt
+        self.eval_tokens = args.eval_tokens
         self.samples_per_batch = args.batch_size * args.bptt  # tokens
         self.device = driver.device()
         # The LSTM state carried from one batch to the next, and the window it feeds: the state
@@ -104,6 +105,13 @@ class LanguageModel(driver.Task):
                 f"{len(self.train_data):,} training tokens give {world_size} workers x {self.batch_size} columns of "
                 f"{length} tokens, less than one --bptt {self.bptt} window; lower --batch-size or --bptt"
             )
+        for split, stream in (("validation", self.valid_data), ("test", self.test_data)):
+            if len(stream) // world_size < 2:  # no target on any rank: a perplexity of 1.0
+                given = f"--eval-tokens {self.eval_tokens}: " if self.eval_tokens else ""
+                raise SystemExit(
+                    f"{given}{len(stream):,} {split} tokens give {world_size} workers fewer than 2 each, so nothing "
+                    f"would be evaluated; give --eval-tokens at least {2 * world_size}, or 0 for the whole split"
+                )
         return steps
 
     def batches(self, epoch: int, rank: int, world_size: int):

@@ -8,8 +8,8 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT itself. 
 | RANK        | OMPI_COMM_WORLD_RANK         | SLURM_PROCID                            |
 | WORLD_SIZE  | OMPI_COMM_WORLD_SIZE         | SLURM_STEP_NUM_TASKS (or SLURM_NTASKS)  |
 | LOCAL_RANK  | OMPI_COMM_WORLD_LOCAL_RANK   | SLURM_LOCALID                           |
-| MASTER_ADDR | (set it, default 127.0.0.1)  | first host of SLURM_STEP_NODELIST (or   |
-|             |                              | SLURM_JOB_NODELIST)                     |
+| MASTER_ADDR | (set it; 127.0.0.1 on one    | first host of SLURM_STEP_NODELIST (or   |
+|             | node, unset on several)      | SLURM_JOB_NODELIST)                     |
 | MASTER_PORT | (set it, default 29500)      | (set it, default 29500)                 |
 
 LOCAL_WORLD_SIZE, the processes on this node, comes from OMPI_COMM_WORLD_LOCAL_SIZE, or from this
@@ -132,6 +132,28 @@ def _refuse_batch_script(env) -> None:
     )
 
 
+def _on_one_node(env) -> bool:
+    """Whether all of mpirun's processes run on this node (OMPI_COMM_WORLD_LOCAL_SIZE, the
+    processes here, is the world's size)."""
+    here, size = _whole_number(env["LOCAL_WORLD_SIZE"], 1), _whole_number(env["WORLD_SIZE"], 1)
+    return here is not None and size is not None and here >= size
+
+
+def _refuse_rank_outside_world(env) -> None:
+    """A RANK at or above WORLD_SIZE (one of them left over from another launcher, or a task count
+    SLURM did not give) joins a world that cannot complete: init_process_group waited until its
+    rendezvous timed out (30 minutes), then named only a socket."""
+    rank, size = _whole_number(env["RANK"], 0), _whole_number(env["WORLD_SIZE"], 1)
+    if rank is None or size is None or rank < size:
+        return
+    raise ValueError(
+        f"gradsparse.launch.setup_environment: RANK={env['RANK']!r} and WORLD_SIZE={env['WORLD_SIZE']!r} disagree: "
+        "a worker's rank must be below the world size, or the workers wait for a rendezvous that cannot complete; "
+        "unset the one left over from another run (an export in a job script) so that the launcher sets it, or "
+        "set both to agree"
+    )
+
+
 def setup_environment(environ: dict[str, str] | None = None) -> str:
     """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
     variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
@@ -144,7 +166,11 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
         _derive(env, launcher, "WORLD_SIZE", ("OMPI_COMM_WORLD_SIZE",), None, 1)
         _derive(env, launcher, "LOCAL_RANK", ("OMPI_COMM_WORLD_LOCAL_RANK",), "0", 0)
         _derive(env, launcher, "LOCAL_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_SIZE",), env["WORLD_SIZE"], 1)
-        env.setdefault("MASTER_ADDR", "127.0.0.1")
+        # 127.0.0.1 is each node's own: across nodes the other nodes' workers would wait there
+        # for rank 0's store until the rendezvous timed out. Left unset there, torch's env://
+        # rendezvous says so at once, and the MPI backend, which needs no address, runs.
+        if "MASTER_ADDR" not in env and _on_one_node(env):
+            env["MASTER_ADDR"] = "127.0.0.1"
     elif "SLURM_PROCID" in env:
         launcher = "srun"
         _derive(env, launcher, "RANK", ("SLURM_PROCID",), None, 0)
@@ -169,6 +195,7 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
                 ) from None
     else:
         return "none"
+    _refuse_rank_outside_world(env)
     env.setdefault("MASTER_PORT", _DEFAULT_PORT)
     port = _whole_number(env["MASTER_PORT"], 1)
     if port is None or port > 65535:  # torch.distributed said "invalid literal for int()", or, for

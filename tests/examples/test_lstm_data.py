@@ -348,3 +348,17 @@ def test_synthetic_wikitext2_has_its_vocabulary_and_split_sizes(lowercase, words
 def test_synthetic_data_stands_in_only_for_downloads():
     with pytest.raises(SystemExit, match="--dataset kjv installs offline"):
         data.synthetic("kjv")
+
+
+def test_an_evaluation_too_short_for_the_workers_is_refused(tmp_path, monkeypatch):
+    """--eval-tokens below 2 per worker left every rank with nothing to evaluate: the summed cross
+    entropy of no token, exp(0 / 1), read as a perplexity of 1.0, a perfect model, which every
+    method then "reached" after its first epoch. Refused where the world size is known (on every
+    rank, before the first step), naming the option and the least that works."""
+    monkeypatch.setattr(lstm_main.dist, "all_reduce", lambda tensor: None)  # one worker: the sums are its own
+    task = make_task(tmp_path, "--eval-tokens", "3")
+    with pytest.raises(SystemExit, match=r"--eval-tokens 3: .*2 workers.*at least 4"):
+        task.steps_per_epoch(2)
+    assert task.steps_per_epoch(1) > 0  # 3 tokens: 2 targets for one worker
+    perplexity = task.evaluate(task.build_model(), 0, 1)["perplexity"]
+    assert perplexity > 1.0 and math.isfinite(perplexity)

@@ -2,6 +2,7 @@
 every method runs a few steps; metrics CSV, TensorBoard logs, checkpoints and the plot appear;
 a run stopped and resumed ends with exactly the parameters of an uninterrupted run."""
 
+import argparse
 import csv
 import glob
 import math
@@ -561,3 +562,41 @@ def test_fresh_deletes_the_checkpoints_of_the_run_it_starts_over(tmp_path):
     out = launch(torchrun("cnn"), [*args, "--max-steps", "3"])
     assert "resuming" not in out
     assert [int(r["step"]) for r in read_csv(tmp_path / "steps.csv")] == [1, 2, 3]
+
+
+def test_a_thread_count_above_the_kernels_limit_is_refused_before_the_process_group(capsys, monkeypatch):
+    """--threads took any count >= 0, and gradsparse.set_num_threads, which takes at most 4096,
+    ended every rank in a ValueError traceback once the launcher's environment was read (under
+    torchrun, mpirun or srun). Refused by argparse with the limit, before the process group."""
+    from examples.cnn import __main__ as cnn
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)  # as under torchrun
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its threads
+    monkeypatch.setattr(driver.dist, "init_process_group", never("the process group was joined"))
+    _assert_refused_before_the_process_group(
+        cnn, ["--threads", "5000"], "argument --threads: 5000 is more than 4096", capsys
+    )
+
+
+def test_a_multi_node_mpirun_without_master_addr_is_told_to_give_one(monkeypatch):
+    """Across nodes gradsparse.launch leaves MASTER_ADDR unset (127.0.0.1 would be each node's own):
+    the examples say which address to pass and how, before the process group, unless the MPI
+    backend (which needs none) is asked for."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its threads
+    joined = []
+    monkeypatch.setattr(driver.dist, "init_process_group", lambda backend: joined.append(backend))
+    monkeypatch.setattr(driver.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(driver.dist, "get_world_size", lambda: 4)
+    with pytest.raises(SystemExit, match=r"MASTER_ADDR is unset: .*mpirun -x MASTER_ADDR=node1 .*--backend mpi"):
+        driver.init_distributed(argparse.Namespace(threads=1, backend="gloo"))
+    assert joined == []
+    assert driver.init_distributed(argparse.Namespace(threads=1, backend="mpi")) == (0, 4) and joined == ["mpi"]

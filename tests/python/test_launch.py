@@ -22,6 +22,7 @@ def test_mpirun_and_srun_variables_become_torchs_without_overwriting():
         "OMPI_COMM_WORLD_RANK": "3",
         "OMPI_COMM_WORLD_SIZE": "4",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "MASTER_ADDR": "node1",  # two nodes: mpirun gives no address there
         "MASTER_PORT": "1",
     }
     assert setup_environment(env) == "mpirun"
@@ -194,3 +195,39 @@ def test_first_host_keeps_what_follows_a_range():
     for broken in ("node[1-", "node]1[", ",node1", "[1-2]"):
         with pytest.raises(ValueError, match="cannot parse SLURM node list"):
             first_host(broken)
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        # a WORLD_SIZE left in the environment (an earlier torchrun's, a job script's export) under
+        # mpirun -np 4: the ranks 2 and 3 joined a world of 2, and waited for the rendezvous until it timed out
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "2"}, r"RANK='3'.*WORLD_SIZE='2'"),
+        # srun's task without a task count: a world of 1 that its rank 3 is outside
+        ({"SLURM_PROCID": "3", "SLURM_STEP_ID": "0"}, r"RANK='3'.*WORLD_SIZE='1'"),
+        ({"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "RANK": "2"}, r"RANK='2'.*WORLD_SIZE='2'"),
+        # a hand-made torchrun environment
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK='2'.*WORLD_SIZE='2'"),
+    ],
+)
+def test_setup_environment_refuses_a_rank_outside_the_world(env, named):
+    """torch.distributed.init_process_group took RANK=3 with WORLD_SIZE=2 and waited for a
+    rendezvous that could not complete, until its timeout (30 minutes), then said only that a
+    socket had timed out. The two variables, their values and the fix are named at once."""
+    with pytest.raises(ValueError, match=rf"setup_environment: {named} .*rank .* below"):
+        setup_environment(env)
+
+
+def test_multi_node_mpirun_leaves_master_addr_unset():
+    """Under mpirun on several nodes (fewer processes on this node than in the world), the default
+    MASTER_ADDR 127.0.0.1 is every node's own loopback: the workers of the other nodes waited there
+    for a store that runs on rank 0's node, until the rendezvous timed out. It is left unset there
+    (torch's env:// rendezvous says so at once; the MPI backend needs none); a single-node mpirun
+    keeps the default, and a MASTER_ADDR given is kept."""
+    ompi = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    env = dict(ompi)
+    assert setup_environment(env) == "mpirun" and "MASTER_ADDR" not in env and env["RANK"] == "2"
+    given = {**ompi, "MASTER_ADDR": "node1"}
+    assert setup_environment(given) == "mpirun" and given["MASTER_ADDR"] == "node1"
+    single = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert setup_environment(single) == "mpirun" and single["MASTER_ADDR"] == "127.0.0.1"
