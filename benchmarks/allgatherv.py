@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.utils import number_list
+from benchmarks.utils import number_list, require_launcher
 
 
 def _block(rank: int, size: int) -> torch.Tensor:
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(b) for b in sizes]
     if args.calls < 1:
         parser.error(f"--calls must be at least 1, got {args.calls}")
+    require_launcher(parser, "benchmarks.allgatherv")
     dist.init_process_group("gloo")
     figures = time_collectives(sizes, args.calls)
     if dist.get_rank() == 0:

@@ -11,11 +11,13 @@ the alpha-beta model predicts for it, so that one sees where the model is off on
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
 import torch.distributed as dist
 
+from benchmarks.utils import require_launcher
 from gradsparse import simulate
 
 
@@ -29,7 +31,12 @@ def _median(run, repeat: int = 7) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.link", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.parse_args(argv)
+    require_launcher(parser, "benchmarks.link", least_ranks=2)  # measure_link: one rank has no link
     dist.init_process_group("gloo")
     rank, p = dist.get_rank(), dist.get_world_size()
     alpha, beta = simulate.measure_link()

@@ -75,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    if not models:  # else the cluster was made, nothing ran, and no report was written
+        parser.error(f"--models {args.models!r}: no model; give some of {', '.join(MODELS)}, separated by commas")
+    twice = sorted({m for m in models if models.count(m) > 1})
+    if twice:  # else it trained twice into the same run folders, and the report had it twice
+        parser.error(f"--models: {', '.join(twice)} given twice; each model runs once, in its run folder")
     if args.steps < 1:  # the driver's --max-steps 0 means no limit: every epoch of the preset
         parser.error(f"--steps must be at least 1, got {args.steps}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

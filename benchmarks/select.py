@@ -298,6 +298,18 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--momentum must be in [0, 1) (0: none), got {args.momentum}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
         parser.error(f"--device: {args.device!r} is neither cpu nor cuda (cuda:N for another GPU)")
+    if args.device != "cpu":  # else torch's or the op's error once the CPU's add had been timed
+        index = args.device.partition(":")[2]
+        if not torch.cuda.is_available() or not gs.built_with_cuda():
+            parser.error(
+                f"--device {args.device}: no GPU here (torch sees {torch.cuda.device_count()}, gradsparse built "
+                f"{'with' if gs.built_with_cuda() else 'without'} CUDA); drop --device, or build with GRADSPARSE_CUDA=1 "
+                "on a machine with a GPU"
+            )
+        if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            parser.error(f"--device {args.device}: no such GPU; give cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        if index:  # the synchronizes, the header's name and NCCL's group take the current GPU
+            torch.cuda.set_device(args.device)
     if args.methods:
         chosen_methods(0.01, args.only)  # an unknown --only name, before anything is timed
     if args.threads:

@@ -44,11 +44,11 @@ def cpu_description() -> str:
 
 def markdown_table(headers: list[str], rows: list[list[object]]) -> str:
     def fmt(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-        return str(v)
+        if isinstance(v, float):  # 999.5 and up round to 1000: "1,000", not .3g's "1e+03"
+            return f"{v:.3g}" if abs(v) < 999.5 else f"{v:,.0f}"
+        return str(v).replace("|", "\\|")  # a bare | ends the cell ("mean |d/target - 1|")
 
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines = ["| " + " | ".join(map(fmt, headers)) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
@@ -89,3 +89,21 @@ def number_list(
             parser.error(f"{flag}: {item.strip()!r} is no {what}; write e.g. {example}")
         values.append(value)
     return values
+
+
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def require_launcher(parser: argparse.ArgumentParser, module: str, least_ranks: int = 1) -> None:
+    """Refuses, with ``parser.error``, a run outside a launcher (torch's env:// rendezvous then
+    ends in a traceback about RANK) or with fewer than ``least_ranks`` ranks."""
+    missing = [name for name in LAUNCHER_VARIABLES if name not in os.environ]
+    launch = (
+        f"torchrun --standalone --nproc-per-node={max(2, least_ranks)} -m {module}, "
+        f"or sudo python -m benchmarks.cluster --hosts 4 -- -m {module}"
+    )
+    if missing:
+        parser.error(f"{', '.join(missing)} not set: {module} runs one rank per process; start it with {launch}")
+    world = os.environ["WORLD_SIZE"]
+    if not (world.isdigit() and int(world) >= least_ranks):
+        parser.error(f"WORLD_SIZE={world}: {module} needs at least {least_ranks} ranks; start it with {launch}")

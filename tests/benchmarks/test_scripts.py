@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from benchmarks import allgatherv, cluster, density, overlap, seed_models, select, step_ratio, threshold_moves
+from benchmarks import allgatherv, cluster, density, link, overlap, seed_models, select, step_ratio, threshold_moves
+from benchmarks.utils import markdown_table
 from gradsparse.methods import core_method
 from tests.refusals import assert_refused, never
 
@@ -353,3 +354,113 @@ def test_the_emulated_cluster_refuses_bad_link_settings_before_making_anything(o
     with pytest.raises(cluster.ClusterError) as info:
         cluster.Cluster(**settings)
     assert message in str(info.value)
+
+
+def cells(line: str) -> list[str]:
+    """A markdown table line's cells, split at the pipes that are not escaped."""
+    return re.split(r"(?<!\\)\|", line.strip().strip("|"))
+
+
+def test_report_tables_escape_a_pipe_inside_a_cell(tmp_path):
+    """density's header "mean |d/target - 1|" went out with bare pipes: 7 header cells over a
+    delimiter row of 5, a table that markdown does not render, its p95 under "d/target - 1"."""
+    assert markdown_table(["a |x|", "b"], [["p|q", 1.0]]).splitlines()[0] == "| a \\|x\\| | b |"
+    text = density.main(["--steps", "51", "--world-size", "1", "--densities", "0.01", "--streams", "drift",
+                         "--drift-size", "2000", "--methods", "TopK", "--no-imbalance",
+                         "--output", str(tmp_path / "density.md")])  # fmt: skip
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    assert len(table) == 3
+    assert [len(cells(line)) for line in table] == [5, 5, 5]
+    assert cells(table[0])[2].strip() == "mean \\|d/target - 1\\|"
+
+
+def test_report_tables_write_values_just_below_1000_in_full():
+    """.3g rounds 999.5 to 999.99 up to "1e+03", where every other value from 1000 on reads
+    "1,000"; a torch.topk of 999.7 ms went into the report as 1e+03."""
+    table = markdown_table(["ms"], [[999.7], [-999.5], [999.4], [1234.0]])
+    assert [cells(line)[0].strip() for line in table.splitlines()[2:]] == ["1,000", "-1,000", "999", "1,234"]
+
+
+def test_select_refuses_a_gpu_that_is_not_there_before_timing_anything(capsys, monkeypatch):
+    """--device cuda on a machine without a GPU (or a gradsparse built without CUDA) ended in
+    torch's "Torch not compiled with CUDA enabled" traceback, and cuda:N past the last GPU in
+    "invalid device ordinal", both from inside the first timing."""
+    monkeypatch.setattr(select, "measure", never("something was timed"))
+    monkeypatch.setattr(select.torch.cuda, "is_available", lambda: False)
+    assert_refused(select.main, ["--device", "cuda", "--output", "unused.md"], "--device cuda: no GPU here", capsys)
+    monkeypatch.setattr(select.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(select.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(select.gs, "built_with_cuda", lambda: True)
+    for device in ("cuda:2", "cuda:x"):
+        message = f"--device {device}: no such GPU; give cuda:0 to cuda:1"
+        assert_refused(select.main, ["--device", device, "--output", "unused.md"], message, capsys)
+
+
+def test_select_times_the_gpu_that_device_names(tmp_path, monkeypatch):
+    """With --device cuda:1 the tensors went to GPU 1, but torch.cuda.synchronize() waited on the
+    current GPU, 0, so the timings ended before GPU 1's kernels did, and the header named GPU 0."""
+    current = [0]
+    ran_on = []
+    monkeypatch.setattr(select.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(select.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(select.gs, "built_with_cuda", lambda: True)
+    monkeypatch.setattr(select.torch.cuda, "set_device", lambda d: current.__setitem__(0, torch.device(d).index))
+    monkeypatch.setattr(select.torch.cuda, "get_device_name", lambda d=None: f"GPU {current[0] if d is None else d}")
+
+    def measure(n, density, repeat, device):
+        ran_on.append((device, current[0]))  # what an argument-less synchronize() would wait on
+        return [f"{n / 1e6:g}M", density, *[1.0] * 10]
+
+    monkeypatch.setattr(select, "measure", measure)
+    text = select.main(["--device", "cuda:1", "--sizes", "2e4", "--densities", "0.01",
+                        "--output", str(tmp_path / "select.md")])  # fmt: skip
+    assert ran_on == [("cuda:1", 1)]
+    assert text.startswith("# Selection cost (float32, GPU 1,")
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "env", "message"),
+    [
+        # torch's env:// ValueError traceback about RANK; link.py also took no --help
+        (link.main, [], {}, "RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: benchmarks.link runs one rank"),
+        (link.main, [], {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+         "WORLD_SIZE=1: benchmarks.link needs at least 2 ranks; start it with torchrun --standalone "
+         "--nproc-per-node=2 -m benchmarks.link"),  # measure_link's ValueError traceback, the group left open
+        (step_ratio.main, [], {}, "not set: benchmarks.step_ratio runs one rank per process; start it with torchrun"),
+        (allgatherv.main, [], {}, "not set: benchmarks.allgatherv runs one rank per process; start it with torchrun"),
+    ],
+)  # fmt: skip
+def test_launched_benchmarks_refuse_a_run_outside_a_launcher(main, argv, env, message, capsys, monkeypatch):
+    """link, step_ratio and allgatherv join the group by env:// rendezvous: run as `python -m
+    benchmarks.link` (the heading of its section in docs/benchmarks.md) they ended in torch's
+    traceback about RANK, and link on one rank in measure_link's."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(link.dist, "init_process_group", _no_process_group)
+    assert_refused(main, argv, message, capsys)
+
+
+def test_link_prints_its_help_without_joining_a_group(capsys, monkeypatch):
+    """`python -m benchmarks.link --help` tried the rendezvous and ended in a traceback."""
+    monkeypatch.setattr(link.dist, "init_process_group", _no_process_group)
+    with pytest.raises(SystemExit) as info:
+        link.main(["--help"])
+    assert info.value.code == 0
+    assert "measure_link" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        ("", "--models '': no model; give some of resnet20, vgg16, lstm, ncf"),  # a cluster made for nothing
+        (",", "--models ',': no model"),
+        ("lstm,ncf,lstm", "--models: lstm given twice; each model runs once"),  # trained twice, reported twice
+    ],
+)
+def test_seed_models_refuses_no_model_or_one_twice_before_the_cluster(models, message, capsys, monkeypatch):
+    """--models "" set up the emulated cluster, ran nothing and wrote no report; a model named
+    twice trained twice into the same run folders and had two sections in the report."""
+    monkeypatch.setattr(seed_models.cluster, "session", never("the cluster was set up"))
+    assert_refused(seed_models.main, ["--models", models, "--methods", "dense,topk"], message, capsys)
