@@ -123,8 +123,23 @@ def sparsify(model: nn.Module, state: State) -> State:
             layouts[fqn or "(root)"] = (module, *layout)
         elif module._get_fsdp_state()._fsdp_param_groups:  # every parameter frozen, for now
             frozen.append((fqn or "(root)", module))
-    state._bind_sharded(model, {name: (numel, dtype) for name, (_, numel, dtype) in layouts.items()})
+    # A sparsify that fails leaves the state as it was (as gradsparse.register does): bound to the
+    # model, it refused the retry as a second model's.
+    before = state._binding.saved()
+    try:
+        state._bind_sharded(model, {name: (numel, dtype) for name, (_, numel, dtype) in layouts.items()})
+    except BaseException:
+        state._binding.restore(before)
+        raise
     recovery = _Recovery(state)
+    # A model sparsified again (with a new state, after unfreezing) drops the hooks of the states
+    # before: each held its state, with its residuals and engine thread, alive as long as the model.
+    # A failure one of them recorded (the unfrozen module's) is still to be recovered from.
+    for module in model.modules():
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if isinstance(hook, _Recovery):
+                recovery.failure = recovery.failure or hook.failure
+                del module._forward_pre_hooks[key]
     # Before FSDP's own pre-forward hooks (prepended at fully_shard): the reset must come first.
     model.register_forward_pre_hook(recovery, prepend=True)
     for index, (name, (module, _, _)) in enumerate(layouts.items()):
@@ -238,10 +253,10 @@ class _SparseReduceScatter:
                 "is not supported"
             )
         flat = input_tensor.view(-1)
-        if state._paused:  # State.paused(): this rank's shard back unreduced, the state unchanged
-            output_tensor.view(-1).copy_(flat.view(world_size, -1)[state._rank])
-            return
-        state._reduce_flat(self._index, self._name, flat, self._groups).wait()
+        # State.paused(): this rank's shard back unreduced, the state unchanged; scaled below as a
+        # reduced one is, since FSDP divides what a SUM (float16) returns by the world size either way
+        if not state._paused:
+            state._reduce_flat(self._index, self._name, flat, self._groups).wait()
         shard = flat.view(world_size, -1)[state._rank]
         if scale != 1.0:
             shard.mul_(scale)

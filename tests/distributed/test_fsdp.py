@@ -1,8 +1,10 @@
 """gradsparse.fsdp: sparse reduce-scatters with error feedback in FSDP2 (fully_shard), on 2 and 4
 Gloo ranks on the CPU. The worker functions are module level, so the ranks can import them by name."""
 
+import gc
 import json
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -612,10 +614,10 @@ def test_sharded_state_of_something_else_names_what_to_pass():
         gs.fsdp.ShardedState(gs.TopK(density=0.05))
 
 
-def a_paused_step(rank: int, world_size: int) -> dict:
+def a_paused_step(rank: int, world_size: int, reduce_dtype: torch.dtype | None = None) -> dict:
     """2 steps, then a backward inside state.paused(), then 1 more step."""
     data = workers.teacher_data(rank, 4)
-    model = sharded_model(world_size)
+    model = sharded_model(world_size, reduce_dtype=reduce_dtype)
     state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
     workers.fit(model, data[:2])
     before = {name: t.clone() for name, t in state.state_dict()["residuals"].items()}
@@ -635,15 +637,19 @@ def a_paused_step(rank: int, world_size: int) -> dict:
     return {
         "step": (step, state.step),
         "residuals_kept": kept,
-        "gradient_unreduced": all(torch.allclose(shards[n], own[n], atol=1e-6) for n in own),
+        "gradient_unreduced": all(
+            torch.allclose(shards[n], own[n], atol=1e-6 if reduce_dtype is None else 1e-3, rtol=1e-3) for n in own
+        ),
     }
 
 
-def test_paused_hands_each_rank_its_own_gradient_back_and_changes_nothing():
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float16], ids=["float32", "float16"])
+def test_paused_hands_each_rank_its_own_gradient_back_and_changes_nothing(reduce_dtype):
     """State.paused() under FSDP: no selection, no communication, no step counted; each rank's shard
     is its own gradient, unreduced (as DDP's buckets come back). It used to reduce and count the
-    step as any other."""
-    for rank, r in enumerate(run_distributed(a_paused_step, 2, timeout=120)):
+    step as any other. In float16, where FSDP asks for a sum and divides it by the world size
+    itself, the shard came back divided by the world size."""
+    for rank, r in enumerate(run_distributed(a_paused_step, 2, reduce_dtype, timeout=120)):
         assert r == {"step": (2, 3), "residuals_kept": True, "gradient_unreduced": True}, f"rank {rank}: {r}"
 
 
@@ -762,6 +768,64 @@ def test_bad_input_raises_on_every_rank(case, error, message):
     outcomes = run_distributed(bad_input, 2, case, timeout=120)
     for rank, (kind, text) in enumerate(outcomes):
         assert kind == error and message in text, f"rank {rank}: {kind}: {text}"
+
+
+def sparsify_retried_after_a_refused_state_dict(rank: int, world_size: int) -> tuple[str, str, int]:
+    """A fresh state given a state dict of other names (refused at sparsify), then its own, and
+    sparsified again."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = state.state_dict()
+    state.close()
+    fresh, model = gs.TopK(density=0.05), sharded_model(world_size)
+    fresh.load_state_dict(dict(saved, residuals={f"layers.{n}": t for n, t in saved["residuals"].items()}))
+    refused = workers._outcome(lambda: gs.fsdp.sparsify(model, fresh))
+    fresh.load_state_dict(saved)
+    retried = workers._outcome(lambda: gs.fsdp.sparsify(model, fresh))
+    workers.fit(model, workers.teacher_data(rank, 1))
+    return refused[1], retried[1], fresh.step
+
+
+def test_sparsify_that_refused_a_state_dict_leaves_the_state_free_for_a_retry():
+    """A sparsify refused by the state dict loaded before it left the state bound to the model:
+    once given the right state dict, the retry was refused as "already serves a model"."""
+    for rank, (refused, retried, step) in enumerate(
+        run_distributed(sparsify_retried_after_a_refused_state_dict, 2, timeout=120)
+    ):
+        assert "residual(s) name no parameter of the model: layers." in refused, f"rank {rank}: {refused}"
+        assert retried == "" and step == 3, f"rank {rank}: {retried} (step {step})"
+
+
+def sparsified_again_after_unfreezing(rank: int, world_size: int) -> tuple[bool, int, int, str]:
+    """One step with model[0] frozen; then model[0] unfrozen, a backward that raises for it, and
+    the model sparsified with a new state, as that error advises; two steps, and the first state
+    dropped."""
+    model = sharded_model(world_size, frozen=True)
+    first = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 1))
+    model[0].requires_grad_(True)
+    outcome = workers._outcome(lambda: workers.fit(model, workers.teacher_data(rank, 1)))
+    second = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    dropped = weakref.ref(first)
+    del first
+    gc.collect()
+    return dropped() is None, second.step, len(second.state_dict()["residuals"]), outcome[1]
+
+
+def test_sparsifying_a_model_again_lets_the_earlier_state_go():
+    """Each gradsparse.fsdp.sparsify left a forward pre-hook on the model that held its state: a
+    model sparsified again with a new state (after unfreezing a parameter, as the error for it
+    advises) kept every earlier state alive, with its residuals (a full flat gradient per module)
+    and its engine thread, for as long as the model lived. The new state still recovers FSDP from
+    the backward that raised for the unfrozen module, and reduces every step after it."""
+    for rank, (released, steps, residuals, error) in enumerate(
+        run_distributed(sparsified_again_after_unfreezing, 2, timeout=120)
+    ):
+        assert "a parameter was unfrozen since" in error, f"rank {rank}: {error}"
+        assert released, f"rank {rank}: the first state is still held by the model"
+        assert steps == 2 and residuals == 3, (rank, steps, residuals)
 
 
 # A backward that raised in the reduce-scatter --------------------------------------------------------
