@@ -332,6 +332,39 @@ TEST(CudaStatistics, ExceedancesAndLogSumsMatchTheCpu) {
   }
 }
 
+// The op's scatter-add (indices in any order, duplicates allowed: atomics) rounds each add as the
+// CPU does, once: out + value / divisor in float32, rounded to the dtype. A 16-bit atomicAdd
+// rounded value / divisor to the dtype first (float16 2.296875 + 869 / 5: 176.0, not 176.125).
+TYPED_TEST(CudaSelect, UnorderedScatterAddRoundsOnceLikeTheCpu) {
+  GS_REQUIRE_GPU();
+  using T = TypeParam;
+  CudaDevice gpu(0, nullptr);
+  const int64_t n = 30011;
+  std::vector<T> out = ref::random_vector<T>(n, 51), values = ref::random_vector<T>(n, 52);
+  std::vector<int64_t> indices(n);
+  for (int64_t j = 0; j < n; ++j) indices[j] = (j * 7919) % n;  // distinct, not ascending
+  out[indices[0]] = Num<T>::from_float(2.296875f);
+  values[0] = Num<T>::from_float(869.0f);
+  for (const float divisor : {5.0f, 3.0f}) {
+    DeviceVector<T> o(gpu, out), v(gpu, values);
+    DeviceVector<int64_t> idx(gpu, indices);
+    cuda::scatter_add<T, int64_t>(gpu, o.data(), n, idx.data(), v.data(), n, divisor, /*strictly_ascending=*/false);
+    std::vector<T> expected = out;
+    cpu::scatter_add<T, int64_t>(expected.data(), n, indices.data(), values.data(), n, divisor, false);
+    const std::vector<T> got = o.host();
+    for (int64_t i = 0; i < n; ++i) ASSERT_TRUE(ref::same_bits(got[i], expected[i])) << divisor << " " << i;
+  }
+  // Duplicates on neighbouring elements (two to a 32-bit word): no add is lost. Each sum is exact.
+  const int64_t count = 3 * 200;
+  std::vector<int64_t> at(count);
+  for (int64_t j = 0; j < count; ++j) at[j] = 1 + j % 3;
+  DeviceVector<T> o(gpu, std::vector<T>(5, Num<T>::zero())), v(gpu, std::vector<T>(count, Num<T>::from_float(1.0f)));
+  DeviceVector<int64_t> idx(gpu, at);
+  cuda::scatter_add<T, int64_t>(gpu, o.data(), 5, idx.data(), v.data(), count, 1.0f, /*strictly_ascending=*/false);
+  const std::vector<T> got = o.host();
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(Num<T>::to_float(got[i]), i == 0 || i == 4 ? 0.0f : 200.0f) << i;
+}
+
 TEST(CudaScatter, RejectsCorruptMessagesWithoutWriting) {
   GS_REQUIRE_GPU();
   CudaDevice gpu(0, nullptr);
