@@ -15,7 +15,9 @@ class CudaJobDevice final : public JobDevice {
       : device_index_(grad.device().index()), grad_(grad), state_(state) {
     c10::cuda::CUDAGuard guard(device_index_);
     GS_CUDA_CHECK(cudaEventCreateWithFlags(&submitted_, cudaEventDisableTiming));
-    GS_CUDA_CHECK(cudaEventRecord(submitted_, c10::cuda::getCurrentCUDAStream(device_index_).stream()));
+    const cudaError_t recorded = cudaEventRecord(submitted_, c10::cuda::getCurrentCUDAStream(device_index_).stream());
+    if (recorded != cudaSuccess) (void)cudaEventDestroy(submitted_);  // no destructor runs for a throwing constructor
+    GS_CUDA_CHECK(recorded);
   }
   ~CudaJobDevice() override { (void)cudaEventDestroy(submitted_); }
   CudaJobDevice(const CudaJobDevice&) = delete;
