@@ -332,6 +332,23 @@ TEST(CudaStatistics, ExceedancesAndLogSumsMatchTheCpu) {
   }
 }
 
+// More thresholds than one launch holds bins for in shared memory (6144): counted a chunk at a
+// time, as the CPU counts them (the launch failed with "invalid argument").
+TEST(CudaStatistics, CountsMoreThresholdsThanOneLaunchHoldsLikeTheCpu) {
+  GS_REQUIRE_GPU();
+  CudaDevice gpu(0, nullptr);
+  CpuDevice cpu;
+  const int64_t n = 100003;
+  std::vector<float> values = ref::random_vector<float>(n, 13);
+  DeviceVector<float> d(gpu, values);
+  std::vector<double> thresholds(7001);
+  for (size_t j = 0; j < thresholds.size(); ++j) thresholds[j] = 1e-3 * static_cast<double>(j);
+  for (bool strict : {false, true})
+    EXPECT_EQ(gpu.count(BucketView{DType::kFloat32, n, d.data(), nullptr}, Range{5, n}, thresholds, strict),
+              cpu.count(BucketView{DType::kFloat32, n, values.data(), nullptr}, Range{5, n}, thresholds, strict))
+        << strict;
+}
+
 // The op's scatter-add (indices in any order, duplicates allowed: atomics) rounds each add as the
 // CPU does, once: out + value / divisor in float32, rounded to the dtype. A 16-bit atomicAdd
 // rounded value / divisor to the dtype first (float16 2.296875 + 869 / 5: 176.0, not 176.125).

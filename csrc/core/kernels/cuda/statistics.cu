@@ -1,5 +1,6 @@
 // CUDA statistics kernels: every block writes its partial result, and the host adds the
 // partials in block order (deterministic, float64), as the CPU kernels do.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -149,20 +150,27 @@ void count_keys(CudaDevice& device, Source<T> src, int64_t n, Range range, const
                 std::vector<int64_t>& counts) {
   GS_CHECK(!src.update, ValueError, "count_keys reads values only; apply the error-feedback update first");
   check_range(range, n, "count_keys");  // as the CPU kernel: a range past the bucket would be read
-  const int m = static_cast<int>(keys.size());
   counts.assign(keys.size(), 0);
-  if (m == 0 || range.end <= range.begin) return;
-  Scratch<uint32_t> device_keys(device, m);
-  Scratch<unsigned long long> device_counts(device, m);
-  device.copy_from_host(device_keys.get(), keys.data(), m * sizeof(uint32_t));
-  device.fill_zero(device_counts.get(), m * sizeof(unsigned long long));
-  count_keys_kernel<T>
-      <<<grid_for(range.end - range.begin), kThreads, m * sizeof(unsigned long long), device.stream()>>>(
-          src, n, range, device_keys.get(), m, device_counts.get());
-  check_launch();
-  const auto bins = to_host(device, device_counts.get(), m);
-  for (int j = 0; j < m; ++j) counts[j] = static_cast<int64_t>(bins[j]);
-  for (int j = m - 2; j >= 0; --j) counts[j] += counts[j + 1];  // at least keys[j]
+  if (keys.empty() || range.end <= range.begin) return;
+  // One bin of 8 bytes per key in shared memory, within the 48 KB a launch gets without opting in
+  // (the methods ask about 258 at most; past it the launch failed). More keys are counted a chunk
+  // at a time: the count of a key (elements at least it) needs no key of another chunk.
+  constexpr size_t kMostKeys = 48 * 1024 / sizeof(unsigned long long);
+  for (size_t first = 0; first < keys.size(); first += kMostKeys) {
+    const int m = static_cast<int>(std::min(kMostKeys, keys.size() - first));
+    Scratch<uint32_t> device_keys(device, m);
+    Scratch<unsigned long long> device_counts(device, m);
+    device.copy_from_host(device_keys.get(), keys.data() + first, m * sizeof(uint32_t));
+    device.fill_zero(device_counts.get(), m * sizeof(unsigned long long));
+    count_keys_kernel<T>
+        <<<grid_for(range.end - range.begin), kThreads, m * sizeof(unsigned long long), device.stream()>>>(
+            src, n, range, device_keys.get(), m, device_counts.get());
+    check_launch();
+    const auto bins = to_host(device, device_counts.get(), m);
+    int64_t* chunk = counts.data() + first;
+    for (int j = 0; j < m; ++j) chunk[j] = static_cast<int64_t>(bins[j]);
+    for (int j = m - 2; j >= 0; --j) chunk[j] += chunk[j + 1];  // at least keys[first + j]
+  }
 }
 
 template <typename T>
