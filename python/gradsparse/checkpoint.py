@@ -153,6 +153,7 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
     _check_rank_count(where, state_dict)
     for r, part in enumerate(state_dict["ranks"]):
         _require(where, part, RANK_KEYS, f"rank {r}'s part of the state dict")
+        _check_same_options(where, state_dict, part, r)
         _checked_part(owner, f"{where} (rank {r}'s part)", part, r, world_size, any_rank=True)
         if part["rank"] != r:
             raise ValueError(
@@ -160,6 +161,35 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
                 f"of rank {r}'s: it was changed after it was saved; load an intact copy"
             )
     return state_dict["ranks"][rank]
+
+
+def _check_same_options(where: str, state_dict: dict, part: dict, r: int) -> None:
+    """Rank ``r``'s part of an AllRanks state dict was saved by the method and options that the
+    state dict names at its top, which load_state_dict compares with the state's. The momentum is
+    not compared: load_state_dict's refusal of another momentum says to change it in the state
+    dict's config (sd['config']['momentum']), and a part's velocities then go as a state dict's do."""
+    if not isinstance(part["config"], dict):
+        _refuse(f"{where} (rank {r}'s part)", "config", "a dict of options", part["config"])
+    fix = (
+        "its parts come from another run's file, or it was changed after it was saved; load the file "
+        "gradsparse.AllRanks(state).state_dict() returned, as saved"
+    )
+    if part["class"] != state_dict["class"]:
+        raise ValueError(
+            f"{where}: rank {r}'s part of the state dict of gradsparse.AllRanks was saved by {part['class']}, but the "
+            f"state dict's class is {state_dict['class']}: {fix}"
+        )
+    config = state_dict["config"]
+    differ = sorted((k for k in part["config"].keys() & config.keys() if k != "momentum"), key=str)
+    differ = [k for k in differ if part["config"][k] != config[k]]
+    if differ:
+        raise ValueError(
+            f"{where}: rank {r}'s part of the state dict of gradsparse.AllRanks was saved with "
+            + ", ".join(f"{k}={part['config'][k]!r}" for k in differ)
+            + ", but the state dict's config holds "
+            + ", ".join(f"{k}={config[k]!r}" for k in differ)
+            + f": {fix}"
+        )
 
 
 def _checked_part(owner: str, where: str, state_dict: dict, rank: int, world_size: int, any_rank: bool) -> dict:
@@ -202,6 +232,11 @@ def _check_rank_count(where: str, state_dict: dict) -> None:
 
 
 _COUNTERS = frozenset(f.name for f in fields(BucketStats))
+#: What each counter of the statistics holds (an integer, a number or a name), by the type of its default.
+_COUNTER_TYPES = {
+    f.name: {int: numbers.Integral, float: numbers.Real, str: str}[type(f.default)] for f in fields(BucketStats)
+}
+_COUNTER_KINDS = {numbers.Integral: "an integer", numbers.Real: "a number", str: "a string"}
 
 
 def _refuse(where: str, key: str, expected: str, value: object) -> None:
@@ -209,6 +244,8 @@ def _refuse(where: str, key: str, expected: str, value: object) -> None:
     described = _describe(value)
     if isinstance(value, torch.Tensor):
         described = f"a tensor of {value.dtype}, shape {list(value.shape)}"
+        if value.is_meta:
+            described += ", on the meta device"
     elif len(described) > 120:  # a long list or an array: its type says enough
         described = f"a {type(value).__module__}.{type(value).__name__}"
     raise ValueError(
@@ -256,6 +293,8 @@ def _check(where: str, state_dict: dict) -> None:
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 refuse(f"{key}[{name!r}]", "a floating-point tensor", tensor)
+            if tensor.is_meta:  # (its checksum and values cannot be read)
+                refuse(f"{key}[{name!r}]", "a floating-point tensor that holds its values", tensor)
         if not isinstance(state_dict.get(checksums_key, {}), dict):
             refuse(checksums_key, "a dict of checksums by parameter name", state_dict[checksums_key])
     methods, layout = state_dict["methods"], state_dict["layout"]
@@ -273,7 +312,8 @@ def _check(where: str, state_dict: dict) -> None:
         key = f"parked_methods[{index}]"
         if "names" in entry and not _is_names(entry["names"]):
             refuse(f"{key}['names']", "a list of parameter names", entry["names"])
-        if "index" in entry and not (isinstance(entry["index"], int) and entry["index"] >= 0):
+        bucket = entry.get("index", 0)  # True was taken for bucket 1
+        if isinstance(bucket, bool) or not (isinstance(bucket, int) and bucket >= 0):
             refuse(f"{key}['index']", "a bucket index (an integer >= 0)", entry["index"])
         if not isinstance(entry["state"], dict):
             refuse(f"{key}['state']", "a method state (a dict of numbers by name)", entry["state"])
@@ -296,6 +336,10 @@ def _check(where: str, state_dict: dict) -> None:
                 "changed after it was saved, or saved by a later gradsparse; load it with that version, or drop "
                 "the statistics (sd['stats'] = {}) to resume without them"
             )
+        for name, value in counters.items():
+            kind = _COUNTER_TYPES[name]
+            if isinstance(value, bool) or not isinstance(value, kind):
+                refuse(f"stats[{index!r}][{name!r}]", f"{_COUNTER_KINDS[kind]} (a counter of statistics)", value)
     link = state_dict.get("link")
     if link is not None and not (
         isinstance(link, (list, tuple))

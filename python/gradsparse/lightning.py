@@ -18,10 +18,12 @@ Needs ``lightning`` (``pip install gradsparse[lightning]``).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 from gradsparse.checkpoint import AllRanks
 from gradsparse.config import _describe
@@ -34,6 +36,10 @@ __all__ = ["Sparsify"]
 #: The statistics logged after every training batch (``State.stats()["total"]``), as
 #: ``<prefix><name>``.
 LOGGED = ("achieved_density", "bytes_sent", "bytes_ratio", "select_seconds", "exchange_seconds")
+
+#: By state, the Trainer's GradScaler that Sparsify's last fit() handed to it (None: none): a later
+#: fit() without loss scaling drops that one, and keeps a scaler the user set.
+_HANDED: weakref.WeakKeyDictionary[State, Any] = weakref.WeakKeyDictionary()
 
 
 class Sparsify(Callback):
@@ -76,9 +82,17 @@ class Sparsify(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         ddp = find_ddp(trainer.strategy.model)
         if ddp is None:
+            sharded = isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
             raise ValueError(
                 f"gradsparse.lightning.Sparsify: the Trainer's strategy {type(trainer.strategy).__name__} does not "
                 "train through DistributedDataParallel; use Trainer(strategy='ddp') (or DDPStrategy(...))"
+                + (
+                    ", or, to shard the model, sparsify FSDP2 without this callback: "
+                    "gradsparse.fsdp.sparsify(model, state) after fully_shard (in configure_model, under "
+                    "ModelParallelStrategy)"
+                    if sharded
+                    else ""
+                )
             )
         precision = str(trainer.precision)
         if precision.startswith("64"):  # else the first backward fails, advising model.float(), which Lightning undoes
@@ -87,7 +101,10 @@ class Sparsify(Callback):
                 "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
                 "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # precision="16-mixed" on CUDA
+        trainers = getattr(trainer.precision_plugin, "scaler", None)  # precision="16-mixed" on CUDA
+        before = self.state._scaler
+        # Without the Trainer's, a scaler the user set stays; the one an earlier fit() handed over goes.
+        scaler = before if trainers is None and before is not _HANDED.get(self.state) else trainers
         try:
             self.state.set_scaler(scaler)  # residuals follow the loss scale
         except ValueError as e:  # a sparse state without nonfinite="propagate": the scale would never come down
@@ -95,7 +112,12 @@ class Sparsify(Callback):
                 f"gradsparse.lightning.Sparsify: the Trainer's precision {precision!r} scales the loss with a "
                 f"GradScaler. {e} (or train with precision='bf16-mixed', which needs no loss scaling)"
             ) from None
-        register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
+        try:
+            register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
+        except BaseException:
+            self.state.set_scaler(before)  # a registration that fails leaves the state as it was
+            raise
+        _HANDED[self.state] = trainers
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -1042,7 +1042,10 @@ class State:
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
         if self._loaded is not None:  # this rank's now, though loaded from another's (any_rank=True)
-            return dict(self._loaded.saved, rank=rank, stats=self._metrics.state_dict())
+            # with the options it loaded under: an AllRanks part's own config does not hold the
+            # momentum changed on purpose in the state dict's (load_state_dict)
+            config = self._saved_config()
+            return dict(self._loaded.saved, rank=rank, config=config, stats=self._metrics.state_dict())
         if self._table.holds_state() and not self._binding.is_named():
             raise ValueError(
                 f"{owner}.state_dict: this state does not know its model's parameter names (it was registered with "

@@ -167,3 +167,76 @@ def test_lightning_sparsify_takes_loss_scaling_with_nonfinite_propagate(tmp_path
     # the Dense state's all-reduce hands Inf/NaN on as DDP's does: it trains under the scaler
     for r in run_distributed(frameworks.lightning_loss_scaling, 2, str(tmp_path / "dense"), "dense", timeout=300):
         assert r["error"] is None and r["steps"] > 0, r
+
+
+def _fit_start(state, monkeypatch, *, strategy=None, scaler=None, register=None) -> None:
+    """Sparsify(state).on_fit_start in a stand-in Trainer (no process group here): its strategy
+    (by default one whose model find_ddp takes for the DDP), its precision plugin's scaler (with
+    one, precision '16-mixed', else '32-true'), and ``register`` in place of gradsparse.register
+    (None: the real one, here on a model that is no DDP, which it refuses)."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    import gradsparse as gs
+
+    if strategy is None:
+        monkeypatch.setattr(gs.lightning, "find_ddp", lambda model: model)
+        strategy = SimpleNamespace(model=nn.Linear(2, 2))
+    if register is not None:
+        monkeypatch.setattr(gs.lightning, "register", register)
+    trainer = SimpleNamespace(
+        strategy=strategy,
+        precision="32-true" if scaler is None else "16-mixed",
+        precision_plugin=SimpleNamespace(scaler=scaler),
+    )
+    gs.lightning.Sparsify(state).on_fit_start(trainer, None)
+
+
+def test_lightning_sparsify_keeps_the_users_scaler_where_the_trainer_scales_no_loss(monkeypatch):
+    """Under a precision without loss scaling Sparsify called state.set_scaler(None), dropping the
+    scaler the user had set (one that scales the loss under manual optimization): the residuals
+    then no longer followed its scale. The scaler of an earlier 16-mixed fit, which Sparsify set,
+    is still dropped when a later fit scales no loss."""
+    import gradsparse as gs
+
+    mine = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    state = gs.TopK(density=0.05, nonfinite="propagate").set_scaler(mine)
+    for _ in range(2):  # each fit() with a Sparsify of its own, as each Trainer takes its callbacks
+        _fit_start(state, monkeypatch, register=lambda ddp, state: state)
+        assert state._scaler is mine
+    lightnings = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    _fit_start(state, monkeypatch, scaler=lightnings, register=lambda ddp, state: state)
+    assert state._scaler is lightnings
+    _fit_start(state, monkeypatch, register=lambda ddp, state: state)
+    assert state._scaler is None
+
+
+@pytest.mark.parametrize("before", ["none", "users"])
+def test_lightning_sparsify_whose_registration_fails_leaves_the_states_scaler_as_it_was(monkeypatch, before):
+    """Sparsify handed the Trainer's GradScaler to the state before registering it, and a
+    registration that failed left the state following that scaler."""
+    import gradsparse as gs
+
+    mine = torch.amp.GradScaler("cpu", init_scale=2.0**4) if before == "users" else None
+    state = gs.TopK(density=0.05, nonfinite="propagate").set_scaler(mine)
+    with pytest.raises(TypeError, match=r"gradsparse\.register: model must be a DistributedDataParallel"):
+        _fit_start(state, monkeypatch, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    assert state._scaler is mine
+
+
+@pytest.mark.parametrize("strategy", ["FSDPStrategy", "ModelParallelStrategy"])
+def test_lightning_sparsify_under_an_fsdp_strategy_names_gradsparse_fsdp(monkeypatch, strategy):
+    """Under Lightning's FSDP strategies the refusal said only to use DDP, not that gradsparse
+    sparsifies FSDP2 models with gradsparse.fsdp.sparsify."""
+    import lightning.pytorch.strategies as strategies
+
+    import gradsparse as gs
+
+    sharded = getattr(strategies, strategy)()
+    monkeypatch.setattr(type(sharded), "model", property(lambda self: None))  # not set up: no model yet
+    with pytest.raises(ValueError) as refused:
+        _fit_start(gs.TopK(density=0.05), monkeypatch, strategy=sharded)
+    message = str(refused.value)
+    assert f"the Trainer's strategy {strategy} " in message and "gradsparse.fsdp.sparsify(model, state)" in message
+    assert "fully_shard" in message and "Trainer(strategy='ddp')" in message

@@ -1080,6 +1080,25 @@ def _saved(steps=2):
             lambda sd: dict(sd, parked_methods=[{"index": 0, "state": {}, "loss_scale": 0}]),
             r"parked_methods\[0\]\['loss_scale'\] should be a positive finite number",
         ),
+        # refused neither: a counter of another type failed later, in stats(); an index of True loaded as bucket 1
+        (
+            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], steps="x")}),
+            r"the state dict's stats\[0\]\['steps'\] should be an integer \(a counter of statistics\), got 'x' "
+            r"\(str\): it was changed after it was saved; load what State.state_dict\(\)",
+        ),
+        (
+            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], select_seconds=None)}),
+            r"the state dict's stats\[0\]\['select_seconds'\] should be a number \(a counter of statistics\), got None",
+        ),
+        (
+            lambda sd: dict(sd, parked_methods=[{"index": True, "state": {}, "loss_scale": 1.0}]),
+            r"the state dict's parked_methods\[0\]\['index'\] should be a bucket index \(an integer >= 0\), got True",
+        ),
+        (  # failed in torch's words: "Tensor.item() cannot be called on meta tensors"
+            lambda sd: dict(sd, residuals={k: v.to("meta") for k, v in sd["residuals"].items()}, checksums={}),
+            r"the state dict's residuals\['2.bias'\] should be a floating-point tensor that holds its values, got a "
+            r"tensor of torch.float32, shape \[3\], on the meta device: .* load what State.state_dict\(\)",
+        ),
     ],
 )
 def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
@@ -1165,6 +1184,58 @@ def test_a_state_dict_saved_right_after_loading_another_ranks_names_this_rank():
     _hooked(resumed)
     resumed.load_state_dict(again)
     assert resumed.step == 2
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda part: part.update({"class": "MiCRO"}),
+            r"TopK.load_state_dict: rank 0's part of the state dict of gradsparse.AllRanks was saved by MiCRO, but "
+            r"the state dict's class is TopK: .* load the file gradsparse.AllRanks\(state\).state_dict\(\) returned",
+        ),
+        (
+            lambda part: part["config"].update(density=0.5),
+            r"TopK.load_state_dict: rank 0's part of the state dict of gradsparse.AllRanks was saved with "
+            r"density=0.5, but the state dict's config holds density=0.05: .* load the file gradsparse.AllRanks",
+        ),
+        (
+            lambda part: part.update(config=None),
+            r"TopK.load_state_dict \(rank 0's part\): the state dict's config should be a dict of options, got None",
+        ),
+    ],
+)
+def test_an_all_ranks_state_dict_whose_part_names_another_method_or_options_is_refused(change, message):
+    """Of an AllRanks state dict only the class and config at its top were compared with the
+    state's: a rank's part saved by MiCRO, or with density=0.5, loaded into TopK(density=0.05)
+    without a word."""
+    saving = gs.TopK(density=0.05)
+    _train(_hooked(saving), 2)
+    saved = copy.deepcopy(gs.AllRanks(saving).state_dict())
+    change(saved["ranks"][0])
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    with pytest.raises(ValueError, match=message):
+        state.load_state_dict(saved)
+    assert state.step == 0
+
+
+def test_a_state_dict_saved_right_after_loading_an_all_ranks_one_records_the_momentum_set_in_its_config():
+    """The momentum changed on purpose, as load_state_dict's refusal says (sd['config']['momentum']),
+    in an AllRanks state dict: until the next step, state_dict() returned the rank's part, which
+    recorded the saved momentum, so a checkpoint taken then was refused by the state it came from."""
+    saving, _ = _saved_with_momentum()
+    saved = copy.deepcopy(gs.AllRanks(saving).state_dict())
+    saved["config"]["momentum"] = 0.0
+    plain = gs.TopK(density=0.05)
+    _hooked(plain)
+    plain.load_state_dict(saved)
+    again = plain.state_dict()
+    assert again["config"]["momentum"] == 0.0
+    resumed = gs.TopK(density=0.05)
+    _hooked(resumed)
+    resumed.load_state_dict(again)
+    assert resumed.step == 3
 
 
 def test_state_dict_right_after_load_returns_what_was_loaded():
