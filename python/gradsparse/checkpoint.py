@@ -344,9 +344,9 @@ def _check(where: str, state_dict: dict) -> None:
     if link is not None and not (
         isinstance(link, (list, tuple))
         and len(link) == 2
-        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in link)
-    ):
-        refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured", link)
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in link)
+    ):  # a NaN or negative one priced every bucket's exchanges wrongly (gradsparse.simulate)
+        refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured (finite, >= 0)", link)
     loss_scale = state_dict.get("loss_scale", 1.0)
     if not _is_loss_scale(loss_scale):
         refuse("loss_scale", "a positive finite number (the loss scale of the residuals and method states)", loss_scale)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
 import re
 import sys
@@ -291,6 +292,12 @@ def spardl(
     Spar-All-Gather (teams > 1; default the first step's floor(block * density / teams)), and
     ``final_counts[b]`` the pairs of block b's final list (default min(k, block length): every
     list is full)."""
+    if isinstance(teams, bool) or not isinstance(teams, numbers.Integral) or teams < 1 or world_size % teams:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"gradsparse.simulate.spardl: teams={teams!r} does not divide the world size {world_size}; SparDL's ranks "
+            f"form teams of equal size: choose teams among {', '.join(map(str, divisors))}"
+        )
     team_size = world_size // teams
     me = rank % team_size
     chunk = -(-numel // team_size)
@@ -347,6 +354,17 @@ EXCHANGES = {
 DEFAULT_LINK = (5e-6, 1 / 1.25e9)
 
 
+def _is_link(link: object) -> bool:
+    """Whether ``link`` is a pair (alpha, beta) the model can price collectives with: two finite
+    real numbers >= 0 (a NaN made every plan's time NaN, and so every pick gather-and-add; a
+    negative one made the plan with the most rounds or bytes the fastest)."""
+    return (
+        isinstance(link, (tuple, list))
+        and len(link) == 2
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in link)
+    )
+
+
 def even_plan(world_size: int, numel: int, k: int, value_bytes: int = 4) -> list[Collective]:
     """Reduce-scatter + all-gather on rank 0 when every rank selects k pairs spread evenly over
     the shards and the owners keep k in all."""
@@ -370,6 +388,24 @@ def faster_exchange(
     seconds, seconds per byte beta). The value width matters: reduce-scatter + all-gather's
     histogram all-reduce is float64 whatever the bucket's dtype, so narrower pairs move the
     break-even to more ranks."""
+    where = "gradsparse.simulate.faster_exchange"
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(
+            f"{where}: world_size must be an integer >= 1 (the number of ranks), got {world_size!r}; for example "
+            "dist.get_world_size()"
+        )
+    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral) or numel < 0:
+        raise ValueError(
+            f"{where}: numel must be an integer >= 0 (the bucket's elements), got {numel!r}; for example 25_000_000"
+        )
+    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
+        raise ValueError(f"{where}: density must be a number in (0, 1], got {density!r}; for example 0.001")
+    if not _is_link(link):
+        raise ValueError(
+            f"{where}: link must be the pair (alpha, beta) of finite numbers >= 0 (latency in seconds, seconds per "
+            f"byte), got {link!r}; measure it with gradsparse.simulate.measure_link() on the group, or pass "
+            "gradsparse.simulate.DEFAULT_LINK"
+        )
     if world_size <= 1 or numel == 0:
         return "gather"
     k = max(1, math.floor(density * numel))

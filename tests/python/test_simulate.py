@@ -231,6 +231,33 @@ def test_auto_plans_half_precision_buckets_with_their_two_byte_values():
     check(steps, lambda t, r, s: simulate.fixed_gather(k, NUMEL, value_bytes=2))
 
 
+@pytest.mark.parametrize(
+    "argument,value,message",
+    [
+        # a NaN made every plan's time NaN, and every pick gather-and-add (here the model's pick is
+        # reduce-scatter + all-gather); a negative beta made the plan with more bytes the faster
+        ("link", (float("nan"), 8e-10), r"link must be the pair \(alpha, beta\) of finite numbers >= 0 .*got \(nan, "),
+        ("link", (5e-6, -8e-10), r"link must be the pair .*got \(5e-06, -8e-10\); measure it with .*measure_link"),
+        ("link", (5e-6, math.inf), r"link must be the pair .*got \(5e-06, inf\)"),
+        # math.floor's "cannot convert float NaN to integer"; outside (0, 1] planned as k = 1 or k > numel
+        ("density", math.nan, r"density must be a number in \(0, 1\], got nan; for example 0.001"),
+        ("density", -0.01, r"density must be a number in \(0, 1\], got -0.01"),
+        ("density", 2.0, r"density must be a number in \(0, 1\], got 2.0"),
+        # planned as one rank ("gather") without a word
+        ("world_size", 0, r"world_size must be an integer >= 1 \(the number of ranks\), got 0; for example"),
+        ("numel", -5, r"numel must be an integer >= 0 \(the bucket's elements\), got -5"),
+    ],
+)
+def test_faster_exchange_refuses_what_it_cannot_plan_naming_the_argument(argument, value, message):
+    """faster_exchange (docs/architecture.md: exchange="auto"'s first pick) took any link,
+    density and world size: a NaN or negative link or a density outside (0, 1] gave a pick, or a
+    bare Python error, instead of an error naming the argument."""
+    arguments = {"world_size": 4, "numel": 10_000_000, "density": 0.01, "link": simulate.DEFAULT_LINK}
+    assert simulate.faster_exchange(**arguments) == "reduce_scatter"
+    with pytest.raises(ValueError, match=f"gradsparse.simulate.faster_exchange: {message}"):
+        simulate.faster_exchange(**dict(arguments, **{argument: value}))
+
+
 def test_the_exchange_trial_alternates_then_keeps_the_faster_where_every_rank_timed_it():
     trial = ExchangeTrial(first_sparse_step=2)  # warm-up until step 2: timed from step 3
     assert [trial.exchange_at(0, step) for step in range(2, 10)] == [None] + ["gather", "reduce_scatter"] * 3 + [None]
@@ -299,6 +326,15 @@ def test_spardl_teams(world_size, teams):
         return simulate.spardl(world_size, r, NUMEL, DENSITY, teams=teams, h=h, final_counts=s.counts[:team_size])
 
     check(steps, plan)
+
+
+@pytest.mark.parametrize("teams", [3, 16, 0])
+def test_spardl_refuses_teams_that_do_not_divide_the_world_size(teams):
+    """SparDL's ranks form teams of equal size. At 8 ranks, teams=3 was planned as 3 teams of 2
+    ranks (two ranks left out of every round) without a word, and teams=16 or 0 ended in a
+    ZeroDivisionError; the library refuses such teams (SparDL.check_world_size)."""
+    with pytest.raises(ValueError, match=rf"spardl: teams={teams} does not divide the world size 8; .* 1, 2, 4, 8$"):
+        simulate.spardl(8, 0, NUMEL, DENSITY, teams=teams)
 
 
 def test_scale_table_runs_and_orders_exchanges(capsys):

@@ -1109,6 +1109,22 @@ def test_a_wrong_state_dict_is_refused_with_the_fix(change, message):
         state.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("link", [(math.nan, 8e-10), (5e-6, -8e-10), (math.inf, 8e-10)])
+def test_a_state_dict_whose_link_is_no_pair_of_finite_seconds_is_refused(link):
+    """exchange="auto" prices each bucket's exchanges on the loaded link (alpha, beta). One with a
+    NaN was loaded, and made every modelled time NaN, so that every bucket took gather-and-add;
+    a negative one made the plan with more bytes the faster; both without a word."""
+    sd = dict(_saved(), link=link)
+    state = gs.TopK(density=0.05)
+    _hooked(state)
+    with pytest.raises(
+        ValueError,
+        match=r"the state dict's link should be None or the pair \(alpha, beta\) of seconds that set-up measured "
+        r"\(finite, >= 0\), got",
+    ):
+        state.load_state_dict(sd)
+
+
 def test_bucket_indices_as_text_load_in_the_exchanges_as_in_the_stats():
     """A state dict through JSON holds its bucket indices as text: the stats loaded so, the
     exchanges that exchange="auto" decided were refused as changed after saving."""
