@@ -107,6 +107,9 @@ def sparsify(model: nn.Module, state: State) -> State:
                 "give every parameter of that module the same mesh"
             )
     state.setup()
+    # FSDP's reduce-scatters are not timed (each module's waits on its own): exchange="auto" keeps
+    # the cost model's pick for every module, and stats() has no trial that never decides.
+    state._trial = None
     if state._world_size == 1:
         warnings.warn(
             f"gradsparse.fsdp.sparsify: the {owner} state's process group has one rank, and FSDP reduce-scatters "

@@ -363,6 +363,24 @@ def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
         assert tuple(loaded) == (1.5e-3, 2.5e-9)
 
 
+def auto_exchanges_under_fsdp(rank: int, world_size: int) -> tuple:
+    """exchange="auto" under FSDP, three steps: stats()' entries, and each module's exchange."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.1, exchange="auto"))
+    workers.fit(model, workers.teacher_data(rank, 3))
+    stats = state.stats()
+    return sorted(stats), [b["exchange"] for b in stats["buckets"].values()]
+
+
+def test_exchange_auto_under_fsdp_reports_no_trial_that_never_decides():
+    """FSDP's reduce-scatters are not timed, so exchange="auto"'s trial never ran there, yet one
+    was made at set-up: stats()["exchange_trial"] read None ("while its trial alternates") for the
+    whole run. Each module keeps the cost model's pick, which stats() names per bucket."""
+    for rank, (entries, exchanges) in enumerate(run_distributed(auto_exchanges_under_fsdp, 2, timeout=120)):
+        assert entries == ["buckets", "total"], f"rank {rank}: {entries}"
+        assert len(exchanges) == 3 and all(exchanges), f"rank {rank}: {exchanges}"
+
+
 class _FixedScaler:
     """A stand-in GradScaler whose scale stays at 32."""
 
