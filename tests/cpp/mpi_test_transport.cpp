@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -78,6 +79,33 @@ TEST(MpiTransport, SendrecvMovesMessagesOverTheCountInPieces) {
   EXPECT_EQ(in, expected);
   EXPECT_EQ(transport->traffic().bytes_sent - sent, static_cast<int64_t>(out.size()));
   EXPECT_EQ(transport->traffic().bytes_received - received, static_cast<int64_t>(in.size()));
+}
+
+// A message shorter than its receive (each rank sends 4 bytes to the right and expects 8 from the
+// left; in pieces of 5: 9 bytes against 10, the last piece short) fails on every rank that got
+// one, naming the sizes. MPI accepts a short receive, and the rest of the buffer passed as
+// received. The ranks stay in step: the next sendrecv works.
+TEST(MpiTransport, SendrecvRefusesAShortMessage) {
+  CpuDevice device;
+  const int p = transport->size(), r = transport->rank();
+  for (const size_t max_count : {size_t{INT_MAX}, size_t{5}}) {
+    const size_t sent = max_count == 5 ? 9 : 4, expected = sent + (max_count == 5 ? 1 : 4);
+    std::vector<unsigned char> out(sent, static_cast<unsigned char>(r)), in(expected, 0);
+    transport->set_max_count(max_count);
+    try {
+      transport->sendrecv(device, out.data(), sent, (r + 1) % p, in.data(), expected, (r + p - 1) % p);
+      ADD_FAILURE() << "rank " << r << " accepted " << sent << " bytes for " << expected;
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find(str("rank ", r, " expected ", expected, " bytes from rank ", (r + p - 1) % p,
+                                               " but got ", sent, "; every pair must agree on message sizes")),
+                std::string::npos)
+          << e.what();
+    }
+    transport->set_max_count(INT_MAX);
+  }
+  std::vector<int64_t> out{r}, in{-1};
+  transport->sendrecv(device, out.data(), 8, (r + 1) % p, in.data(), 8, (r + p - 1) % p);
+  EXPECT_EQ(in[0], (r + p - 1) % p);
 }
 
 // Blocks whose total passes the largest count of one MPI call (INT_MAX bytes; here lowered to 5)

@@ -944,6 +944,48 @@ TEST(Faults, MismatchedCollectivesAreDetected) {
   EXPECT_TRUE(errors[1]);
 }
 
+// Ranks that issue different collectives over as many bytes (an all-gather and an all-reduce of
+// 8 bytes, all-reduces of 2 float32 and 1 float64, an all-gather and an all-gatherv of one
+// block) fail on every rank, naming both collectives. Each rank read the others' buffers as its
+// own kind and returned: a rank that took another path passed here and hung on a real backend.
+TEST(Faults, DifferentCollectivesOfTheSameSizeAreDetected) {
+  const std::vector<std::function<void(Transport&, int, void*)>> issues{
+      [](Transport& t, int rank, void* buffer) {
+        CpuDevice device;
+        std::vector<char> recv(16);
+        if (rank == 0) t.allgather(device, buffer, recv.data(), 8);
+        if (rank == 1) t.allreduce_sum(device, buffer, 2, DType::kFloat32);
+      },
+      [](Transport& t, int rank, void* buffer) {
+        CpuDevice device;
+        t.allreduce_sum(device, buffer, rank == 0 ? 2 : 1, rank == 0 ? DType::kFloat32 : DType::kFloat64);
+      },
+      [](Transport& t, int rank, void* buffer) {
+        CpuDevice device;
+        std::vector<char> recv(16);
+        if (rank == 0) t.allgather(device, buffer, recv.data(), 8);
+        if (rank == 1) t.allgatherv(device, buffer, recv.data(), {8, 8});
+      },
+  };
+  for (size_t i = 0; i < issues.size(); ++i) {
+    const auto errors = run_ranks(2, [&](int rank, Transport& transport) {
+      std::vector<double> buffer(1, 1.0);
+      issues[i](transport, rank, buffer.data());
+    });
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_TRUE(errors[r]) << "case " << i << " rank " << r;
+      try {
+        std::rethrow_exception(errors[r]);
+      } catch (const CommError& e) {
+        EXPECT_NE(std::string(e.what()).find("every rank must issue the same collective"), std::string::npos)
+            << e.what();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "case " << i << " rank " << r << ": not a CommError: " << e.what();
+      }
+    }
+  }
+}
+
 // A sparse step fuses momentum correction into the error-feedback update: a velocity without a
 // residual is refused on every rank before any collective (a dense step takes it: momentum SGD).
 TEST(Methods, RefuseAVelocityWithoutAResidualOnSparseSteps) {

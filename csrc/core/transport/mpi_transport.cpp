@@ -252,15 +252,27 @@ void MpiTransport::sendrecv(const Device& device, const void* send, size_t send_
   const size_t calls = std::max({pieces(send_bytes), pieces(recv_bytes), size_t{1}});
   auto* const sending = static_cast<unsigned char*>(out.get());
   auto* const receiving = static_cast<unsigned char*>(in.get());
+  // MPI accepts a shorter message than the receive posted, leaving the rest of `recv` as it was:
+  // every piece's length is checked, and a short one raised after the last call, so that this
+  // rank's own pieces all reach `dst` first.
+  size_t received = 0;
+  bool short_piece = false;
   for (size_t call = 0; call < calls; ++call) {
     const size_t at = call * max_count_;
     const size_t s = send_bytes > at ? std::min(max_count_, send_bytes - at) : 0;
     const size_t r = recv_bytes > at ? std::min(max_count_, recv_bytes - at) : 0;
+    MPI_Status status;
     check(MPI_Sendrecv(s > 0 ? sending + at : sending, static_cast<int>(s), MPI_BYTE, s > 0 ? dst : MPI_PROC_NULL, 0,
                        r > 0 ? receiving + at : receiving, static_cast<int>(r), MPI_BYTE, r > 0 ? src : MPI_PROC_NULL,
-                       0, comm_->comm, MPI_STATUS_IGNORE),
+                       0, comm_->comm, &status),
           "MPI_Sendrecv");
+    int got = 0;
+    check(MPI_Get_count(&status, MPI_BYTE, &got), "MPI_Get_count");
+    received += static_cast<size_t>(got);
+    short_piece = short_piece || static_cast<size_t>(got) != r;
   }
+  GS_CHECK(!short_piece, CommError, "MpiTransport.sendrecv: rank ", rank_, " expected ", recv_bytes,
+           " bytes from rank ", src, " but got ", received, "; every pair must agree on message sizes");
   in.store();
   count_sendrecv(send_bytes, recv_bytes);
 }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "gradsparse/kernels.h"
@@ -39,6 +40,7 @@ class ThreadGroupImpl final : public ThreadGroup {
         inbox_(static_cast<size_t>(size)),
         slots_(size),
         sizes_(size),
+        ops_(size),
         mailbox_(static_cast<size_t>(size) * size) {}
 
   std::unique_ptr<Transport> transport(int rank) override {
@@ -79,18 +81,21 @@ class ThreadGroupImpl final : public ThreadGroup {
     return message;
   }
 
-  /// Publishes (pointer, size) for `rank` and waits for every rank; returns a consistent view.
-  void publish(int rank, const void* ptr, size_t bytes) {
+  /// Publishes (pointer, size, collective) for `rank` and waits for every rank; returns a
+  /// consistent view.
+  void publish(int rank, const void* ptr, size_t bytes, std::string op) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       slots_[rank] = ptr;
       sizes_[rank] = bytes;
+      ops_[rank] = std::move(op);
     }
     barrier(rank);
   }
 
   const void* slot(int rank) const { return slots_[rank]; }
   size_t slot_size(int rank) const { return sizes_[rank]; }
+  const std::string& slot_op(int rank) const { return ops_[rank]; }
 
   /// Generation barrier with timeout and abort.
   void barrier(int rank) {
@@ -133,6 +138,7 @@ class ThreadGroupImpl final : public ThreadGroup {
   std::string aborted_;
   std::vector<const void*> slots_;
   std::vector<size_t> sizes_;
+  std::vector<std::string> ops_;  ///< the collective each rank issued (allreduce_sum with its dtype)
   std::vector<std::deque<std::vector<char>>> mailbox_;
 };
 
@@ -146,7 +152,21 @@ void check_cpu(const Device& device, const char* op) {
            " needs CPU buffers; it runs ranks as threads of one process");
 }
 
+/// The error of a rank whose peers issued another collective (or an all-reduce of another dtype)
+/// over as many bytes: they would have read each other's buffers as their own kind. Every rank
+/// sees the difference, so every rank raises. Empty when all agree.
+std::string other_collective(ThreadGroupImpl& g, int rank) {
+  for (int r = 0; r < g.size(); ++r) {
+    if (g.slot_op(r) != g.slot_op(rank))
+      return str("ThreadTransport.", g.slot_op(rank), ": rank ", r, " issued ", g.slot_op(r), " but rank ", rank,
+                 " issued ", g.slot_op(rank), "; every rank must issue the same collective");
+  }
+  return "";
+}
+
 void check_sizes_agree(ThreadGroupImpl& g, int rank, const char* op) {
+  const std::string other = other_collective(g, rank);
+  GS_CHECK(other.empty(), CommError, other);
   for (int r = 0; r < g.size(); ++r) {
     GS_CHECK(g.slot_size(r) == g.slot_size(rank), CommError, "ThreadTransport.", op, ": rank ", r, " passed ",
              g.slot_size(r), " bytes but rank ", rank, " passed ", g.slot_size(rank),
@@ -157,7 +177,7 @@ void check_sizes_agree(ThreadGroupImpl& g, int rank, const char* op) {
 void ThreadTransport::allgather(const Device& device, const void* send, void* recv, size_t bytes) {
   check_cpu(device, "allgather");
   GS_CHECK(bytes > 0, ValueError, "ThreadTransport.allgather: zero-length collective");
-  group_->publish(rank_, send, bytes);
+  group_->publish(rank_, send, bytes, "allgather");
   std::string error;
   try {
     check_sizes_agree(*group_, rank_, "allgather");
@@ -175,8 +195,8 @@ void ThreadTransport::allgather(const Device& device, const void* send, void* re
 void ThreadTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_cpu(device, "allgatherv");
   check_allgatherv(sizes, "ThreadTransport");
-  group_->publish(rank_, send, sizes[rank_]);
-  std::string error;
+  group_->publish(rank_, send, sizes[rank_], "allgatherv");
+  std::string error = other_collective(*group_, rank_);
   for (int r = 0; r < group_->size() && error.empty(); ++r) {
     if (group_->slot_size(r) != sizes[r])
       error = str("ThreadTransport.allgatherv: rank ", r, " passed ", group_->slot_size(r), " bytes but rank ", rank_,
@@ -196,7 +216,7 @@ void ThreadTransport::allreduce_sum(const Device& device, void* data, size_t cou
   check_cpu(device, "allreduce_sum");
   const size_t bytes = count * dtype_size(dtype);
   GS_CHECK(bytes > 0, ValueError, "ThreadTransport.allreduce_sum: zero-length collective");
-  group_->publish(rank_, data, bytes);
+  group_->publish(rank_, data, bytes, str("allreduce_sum of ", dtype_name(dtype)));
   std::string error;
   try {
     check_sizes_agree(*group_, rank_, "allreduce_sum");
