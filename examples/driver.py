@@ -540,6 +540,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, m
                 gs.METHODS[method](**gradsparse_options(method, args))
             except (TypeError, ValueError) as e:
                 parser.error(f"--method {method}: {e}")
+        elif args.fsdp:  # else refused by Communication at its turn, after the methods before it had trained
+            parser.error(f"--method {method} is a DDP hook of torch's; with --fsdp use dense or a gradsparse method")
 
 
 def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
@@ -658,6 +660,16 @@ class Recorder:
             for key, value in row.items():
                 if key not in ("epoch", "step"):
                     self.writer.add_scalar(f"epoch/{key}", value, row["epoch"])
+            self.writer.flush()
+
+    def flush(self) -> None:
+        """Writes the rows so far to disk: a process that stops after a checkpoint (killed, a crash)
+        leaves the rows up to it, which a resumed run keeps."""
+        if not self.active:
+            return
+        for f, _ in (self.steps, self.epochs):
+            f.flush()
+        if self.writer is not None:
             self.writer.flush()
 
     def close(self) -> None:
@@ -956,6 +968,7 @@ class Run:
                     or self.step >= total_steps
                     or (args.checkpoint_every and self.step % args.checkpoint_every == 0)
                 ):
+                    recorder.flush()  # the rows up to the checkpoint, which a resumed run keeps
                     self.save()
                 if last_of_epoch or self.step >= total_steps:
                     break

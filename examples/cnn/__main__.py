@@ -72,6 +72,11 @@ class ImageClassification(driver.Task):
 
     def __init__(self, args: argparse.Namespace):
         channels, classes, size, n_train, n_test = DATASETS[args.dataset]
+        if args.model in ("vgg16", "vgg19") and size != 32:  # else models.build's ValueError, once launched
+            raise SystemExit(
+                f"--model {args.model} needs 32x32 images, but --dataset {args.dataset} has {size}x{size}: "
+                "use --dataset cifar10 or cifar100, or another --model"
+            )
         if args.synthetic_data:
             self.x_train, self.y_train = data.synthetic(n_train, channels, size, classes, args.seed)
             self.x_test, self.y_test = data.synthetic(n_test, channels, size, classes, args.seed + 1)
@@ -117,7 +122,10 @@ class ImageClassification(driver.Task):
         model.eval()
         correct = torch.zeros(2, dtype=torch.float64)
         with torch.no_grad():
-            for start in range(rank * 1000, len(self.x_test), world_size * 1000):
+            # The same number of forward passes on every rank, the last ones empty where this rank's
+            # share runs out: with --fsdp each one gathers the parameters from every rank.
+            for first in range(0, len(self.x_test), world_size * 1000):
+                start = first + rank * 1000
                 logits = model(self.x_test[start : start + 1000].to(self.device))
                 correct[0] += (logits.argmax(1).cpu() == self.y_test[start : start + 1000]).sum()
                 correct[1] += len(logits)

@@ -88,7 +88,15 @@ class Recommendation(driver.Task):
             ratings, source = data.load_ratings(args.dataset, args.data_dir)
         self.data = data.leave_one_out(*ratings)
         # A synthetic run is not evaluated: no ranking negatives (13.8 M item ids at MovieLens-20M's size)
-        self.eval_negatives = None if args.synthetic_data else data.evaluation_negatives(self.data, args.eval_negatives)
+        self.eval_negatives = None
+        if not args.synthetic_data:
+            try:
+                self.eval_negatives = data.evaluation_negatives(self.data, args.eval_negatives)
+            except ValueError as e:  # on every rank alike, once the data is read: no traceback
+                most = int((self.data.n_items - self.data.rated_count).min())
+                raise SystemExit(
+                    f"--eval-negatives {args.eval_negatives}: {e}; give --eval-negatives {most} or fewer"
+                ) from None
         self.layers = _ints(args.layers)
         self.betas = _floats(args.adam_betas)
         if len(self.betas) != 2:
@@ -135,8 +143,11 @@ class Recommendation(driver.Task):
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64)  # hits, ndcg, users
         users = torch.arange(rank, self.data.n_users, world_size)
+        most = -(-self.data.n_users // world_size)  # rank 0's users, the most any rank has
         with torch.no_grad():
-            for start in range(0, len(users), chunk):
+            # The same number of forward passes on every rank, the last one empty where this rank
+            # has fewer users: with --fsdp each one gathers the parameters from every rank.
+            for start in range(0, most, chunk):
                 u = users[start : start + chunk]
                 items = torch.cat([self.data.test_items[u].unsqueeze(1), self.eval_negatives[u]], dim=1)
                 scores = model(

@@ -165,3 +165,43 @@ def test_test_samples_evaluates_on_the_first_images_only(capsys):
     with pytest.raises(SystemExit):
         main(["--test-samples", "-1"])
     assert "argument --test-samples: -1 is negative: give 0 or a positive number" in capsys.readouterr().err
+
+
+class CountingModel(torch.nn.Module):
+    """Constant logits; records the size of every batch it is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def forward(self, x):
+        self.sizes.append(len(x))
+        return torch.zeros(len(x), 10)
+
+
+def test_evaluation_runs_the_same_forward_passes_on_every_rank(monkeypatch):
+    """Each rank took every world_size-th block of 1,000 test images, so with 2,500 images on 2
+    ranks (or Fashion-MNIST's 10,000 on 4) rank 0 ran one forward pass more than the others. With
+    --fsdp every forward pass gathers the parameters from all ranks: the run hung at its first
+    evaluation. Every rank now runs as many (the last ones empty), and each image is scored once."""
+    args = argparse.Namespace(dataset="cifar10", synthetic_data=True, seed=0, model="smallcnn", data_dir=None,
+                              no_augment=False, batch_size=8, test_samples=2500)  # fmt: skip
+    task = ImageClassification(args)
+    monkeypatch.setattr("examples.cnn.__main__.dist.all_reduce", lambda tensor: None)  # one rank at a time
+    for world_size in (2, 4):
+        models_by_rank = [CountingModel() for _ in range(world_size)]
+        for rank, model in enumerate(models_by_rank):
+            task.evaluate(model, rank, world_size)
+        passes = {len(model.sizes) for model in models_by_rank}
+        assert len(passes) == 1, (world_size, [model.sizes for model in models_by_rank])
+        assert sum(sum(model.sizes) for model in models_by_rank) == 2500
+
+
+def test_vgg_on_fashion_mnist_is_refused_naming_both_options():
+    """--model vgg16 with --dataset fashion-mnist (28x28) loaded the data and joined the process
+    group, then rank 0 ended in models.build's ValueError traceback while the other ranks waited
+    on it. The task refuses the pair on every rank, naming both options and what to give instead."""
+    args = argparse.Namespace(dataset="fashion-mnist", synthetic_data=True, seed=0, model="vgg16", data_dir=None,
+                              no_augment=False, batch_size=8, test_samples=0)  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--model vgg16 needs 32x32 images, but --dataset fashion-mnist has 28x28"):
+        ImageClassification(args)

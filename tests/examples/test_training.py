@@ -411,6 +411,11 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
         # finished checkpoint (or, with --fresh, overwriting it); no method at all trained nothing
         (["--method", "dense,topk,dense"], "--method: dense given twice; each method trains once, in its run folder"),
         (["--method", ","], "--method: no method in ','; give one, or several separated by commas"),
+        # torch's hooks need DDP: refused at their turn, after the methods before them had trained
+        (
+            ["--fsdp", "--method", "dense,powersgd"],
+            "--method powersgd is a DDP hook of torch's; with --fsdp use dense or a gradsparse method",
+        ),
         # it overflowed the data order's 64-bit arithmetic mid-run
         (["--seed", "200000000000000"], "argument --seed: 200000000000000 is outside 0 to 4294967295"),
     ],
@@ -543,6 +548,46 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 10))
+
+
+DIES_AFTER_STEP_5 = """
+import os
+
+from examples import driver
+from examples.lstm.__main__ import main
+
+one_step = driver.Run._one_step
+
+
+def dying(self, *args, **kwargs):
+    if self.step == 5:  # killed: no file is closed, no buffer written
+        os._exit(1)
+    one_step(self, *args, **kwargs)
+
+
+driver.Run._one_step = dying
+main()
+"""
+
+
+def test_a_process_killed_after_a_checkpoint_leaves_the_rows_up_to_it(tmp_path):
+    """steps.csv reached the disk only at the end of an epoch (and when the run closed its files):
+    a process killed after a --checkpoint-every checkpoint inside an epoch had left none of the
+    epoch's rows, and the run resumed from that checkpoint lacked them (steps 4-9 of 1-9). Every
+    checkpoint now writes the rows up to it first: killed after step 5, with a checkpoint at step
+    3, the file holds steps 1-3, and the resumed run steps 1-9."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_AFTER_STEP_5)
+    out = tmp_path / "run"
+    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--out", str(out), "--checkpoint-every", "3"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    killed = start(command, [*args, "--max-steps", "9"])
+    assert killed.returncode != 0
+    assert torch.load(out / "checkpoint-rank0.pt", weights_only=False)["step"] == 3
+    assert [int(r["step"]) for r in read_csv(out / "steps.csv")] == [1, 2, 3]
+    printed = launch(torchrun("lstm"), [*args, "--max-steps", "9"])
+    assert "resuming from step 3" in printed
+    assert [int(r["step"]) for r in read_csv(out / "steps.csv")] == list(range(1, 10))
 
 
 def test_fresh_deletes_the_checkpoints_of_the_run_it_starts_over(tmp_path):
