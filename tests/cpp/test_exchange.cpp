@@ -706,6 +706,36 @@ TEST(Float16, ValuesWhoseSumOverflowsAverageToFiniteOutputs) {
     }
 }
 
+// From 10 ranks on, float16 values of 65504 added one by one, each divided by P, round past 65504
+// (ten of 6550.4 make Inf): gather-and-add hands back Inf there, for the loss scaler to see. An
+// owner of reduce-scatter + all-gather reads the same Inf average, keeps it and hands it back as
+// gather-and-add does; it read its averages as selection values, which take Inf for zero, so it
+// handed back 0 with every rank's residual emptied there: the mass vanished without a trace.
+TEST(Float16, ReduceScatterAllgatherHandsBackAnOverflowedAverageAsGatherAndAddDoes) {
+  const int p = 10;
+  const int64_t n = 4;
+  std::vector<std::vector<Half>> outputs[2], residuals[2];
+  for (int mode = 0; mode < 2; ++mode) {
+    outputs[mode].assign(p, std::vector<Half>(n, Num<Half>::from_float(65504.0f)));
+    residuals[mode].assign(p, std::vector<Half>(n, Num<Half>::zero()));
+    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+      CpuDevice device;
+      TopK method(1.0, mode == 0 ? "gather" : "reduce_scatter");
+      BucketView bucket{DType::kFloat16, n, outputs[mode][rank].data(), residuals[mode][rank].data()};
+      reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
+    }));
+  }
+  for (int r = 0; r < p; ++r) {
+    for (int64_t i = 0; i < n; ++i) {
+      const float out = Num<Half>::to_float(outputs[1][r][i]), kept = Num<Half>::to_float(residuals[1][r][i]);
+      EXPECT_TRUE(ref::same_bits(outputs[1][r][i], outputs[0][r][i]))
+          << "rank " << r << " element " << i << ": " << out << " where gather-and-add gives "
+          << Num<Half>::to_float(outputs[0][r][i]);
+      EXPECT_FALSE(out == 0.0f && kept == 0.0f) << "rank " << r << " element " << i << ": the mass vanished";
+    }
+  }
+}
+
 // A NaN on one rank: every rank raises (default) or every rank skips, and each rank's residual
 // keeps all of its finite mass. The news travels in the control words, or (MiCRO, ExDyna up to 4
 // ranks) in the band counts that carry them; reference MiCRO keeps them apart.
@@ -1300,6 +1330,8 @@ TEST(Faults, ControlWordsAndAnnouncedSizesAreChecked) {
   // count at 0, then the pairs for each owner's shard (500 elements each), 4 bytes each. SparDL's
   // list sizes: 8 bytes.
   const std::vector<Case> cases = {
+      // the fixed-size gather's messages carry the non-finite count in their header, at 24
+      {"fixed-size gather: largest non-finite count", [] { return std::make_unique<TopK>(0.05); }, 0, 24, kLargest},
       {"gather: count above the bucket's elements", gather, 0, 0, 1001},
       {"gather: largest count", gather, 0, 0, kLargest},
       {"gather: largest non-finite count", gather, 0, 4, kLargest},

@@ -72,6 +72,7 @@ class FixedGather final : public Exchange {
       GS_CHECK(m.count == mine.count, CorruptMessageError, "sparse message from rank ", r, " holds ", m.count,
                " pairs where every rank sends ", mine.count);
       result.control[r].nonfinite = m.nonfinite;
+      check_control_word(result.control[r], bucket, /*with_message=*/true, r);  // the header's non-finite count
       messages.push_back(m);
     }
     result.aborted = !result.nonfinite_ranks().empty();

@@ -61,7 +61,9 @@ class ReduceScatterAllgather final : public Exchange {
       lists.push_back(HostMessage(device, m).index_list());
     }
     const std::vector<int64_t> touched = ascending_union(std::move(lists));  // shard-local
-    const Selection reduced = device.gather(BucketView{bucket.dtype, length, sum.data(), nullptr}, touched);
+    // Read as stored (the sum as the residual): a selection value without one reads Inf as zero,
+    // which would hand back 0 where gather-and-add hands back the overflowed float16 average.
+    const Selection reduced = device.gather(BucketView{bucket.dtype, length, sum.data(), sum.data()}, touched);
     const std::vector<float> values = HostMessage(device, reduced.view(bucket.dtype, length)).value_list();
 
     // 2. The global top K of the average: one threshold bin for every owner, from the summed
