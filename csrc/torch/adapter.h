@@ -44,10 +44,12 @@ inline at::ScalarType scalar_type(DType d) {
   TORCH_CHECK(false, "gradsparse: unknown dtype code ", int(d));
 }
 
-/// A contiguous 1-D view of a tensor the kernels may read or write in place.
+/// A contiguous 1-D view of a tensor the kernels may read or write in place. The fix names the
+/// copy .contiguous() makes: where the call writes the tensor, the writes go to that copy.
 inline void check_flat(const at::Tensor& t, const char* arg) {
   TORCH_CHECK_VALUE(t.is_contiguous(), "gradsparse: ", arg, " must be contiguous, got strides ", t.strides(),
-                    "; call .contiguous() first");
+                    "; pass a contiguous ", arg, " (", arg, ".contiguous() is a copy: where the call writes ", arg,
+                    ", copy_ that copy back into ", arg, " after it)");
 }
 
 inline void check_same(const at::Tensor& a, const char* a_name, const at::Tensor& b, const char* b_name) {

@@ -74,6 +74,15 @@ inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices,
       std::numeric_limits<float>::denorm_min(), ", ", std::numeric_limits<float>::max(), "]");
 }
 
+/// Bumps the version counter of a tensor the kernel has written (out, a residual), as torch's
+/// in-place ops do, so that autograd refuses a backward through a value saved before the write
+/// (rather than computing the gradient from the new values), and an inference tensor is refused
+/// outside inference mode. PyTorch's autograd fallback bumps only the written tensors an op
+/// returns, and these ops return none.
+inline void mark_written(const std::optional<at::Tensor>& t) {
+  if (t) t->unsafeGetTensorImpl()->bump_version();
+}
+
 /// Output tensors of a selection, allocated by the kernel's sink once the count is known.
 struct PairTensors {
   explicit PairTensors(const at::Tensor& like) : like_(like) {}

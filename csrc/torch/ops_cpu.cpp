@@ -23,6 +23,7 @@ std::tuple<at::Tensor, at::Tensor> select_threshold_cpu(const at::Tensor& grad,
       cpu::select_threshold<T, int64_t>(residual ? static_cast<T*>(residual->data_ptr()) : nullptr,
                                         static_cast<const T*>(grad.data_ptr()), grad.numel(), threshold, out.sink());
     });
+    mark_written(residual);
     return out.result();
   });
 }
@@ -38,6 +39,7 @@ std::tuple<at::Tensor, at::Tensor> select_topk_cpu(const at::Tensor& grad, const
       cpu::select_topk<T, int64_t>(residual ? static_cast<T*>(residual->data_ptr()) : nullptr,
                                    static_cast<const T*>(grad.data_ptr()), grad.numel(), k, out.sink());
     });
+    mark_written(residual);
     return out.result();
   });
 }
@@ -57,6 +59,7 @@ void scatter_add_cpu(at::Tensor& out, const at::Tensor& indices, const at::Tenso
         run(indices.data_ptr<int32_t>());
       }
     });
+    mark_written(out);
   });
 }
 

@@ -27,6 +27,7 @@ std::tuple<at::Tensor, at::Tensor> select_cuda(const char* op, const at::Tensor&
       kernel(device, residual ? static_cast<T*>(residual->data_ptr()) : nullptr, static_cast<const T*>(grad.data_ptr()),
              out.sink());
     });
+    mark_written(residual);
     return out.result();
   });
 }
@@ -70,6 +71,7 @@ void scatter_add_cuda(at::Tensor& out, const at::Tensor& indices, const at::Tens
         run(indices.data_ptr<int32_t>());
       }
     });
+    mark_written(out);
   });
 }
 

@@ -24,6 +24,13 @@ void check_message_indices(const at::Tensor& indices, int64_t dense_size, const 
   }
 }
 
+/// The bytes of a 1-D tensor. contiguous() keeps a one-element tensor as it is, with whatever
+/// stride it has (2 for x[::2], 0 for an expanded scalar), which view(kByte) refuses.
+at::Tensor bytes_of(const at::Tensor& t) {
+  const at::Tensor dense = t.contiguous();
+  return dense.as_strided({dense.numel()}, {1}).view(at::kByte);
+}
+
 at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t dense_size) {
   TORCH_CHECK_TYPE(indices.scalar_type() == at::kLong || indices.scalar_type() == at::kInt,
                    "gradsparse.pack: indices must be int64 or int32, got ", indices.scalar_type());
@@ -46,9 +53,9 @@ at::Tensor pack(const at::Tensor& indices, const at::Tensor& values, int64_t den
   message.slice(0, 0, sizeof(header)).copy_(head);
   if (count > 0) {
     // uint32 indices are stored as int32 bit patterns (two's complement truncation).
-    const at::Tensor idx = indices.to(index_bytes == 4 ? at::kInt : at::kLong).contiguous();
-    message.slice(0, layout.indices_offset, layout.indices_end).copy_(idx.view(at::kByte));
-    message.slice(0, layout.values_offset, layout.values_end).copy_(values.contiguous().view(at::kByte));
+    message.slice(0, layout.indices_offset, layout.indices_end)
+        .copy_(bytes_of(indices.to(index_bytes == 4 ? at::kInt : at::kLong)));
+    message.slice(0, layout.values_offset, layout.values_end).copy_(bytes_of(values));
   }
   return message;
 }

@@ -159,7 +159,7 @@ def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind
     strided = torch.zeros(8, 2)[:, 0]
     residual, velocity = (strided, None) if kind == "residual" else (torch.zeros(8), strided)
     with pytest.raises(
-        ValueError, match=rf"gradsparse: {kind} must be contiguous, got strides \[2\]; call .contiguous"
+        ValueError, match=rf"gradsparse: {kind} must be contiguous, got strides \[2\]; pass a contiguous {kind}"
     ):
         group.reduce(0, torch.arange(8.0), residual, gs._C.TopK(0.25, "gather"), velocity=velocity, momentum=0.9)
     assert not strided.any()
@@ -345,7 +345,7 @@ def test_sizes_from_a_dynamic_shape_compile_once():
     "call,error,message",
     [  # the shared argument checks said "gradsparse: ...", the core's errors named no op
         (lambda: gs.select_topk(torch.ones(10)[::2], None, 2), ValueError,
-         r"gradsparse\.select_topk: grad must be contiguous, got strides \[2\]; call \.contiguous\(\) first"),
+         r"gradsparse\.select_topk: grad must be contiguous, got strides \[2\]; pass a contiguous grad"),
         (lambda: gs.select_threshold(torch.ones(4, dtype=torch.int64), None, 1.0), TypeError,
          r"gradsparse\.select_threshold: grad must be float32, float16 or bfloat16, got Long"),
         (lambda: gs.select_topk(torch.ones(4), torch.zeros(3), 1), ValueError,
@@ -400,3 +400,75 @@ def test_selection_refuses_a_residual_that_partly_overlaps_grad(op, arg):
     grad = buf[:-1].clone()
     op(grad, buf[1:], arg)
     assert buf[1:].tolist() == ([2.0] * 8 if op is gs.select_threshold else [0.0] * 2 + [2.0] * 6)
+
+
+@pytest.mark.parametrize("op", ["scatter_add_", "select_topk", "select_threshold"])
+def test_an_op_bumps_the_version_of_the_tensor_it_writes(op):
+    """The ops wrote into out or the residual without bumping its version counter (PyTorch's
+    autograd fallback bumps only the written tensors an op returns, and these return none), so a
+    backward through a value autograd had saved before the write took the new values, silently,
+    where torch's own in-place ops (written.add_) make it raise."""
+    weight = torch.ones(4, requires_grad=True)
+    written = torch.tensor([1.0, -2.0, 3.0, 0.5])
+    loss = (weight * written).sum()  # saves written for weight's gradient
+    version = written._version
+    if op == "scatter_add_":
+        gs.scatter_add_(written, torch.tensor([1]), torch.ones(1))
+    elif op == "select_topk":
+        gs.select_topk(torch.ones(4), written, 2)
+    else:
+        gs.select_threshold(torch.ones(4), written, 2.5)
+    assert not torch.equal(written, torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    assert written._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert weight.grad is None
+
+
+@pytest.mark.parametrize("dense_size", [10, 2**33])
+@pytest.mark.parametrize(
+    "indices,values",
+    [
+        (torch.tensor([3, 9], dtype=torch.int32)[::2], torch.tensor([5.0, 7.0])[::2]),
+        (torch.tensor(3).expand(1), torch.tensor(5.0).expand(1)),
+    ],
+    ids=["every-other", "expanded"],
+)
+def test_pack_takes_one_pair_of_any_stride(indices, values, dense_size):
+    """contiguous() keeps a one-element tensor as it is, with its stride (2 for x[::2], 0 for an
+    expanded scalar), and pack then failed with PyTorch's "self.stride(-1) must be 1 to view
+    Float as Byte", naming neither the op nor the argument."""
+    assert indices.stride() != (1,) and values.stride() != (1,)
+    message = gs.pack(indices, values, dense_size)
+    got_indices, got_values = gs.unpack(message, torch.float32, dense_size)
+    assert got_indices.tolist() == [3]
+    assert got_values.tolist() == [5.0]
+
+
+@pytest.mark.parametrize(
+    "call,name",
+    [
+        (lambda written: gs.scatter_add_(written, torch.tensor([1]), torch.ones(1)), "out"),
+        (lambda written: gs.select_topk(torch.ones(4), written, 2), "residual"),
+        (lambda written: gs.select_threshold(torch.ones(4), written, 2.0), "residual"),
+    ],
+    ids=["scatter_add_", "select_topk", "select_threshold"],
+)
+def test_refusing_a_strided_tensor_it_writes_names_a_fix_that_keeps_the_writes(call, name):
+    """A strided out or residual was refused with "call .contiguous() first": the call then ran
+    on the copy .contiguous() made, and the tensor passed kept its old values (the added pairs,
+    the error feedback silently lost)."""
+    buffer = torch.zeros(4, 2)
+    written = buffer[:, 0]
+    with pytest.raises(
+        ValueError, match=rf"{name} must be contiguous, got strides \[2\]; pass a contiguous {name}"
+    ) as err:
+        call(written)
+    assert "call .contiguous() first" not in str(err.value)
+    assert f"copy_ that copy back into {name} after it" in str(err.value)
+    # the fix the message names keeps the writes
+    dense = written.contiguous()
+    call(dense)
+    written.copy_(dense)
+    assert buffer[:, 0].any()
+    assert not buffer[:, 1].any()
