@@ -1232,6 +1232,12 @@ class State:
             >>> scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()
         """
         owner = f"{type(self).__name__}.set_scaler"
+        if isinstance(scaler, type):  # its get_scale() is callable, but only on an instance
+            raise TypeError(
+                f"{owner}: scaler must be a torch.amp.GradScaler (anything with get_scale()) or None, got the class "
+                f'{scaler.__name__} itself; create one, for example torch.amp.GradScaler("cuda"), and pass it to '
+                "set_scaler and to the training loop alike"
+            )
         if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
             raise TypeError(
                 f"{owner}: scaler must be a torch.amp.GradScaler (anything with get_scale()) or None, got "
@@ -1250,12 +1256,13 @@ class State:
     def paused(self):
         """Within this block the hook hands every bucket back unreduced (under FSDP, each rank's
         shard of its own gradient) and the state does not change: no selection, no
-        communication, no step counted. For an iteration whose gradients are thrown away."""
-        self._paused = True
+        communication, no step counted. For an iteration whose gradients are thrown away. Blocks
+        nest: leaving an inner one leaves the state paused until the outer one ends."""
+        paused, self._paused = self._paused, True
         try:
             yield self
         finally:
-            self._paused = False
+            self._paused = paused
 
     def close(self) -> None:
         """Stops the engine thread after the queued work (also done at interpreter exit)."""

@@ -402,6 +402,28 @@ def test_paused_hands_buckets_back_untouched_and_changes_nothing():
     assert state.step == 3
 
 
+def test_a_nested_paused_block_leaves_the_state_paused_until_the_outer_block_ends():
+    """paused() inside paused() (a helper that pauses, called in a paused iteration): leaving the
+    inner block unpaused the state, so the rest of the outer block's backward was reduced, and
+    counted as a step, its residuals changed."""
+    state = gs.TopK(density=0.1)
+    ddp = _hooked(state)
+    _train(ddp, 2)
+    before = state.state_dict()
+    x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+    with state.paused():
+        with state.paused():
+            pass
+        ddp.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    after = state.state_dict()
+    assert after["step"] == before["step"] == 2
+    for name, value in before["residuals"].items():
+        assert torch.equal(value, after["residuals"][name]), name
+    _train(ddp, 1)  # and the hook works again after the outer block
+    assert state.step == 3
+
+
 def test_achieved_density_is_global_for_one_target_methods():
     state = gs.MiCRO(density=0.1)
     ddp = _hooked(state)
@@ -873,6 +895,18 @@ def test_the_dense_states_velocity_follows_the_loss_scale_and_a_scaler_can_be_dr
     assert state.state_dict()["loss_scale"] == 1.0
     for got, want in zip(scaled.parameters(), plain.parameters(), strict=True):
         assert torch.equal(got, want)
+
+
+def test_set_scaler_refuses_the_grad_scaler_class_itself():
+    """set_scaler(torch.amp.GradScaler), the class, not an instance: its get_scale is callable, so
+    it was taken, and the first backward failed inside the hook with "get_scale() missing 1
+    required positional argument: 'self'", naming neither set_scaler nor the fix."""
+    state = gs.TopK(density=0.1, nonfinite="propagate")
+    with pytest.raises(
+        TypeError, match=r"TopK.set_scaler: scaler must be .* got the class GradScaler itself; create one"
+    ):
+        state.set_scaler(torch.amp.GradScaler)
+    assert state.set_scaler(torch.amp.GradScaler("cpu")) is state
 
 
 class _Overflowing(nn.Module):
