@@ -94,7 +94,10 @@ class _PropagatedStep:
     def __init__(self, step: int) -> None:
         self.step = step
         self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
-        self.dense: list[torch.Tensor] = []  # the outputs of its dense buckets, which pass NaN on
+        # The outputs that may hold NaN/Inf that the step's inputs did not: its dense buckets' (which
+        # pass NaN on) and its float16 sparse ones' (a sum of the ranks' values / P rounds past 65504
+        # from 10 ranks on). Read at the step's last bucket: any such makes the step a skipped one.
+        self.outputs: list[torch.Tensor] = []
         self.taken: list[_Taken] = []  # its sparse buckets
         # On a GPU, an event after each bucket's job: the step's last bucket reads the others' outputs,
         # residuals and taken messages on a stream ordered after its own job only.
@@ -789,7 +792,8 @@ class State:
         nowhere. At the step's last bucket every such bucket takes back what its selection took from
         its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
         bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
-        NaN on as DDP does, and counts too. The pieces held out of the step (_hold_unused) were put
+        NaN on as DDP does, and counts too, as does a float16 sparse bucket that handed back Inf from
+        finite inputs (its sum rounded past 65504). The pieces held out of the step (_hold_unused) were put
         back after it, added to what the exchange wrote there; after the take-back, which undoes
         this rank's part of the step, they are put back as they were held (put_back(undone=True))."""
         pending = self._propagated
@@ -802,9 +806,11 @@ class State:
         if report.skipped:
             pending.overflowed = True
         elif report.dense:
-            pending.dense.append(value)
+            pending.outputs.append(value)
         elif residual is not None:
             pending.taken.append(_Taken(index, report, residual, put_back))
+            if value.dtype == torch.float16:
+                pending.outputs.append(value)
         if last:
             self._settle_propagated()
 
@@ -818,7 +824,7 @@ class State:
             return
         for device, ready in pending.ready:
             torch.cuda.current_stream(device).wait_event(ready)
-        if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.dense)):
+        if pending.taken and (pending.overflowed or any(not bool(torch.isfinite(v).all()) for v in pending.outputs)):
             for taken in pending.taken:
                 message = taken.report.taken_message(taken.residual.device)
                 indices, values = torch.ops.gradsparse.unpack(message, taken.residual.dtype, taken.residual.numel())

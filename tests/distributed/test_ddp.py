@@ -111,6 +111,18 @@ def test_a_taken_back_step_leaves_the_residual_of_a_parameter_unused_on_this_ran
             assert torch.equal(after[name], before[name]), f"rank {rank}: {name}"
 
 
+def test_a_float16_sum_that_rounds_past_the_range_is_taken_back():
+    """nonfinite="propagate": from 10 ranks on, a float16 sum of finite values may round past
+    65504 in the exchange (ranks' values / P added one by one), and the bucket hands back Inf, for
+    the loss scaler to skip the step. Only a dense bucket's output or a skipped bucket made the
+    step's sparse buckets take back what they sent, so the residuals the selection had emptied kept
+    nothing: the step's whole gradient was lost. Now a float16 sparse bucket's output counts too."""
+    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, timeout=300)):
+        assert all(math.isinf(g) for g in r["grad"][:4]), f"rank {rank}: the sum did not overflow: {r['grad']}"
+        assert r["residual"] == [65504.0] * 4 + [1.0] * 4, f"rank {rank}: {r['residual']}"
+        assert r["steps"] == (1, 1), f"rank {rank}: {r['steps']}"
+
+
 @pytest.mark.parametrize("bound", [True, False])
 def test_an_overflow_in_the_first_static_graph_step_is_taken_back_by_every_bucket(bound):
     """nonfinite="propagate": DDP's first static-graph step marks no bucket as the last, and a

@@ -1174,6 +1174,41 @@ def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> t
     return before, {name: t.clone() for name, t in state.state_dict()["residuals"].items()}, unused
 
 
+class _Scale1:
+    """A stand-in loss scaler whose scale stays at 1 (torch's GradScaler refuses float16 parameters)."""
+
+    def get_scale(self) -> float:
+        return 1.0
+
+
+class _Weighted(nn.Module):
+    """One float16 parameter of 8 elements; the loss's gradient is 65504 in the first 4, 1 in the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(8, dtype=torch.float16))
+        self.register_buffer("scale", torch.tensor([65504.0] * 4 + [1.0] * 4, dtype=torch.float16))
+
+    def forward(self) -> torch.Tensor:
+        return (self.weight * self.scale).float().sum()
+
+
+def float16_sum_past_the_range(rank: int, world_size: int) -> dict:
+    """One float16 step of TopK(density=1) under nonfinite="propagate" where every rank's gradient
+    is 65504 in half of the elements: from 10 ranks on, gather-and-add's sum of the ranks' values
+    / P rounds past 65504 there, and the step hands back Inf from finite inputs. What it handed
+    back, and this rank's residual and statistics after it."""
+    ddp = DDP(_Weighted())
+    state = gs.register(ddp, gs.TopK(density=1.0, nonfinite="propagate")).set_scaler(_Scale1())
+    ddp().backward()
+    stats = state.stats()["total"]
+    return {
+        "grad": ddp.module.weight.grad.float().tolist(),
+        "residual": next(iter(state.state_dict()["residuals"].values())).float().tolist(),
+        "steps": (stats["steps"], stats["skipped_steps"]),
+    }
+
+
 def auto_exchange_timed_again(rank: int, world_size: int, static_graph: bool, nan_step: int | None) -> dict:
     """exchange="auto" where the trial's first times do not count: under static_graph=True DDP
     rebuilds its buckets after the second step; ``nan_step`` puts a NaN in rank 0's gradient at
