@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsparse.config import _describe, check_int
+from gradsparse.config import _describe, check_int, is_link
 from gradsparse.exchange_trial import CHOICES
 from gradsparse.metrics import BucketStats
 from gradsparse.wrappers import strip_wrapper_prefixes
@@ -341,11 +341,7 @@ def _check(where: str, state_dict: dict) -> None:
             if isinstance(value, bool) or not isinstance(value, kind):
                 refuse(f"stats[{index!r}][{name!r}]", f"{_COUNTER_KINDS[kind]} (a counter of statistics)", value)
     link = state_dict.get("link")
-    if link is not None and not (
-        isinstance(link, (list, tuple))
-        and len(link) == 2
-        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in link)
-    ):  # a NaN or negative one priced every bucket's exchanges wrongly (gradsparse.simulate)
+    if link is not None and not is_link(link):  # a NaN or negative one priced every bucket's exchanges wrongly
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured (finite, >= 0)", link)
     loss_scale = state_dict.get("loss_scale", 1.0)
     if not _is_loss_scale(loss_scale):

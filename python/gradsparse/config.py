@@ -52,6 +52,17 @@ def check_threshold(owner: str, name: str, value: object) -> float:
     return v
 
 
+def is_link(link: object) -> bool:
+    """Whether ``link`` is a pair (alpha, beta) gradsparse.simulate can price collectives with: two
+    finite real numbers >= 0 (a NaN made every plan's time NaN, and so every pick gather-and-add; a
+    negative one made the plan with the most rounds or bytes the fastest)."""
+    return (
+        isinstance(link, (tuple, list))
+        and len(link) == 2
+        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in link)
+    )
+
+
 def check_int(owner: str, name: str, value: object, minimum: int, example: str, maximum: int | None = None) -> int:
     """An integer from ``minimum`` to ``maximum`` (None: no bound; the C++ options' types have one)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):

@@ -34,6 +34,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from gradsparse.config import is_link
+
 HEADER_BYTES = 32  # sparse message header (bare messages, whose count travelled first, have none)
 FLOAT64 = 8
 
@@ -354,17 +356,6 @@ EXCHANGES = {
 DEFAULT_LINK = (5e-6, 1 / 1.25e9)
 
 
-def _is_link(link: object) -> bool:
-    """Whether ``link`` is a pair (alpha, beta) the model can price collectives with: two finite
-    real numbers >= 0 (a NaN made every plan's time NaN, and so every pick gather-and-add; a
-    negative one made the plan with the most rounds or bytes the fastest)."""
-    return (
-        isinstance(link, (tuple, list))
-        and len(link) == 2
-        and all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in link)
-    )
-
-
 def even_plan(world_size: int, numel: int, k: int, value_bytes: int = 4) -> list[Collective]:
     """Reduce-scatter + all-gather on rank 0 when every rank selects k pairs spread evenly over
     the shards and the owners keep k in all."""
@@ -400,7 +391,7 @@ def faster_exchange(
         )
     if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < density <= 1:
         raise ValueError(f"{where}: density must be a number in (0, 1], got {density!r}; for example 0.001")
-    if not _is_link(link):
+    if not is_link(link):
         raise ValueError(
             f"{where}: link must be the pair (alpha, beta) of finite numbers >= 0 (latency in seconds, seconds per "
             f"byte), got {link!r}; measure it with gradsparse.simulate.measure_link() on the group, or pass "
