@@ -328,17 +328,13 @@ def count(text: str) -> int:
     return value
 
 
-#: The most threads gradsparse's CPU kernels take (gradsparse.set_num_threads, GRADSPARSE_NUM_THREADS).
-MAX_THREADS = 4096
-
-
 def thread_count(text: str) -> int:
     """argparse type of --threads: 0 (the launcher's share) or a count the CPU kernels take."""
     value = count(text)
-    if value > MAX_THREADS:  # else gradsparse.set_num_threads' ValueError on every rank, once launched
+    if value > gs.MAX_THREADS:  # else gradsparse.set_num_threads' ValueError on every rank, once launched
         raise argparse.ArgumentTypeError(
-            f"{value} is more than {MAX_THREADS}, the most gradsparse's CPU kernels take: give a count up to "
-            f"{MAX_THREADS}, or 0 for OMP_NUM_THREADS, else this process's share of the CPUs"
+            f"{value} is more than {gs.MAX_THREADS}, the most gradsparse's CPU kernels take: give a count up to "
+            f"{gs.MAX_THREADS}, or 0 for OMP_NUM_THREADS, else this process's share of the CPUs"
         )
     return value
 

@@ -27,6 +27,10 @@ def _check_torch() -> None:
 _check_torch()
 
 
+#: The most threads the CPU kernels take (set_num_threads, GRADSPARSE_NUM_THREADS).
+MAX_THREADS = 4096
+
+
 def _check_environment() -> None:
     """The CPU kernels read GRADSPARSE_SIMD and GRADSPARSE_NUM_THREADS once, deep inside a step,
     where a typo would pass unnoticed: refuse one here, on every rank that imports gradsparse."""
@@ -40,9 +44,9 @@ def _check_environment() -> None:
         )
     threads = os.environ.get("GRADSPARSE_NUM_THREADS", "")
     digits = threads.strip(" ")  # ASCII digits only: the kernels' reader takes no others ('٤'), int() not all ('²')
-    if threads and not (digits.isascii() and digits.isdigit() and 1 <= int(digits) <= 4096):
+    if threads and not (digits.isascii() and digits.isdigit() and 1 <= int(digits) <= MAX_THREADS):
         raise ValueError(
-            f"GRADSPARSE_NUM_THREADS={threads!r} is not a whole number of threads from 1 to 4096 for the CPU "
+            f"GRADSPARSE_NUM_THREADS={threads!r} is not a whole number of threads from 1 to {MAX_THREADS} for the CPU "
             "kernels: set it to, for example, 2, or unset it for OpenMP's default"
         )
 
@@ -79,7 +83,7 @@ def set_num_threads(threads: int) -> None:
     from gradsparse.config import check_int
 
     # A negative count was taken as 0 and True as 1 without a word.
-    _C.set_num_threads(check_int("gradsparse.set_num_threads", "threads", threads, 0, "threads=4", 4096))
+    _C.set_num_threads(check_int("gradsparse.set_num_threads", "threads", threads, 0, "threads=4", MAX_THREADS))
 
 
 get_num_threads = _C.get_num_threads
@@ -96,6 +100,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DGC",
+    "MAX_THREADS",
     "METHODS",
     "SAGE",
     "AllRanks",
