@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     for method in methods:
         t = slowest[method]
         exchange = t["serial"] - t["compute"]
-        hidden = (t["serial"] - t["overlapped"]) / exchange if exchange > 0 else float("nan")
+        # An exchange that the noise puts at or below zero has no share to hide: "-" rather than "nan%".
+        hidden = f"{100 * (t['serial'] - t['overlapped']) / exchange:.0f}%" if exchange > 0 else "-"
         rows.append(
             [
                 method,
@@ -202,9 +203,9 @@ def main(argv: list[str] | None = None) -> None:
                 1e3 * t["overlapped"],
                 1e3 * t["feedback"],
                 t["overlapped"] / t["serial"],
-                f"{100 * hidden:.0f}%",
+                hidden,
                 t["overlapped"] / t["compute"],
-                t["overlapped"] / slowest["dense"]["overlapped"] if "dense" in slowest else float("nan"),
+                t["overlapped"] / slowest["dense"]["overlapped"] if "dense" in slowest else "-",
                 t["feedback"] / t["compute"],
             ]
         )

@@ -17,7 +17,8 @@
 # `--network "veth, tbf RATE" --output overlap-RATE.md`, so they may override both. PYTHON
 # names the interpreter (default python3). Needs root, ip and tc (iproute2); the namespaces
 # (gs-rank0-PID, gs-rank1-PID, addresses 10.213.0.1/24 and 10.213.0.2/24) are deleted on exit,
-# also on failure or Ctrl-C. Rank 0's table goes to stdout and runs/benchmarks/.
+# also on failure or Ctrl-C. Rank 0's table goes to stdout and to runs/benchmarks/ under the current
+# directory; PYTHON and --output paths are taken relative to it, as overlap.py takes them.
 set -euo pipefail
 
 die() {
@@ -49,7 +50,11 @@ else
     die "cannot size tbf's burst for rate '$rate': use [k|m|g]bit or set BURST"
 fi
 python=$(command -v "${PYTHON:-python3}") || die "'${PYTHON:-python3}' not found (set PYTHON)"
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# The ranks run in the caller's directory with the repository on their path: a relative PYTHON or
+# --output means what it says there. (Not resolved through symlinks: a venv's python is one.)
+[[ $python == /* ]] || python=$PWD/$python
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 ns=("gs-rank0-$$" "gs-rank1-$$")
 veth=("gsv0-$$" "gsv1-$$")

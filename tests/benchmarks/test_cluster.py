@@ -29,9 +29,9 @@ def cluster(*worker: str) -> subprocess.CompletedProcess:
     return benchmark("benchmarks.cluster", "--", *worker)
 
 
-def cluster_namespaces() -> set[str]:
+def cluster_namespaces(prefix: str = "gsc") -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
-    return {name for name in listed if name.startswith("gsc")}
+    return {name for name in listed if name.startswith(prefix)}
 
 
 @pytest.fixture
@@ -259,3 +259,20 @@ def test_a_burst_above_32_bits_is_refused_before_anything_is_made():
     with pytest.raises(emulated.ClusterError, match=r"--burst must be at most 4294967295 bytes .*got 5000000000"):
         emulated.Cluster(2, "50mbit", burst=5_000_000_000)
     assert emulated.Cluster(2, "50mbit", burst=2**32 - 1).burst == 2**32 - 1
+
+
+def test_slow_network_takes_relative_paths_from_the_callers_directory(tmp_path):
+    """benchmarks/slow_network.sh run from another directory with a relative PYTHON and --output:
+    both mean what they say there (it changed to the repository root first, so the interpreter was
+    not found and the report went into the repository)."""
+    os.makedirs(tmp_path / "bin")
+    os.symlink(sys.executable, tmp_path / "bin" / "python")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON="bin/python")
+    before = cluster_namespaces("gs-rank")
+    script = os.path.join(ROOT, "benchmarks", "slow_network.sh")
+    command = ["bash", script, "--rate", "200mbit", "--methods", "dense,topk", "--steps", "2", "--width", "32",
+               "--depth", "1", "--output", "reports/overlap.md"]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "| topk |" in (tmp_path / "reports" / "overlap.md").read_text()
+    assert cluster_namespaces("gs-rank") - before == set()

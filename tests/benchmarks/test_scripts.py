@@ -269,6 +269,17 @@ def test_overlap_times_every_mode(tmp_path):
         assert feedback > 0 and feedback_to_compute == pytest.approx(feedback / compute, rel=0.02)
 
 
+def test_overlap_writes_a_dash_where_noise_leaves_no_exchange_to_hide(tmp_path, monkeypatch):
+    # serial <= compute: the exchange measured at or below zero has no share hidden (was "nan%");
+    # without dense in the run there is no ratio to it (was "nan")
+    timings = {"buckets": 1, "compute": 0.010, "feedback": 0.001, "serial": 0.009, "overlapped": 0.010}
+    monkeypatch.setattr(overlap, "run_distributed", lambda *args, **kwargs: [{"topk": timings}] * 2)
+    monkeypatch.delenv("RANK", raising=False)
+    overlap.main(["--world-size", "2", "--methods", "topk", "--output", str(tmp_path / "overlap.md")])
+    row = next(line for line in (tmp_path / "overlap.md").read_text().splitlines() if line.startswith("| topk"))
+    assert "nan" not in row and row.split("|")[9].strip() == "-"
+
+
 def allgatherv_figures(rank: int, world_size: int) -> dict:
     from benchmarks import allgatherv
 
