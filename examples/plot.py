@@ -45,6 +45,14 @@ def read_rows(path: str) -> list[dict[str, float]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def _ratio(value: float, base: float, form: str) -> str:
+    """``value / base`` written with ``form``, or "-" where dense is no base: 0 (one worker's dense
+    run sends nothing) or NaN."""
+    if base == 0 or base != base:
+        return "-"
+    return form.format(value / base)
+
+
 def table(runs: list[tuple[str, list[dict[str, float]]]], metric: str) -> str:
     """Markdown: one row per run, its last epoch; ratios against the run labelled dense."""
     base = dict(runs).get("dense")
@@ -54,8 +62,8 @@ def table(runs: list[tuple[str, list[dict[str, float]]]], metric: str) -> str:
     ]
     for label, rows in runs:
         last = rows[-1]
-        vs_bytes = f"{last['bytes_total'] / base[-1]['bytes_total']:.2%}" if base else ""
-        vs_time = f"{last['elapsed_seconds'] / base[-1]['elapsed_seconds']:.2f}x" if base else ""
+        vs_bytes = _ratio(last["bytes_total"], base[-1]["bytes_total"], "{:.2%}") if base else ""
+        vs_time = _ratio(last["elapsed_seconds"], base[-1]["elapsed_seconds"], "{:.2f}x") if base else ""
         lines.append(
             f"| {label} | {last['epoch']:g} | {last[metric]:.4g} | {last['loss']:.4f} | {last['elapsed_seconds']:.1f} "
             f"| {last['bytes_total'] / 1e6:.2f} | {vs_bytes} | {vs_time} |"

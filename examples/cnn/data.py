@@ -17,13 +17,18 @@ def read_idx(path: str) -> torch.Tensor:
     """Reads an IDX file (optionally gzipped): magic 0x0000TTDD (type TT, DD dimensions), the
     dimensions as big-endian uint32, then the data."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (EOFError, gzip.BadGzipFile) as error:  # a download cut short, or not gzip data
+        raise ValueError(f"{path}: not a whole gzip file ({error}); download or install it again") from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0:
         raise ValueError(f"{path}: not an IDX file (bad magic)")
     dtype_code, ndim = raw[2], raw[3]
     if dtype_code not in _IDX_TYPES:
         raise ValueError(f"{path}: unsupported IDX element type 0x{dtype_code:02x}")
+    if len(raw) < 4 + 4 * ndim:
+        raise ValueError(f"{path}: the IDX header ends before its {ndim} dimensions")
     dims = struct.unpack(f">{ndim}I", raw[4 : 4 + 4 * ndim])
     count = 1
     for d in dims:

@@ -353,8 +353,9 @@ def steps_per_epoch(n_train: int, world_size: int, negatives: int, batch_size: i
 def hit_and_ndcg(scores: torch.Tensor, k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``scores`` [users, 1 + negatives], column 0 being the test item: the hit
     (test item among the top k) and its NDCG@k, 1 / log2(rank + 2) with rank 0 for the best.
-    Negatives tied with the test item rank above it (a constant model scores 0, not 1)."""
-    rank = (scores[:, 1:] >= scores[:, :1]).sum(dim=1)
-    hit = rank < k
+    Negatives tied with the test item rank above it (a constant model scores 0, not 1), and so do
+    NaN scores; a NaN test item is no hit (a diverged model scores 0, not 1)."""
+    rank = (~(scores[:, 1:] < scores[:, :1])).sum(dim=1)
+    hit = (rank < k) & ~scores[:, 0].isnan()
     ndcg = torch.where(hit, 1.0 / torch.log2(rank.double() + 2), torch.zeros((), dtype=torch.float64))
     return hit.double(), ndcg

@@ -41,6 +41,20 @@ def test_idx_rejects_a_truncated_file(tmp_path):
         data.read_idx(str(tmp_path / "y.gz"))
 
 
+def test_idx_cut_short_in_its_header_or_its_gzip_stream_names_the_file(tmp_path):
+    """A download cut short ended in struct.error or gzip's EOFError, naming no file."""
+    write_idx(tmp_path / "x.gz", np.zeros((3, 4)))
+    with gzip.open(tmp_path / "x.gz") as f:
+        raw = f.read()
+    with gzip.open(tmp_path / "header.gz", "wb") as f:
+        f.write(raw[:9])  # magic and the first dimension, half of the second
+    with pytest.raises(ValueError, match=r"header\.gz: the IDX header ends before its 2 dimensions"):
+        data.read_idx(str(tmp_path / "header.gz"))
+    (tmp_path / "stream.gz").write_bytes((tmp_path / "x.gz").read_bytes()[:-10])
+    with pytest.raises(ValueError, match=r"stream\.gz: not a whole gzip file .*; download or install it again"):
+        data.read_idx(str(tmp_path / "stream.gz"))
+
+
 def test_missing_fashion_mnist_says_how_to_install(tmp_path):
     with pytest.raises(FileNotFoundError, match="apt-get install dataset-fashion-mnist"):
         data.fashion_mnist(str(tmp_path))

@@ -210,6 +210,23 @@ def test_hit_and_ndcg_by_rank():
     assert tied[0].tolist() == [0.0]
 
 
+def test_a_diverged_model_scores_no_hit():
+    """NaN compares false, so NaN scores ranked the test item first: HR@10 and NDCG@10 of 1.0."""
+    nan = math.nan
+    scores = torch.tensor(
+        [
+            [nan] * 12,  # every score NaN
+            [nan] + [0.0] * 11,  # the test item's
+            [1.0] + [nan] * 9 + [0.0] * 2,  # 9 negatives': they rank above it, so it is 10th
+            [1.0] + [nan] * 10 + [0.0],  # 10 negatives': 11th
+        ]
+    )
+    hit, ndcg = data.hit_and_ndcg(scores, k=10)
+    assert hit.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert ndcg.tolist() == pytest.approx([0.0, 0.0, 1 / math.log2(11), 0.0])
+    assert data.hit_and_ndcg(torch.full((1, 6), nan), k=10)[0].tolist() == [0.0]  # fewer candidates than k
+
+
 class FixedScores(nn.Module):
     """Scores a pair by a table lookup: test items at the rank given per user."""
 

@@ -35,3 +35,13 @@ def test_a_png_into_a_missing_folder_is_refused_before_drawing(tmp_path, capsys)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"--out {out}: the folder {out.parent} does not exist; create it or write the PNG elsewhere" in err
+
+
+def test_the_table_of_one_worker_runs_gives_no_bytes_ratio(tmp_path, capsys):
+    """One worker sends nothing, dense included: --table ended in a ZeroDivisionError."""
+    write_run(tmp_path / "runs" / "dense", "1,10,2.0,0.5,1,0,0,1.0,2.0")
+    write_run(tmp_path / "runs" / "topk", "1,10,2.1,0.4,0.01,0,0,1.0,3.0")
+    plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    out = capsys.readouterr().out
+    assert "| dense | 1 | 0.5 | 2.0000 | 2.0 | 0.00 | - | 1.00x |" in out
+    assert "| topk | 1 | 0.4 | 2.1000 | 3.0 | 0.00 | - | 1.50x |" in out
