@@ -37,8 +37,14 @@ def find_runs(paths: list[str]) -> list[tuple[str, str]]:
 
 
 def read_rows(path: str) -> list[dict[str, float]]:
+    rows = []
     with open(path, newline="") as f:
-        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        reader = csv.DictReader(f)
+        for row in reader:
+            try:  # a row cut short (a run stopped, or a full disk, while writing it) has None or '' fields
+                rows.append({k: float(v) for k, v in row.items()})
+            except (TypeError, ValueError):
+                print(f"note: {path}: line {reader.line_num} is incomplete and left out", file=sys.stderr)
     # A run stopped inside an epoch reports that partial epoch and later the whole one: keep
     # the latest row of each step count, in step order.
     by_step = {row["step"]: row for row in rows}

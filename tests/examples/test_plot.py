@@ -45,3 +45,12 @@ def test_the_table_of_one_worker_runs_gives_no_bytes_ratio(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| dense | 1 | 0.5 | 2.0000 | 2.0 | 0.00 | - | 1.00x |" in out
     assert "| topk | 1 | 0.4 | 2.1000 | 3.0 | 0.00 | - | 1.50x |" in out
+
+
+def test_a_row_cut_short_is_left_out_with_a_note(tmp_path, capsys):
+    """A run stopped (or a disk filled) while writing its last row: float(None) ended in a TypeError."""
+    write_run(tmp_path / "dense", "1,10,2.0,0.5,1,100,100,1.0,1.0", "2,20,1.5,0.6,1,100,200,1.0,2.0", "3,30,1.2")
+    plot.main([str(tmp_path / "dense"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    out, err = capsys.readouterr()
+    assert "epochs.csv: line 4 is incomplete and left out" in err
+    assert "| dense | 2 | 0.6 |" in out
