@@ -198,9 +198,11 @@ def choice_option(name: str, default: str | None, choices: tuple[str, ...], doc:
     return Option(name, default, check, doc, flag={"choices": choices})
 
 
-#: The largest value of the C++ options' types: int (stages, teams) and uint64_t (seed).
+#: The largest value of the C++ options' types: int (stages, teams), uint64_t (seed) and int64_t
+#: (element counts).
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
+INT64_MAX = 2**63 - 1
 
 
 def int_option(name: str, default: int, minimum: int, example: str, doc: str, maximum: int = INT32_MAX) -> Option:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradsparse.config import (
+    INT64_MAX,
     _describe,
     check_int,
     choice_option,
@@ -70,6 +71,18 @@ _PARTITION_EXCHANGE = choice_option(
     '"union" (the original\'s: every rank\'s own values on the union, all-reduced) or "gather" (owners '
     "send their pairs: fewer bytes, no value all-reduce, but training far slower: docs/methods.md)",
 )
+
+
+def _check_tail_density(owner: str, density: float, parts: int, quantile: str) -> None:
+    """A fit whose threshold is the quantile 1 - density / ``parts`` needs it below 1; in float64
+    it is 1 from density 2**-53 * parts down, where the C++ fit failed at the first backward
+    ("p must be in (0, 1), got 1") naming no option."""
+    if not 1.0 - density / parts < 1.0:
+        raise ValueError(
+            f"{owner}: density must be above {2.0**-54 * parts:.3g} (2**-{54 - parts.bit_length() + 1}), got "
+            f"{density!r}: {quantile} is 1 in float64 there; k = floor(density * n) is at least 1 anyway, so "
+            "density=1e-15 selects as few (1 element of any bucket below 10**15 elements)"
+        )
 
 
 class Dense(State):
@@ -149,6 +162,9 @@ class GaussianK(State):
     )
     _CORE = "GaussianK"
     _CORE_EXTRAS = ("reference",)
+
+    def _check_options(self, config: dict[str, Any]) -> None:
+        _check_tail_density("GaussianK", config["density"], 2, "its normal fit's quantile 1 - density / 2")
 
 
 class DGC(State):
@@ -269,6 +285,8 @@ class SIDCo(State):
     _CORE_EXTRAS = ("reference",)
 
     def _check_options(self, config: dict[str, Any]) -> None:
+        if config["fit"] == "gamma_gpareto":  # its first stage's ratio is the density (or the larger first_ratio)
+            _check_tail_density("SIDCo", config["density"], 1, 'fit="gamma_gpareto"\'s gamma quantile 1 - density')
         if config["iratio"] is not None and config["stages"] != 0:
             raise ValueError(
                 f"SIDCo: iratio={config['iratio']!r} is the per-stage ratio of stages=0 only, but stages="
@@ -339,7 +357,7 @@ def core_method(name: str, numels: list[int] | tuple[int, ...] = (), **options: 
             f"core_method: numels must be a list of the bucket's parameters' element counts, got {_describe(numels)}; "
             f"for example {example}"
         )
-    # Checked here as the states' buckets are (ints >= 0): a float reached the C++ constructor as
-    # pybind11's list of signatures, and True counted as 1 element.
-    counts = [check_int("core_method", f"numels[{i}]", n, 0, example) for i, n in enumerate(numels)]
+    # Checked here as the states' buckets are (ints >= 0): a float, or a count past int64_t, reached
+    # the C++ constructor as pybind11's list of signatures, and True counted as 1 element.
+    counts = [check_int("core_method", f"numels[{i}]", n, 0, example, INT64_MAX) for i, n in enumerate(numels)]
     return cls(**options)._make_method(counts)

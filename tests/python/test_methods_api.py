@@ -18,6 +18,8 @@ from gradsparse.methods import core_method
         # True counted as a parameter of 1 element
         (("sage", [10, True]), TypeError, "core_method: numels[1] must be an integer >= 0, got True (bool)"),
         (("topk", [-1]), ValueError, "core_method: numels[0] must be >= 0, got -1; for example numels=[1000]"),
+        # past int64_t: pybind11's list of the C++ constructor's signatures
+        (("sage", [5, 2**63]), ValueError, "core_method: numels[1] must be at most 9223372036854775807, got 92233"),
     ],
 )
 def test_core_method_refuses_bad_arguments_naming_them(args, error, message):

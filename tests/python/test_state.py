@@ -88,6 +88,18 @@ def one_rank_group():
             "SIDCo: iratio=0.5 is the per-stage ratio of stages=0 only, but stages=3, which would ignore it; give",
         ),
         (lambda: gs.SIDCo(0.1, stages=-4), ValueError, "SIDCo: stages must be >= -3, got -4; for example stages=-1"),
+        # the fits' quantile 1 - density (/ 2) is 1 in float64: the first backward failed with "normal_quantile: p
+        # must be in (0, 1), got 1" (Gaussian-k) or gamma_p_inverse's (SIDCo-GP), naming no option
+        (
+            lambda: gs.GaussianK(1e-17, variant="sidco"),
+            ValueError,
+            "GaussianK: density must be above 1.11e-16 (2**-53), got 1e-17: its normal fit's quantile 1 - density / 2",
+        ),
+        (
+            lambda: gs.SIDCo(5e-17, fit="gamma_gpareto", reference=True),
+            ValueError,
+            'SIDCo: density must be above 5.55e-17 (2**-54), got 5e-17: fit="gamma_gpareto"\'s gamma quantile',
+        ),
         (lambda: gs.SparDL(0.1, teams=0), ValueError, "SparDL: teams must be >= 1, got 0; for example teams=1"),
         (lambda: gs.RandomK(0.1, seed=-1), ValueError, "RandomK: seed must be >= 0, got -1"),
         # beyond the C++ types (uint64_t seed, int stages and teams): refused here, not at the first step by pybind11
@@ -125,6 +137,21 @@ def test_bad_options_raise_naming_option_value_and_fix(make, error, message):
     with pytest.raises(error) as info:
         make()
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: gs.GaussianK(d, variant="spardl"),
+        lambda d: gs.GaussianK(d, variant="sidco", reference=True),
+        lambda d: gs.SIDCo(d / 2, fit="gamma_gpareto"),
+    ],
+)
+def test_the_least_density_a_fit_takes_trains(make):
+    """The least density GaussianK and SIDCo-GP take (just above 2**-53, 2**-54) reduces its steps."""
+    state = make(math.nextafter(2.0**-53, 1.0))
+    _train(_hooked(state), 3)
+    assert state.stats()["total"]["steps"] == 3
 
 
 def test_a_method_is_declared_once():
