@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <memory>
 
 #include "adapter.h"
@@ -83,8 +84,7 @@ class Recorder final : public Method {
 /// reduce() with its rank.
 class PyThreadGroup {
  public:
-  PyThreadGroup(int size, double timeout_seconds)
-      : group_(ThreadGroup::create(size, std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1e3)))) {
+  PyThreadGroup(int size, double timeout_seconds) : group_(ThreadGroup::create(size, timeout_ms(timeout_seconds))) {
     for (int r = 0; r < size; ++r) transports_.push_back(group_->transport(r));
   }
 
@@ -124,6 +124,18 @@ class PyThreadGroup {
   void abort(const std::string& reason) { group_->abort(reason); }
 
  private:
+  /// The ranks wait on a steady clock in 64-bit nanoseconds: a timeout that is not finite (inf, as
+  /// for "no timeout") or past 2^62 ns became a negative wait, and the first rank at a collective
+  /// failed at once ("waited -9223372036854775808 ms"); one under a millisecond waited 0 ms.
+  static std::chrono::milliseconds timeout_ms(double seconds) {
+    constexpr int64_t most = 4611686018;  // 2^62 ns, as gradsparse's timeouts (config.check_timeout)
+    GS_CHECK(std::isfinite(seconds) && seconds >= 0.001 && seconds <= static_cast<double>(most), ValueError,
+             "ThreadGroup: timeout_seconds must be a positive number of seconds, from 0.001 (the ranks wait in whole "
+             "milliseconds) to ",
+             most, " (146 years), got ", seconds, "; for example timeout_seconds=60");
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3));
+  }
+
   std::shared_ptr<ThreadGroup> group_;
   std::vector<std::unique_ptr<Transport>> transports_;
 };

@@ -173,6 +173,27 @@ TEST(Message, AMisalignedMessageIsRejected) {
   EXPECT_EQ(out, std::vector<float>(5, 7.0f));
 }
 
+// A count whose layout (count * index_bytes, count * dtype_size) wraps around 2^64 laid out in a
+// few bytes: a lone 32-byte header claiming 2^62 pairs passed the length check, and its view
+// named 2^62 pairs in a buffer of 64 bytes.
+TEST(Message, ACountWhoseSizeWrapsAround64BitsIsRejected) {
+  for (const int index_bytes : {4, 8}) {
+    MessageHeader h = make_header(DType::kFloat32, 8, uint64_t{1} << 63, 0);
+    h.index_bytes = static_cast<uint8_t>(index_bytes);
+    h.count = uint64_t{1} << 62;
+    std::vector<uint64_t> storage(8, 0);  // 64 bytes, 8-byte aligned
+    std::memcpy(storage.data(), &h, sizeof(h));
+    try {
+      read_header(storage.data(), 64, DType::kFloat32, uint64_t{1} << 63, 2);
+      FAIL() << "no exception for index_bytes " << index_bytes;
+    } catch (const CorruptMessageError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("rank 2 claims 4611686018427387904 pairs"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("only 64 bytes arrived"), std::string::npos) << msg;
+    }
+  }
+}
+
 TEST(Message, ErrorNamesTheSourceRankAndTheField) {
   const Packed good = pack_threshold({0.0f, 3.0f}, 1.0);
   std::vector<unsigned char> bad = good.bytes;

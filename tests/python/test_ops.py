@@ -2,6 +2,7 @@
 
 import math
 import re
+import struct
 
 import pytest
 import torch
@@ -143,6 +144,16 @@ def test_unpack_rejects_corrupt_messages():
         gs.unpack(bad, torch.float32, 5)
 
 
+@pytest.mark.parametrize("index_bytes, count", [(8, 2**62), (4, 2**62)])
+def test_unpack_rejects_a_count_whose_size_wraps_around_64_bits(index_bytes, count):
+    """The length check computed count * width in 64 bits: a 32-byte header claiming 2^62 pairs
+    (for a dense_size that large) laid out in 32 bytes, passed, and unpacked as no pairs at all."""
+    header = struct.pack("<IBBBBQQQ", 0x4D505347, 1, 0, index_bytes, 0, 2**63 - 1, count, 0)
+    message = torch.tensor(list(header) + [0] * 32, dtype=torch.uint8)
+    with pytest.raises(IndexError, match=f"claims {count} pairs .* but only 64 bytes arrived"):
+        gs.unpack(message, torch.float32, 2**63 - 1)
+
+
 def test_pack_rejects_unsorted_or_out_of_range_indices():
     with pytest.raises(IndexError, match="strictly ascending"):
         gs.pack(torch.tensor([3, 1]), torch.ones(2), 5)
@@ -163,6 +174,22 @@ def test_thread_group_refuses_a_residual_or_velocity_that_is_not_contiguous(kind
     ):
         group.reduce(0, torch.arange(8.0), residual, gs._C.TopK(0.25, "gather"), velocity=velocity, momentum=0.9)
     assert not strided.any()
+
+
+@pytest.mark.parametrize("timeout", [math.inf, math.nan, 1e300, -1.0, 0.0, 1e-4])
+def test_thread_group_refuses_a_timeout_it_cannot_wait(timeout):
+    """ThreadGroup (gradsparse.testing.thread_ranks.run_steps's timeout) converted the seconds to
+    milliseconds unchecked: inf (as for "no timeout"), NaN or a huge timeout became a negative wait,
+    and a step failed at once with "waited -9223372036854775808 ms for the other ranks"; one under
+    a millisecond waited 0 ms."""
+    with pytest.raises(
+        ValueError,
+        match=re.escape("ThreadGroup: timeout_seconds must be a positive number of seconds, from 0.001 (")
+        + r".* to 4611686018 \(146 years\), got "
+        + re.escape(f"{timeout:g}; for example timeout_seconds=60"),
+    ):
+        gs._C.ThreadGroup(2, timeout)
+    assert gs._C.ThreadGroup(2, 0.001) is not None
 
 
 @pytest.mark.parametrize("divisor", [1e-300, -1e-50, 1e39, -3.5e38, 0.0, math.inf, math.nan])

@@ -119,6 +119,11 @@ inline MessageHeader parse_header(const void* header, DType expected_dtype, uint
 /// Checks that a message whose header is `h` fits in the `bytes` that arrived (a padded
 /// collective may deliver more than the message).
 inline void check_message_length(const MessageHeader& h, size_t bytes, int source_rank = -1) {
+  // Every pair takes index_bytes + dtype_size bytes: a count past bytes / that cannot fit, and its
+  // layout's sizes (count * width) would wrap around 2^64 (2^62 pairs of 8-byte indices: 0 bytes).
+  const size_t pair_bytes = static_cast<size_t>(h.index_bytes) + dtype_size(static_cast<DType>(h.dtype));
+  GS_CHECK(h.count <= bytes / pair_bytes, CorruptMessageError, message_source(source_rank), " claims ", h.count,
+           " pairs (", pair_bytes, " bytes each) but only ", bytes, " bytes arrived");
   const MessageLayout layout(h.count, h.index_bytes, static_cast<DType>(h.dtype));
   GS_CHECK(layout.total_bytes <= bytes, CorruptMessageError, message_source(source_rank), " claims ", h.count,
            " pairs (", layout.total_bytes, " bytes) but only ", bytes, " bytes arrived");
