@@ -43,3 +43,14 @@ TEST(BlockPartition, RespectsTheMinimumAndSmallBuckets) {
   EXPECT_EQ(small.range(0).begin, small.range(0).end);
   EXPECT_EQ(small.range(2).end, 1000);  // the last partition owns everything
 }
+
+TEST(BlockPartition, MovesFloorOfBlockSizeTimesCountOverSize) {
+  // k_move = floor(sz K_prev / n) (docs/method-spec.md 4.9) = floor(1504 * 3072 / 1540096) = 3,
+  // where sz * (K_prev / n) in floating point is 2.9999...: with 2, partition 1's running load
+  // (729 + 2 = 731 of an average 768) stays below 0.95238 and takes a block from partition 2 too,
+  // whose load then no longer gives one to partition 3.
+  BlockPartition p(1540096, 4);
+  ASSERT_EQ(p.block_size(), 1504);
+  p.rebalance({807, 729, 807, 729}, /*t=*/0, /*k_prev=*/3072);
+  EXPECT_EQ(p.blocks(), (std::vector<int64_t>{255, 257, 255, 257}));
+}

@@ -57,8 +57,10 @@ void BlockPartition::rebalance(const std::vector<int64_t>& counts_by_rank, int64
   for (int i = 0; i < p; ++i) load[partition_of(t, i, p)] = counts_by_rank[i];
   const int64_t k_avg = k_prev / p;
   if (k_avg <= 0) return;
-  const double d_acc = static_cast<double>(k_prev) / static_cast<double>(n_);
-  const int64_t move = static_cast<int64_t>(static_cast<double>(block_size_) * d_acc);
+  // floor(sz K_prev / n) in integers (exact; sz (K_prev / n) in floating point can fall just
+  // below a whole number and move one less).
+  const auto move = static_cast<int64_t>(static_cast<unsigned __int128>(block_size_) *
+                                         static_cast<unsigned __int128>(k_prev) / static_cast<unsigned __int128>(n_));
   for (int i = 0; i + 1 < p; ++i) {
     const double left = static_cast<double>(load[i]) / static_cast<double>(k_avg);
     const double right = static_cast<double>(load[i + 1]) / static_cast<double>(k_avg);
