@@ -7,7 +7,7 @@ Every build variable is read here, in BuildOptions (documented in the README):
                           A GPU is never needed at build time (login nodes have none).
     GRADSPARSE_MPI        "1" builds MpiTransport (transport="mpi"), "0" does not; unset: when
                           `mpicxx` (or $MPICXX) is found. Its compile and link flags come from
-                          `mpicxx --showme` (Open MPI) or `mpicxx -show` (MPICH).
+                          `mpicxx --showme:compile` (Open MPI) or `mpicxx -compile_info` (MPICH).
     GRADSPARSE_DEBUG      "1" compiles with -O0 -g (otherwise -O3 -g0).
     TORCH_CUDA_ARCH_LIST  CUDA architectures; default "8.0;9.0" (sm_80 and sm_90).
     MAX_JOBS              parallel compile jobs (ninja), as for any PyTorch extension.
@@ -182,7 +182,22 @@ def build_ext_command():
     return BuildWithRecord.with_options(use_ninja=True)
 
 
+def _check_setuptools():
+    """pyproject.toml's license is an SPDX expression, which setuptools reads from version 77 on; an
+    older one (a new virtual environment of Python 3.10 or 3.11 has 65) fails on it with a schema
+    error that names neither. --no-build-isolation builds with the environment's own setuptools."""
+    import setuptools
+
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        raise SystemExit(
+            f"gradsparse: building needs setuptools>=77 (pyproject.toml's license field), this environment has "
+            f'setuptools {setuptools.__version__}; run pip install "setuptools>=77" wheel ninja, then the '
+            "pip install --no-build-isolation command again."
+        )
+
+
 def main():
+    _check_setuptools()
     setup(
         packages=find_packages("python"),
         package_dir={"": "python"},

@@ -13,9 +13,10 @@
 # with the interpreter setup.sh installed into (scripts/env.sh). ARGS go to examples.cnn
 # (python -m examples.cnn --help). GRADSPARSE_DEMO_NETWORK=loopback forces the second form.
 set -euo pipefail
+# setup.sh and env.sh from the caller's directory: a relative PYTHON is a path from there
+bash "$(dirname "$0")/setup.sh" demo
+source "$(dirname "$0")/env.sh"
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh demo
-source scripts/env.sh
 can_emulate() {
   [ "$(id -u)" = 0 ] && command -v ip > /dev/null && command -v tc > /dev/null || return 1
   local probe="gsc-probe-$$"

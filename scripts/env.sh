@@ -6,11 +6,17 @@
 # Debian's and Ubuntu's own /usr/bin/python3, outside a virtual environment) is not: a virtual
 # environment made from it at GRADSPARSE_VENV (default .venv in the repository) is used instead;
 # scripts/setup.sh creates it.
+#
+# Sourced before the scripts change to the repository's root: a relative PYTHON (one with a /) or
+# GRADSPARSE_VENV names a path from the caller's directory, and is made absolute here. (Not
+# resolved through symlinks: a venv's python is one.)
 _base_python="${PYTHON:-python3}"
+[[ $_base_python != */* || $_base_python == /* ]] || _base_python="$PWD/$_base_python"
+if [ -n "${GRADSPARSE_VENV:-}" ] && [[ $GRADSPARSE_VENV != /* ]]; then GRADSPARSE_VENV="$PWD/$GRADSPARSE_VENV"; fi
 if "$_base_python" -c 'import os, sys, sysconfig
 marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
 sys.exit(0 if sys.prefix == sys.base_prefix and os.path.isfile(marker) else 1)' 2> /dev/null; then
-  GRADSPARSE_VENV="${GRADSPARSE_VENV:-$(pwd)/.venv}"
+  GRADSPARSE_VENV="${GRADSPARSE_VENV:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv}"
   GRADSPARSE_BASE_PYTHON="$_base_python"
   PYTHON="$GRADSPARSE_VENV/bin/python"
 else

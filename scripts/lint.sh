@@ -2,8 +2,8 @@
 # Lint checks run by CI: ruff (lint and format) on Python, clang-format on C++/CUDA.
 # `bash scripts/lint.sh --fix` rewrites the files instead of checking them.
 set -euo pipefail
+source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHON is a path from there
 cd "$(dirname "$0")/.."
-source scripts/env.sh
 "$PYTHON" -m pip install -q --disable-pip-version-check "ruff>=0.6" "clang-format>=18"
 bin="$(python_bin)"
 ruff() { "$bin/ruff" "$@"; }

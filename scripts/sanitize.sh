@@ -12,8 +12,8 @@
 # Needs the interpreter scripts/setup.sh installed torch into (for the engine's test), and
 # clang with libFuzzer (installed here with apt-get when missing and running as root).
 set -euo pipefail
+source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHON is a path from there
 cd "$(dirname "$0")/.."
-source scripts/env.sh
 build_only=0
 if [ "${1:-}" = --build-only ]; then
   build_only=1

@@ -21,8 +21,8 @@
 set -euo pipefail
 mode="${1:-demo}"
 case "$mode" in demo | test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
+source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHON is a path from there
 cd "$(dirname "$0")/.."
-source scripts/env.sh
 
 apt_packages=(dataset-fashion-mnist bible-kjv g++)
 if [ "$mode" = test ]; then

@@ -12,9 +12,10 @@
 # 3. Creates the munge key if missing; starts munged unless one answers already, then slurmctld
 #    (with a clean state, -c) and slurmd, as root; waits until sinfo shows the node idle.
 # 4. Submits slurm/cpu.sbatch (sbatch --export=ALL: the job runs with this shell's PATH, PYTHONPATH
-#    and PYTHON) for a tiny run: 2 tasks, --preset demo --method dense,topk --max-steps 3, --out
-#    in the state folder; waits for it (GRADSPARSE_SLURM_TIMEOUT seconds, default 600, then
-#    scancel), prints the job's log and checks: state COMPLETED, exit code 0:0, 2 workers, and
+#    and PYTHON, the interpreter scripts/setup.sh installed into, as scripts/env.sh chooses it) for
+#    a tiny run: 2 tasks, --preset demo --method dense,topk --max-steps 3, --out in the state folder;
+#    waits for it (GRADSPARSE_SLURM_TIMEOUT seconds, default 600, then scancel), prints the job's
+#    log and checks: state COMPLETED, exit code 0:0, 2 workers, and
 #    for each method an epochs.csv whose rows all have a finite loss, the last at step 3.
 # 5. Stops the daemons it started (munged only if it started it) and exits non-zero on any
 #    failure. GRADSPARSE_SLURM_KEEP=1 leaves them running, to submit more jobs by hand after
@@ -24,10 +25,11 @@
 # an earlier run (GRADSPARSE_SLURM_KEEP=1, or an interrupted run; found by their pid files) are
 # stopped first, and the run folder starts empty.
 set -euo pipefail
+# The interpreter setup.sh installed into (from the caller's directory: a relative PYTHON is a path
+# from there), exported to the job
+source "$(dirname "$0")/env.sh"
 cd "$(dirname "$0")/.."
 repo="$(pwd)"
-PYTHON="${PYTHON:-python3}"
-export PYTHON
 dir="${GRADSPARSE_SLURM_DIR:-/tmp/gradsparse-slurm}"
 timeout="${GRADSPARSE_SLURM_TIMEOUT:-600}"
 keep="${GRADSPARSE_SLURM_KEEP:-0}"

@@ -2,9 +2,10 @@
 # Sets up everything and runs the whole test suite: GoogleTest through ctest (the C++ core),
 # then pytest (ops, API, and multi-process Gloo tests). Exits non-zero on any failure.
 set -euo pipefail
+# setup.sh and env.sh from the caller's directory: a relative PYTHON is a path from there
+bash "$(dirname "$0")/setup.sh" test
+source "$(dirname "$0")/env.sh"  # the interpreter setup.sh installed into
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test
-source scripts/env.sh  # the interpreter setup.sh installed into
 torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADSPARSE_TORCH_TESTS=ON \
   "-DCMAKE_PREFIX_PATH=$torch_prefix" > /dev/null
