@@ -31,5 +31,9 @@ can_emulate() {
 if [ "${GRADSPARSE_DEMO_NETWORK:-cluster}" != loopback ] && can_emulate; then
   exec "$PYTHON" -m benchmarks.cluster --hosts 4 --rate 50mbit -- -m examples.cnn "$@"
 fi
-echo "demo: no emulated cluster here (it needs root and network namespaces): 4 workers on this machine's loopback"
+if [ "${GRADSPARSE_DEMO_NETWORK:-cluster}" = loopback ]; then
+  echo "demo: GRADSPARSE_DEMO_NETWORK=loopback: 4 workers on this machine's loopback"
+else
+  echo "demo: no emulated cluster here (it needs root and network namespaces): 4 workers on this machine's loopback"
+fi
 exec "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node=4 -m examples.cnn "$@"

@@ -21,10 +21,14 @@
 # default /usr/share/datasets/fashion-mnist), GTEST_SOURCE (a GoogleTest source tree, for machines
 # without libgtest-dev), GPU_CHECK_STEPS (training steps per method, default 20).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-ROOT=$(pwd)
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+# A relative PYTHON (one with a /) or GPU_CHECK_OUT is a path from the caller's directory; the
+# default report folder is the repository's build/gpu. (PYTHON not resolved through symlinks: a
+# venv's python is one.)
 PYTHON=${PYTHON:-python3}
-OUT_DIR=$(mkdir -p "${GPU_CHECK_OUT:-build/gpu}" && cd "${GPU_CHECK_OUT:-build/gpu}" && pwd)
+[[ $PYTHON != */* || $PYTHON == /* ]] || PYTHON=$PWD/$PYTHON
+OUT_DIR=$(mkdir -p "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && cd "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && pwd)
+cd "$ROOT"
 REPORT=$OUT_DIR/report.md
 STEPS=${GPU_CHECK_STEPS:-20}
 DATA=(${GRADSPARSE_DATA_DIR:+--data-dir "$GRADSPARSE_DATA_DIR"})

@@ -270,3 +270,20 @@ def test_the_readme_install_installs_the_build_requirements_before_building():
     before = block.split("pip install --no-build-isolation .", 1)[0]
     for requirement in re.findall(r'"([^"]+)"', requires):
         assert requirement in before or (requirement.startswith("torch") and "pip install torch" in before), requirement
+
+
+def test_gpu_check_takes_a_relative_python_and_report_folder_from_the_callers_directory(tmp_path):
+    """scripts/gpu_check.sh from another directory: PYTHON=bin/python and GPU_CHECK_OUT=out are paths
+    from there (it changed to the repository's root first: the interpreter was not found, and the
+    report folder went into the repository). The interpreter here sees no GPU, so the check stops
+    at its first test, naming it."""
+    os.makedirs(tmp_path / "bin")
+    (tmp_path / "bin" / "python").write_text(f'#!/bin/sh\nCUDA_VISIBLE_DEVICES= exec "{sys.executable}" "$@"\n')
+    (tmp_path / "bin" / "python").chmod(0o755)
+    env = dict(os.environ, PYTHON="bin/python", GPU_CHECK_OUT="out")
+    script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    done = subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert f"gpu_check: {tmp_path}/bin/python's torch sees no CUDA device" in done.stderr, done.stderr
+    assert "not found" not in done.stderr, done.stderr
+    assert (tmp_path / "out").is_dir() and not os.path.exists(os.path.join(ROOT, "out"))
