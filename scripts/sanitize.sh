@@ -27,6 +27,13 @@ torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_
 common=(-G Ninja -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DCMAKE_CXX_FLAGS_DEBUG=-g1 -DGRADSPARSE_TORCH_TESTS=ON
   "-DCMAKE_PREFIX_PATH=$torch_prefix")
 
+# Waits for every one of the jobs, then fails if any failed (a failure does not leave the others running).
+wait_all() {
+  local status=0 pid
+  for pid in "$@"; do wait "$pid" || status=1; done
+  return $status
+}
+
 has_libfuzzer() {
   echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' |
     clang++ -x c++ -fsanitize=fuzzer,address - -o /tmp/gradsparse-libfuzzer-probe > /dev/null 2>&1
@@ -54,7 +61,7 @@ for step in "${steps[@]}"; do
         (TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1 2>&1 | sed "s/^/$t: /") &
         tests+=($!)
       done
-      for pid in "${tests[@]}"; do wait "$pid"; done
+      wait_all "${tests[@]}"
       ;;
     fuzz)
       echo "== libFuzzer targets, ${FUZZ_SECONDS:-60} s each, under ASan + UBSan"
@@ -81,7 +88,7 @@ for step in "${steps[@]}"; do
           grep -E "^stat::number_of_executed_units|ERROR|SUMMARY|Test unit written" | sed "s/^/$fuzzer: /") &
         fuzzers+=($!)
       done
-      for pid in "${fuzzers[@]}"; do wait "$pid"; done
+      wait_all "${fuzzers[@]}"
       ;;
     *)
       echo "unknown step \"$step\": choose asan, tsan or fuzz" >&2
