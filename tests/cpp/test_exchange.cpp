@@ -639,6 +639,26 @@ TEST(Allgatherv, RejectsWrongSizeListsAndDisagreement) {
     transport.allgatherv(device, send.data(), recv.data(), {4, rank == 0 ? size_t{4} : size_t{8}});
   });
   EXPECT_TRUE(errors[0]);  // rank 0 received 8 bytes where it expected 4
+  EXPECT_TRUE(errors[1]);  // and rank 1, whose blocks all came as it expected, learns it too
+}
+
+// Size lists that differ only in another rank's block: the ranks whose own view of the blocks
+// they received holds raise as well, so that no rank goes on with a result the others refused.
+TEST(Allgatherv, DisagreeingSizeListsRaiseOnEveryRank) {
+  const auto errors = run_ranks(3, [&](int rank, Transport& transport) {
+    CpuDevice device;
+    std::vector<unsigned char> send(8), recv(16);
+    const std::vector<size_t> sizes = rank == 2 ? std::vector<size_t>{4, 8, 4} : std::vector<size_t>{4, 4, 4};
+    transport.allgatherv(device, send.data(), recv.data(), sizes);
+  });
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[r]) << "rank " << r;
+    try {
+      std::rethrow_exception(errors[r]);
+    } catch (const CommError& e) {
+      EXPECT_NE(std::string(e.what()).find("every rank must pass the same sizes"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(DenseAllreduce, AveragesLikeDdp) {

@@ -41,6 +41,7 @@ class ThreadGroupImpl final : public ThreadGroup {
         slots_(size),
         sizes_(size),
         ops_(size),
+        lists_(size),
         mailbox_(static_cast<size_t>(size) * size) {}
 
   std::unique_ptr<Transport> transport(int rank) override {
@@ -81,14 +82,15 @@ class ThreadGroupImpl final : public ThreadGroup {
     return message;
   }
 
-  /// Publishes (pointer, size, collective) for `rank` and waits for every rank; returns a
-  /// consistent view.
-  void publish(int rank, const void* ptr, size_t bytes, std::string op) {
+  /// Publishes (pointer, size, collective, and allgatherv's size list) for `rank` and waits for
+  /// every rank; returns a consistent view.
+  void publish(int rank, const void* ptr, size_t bytes, std::string op, const std::vector<size_t>* list = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       slots_[rank] = ptr;
       sizes_[rank] = bytes;
       ops_[rank] = std::move(op);
+      lists_[rank] = list;
     }
     barrier(rank);
   }
@@ -96,6 +98,7 @@ class ThreadGroupImpl final : public ThreadGroup {
   const void* slot(int rank) const { return slots_[rank]; }
   size_t slot_size(int rank) const { return sizes_[rank]; }
   const std::string& slot_op(int rank) const { return ops_[rank]; }
+  const std::vector<size_t>* slot_list(int rank) const { return lists_[rank]; }
 
   /// Generation barrier with timeout and abort.
   void barrier(int rank) {
@@ -138,7 +141,8 @@ class ThreadGroupImpl final : public ThreadGroup {
   std::string aborted_;
   std::vector<const void*> slots_;
   std::vector<size_t> sizes_;
-  std::vector<std::string> ops_;  ///< the collective each rank issued (allreduce_sum with its dtype)
+  std::vector<std::string> ops_;                   ///< the collective each rank issued (allreduce_sum with its dtype)
+  std::vector<const std::vector<size_t>*> lists_;  ///< the size list each rank passed to allgatherv
   std::vector<std::deque<std::vector<char>>> mailbox_;
 };
 
@@ -162,6 +166,13 @@ std::string other_collective(ThreadGroupImpl& g, int rank) {
                  " issued ", g.slot_op(rank), "; every rank must issue the same collective");
   }
   return "";
+}
+
+/// A size list as allgatherv's errors show it: [4, 0, 8].
+std::string size_list(const std::vector<size_t>& sizes) {
+  std::string text = "[";
+  for (size_t r = 0; r < sizes.size(); ++r) text += (r == 0 ? "" : ", ") + std::to_string(sizes[r]);
+  return text + "]";
 }
 
 void check_sizes_agree(ThreadGroupImpl& g, int rank, const char* op) {
@@ -195,12 +206,15 @@ void ThreadTransport::allgather(const Device& device, const void* send, void* re
 void ThreadTransport::allgatherv(Device& device, const void* send, void* recv, const std::vector<size_t>& sizes) {
   check_cpu(device, "allgatherv");
   check_allgatherv(sizes, "ThreadTransport");
-  group_->publish(rank_, send, sizes[rank_], "allgatherv");
+  group_->publish(rank_, send, sizes[rank_], "allgatherv", &sizes);
+  // Every rank compares every rank's size list with its own (all were published, as every rank
+  // issued allgatherv): where any two differ, each rank finds one that differs from its own, so
+  // every rank raises, not only those whose own blocks were misjudged.
   std::string error = other_collective(*group_, rank_);
   for (int r = 0; r < group_->size() && error.empty(); ++r) {
-    if (group_->slot_size(r) != sizes[r])
-      error = str("ThreadTransport.allgatherv: rank ", r, " passed ", group_->slot_size(r), " bytes but rank ", rank_,
-                  " expected ", sizes[r], "; every rank must pass the same sizes");
+    if (*group_->slot_list(r) != sizes)
+      error = str("ThreadTransport.allgatherv: rank ", r, " passed the sizes ", size_list(*group_->slot_list(r)),
+                  " but rank ", rank_, " passed ", size_list(sizes), "; every rank must pass the same sizes");
   }
   if (error.empty()) {
     const std::vector<size_t> offsets = block_offsets(sizes);
