@@ -159,9 +159,12 @@ TEST(Estimators, SidcoAdaptiveStagesModeOne) {
 }
 
 TEST(Rng, DrawsAreReproducibleAndDistinctSamplingIsDistinct) {
-  EXPECT_EQ(rng_draw(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 7),
-            rng_draw(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 7));
-  EXPECT_NE(rng_stream(1, RngTag::kDgc, 3, 0), rng_stream(1, RngTag::kDgc, 3, 1));
+  // docs/method-spec.md: stream(seed, tag, t, lane) = mix(mix(mix(seed ^ tag) ^ t) ^ lane) and
+  // draw(s, i) = mix(s + i); the values are those of tests/python/restatements.py (rs.stream, rs.draw).
+  EXPECT_EQ(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 0xFAD9CF64683348B7ull);
+  EXPECT_EQ(rng_draw(rng_stream(1, RngTag::kDgc, 3, kSharedLane), 7), 0xC78E62D3408C2643ull);
+  EXPECT_EQ(rng_stream(1, RngTag::kDgc, 3, 0), 0x7D0A63DE773FD22Dull);
+  EXPECT_EQ(rng_stream(1, RngTag::kDgc, 3, 1), 0xA6746ED4B19DB144ull);
   // splitmix64 of 0: its first output for seed 0 is 0xE220A8397B1DCDAF.
   EXPECT_EQ(mix64(0), 0xE220A8397B1DCDAFull);
   for (int64_t count : {0, 1, 10, 60, 99, 100, 150}) {

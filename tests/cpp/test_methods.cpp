@@ -1139,18 +1139,34 @@ void degenerate_run(const Case& c, int p, int64_t n, int steps, const Value& val
       reports[rank] = reduce_bucket(methods[rank].get(), transport, device, bucket, options);
     });
     bool raised = false;
+    int raising = 0;
     for (auto& e : errors) {
       if (!e) continue;
       try {
         std::rethrow_exception(e);
-      } catch (const NonFiniteError&) {
-        raised = true;  // expected under kRaise
+      } catch (const NonFiniteError& x) {
+        raised = true;  // expected under kRaise only
+        ++raising;
+        if (policy != NonFinitePolicy::kRaise) {
+          ADD_FAILURE() << "step " << t << ": raised under nonfinite=skip: " << x.what();
+          return;
+        }
       } catch (const std::exception& x) {
         ADD_FAILURE() << "step " << t << ": " << x.what();
         return;
       }
     }
-    if (raised) continue;
+    bool nonfinite_input = false;  // a gradient value that is NaN or Inf in T (the residuals stay finite)
+    for (int r = 0; r < p; ++r)
+      for (int64_t i = 0; i < n; ++i)
+        nonfinite_input = nonfinite_input || !std::isfinite(Num<T>::to_float(Num<T>::from_float(value(t, r, i))));
+    if (policy == NonFinitePolicy::kRaise && nonfinite_input) {
+      ASSERT_TRUE(raised) << "step " << t << ": a NaN/Inf gradient raised no NonFiniteError under nonfinite=raise";
+    }
+    if (raised) {
+      EXPECT_EQ(raising, p) << "step " << t << ": not every rank raised (each must know that none applied the step)";
+      continue;
+    }
     for (int r = 0; r < p; ++r) {
       for (int64_t i = 0; i < n; ++i) {
         const float a = Num<T>::to_float(out[r][i]), b = Num<T>::to_float(out[0][i]);
@@ -1261,8 +1277,10 @@ TEST(Methods, StatesShortOfAnEntryAreRefusedNamingIt) {
     runs[0].residual.assign(n, 0.0f);
     for (int t = 0; t < 3; ++t) step_all(methods, runs, n, t, drifting, 1.0f);
     const MethodState saved = methods[0]->state();
+    int entries = 0;  // of the listed entries, those the method's state has
     for (const char* key : {"threshold", "sample_mean", "estimate", "before_last", "sum", "last_estimate"}) {
       if (!saved.count(key)) continue;
+      ++entries;
       SCOPED_TRACE(::testing::Message() << c.name << " without '" << key << "'");
       MethodState state = saved;
       state.erase(key);
@@ -1276,6 +1294,7 @@ TEST(Methods, StatesShortOfAnEntryAreRefusedNamingIt) {
         ADD_FAILURE() << "refused with " << typeid(e).name() << ": " << e.what();
       }
     }
+    EXPECT_GT(entries, 0) << c.name << "'s state has none of the entries listed: nothing was tried";
   }
 }
 
@@ -1322,6 +1341,7 @@ TEST(Methods, RescaleRefusesAFactorThatTakesTheLossScaleOutOfRange) {
       const MethodState before = method->state();
       try {
         method->rescale(factor);
+        ADD_FAILURE() << "accepted a rescale by " << factor << " to a loss scale of " << factor * factor;
       } catch (const ValueError&) {
         EXPECT_TRUE(same_state(method->state(), before)) << "a refused rescale changed the state";
       }

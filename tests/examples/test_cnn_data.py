@@ -101,17 +101,21 @@ def test_cifar100_python_uses_fine_labels(tmp_path):
 ])  # fmt: skip
 def test_cifar_binary_records(tmp_path, dataset, label_bytes, files):
     rng = np.random.default_rng(3)
-    labels = {}
+    labels, pixels = {}, {}
     for name in files:
         x, y = cifar_arrays(3, 100 if dataset == "cifar100" else 10, len(labels))
         coarse = [v // 5 for v in y]
         records = [([c, f] if label_bytes == 2 else [f]) + list(row) for c, f, row in zip(coarse, y, x, strict=True)]
         (tmp_path / name).write_bytes(bytes(v for r in records for v in r))
-        labels[name] = y
+        labels[name], pixels[name] = y, x
     x_train, y_train, x_test, y_test = data.read_cifar_binary(str(tmp_path), dataset)
     assert x_train.shape == (len(y_train), 3, 32, 32)
     assert y_test.tolist() == labels[files[-1]] and x_test.shape == (3, 3, 32, 32)
     assert len(y_train) == 3 * (len(files) - 1)
+    # the fine labels and the pixels, channel-major, of every record in file order
+    assert y_train.tolist() == [label for name in files[:-1] for label in labels[name]]
+    assert torch.equal(x_train.reshape(-1, 3072), torch.as_tensor(np.concatenate([pixels[n] for n in files[:-1]])))
+    assert torch.equal(x_test.reshape(-1, 3072), torch.as_tensor(pixels[files[-1]]))
     (tmp_path / files[0]).write_bytes(b"\0" * 100)
     with pytest.raises(ValueError, match="not a multiple"):
         data.read_cifar_binary(str(tmp_path), dataset)
@@ -137,14 +141,26 @@ def test_the_cifar_download_step_works_for_a_data_dir_that_does_not_exist_yet(tm
 
 
 def test_augmentation_crops_and_flips_deterministically():
-    x = torch.arange(2 * 3 * 32 * 32, dtype=torch.float32).reshape(2, 3, 32, 32)
+    n = 32
+    x = torch.arange(n * 3 * 32 * 32, dtype=torch.float32).reshape(n, 3, 32, 32)
     a = data.augment(x, torch.Generator().manual_seed(5))
     b = data.augment(x, torch.Generator().manual_seed(5))
     assert torch.equal(a, b) and a.shape == x.shape
-    for i in range(2):  # every output image is a shifted (and maybe mirrored) window of the padded input
+    seen = set()  # (dy, dx, flipped) of each image
+    for i in range(n):  # every output image is a shifted (and maybe mirrored) window of the padded input
         padded = torch.nn.functional.pad(x[i], (4, 4, 4, 4))
-        windows = [padded[:, dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)]
-        assert any(torch.equal(a[i], w) or torch.equal(a[i], w.flip(2)) for w in windows)
+        windows = {(dy, dx): padded[:, dy : dy + 32, dx : dx + 32] for dy in range(9) for dx in range(9)}
+        found = [
+            (*at, f)
+            for at, w in windows.items()
+            for f, image in ((False, w), (True, w.flip(2)))
+            if torch.equal(a[i], image)
+        ]
+        assert len(found) == 1, (i, found)
+        seen |= set(found)
+    # the crops move in both directions, and some images are mirrored, some not
+    assert len({dy for dy, _, _ in seen}) > 1 and len({dx for _, dx, _ in seen}) > 1, seen
+    assert {flipped for _, _, flipped in seen} == {False, True}, seen
 
 
 @pytest.mark.parametrize("name,size,params", [

@@ -239,11 +239,20 @@ def test_fsdp_trains_and_resumes_exactly(tmp_path, task):
             assert straight["optimizer"]["state"], "momentum buffers"
 
 
-def test_plot_draws_every_run(tmp_path, every_method_run):
+def test_plot_draws_every_run(tmp_path, every_method_run, monkeypatch):
+    from matplotlib.figure import Figure
+
     from examples import plot
 
+    saved = []  # the figure plot.main writes
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: (saved.append(figure), save(figure, *a, **k))[1])
     png = plot.main([str(every_method_run("torchrun", "cnn")[0]), "--out", str(tmp_path / "cmp.png")])
     assert os.path.getsize(png) > 10_000
+    (figure,) = saved
+    for axes in figure.axes:  # one line per run, against time and against traffic
+        assert sorted(line.get_label() for line in axes.get_lines()) == sorted(EVERY_METHOD.split(","))
+        assert all(len(line.get_xdata()) == 1 for line in axes.get_lines())  # its one epoch
 
 
 def test_synthetic_data_measures_steps_without_evaluation_or_checkpoints(tmp_path):

@@ -151,7 +151,10 @@ def test_the_least_density_a_fit_takes_trains(make):
     """The least density GaussianK and SIDCo-GP take (just above 2**-53, 2**-54) reduces its steps."""
     state = make(math.nextafter(2.0**-53, 1.0))
     _train(_hooked(state), 3)
-    assert state.stats()["total"]["steps"] == 3
+    total, bucket = state.stats()["total"], state.stats()["buckets"][0]  # one bucket
+    assert total["steps"] == 3 and total["dense_steps"] == 0
+    # every sparse step selects (k = 1 of 387 elements) above a finite threshold: the fit gave one
+    assert total["selected"] >= 3 and math.isfinite(bucket["threshold"]) and bucket["threshold"] > 0, bucket
 
 
 def test_a_method_is_declared_once():
