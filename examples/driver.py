@@ -178,10 +178,17 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def uses_gradsparse(method: str, args: argparse.Namespace) -> bool:
+    """Whether the run's gradients go through a gradsparse state: every gradsparse method, except
+    dense with --fsdp (FSDP's own reduce-scatter)."""
+    return method in gs.METHODS and not (args.fsdp and method == "dense")
+
+
 def optimizer_args(method: str, args: argparse.Namespace) -> argparse.Namespace:
     """The arguments the optimizer is built from: with --momentum-correction a gradsparse method
-    applies the momentum (gradsparse_options), so the optimizer's is 0."""
-    if args.momentum_correction and method in gs.METHODS:
+    applies the momentum (gradsparse_options), so the optimizer's is 0; dense with --fsdp has no
+    gradsparse state, so its optimizer keeps the momentum."""
+    if args.momentum_correction and uses_gradsparse(method, args):
         return argparse.Namespace(**{**vars(args), "momentum": 0.0})
     return args
 
@@ -206,7 +213,7 @@ class Communication:
             raise SystemExit(
                 f"--method {method} is a DDP hook of torch's; with --fsdp use dense or a gradsparse method"
             )
-        if method in gs.METHODS and not (args.fsdp and method == "dense"):  # dense FSDP: its own reduce-scatter
+        if uses_gradsparse(method, args):  # dense FSDP: its own reduce-scatter
             state = gs.METHODS[method](**gradsparse_options(method, args))
             try:  # refused on every rank alike (--transport mpi under torchrun, say): no traceback
                 self.state = gs.fsdp.sparsify(parallel, state) if args.fsdp else gs.register(parallel, state)
@@ -653,9 +660,12 @@ class Recorder:
         self.epochs[0].flush()
         self.steps[0].flush()
         if self.writer is not None:
+            # At the optimizer step, as the steps' scalars: a stop inside an epoch has a fractional
+            # epoch (1.5 was shown at 1, beside epoch 1's row), and a resumed run's purge_step hides
+            # the rows past its checkpoint only in steps.
             for key, value in row.items():
-                if key not in ("epoch", "step"):
-                    self.writer.add_scalar(f"epoch/{key}", value, row["epoch"])
+                if key != "step":
+                    self.writer.add_scalar(f"epoch/{key}", value, row["step"])
             self.writer.flush()
 
     def flush(self) -> None:
@@ -697,8 +707,10 @@ def ddp_options(method: str, model: nn.Module, bucket_cap_mb: float | None = Non
     torch's PowerSGD hook off NCCL. That hook chains further all-reduces in future callbacks; on
     Gloo and MPI those callbacks run on the backend's threads, so with several buckets the ranks
     can issue their collectives in different orders (Gloo aborts with a size mismatch). One bucket
-    holding the whole model removes the race; NCCL keeps DDP's buckets."""
-    if method != "powersgd" or dist.get_backend() == "nccl":
+    holding the whole model removes the race; NCCL keeps DDP's buckets (--backend nccl's group is
+    "cpu:gloo,cuda:nccl": the gradients, CUDA tensors, go through NCCL)."""
+    backend = dist.get_backend()
+    if method != "powersgd" or backend == "nccl" or "cuda:nccl" in backend.split(","):
         return {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     model_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {"bucket_cap_mb": model_mib + 1}
@@ -892,6 +904,17 @@ class Run:
                 f"{self.folder}: the checkpoint's run was trained with other options ({'; '.join(changed)}); "
                 "resume with the saved values, use another --out, or pass --fresh"
             )
+        # Each rank replaces its own file: a process stopped while the ranks saved leaves checkpoints
+        # of different steps, from which the ranks would train different numbers of steps (a hang).
+        steps = torch.tensor([state["step"], -state["step"]], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        newest, oldest = int(steps[0]), -int(steps[1])
+        if problem is None and newest != oldest:
+            problem = (
+                f"{self.folder}: the ranks' checkpoints are of different steps, from {oldest} to {newest} (this "
+                f"rank's: {state['step']}): a process stopped while they were saved, and they cannot be resumed "
+                "together; pass --fresh to start over, or use another --out"
+            )
         refused = torch.tensor([problem is not None], dtype=torch.int32)
         dist.all_reduce(refused)  # every rank refuses if one does (each read its own checkpoint)
         if int(refused):
@@ -905,9 +928,10 @@ class Run:
         self.step, self.elapsed, self.bytes_total = state["step"], state["elapsed"], state["bytes_total"]
         self.epoch_tally = state["epoch_tally"]
         self.rows = list(state.get("rows", []))  # a checkpoint saved before rows were kept: this process's only
-        torch.set_rng_state(state["rng"])
+        # map_location put the generators' states on the GPU too; torch takes them on the CPU only
+        torch.set_rng_state(state["rng"].cpu())
         if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda_rng"])
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu())
         return True
 
     def settle_powersgd_buckets(self) -> None:

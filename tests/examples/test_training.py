@@ -211,6 +211,25 @@ def test_amp_fp16_trains_under_a_grad_scaler_and_resumes_exactly(tmp_path):
             assert state["loss_scale"] in (scale, 2 * scale), (method, state["loss_scale"], scale)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_run_on_a_gpu_resumes_exactly(tmp_path):
+    """The checkpoint is loaded onto the training device, and with it the random number generators'
+    states, which torch.set_rng_state takes on the CPU only: every resume on a GPU ended in
+    "RNG state must be a torch.ByteTensor". Two workers sharing the GPU over Gloo, stopped after 2
+    steps and resumed to 3, end with the random states of 3 steps straight."""
+    args = [*TASKS["cnn"], "--backend", "gloo", "--method", "dense,topk", "--no-progress"]
+    launch(torchrun("cnn"), [*args, "--max-steps", "2", "--out", str(tmp_path / "resumed")])
+    out = launch(torchrun("cnn"), [*args, "--max-steps", "3", "--out", str(tmp_path / "resumed")])
+    assert out.count("resuming from step 2") == 2, out[-2000:]
+    launch(torchrun("cnn"), [*args, "--max-steps", "3", "--out", str(tmp_path / "straight")])
+    for method in ("dense", "topk"):
+        resumed = torch.load(tmp_path / "resumed" / method / "checkpoint-rank1.pt", weights_only=False)
+        straight = torch.load(tmp_path / "straight" / method / "checkpoint-rank1.pt", weights_only=False)
+        assert resumed["step"] == straight["step"] == 3
+        for key in ("rng", "cuda_rng"):  # (cuDNN's convolutions need not repeat the parameters bit for bit)
+            assert_same(resumed[key], straight[key], f"{method}: {key}")
+
+
 @pytest.mark.parametrize("task", ["cnn", "lstm"])
 def test_fsdp_trains_and_resumes_exactly(tmp_path, task):
     """--fsdp: the CNN (momentum: the optimizer holds sharded state) and the LSTM (its LSTM one FSDP
@@ -300,6 +319,18 @@ def test_powersgd_gets_one_bucket_off_nccl():
     assert run_distributed(_bucket_counts, 1, timeout=300) == [{"dense": 2, "powersgd": 1}]
 
 
+def test_powersgd_keeps_ddps_buckets_under_the_nccl_backends_group(monkeypatch):
+    """--backend nccl joins the group "cpu:gloo,cuda:nccl" (the driver's CPU bookkeeping on Gloo),
+    whose dist.get_backend() is that string, not "nccl": PowerSGD got the one bucket meant for
+    Gloo and MPI on NCCL too, where its gradients (CUDA tensors) go through NCCL."""
+    model = torch.nn.Sequential(torch.nn.Linear(1000, 1000), torch.nn.Linear(1000, 1000))
+    monkeypatch.setattr(driver.dist, "get_backend", lambda group=None: "cpu:gloo,cuda:nccl")
+    assert driver.ddp_options("powersgd", model) == {}
+    assert driver.ddp_options("powersgd", model, 5.0) == {"bucket_cap_mb": 5.0}
+    monkeypatch.setattr(driver.dist, "get_backend", lambda group=None: "gloo")
+    assert driver.ddp_options("powersgd", model)["bucket_cap_mb"] > 7.6  # the whole model's 7.6 MiB
+
+
 def _ncf_tables_per_bucket(rank: int, world: int) -> list[list[str]]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -362,6 +393,11 @@ def test_momentum_correction_moves_sgds_momentum_into_gradsparse_methods():
     assert driver.gradsparse_options("dense", args)["momentum"] == 0.8  # gradsparse's Dense: momentum SGD
     assert driver.optimizer_args("dgc", args).momentum == 0.0
     assert driver.optimizer_args("fp16", args).momentum == 0.8  # torch's hooks keep it in the optimizer
+    # dense with --fsdp is FSDP's own reduce-scatter, no gradsparse state: the optimizer keeps the
+    # momentum (it trained without any, the CNN's main job with --fsdp included)
+    fsdp = parser.parse_args(["--momentum", "0.8", "--momentum-correction", "--fsdp"])
+    assert driver.optimizer_args("dense", fsdp).momentum == 0.8
+    assert driver.optimizer_args("topk", fsdp).momentum == 0.0
     plain = parser.parse_args(["--momentum", "0.8"])
     assert "momentum" not in driver.gradsparse_options("dgc", plain)
     assert driver.optimizer_args("dgc", plain).momentum == 0.8
@@ -557,6 +593,25 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [e.step for e in events.Scalars("step/loss")] == list(range(1, 10))
+    # the epochs' rows at their steps: the stop at step 6 hidden, epochs 0.5 and 1.125 not at 0 and 1
+    assert [e.step for e in events.Scalars("epoch/loss")] == [4, 8, 9]
+    assert [e.value for e in events.Scalars("epoch/epoch")] == [0.5, 1, 1.125]
+
+
+def test_checkpoints_of_different_steps_are_refused_on_every_rank(tmp_path):
+    """Each rank replaces its own checkpoint: a process stopped while the ranks saved (rank 0's file
+    at step 6, rank 1's still at step 4) made the resumed ranks train different numbers of steps,
+    and the run hung in a collective. Refused on every rank, naming the steps, leaving the files."""
+    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
+    launch(torchrun("lstm"), [*args, "--max-steps", "4"])
+    older = (tmp_path / "checkpoint-rank1.pt").read_bytes()
+    launch(torchrun("lstm"), [*args, "--max-steps", "6"])
+    (tmp_path / "checkpoint-rank1.pt").write_bytes(older)
+    refused = start(torchrun("lstm"), [*args, "--max-steps", "9"], timeout=120)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert said.count("checkpoints are of different steps") == 2 and "from 4 to 6" in said, said[-3000:]
+    assert torch.load(tmp_path / "checkpoint-rank0.pt", weights_only=False)["step"] == 6
 
 
 DIES_AFTER_STEP_5 = """
