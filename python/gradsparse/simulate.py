@@ -409,6 +409,16 @@ def faster_exchange(
     return min(seconds, key=lambda name: (seconds[name], name != "gather"))
 
 
+def _link_device(backend: str):
+    """Where measure_link's all-reduces run: on the GPU where the group sends CUDA tensors through
+    NCCL, "nccl" or the group torch makes by default on a machine with GPUs, "cpu:gloo,cuda:nccl"
+    (measured on the CPU, that one's link was Gloo's over TCP, not the one CUDA gradients cross)."""
+    import torch
+
+    nccl = backend == "nccl" or "cuda:nccl" in backend.split(",")
+    return torch.device("cuda", torch.cuda.current_device()) if nccl and torch.cuda.is_available() else None
+
+
 def measure_link(group=None) -> tuple[float, float]:
     """The link of a torch.distributed group as the model sees it: latency alpha and seconds per
     byte beta, fitted to the median time of small (8 bytes) and large (256 KB) all-reduces with
@@ -425,7 +435,7 @@ def measure_link(group=None) -> tuple[float, float]:
             "gradsparse.simulate.measure_link: the group has 1 rank, where no byte crosses a link and the model "
             "costs every collective 0 s; measure the link on a group of 2 or more ranks"
         )
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    device = _link_device(dist.get_backend(group))
 
     def median_seconds(numel: int) -> float:
         data = torch.zeros(numel, dtype=torch.float64, device=device)

@@ -476,3 +476,18 @@ def test_a_plot_leaves_out_one_rank_where_every_time_is_zero(tmp_path, capsys):
     with pytest.raises(SystemExit):
         simulate.main(["--world-size", "1", "--plot", str(tmp_path / "one.png")])
     assert "--plot" in capsys.readouterr().err and not (tmp_path / "one.png").exists()
+
+
+def test_measure_link_measures_the_gpus_link_under_torchs_default_group(monkeypatch):
+    """torch's default group on a machine with GPUs is "cpu:gloo,cuda:nccl": its CUDA gradients go
+    through NCCL, but measure_link timed CPU tensors there, Gloo's link over TCP."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    for backend in ("nccl", "cpu:gloo,cuda:nccl"):
+        assert simulate._link_device(backend) == torch.device("cuda", 1), backend
+    for backend in ("gloo", "mpi", "cpu:gloo,cuda:gloo"):
+        assert simulate._link_device(backend) is None, backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert simulate._link_device("cpu:gloo,cuda:nccl") is None
