@@ -537,6 +537,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, m
             parser.error(
                 f"--lr-milestones: {milestone.strip()!r} is no epoch; write epochs separated by commas, e.g. 80,120"
             )
+        if milestone.strip() and float(milestone) <= 0:  # every step is at or past it: the rate /10 from the start
+            parser.error(
+                f"--lr-milestones: {milestone.strip()} is not after the start of training; give epochs > 0, "
+                "e.g. 80,120 (for a lower rate from the start, lower --lr)"
+            )
     for method in methods:
         if method in gs.METHODS:
             try:

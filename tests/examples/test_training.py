@@ -451,6 +451,8 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
         (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
         (["--momentum", "1.5"], "--momentum must be a finite number >= 0 and < 1, got 1.5"),
         (["--lr-milestones", "3,x"], "--lr-milestones: 'x' is no epoch; write epochs separated by commas"),
+        # every step was at or past it: the rate dropped x0.1 from the first step
+        (["--lr-milestones=-2,5"], "--lr-milestones: -2 is not after the start of training; give epochs > 0"),
         (["--bucket-cap-mb", "-1"], "--bucket-cap-mb must be a finite number > 0, got -1.0"),
         # a method given twice trained twice in one run folder, the second resuming the first's
         # finished checkpoint (or, with --fresh, overwriting it); no method at all trained nothing
