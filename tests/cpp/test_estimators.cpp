@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <set>
 #include <utility>
 #include <vector>
@@ -133,6 +134,20 @@ TEST(Estimators, SageReferenceUpdateRoundsToFloat32) {
   // Far too dense (d / density = 500 > 10): beta > 1 and gamma = 1.05 raise the threshold.
   EXPECT_NEAR(sage_reference_update(1.0, 1.0, 0.5, 0.001), 1.05 * 2.0 / (1.0 + std::exp(0.001 - 0.5)), 1e-6);
   EXPECT_NEAR(sage_reference_update(1.0, 1.0, 0.0, 0.001), 0.95 * 2.0 / (1.0 + std::exp(0.001)), 1e-6);
+}
+
+/// A threshold above float32's largest (an initial_threshold of 1e300, or 3e38 times a scale
+/// change of 1.2) saturates there instead of becoming Inf, which no later step leaves: from it
+/// the threshold falls by gamma beta at each step that selects nothing.
+TEST(Estimators, SageReferenceUpdateStaysFinite) {
+  const double largest = std::numeric_limits<float>::max();
+  const float times_beta = static_cast<float>(largest * (2.0 / (1.0 + std::exp(0.01))));  // nothing selected: d = 0
+  const double expected = static_cast<float>(static_cast<double>(times_beta) * 0.95);
+  for (double lambda : {1e300, 3e38, largest, double{INFINITY}}) {
+    const double l = sage_reference_update(lambda, 1.2, 0.0, 0.01);
+    EXPECT_EQ(l, expected) << lambda;  // finite, and below the largest (beta gamma < 1)
+  }
+  EXPECT_LT(expected, largest);
 }
 
 TEST(Estimators, SidcoFits) {

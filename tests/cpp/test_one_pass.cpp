@@ -750,6 +750,68 @@ TEST(DensityControl, LeavesACountOfZeroFarFromTheData) {
   EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << c;
 }
 
+/// k = 1 and the three largest magnitudes tied (a plain sum's identical gradients, which error
+/// feedback keeps tied): every count is 0 or at least 3, and 0 is nearer 1. The control chose it
+/// at every step, from every estimate, and the bucket sent nothing for good. It sends the group,
+/// at every step.
+TEST(DensityControl, SendsTiedLargestMagnitudesRatherThanNothing) {
+  CpuDevice device;
+  for (double estimate : {50.0, 25.0, 100.0, 1e-3, 1e4}) {
+    DensityControl control;
+    for (int step = 0; step < 8; ++step) {
+      Bucket<float> b(true, 40);
+      for (int64_t i : {int64_t{5}, int64_t{777}, kN - 1}) {
+        b.grad[i] = 50.0f;  // above every other |v| (normal values of deviation about 1.1)
+        b.residual[i] = 0.0f;
+      }
+      OnePass pass(device, b.view(), CandidateBound{}, 1);
+      const double t = control.threshold(pass, estimate, 1);
+      control.commit();  // the step completed (the method's observe())
+      EXPECT_EQ(pass.counts({t}, true)[0], 3) << "estimate " << estimate << ", step " << step;
+    }
+  }
+}
+
+/// A scale (here a loaded one) whose product with the estimate passes the largest double: the
+/// threshold was Inf, no step moved from it and Inf was kept as the scale, so nothing was sent
+/// from then on and the saved state was refused. The control starts from the estimate instead.
+TEST(DensityControl, StartsFromTheEstimateWhereTheScaleOverflows) {
+  const int64_t k = 300;
+  CpuDevice device;
+  Bucket<float> copy(true, 40);
+  OnePass exact(device, copy.view(), CandidateBound{}, k);
+  const double kth = smallest_magnitude(device, exact.largest(k), copy.view());
+  DensityControl control;
+  control.load({{"control.scale", 1e308}});
+  Bucket<float> b(true, 40);
+  OnePass pass(device, b.view(), CandidateBound{}, k);
+  const int64_t c = pass.counts({control.threshold(pass, kth * 2.0, k)}, true)[0];
+  EXPECT_LE(std::abs(c - k), DensityControl::kTolerance * k) << c;
+  control.commit();
+  std::map<std::string, double> state;
+  control.save(state);
+  EXPECT_TRUE(std::isfinite(state["control.scale"])) << state["control.scale"];
+}
+
+/// An estimate among the smallest doubles (a subnormal), steered to the data: the ratio of the
+/// threshold to it passed the largest double, and Inf was kept as the scale. The scale stays a
+/// positive finite number, which a saved state loads.
+TEST(DensityControl, KeepsAFiniteScaleFromASubnormalEstimate) {
+  const int64_t k = 300;
+  CpuDevice device;
+  DensityControl control;
+  control.load({{"control.scale", 1e300}});
+  Bucket<float> b(true, 40);
+  OnePass pass(device, b.view(), CandidateBound{}, k);
+  const double t = control.threshold(pass, std::numeric_limits<double>::denorm_min(), k);
+  EXPECT_GT(t, 1e-3);  // the data reached, so that the ratio to the estimate overflows
+  control.commit();
+  std::map<std::string, double> state;
+  control.save(state);
+  EXPECT_TRUE(std::isfinite(state["control.scale"]) && state["control.scale"] > 0.0) << state["control.scale"];
+  EXPECT_NO_THROW(DensityControl().load(state));
+}
+
 using Factory = std::function<std::unique_ptr<Method>()>;
 
 /// The scale of each step's gradients: a drift, a jump up, a jump down.

@@ -248,7 +248,7 @@ class RandomBlock(RandomK):
 class DensityControl:
     """Ruling 9: the estimating methods' default mode steers an estimate to k elements."""
 
-    TOLERANCE, STEPS, MARGIN = 0.02, 8, 1e-9
+    TOLERANCE, STEPS, MARGIN, TIE_SPREAD = 0.02, 8, 1e-9, 1e-3
 
     def __init__(self) -> None:
         self.scale, self.slope = 1.0, 2.0
@@ -264,8 +264,20 @@ class DensityControl:
             return math.log(max(c, 0.5))
 
         tau = estimate * self.scale
+        if not (tau > 0 and math.isfinite(tau)):  # the product overflowed or underflowed
+            tau = estimate
         c = count(tau)
         best_tau, best_c = tau, c
+        held, none = 0.0, math.inf  # the highest threshold with a positive count, the lowest with 0
+
+        def seen(at: float, count_at: float) -> None:
+            nonlocal held, none
+            if count_at > 0:
+                held = max(held, at)
+            else:
+                none = min(none, at)
+
+        seen(tau, c)
         low, high = 0.0, math.inf  # thresholds known to hold too many, too few
         for _ in range(self.STEPS):
             if abs(c - k) <= self.TOLERANCE * k:
@@ -287,9 +299,24 @@ class DensityControl:
             elif not (low > 0 and math.isfinite(high)):
                 self.slope = max(0.25, self.slope / 2)  # a flat stretch: the next step twice as long
             tau, c = nxt, c_next
+            seen(tau, c)
             if abs(c - k) <= abs(best_c - k):  # of equal counts the latest
                 best_tau, best_c = tau, c
-        self.scale = best_tau / estimate
+        # Nothing chosen, though a threshold held some (ties of 2k or more at the top): bisection
+        # down to the largest magnitudes, whose group is sent unless a count as near k turns up.
+        while best_c == 0 and held > 0 and none > held * (1 + self.TIE_SPREAD):
+            mid = math.sqrt(held) * math.sqrt(none)
+            if not held < mid < none:
+                break
+            c_mid = count(mid)
+            seen(mid, c_mid)
+            if abs(c_mid - k) <= abs(best_c - k):
+                best_tau, best_c = mid, c_mid
+        if best_c == 0 and held > 0:
+            best_tau = held
+        scale = best_tau / estimate
+        if scale > 0 and math.isfinite(scale):
+            self.scale = scale
         return best_tau
 
 
@@ -448,7 +475,8 @@ class RedSync(Estimating):
 
 
 def f32(x: float) -> float:
-    return float(to_dtype(x, torch.float32))
+    """float32(x), saturating at its largest finite value (§4.7)."""
+    return float(to_dtype(min(x, torch.finfo(torch.float32).max), torch.float32))
 
 
 class SAGE(Restatement):

@@ -269,9 +269,14 @@ double sage_reference_update(double lambda, double alpha, double density_exam, d
   const double beta = 2.0 / (1.0 + std::exp(density - density_exam));
   const double ratio = density_exam / density;
   const double gamma = ratio < 0.1 ? 0.95 : (ratio > 10.0 ? 1.05 : 1.0);
-  float l = static_cast<float>(lambda * alpha);
-  l = static_cast<float>(static_cast<double>(l) * beta);
-  l = static_cast<float>(static_cast<double>(l) * gamma);
+  // Rounded to float32 as the original's tensor, but never past its largest finite value: a λ
+  // above it (an initial_threshold of 1e300, or near 3.4e38 times α > 1) rounded to Inf, which no
+  // step left (Inf times β γ): nothing was selected for good, and the saved state was refused.
+  // From the largest float32 the threshold falls by γ β at every step that selects too little.
+  auto round = [](double x) { return static_cast<float>(std::min(x, double{std::numeric_limits<float>::max()})); };
+  float l = round(lambda * alpha);
+  l = round(static_cast<double>(l) * beta);
+  l = round(static_cast<double>(l) * gamma);
   return l;
 }
 

@@ -230,8 +230,22 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
   const double target = static_cast<double>(k);
   auto count = [&](double t) { return static_cast<double>(pass.counts({t}, /*strict=*/true)[0]); };
   auto log_count = [](double c) { return std::log(std::max(c, 0.5)); };  // no count is 0 in log space
-  double t = estimate * committed_.scale, c = count(t);
+  // A scale learned against estimates far from this one can take their product past the doubles
+  // (Inf) or below them (0): counts of 0 or of everything, where no step moves (an infinite or
+  // zero next threshold stops them), committed as the scale for every later step. The estimate
+  // itself then.
+  double t = estimate * committed_.scale;
+  if (!(t > 0.0) || !std::isfinite(t)) t = estimate;
+  double c = count(t);
   double best_t = t, best_c = c;
+  // The highest threshold seen to hold some element, the lowest to hold none (counts fall as the
+  // threshold rises): where they close in on each other, what the first holds lies between them.
+  double held = 0.0, none = std::numeric_limits<double>::infinity();
+  auto seen = [&](double at, double count_at) {
+    if (count_at > 0.0) held = std::max(held, at);
+    if (count_at == 0.0) none = std::min(none, at);
+  };
+  seen(t, c);
   double low = 0.0, high = std::numeric_limits<double>::infinity();  // thresholds known too low, too high
   for (int step = 0; step < kSteps && std::fabs(c - target) > kTolerance * target; ++step) {
     if (c > target) low = std::max(low, t);
@@ -255,6 +269,7 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
     }
     t = next;
     c = c_next;
+    seen(t, c);
     // Of equal counts the latest: an earlier one may be a secant step's overshoot far beyond the
     // data (a count of 0 at 10^4 times the threshold), which as the scale would start the next
     // step there.
@@ -263,7 +278,27 @@ double DensityControl::threshold(OnePass& pass, double estimate, int64_t k) {
       best_c = c;
     }
   }
-  pending_.scale = best_t / estimate;
+  // Nothing chosen, though a threshold held some: where more than 2k of the largest magnitudes tie
+  // (a plain sum's identical gradients, which error feedback keeps tied), every count is 0 or more
+  // than 2k, and 0, nearer k, was chosen at every step: the bucket was never sent (k = 1, three
+  // tied: every count 0 or 3). Bisection (in log space) between the highest threshold that held
+  // some and the lowest that held none: down to the largest magnitudes, whose group, once the two
+  // are within kTieSpread, is sent (k overshot by its ties), unless a count as near k turns up.
+  while (best_c == 0.0 && held > 0.0 && none > held * (1.0 + kTieSpread)) {
+    const double mid = std::sqrt(held) * std::sqrt(none);  // neither overflows nor underflows
+    if (!(mid > held && mid < none)) break;
+    const double c_mid = count(mid);
+    seen(mid, c_mid);
+    if (std::fabs(c_mid - target) <= std::fabs(best_c - target)) {
+      best_t = mid;
+      best_c = c_mid;
+    }
+  }
+  if (best_c == 0.0 && held > 0.0) best_t = held;
+  // Not kept where it is not a positive finite number (an estimate among the smallest doubles):
+  // the next step would start from it at Inf or 0, and a saved state holding it is refused.
+  const double scale = best_t / estimate;
+  if (scale > 0.0 && std::isfinite(scale)) pending_.scale = scale;
   return best_t;
 }
 

@@ -101,6 +101,9 @@ class DensityControl {
   static constexpr double kMargin = 1e-9;      ///< thresholds closer than this (relative) are one
   static constexpr double kLeastSlope = 0.25;  ///< the slope stays from kLeastSlope to kMostSlope
   static constexpr double kMostSlope = 64.0;
+  /// Where every count is 0 or more than 2k (ties at the top), the bisection for the largest
+  /// magnitudes' group stops at thresholds this close (relative).
+  static constexpr double kTieSpread = 1e-3;
   /// The threshold to select at (|v| > threshold) for k elements; the estimate itself when it is
   /// not a positive finite number.
   double threshold(OnePass& pass, double estimate, int64_t k);
