@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import os
 
@@ -566,7 +567,7 @@ def test_density_control_sends_tied_largest_magnitudes(name, kwargs, n, density)
     # and the rest: a step may start too far above the data to reach it in its counts.
     assert all(count == 0 or count >= 3 for count in sent), f"{name}({kwargs}): elements sent: {sent}"
     if name == "DGC" and n == 10:
-        assert all(max(pair) >= 3 for pair in zip(sent, sent[1:])), f"{name}({kwargs}): elements sent: {sent}"
+        assert all(max(pair) >= 3 for pair in itertools.pairwise(sent)), f"{name}({kwargs}): elements sent: {sent}"
     else:
         assert min(sent) >= 3, f"{name}({kwargs}): elements sent at each step: {sent}"
 
