@@ -291,12 +291,18 @@ def _check(where: str, state_dict: dict) -> None:
         if not isinstance(tensors, dict):
             refuse(key, "a dict of tensors by parameter name", tensors)
         for name, tensor in tensors.items():
+            if not isinstance(name, str):  # (failed in Python's words where a message names the entries)
+                refuse(f"names in {key}", "parameter names (strings)", name)
             if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
                 refuse(f"{key}[{name!r}]", "a floating-point tensor", tensor)
             if tensor.is_meta:  # (its checksum and values cannot be read)
                 refuse(f"{key}[{name!r}]", "a floating-point tensor that holds its values", tensor)
-        if not isinstance(state_dict.get(checksums_key, {}), dict):
-            refuse(checksums_key, "a dict of checksums by parameter name", state_dict[checksums_key])
+        checksums = state_dict.get(checksums_key, {})
+        if not isinstance(checksums, dict):
+            refuse(checksums_key, "a dict of checksums by parameter name", checksums)
+        for name in checksums:
+            if not isinstance(name, str):
+                refuse(f"names in {checksums_key}", "parameter names (strings)", name)
     methods, layout = state_dict["methods"], state_dict["layout"]
     if not isinstance(methods, list) or not all(m is None or isinstance(m, dict) for m in methods):
         refuse("methods", "a list of method states (dicts, or None) by bucket index", methods)

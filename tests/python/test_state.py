@@ -1158,6 +1158,16 @@ def _saved(steps=2):
             lambda sd: dict(sd, parked_methods=[{"index": True, "state": {}, "loss_scale": 1.0}]),
             r"the state dict's parked_methods\[0\]\['index'\] should be a bucket index \(an integer >= 0\), got True",
         ),
+        # names of residuals and checksums that are no strings failed in Python's words ("'int' object has no
+        # attribute 'startswith'", "sequence item 0: expected str instance, int found")
+        (
+            lambda sd: dict(sd, residuals={**sd["residuals"], 0: torch.zeros(3)}),
+            r"the state dict's names in residuals should be parameter names \(strings\), got 0 \(int\): it was changed",
+        ),
+        (
+            lambda sd: dict(sd, checksums={**sd["checksums"], 5: 1}),
+            r"the state dict's names in checksums should be parameter names \(strings\), got 5 \(int\): it was changed",
+        ),
         (  # failed in torch's words: "Tensor.item() cannot be called on meta tensors"
             lambda sd: dict(sd, residuals={k: v.to("meta") for k, v in sd["residuals"].items()}, checksums={}),
             r"the state dict's residuals\['2.bias'\] should be a floating-point tensor that holds its values, got a "
