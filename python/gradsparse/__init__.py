@@ -55,6 +55,7 @@ _check_environment()
 
 from gradsparse import _C, fsdp, launch  # noqa: E402
 from gradsparse.checkpoint import AllRanks, reshard  # noqa: E402
+from gradsparse.fsdp import ShardedState  # noqa: E402
 from gradsparse.hooks import hook, register  # noqa: E402
 from gradsparse.methods import (  # noqa: E402
     DGC,
@@ -112,6 +113,7 @@ __all__ = [
     "RandomK",
     "RedSync",
     "SIDCo",
+    "ShardedState",
     "SparDL",
     "State",
     "Threshold",

@@ -11,7 +11,8 @@ FSDP receives. See docs/architecture.md, "FSDP2".
 
 Residuals, method states and statistics differ from rank to rank: :class:`ShardedState` hands
 them to ``torch.distributed.checkpoint`` as DTensors with one block per rank, so that ``dcp.save``
-writes every rank's and ``dcp.load`` gives each rank its own back.
+writes every rank's and ``dcp.load`` gives each rank its own back; it serves states registered on
+a DistributedDataParallel (gradsparse.register) as well.
 """
 
 from __future__ import annotations
@@ -267,33 +268,48 @@ class _SparseReduceScatter:
 
 
 class ShardedState:
-    """A state as ``torch.distributed.checkpoint`` (DCP) sees it: every residual becomes a DTensor
-    over the default process group (DCP's) with one block per rank, and the method states and
-    statistics (``stats()``) one block of JSON per rank, so that ``dcp.save`` writes each rank's own
-    and ``dcp.load`` puts each back on the rank that saved it (same world size; another world size
-    is refused). Step and layout are saved once; the options, the link that exchange="auto" picks
-    from and the loss scale ride in each rank's block.
-    A checkpoint of gradsparse before per-rank statistics loads with none (statistics start from
-    zero). Implements DCP's ``Stateful`` protocol, for states given to :func:`sparsify`.
+    """A state as ``torch.distributed.checkpoint`` (DCP) sees it, for a state registered on a
+    DistributedDataParallel (:func:`gradsparse.register`) or given to :func:`sparsify` (FSDP2):
+    every residual (and velocity) becomes a DTensor over the default process group (DCP's) with
+    one block per rank, and the method states and statistics (``stats()``) one block of JSON per
+    rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on the rank
+    that saved it. Step and layout are saved once; the options, the link and decisions of
+    exchange="auto" and the loss scale ride in each rank's block. Implements DCP's ``Stateful``
+    protocol; also exported as ``gradsparse.ShardedState``.
+
+    The plain state handed to DCP would be saved as if every rank held the same: DCP keeps one
+    rank's residuals, and the other ranks' gradient mass is lost (``State.state_dict`` refuses to
+    be called by DCP on more than one rank). Same world size only: another world size is refused
+    by DCP's planner ("Size mismatch ... for <key>.residuals.<name>": P blocks saved, P' here).
+    To change the world size, save with :class:`gradsparse.AllRanks` (DDP) and convert with
+    :func:`gradsparse.reshard`. A checkpoint of gradsparse before per-rank statistics loads with
+    none (statistics start from zero).
 
     Example::
 
-        >>> dcp.save({"model": model.state_dict(), "gradsparse": gradsparse.fsdp.ShardedState(state)}, checkpoint_id=d)
-        >>> dcp.load({"model": model.state_dict(), "gradsparse": gradsparse.fsdp.ShardedState(state)}, checkpoint_id=d)
+        >>> sharded = gradsparse.ShardedState(state)  # state = gradsparse.register(ddp, ...) or fsdp.sparsify(...)
+        >>> dcp.save({"model": model.state_dict(), "gradsparse": sharded}, checkpoint_id=d)
+        >>> dcp.load({"model": model.state_dict(), "gradsparse": sharded}, checkpoint_id=d)
     """
 
     def __init__(self, state: State) -> None:
         if not isinstance(state, State):
             raise TypeError(
-                f"gradsparse.fsdp.ShardedState: state must be a gradsparse state, got {type(state).__name__}; "
-                "pass the state that gradsparse.fsdp.sparsify returned: "
-                "gradsparse.fsdp.ShardedState(gradsparse.fsdp.sparsify(model, state))"
+                f"gradsparse.ShardedState: state must be a gradsparse state, got {type(state).__name__}; "
+                "pass the state that gradsparse.register or gradsparse.fsdp.sparsify returned: "
+                "gradsparse.ShardedState(gradsparse.register(ddp_model, state))"
             )
-        if state._binding.sharded is None:
+        binding = state._binding
+        if binding.sharded is None and binding.ddp is None:
             raise TypeError(
-                f"gradsparse.fsdp.ShardedState: the {type(state).__name__} state sparsifies no FSDP model; call "
-                "gradsparse.fsdp.sparsify(model, state) first (for DistributedDataParallel, save each rank's "
-                "state.state_dict() or use gradsparse.AllRanks)"
+                f"gradsparse.ShardedState: the {type(state).__name__} state serves no model it knows the parameter "
+                "names of; call gradsparse.register(ddp_model, state) (DistributedDataParallel) or "
+                "gradsparse.fsdp.sparsify(model, state) (FSDP2) first"
+            )
+        if binding.sharded is None and binding.model() is None and binding.module() is None:
+            raise TypeError(
+                f"gradsparse.ShardedState: the model the {type(state).__name__} state was registered on no longer "
+                "exists; register the state on the model being checkpointed (gradsparse.register(ddp_model, state))"
             )
         self.state = state
 
@@ -338,16 +354,15 @@ class ShardedState:
             "config": saved["config"],
             "link": saved.get("link"),
             "loss_scale": saved["loss_scale"],
+            "exchanges": saved.get("exchanges"),  # DDP: what exchange="auto"'s trial kept (FSDP runs none)
         }
         text = json.dumps({**entries, "stats": saved["stats"]}, separators=(",", ":")).encode()
         if len(text) > size:
             text = json.dumps(entries, separators=(",", ":")).encode()
             if len(text) > size:
-                raise RuntimeError(
-                    f"gradsparse.fsdp.ShardedState: the method states take {len(text)} bytes, over {size}"
-                )
+                raise RuntimeError(f"gradsparse.ShardedState: the method states take {len(text)} bytes, over {size}")
             warnings.warn(
-                f"gradsparse.fsdp.ShardedState: rank {dist.get_rank()}'s method states and statistics take over "
+                f"gradsparse.ShardedState: rank {dist.get_rank()}'s method states and statistics take over "
                 f"{size} bytes; its statistics are not saved (after the load they start from zero)",
                 RuntimeWarning,
                 stacklevel=3,
@@ -356,25 +371,47 @@ class ShardedState:
         blob[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         return blob
 
+    def _sizes(self) -> dict[str, tuple[int, torch.dtype, torch.device]]:
+        """Every residual the state can hold, by name: its elements, dtype and device. Under FSDP
+        a module's flat gradient; under DDP each parameter DDP reduces."""
+        binding = self.state._binding
+        if binding.sharded is not None:
+            return {name: (numel, binding.dtypes[name], torch.device("cpu")) for name, numel in binding.numels.items()}
+        module = binding.module()
+        if module is None:
+            raise RuntimeError(
+                "gradsparse.ShardedState: the model the state was registered on no longer exists; register the "
+                "state on the model being checkpointed (gradsparse.register(ddp_model, state))"
+            )
+        reduced = binding.params or frozenset()
+        return {
+            binding.names[id(p)]: (p.numel(), p.dtype, p.device)
+            for p in module.parameters()
+            if id(p) in reduced and id(p) in binding.names
+        }
+
     def state_dict(self) -> dict:
         state = self.state
         state.setup()
         saved = state.state_dict()
         binding = state._binding
+        sizes = self._sizes()
         tensors = {}
         for key in self._tensor_keys():
             tensors[key] = dict(saved.get(key, {}))
             # Before the first step (a resumed process), DCP loads into this dict: it must already
             # name every residual (and velocity) with its size.
-            for name, numel in binding.numels.items():
+            for name, (numel, dtype, device) in sizes.items():
                 if name not in tensors[key]:
-                    tensors[key][name] = torch.zeros(numel, dtype=binding.dtypes[name])
+                    tensors[key][name] = torch.zeros(numel, dtype=dtype, device=device)
         return {
             "version": saved["version"],
             "class": saved["class"],
             "step": saved["step"],
             "world_size": saved["world_size"],
-            "layout": [[name] for name in binding.numels],  # bucket i: the i-th module sparsified
+            # FSDP: bucket i is the i-th module sparsified. DDP: its buckets' parameters, the same on
+            # every rank (DDP builds them alike), in which the step after the load is reduced.
+            "layout": [[name] for name in binding.numels] if binding.sharded is not None else saved["layout"],
             **{key: {name: self._per_rank(t) for name, t in held.items()} for key, held in tensors.items()},
             # The method states and statistics of each rank. Statistics differ by rank: saved once
             # (as a plain entry), DCP would keep one rank's, and a process that holds no counters
@@ -430,4 +467,5 @@ def _decode_methods(blob: torch.Tensor) -> dict:
         "stats": saved.get("stats", {}),
         "link": saved.get("link"),
         "loss_scale": saved.get("loss_scale", 1.0),
+        "exchanges": saved.get("exchanges"),
     }

@@ -1047,6 +1047,15 @@ class State:
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
+        if world_size > 1 and _called_by_dcp():
+            raise TypeError(
+                f"{owner}.state_dict: torch.distributed.checkpoint (dcp.save or dcp.load) was handed the {owner} "
+                f"state itself, on {world_size} ranks; its residuals, method states and statistics differ by rank, and "
+                "DCP takes them for the same on every rank: it would save one rank's (the other ranks' gradient mass "
+                "lost) and load that rank's on every rank. Hand it over as gradsparse.ShardedState(state), which "
+                "gives DCP one block per rank: dcp.save({..., 'gradsparse': gradsparse.ShardedState(state)}) and "
+                "the same in dcp.load"
+            )
         if self._loaded is not None:  # this rank's now, though loaded from another's (any_rank=True)
             # with the options it loaded under: an AllRanks part's own config does not hold the
             # momentum changed on purpose in the state dict's (load_state_dict)
@@ -1279,6 +1288,18 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
+
+
+def _called_by_dcp() -> bool:
+    """Whether State.state_dict's caller is torch.distributed.checkpoint's own code: dcp.save and
+    dcp.load call state_dict() on every ``Stateful`` of the state dict they are given, and a state
+    handed to them as it is would be saved as one rank's. Those that wrap a state
+    (gradsparse.ShardedState, AllRanks, a framework's callback) call it from their own module."""
+    try:
+        caller = sys._getframe(2)  # 0: this function, 1: State.state_dict
+    except ValueError:
+        return False
+    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
 
 
 def _part_label(parts: list[dict] | None, part: dict) -> str:

@@ -626,9 +626,14 @@ def test_nonfinite_gradient_applies_the_policy_on_every_rank(policy):
 
 
 def test_sharded_state_of_something_else_names_what_to_pass():
-    with pytest.raises(TypeError, match=r"got object; pass the state that gradsparse.fsdp.sparsify returned: "):
+    with pytest.raises(
+        TypeError, match=r"got object; pass the state that gradsparse.register or gradsparse.fsdp.sparsify"
+    ):
         gs.fsdp.ShardedState(object())
-    with pytest.raises(TypeError, match=r"sparsifies no FSDP model; call gradsparse.fsdp.sparsify\(model, state\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"serves no model .*gradsparse.register\(ddp_model, state\) .*gradsparse.fsdp.sparsify\(model, state\)",
+    ):
         gs.fsdp.ShardedState(gs.TopK(density=0.05))
 
 

@@ -944,6 +944,121 @@ def resume_exactly(rank: int, world_size: int, method: str, path: str, static_gr
     }
 
 
+def _dcp_build(seed: int, method: str):
+    """resume_exactly's model, DDP, state and optimizer."""
+    torch.manual_seed(seed)
+    model = Shuffled()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.register(ddp, RESUME_METHODS[method]())
+    momentum = 0.0 if state.config()["momentum"] else 0.9  # momentum correction replaces the optimizer's
+    return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=momentum)
+
+
+def _dcp_run(ddp: nn.Module, opt: torch.optim.Optimizer, part) -> None:
+    for x, y in part:
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _dcp_checkpoint(ddp: nn.Module, opt: torch.optim.Optimizer, state: gs.State) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(ddp, opt)
+    return {"model": msd, "optim": osd, "gradsparse": gs.ShardedState(state)}
+
+
+def _held(state: gs.State) -> dict:
+    """What a state holds of its own, comparable across a checkpoint: residuals and velocities
+    (copies), method states, step and statistics."""
+    saved = state.state_dict()
+    return {
+        "residuals": {n: t.clone() for n, t in saved["residuals"].items()},
+        "velocities": {n: t.clone() for n, t in saved["velocities"].items()},
+        "methods": saved["methods"],
+        "step": saved["step"],
+        "stats": saved["stats"],
+    }
+
+
+def resume_exactly_through_dcp(rank: int, world_size: int, method: str, path: str) -> dict:
+    """resume_exactly with torch.distributed.checkpoint: 8 steps straight, against 4 steps +
+    dcp.save({"model", "optim", "gradsparse": gs.ShardedState(state)}) + a new model, DDP,
+    optimizer and state (as a new process has) + dcp.load + 4 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    data = list(batches(rank, 8))
+    model, ddp, state, opt = _dcp_build(0, method)
+    _dcp_run(ddp, opt, data)
+    straight = params_of(model)
+    state.close()
+
+    model, ddp, state, opt = _dcp_build(0, method)
+    _dcp_run(ddp, opt, data[:4])
+    dcp.save(_dcp_checkpoint(ddp, opt, state), checkpoint_id=path)
+    held = _held(state)
+    state.close()
+
+    model, ddp, state, opt = _dcp_build(123, method)
+    loaded = _dcp_checkpoint(ddp, opt, state)
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(ddp, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    restored = _held(state)
+    _dcp_run(ddp, opt, data[4:])
+    state.close()
+    return {"straight": straight, "resumed": params_of(model), "held": held, "restored": restored}
+
+
+def dcp_save_at(rank: int, world_size: int, method: str, path: str) -> None:
+    """4 steps, then dcp.save of the model and gs.ShardedState(state)."""
+    import torch.distributed.checkpoint as dcp
+
+    _, ddp, state, opt = _dcp_build(0, method)
+    _dcp_run(ddp, opt, list(batches(rank, 4)))
+    dcp.save(_dcp_checkpoint(ddp, opt, state), checkpoint_id=path)
+    state.close()
+
+
+def dcp_load_at(rank: int, world_size: int, method: str, path: str) -> tuple[str | None, int]:
+    """dcp.load of dcp_save_at's checkpoint into a new model and state: the error, and the step the
+    state holds after it."""
+    import torch.distributed.checkpoint as dcp
+
+    _, ddp, state, opt = _dcp_build(123, method)
+    try:
+        dcp.load(_dcp_checkpoint(ddp, opt, state), checkpoint_id=path)
+        error = None
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        error = f"{type(e).__name__}: {e}"
+    step = state.step
+    state.close()
+    return error, step
+
+
+def plain_state_through_dcp(rank: int, world_size: int, path: str) -> tuple[str | None, str | None]:
+    """The plain state (no gs.ShardedState) handed to dcp.save, then to dcp.load: each error."""
+    import torch.distributed.checkpoint as dcp
+
+    model, ddp, state, opt = _dcp_build(0, "topk")
+    _dcp_run(ddp, opt, list(batches(rank, 2)))
+    errors = []
+    for call in (dcp.save, dcp.load):
+        try:
+            call({"model": model.state_dict(), "gs": state}, checkpoint_id=path)
+            errors.append(None)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            errors.append(f"{type(e).__name__}: {e}")
+    # the state dict saved the ordinary way is unchanged
+    torch.save(state.state_dict(), f"{path}.{rank}.pt")
+    fresh = _dcp_build(0, "topk")[2]
+    fresh.load_state_dict(torch.load(f"{path}.{rank}.pt"))
+    state.close()
+    fresh.close()
+    return errors[0], errors[1]
+
+
 def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     """gradsparse.AllRanks(state).state_dict() called under ``if rank == 0:``: rank 0's error (the
     others go on without calling it, and stay past the state's timeout of 2 s)."""
