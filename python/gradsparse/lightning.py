@@ -141,4 +141,17 @@ class Sparsify(Callback):
         return AllRanks(self.state).state_dict()  # collective: Lightning calls it on every rank
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = state_dict.get("world_size") if isinstance(state_dict, dict) else None
+        group = self.state._group_option
+        now = dist.get_world_size(group) if dist.is_initialized() else None
+        if isinstance(saved, int) and now is not None and saved != now:
+            # The state's own refusal names gradsparse.reshard but not where Lightning keeps the entry.
+            raise ValueError(
+                f"gradsparse.lightning.Sparsify: the checkpoint's residuals were saved by {saved} ranks, this Trainer "
+                f"has {now}; resume with {saved}, or reshard them in the checkpoint once (each rank then starts from "
+                "the mean of the saved residuals, which conserves the pending gradient mass; method states restart): "
+                "checkpoint = torch.load(path, weights_only=False); "
+                f"checkpoint['callbacks']['{self.state_key}'] = gradsparse.reshard("
+                f"checkpoint['callbacks']['{self.state_key}'], {now}); torch.save(checkpoint, path)"
+            )
         AllRanks(self.state).load_state_dict(state_dict)

@@ -119,6 +119,30 @@ def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
     return out
 
 
+def lightning_resume_at_another_world_size(rank: int, world_size: int, folder: str) -> dict:
+    """The checkpoint of lightning_resume (2 ranks) resumed here (another world size): refused,
+    naming how to reshard the callback's entry; then resumed after following that advice."""
+    _launcher_environment(rank, world_size)
+    Classifier = _lightning_module()
+    out: dict = {}
+    try:
+        _trainer(f"{folder}/elsewhere", 2, [gs.lightning.Sparsify(gs.ExDyna(density=0.05))]).fit(
+            Classifier(seed=123), ckpt_path=f"{folder}/epoch1.ckpt"
+        )
+    except ValueError as e:
+        out["refused"] = str(e)
+    key = gs.lightning.Sparsify(gs.ExDyna(density=0.05)).state_key
+    checkpoint = torch.load(f"{folder}/epoch1.ckpt", weights_only=False)
+    checkpoint["callbacks"][key] = gs.reshard(checkpoint["callbacks"][key], world_size)
+    torch.save(checkpoint, f"{folder}/resharded.ckpt")
+    state = gs.ExDyna(density=0.05)
+    _trainer(f"{folder}/resharded", 2, [gs.lightning.Sparsify(state)]).fit(
+        Classifier(seed=123), ckpt_path=f"{folder}/resharded.ckpt"
+    )
+    out["steps"] = state.step
+    return out
+
+
 def lightning_strategy_hook(rank: int, world_size: int) -> dict:
     """Lightning's own DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...): the strategy (and the
     state) are built before the process group exists, as Lightning does; Lightning then registers

@@ -31,6 +31,12 @@ def test_lightning_sparsify_trains_logs_and_resumes_each_rank_exactly(tmp_path):
         assert "MiCRO.load_state_dict: the state dict was saved by ExDyna(" in r.get("other_method", ""), r
     assert any(not torch.equal(a, b) for a, b in zip(results[0]["saved_residuals"].values(),
                                                      results[1]["saved_residuals"].values(), strict=True))  # fmt: skip
+    # At another world size: refused naming how to reshard the callback's entry, which then resumes
+    [elsewhere] = run_distributed(frameworks.lightning_resume_at_another_world_size, 1, str(tmp_path), timeout=300)
+    assert "checkpoint['callbacks']['gradsparse.lightning.Sparsify'] = gradsparse.reshard(" in elsewhere.get(
+        "refused", ""
+    ), elsewhere
+    assert elsewhere["steps"] == 12, elsewhere  # the saved 4 steps, then the second epoch's 8 batches at one rank
     logged = results[0]["logged"]
     assert len(logged) == 8 and all(0 < d <= 0.1 for d in logged), logged  # ExDyna's achieved density, target 0.05
     assert all(b > 0 for b in results[0]["logged_bytes"])
