@@ -105,6 +105,7 @@ void visit_block(Source<T> src, int64_t begin, int64_t end, int64_t& nonfinite, 
   }
 }
 
+#if GS_HAVE_AVX2_PATHS
 /// float32 with error feedback on the AVX2 and AVX-512 paths, the hot path: the scan's pass
 /// (mark_block_f32) updates the block's residual (and velocity, with momentum correction) and
 /// marks the elements whose new residual reaches `key`; list_marked lists those in [lo, hi) from
@@ -127,6 +128,7 @@ void update_select_f32_marked(const Source<float>& src, int64_t begin, int64_t e
   if (zero)
     for (const uint32_t off : p.offsets) src.residual[begin + off] = 0.0f;
 }
+#endif
 
 // float32 with error feedback in portable code. One pass updates the residual (and the velocity,
 // with momentum correction) and writes, per 8 elements, a bit mask of the candidates: the elements
