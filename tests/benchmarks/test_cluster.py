@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from tests.interpreter import python_at
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -265,8 +267,7 @@ def test_slow_network_takes_relative_paths_from_the_callers_directory(tmp_path):
     """benchmarks/slow_network.sh run from another directory with a relative PYTHON and --output:
     both mean what they say there (it changed to the repository root first, so the interpreter was
     not found and the report went into the repository)."""
-    os.makedirs(tmp_path / "bin")
-    os.symlink(sys.executable, tmp_path / "bin" / "python")
+    python_at(tmp_path / "bin" / "python")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON="bin/python")
     before = cluster_namespaces("gs-rank")
     script = os.path.join(ROOT, "benchmarks", "slow_network.sh")

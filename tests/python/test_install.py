@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gradsparse
+from tests.interpreter import python_at
 
 
 def test_import_under_another_torch_raises_naming_both_versions_and_the_fix(tmp_path):
@@ -152,12 +153,10 @@ def test_the_scripts_take_a_relative_python_and_venv_from_the_callers_directory(
     interpreter was not found: exit 127, or the venv went into the repository)."""
     if managed:
         managed_python = _externally_managed_python(tmp_path / "managed")
-        os.makedirs(tmp_path / "venvs" / "gs" / "bin")
-        os.symlink(sys.executable, tmp_path / "venvs" / "gs" / "bin" / "python")
+        python_at(tmp_path / "venvs" / "gs" / "bin" / "python")
         env = dict(os.environ, PYTHON=managed_python, GRADSPARSE_VENV="venvs/gs")
     else:
-        os.makedirs(tmp_path / "bin")
-        os.symlink(sys.executable, tmp_path / "bin" / "python")
+        python_at(tmp_path / "bin" / "python")
         env = dict(os.environ, PYTHON="bin/python")
         env.pop("GRADSPARSE_VENV", None)
     # sanitize.sh asks the interpreter for torch's CMake folder, then refuses the unknown step
@@ -186,8 +185,7 @@ def test_slurm_ci_runs_the_job_with_the_interpreter_setup_installed_into(tmp_pat
     for name in ("munge", "unmunge", "slurmctld", "slurmd", "squeue", "scancel", *commands):
         (stubs / name).write_text(f"#!/bin/sh\n{commands.get(name, 'exit 0')}\n")
         (stubs / name).chmod(0o755)
-    os.makedirs(tmp_path / "venv" / "bin")
-    os.symlink(sys.executable, tmp_path / "venv" / "bin" / "python")
+    python_at(tmp_path / "venv" / "bin" / "python")
     env = dict(os.environ, PATH=f"{stubs}:{os.environ['PATH']}", GRADSPARSE_VENV="venv",
                GRADSPARSE_SLURM_DIR=str(tmp_path / "slurm"), GRADSPARSE_SLURM_TIMEOUT="5")  # fmt: skip
     env.pop("PYTHON", None)
@@ -277,9 +275,7 @@ def test_gpu_check_takes_a_relative_python_and_report_folder_from_the_callers_di
     from there (it changed to the repository's root first: the interpreter was not found, and the
     report folder went into the repository). The interpreter here sees no GPU, so the check stops
     at its first test, naming it."""
-    os.makedirs(tmp_path / "bin")
-    (tmp_path / "bin" / "python").write_text(f'#!/bin/sh\nCUDA_VISIBLE_DEVICES= exec "{sys.executable}" "$@"\n')
-    (tmp_path / "bin" / "python").chmod(0o755)
+    python_at(tmp_path / "bin" / "python", "CUDA_VISIBLE_DEVICES=")
     env = dict(os.environ, PYTHON="bin/python", GPU_CHECK_OUT="out")
     script = os.path.join(ROOT, "scripts", "gpu_check.sh")
     done = subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
