@@ -422,6 +422,15 @@ class ShardedState:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.state.setup()
+        try:
+            saved = self._plain(state_dict)
+        except Exception as e:  # refused on every rank (State.load_state_dict), not on this one alone
+            self.state._agree_on_load(e)
+            raise
+        self.state.load_state_dict(saved)
+
+    def _plain(self, state_dict: dict) -> dict:
+        """The state dict of State.state_dict's form that ``state_dict`` (DCP's, of this rank) holds."""
 
         def local(t):
             return t.to_local() if hasattr(t, "to_local") else t
@@ -435,19 +444,17 @@ class ShardedState:
         # Checkpoints before 2026-12-01 hold the options as entries DCP is no longer asked for:
         # they load with this state's own (their class is still checked).
         config = blob.pop("config") or state._saved_config()
-        state.load_state_dict(
-            {
-                "version": STATE_DICT_VERSION,
-                "class": state_dict["class"],
-                "config": config,
-                "step": state_dict["step"],
-                "rank": state._rank,
-                "world_size": state_dict["world_size"],
-                **with_checksums(tensors["residuals"], tensors["velocities"]),
-                "layout": state_dict["layout"],
-                **blob,
-            }
-        )
+        return {
+            "version": STATE_DICT_VERSION,
+            "class": state_dict["class"],
+            "config": config,
+            "step": state_dict["step"],
+            "rank": state._rank,
+            "world_size": state_dict["world_size"],
+            **with_checksums(tensors["residuals"], tensors["velocities"]),
+            "layout": state_dict["layout"],
+            **blob,
+        }
 
 
 def _decode_methods(blob: torch.Tensor) -> dict:

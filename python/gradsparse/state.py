@@ -211,6 +211,8 @@ class State:
         self._loaded: Loaded | None = None  # from load_state_dict, until the next step put it in place
         self._saved_layout: list[list[str]] | None = None  # the loaded layout, kept until DDP rebuilds
         self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
+        self._refused_names: Exception | None = None  # a loaded state dict's names, refused at register before set-up
+        self._comm: dist.ProcessGroup | None = None  # the exchanges' own group (from setup): also agrees on loads
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._paused = False
         self._handed: tuple[int, set[int]] = (0, set())  # buckets and parameter ids handed over in this step
@@ -343,7 +345,8 @@ class State:
     def setup(self) -> State:
         """The collective part of the state's creation, on every rank of its process group: its own
         process group, the check that every rank has the same method and options (a mismatch
-        raises on every rank), and the engine thread.
+        raises on every rank), and the engine thread. A state dict loaded before it is checked
+        here, and the same agreement refuses it on every rank where one rank refuses it.
 
         Runs once; :func:`gradsparse.register` and the first hook call run it when it has not run.
         Every step is bounded by the state's ``timeout``: a rank that never arrives (the state was
@@ -364,10 +367,22 @@ class State:
             raise ValueError(f"{owner}: this rank is not a member of the given process_group")
         timeout = self._wait_timeout
         world_size = dist.get_world_size(group)
+        # A state dict loaded before the process group existed (or whose names register refused) is
+        # checked now, and the agreement below carries each rank's verdict: a state dict refused on
+        # one rank is refused on every rank, naming it, and no rank goes on to wait for that rank in
+        # the first step until the timeout. It loads once the state is set up on every rank.
+        load, refusal = None, self._refused_names
+        self._refused_names = None
+        if self._unchecked is not None and refusal is None:
+            try:
+                load = self._read(*self._unchecked)
+            except Exception as e:  # any error: one left to this rank alone would leave the others waiting
+                refusal = e
         try:
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
-            dist.all_gather_object(gathered, (_wire(), owner, repr(sorted(self.config().items()))), group=comm)
+            mine = (_wire(), owner, repr(sorted(self.config().items())), _verdict(refusal))
+            dist.all_gather_object(gathered, mine, group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
@@ -382,10 +397,10 @@ class State:
                 + "; ".join(f"rank {r}: {_wire_of(entry)}" for r, entry in enumerate(gathered))
                 + ". Install the same gradsparse on every rank."
             )
-        if len(set(gathered)) > 1:
+        if len({entry[:3] for entry in gathered}) > 1:
             raise ValueError(
                 f"{owner}: the ranks were given different configurations: "
-                + "; ".join(f"rank {r}: {entry[1:]}" for r, entry in enumerate(gathered))
+                + "; ".join(f"rank {r}: {entry[1:3]}" for r, entry in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
         self.check_world_size(world_size)
@@ -399,8 +414,13 @@ class State:
                 self._link = simulate.measure_link(comm)  # what exchange="auto" starts from
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
+        self._comm = comm
         self._binding.check_group(group)
-        self._load_unchecked(at_setup=True)
+        # Refused on any rank: refused on every rank, and the state stays set up without it.
+        self._unchecked = None
+        self._refuse_where_refused(refusal, [entry[3] if len(entry) > 3 else None for entry in gathered])
+        if load is not None:
+            load()
         return self
 
     @property
@@ -464,7 +484,9 @@ class State:
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
-            self._check_names(self._loaded.parts, self._loaded.saved)
+            # register, on every rank, goes on to set-up (its agreement refuses them on every rank), or
+            # is past it (agreed here)
+            self._check_names_on_every_rank(self._loaded.parts, self._loaded.saved)
         elif self._table.buckets:
             # A new DDP over the model the state already reduced for (Lightning's next fit()): its
             # first step comes in a fresh DDP's layout, so it is reduced in the layout of the steps
@@ -475,7 +497,22 @@ class State:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""
         self._binding.bind_sharded(model, groups)
         if self._loaded is not None:
-            self._check_names(self._loaded.parts, self._loaded.saved)
+            self._check_names_on_every_rank(self._loaded.parts, self._loaded.saved)
+
+    def _check_names_on_every_rank(self, parts: list[dict] | None, state_dict: dict) -> None:
+        """_check_names at registration (gradsparse.register, gradsparse.fsdp.sparsify, called on every
+        rank): refused on one rank, the names are refused on every rank. Before set-up the refusal
+        waits for the set-up that registration runs next, whose agreement carries it; after it, the
+        ranks agree here."""
+        refusal = None
+        try:
+            self._check_names(parts, state_dict)
+        except Exception as e:
+            refusal = e
+        if self._engine is None:
+            self._refused_names = refusal
+        else:
+            self._agree_on_load(refusal)
 
     def _check_names(self, parts: list[dict] | None, state_dict: dict) -> None:
         """Every residual and velocity names a parameter of the bound model (before it is bound:
@@ -1102,7 +1139,30 @@ class State:
         saved bucket layout, so a resumed run repeats the uninterrupted run bit for bit. Loading
         before the process group exists is fine: the rank checks then run once it exists (in
         setup(), or at the first state_dict(), step or stats() before it).
+
+        A state dict refused on one rank is refused on every rank, naming that rank and why, and
+        no rank loads it (each rank's state is left as it was): the other ranks would otherwise
+        go on training and wait for that rank in their first step until the state's ``timeout``.
+        Loaded before set-up, the set-up's agreement refuses it on every rank (a load after
+        init_process_group is checked at once too, and raises on its own rank then). After set-up,
+        with more than one rank, load_state_dict is collective: every rank of the state's group
+        calls it, each with its own state dict (as resuming from per-rank files does, and
+        :class:`gradsparse.AllRanks` and :class:`gradsparse.ShardedState`); a rank that does not
+        makes the others fail after the state's ``timeout``, saying so.
         """
+        if self._engine is None or self._world_size == 1:
+            self._checked(state_dict, any_rank)()
+            return
+        refusal = None
+        try:
+            load = self._checked(state_dict, any_rank)
+        except Exception as e:  # any error: one left to this rank alone would leave the others waiting
+            refusal = e
+        self._agree_on_load(refusal)
+        load()
+
+    def _checked(self, state_dict: dict, any_rank: bool) -> Callable[[], None]:
+        """load_state_dict's checks of ``state_dict`` (which raise): returns what loads it."""
         owner = type(self).__name__
         check_bool(f"{owner}.load_state_dict", "any_rank", any_rank)
         state_dict = upgrade(owner, state_dict)
@@ -1145,9 +1205,50 @@ class State:
                 )
             )
         if self._engine is None and not (dist.is_available() and dist.is_initialized()):
-            self._unchecked = (state_dict, any_rank)  # checked against this rank in setup()
+            # checked against this rank in setup()
+            return lambda: setattr(self, "_unchecked", (state_dict, any_rank))
+        return self._read(state_dict, any_rank)
+
+    def _agree_on_load(self, refusal: Exception | None) -> None:
+        """After set-up: every rank of the state's group tells the others whether it refused a state
+        dict (``refusal``), on the exchanges' own group (between steps, when the engine has nothing
+        in flight), bounded by the state's timeout; refused anywhere, it raises on every rank."""
+        owner = type(self).__name__
+        if self._world_size == 1:
+            self._refuse_where_refused(refusal, [])
             return
-        self._load(state_dict, any_rank)
+        gathered: list[Any] = [None] * self._world_size
+        try:
+            dist.all_gather_object(gathered, _verdict(refusal), group=self._comm)
+        except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
+            if refusal is not None:
+                raise refusal from e
+            raise RuntimeError(
+                f"{owner}.load_state_dict: after set-up, loading is collective: every rank of the process group "
+                f"{group_ranks(self.process_group)} loads its own state dict, so that one refused on any rank is "
+                f"refused on every rank, but not every rank called load_state_dict (or gradsparse.register, "
+                f"gradsparse.fsdp.sparsify of a loaded state) within the state's timeout "
+                f"({self._wait_timeout.total_seconds():g} s): {e}. Call state.load_state_dict(torch.load("
+                'f"gradsparse-rank{rank}.pt")) on every rank, or load gradsparse.AllRanks\' file on every rank'
+            ) from e
+        self._refuse_where_refused(refusal, gathered)
+
+    def _refuse_where_refused(self, refusal: Exception | None, verdicts: list[str | None]) -> None:
+        """Raises ``refusal`` (this rank's), or where another rank refused its state dict (``verdicts``,
+        by rank of the state's group: None where it was accepted), an error that names it and why."""
+        if refusal is not None:
+            raise refusal
+        refused = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+        if not refused:
+            return
+        ranks = group_ranks(self.process_group)
+        raise ValueError(
+            f"{type(self).__name__}.load_state_dict: the state dict of "
+            + "; ".join(f"rank {ranks[rank]} was refused there: {verdict}" for rank, verdict in refused)
+            + ". So it is refused on every rank (this rank's state is left as it was), rather than the other ranks "
+            "training on and waiting for that rank in their first step: load an intact checkpoint on that rank (its "
+            "own file, as saved), then load again on every rank"
+        )
 
     def _check_method_states(self, state_dict: dict, part: str = "") -> None:
         """Each saved method state (of the buckets, and those parked) loads into a new method
@@ -1169,25 +1270,23 @@ class State:
                     f"the method: {e}"
                 ) from e
 
-    def _load_unchecked(self, *, at_setup: bool = False) -> None:
+    def _load_unchecked(self) -> None:
         """A state dict loaded before init_process_group is loaded once the process group exists,
         as a load then would have been: state_dict(), step and stats() read this rank's part of
         it from then on, not the whole state dict (an AllRanks one nested in a new AllRanks file).
 
         Before set-up it stays pending until it loads, so a load that fails raises here and again
-        in setup(). In setup() (``at_setup``, the engine just started) it is taken first: a load
-        that fails there raises once and leaves the state set up without it."""
-        if self._unchecked is None or not (dist.is_available() and dist.is_initialized()):
-            return
-        if self._engine is not None and not at_setup:
+        in setup(). setup() takes it itself: its agreement carries each rank's verdict, so that a
+        load refused on one rank is refused on every rank, and leaves the state set up without it."""
+        if self._unchecked is None or self._engine is not None or not (dist.is_available() and dist.is_initialized()):
             return
         saved, any_rank = self._unchecked
-        if at_setup:
-            self._unchecked = None
-        self._load(saved, any_rank)
+        self._read(saved, any_rank)()
         self._unchecked = None
 
-    def _load(self, state_dict: dict, any_rank: bool) -> None:
+    def _read(self, state_dict: dict, any_rank: bool) -> Callable[[], None]:
+        """Checks and reads everything that loading ``state_dict`` puts in place (it raises where
+        the state dict is refused), and returns what puts it in place."""
         group = self.process_group
         parts = state_dict.get("ranks") if state_dict.get("all_ranks") else None
         state_dict = this_ranks(
@@ -1205,12 +1304,18 @@ class State:
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
         metrics.load_state_dict(state_dict["stats"])
-        # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
         exchanges = state_dict.get("exchanges")
-        trial = None if self._trial is None else self._new_trial(step, exchanges)
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
+        return lambda: self._put_in_place(state_dict, loaded, step, link, exchanges, velocities, metrics)
+
+    def _put_in_place(
+        self, state_dict: dict, loaded: Loaded, step: int, link, exchanges, velocities: dict, metrics: Metrics
+    ) -> None:
+        """Loads what _read read."""
+        # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
+        trial = None if self._trial is None else self._new_trial(step, exchanges)
         self._table.park(
             {"residual": state_dict["residuals"], "velocity": velocities},
             loaded.method_states(),
@@ -1334,7 +1439,12 @@ def _wire() -> str:
 
 def _wire_of(entry: tuple) -> str:
     """The version a rank's set-up entry names (one of a gradsparse that sent none: no version)."""
-    return entry[0] if len(entry) == 3 else "an earlier gradsparse (wire version 1)"
+    return entry[0] if len(entry) >= 3 else "an earlier gradsparse (wire version 1)"
+
+
+def _verdict(refusal: Exception | None) -> str | None:
+    """What a rank tells the others of its load: None (accepted), or why it was refused."""
+    return None if refusal is None else f"{type(refusal).__name__}: {refusal}"
 
 
 def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]]) -> None:

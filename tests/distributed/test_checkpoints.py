@@ -185,3 +185,66 @@ def test_plain_state_handed_to_dcp_is_refused_naming_sharded_state(tmp_path):
         for call, error in (("dcp.save", saved), ("dcp.load", loaded)):
             assert error is not None and "gradsparse.ShardedState(state)" in error, f"rank {rank}, {call}: {error}"
             assert "Missing key" not in error, f"rank {rank}, {call}: {error}"
+
+
+# A part refused on one rank is refused on every rank -----------------------------------------------
+
+
+_REASONS = {
+    "byte": "does not match its checksum",
+    "nan": "holds NaN or Inf",
+    "size": "holds 3 elements but the parameter has",
+    "method": "the state dict was saved by TopK",
+}
+
+
+@pytest.mark.parametrize(
+    ("damage", "when"),
+    [
+        *((damage, "after") for damage in _REASONS),
+        ("size", "before_register"),
+        *((damage, "before_init") for damage in ("byte", "nan", "size")),
+    ],
+)
+def test_a_damaged_per_rank_file_is_refused_on_every_rank(tmp_path, damage, when):
+    """Each rank loads its own file (the README's way), rank 1's damaged after the save. Refused on
+    rank 1 alone, the other ranks went on to train and waited for rank 1 in their first step until
+    the state's timeout (5 s here; 30 minutes by default, or for ever under some backends). Every
+    rank now refuses it at once (at the load, or at the set-up that register runs), rank 1 with its
+    own error and the others naming rank 1 and why, and no rank's state took it. A load before
+    set-up that rank 1 refuses at the load itself is the exception (another method's state dict;
+    after init_process_group, all but "size", whose names are checked at register): rank 1 raises
+    there, and the others fail at set-up after the state's timeout, naming load_state_dict
+    (test_ddp's test_d_a_state_rejected_or_missing_on_one_rank_fails_the_others_within_the_timeout)."""
+    reason = _REASONS[damage]
+    results = run_distributed(workers.a_damaged_per_rank_file, 2, str(tmp_path / "gs"), damage, when, timeout=120)
+    (error0, elapsed0, moved0), (error1, _, moved1) = results
+    assert error1 is not None and reason in error1, error1
+    assert error0 is not None and "rank 1 was refused there" in error0 and reason in error0, error0
+    assert "So it is refused on every rank" in error0, error0
+    assert elapsed0 < 5, f"rank 0 failed after {elapsed0:.1f} s, the state's timeout: {error0}"
+    if when != "before_register":  # (there each rank's loaded, and its names are refused at register)
+        assert moved0 == moved1 == 0.0, "a refused load was loaded"
+
+
+@pytest.mark.parametrize(("damage", "reason"), [("nan", "holds NaN or Inf"), ("blob", "JSONDecodeError")])
+def test_a_damaged_sharded_part_is_refused_on_every_rank(tmp_path, damage, reason):
+    """dcp.load of gs.ShardedState, rank 1's block damaged: DCP calls each rank's load_state_dict
+    after its own collectives, so rank 1's refusal stayed on rank 1, and rank 0 went on to wait in
+    its first step until the state's timeout. Every rank now refuses it at once, naming rank 1."""
+    results = run_distributed(workers.a_damaged_sharded_part, 2, str(tmp_path / "ckpt"), damage, timeout=300)
+    (error0, elapsed0, step0), (error1, _, step1) = results
+    assert error1 is not None and reason in error1, error1
+    assert error0 is not None and "rank 1 was refused there" in error0 and reason in error0, error0
+    assert elapsed0 < 5, f"rank 0 failed after {elapsed0:.1f} s, the state's timeout: {error0}"
+    assert step0 == step1 == 0, "a refused load was loaded"
+
+
+def test_load_after_set_up_on_one_rank_alone_fails_within_the_timeout_naming_the_fix():
+    """After set-up load_state_dict is collective (so that a state dict refused on one rank is
+    refused on every rank): called on rank 0 alone, it fails after the state's timeout (2 s),
+    saying that every rank loads its own and how, rather than waiting without bound."""
+    error, elapsed = run_distributed(workers.load_on_rank_0_alone, 2, timeout=120)[0]
+    assert error is not None and "after set-up, loading is collective: every rank of the process group [0, 1]" in error
+    assert "Call state.load_state_dict(torch.load(" in error, error
+    assert elapsed < 10, f"rank 0 waited {elapsed:.1f} s"

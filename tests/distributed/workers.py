@@ -1257,6 +1257,127 @@ def all_ranks_with_a_damaged_part(rank: int, world_size: int, damage: str) -> tu
     return error, after - before
 
 
+def _damage_a_part(saved: dict, damage: str) -> dict:
+    """``saved`` (one rank's state dict, as saved) damaged after the save: "byte", a byte of a
+    residual changed; "nan", a residual NaN (with a checksum that matches); "size", a residual cut
+    short (likewise); "method", another method's state dict in its place."""
+    name = next(iter(saved["residuals"]))
+    residual = saved["residuals"][name]
+    if damage == "byte":
+        residual.view(torch.uint8)[0].add_(1)
+    elif damage in ("nan", "size"):
+        residual = residual.clone()
+        residual[0] = math.nan
+        saved["residuals"][name] = residual if damage == "nan" else residual[1:4].clone()
+        saved["checksums"][name] = checksum(saved["residuals"][name])
+    else:
+        saved = dict(saved, **{"class": "TopK"})
+    return saved
+
+
+def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, when: str) -> tuple:
+    """Each rank saves its own state dict (state.state_dict(), to a file with its rank in the name)
+    after 2 steps; a new state on a new DDP loads it, rank 1's damaged after the save
+    (_damage_a_part), then trains a step. ``when`` the load comes: "after" gradsparse.register (the
+    README's way); "before_register", after init_process_group; "before_init", before
+    init_process_group (in this process it exists: as if it did not), checked at set-up. Returns
+    this rank's error (None: it trained), the seconds from the load to the error, and how far the
+    residuals moved (0: the load left them as they were)."""
+    import time
+    from unittest import mock
+
+    state = gs.DGC(density=0.05, timeout=5)  # a method with a state of its own (its step)
+    ddp = DDP(make_model())
+    gs.register(ddp, state)
+    train(ddp, rank, steps=2)
+    torch.save(state.state_dict(), f"{path}-rank{rank}.pt")
+    state.close()
+    saved = torch.load(f"{path}-rank{rank}.pt")
+    if rank == 1:
+        saved = _damage_a_part(saved, damage)
+    state, ddp = gs.DGC(density=0.05, timeout=5), DDP(make_model())
+    start, error = time.monotonic(), None
+    try:
+        if when == "after":
+            gs.register(ddp, state)
+            state.load_state_dict(saved)
+        elif when == "before_register":
+            state.load_state_dict(saved)
+            gs.register(ddp, state)
+        else:
+            with mock.patch.object(dist, "is_initialized", return_value=False):
+                state.load_state_dict(saved)
+            gs.register(ddp, state)
+        train(ddp, rank, steps=1)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    moved = sum(float(t.norm()) for t in state.state_dict()["residuals"].values())
+    state.close()
+    return error, elapsed, moved
+
+
+def load_on_rank_0_alone(rank: int, world_size: int) -> tuple:
+    """After set-up, load_state_dict on rank 0 only (rank 1 goes on past the state's timeout of 2 s
+    without calling it): rank 0's error (None: it loaded) and the seconds it took."""
+    import time
+
+    state = gs.TopK(density=0.05, timeout=2)
+    gs.register(DDP(make_model()), state)
+    saved = state.state_dict()
+    if rank != 0:
+        time.sleep(6)
+        return None, 0.0
+    start, error = time.monotonic(), None
+    try:
+        state.load_state_dict(saved)
+    except RuntimeError as e:
+        error = str(e)
+    return error, time.monotonic() - start
+
+
+def a_damaged_sharded_part(rank: int, world_size: int, path: str, damage: str) -> tuple:
+    """dcp.save of gs.ShardedState(state) after 2 steps, and dcp.load into a new model and state,
+    rank 1's block damaged as DCP hands it over ("nan": a residual NaN; "blob": its method states
+    not JSON), then a training step. Returns this rank's error (None: it trained), the seconds from
+    the load to the error, and the step the state holds after it."""
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    class Damaged(gs.ShardedState):
+        def load_state_dict(self, state_dict: dict) -> None:
+            if rank == 1:
+                if damage == "nan":
+                    block = next(iter(state_dict["residuals"].values())).to_local()
+                    block[0] = math.nan
+                else:
+                    state_dict["methods"].to_local()[:8] = ord("{")
+            super().load_state_dict(state_dict)
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        ddp = DDP(Shuffled(), bucket_cap_mb=0.004)
+        return ddp, gs.register(ddp, gs.TopK(density=0.05, timeout=5)), torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    ddp, state, opt = build(0)
+    _dcp_run(ddp, opt, list(batches(rank, 2)))
+    dcp.save(_dcp_checkpoint(ddp, opt, state), checkpoint_id=path)
+    state.close()
+    ddp, state, opt = build(123)
+    loaded = dict(_dcp_checkpoint(ddp, opt, state), gradsparse=Damaged(state))
+    start, error = time.monotonic(), None
+    try:
+        dcp.load(loaded, checkpoint_id=path)
+        _dcp_run(ddp, opt, list(batches(rank, 1)))
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        error = f"{type(e).__name__}: {e}"
+    elapsed = time.monotonic() - start
+    step = state.step
+    state.close()
+    return error, elapsed, step
+
+
 def propagated_overflow_with_a_head_unused_here(rank: int, world_size: int) -> tuple[dict, dict, list[str]]:
     """MiCRO (union exchange) under a GradScaler with nonfinite="propagate" on TwoHeads with
     find_unused_parameters=True, rank 0 using the even head and rank 1 the odd one for 3 steps,
