@@ -465,7 +465,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=("auto", "nccl", "gloo", "mpi"),
         default="auto",
-        help="process group backend (auto: nccl where CUDA is available, else gloo); gloo on a GPU "
+        help="process group backend (auto: nccl where CUDA is available, else gloo; mpi: a torch built with MPI); gloo on a GPU "
         "machine trains CUDA tensors over Gloo, several workers may share one GPU",
     )
     g.add_argument("--data-dir", default=None, help="folder holding the dataset files")
@@ -565,11 +565,17 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
     backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "mpi" and not dist.is_mpi_available():  # pip's torch: else torch's traceback
+        raise SystemExit(
+            "--backend mpi: this torch has no MPI backend (torch.distributed.is_mpi_available() is False, as in "
+            "pip's builds); use --backend gloo (across nodes: mpirun -x MASTER_ADDR=node1 "
+            "-x MASTER_PORT=29500 ...), or a torch built from source against MPI"
+        )
     if backend != "mpi" and "MASTER_ADDR" not in os.environ:  # mpirun across nodes (gradsparse.launch)
         raise SystemExit(
             f"MASTER_ADDR is unset: this mpirun spans several nodes, and the {backend} process group meets at "
-            "rank 0's node; pass its address to every worker (mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...), "
-            "or --backend mpi"
+            "rank 0's node; pass its address to every worker (mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...)"
+            + (", or --backend mpi" if dist.is_mpi_available() else "")
         )
     if torch.cuda.is_available():
         # One GPU per local worker (or several workers sharing a GPU over Gloo); a task bound to

@@ -707,7 +707,31 @@ def test_a_multi_node_mpirun_without_master_addr_is_told_to_give_one(monkeypatch
     monkeypatch.setattr(driver.dist, "init_process_group", lambda backend: joined.append(backend))
     monkeypatch.setattr(driver.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(driver.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(driver.dist, "is_mpi_available", lambda: True)
     with pytest.raises(SystemExit, match=r"MASTER_ADDR is unset: .*mpirun -x MASTER_ADDR=node1 .*--backend mpi"):
         driver.init_distributed(argparse.Namespace(threads=1, backend="gloo"))
     assert joined == []
     assert driver.init_distributed(argparse.Namespace(threads=1, backend="mpi")) == (0, 4) and joined == ["mpi"]
+
+
+def test_backend_mpi_on_a_torch_without_mpi_says_so_and_what_to_use(monkeypatch):
+    """pip's torch has no MPI backend: --backend mpi there stops before the process
+    group with the fix (torch's own error is a traceback), and the MASTER_ADDR message does not
+    offer it."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    joined = []
+    monkeypatch.setattr(driver.dist, "init_process_group", lambda backend: joined.append(backend))
+    monkeypatch.setattr(driver.dist, "is_mpi_available", lambda: False)
+    with pytest.raises(SystemExit, match=r"--backend mpi: this torch has no MPI backend.*--backend gloo"):
+        driver.init_distributed(argparse.Namespace(threads=1, backend="mpi"))
+    with pytest.raises(SystemExit, match=r"MASTER_ADDR is unset") as raised:
+        driver.init_distributed(argparse.Namespace(threads=1, backend="gloo"))
+    assert "--backend mpi" not in str(raised.value) and joined == []

@@ -4,7 +4,9 @@ docs/method-spec.md, docs/architecture.md's classes, examples/README.md and the 
 --method choices. A method added, renamed or given a new
 default without its documentation fails here. The exchanges have one glossary: the names the
 library gives them (gradsparse._C.exchanges()) are those of docs/architecture.md's table and of
-README's method table, whose rows name the exchange each method really uses."""
+README's method table, whose rows name the exchange each method really uses. The command lines
+that the docs show for the examples, the benchmarks and gradsparse.simulate use only options (and
+presets and methods) that exist."""
 
 import inspect
 import re
@@ -111,3 +113,111 @@ def test_readme_names_the_exchange_each_method_uses(name):
         f"README: {cls.__name__} uses {default!r}, the code {method.exchange!r}"
     )
     assert under_fsdp.startswith(("sparse reduce-scatter", "whole exchange")), f"README: {cls.__name__}: {under_fsdp!r}"
+
+
+EXAMPLE_DOCS = ["README.md", "examples/README.md", "slurm/README.md", "docs/methods.md"]
+EXAMPLE_COMMAND = re.compile(
+    r"(?:-m examples\.(cnn|lstm|ncf)|(?:(?:TASK=(cnn|lstm|ncf))[^`\n]*?)?sbatch[^`\n]*?slurm/\S+\.sbatch)\b(.*)"
+)
+
+
+def example_parser(task: str):
+    import argparse
+    import importlib
+
+    from examples import driver
+
+    module = importlib.import_module(f"examples.{task}.__main__")
+    parser = argparse.ArgumentParser()
+    driver.add_arguments(parser)
+    module.add_task_arguments(parser.add_argument_group("task"))
+    return parser, module.PRESETS
+
+
+def example_commands() -> list[tuple[str, str, list[str]]]:
+    """(where, task, arguments) of every example command line in the docs: the lines of their code
+    blocks and their inline `...` commands (which may wrap), `python -m examples.T ...`,
+    `torchrun ... -m examples.T ...` and `[TASK=T] sbatch ... slurm/X.sbatch ...` (cnn unless TASK says)."""
+    found = []
+    for relative in EXAMPLE_DOCS:
+        text = read(relative)
+        fence = r"^[ \t]*```\w*\n(.*?)^[ \t]*```"
+        blocks = re.findall(fence, text, flags=re.MULTILINE | re.DOTALL)
+        pieces = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        outside = re.sub(fence, "", text, flags=re.MULTILINE | re.DOTALL)
+        pieces += [" ".join(span.split()) for span in re.findall(r"`([^`]+)`", outside)]
+        for piece in pieces:
+            m = EXAMPLE_COMMAND.search(piece.split(" #")[0])
+            if m and "examples.$TASK" not in piece:
+                task = m.group(1) or m.group(2) or "cnn"
+                found.append((f"{relative}: {piece.strip()}", task, m.group(3).split()))
+    return found
+
+
+def test_example_commands_in_the_docs_use_real_flags_presets_and_methods():
+    from examples import driver
+
+    commands = example_commands()
+    assert len(commands) > 15, commands  # the extraction still finds them
+    parsers = {task: example_parser(task) for task in ("cnn", "lstm", "ncf")}
+    for where, task, arguments in commands:
+        parser, presets = parsers[task]
+        for i, token in enumerate(arguments):
+            if not token.startswith("--") or token == "--":
+                continue
+            flag, _, value = token.partition("=")
+            assert flag in parser._option_string_actions, f"{where}: examples.{task} has no option {flag}"
+            value = value or (arguments[i + 1] if i + 1 < len(arguments) else "")
+            if flag == "--preset":
+                assert value in presets, f"{where}: examples.{task} has no preset {value!r}: {sorted(presets)}"
+            if flag == "--method":
+                unknown = [name for name in value.split(",") if name not in driver.METHODS]
+                assert not unknown, f"{where}: examples.{task} has no method {unknown}"
+
+
+def test_examples_readme_options_exist_in_every_task():
+    text = read("examples/README.md")
+    options = text[text.index("## Options (every task)") : text.index("## What a run writes")]
+    flags = set(re.findall(r"`(--[a-z][a-z0-9-]*)", options))
+    assert len(flags) > 30, flags
+    for task in ("cnn", "lstm", "ncf"):
+        parser, _ = example_parser(task)
+        missing = sorted(flag for flag in flags if flag not in parser._option_string_actions)
+        assert not missing, f"examples/README.md names options that examples.{task} lacks: {missing}"
+
+
+class _Parsed(Exception):
+    pass
+
+
+def module_parser(module_name: str, monkeypatch):
+    """The argparse parser that ``python -m module_name`` builds in its main(), caught as it parses."""
+    import argparse
+    import importlib
+
+    def catch(parser, args=None, namespace=None):
+        raise _Parsed(parser)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", catch)
+    module = importlib.import_module(module_name)
+    with pytest.raises(_Parsed) as caught:
+        module.main([])
+    monkeypatch.undo()
+    return caught.value.args[0]
+
+
+def test_benchmark_and_simulate_commands_in_the_docs_use_real_flags(monkeypatch):
+    command = re.compile(r"python -m ((?:benchmarks|gradsparse)\.\w+)((?:\s+(?:--?[\w-]+(?:=\S+)?|[\w.,:/]+))*)")
+    found = []
+    for relative in [*EXAMPLE_DOCS, "docs/benchmarks.md"]:
+        for m in command.finditer(read(relative)):
+            arguments = m.group(2).split(" -- ")[0].split()  # after --: the examples' own
+            found.append((relative, m.group(1), [a.partition("=")[0] for a in arguments if a.startswith("--")]))
+    assert {name for _, name, _ in found} >= {"benchmarks.select", "benchmarks.cluster", "gradsparse.simulate"}
+    parsers = {}
+    for where, name, flags in found:
+        if name not in parsers:
+            parsers[name] = module_parser(name, monkeypatch)
+        unknown = [flag for flag in flags if flag != "--" and flag not in parsers[name]._option_string_actions]
+        assert not unknown, f"{where}: python -m {name} has no option {unknown}"
