@@ -690,10 +690,9 @@ def test_a_thread_count_above_the_kernels_limit_is_refused_before_the_process_gr
     )
 
 
-def test_a_multi_node_mpirun_without_master_addr_is_told_to_give_one(monkeypatch):
-    """Across nodes gradsparse.launch leaves MASTER_ADDR unset (127.0.0.1 would be each node's own):
-    the examples say which address to pass and how, before the process group, unless the MPI
-    backend (which needs none) is asked for."""
+def _multi_node_mpirun(monkeypatch) -> list:
+    """Rank 0 of 4 that mpirun started across 2 nodes (2 a node), with no MASTER_ADDR; this process
+    keeps its threads, and init_process_group records the backends it was asked for (returned)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
     for name, value in {
@@ -702,9 +701,17 @@ def test_a_multi_node_mpirun_without_master_addr_is_told_to_give_one(monkeypatch
         "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
     }.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its threads
-    joined = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    joined: list = []
     monkeypatch.setattr(driver.dist, "init_process_group", lambda backend: joined.append(backend))
+    return joined
+
+
+def test_a_multi_node_mpirun_without_master_addr_is_told_to_give_one(monkeypatch):
+    """Across nodes gradsparse.launch leaves MASTER_ADDR unset (127.0.0.1 would be each node's own):
+    the examples say which address to pass and how, before the process group, unless the MPI
+    backend (which needs none) is asked for."""
+    joined = _multi_node_mpirun(monkeypatch)
     monkeypatch.setattr(driver.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(driver.dist, "get_world_size", lambda: 4)
     monkeypatch.setattr(driver.dist, "is_mpi_available", lambda: True)
@@ -718,17 +725,7 @@ def test_backend_mpi_on_a_torch_without_mpi_says_so_and_what_to_use(monkeypatch)
     """pip's torch has no MPI backend: --backend mpi there stops before the process
     group with the fix (torch's own error is a traceback), and the MASTER_ADDR message does not
     offer it."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in {
-        "OMPI_COMM_WORLD_RANK": "0",
-        "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-    }.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    joined = []
-    monkeypatch.setattr(driver.dist, "init_process_group", lambda backend: joined.append(backend))
+    joined = _multi_node_mpirun(monkeypatch)
     monkeypatch.setattr(driver.dist, "is_mpi_available", lambda: False)
     with pytest.raises(SystemExit, match=r"--backend mpi: this torch has no MPI backend.*--backend gloo"):
         driver.init_distributed(argparse.Namespace(threads=1, backend="mpi"))
