@@ -495,15 +495,20 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, pres
         return
     if args.preset not in presets:
         parser.error(f"--preset: unknown preset {args.preset!r}; choose from {', '.join(sorted(presets))}")
-    # The options the command line gave, as argparse read them (abbreviations such as --epoch and
-    # --no-x included): parsed again into a namespace whose every value is a marker, which argparse
-    # replaces only for the options given.
+    given = given_options(parser, args, argv)
+    for key, value in presets[args.preset].items():
+        if key not in given:
+            setattr(args, key, value)
+
+
+def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace, argv) -> set[str]:
+    """The options the command line gave, as argparse read them (abbreviations such as --epoch
+    and --no-x included): parsed again into a namespace whose every value is a marker, which
+    argparse replaces only for the options given."""
     unset = object()
     probe = argparse.Namespace(**dict.fromkeys(vars(args), unset))
     parser.parse_known_args(argv, namespace=probe)
-    for key, value in presets[args.preset].items():
-        if getattr(probe, key, unset) is unset:
-            setattr(args, key, value)
+    return {key for key, value in vars(probe).items() if value is not unset}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,7 +516,7 @@ def apply_preset(parser: argparse.ArgumentParser, args: argparse.Namespace, pres
 # ----------------------------------------------------------------------------------------------
 
 
-def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str]) -> None:
+def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str], argv) -> None:
     """Refuses, on every rank and before the process group, what argparse's types let through
     (NaN, negative rates, unreadable milestones) and every gradsparse method's options as its state
     checks them: otherwise a bad --density surfaced as a traceback when its method's turn came,
@@ -528,6 +533,11 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, m
     number("--clip", args.clip, 0.0)
     number("--lr-warmup-epochs", args.lr_warmup_epochs, 0.0)
     number("--bucket-cap-mb", args.bucket_cap_mb, 0.0, low_ok=False)
+    if args.fsdp and "bucket_cap_mb" in given_options(parser, args, argv):  # else ignored without a word
+        parser.error(
+            f"--bucket-cap-mb {args.bucket_cap_mb} sizes DDP's buckets, and --fsdp builds none: FSDP exchanges "
+            "each fully_shard module's gradients at once (one residual per module); drop one of the two"
+        )
     for milestone in str(args.lr_milestones).split(","):
         try:
             ok = not milestone.strip() or math.isfinite(float(milestone))
@@ -1238,7 +1248,7 @@ def main(
         parser.error(
             f"--method: {', '.join(twice)} given twice; each method trains once, in its run folder <out>/<method>"
         )
-    check_arguments(parser, args, methods)
+    check_arguments(parser, args, methods, argv)
     out = args.out or default_out
     rank, world = init_distributed(args)
     for method in methods:  # the options that depend on the world size (SparDL's teams), on every rank alike
@@ -1257,14 +1267,7 @@ def main(
             flush=True,
         )
     folders = {method: os.path.join(out, method) if len(methods) > 1 else out for method in methods}
-    if rank == 0:
-        problem = prepare_folders(out, list(folders.values())) or clear_checkpoints(list(folders.values()), args)
-    else:
-        problem = None
-    failed = torch.tensor([problem is not None], dtype=torch.int32)
-    dist.all_reduce(failed)  # rank 0's verdict, before any method trains
-    if int(failed):
-        exit_on_every_rank(problem)
+    ready_folders(out, list(folders.values()), args, rank, world)
     results, costs, sent = {}, {}, {}
     for method, folder in folders.items():
         run = Run(task, method, args, folder, rank, world)
@@ -1296,6 +1299,19 @@ def main(
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return results
+
+
+def ready_folders(out: str, folders: list[str], args: argparse.Namespace, rank: int, world: int) -> None:
+    """Every rank makes the run folders and, with --fresh, clears their checkpoints, before any
+    method trains: each rank writes its own checkpoint, and nodes without a shared filesystem see
+    only their own folders (made by rank 0 alone, they were missing on the other nodes, whose
+    ranks failed at their first checkpoint, and --fresh left those nodes' checkpoints to be
+    resumed). Where any rank cannot, every rank stops, and rank 0 prints each distinct reason."""
+    problem = prepare_folders(out, folders) or clear_checkpoints(folders, args)
+    problems: list[str | None] = [None] * world
+    dist.all_gather_object(problems, problem)
+    if any(problems):
+        exit_on_every_rank("\n".join(dict.fromkeys(p for p in problems if p)) if rank == 0 else None)
 
 
 def prepare_folders(out: str, folders: list[str]) -> str | None:
@@ -1334,7 +1350,8 @@ def clear_checkpoints(folders: list[str], args: argparse.Namespace) -> str | Non
         saved = sorted(glob.glob(os.path.join(glob.escape(folder), "checkpoint-rank*.pt*")))
         if args.fresh:
             for path in saved:
-                os.remove(path)
+                with contextlib.suppress(FileNotFoundError):  # another rank's, on a shared filesystem
+                    os.remove(path)
         elif args.synthetic_data and saved:
             return (
                 f"{folder}: holds the checkpoints of a training run, whose metrics a --synthetic-data run would "

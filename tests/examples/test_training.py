@@ -463,6 +463,8 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
             ["--fsdp", "--method", "dense,powersgd"],
             "--method powersgd is a DDP hook of torch's; with --fsdp use dense or a gradsparse method",
         ),
+        # FSDP builds no DDP buckets: the size was ignored without a word
+        (["--fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb 5.0 sizes DDP's buckets, and --fsdp builds none"),
         # it overflowed the data order's 64-bit arithmetic mid-run
         (["--seed", "200000000000000"], "argument --seed: 200000000000000 is outside 0 to 4294967295"),
     ],
@@ -471,6 +473,21 @@ def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
     from examples.cnn import __main__ as cnn
 
     _assert_refused_before_the_process_group(cnn, argv, message, capsys)
+
+
+def test_a_presets_bucket_size_does_not_refuse_fsdp():
+    """--bucket-cap-mb with --fsdp is refused where the command line gives it, not where a preset
+    does (NCF's default preset sets one per embedding table)."""
+    from examples.ncf import __main__ as ncf
+
+    parser = argparse.ArgumentParser()
+    driver.add_arguments(parser)
+    ncf.add_task_arguments(parser.add_argument_group("task"))
+    for argv in (["--fsdp"], ["--fsdp", "--preset", "ml100k"]):
+        args = parser.parse_args(argv)
+        driver.apply_preset(parser, args, ncf.PRESETS, argv)
+        driver.check_arguments(parser, args, ["dense"], argv)  # no SystemExit
+    assert args.bucket_cap_mb == ncf.PRESETS["ml100k"]["bucket_cap_mb"]
 
 
 @pytest.mark.parametrize(
@@ -538,6 +555,29 @@ def test_an_out_folder_that_cannot_be_written_is_refused_before_any_method_train
     assert refused.returncode != 0
     assert said.count(f"cannot write the run folder {tmp_path / 'topk'}: {tmp_path / 'topk'} is a file") == 1, said
     assert "FileExistsError" not in said and not (tmp_path / "dense" / "steps.csv").exists(), said[-3000:]
+
+
+def test_every_rank_makes_its_run_folders_and_clears_its_checkpoints(tmp_path, monkeypatch, capsys):
+    """Each rank writes its own checkpoint, and nodes without a shared filesystem see only their
+    own folders: rank 0 alone made them (the other nodes' ranks failed at their first checkpoint)
+    and cleared --fresh's checkpoints (the other nodes resumed theirs). Here as rank 1 of 2, with
+    rank 0's verdict gathered beside its own; a reason rank 1 alone meets stops both, and rank 0
+    prints it."""
+    monkeypatch.setattr(driver.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [None, mine]))
+    monkeypatch.setattr(driver.dist, "barrier", lambda: None)
+    folders = [str(tmp_path / "out" / m) for m in ("dense", "topk")]
+    args = argparse.Namespace(fresh=True, synthetic_data=False)
+    driver.ready_folders(str(tmp_path / "out"), folders, args, rank=1, world=2)
+    assert all(os.path.isdir(folder) for folder in folders)
+    saved = tmp_path / "out" / "topk" / "checkpoint-rank1.pt"
+    saved.write_bytes(b"saved")
+    driver.ready_folders(str(tmp_path / "out"), folders, args, rank=1, world=2)
+    assert not saved.exists()
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setattr(driver.dist, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, mine]))
+    with pytest.raises(SystemExit):
+        driver.ready_folders(str(tmp_path / "file"), [str(tmp_path / "file" / "topk")], args, rank=0, world=2)
+    assert capsys.readouterr().err.count("cannot write the run folder") == 1
 
 
 @pytest.mark.parametrize(
