@@ -68,7 +68,7 @@ cpp() {
   cmake -S . -B build/gpu-cmake -G Ninja -DGRADSPARSE_CUDA=ON -DGRADSPARSE_CUDA_ARCHS="${CAPABILITY/./}" \
     -DGRADSPARSE_MPI=OFF ${GTEST_SOURCE:+-DGRADSPARSE_GTEST_SOURCE="$GTEST_SOURCE"} &&
     cmake --build build/gpu-cmake -j "$JOBS" &&
-    ctest --test-dir build/gpu-cmake -j "$JOBS" --output-on-failure | tee "$OUT_DIR/ctest.txt" &&
+    (cd build/gpu-cmake && ctest --no-tests=error -j "$JOBS" --output-on-failure) | tee "$OUT_DIR/ctest.txt" &&
     no_skips "$OUT_DIR/ctest.txt"
 }
 

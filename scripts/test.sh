@@ -10,5 +10,5 @@ torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_
 cmake -S . -B build/cmake -G Ninja -DCMAKE_BUILD_TYPE=Release -DGRADSPARSE_TORCH_TESTS=ON \
   "-DCMAKE_PREFIX_PATH=$torch_prefix" > /dev/null
 cmake --build build/cmake
-ctest --test-dir build/cmake --output-on-failure -j2
+(cd build/cmake && ctest --no-tests=error --output-on-failure -j2)  # in its folder: 3.18 and 3.19 ignore a folder given
 "$PYTHON" -m pytest -ra --durations=15  # the slowest tests listed: where CI time goes

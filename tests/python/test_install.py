@@ -283,3 +283,28 @@ def test_gpu_check_takes_a_relative_python_and_report_folder_from_the_callers_di
     assert f"gpu_check: {tmp_path}/bin/python's torch sees no CUDA device" in done.stderr, done.stderr
     assert "not found" not in done.stderr, done.stderr
     assert (tmp_path / "out").is_dir() and not os.path.exists(os.path.join(ROOT, "out"))
+
+
+def test_ctest_runs_in_its_build_folder_on_the_declared_cmake():
+    """`ctest --test-dir` is CMake 3.20's: the 3.18 and 3.19 that CMakeLists.txt accepts ignore it,
+    run in the current folder, find no test and pass. Every script and doc runs ctest in its build
+    folder instead, with --no-tests=error (3.17) so that an empty run fails."""
+    import glob
+    import re
+
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
+        declared = re.search(r"cmake_minimum_required\(VERSION (\d+)\.(\d+)\)", f.read()).groups()
+    assert tuple(map(int, declared)) < (3, 20)  # else --test-dir would be fine
+    scripts = [".ci/run", *glob.glob("scripts/*.sh", root_dir=ROOT)]
+    checked = 0
+    for path in [*scripts, "CMakeLists.txt", "README.md"]:
+        with open(os.path.join(ROOT, path)) as f:
+            lines = f.read().splitlines()
+        assert not any("--test-dir" in line for line in lines), path
+        if path in scripts:
+            runs = [
+                line for line in lines if re.search(r"\bctest( -|\s*\\$)", line) and not line.lstrip().startswith("#")
+            ]
+            assert all("--no-tests=error" in line for line in runs), (path, runs)
+            checked += len(runs)
+    assert checked >= 4  # test.sh, sanitize.sh, gpu_check.sh, .ci/run
