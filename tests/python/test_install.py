@@ -308,3 +308,20 @@ def test_ctest_runs_in_its_build_folder_on_the_declared_cmake():
             assert all("--no-tests=error" in line for line in runs), (path, runs)
             checked += len(runs)
     assert checked >= 4  # test.sh, sanitize.sh, gpu_check.sh, .ci/run
+
+
+@pytest.mark.parametrize("script", ["cpu.sbatch", "gpu-node.sbatch", "multi-node.sbatch"])
+def test_a_job_whose_venv_is_missing_stops_naming_it_where_it_looked_and_the_fix(tmp_path, script):
+    """A relative VENV is taken from the checkout the job changes to: one that is not there ended
+    the job in bash's bare "No such file or directory". Before any srun or torchrun."""
+    job = subprocess.run(
+        ["bash", os.path.join(ROOT, "slurm", script)],
+        env={**os.environ, "GRADSPARSE_DIR": ROOT, "VENV": "venvs/none"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert job.returncode == 2, job.stderr
+    assert f"VENV=venvs/none: no venvs/none/bin/activate from {ROOT} (a relative VENV is taken from" in job.stderr
+    assert "VENV=$PWD/.venv sbatch" in job.stderr
