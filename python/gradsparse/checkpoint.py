@@ -403,7 +403,8 @@ class AllRanks:
     ``d`` (the world size must match). Rank 0 holds every rank's residuals while it saves: for
     large models on many ranks, save each rank's ``state.state_dict()`` to a file of its own instead.
 
-    Example (Accelerate)::
+    Example (Accelerate; its ``save_state`` does not wait for rank 0's write, so a ``load_state``
+    in the same run follows ``accelerator.wait_for_everyone()``)::
 
         >>> accelerator.register_for_checkpointing(gradsparse.AllRanks(state))
     """

@@ -166,9 +166,37 @@ def lightning_strategy_hook(rank: int, world_size: int) -> dict:
 # Accelerate -------------------------------------------------------------------------------------
 
 
+def _slow_custom_checkpoint_writes(rank: int):
+    """On rank 0, Accelerate's write of a registered object's state (the residuals of every rank)
+    starts 2 s late, as a large one, or one on a slow file system, ends late."""
+    import contextlib
+    import time
+
+    import accelerate.checkpointing as checkpointing
+
+    write = checkpointing.save
+
+    def late(obj, f, **kwargs):
+        if rank == 0 and "custom_checkpoint" in str(f):
+            time.sleep(2)
+        return write(obj, f, **kwargs)
+
+    @contextlib.contextmanager
+    def patched():
+        checkpointing.save = late
+        try:
+            yield
+        finally:
+            checkpointing.save = write
+
+    return patched()
+
+
 def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
     """The documented recipe: register after accelerator.prepare(), and AllRanks(state) in
-    register_for_checkpointing. 8 steps straight, against 4 + save_state + new objects + load_state + 4."""
+    register_for_checkpointing. 8 steps straight, against 4 + save_state + new objects + load_state + 4,
+    and against 2 + save_state + 2 + save_state to the same folder (rank 0's write late) +
+    wait_for_everyone + load_state in the same run + 4."""
     from accelerate import Accelerator
 
     _launcher_environment(rank, world_size)
@@ -203,6 +231,21 @@ def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
     out["loaded_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
     run(accelerator, model, opt, data[4:])
     out["resumed"] = params_of(model)
+
+    # In the same run: save_state returns on the other ranks before rank 0 has written the
+    # residuals, so load_state there read the folder's earlier file without the README's barrier.
+    accelerator, model, opt, state = build(0)
+    run(accelerator, model, opt, data[:2])
+    accelerator.save_state(f"{folder}/latest")
+    run(accelerator, model, opt, data[2:4])
+    out["saved_again"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    with _slow_custom_checkpoint_writes(rank):
+        accelerator.save_state(f"{folder}/latest")
+    accelerator.wait_for_everyone()
+    accelerator.load_state(f"{folder}/latest")
+    out["loaded_again"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    run(accelerator, model, opt, data[4:])
+    out["resumed_in_the_same_run"] = params_of(model)
     return out
 
 

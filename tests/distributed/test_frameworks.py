@@ -57,12 +57,21 @@ def test_lightning_ddp_strategy_comm_hook_path():
 
 
 def test_accelerate_recipe_resumes_each_rank_exactly(tmp_path):
+    """Also load_state in the run that saved: save_state writes the residuals on rank 0 alone and
+    returns on the other ranks without waiting for that write, so rank 1 read the earlier file
+    saved to that folder and trained on from those residuals, without a word, until the README
+    told to call accelerator.wait_for_everyone() in between."""
     results = run_distributed(frameworks.accelerate_resume, 2, str(tmp_path), timeout=400)
     for rank, r in enumerate(results):
         assert r["wrapped"] == "DistributedDataParallel"
         for name, saved in r["saved_residuals"].items():
             assert torch.equal(saved, r["loaded_residuals"][name]), f"rank {rank}: {name} is not its own"
         _assert_equal_params(r["straight"], r["resumed"], f"rank {rank}")
+    for rank, r in enumerate(results):
+        for name, saved in r["saved_again"].items():
+            assert torch.equal(saved, r["loaded_again"][name]), f"rank {rank}: {name} is not the last one saved"
+    for rank, r in enumerate(results):
+        _assert_equal_params(r["straight"], r["resumed_in_the_same_run"], f"rank {rank}, in the same run")
 
 
 def test_ddp_built_under_the_python_reducer_is_refused_on_every_rank():
