@@ -381,7 +381,9 @@ class State:
         try:
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
-            mine = (_wire(), owner, repr(sorted(self.config().items())), _verdict(refusal))
+            # the step each rank goes on from: its load's, or its own (a load put in place already)
+            step = load.step if load is not None else self._step
+            mine = (_wire(), owner, repr(sorted(self.config().items())), _verdict(refusal), step)
             dist.all_gather_object(gathered, mine, group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             raise RuntimeError(
@@ -418,7 +420,7 @@ class State:
         self._binding.check_group(group)
         # Refused on any rank: refused on every rank, and the state stays set up without it.
         self._unchecked = None
-        self._refuse_where_refused(refusal, [entry[3] if len(entry) > 3 else None for entry in gathered])
+        self._refuse_where_refused(refusal, [entry[3] for entry in gathered], [entry[4] for entry in gathered])
         if load is not None:
             load()
         return self
@@ -1148,20 +1150,21 @@ class State:
         with more than one rank, load_state_dict is collective: every rank of the state's group
         calls it, each with its own state dict (as resuming from per-rank files does, and
         :class:`gradsparse.AllRanks` and :class:`gradsparse.ShardedState`); a rank that does not
-        makes the others fail after the state's ``timeout``, saying so.
+        makes the others fail after the state's ``timeout``, saying so. State dicts of different
+        steps on different ranks (files of two checkpoints) are refused on every rank alike.
         """
         if self._engine is None or self._world_size == 1:
             self._checked(state_dict, any_rank)()
             return
-        refusal = None
+        refusal, load = None, None
         try:
             load = self._checked(state_dict, any_rank)
         except Exception as e:  # any error: one left to this rank alone would leave the others waiting
             refusal = e
-        self._agree_on_load(refusal)
+        self._agree_on_load(refusal, None if load is None else load.step)
         load()
 
-    def _checked(self, state_dict: dict, any_rank: bool) -> Callable[[], None]:
+    def _checked(self, state_dict: dict, any_rank: bool) -> _Load | Callable[[], None]:
         """load_state_dict's checks of ``state_dict`` (which raise): returns what loads it."""
         owner = type(self).__name__
         check_bool(f"{owner}.load_state_dict", "any_rank", any_rank)
@@ -1209,17 +1212,18 @@ class State:
             return lambda: setattr(self, "_unchecked", (state_dict, any_rank))
         return self._read(state_dict, any_rank)
 
-    def _agree_on_load(self, refusal: Exception | None) -> None:
+    def _agree_on_load(self, refusal: Exception | None, step: int | None = None) -> None:
         """After set-up: every rank of the state's group tells the others whether it refused a state
-        dict (``refusal``), on the exchanges' own group (between steps, when the engine has nothing
-        in flight), bounded by the state's timeout; refused anywhere, it raises on every rank."""
+        dict (``refusal``) and the step it would resume at (``step``; None: no step to compare), on
+        the exchanges' own group (between steps, when the engine has nothing in flight), bounded by
+        the state's timeout; refused anywhere, or at different steps, it raises on every rank."""
         owner = type(self).__name__
         if self._world_size == 1:
             self._refuse_where_refused(refusal, [])
             return
         gathered: list[Any] = [None] * self._world_size
         try:
-            dist.all_gather_object(gathered, _verdict(refusal), group=self._comm)
+            dist.all_gather_object(gathered, (_verdict(refusal), step), group=self._comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             if refusal is not None:
                 raise refusal from e
@@ -1231,17 +1235,30 @@ class State:
                 f"({self._wait_timeout.total_seconds():g} s): {e}. Call state.load_state_dict(torch.load("
                 'f"gradsparse-rank{rank}.pt")) on every rank, or load gradsparse.AllRanks\' file on every rank'
             ) from e
-        self._refuse_where_refused(refusal, gathered)
+        self._refuse_where_refused(refusal, [verdict for verdict, _ in gathered], [step for _, step in gathered])
 
-    def _refuse_where_refused(self, refusal: Exception | None, verdicts: list[str | None]) -> None:
+    def _refuse_where_refused(
+        self, refusal: Exception | None, verdicts: list[str | None], steps: list[int | None] | None = None
+    ) -> None:
         """Raises ``refusal`` (this rank's), or where another rank refused its state dict (``verdicts``,
-        by rank of the state's group: None where it was accepted), an error that names it and why."""
+        by rank of the state's group: None where it was accepted), an error that names it and why;
+        or, where the ranks would resume at different ``steps`` (None: not known), one that names them."""
         if refusal is not None:
             raise refusal
         refused = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
+        ranks = group_ranks(self.process_group)
+        if not refused and steps and None not in steps and len(set(steps)) > 1:
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the ranks' state dicts are of different steps ("
+                + ", ".join(f"rank {ranks[rank]}: {step}" for rank, step in enumerate(steps))
+                + "), so none is loaded (this rank's state is left as it was): files of different checkpoints, a "
+                "save stopped on some ranks, or a load on some ranks only, cannot resume together (the ranks' "
+                "residuals and method states would be of different steps). Load one checkpoint on every rank (each "
+                "rank its own file of it, or the same AllRanks file), in the run that saved it once every rank's "
+                "write has ended (accelerator.wait_for_everyone() after Accelerate's save_state)"
+            )
         if not refused:
             return
-        ranks = group_ranks(self.process_group)
         raise ValueError(
             f"{type(self).__name__}.load_state_dict: the state dict of "
             + "; ".join(f"rank {ranks[rank]} was refused there: {verdict}" for rank, verdict in refused)
@@ -1284,7 +1301,7 @@ class State:
         self._read(saved, any_rank)()
         self._unchecked = None
 
-    def _read(self, state_dict: dict, any_rank: bool) -> Callable[[], None]:
+    def _read(self, state_dict: dict, any_rank: bool) -> _Load:
         """Checks and reads everything that loading ``state_dict`` puts in place (it raises where
         the state dict is refused), and returns what puts it in place."""
         group = self.process_group
@@ -1308,7 +1325,7 @@ class State:
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}
-        return lambda: self._put_in_place(state_dict, loaded, step, link, exchanges, velocities, metrics)
+        return _Load(step, lambda: self._put_in_place(state_dict, loaded, step, link, exchanges, velocities, metrics))
 
     def _put_in_place(
         self, state_dict: dict, loaded: Loaded, step: int, link, exchanges, velocities: dict, metrics: Metrics
@@ -1440,6 +1457,16 @@ def _wire() -> str:
 def _wire_of(entry: tuple) -> str:
     """The version a rank's set-up entry names (one of a gradsparse that sent none: no version)."""
     return entry[0] if len(entry) >= 3 else "an earlier gradsparse (wire version 1)"
+
+
+class _Load(NamedTuple):
+    """What loading a checked state dict puts in place (State._read), and the step it resumes at."""
+
+    step: int
+    put_in_place: Callable[[], None]
+
+    def __call__(self) -> None:
+        self.put_in_place()
 
 
 def _verdict(refusal: Exception | None) -> str | None:

@@ -227,6 +227,25 @@ def test_a_damaged_per_rank_file_is_refused_on_every_rank(tmp_path, damage, when
         assert moved0 == moved1 == 0.0, "a refused load was loaded"
 
 
+@pytest.mark.parametrize("when", ["after", "before_register", "before_init"])
+def test_per_rank_files_of_different_steps_are_refused_on_every_rank(tmp_path, when):
+    """Rank 1 loads its file of the step before the others' (a save stopped before it reached rank 1,
+    or files of two checkpoints): each file is intact, so every rank loaded its own and trained on
+    with residuals and method states of different steps, without a word. Every rank now refuses
+    them, naming each rank's step, and (but where the load came before register, which puts it
+    in place at once) no rank's state took them."""
+    results = run_distributed(workers.a_damaged_per_rank_file, 2, str(tmp_path / "gs"), "step", when, timeout=120)
+    for rank, (error, elapsed, moved) in enumerate(results):
+        assert error is not None and "the ranks' state dicts are of different steps (rank 0: 2, rank 1: 1)" in error, (
+            rank,
+            error,
+        )
+        assert "Load one checkpoint on every rank (each rank its own file of it, or the same AllRanks" in error, error
+        assert elapsed < 5, f"rank {rank} failed after {elapsed:.1f} s, the state's timeout: {error}"
+        if when != "before_register":
+            assert moved == 0.0, f"rank {rank}: a refused load was loaded"
+
+
 @pytest.mark.parametrize(("damage", "reason"), [("nan", "holds NaN or Inf"), ("blob", "JSONDecodeError")])
 def test_a_damaged_sharded_part_is_refused_on_every_rank(tmp_path, damage, reason):
     """dcp.load of gs.ShardedState, rank 1's block damaged: DCP calls each rank's load_state_dict

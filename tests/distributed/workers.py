@@ -1277,8 +1277,8 @@ def _damage_a_part(saved: dict, damage: str) -> dict:
 
 def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, when: str) -> tuple:
     """Each rank saves its own state dict (state.state_dict(), to a file with its rank in the name)
-    after 2 steps; a new state on a new DDP loads it, rank 1's damaged after the save
-    (_damage_a_part), then trains a step. ``when`` the load comes: "after" gradsparse.register (the
+    after 1 step and after 2; a new state on a new DDP loads the second, rank 1's damaged after the
+    save (_damage_a_part) or, for ``damage`` "step", rank 1's first, then trains a step. ``when`` the load comes: "after" gradsparse.register (the
     README's way); "before_register", after init_process_group; "before_init", before
     init_process_group (in this process it exists: as if it did not), checked at set-up. Returns
     this rank's error (None: it trained), the seconds from the load to the error, and how far the
@@ -1289,12 +1289,14 @@ def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, 
     state = gs.DGC(density=0.05, timeout=5)  # a method with a state of its own (its step)
     ddp = DDP(make_model())
     gs.register(ddp, state)
-    train(ddp, rank, steps=2)
+    train(ddp, rank, steps=1)
+    torch.save(state.state_dict(), f"{path}-rank{rank}-step1.pt")
+    train(ddp, rank, steps=1)
     torch.save(state.state_dict(), f"{path}-rank{rank}.pt")
     state.close()
     saved = torch.load(f"{path}-rank{rank}.pt")
-    if rank == 1:
-        saved = _damage_a_part(saved, damage)
+    if rank == 1:  # "step": its file of the step before (a save stopped before it reached rank 1)
+        saved = torch.load(f"{path}-rank{rank}-step1.pt") if damage == "step" else _damage_a_part(saved, damage)
     state, ddp = gs.DGC(density=0.05, timeout=5), DDP(make_model())
     start, error = time.monotonic(), None
     try:
