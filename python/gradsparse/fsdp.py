@@ -270,10 +270,10 @@ class _SparseReduceScatter:
 class ShardedState:
     """A state as ``torch.distributed.checkpoint`` (DCP) sees it, for a state registered on a
     DistributedDataParallel (:func:`gradsparse.register`) or given to :func:`sparsify` (FSDP2):
-    every residual (and velocity) becomes a DTensor over the default process group (DCP's) with
-    one block per rank, and the method states and statistics (``stats()``) one block of JSON per
-    rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on the rank
-    that saved it. Step and layout are saved once; the options, the link and decisions of
+    every residual (and velocity) becomes a DTensor over DCP's process group (the default one)
+    with one block per rank, and the method states and statistics (``stats()``) one block of JSON
+    per rank, so that ``dcp.save`` writes each rank's own and ``dcp.load`` puts each back on the
+    rank that saved it. The class, step, world size, layout, options, the link and decisions of
     exchange="auto" and the loss scale ride in each rank's block. Implements DCP's ``Stateful``
     protocol; also exported as ``gradsparse.ShardedState``.
 
@@ -285,6 +285,14 @@ class ShardedState:
     :func:`gradsparse.reshard`. A checkpoint of gradsparse before per-rank statistics loads with
     none (statistics start from zero).
 
+    ``process_group`` (None: the default group) is the group ``dcp.save`` and ``dcp.load`` run
+    over (their ``process_group``), whose ranks each save one block of every residual: every rank
+    of it holds a state over the same parameters (data-parallel sub-groups of one model and HSDP
+    replicas save over the default group, each rank its own block). States that hold different
+    parameters (pipeline stages, each with its own data-parallel group) save each group's with a
+    ``dcp.save`` of its own: ``dcp.save(..., checkpoint_id=<the group's>, process_group=group)``
+    with ``ShardedState(state, process_group=group)``, and load alike.
+
     Example::
 
         >>> sharded = gradsparse.ShardedState(state)  # state = gradsparse.register(ddp, ...) or fsdp.sparsify(...)
@@ -292,7 +300,7 @@ class ShardedState:
         >>> dcp.load({"model": model.state_dict(), "gradsparse": sharded}, checkpoint_id=d)
     """
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, *, process_group: dist.ProcessGroup | None = None) -> None:
         if not isinstance(state, State):
             raise TypeError(
                 f"gradsparse.ShardedState: state must be a gradsparse state, got {type(state).__name__}; "
@@ -311,21 +319,38 @@ class ShardedState:
                 f"gradsparse.ShardedState: the model the {type(state).__name__} state was registered on no longer "
                 "exists; register the state on the model being checkpointed (gradsparse.register(ddp_model, state))"
             )
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                "gradsparse.ShardedState: process_group must be a torch.distributed.ProcessGroup or None (the "
+                f"default group), got {type(process_group).__name__}; pass the process_group given to dcp.save "
+                "and dcp.load"
+            )
+        group = process_group or dist.group.WORLD
+        missing = sorted(set(group_ranks(state.process_group)) - set(group_ranks(group)))
+        if missing:
+            raise ValueError(
+                f"gradsparse.ShardedState: process_group holds ranks {group_ranks(group)}, but the "
+                f"{type(state).__name__} state's ranks {missing} are outside it: their residuals would not be saved "
+                "with this rank's; save over a group that holds every rank of state.process_group (dcp.save(..., "
+                "process_group=state.process_group) with ShardedState(state, process_group=state.process_group)), "
+                "or over the default group (None)"
+            )
         self.state = state
+        # Over every rank DCP saves (its default group) by default, not the state's group: under
+        # HSDP, or DDP on data-parallel sub-groups of one model, the ranks of each replica hold the
+        # same blocks of their own group, and DCP would keep one replica's residuals for all.
+        self._group = group
 
     def _mesh(self, device: torch.device):
         from torch.distributed.device_mesh import DeviceMesh
 
-        # Over every rank DCP saves (its default group), not the state's group: under HSDP the
-        # ranks of each replica hold the same blocks of the shard group, and DCP would keep one
-        # replica's residuals for all.
-        return DeviceMesh.from_group(dist.group.WORLD, device.type)
+        return DeviceMesh.from_group(self._group, device.type)
 
     def _per_rank(self, local: torch.Tensor):
         from torch.distributed.tensor import DTensor, Shard
 
         local = local.reshape(-1)
-        shape = (local.numel() * dist.get_world_size(),)
+        shape = (local.numel() * dist.get_world_size(self._group),)
         return DTensor.from_local(
             local, self._mesh(local.device), [Shard(0)], run_check=False, shape=shape, stride=(1,)
         )
@@ -334,9 +359,11 @@ class ShardedState:
         """The per-element state this state checkpoints: residuals, and velocities with momentum."""
         return ("residuals", "velocities") if self.state._momentum else ("residuals",)
 
-    def _methods_blob(self, saved: dict) -> torch.Tensor:
+    def _methods_blob(self, saved: dict, layout: list[list[str]]) -> torch.Tensor:
         """This rank's method states (a list of {name: float} or None) and statistics (bucket index
-        -> counters), with the options, the link of exchange="auto" and the loss scale (the same on
+        -> counters), with its class, step, world size and ``layout`` (the same on every rank of one
+        sub-group, not on every rank DCP saves: saved once, as entries of their own, DCP kept one
+        sub-group's for all), the options, the link of exchange="auto" and the loss scale (the same on
         every rank; the options as entries of their own, one key per option, made DCP refuse a
         checkpoint of another method or of an earlier gradsparse with "Missing key" before
         load_state_dict could say which options differ),
@@ -349,6 +376,10 @@ class ShardedState:
         world_size = dist.get_world_size(self.state.process_group)
         size = (1024 + 64 * world_size) * max(1, len(self.state._binding.numels))
         entries = {
+            "class": saved["class"],
+            "step": saved["step"],
+            "world_size": saved["world_size"],
+            "layout": layout,
             "methods": saved["methods"],
             "parked_methods": saved["parked_methods"],  # a module's, loaded and not reduced since
             "config": saved["config"],
@@ -404,20 +435,22 @@ class ShardedState:
             for name, (numel, dtype, device) in sizes.items():
                 if name not in tensors[key]:
                     tensors[key][name] = torch.zeros(numel, dtype=dtype, device=device)
+        # FSDP: bucket i is the i-th module sparsified. DDP: its buckets' parameters, the same on
+        # every rank of the state's group (DDP builds them alike), in which the step after the load is reduced.
+        layout = [[name] for name in binding.numels] if binding.sharded is not None else saved["layout"]
         return {
+            # once, for checkpoints of earlier gradsparse, whose blocks do not hold them
             "version": saved["version"],
             "class": saved["class"],
             "step": saved["step"],
             "world_size": saved["world_size"],
-            # FSDP: bucket i is the i-th module sparsified. DDP: its buckets' parameters, the same on
-            # every rank (DDP builds them alike), in which the step after the load is reduced.
-            "layout": [[name] for name in binding.numels] if binding.sharded is not None else saved["layout"],
+            "layout": layout,
             **{key: {name: self._per_rank(t) for name, t in held.items()} for key, held in tensors.items()},
             # The method states and statistics of each rank. Statistics differ by rank: saved once
             # (as a plain entry), DCP would keep one rank's, and a process that holds no counters
             # yet would name none of them to load.
             # exchange="auto"'s link and set_scaler's loss scale ride along.
-            "methods": self._per_rank(self._methods_blob(saved)),
+            "methods": self._per_rank(self._methods_blob(saved, layout)),
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -444,17 +477,20 @@ class ShardedState:
         # Checkpoints before 2026-12-01 hold the options as entries DCP is no longer asked for:
         # they load with this state's own (their class is still checked).
         config = blob.pop("config") or state._saved_config()
+        # this rank's own, where its block holds them (a checkpoint of an earlier gradsparse holds them once)
+        own = {key: state_dict[key] if (value := blob.pop(key)) is None else value for key in _ONCE}
         return {
             "version": STATE_DICT_VERSION,
-            "class": state_dict["class"],
             "config": config,
-            "step": state_dict["step"],
             "rank": state._rank,
-            "world_size": state_dict["world_size"],
+            **own,
             **with_checksums(tensors["residuals"], tensors["velocities"]),
-            "layout": state_dict["layout"],
             **blob,
         }
+
+
+#: What ShardedState saves once (for earlier gradsparse's checkpoints) and in each rank's block of "methods".
+_ONCE = ("class", "step", "world_size", "layout")
 
 
 def _decode_methods(blob: torch.Tensor) -> dict:
@@ -468,6 +504,7 @@ def _decode_methods(blob: torch.Tensor) -> dict:
     if isinstance(saved, list):
         saved = {"methods": saved}
     return {
+        **{key: saved.get(key) for key in _ONCE},
         "methods": saved["methods"],
         "parked_methods": saved.get("parked_methods", []),
         "config": saved.get("config"),

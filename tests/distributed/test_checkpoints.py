@@ -187,6 +187,40 @@ def test_plain_state_handed_to_dcp_is_refused_naming_sharded_state(tmp_path):
             assert "Missing key" not in error, f"rank {rank}, {call}: {error}"
 
 
+# DDP on data-parallel sub-groups --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "same_model"), [("topk", True), ("micro", True), ("spardl", True), ("topk", False)])
+def test_sub_groups_each_save_and_restore_their_own(tmp_path, method, same_model):
+    """Two DDP groups of 2 in a world of 4, the second a step ahead (and, without same_model, on
+    another model: a pipeline stage), saved every way and loaded into new states: each rank gets
+    its own residuals, method states and step back. A rank's file loads on its pair alone
+    (collective there); gs.AllRanks gathers each pair's to the pair's first rank, and gs.reshard of
+    it gives both the mean. gs.ShardedState through a dcp over every rank gave every rank one
+    pair's step (saved once), and through a dcp over each pair (process_group=) DCP refused the
+    plan: its blocks were laid out over the default group."""
+    results = run_distributed(workers.sub_group_checkpoints, 4, method, str(tmp_path / "ckpt"), same_model, timeout=300)
+    ways = {"all_ranks", "resharded", "dcp_of_the_pair"} | ({"dcp"} if same_model else set())
+    for rank, r in enumerate(results):
+        held, restored = r["held"], r["restored"]
+        assert r["received"] == (rank % 2 == 0), f"rank {rank}"
+        assert held["step"] == 4 + rank // 2 and held["residuals"], f"rank {rank}"
+        assert restored.keys() == ways | ({"own_file"} if rank < 2 else set()), f"rank {rank}"
+        mate = results[rank ^ 1]["held"]["residuals"]  # the other rank of its pair
+        for way, got in restored.items():
+            assert got["step"] == held["step"], f"rank {rank}, {way}: step {got['step']}, saved at {held['step']}"
+            assert got["residuals"].keys() == held["residuals"].keys(), f"rank {rank}, {way}"
+            for name, t in held["residuals"].items():
+                expected = ((t.double() + mate[name].double()) / 2).float() if way == "resharded" else t
+                assert torch.equal(got["residuals"][name], expected), f"rank {rank}, {way}: {name} differs"
+            if way != "resharded":  # which restarts the method states
+                assert got["methods"] == held["methods"], f"rank {rank}, {way}: method states differ"
+    # every rank saved residuals of its own
+    first = results[0]["held"]["residuals"]
+    for r in results[1:] if same_model else results[1:2]:
+        assert any(not torch.equal(t, r["held"]["residuals"][name]) for name, t in first.items())
+
+
 # A part refused on one rank is refused on every rank -----------------------------------------------
 
 

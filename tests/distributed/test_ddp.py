@@ -216,6 +216,25 @@ def test_sub_groups_with_unused_parameters():
     assert not all(torch.equal(a, b) for a, b in zip(results[0], results[2], strict=True))
 
 
+@pytest.mark.parametrize("method", sorted(workers.SUB_GROUP_METHODS))
+def test_each_sub_group_trains_as_a_world_of_its_own(method):
+    """Two pairs of a world of 4, each training its own model on its own DDP group with a method
+    of each exchange family (gather-and-add, MiCRO's partitions, SparDL's reduce-scatter): each
+    pair's parameters and residuals equal those of the same pair run as a world of 2, bit for bit."""
+    four = run_distributed(workers.sub_group_training, 4, method, (0, 1), timeout=300)
+    for pair, seed in enumerate((0, 1)):
+        two = run_distributed(workers.sub_group_training, 2, method, (seed,), timeout=300)
+        for rank, (alone, (params, residuals)) in enumerate(zip(two, four[2 * pair :], strict=False)):
+            assert residuals and residuals.keys() == alone[1].keys(), f"pair {pair}, rank {rank}"
+            for name, t in residuals.items():
+                assert torch.equal(t, alone[1][name]), f"pair {pair}, rank {rank}: the residual of {name} differs"
+            for a, b in zip(params, alone[0], strict=True):
+                assert torch.equal(a, b), (
+                    f"pair {pair}, rank {rank}: differs from a world of 2 by {(a - b).abs().max()}"
+                )
+    assert not torch.equal(four[0][0][0], four[2][0][0])  # the pairs trained apart
+
+
 def test_spardl_teams_conserve_the_mass_of_a_parameter_unused_on_some_ranks():
     """A parameter unused on a rank sits the step out there (its residual held as zeros, put back
     after). With two teams SparDL leaves a team's sum in an owner's residual at an index another

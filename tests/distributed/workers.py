@@ -1078,6 +1078,90 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     return "returned"
 
 
+# DDP on data-parallel sub-groups -------------------------------------------------------------
+
+SUB_GROUP_METHODS = {
+    "topk": lambda group: gs.TopK(density=0.05, process_group=group),
+    "micro": lambda group: gs.MiCRO(density=0.05, process_group=group),
+    "spardl": lambda group: gs.SparDL(density=0.05, process_group=group),
+}
+
+
+def _pair_build(seed: int, method: str, group: dist.ProcessGroup | None, module=Shuffled):
+    """_dcp_build on the DDP group ``group``, with the state's on it too."""
+    torch.manual_seed(seed)
+    model = module()
+    ddp = DDP(model, bucket_cap_mb=0.004, process_group=group)
+    state = gs.register(ddp, SUB_GROUP_METHODS[method](group))
+    return model, ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+
+
+def sub_group_training(rank: int, world_size: int, method: str, seeds: tuple[int, ...]) -> tuple[list, dict]:
+    """At 4 ranks two pairs, [0, 1] and [2, 3], each a DDP and state of its own on its sub-group
+    (at 2 ranks one pair on the default group); pair p's model starts from ``seeds[p]``, and its
+    ranks train on batches(0) and batches(1). The parameters and residuals after 6 steps."""
+    group = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2] if world_size == 4 else None
+    model, ddp, state, opt = _pair_build(seeds[rank // 2], method, group)
+    _dcp_run(ddp, opt, list(batches(rank % 2, 6)))
+    residuals = _held(state)["residuals"]
+    state.close()
+    return params_of(model), residuals
+
+
+def sub_group_checkpoints(rank: int, world_size: int, method: str, path: str, same_model: bool) -> dict:
+    """Two pairs, [0, 1] and [2, 3], each a DDP and state of its own on its sub-group; the second
+    trains a step more (5 against 4), and with ``same_model`` False on another model (a pipeline
+    stage). Then each way of checkpointing, loaded into a new model, DDP and state: the rank's own
+    file (on the first pair alone: its load is collective on the pair, not on every rank),
+    gs.AllRanks (received by each pair's first rank: whether this rank did, under "received"),
+    gs.reshard of it, gs.ShardedState through dcp over every rank (one model only) and through a
+    dcp of each pair over its group. What the state held, and what each way restored."""
+    import torch.distributed.checkpoint as dcp
+
+    pair = rank // 2
+    group = [dist.new_group([0, 1]), dist.new_group([2, 3])][pair]
+    module = Shuffled if same_model or pair == 0 else make_model
+
+    def restored(load) -> dict:
+        built = _pair_build(123, method, group, module)  # the model kept alive while its state is used
+        state = built[2]
+        load(state)
+        held = _held(state)
+        state.close()
+        return held
+
+    _, ddp, state, opt = _pair_build(0, method, group, module)
+    _dcp_run(ddp, opt, list(batches(rank, 4 + pair)))
+    out: dict = {"held": _held(state), "restored": {}}
+    torch.save(state.state_dict(), f"{path}.rank{rank}")
+    all_ranks = gs.AllRanks(state).state_dict()
+    out["received"] = all_ranks["ranks"] is not None
+    if out["received"]:
+        torch.save(all_ranks, f"{path}.pair{pair}")
+    if same_model:
+        dcp.save({"gradsparse": gs.ShardedState(state)}, checkpoint_id=f"{path}.dcp")
+    sharded = gs.ShardedState(state, process_group=group)
+    dcp.save({"gradsparse": sharded}, checkpoint_id=f"{path}.dcp{pair}", process_group=group)
+    state.close()
+    dist.barrier()  # every file written
+
+    ways = out["restored"]
+    if pair == 0:
+        ways["own_file"] = restored(lambda s: s.load_state_dict(torch.load(f"{path}.rank{rank}")))
+    ways["all_ranks"] = restored(lambda s: s.load_state_dict(torch.load(f"{path}.pair{pair}")))
+    ways["resharded"] = restored(lambda s: s.load_state_dict(gs.reshard(torch.load(f"{path}.pair{pair}"), 2)))
+    if same_model:
+        ways["dcp"] = restored(lambda s: dcp.load({"gradsparse": gs.ShardedState(s)}, checkpoint_id=f"{path}.dcp"))
+    ways["dcp_of_the_pair"] = restored(
+        lambda s: dcp.load(
+            {"gradsparse": gs.ShardedState(s, process_group=group)},
+            checkpoint_id=f"{path}.dcp{pair}",
+            process_group=group,
+        )
+    )
+    return out
+
+
 def _stopped_in_autograd(model: nn.Module, backward) -> None:
     """Runs ``backward()`` with the gradient of make_model's layer 0 output raising in autograd:
     after the later layers' buckets, before the first layer's. The error is swallowed."""
