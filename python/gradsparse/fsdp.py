@@ -315,10 +315,7 @@ class ShardedState:
                 "gradsparse.fsdp.sparsify(model, state) (FSDP2) first"
             )
         if binding.sharded is None and binding.model() is None and binding.module() is None:
-            raise TypeError(
-                f"gradsparse.ShardedState: the model the {type(state).__name__} state was registered on no longer "
-                "exists; register the state on the model being checkpointed (gradsparse.register(ddp_model, state))"
-            )
+            raise TypeError(_model_gone(state))
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(
                 "gradsparse.ShardedState: process_group must be a torch.distributed.ProcessGroup or None (the "
@@ -410,10 +407,7 @@ class ShardedState:
             return {name: (numel, binding.dtypes[name], torch.device("cpu")) for name, numel in binding.numels.items()}
         module = binding.module()
         if module is None:
-            raise RuntimeError(
-                "gradsparse.ShardedState: the model the state was registered on no longer exists; register the "
-                "state on the model being checkpointed (gradsparse.register(ddp_model, state))"
-            )
+            raise RuntimeError(_model_gone(self.state))
         reduced = binding.params or frozenset()
         return {
             binding.names[id(p)]: (p.numel(), p.dtype, p.device)
@@ -487,6 +481,14 @@ class ShardedState:
             **with_checksums(tensors["residuals"], tensors["velocities"]),
             **blob,
         }
+
+
+def _model_gone(state: State) -> str:
+    """ShardedState's refusal of a state whose DDP model was freed (at creation, and at a save after it)."""
+    return (
+        f"gradsparse.ShardedState: the model the {type(state).__name__} state was registered on no longer exists; "
+        "register the state on the model being checkpointed (gradsparse.register(ddp_model, state))"
+    )
 
 
 #: What ShardedState saves once (for earlier gradsparse's checkpoints) and in each rank's block of "methods".

@@ -637,6 +637,33 @@ def test_sharded_state_of_something_else_names_what_to_pass():
         gs.fsdp.ShardedState(gs.TopK(density=0.05))
 
 
+def sharded_state_of_a_freed_model(rank: int, world_size: int) -> list[str]:
+    """A DDP state whose model is freed: ShardedState refuses it when made, and at a save when it
+    was made before the model went (the messages)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    said = []
+    for made_before in (False, True):
+        ddp = DDP(workers.make_model())
+        state = gs.register(ddp, gs.TopK(density=0.05))
+        sharded = gs.ShardedState(state) if made_before else None
+        del ddp
+        gc.collect()  # the DDP and model, referenced by nothing else now
+        try:
+            sharded.state_dict() if made_before else gs.ShardedState(state)
+        except (TypeError, RuntimeError) as e:
+            said.append(f"{type(e).__name__}: {e}")
+        state.close()
+    return said
+
+
+def test_sharded_state_of_a_freed_model_names_the_fix():
+    said = run_distributed(sharded_state_of_a_freed_model, 1, timeout=120)[0]
+    fix = "registered on no longer exists; register the state on the model being checkpointed"
+    assert len(said) == 2 and said[0].startswith("TypeError") and said[1].startswith("RuntimeError"), said
+    assert all(f"the model the TopK state was {fix} (gradsparse.register(ddp_model, state))" in s for s in said), said
+
+
 def a_paused_step(rank: int, world_size: int, reduce_dtype: torch.dtype | None = None) -> dict:
     """2 steps, then a backward inside state.paused(), then 1 more step."""
     data = workers.teacher_data(rank, 4)
