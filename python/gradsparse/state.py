@@ -95,8 +95,9 @@ class _PropagatedStep:
         self.step = step
         self.overflowed = False  # a bucket of the step was skipped (handed back as NaN)
         # The outputs that may hold NaN/Inf that the step's inputs did not: its dense buckets' (which
-        # pass NaN on) and its float16 sparse ones' (a sum of the ranks' values / P rounds past 65504
-        # from 10 ranks on). Read at the step's last bucket: any such makes the step a skipped one.
+        # pass NaN on) and its float16 sparse ones' (a transport that rounds each partial sum of the
+        # union and shared all-reduces, as Gloo does, can carry the ranks' values / P past 65504).
+        # Read at the step's last bucket: any such makes the step a skipped one.
         self.outputs: list[torch.Tensor] = []
         self.taken: list[_Taken] = []  # its sparse buckets
         # On a GPU, an event after each bucket's job: the step's last bucket reads the others' outputs,
@@ -832,7 +833,7 @@ class State:
         its residual (ReduceReport.taken_message), which leaves it residual + gradient, as a skipped
         bucket's (ruling 5): nothing is lost. A bucket reduced densely (a method-less one) passes
         NaN on as DDP does, and counts too, as does a float16 sparse bucket that handed back Inf from
-        finite inputs (its sum rounded past 65504). The pieces held out of the step (_hold_unused) were put
+        finite inputs (its all-reduce's sum rounded past 65504). The pieces held out of the step (_hold_unused) were put
         back after it, added to what the exchange wrote there; after the take-back, which undoes
         this rank's part of the step, they are put back as they were held (put_back(undone=True))."""
         pending = self._propagated

@@ -11,6 +11,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gradsparse/cpu_device.h"
@@ -726,34 +727,41 @@ TEST(Float16, ValuesWhoseSumOverflowsAverageToFiniteOutputs) {
     }
 }
 
-// From 10 ranks on, float16 values of 65504 added one by one, each divided by P, round past 65504
-// (ten of 6550.4 make Inf): gather-and-add hands back Inf there, for the loss scaler to see. An
-// owner of reduce-scatter + all-gather reads the same Inf average, keeps it and hands it back as
-// gather-and-add does; it read its averages as selection values, which take Inf for zero, so it
-// handed back 0 with every rank's residual emptied there: the mass vanished without a trace.
-TEST(Float16, ReduceScatterAllgatherHandsBackAnOverflowedAverageAsGatherAndAddDoes) {
-  const int p = 10;
-  const int64_t n = 4;
-  std::vector<std::vector<Half>> outputs[2], residuals[2];
-  for (int mode = 0; mode < 2; ++mode) {
-    outputs[mode].assign(p, std::vector<Half>(n, Num<Half>::from_float(65504.0f)));
-    residuals[mode].assign(p, std::vector<Half>(n, Num<Half>::zero()));
-    rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
-      CpuDevice device;
-      TopK method(1.0, mode == 0 ? "gather" : "reduce_scatter");
-      BucketView bucket{DType::kFloat16, n, outputs[mode][rank].data(), residuals[mode][rank].data()};
-      reduce_bucket(&method, transport, device, bucket, ReduceOptions{});
-    }));
-  }
-  for (int r = 0; r < p; ++r) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float out = Num<Half>::to_float(outputs[1][r][i]), kept = Num<Half>::to_float(residuals[1][r][i]);
-      EXPECT_TRUE(ref::same_bits(outputs[1][r][i], outputs[0][r][i]))
-          << "rank " << r << " element " << i << ": " << out << " where gather-and-add gives "
-          << Num<Half>::to_float(outputs[0][r][i]);
-      EXPECT_FALSE(out == 0.0f && kept == 0.0f) << "rank " << r << " element " << i << ": the mass vanished";
-    }
-  }
+// The gathers, the sparse reduce-scatter and reduce-scatter + all-gather's owners add every rank's
+// value / P into float32 sums and round them once to float16 (add_messages). Added one by one in
+// float16, each sum rounded again: from 10 ranks on, values of 65504 on every rank rounded past
+// 65504 (ten of 6550.4 made Inf) where their average is finite, and the Inf reached the gradient
+// with the residuals emptied under "raise" and "skip" alike; 30000 on 6 to 16 ranks came back
+// one or two units (16, 32) off. Now every rank's output is the value itself, to the bit.
+TEST(Float16, GatheredAveragesRoundOnceAndStayFinite) {
+  const std::vector<std::tuple<const char*, std::function<std::unique_ptr<Method>()>, bool>> ways = {
+      {"Top-k, fixed-size gather", [] { return std::make_unique<TopK>(1.0); }, false},
+      {"Threshold, gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, false},
+      {"Top-k, reduce-scatter + all-gather", [] { return std::make_unique<TopK>(1.0, "reduce_scatter"); }, false},
+      {"Top-k, sparse reduce-scatter", [] { return std::make_unique<TopK>(1.0); }, true},
+  };
+  for (int p : {6, 10, 12, 16})
+    for (float value : {30000.0f, 65504.0f, -65504.0f})
+      for (const auto& [name, make, shard_only] : ways) {
+        SCOPED_TRACE(str(name, ", ", p, " ranks, every value ", value));
+        const int64_t n = 2 * p;  // two elements in each rank's shard
+        std::vector<std::vector<Half>> grad(p, std::vector<Half>(n, Num<Half>::from_float(value)));
+        std::vector<std::vector<Half>> residual(p, std::vector<Half>(n, Num<Half>::zero()));
+        rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+          CpuDevice device;
+          const std::unique_ptr<Method> method = make();
+          ReduceOptions options;
+          options.shard_only = shard_only;
+          reduce_bucket(method.get(), transport, device,
+                        BucketView{DType::kFloat16, n, grad[rank].data(), residual[rank].data()}, options);
+        }));
+        for (int r = 0; r < p; ++r)
+          for (int64_t i = 0; i < n; ++i) {
+            const bool owned = !shard_only || i / 2 == r;
+            EXPECT_EQ(Num<Half>::to_float(grad[r][i]), owned ? value : 0.0f) << "rank " << r << " element " << i;
+            EXPECT_EQ(Num<Half>::to_float(residual[r][i]), 0.0f) << "rank " << r << " element " << i;
+          }
+      }
 }
 
 // A NaN on one rank: every rank raises (default) or every rank skips, and each rank's residual
@@ -1142,7 +1150,9 @@ class RoundingDevice final : public Device {
   void zero_at(const BucketView& b, const MessageView& m) override { cpu_.zero_at(b, m); }
   void assign(const MessageView& m, void* o) override { cpu_.assign(m, o); }
   void scatter_add(const MessageView& m, void* o, float d) override { cpu_.scatter_add(m, o, d); }
+  void scatter_add_float32(const MessageView& m, float* o, float d) override { cpu_.scatter_add_float32(m, o, d); }
   void divide(DType t, void* d, int64_t n, float v) override { cpu_.divide(t, d, n, v); }
+  void round_to(DType t, const float* i, void* o, int64_t n) override { cpu_.round_to(t, i, o, n); }
   void momentum(const BucketView& b) override { cpu_.momentum(b); }
 
  private:

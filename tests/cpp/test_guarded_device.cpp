@@ -174,8 +174,14 @@ class GuardedDevice final : public Device {
   void scatter_add(const MessageView& message, void* out, float divisor) override {
     in([&] { cpu_.scatter_add(message, out, divisor); });
   }
+  void scatter_add_float32(const MessageView& message, float* out, float divisor) override {
+    in([&] { cpu_.scatter_add_float32(message, out, divisor); });
+  }
   void divide(DType dtype, void* data, int64_t numel, float divisor) override {
     in([&] { cpu_.divide(dtype, data, numel, divisor); });
+  }
+  void round_to(DType dtype, const float* data, void* out, int64_t numel) override {
+    in([&] { cpu_.round_to(dtype, data, out, numel); });
   }
   void momentum(const BucketView& b) override {
     in([&] { cpu_.momentum(b); });

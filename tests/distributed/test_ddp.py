@@ -112,15 +112,22 @@ def test_a_taken_back_step_leaves_the_residual_of_a_parameter_unused_on_this_ran
 
 
 def test_a_float16_sum_that_rounds_past_the_range_is_taken_back():
-    """nonfinite="propagate": from 10 ranks on, a float16 sum of finite values may round past
-    65504 in the exchange (ranks' values / P added one by one), and the bucket hands back Inf, for
-    the loss scaler to skip the step. Only a dense bucket's output or a skipped bucket made the
-    step's sparse buckets take back what they sent, so the residuals the selection had emptied kept
-    nothing: the step's whole gradient was lost. Now a float16 sparse bucket's output counts too."""
-    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, timeout=300)):
+    """nonfinite="propagate": every rank's float16 gradient is 65504 in half of the elements. Random-k's
+    shared all-reduce divides by P first, but Gloo rounds each partial sum of the quotients to
+    float16, and at 10 ranks they pass 65504: the bucket hands back Inf from finite inputs, for the
+    loss scaler to skip the step. Only a dense bucket's output or a skipped bucket made the step's
+    sparse buckets take back what they sent, so the residuals the selection had emptied kept
+    nothing: the step's whole gradient was lost. Now a float16 sparse bucket's output counts too.
+    Top-k's gather adds the ranks' values / P in float32 sums, rounded once, and hands back 65504
+    (added one by one in float16, they made Inf from 10 ranks on)."""
+    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, "randomk", timeout=300)):
         assert all(math.isinf(g) for g in r["grad"][:4]), f"rank {rank}: the sum did not overflow: {r['grad']}"
         assert r["residual"] == [65504.0] * 4 + [1.0] * 4, f"rank {rank}: {r['residual']}"
         assert r["steps"] == (1, 1), f"rank {rank}: {r['steps']}"
+    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, "topk", timeout=300)):
+        assert r["grad"] == [65504.0] * 4 + [1.0] * 4, f"rank {rank}: {r['grad']}"
+        assert r["residual"] == [0.0] * 8, f"rank {rank}: {r['residual']}"
+        assert r["steps"] == (1, 0), f"rank {rank}: {r['steps']}"
 
 
 @pytest.mark.parametrize("bound", [True, False])

@@ -1515,13 +1515,12 @@ class _Weighted(nn.Module):
         return (self.weight * self.scale).float().sum()
 
 
-def float16_sum_past_the_range(rank: int, world_size: int) -> dict:
-    """One float16 step of TopK(density=1) under nonfinite="propagate" where every rank's gradient
-    is 65504 in half of the elements: from 10 ranks on, gather-and-add's sum of the ranks' values
-    / P rounds past 65504 there, and the step hands back Inf from finite inputs. What it handed
-    back, and this rank's residual and statistics after it."""
+def float16_sum_past_the_range(rank: int, world_size: int, method: str) -> dict:
+    """One float16 step of ``method`` ("topk" or "randomk") at density 1 under nonfinite="propagate"
+    where every rank's gradient is 65504 in half of the elements. What it handed back, and this
+    rank's residual and statistics after it."""
     ddp = DDP(_Weighted())
-    state = gs.register(ddp, gs.TopK(density=1.0, nonfinite="propagate")).set_scaler(_Scale1())
+    state = gs.register(ddp, gs.METHODS[method](density=1.0, nonfinite="propagate")).set_scaler(_Scale1())
     ddp().backward()
     stats = state.stats()["total"]
     return {

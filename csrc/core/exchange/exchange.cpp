@@ -164,6 +164,19 @@ std::vector<int64_t> ascending_union(std::vector<std::vector<int64_t>> lists) {
   return std::move(lists[0]);
 }
 
+void add_messages(Device& device, const std::vector<MessageView>& messages, void* out, int64_t numel, DType dtype,
+                  float divisor) {
+  if (dtype != DType::kFloat16) {
+    device.fill_zero(out, static_cast<size_t>(numel) * dtype_size(dtype));
+    for (const MessageView& m : messages) device.scatter_add(m, out, divisor);
+    return;
+  }
+  Buffer sums = device.allocate(static_cast<size_t>(numel) * sizeof(float));
+  device.fill_zero(sums.data(), static_cast<size_t>(numel) * sizeof(float));
+  for (const MessageView& m : messages) device.scatter_add_float32(m, sums.as<float>(), divisor);
+  device.round_to(dtype, sums.as<float>(), out, numel);
+}
+
 void clear_output(Device& device, const BucketView& bucket) {
   device.fill_zero(bucket.grad, static_cast<size_t>(bucket.numel) * dtype_size(bucket.dtype));
 }

@@ -1,6 +1,6 @@
 // Gather-and-add and its fixed-size variant (exchange.h): every rank receives every rank's pairs
-// and adds them, divided by the world size, in rank order, so the result is bit-identical on
-// every rank.
+// and adds them, divided by the world size, in rank order (float16 in float32 sums, rounded once:
+// add_messages), so the result is bit-identical on every rank.
 #include <cstddef>
 
 #include "gradsparse/exchange.h"
@@ -8,11 +8,10 @@
 namespace gradsparse {
 namespace {
 
-/// Adds every message / P into the cleared output, in rank order.
+/// The output: the sum of every message / P, in rank order.
 void add_all(Device& device, const BucketView& bucket, const std::vector<MessageView>& messages,
              ExchangeResult& result) {
-  clear_output(device, bucket);
-  for (const MessageView& m : messages) device.scatter_add(m, bucket.grad, static_cast<float>(messages.size()));
+  add_messages(device, messages, bucket.grad, bucket.numel, bucket.dtype, static_cast<float>(messages.size()));
   result.union_size = result.total_count();
 }
 

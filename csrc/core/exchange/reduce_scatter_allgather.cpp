@@ -52,17 +52,13 @@ class ReduceScatterAllgather final : public Exchange {
     const std::vector<MessageView> incoming =
         route_to_owners(transport, device, bucket, parts, shards, counts_in, received);
     const int64_t length = shards.length(me);
-    const size_t value_size = dtype_size(bucket.dtype);
-    Buffer sum = device.allocate(static_cast<size_t>(length) * value_size);
-    device.fill_zero(sum.data(), static_cast<size_t>(length) * value_size);
+    Buffer sum = device.allocate(static_cast<size_t>(length) * dtype_size(bucket.dtype));
+    add_messages(device, incoming, sum.data(), length, bucket.dtype, static_cast<float>(p));  // checks every index
     std::vector<std::vector<int64_t>> lists;
-    for (const MessageView& m : incoming) {
-      device.scatter_add(m, sum.data(), static_cast<float>(p));  // checks every index first (ascending)
-      lists.push_back(HostMessage(device, m).index_list());
-    }
+    for (const MessageView& m : incoming) lists.push_back(HostMessage(device, m).index_list());
     const std::vector<int64_t> touched = ascending_union(std::move(lists));  // shard-local
     // Read as stored (the sum as the residual): a selection value without one reads Inf as zero,
-    // which would hand back 0 where gather-and-add hands back the overflowed float16 average.
+    // which would hand back 0 where gather-and-add hands back an average past the dtype's range.
     const Selection reduced = device.gather(BucketView{bucket.dtype, length, sum.data(), sum.data()}, touched);
     const std::vector<float> values = HostMessage(device, reduced.view(bucket.dtype, length)).value_list();
 

@@ -55,7 +55,7 @@ class SparseReduceScatter final : public Exchange {
         route_to_owners(transport, device, bucket, parts, shards, counts, received);
     clear_output(device, bucket);
     void* owned = static_cast<unsigned char*>(bucket.grad) + static_cast<size_t>(me * shard) * dtype_size(bucket.dtype);
-    for (const MessageView& m : incoming) device.scatter_add(m, owned, static_cast<float>(p));
+    add_messages(device, incoming, owned, shard, bucket.dtype, static_cast<float>(p));
     result.union_size = result.total_count();
     return result;
   }

@@ -427,7 +427,9 @@ class NamedCudaDevice final : public Device {
   void zero_at(const BucketView&, const MessageView&) override { unused(); }
   void assign(const MessageView&, void*) override { unused(); }
   void scatter_add(const MessageView&, void*, float) override { unused(); }
+  void scatter_add_float32(const MessageView&, float*, float) override { unused(); }
   void divide(DType, void*, int64_t, float) override { unused(); }
+  void round_to(DType, const float*, void*, int64_t) override { unused(); }
   void momentum(const BucketView&) override { unused(); }
 
  private:

@@ -67,10 +67,10 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   void k_zero_at(T* residual, const I* indices, int64_t count) {
     cpu::zero_at<T, I>(residual, indices, count);
   }
-  template <typename T, typename I>
-  void k_scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+  template <typename T, typename I, typename O>
+  void k_scatter_add(O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                      bool ascending) {
-    cpu::scatter_add<T, I>(out, n, indices, values, count, divisor, ascending);
+    cpu::scatter_add<T, I, O>(out, n, indices, values, count, divisor, ascending);
   }
   template <typename T, typename I>
   void k_assign(T* out, int64_t n, const I* indices, const T* values, int64_t count) {
@@ -79,6 +79,10 @@ class CpuDevice final : public KernelDevice<CpuDevice> {
   template <typename T>
   void k_divide(T* data, int64_t n, float divisor) {
     cpu::divide<T>(data, n, divisor);
+  }
+  template <typename T>
+  void k_round_to(const float* in, T* out, int64_t n) {
+    cpu::round_to<T>(in, out, n);
   }
   template <typename T>
   void k_momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {

@@ -52,13 +52,15 @@ template <typename T, typename I>
 void zero_at(CudaDevice& device, T* residual, const I* indices, int64_t count);
 /// Without `strictly_ascending`, duplicate indices are accumulated with atomics (their order, and
 /// so the rounding, is not deterministic); with it, every element is written once.
-template <typename T, typename I>
-void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+template <typename T, typename I, typename O = T>
+void scatter_add(CudaDevice& device, O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending);
 template <typename T, typename I>
 void assign(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count);
 template <typename T>
 void divide(CudaDevice& device, T* data, int64_t n, float divisor);
+template <typename T>
+void round_to(CudaDevice& device, const float* in, T* out, int64_t n);
 template <typename T>
 void momentum(CudaDevice& device, T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking);
 }  // namespace cuda
@@ -124,10 +126,10 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
   void k_zero_at(T* residual, const I* indices, int64_t count) {
     cuda::zero_at<T, I>(*this, residual, indices, count);
   }
-  template <typename T, typename I>
-  void k_scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+  template <typename T, typename I, typename O>
+  void k_scatter_add(O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                      bool ascending) {
-    cuda::scatter_add<T, I>(*this, out, n, indices, values, count, divisor, ascending);
+    cuda::scatter_add<T, I, O>(*this, out, n, indices, values, count, divisor, ascending);
   }
   template <typename T, typename I>
   void k_assign(T* out, int64_t n, const I* indices, const T* values, int64_t count) {
@@ -136,6 +138,10 @@ class CudaDevice final : public KernelDevice<CudaDevice> {
   template <typename T>
   void k_divide(T* data, int64_t n, float divisor) {
     cuda::divide<T>(*this, data, n, divisor);
+  }
+  template <typename T>
+  void k_round_to(const float* in, T* out, int64_t n) {
+    cuda::round_to<T>(*this, in, out, n);
   }
   template <typename T>
   void k_momentum(T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {

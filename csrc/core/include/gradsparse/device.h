@@ -217,8 +217,13 @@ class Device {
   /// out[index] += value / divisor for every pair. Every index is checked first (in range,
   /// strictly ascending): a bad one throws CorruptMessageError naming the sender, without writing.
   virtual void scatter_add(const MessageView& message, void* out, float divisor) = 0;
+  /// scatter_add into float32 sums (out: message.dense_size float32 values), which round_to
+  /// rounds once to the message's dtype (exchange.h add_messages).
+  virtual void scatter_add_float32(const MessageView& message, float* out, float divisor) = 0;
   /// data /= divisor.
   virtual void divide(DType dtype, void* data, int64_t numel, float divisor) = 0;
+  /// out = in rounded to `dtype` (to nearest even), elementwise.
+  virtual void round_to(DType dtype, const float* in, void* out, int64_t numel) = 0;
   /// Momentum correction as a pass of its own (numeric.h momentum_step), for dense steps:
   /// velocity = factor * velocity + grad, then grad = velocity, element by element, with the
   /// bucket's factor and masking. Sparse steps fuse it into their first pass instead (every

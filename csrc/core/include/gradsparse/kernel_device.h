@@ -145,10 +145,27 @@ class KernelDevice : public Device {
     });
   }
 
+  void scatter_add_float32(const MessageView& message, float* out, float divisor) override {
+    on_pairs(message, [&](auto t, auto i) {
+      using T = decltype(t);
+      using I = decltype(i);
+      self().template k_scatter_add<T, I>(out, message.dense_size, static_cast<const I*>(message.indices()),
+                                          static_cast<const T*>(message.values()), message.count, divisor,
+                                          /*strictly_ascending=*/true);
+    });
+  }
+
   void divide(DType dtype, void* data, int64_t numel, float divisor) override {
     dispatch_dtype(dtype, [&](auto t) {
       using T = decltype(t);
       self().template k_divide<T>(static_cast<T*>(data), numel, divisor);
+    });
+  }
+
+  void round_to(DType dtype, const float* in, void* out, int64_t numel) override {
+    dispatch_dtype(dtype, [&](auto t) {
+      using T = decltype(t);
+      self().template k_round_to<T>(in, static_cast<T*>(out), numel);
     });
   }
 

@@ -296,12 +296,13 @@ void gather(Source<T> src, const I* indices, int64_t count, T* out);
 template <typename T, typename I>
 void zero_at(T* residual, const I* indices, int64_t count);
 
-/// out[indices[i]] += values[i] / divisor for every pair (computed in float32, rounded once),
+/// out[indices[i]] += values[i] / divisor for every pair (computed in float32, rounded once to
+/// O: the values' type T, or float32 for the exchanges' 16-bit sums, which round_to rounds once),
 /// accumulating duplicates in pair order. Every index is validated first: an index outside [0, n)
 /// throws CorruptMessageError and nothing is written. With `strictly_ascending` (the invariant of
 /// a message) the indices must also be strictly ascending, and the pairs are added in parallel.
-template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+template <typename T, typename I, typename O = T>
+void scatter_add(O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending = false);
 
 /// out[indices[i]] = values[i]; indices validated first (in range, strictly ascending): a bad
@@ -312,6 +313,10 @@ void assign(T* out, int64_t n, const I* indices, const T* values, int64_t count)
 /// data /= divisor, elementwise (DDP divides before summing to avoid overflow in 16-bit types).
 template <typename T>
 void divide(T* data, int64_t n, float divisor);
+
+/// out[i] = in[i] rounded to T (to nearest even).
+template <typename T>
+void round_to(const float* in, T* out, int64_t n);
 
 /// momentum_step (numeric.h) for every element; `residual` may be null (no masking then).
 template <typename T>

@@ -1,4 +1,5 @@
-// CPU scatter-add (validated first, all-or-nothing), gather, zeroing at indices, and division.
+// CPU scatter-add (validated first, all-or-nothing), gather, zeroing at indices, division, and
+// rounding float32 sums to a 16-bit dtype.
 #include <algorithm>
 #include <vector>
 
@@ -41,14 +42,14 @@ void validate_indices(const I* indices, int64_t count, int64_t n, bool strictly_
 
 }  // namespace
 
-template <typename T, typename I>
-void scatter_add(T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+template <typename T, typename I, typename O>
+void scatter_add(O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending) {
   GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
   validate_indices(indices, count, n, strictly_ascending);
   auto add = [&](int64_t i) {
-    T& o = out[indices[i]];
-    o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+    O& o = out[indices[i]];
+    o = Num<O>::from_float(Num<O>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
   };
   if (strictly_ascending) {  // distinct indices: blocks of pairs touch distinct elements
     parallel_blocks(num_blocks(count), [&](int64_t b) {
@@ -74,6 +75,14 @@ void divide(T* data, int64_t n, float divisor) {
   parallel_blocks(num_blocks(n), [&](int64_t b) {
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
     for (int64_t i = begin; i < end; ++i) data[i] = quotient(data[i], divisor);
+  });
+}
+
+template <typename T>
+void round_to(const float* in, T* out, int64_t n) {
+  parallel_blocks(num_blocks(n), [&](int64_t b) {
+    const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+    for (int64_t i = begin; i < end; ++i) out[i] = Num<T>::from_float(in[i]);
   });
 }
 
@@ -107,22 +116,32 @@ void zero_at(T* residual, const I* indices, int64_t count) {
   });
 }
 
-#define GS_INSTANTIATE_SCATTER(T, I)                                                      \
-  template void scatter_add<T, I>(T*, int64_t, const I*, const T*, int64_t, float, bool); \
-  template void assign<T, I>(T*, int64_t, const I*, const T*, int64_t);                   \
-  template void gather<T, I>(Source<T>, const I*, int64_t, T*);                           \
+#define GS_INSTANTIATE_SCATTER(T, I)                                                         \
+  template void scatter_add<T, I, T>(T*, int64_t, const I*, const T*, int64_t, float, bool); \
+  template void assign<T, I>(T*, int64_t, const I*, const T*, int64_t);                      \
+  template void gather<T, I>(Source<T>, const I*, int64_t, T*);                              \
   template void zero_at<T, I>(T*, const I*, int64_t);
-#define GS_INSTANTIATE_SCATTER_TYPE(T)         \
-  GS_INSTANTIATE_SCATTER(T, uint32_t)          \
-  GS_INSTANTIATE_SCATTER(T, uint64_t)          \
-  GS_INSTANTIATE_SCATTER(T, int32_t)           \
-  GS_INSTANTIATE_SCATTER(T, int64_t)           \
-  template void divide<T>(T*, int64_t, float); \
+#define GS_INSTANTIATE_SCATTER_TYPE(T)                  \
+  GS_INSTANTIATE_SCATTER(T, uint32_t)                   \
+  GS_INSTANTIATE_SCATTER(T, uint64_t)                   \
+  GS_INSTANTIATE_SCATTER(T, int32_t)                    \
+  GS_INSTANTIATE_SCATTER(T, int64_t)                    \
+  template void divide<T>(T*, int64_t, float);          \
+  template void round_to<T>(const float*, T*, int64_t); \
   template void momentum<T>(T*, T*, const T*, int64_t, float, bool);
+// A 16-bit message added into float32 sums (float32's is the instantiation above).
+#define GS_INSTANTIATE_SCATTER_INTO_FLOAT32(T, I) \
+  template void scatter_add<T, I, float>(float*, int64_t, const I*, const T*, int64_t, float, bool);
+#define GS_INSTANTIATE_SCATTER_16BIT(T)            \
+  GS_INSTANTIATE_SCATTER_TYPE(T)                   \
+  GS_INSTANTIATE_SCATTER_INTO_FLOAT32(T, uint32_t) \
+  GS_INSTANTIATE_SCATTER_INTO_FLOAT32(T, uint64_t) \
+  GS_INSTANTIATE_SCATTER_INTO_FLOAT32(T, int32_t)  \
+  GS_INSTANTIATE_SCATTER_INTO_FLOAT32(T, int64_t)
 
 GS_INSTANTIATE_SCATTER_TYPE(float)
-GS_INSTANTIATE_SCATTER_TYPE(Half)
-GS_INSTANTIATE_SCATTER_TYPE(BFloat16)
+GS_INSTANTIATE_SCATTER_16BIT(Half)
+GS_INSTANTIATE_SCATTER_16BIT(BFloat16)
 
 }  // namespace cpu
 }  // namespace gradsparse

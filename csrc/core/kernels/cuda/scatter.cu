@@ -1,4 +1,5 @@
-// CUDA scatter-add (validated first, all-or-nothing) and elementwise division.
+// CUDA scatter-add (validated first, all-or-nothing), elementwise division, and rounding float32
+// sums to a 16-bit dtype.
 #include <climits>
 #include <cstdint>
 
@@ -24,12 +25,12 @@ __global__ void validate_kernel(const I* indices, int64_t count, int64_t n, bool
 }
 
 /// Indices are distinct: every element is written by one thread, deterministically.
-template <typename T, typename I>
-__global__ void add_distinct_kernel(T* out, const I* indices, const T* values, int64_t count, float divisor) {
+template <typename T, typename I, typename O>
+__global__ void add_distinct_kernel(O* out, const I* indices, const T* values, int64_t count, float divisor) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= count) return;
-  T& o = out[indices[i]];
-  o = Num<T>::from_float(Num<T>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
+  O& o = out[indices[i]];
+  o = Num<O>::from_float(Num<O>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
 }
 
 __device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
@@ -54,8 +55,8 @@ __device__ __forceinline__ void atomic_add(Half* p, float v) { atomic_add_16(p, 
 __device__ __forceinline__ void atomic_add(BFloat16* p, float v) { atomic_add_16(p, v); }
 
 /// Indices may repeat: accumulate with atomics.
-template <typename T, typename I>
-__global__ void add_atomic_kernel(T* out, const I* indices, const T* values, int64_t count, float divisor) {
+template <typename T, typename I, typename O>
+__global__ void add_atomic_kernel(O* out, const I* indices, const T* values, int64_t count, float divisor) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= count) return;
   atomic_add(out + indices[i], Num<T>::to_float(values[i]) / divisor);
@@ -78,6 +79,13 @@ __global__ void divide_kernel(T* data, int64_t n, float divisor) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * kThreads)
     data[i] = quotient(data[i], divisor);
+}
+
+template <typename T>
+__global__ void round_to_kernel(const float* in, T* out, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    out[i] = Num<T>::from_float(in[i]);
 }
 
 template <typename T>
@@ -121,8 +129,8 @@ __global__ void assign_kernel(T* out, const I* indices, const T* values, int64_t
   if (i < count) out[indices[i]] = values[i];
 }
 
-template <typename T, typename I>
-void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
+template <typename T, typename I, typename O>
+void scatter_add(CudaDevice& device, O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending) {
   GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
   GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
@@ -130,9 +138,9 @@ void scatter_add(CudaDevice& device, T* out, int64_t n, const I* indices, const 
   validate(device, indices, count, n, strictly_ascending);
   cudaStream_t stream = device.stream();
   if (strictly_ascending) {
-    add_distinct_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
+    add_distinct_kernel<T, I, O><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
   } else {
-    add_atomic_kernel<T, I><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
+    add_atomic_kernel<T, I, O><<<grid_for(count), kThreads, 0, stream>>>(out, indices, values, count, divisor);
   }
   GS_CUDA_CHECK(cudaGetLastError());
 }
@@ -171,6 +179,15 @@ void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
 }
 
 template <typename T>
+void round_to(CudaDevice& device, const float* in, T* out, int64_t n) {
+  if (n == 0) return;
+  const int64_t blocks = (n + kThreads - 1) / kThreads;
+  round_to_kernel<T>
+      <<<static_cast<unsigned int>(blocks < 65535 ? blocks : 65535), kThreads, 0, device.stream()>>>(in, out, n);
+  GS_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename T>
 void momentum(CudaDevice& device, T* grad, T* velocity, const T* residual, int64_t n, float factor, bool masking) {
   if (n == 0) return;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
@@ -179,22 +196,32 @@ void momentum(CudaDevice& device, T* grad, T* velocity, const T* residual, int64
   GS_CUDA_CHECK(cudaGetLastError());
 }
 
-#define GS_INSTANTIATE_CUDA_SCATTER(T, I)                                                              \
-  template void scatter_add<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool); \
-  template void gather<T, I>(CudaDevice&, Source<T>, const I*, int64_t, T*);                           \
-  template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);                                     \
+#define GS_INSTANTIATE_CUDA_SCATTER(T, I)                                                                 \
+  template void scatter_add<T, I, T>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t, float, bool); \
+  template void gather<T, I>(CudaDevice&, Source<T>, const I*, int64_t, T*);                              \
+  template void zero_at<T, I>(CudaDevice&, T*, const I*, int64_t);                                        \
   template void assign<T, I>(CudaDevice&, T*, int64_t, const I*, const T*, int64_t);
-#define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T)                 \
-  GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)                  \
-  GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)                  \
-  GS_INSTANTIATE_CUDA_SCATTER(T, int32_t)                   \
-  GS_INSTANTIATE_CUDA_SCATTER(T, int64_t)                   \
-  template void divide<T>(CudaDevice&, T*, int64_t, float); \
+#define GS_INSTANTIATE_CUDA_SCATTER_TYPE(T)                          \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint32_t)                           \
+  GS_INSTANTIATE_CUDA_SCATTER(T, uint64_t)                           \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int32_t)                            \
+  GS_INSTANTIATE_CUDA_SCATTER(T, int64_t)                            \
+  template void divide<T>(CudaDevice&, T*, int64_t, float);          \
+  template void round_to<T>(CudaDevice&, const float*, T*, int64_t); \
   template void momentum<T>(CudaDevice&, T*, T*, const T*, int64_t, float, bool);
+// A 16-bit message added into float32 sums (float32's is the instantiation above).
+#define GS_INSTANTIATE_CUDA_SCATTER_INTO_FLOAT32(T, I) \
+  template void scatter_add<T, I, float>(CudaDevice&, float*, int64_t, const I*, const T*, int64_t, float, bool);
+#define GS_INSTANTIATE_CUDA_SCATTER_16BIT(T)            \
+  GS_INSTANTIATE_CUDA_SCATTER_TYPE(T)                   \
+  GS_INSTANTIATE_CUDA_SCATTER_INTO_FLOAT32(T, uint32_t) \
+  GS_INSTANTIATE_CUDA_SCATTER_INTO_FLOAT32(T, uint64_t) \
+  GS_INSTANTIATE_CUDA_SCATTER_INTO_FLOAT32(T, int32_t)  \
+  GS_INSTANTIATE_CUDA_SCATTER_INTO_FLOAT32(T, int64_t)
 
 GS_INSTANTIATE_CUDA_SCATTER_TYPE(float)
-GS_INSTANTIATE_CUDA_SCATTER_TYPE(Half)
-GS_INSTANTIATE_CUDA_SCATTER_TYPE(BFloat16)
+GS_INSTANTIATE_CUDA_SCATTER_16BIT(Half)
+GS_INSTANTIATE_CUDA_SCATTER_16BIT(BFloat16)
 
 }  // namespace cuda
 }  // namespace gradsparse
