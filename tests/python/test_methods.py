@@ -655,7 +655,8 @@ def test_a_rescaled_method_selects_what_it_selects_without_loss_scaling(case):
     GradScaler's does), with the residual and the method moved to each step's scale before it
     (Method.rescale; what State does at a step's first bucket): every step selects the same
     elements as the unscaled run, and its output and residual are the unscaled ones times the
-    scale, to the bit, from the first step on. Without the rescale the carried residuals,
+    scale, to the bit, from the first step on (its reported threshold too, to 1e-6 relative as in
+    the comparisons with the re-statements: the estimators' are an ulp off). Without the rescale the carried residuals,
     thresholds (MiCRO, ExDyna, SAGE) and fixed magnitudes (Threshold's, the initial threshold
     1/(2 sqrt(k)), MiCRO's and ExDyna's sampling histogram) are off by the factor."""
     method_id, name, kwargs, n = case
@@ -684,5 +685,44 @@ def test_a_rescaled_method_selects_what_it_selects_without_loss_scaling(case):
             assert torch.equal(got.indices, want.indices), f"{at}: {describe_difference(got.indices, want.indices)}"
             assert torch.equal(got.output, want.output * LOSS_SCALES[t]), at
             assert torch.equal(got.residual, want.residual * LOSS_SCALES[t]), at
+            want_threshold = want.threshold * LOSS_SCALES[t]
+            assert thresholds_agree(got.threshold, want_threshold), (
+                f"{at}: threshold {got.threshold!r} != {want_threshold!r}"
+            )
             changed |= bool(want.output.ne(0).any()) and LOSS_SCALES[t] != 1.0
     assert changed, f"{method_id}: nothing sent at a scale other than 1: the test shows nothing"
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "default"])
+def test_sage_from_a_huge_initial_threshold_selects_under_a_loss_scale_what_it_selects_without(reference):
+    """SAGE from initial_threshold=1e308 under a GradScaler's scale (2^16, doubled for 200 steps
+    now and then). The start times the scale was Inf, which the reference mode's load_state
+    refused (as State loads a bucket's state after DDP rebuilds its buckets), and the reference
+    mode saturated λ at the largest float32 in scaled units (3.4e38 / 2^16 of the gradient,
+    method-spec 4.7), so it reached the gradients and selected about 200 steps before the same
+    run without loss scaling. Every threshold stays finite, every saved state loads, and every
+    step selects what the run without loss scaling selects."""
+    n, steps = 1000, 1700
+    g = torch.Generator().manual_seed(SEED)
+    grads = [[torch.randn(n, generator=g)] for _ in range(steps)]
+    scales = [2.0 ** (16 + t // 200 % 2) for t in range(steps)]
+    options = dict(density=0.01, reference=reference, initial_threshold=1e308)
+    plain = run_steps(1, lambda r: core_method("sage", **options), grads)
+    method = core_method("sage", **options)
+
+    def scaled(t, r, grad, residual):
+        core_method("sage", **options).load_state(method.state())
+        factor = scales[t] / scales[t - 1] if t > 0 else scales[0]
+        if factor != 1.0:
+            residual.mul_(factor)
+            method.rescale(factor)
+        return grad * scales[t]
+
+    loss_scaled = run_steps(1, lambda r: method, grads, before_step=scaled)
+    for t, ([want], [got]) in enumerate(zip(plain, loss_scaled, strict=True)):
+        at = f"step {t} (scale {scales[t]})"
+        assert torch.equal(got.indices, want.indices), f"{at}: {describe_difference(got.indices, want.indices)}"
+        assert all(math.isfinite(v) for v in [got.threshold, *got.state.values()]), (
+            f"{at}: {got.threshold}, {got.state}"
+        )
+    assert plain[-1][0].indices.numel() > 0, "nothing selected: the test shows nothing"

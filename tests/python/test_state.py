@@ -1748,3 +1748,22 @@ def test_exchange_auto_plans_a_half_precision_bucket_with_its_two_byte_values():
         torch.float16: expected["gather"],
         torch.bfloat16: expected["gather"],
     }
+
+
+def test_sage_from_a_huge_initial_threshold_trains_under_a_grad_scaler():
+    """SAGE's first threshold is its initial_threshold times the loss scale: 1e308 x 2^16 was Inf,
+    which the reference mode's load_state refused when DDP rebuilt its buckets after the first
+    step and the state took back the bucket's method state ("'threshold' is inf at step 1"), so
+    training stopped at its second step. Now every threshold stays finite, and after the first
+    step each is the one of training without loss scaling (λ saturated at the largest float32,
+    method-spec 4.7) times the scale, where it saturated at the largest float32 in scaled units."""
+    batches = _batches(4)
+    plain = gs.SAGE(density=0.05, reference=True, initial_threshold=1e308)
+    _train_scaled(_hooked(plain), batches)
+    state = gs.SAGE(density=0.05, reference=True, initial_threshold=1e308, nonfinite="propagate")
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    _train_scaled(_hooked(state.set_scaler(scaler)), batches, scaler)
+    saved = state.state_dict()
+    assert saved["loss_scale"] == 2.0**19  # 2^16 at the first step, doubled after each
+    thresholds = [method["threshold"] for method in saved["methods"]]
+    assert thresholds == [method["threshold"] * 2.0**19 for method in plain.state_dict()["methods"]], thresholds

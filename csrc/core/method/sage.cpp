@@ -14,6 +14,19 @@
 
 namespace gradsparse {
 
+namespace {
+
+/// A threshold times a loss scale (or a change of it), at most the largest double: any threshold
+/// that large selects nothing, as the one without loss scaling does. (An initial_threshold of
+/// 1e308 under GradScaler's first scale, 2^16, was Inf: reported so, carried so, and, in the
+/// reference mode, refused by load_state when the state took back the method state it had saved
+/// as DDP rebuilt its buckets after the first step.)
+double in_loss_scale(double threshold, double factor) {
+  return std::min(threshold * factor, std::numeric_limits<double>::max());
+}
+
+}  // namespace
+
 SAGE::SAGE(double density, const std::string& sampling, std::vector<int64_t> segments, bool reference, uint64_t seed,
            std::optional<double> initial_threshold, std::optional<std::string> exchange, Listing listing)
     : density_(density),
@@ -100,7 +113,7 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
     for (double m : magnitudes) sample_sum += m;
   }
   const double sample_mean = sample_sum / static_cast<double>(positions.size());
-  const double start = (initial_ ? *initial_ : initial_threshold(k)) * loss_scale_;
+  const double start = in_loss_scale(initial_ ? *initial_ : initial_threshold(k), loss_scale_);
   const int64_t t = committed_.t;
   // No threshold yet: the first step, or every step so far had an empty bucket (which keeps the
   // threshold it found, none). Such a step starts as the first does: a NaN threshold scaled
@@ -119,7 +132,13 @@ Selection SAGE::select(Device& device, const BucketView& bucket, Collective& gro
       const double probe = committed_.threshold * alpha;
       const double exam = static_cast<double>(device.count(bucket, method_util::whole(bucket), {probe}, false)[0]) /
                           static_cast<double>(n);
-      lambda = sage_reference_update(committed_.threshold, alpha, exam, density_);
+      // λ is rounded to float32 without the loss scale, as the same run without loss scaling rounds
+      // it: its saturation at the largest float32 (method-spec 4.7) is in gradient units, not in
+      // scaled ones (from an initial_threshold of 1e36 under a loss scale of 2^16 it saturated at
+      // 3.4e38 / 2^16 and reached the gradients about 130 steps early). GradScaler's scales are
+      // powers of two: dividing by the scale and multiplying back are exact.
+      lambda =
+          in_loss_scale(sage_reference_update(committed_.threshold / loss_scale_, alpha, exam, density_), loss_scale_);
     }
     s = device.select(bucket, SelectRule{lambda, false, Range{0, n}, false, zero});
   } else {
@@ -199,7 +218,7 @@ MethodState SAGE::state() const {
 }
 
 void SAGE::rescale_state(double factor) {
-  committed_.threshold *= factor;
+  committed_.threshold = in_loss_scale(committed_.threshold, factor);
   committed_.sample_mean *= factor;
 }
 
