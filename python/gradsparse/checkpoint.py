@@ -2,9 +2,10 @@
 one file.
 
 A state dict (version 2) holds ``class``, ``config``, ``step``, ``rank``, ``world_size``,
-``residuals`` (parameter name -> tensor, the model's own names), ``checksums`` (name -> CRC-32 of
-the residual's bytes), ``velocities`` and ``velocity_checksums`` (the same for momentum
-correction's velocities; absent or empty without it), ``methods`` and ``layout`` (by bucket
+``fsdp`` (whether the state was under FSDP, whose residuals have no resharded form; absent in
+earlier state dicts, read as False), ``residuals`` (parameter name -> tensor, the model's own
+names), ``checksums`` (name -> CRC-32 of the residual's bytes), ``velocities`` and
+``velocity_checksums`` (the same for momentum correction's velocities; absent or empty without it), ``methods`` and ``layout`` (by bucket
 index: the method's state and the bucket's parameter names), ``parked_methods`` (method states
 waiting for their bucket when the state dict was taken, each with its parameters' names or its
 bucket index, and its loss scale; empty unless an error stopped a step before the buckets that
@@ -155,12 +156,17 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         _require(where, part, RANK_KEYS, f"rank {r}'s part of the state dict")
         _check_same_options(where, state_dict, part, r)
         _checked_part(owner, f"{where} (rank {r}'s part)", part, r, world_size, any_rank=True)
-        if part["rank"] != r:
-            raise ValueError(
-                f"{where}: the state dict of gradsparse.AllRanks holds rank {part['rank']}'s residuals in the place "
-                f"of rank {r}'s: it was changed after it was saved; load an intact copy"
-            )
+        _check_in_place(where, part, r)
     return state_dict["ranks"][rank]
+
+
+def _check_in_place(where: str, part: dict, r: int) -> None:
+    """Rank ``r``'s place in an AllRanks state dict holds rank ``r``'s part."""
+    if part["rank"] != r:
+        raise ValueError(
+            f"{where}: the state dict of gradsparse.AllRanks holds rank {part['rank']}'s residuals in the place "
+            f"of rank {r}'s: it was changed after it was saved; load an intact copy"
+        )
 
 
 def _check_same_options(where: str, state_dict: dict, part: dict, r: int) -> None:
@@ -349,6 +355,9 @@ def _check(where: str, state_dict: dict) -> None:
     link = state_dict.get("link")
     if link is not None and not is_link(link):  # a NaN or negative one priced every bucket's exchanges wrongly
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured (finite, >= 0)", link)
+    fsdp = state_dict.get("fsdp", False)
+    if not isinstance(fsdp, bool):
+        refuse("fsdp", "True or False (whether the state was under FSDP)", fsdp)
     loss_scale = state_dict.get("loss_scale", 1.0)
     if not _is_loss_scale(loss_scale):
         refuse("loss_scale", "a positive finite number (the loss scale of the residuals and method states)", loss_scale)
@@ -456,36 +465,61 @@ def reshard(state_dict: dict, world_size: int) -> dict:
 
     Every new rank takes the mean of the saved ranks' residuals. The exchanges average over the
     ranks, so the gradient mass still to be applied, (1/P) sum_r e_r, is conserved:
-    (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Momentum correction's velocities are averaged alike
-    (their mean is the momentum the ranks apply together). Method states depend on the number of ranks (MiCRO's
-    and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh run, and so does
-    ``exchange="auto"``'s decision (timed at the old world size, by bucket index of the old
-    layout); the step and rank 0's statistics are kept. Ranks saved in different loss scales
-    (``set_scaler``) are averaged in the smallest of them, which the new state dict records.
+    (1/P') sum_r' e'_r' = (1/P) sum_r e_r. Momentum correction's velocities are averaged alike,
+    each rank's first masked where its residual is zero (the positions its last step sent, whose
+    velocity the next step restarts from zero: momentum factor masking), so that the next step
+    adds the momentum the saved ranks would have added together. Method states depend on the
+    number of ranks (MiCRO's and ExDyna's partitions, SparDL's blocks) and restart, as in a fresh
+    run, and so do the bucket layout's guarantees of exactness (the first step after the load is
+    reduced in the new DDP's own layout) and ``exchange="auto"``: its decision (timed at the old
+    world size, by bucket index of the old layout) and the link it priced with (measured on the
+    old ranks: the new run measures its own at set-up). The step and rank 0's statistics are
+    kept. Ranks saved in different loss scales (``set_scaler``) are averaged in the smallest of
+    them, which the new state dict records; the mean is taken in float64 and rounded once to the
+    residuals' dtype. A state of gradsparse.fsdp has no resharded form (a module's flat gradient
+    is laid out by the world size) and is refused.
 
     Example::
 
         >>> saved = torch.load("gradsparse-all-ranks.pt")              # AllRanks(state).state_dict(), at 4 ranks
         >>> state.load_state_dict(gradsparse.reshard(saved, dist.get_world_size()))   # on each of 8 ranks
     """
+    where = "gradsparse.reshard"
     if not (isinstance(state_dict, dict) and state_dict.get("all_ranks") and state_dict.get("ranks")):
         raise ValueError(
-            "gradsparse.reshard: state_dict must hold every rank's residuals, as gradsparse.AllRanks(state)."
+            f"{where}: state_dict must hold every rank's residuals, as gradsparse.AllRanks(state)."
             "state_dict() returns on rank 0; one rank's state dict cannot be resharded"
         )
-    world_size = check_int("gradsparse.reshard", "world_size", world_size, 1, "world_size=dist.get_world_size()")
-    _check_rank_count("gradsparse.reshard", state_dict)
+    world_size = check_int(where, "world_size", world_size, 1, "world_size=dist.get_world_size()")
+    _check_rank_count(where, state_dict)
     ranks = state_dict["ranks"]
     for rank, saved in enumerate(ranks):  # a damaged rank's would pass into the mean, under new checksums
-        _require("gradsparse.reshard", saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
-        _check("gradsparse.reshard", saved)
+        _require(where, saved, RANK_KEYS, f"rank {rank}'s part of the state dict")
+        _check_same_options(where, state_dict, saved, rank)
+        _check(where, saved)
+        _check_in_place(where, saved, rank)
+        if saved.get("fsdp"):
+            raise ValueError(
+                f"{where}: the state dict is of a state under FSDP (gradsparse.fsdp.sparsify), whose residuals are "
+                f"each module's flat gradient in {len(ranks)} padded shards: laid out by the world size, they have no "
+                f"resharded form. Resume at {len(ranks)} ranks, or load no gradsparse state at {world_size} (the "
+                "residuals then start from zero)"
+            )
+    steps = [saved["step"] for saved in ranks]
+    if len(set(steps)) > 1:
+        raise ValueError(
+            f"{where}: the ranks' state dicts are of different steps ("
+            + ", ".join(f"rank {rank}: {step}" for rank, step in enumerate(steps))
+            + "): they come from different checkpoints; reshard the state dict that gradsparse.AllRanks(state)."
+            "state_dict() returned, as saved"
+        )
     # Each rank's in the loss scale it was saved in (set_scaler); the mean in the smallest of them,
     # so that no value grows on the way (a float16 residual moved up to a larger scale could pass
     # 65504), and the next step moves it to the scaler's scale.
     scales = [float(saved.get("loss_scale", 1.0)) for saved in ranks]
     common = min(scales)
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks], scales, common)
-    velocities = _mean_over_ranks([saved.get("velocities", {}) for saved in ranks], scales, common)
+    velocities = _mean_over_ranks([_live_velocities(saved) for saved in ranks], scales, common)
     entries = with_checksums(residuals, velocities)
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
@@ -497,12 +531,25 @@ def reshard(state_dict: dict, world_size: int) -> dict:
             methods=[],
             layout=[],
             parked_methods=[],
+            link=None,
             exchanges=None,
             loss_scale=common,
         )
         for rank in range(world_size)
     ]
     return dict(state_dict, world_size=world_size, ranks=new)
+
+
+def _live_velocities(saved: dict) -> dict[str, torch.Tensor]:
+    """A rank's velocities as its next step will use them: zero where its residual is zero.
+    Momentum factor masking reads those zeros as the positions the last step sent, and restarts
+    the velocity there; a rank's residual is kept from its first sparse step on, so the velocities
+    of a state that took none (a Dense state, warm-up steps) are used as they are."""
+    residuals = saved["residuals"]
+    return {
+        name: u.masked_fill(residuals[name].reshape(u.shape) == 0, 0) if name in residuals else u
+        for name, u in saved.get("velocities", {}).items()
+    }
 
 
 def _mean_over_ranks(

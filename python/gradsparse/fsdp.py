@@ -477,6 +477,7 @@ class ShardedState:
             "version": STATE_DICT_VERSION,
             "config": config,
             "rank": state._rank,
+            "fsdp": state._binding.sharded is not None,
             **own,
             **with_checksums(tensors["residuals"], tensors["velocities"]),
             **blob,

@@ -1118,6 +1118,8 @@ class State:
             "step": self._step + (1 if self._sharded_called else 0),
             "rank": rank,
             "world_size": world_size,
+            # under FSDP each residual is a module's flat gradient, laid out by the world size (no reshard)
+            "fsdp": self._binding.sharded is not None,
             **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
             "methods": self._table.methods(),
             "layout": self._table.layout(),

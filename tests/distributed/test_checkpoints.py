@@ -89,6 +89,16 @@ def test_reshard_averages_residuals_saved_in_other_loss_scales_in_the_smallest()
             r"the ranks' residuals of w differ in size \(5, 6 elements\): the state dict's ranks were saved from "
             "different models",
         ),
+        # these were averaged as they were, as a load at the saved world size would not take them:
+        # files of two checkpoints (the new ranks went on from rank 0's step, with residuals of both),
+        (
+            lambda sd: sd["ranks"][1].update(step=3),
+            r"the ranks' state dicts are of different steps \(rank 0: 4, rank 1: 3\)",
+        ),
+        # rank 0's twice (rank 1's mass lost), and another run's rank
+        (lambda sd: sd["ranks"][1].update(rank=0), "holds rank 0's residuals in the place of rank 1's"),
+        (lambda sd: sd["ranks"][1].update(config={"density": 0.2}), "rank 1's part .* was saved with density=0.2"),
+        (lambda sd: sd["ranks"][1].update(fsdp=1), "the state dict's fsdp should be True or False"),
     ],
 )
 def test_reshard_refuses_a_damaged_rank_instead_of_averaging_it(damage, message):
@@ -301,3 +311,32 @@ def test_load_after_set_up_on_one_rank_alone_fails_within_the_timeout_naming_the
     assert error is not None and "after set-up, loading is collective: every rank of the process group [0, 1]" in error
     assert "Call state.load_state_dict(torch.load(" in error, error
     assert elapsed < 10, f"rank 0 waited {elapsed:.1f} s"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"density": 0.05}, {"density": 0.05, "momentum": 0.9}, {"density": 0.05, "exchange": "auto"}],
+    ids=["topk", "momentum", "auto"],
+)
+def test_reshard_conserves_the_pending_gradient_mass_of_a_trained_run(tmp_path, options):
+    """Top-k trained 3 steps on 2 ranks, saved with gs.AllRanks, then one step of zero gradients:
+    each rank sends from what it held, so the gradient applied plus the ranks' mean residual after
+    it is the pending mass (with momentum, plus the momentum times the ranks' mean velocity).
+    Resharded to 1 and to 4 ranks, the step after the load gives the same sum as the 2 ranks
+    going on: the mean of the residuals, and of the velocities, conserves both."""
+    path = str(tmp_path / "all_ranks.pt")
+    two = run_distributed(workers.resharded_mass, 2, path, options, True, timeout=300)
+
+    def mass(results: list[dict]) -> torch.Tensor:
+        return results[0]["applied"] + sum(r["residual"] for r in results) / len(results)
+
+    expected = mass(two)
+    assert expected.abs().max() > 1e-3  # something was pending
+    for world_size in (1, 4):
+        results = run_distributed(workers.resharded_mass, world_size, path, options, False, timeout=300)
+        for r in results:  # every rank applied the same average
+            assert torch.equal(r["applied"], results[0]["applied"])
+        torch.testing.assert_close(mass(results), expected, rtol=0, atol=1e-6, msg=f"at {world_size} ranks")
+        if world_size > 1:  # priced on the link this run measured, not the one of the 2 ranks'
+            for measured, after in (r["link"] for r in results):
+                assert after == measured, (measured, after, two[0]["link"])

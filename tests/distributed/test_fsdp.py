@@ -363,6 +363,41 @@ def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
         assert tuple(loaded) == (1.5e-3, 2.5e-9)
 
 
+def reshard_of_all_ranks(rank: int, world_size: int, path: str) -> list[str]:
+    """gs.reshard of gs.AllRanks' state dict of an FSDP state after 2 steps, and of one loaded
+    through DCP (whose state dict is the loaded one until the next step), to 1 and to 4 ranks:
+    what each raised (on rank 0, which receives AllRanks' state dict)."""
+    model = sharded_model(world_size)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.1))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    saved = [gs.AllRanks(state).state_dict()]
+    fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.1))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    saved.append(gs.AllRanks(fresh).state_dict())
+    errors = []
+    for all_ranks in saved if rank == 0 else []:
+        for new_world_size in (1, 4):
+            try:
+                gs.reshard(all_ranks, new_world_size)
+                errors.append("resharded")
+            except ValueError as e:
+                errors.append(str(e))
+    return errors
+
+
+def test_reshard_refuses_an_fsdp_state_naming_why(tmp_path):
+    """An FSDP state's residual is a module's flat gradient in P padded shards, each holding its
+    part of every parameter: its order and padding depend on the world size. gs.reshard averaged
+    them as DDP residuals: at 1 rank the state dict loaded without a word (the mass in the wrong
+    places), at 4 it was refused as "saved from another model". It is now refused, saying why."""
+    errors = run_distributed(reshard_of_all_ranks, 2, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert len(errors) == 4
+    for error in errors:
+        assert "gradsparse.reshard: the state dict is of a state under FSDP" in error, error
+        assert "no resharded form. Resume at 2 ranks" in error, error
+
+
 def auto_exchanges_under_fsdp(rank: int, world_size: int) -> tuple:
     """exchange="auto" under FSDP, three steps: stats()' entries, and each module's exchange."""
     model = sharded_model(world_size)

@@ -1162,6 +1162,37 @@ def sub_group_checkpoints(rank: int, world_size: int, method: str, path: str, sa
     return out
 
 
+def resharded_mass(rank: int, world_size: int, path: str, options: dict, save: bool) -> dict:
+    """Top-k with ``options`` on make_model through DDP. With ``save``: 3 steps on each rank's own
+    batches, then gs.AllRanks' state dict to ``path``; otherwise a new model, DDP and state that
+    load gs.reshard of that file to this world size. Then one step of zero gradients, in which
+    each rank sends from what it held alone: the gradient DDP applied and this rank's residual
+    after it (their sum over the ranks / P is the pending mass the step started from, plus
+    momentum's share of the velocities), and the link exchange="auto" priced with before the
+    load and after the step."""
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.register(ddp, gs.TopK(**options))
+    link = state._link
+    if save:
+        for x, y in batches(rank, 3):
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            model.zero_grad()
+        saved = gs.AllRanks(state).state_dict()
+        if rank == 0:
+            torch.save(saved, path)
+    else:
+        state.load_state_dict(gs.reshard(torch.load(path), world_size))
+    model.zero_grad(set_to_none=True)
+    x, y = next(batches(rank, 1))
+    (nn.functional.cross_entropy(ddp(x), y) * 0).backward()
+    applied = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double()
+    residuals = state.state_dict()["residuals"]
+    residual = torch.cat([residuals[n].reshape(-1) for n, _ in model.named_parameters()]).double()
+    state.close()
+    return {"applied": applied, "residual": residual, "link": (link, state._link)}
+
+
 def _stopped_in_autograd(model: nn.Module, backward) -> None:
     """Runs ``backward()`` with the gradient of make_model's layer 0 output raising in autograd:
     after the later layers' buckets, before the first layer's. The error is swallowed."""

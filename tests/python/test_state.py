@@ -1574,17 +1574,44 @@ def test_a_damaged_velocity_is_refused(change, message):
         fresh.load_state_dict(change(state.state_dict()))
 
 
-def test_reshard_averages_the_velocities():
+def _all_ranks_of(first: dict, second: dict) -> dict:
+    """An AllRanks state dict of two ranks, of two runs' state dicts (on different data)."""
+    return {"version": 2, "all_ranks": True, "class": first["class"], "config": first["config"], "world_size": 2,
+            "ranks": [dict(first, world_size=2), dict(second, rank=1, world_size=2)]}  # fmt: skip
+
+
+def test_reshard_averages_the_velocities_the_next_step_uses():
+    """Momentum factor masking restarts a rank's velocity where its residual is zero (the
+    positions its last step sent) at its next step. Averaged as saved, the velocities that rank
+    would have dropped were carried into the mean, where the mean residual is not zero and
+    nothing masks them: the next step added momentum the saved ranks never would (test_checkpoints
+    has the distributed run). Each rank's is now masked by its own residual first; a state that
+    took no sparse step yet (warm-up) holds no residual, and its velocities are averaged as they are."""
     first, second = _saved_with_momentum(seed=0)[0].state_dict(), _saved_with_momentum(seed=1)[0].state_dict()
-    saved = {"version": 2, "all_ranks": True, "class": "TopK", "config": first["config"], "world_size": 2,
-             "ranks": [dict(first, world_size=2), dict(second, rank=1, world_size=2)]}  # fmt: skip
+    saved = _all_ranks_of(first, second)
     one = gs.reshard(saved, 1)["ranks"][0]
+    masked = 0
     for name, value in one["velocities"].items():
-        expected = (first["velocities"][name].double() + second["velocities"][name].double()) / 2
-        torch.testing.assert_close(value, expected.float(), rtol=0, atol=1e-7)
+        live = [sd["velocities"][name].double() * (sd["residuals"][name] != 0) for sd in (first, second)]
+        masked += sum(
+            int(((sd["residuals"][name] == 0) & (sd["velocities"][name] != 0)).sum()) for sd in (first, second)
+        )
+        torch.testing.assert_close(value, ((live[0] + live[1]) / 2).float(), rtol=0, atol=1e-7)
+    assert masked > 0  # the case at hand: velocities where a residual was emptied
     state = gs.TopK(density=0.05, momentum=0.9)
     _hooked(state)
     state.load_state_dict(gs.reshard(saved, 1))  # checksums match
+
+    warming = []
+    for seed in (0, 1):
+        state = gs.TopK(density=0.05, momentum=0.9, warmup_steps=5)
+        _train(_hooked(state), 3, seed=seed)
+        warming.append(state.state_dict())
+    assert warming[0]["residuals"] == {} and warming[0]["velocities"]
+    one = gs.reshard(_all_ranks_of(*warming), 1)["ranks"][0]
+    for name, value in one["velocities"].items():
+        expected = (warming[0]["velocities"][name].double() + warming[1]["velocities"][name].double()) / 2
+        torch.testing.assert_close(value, expected.float(), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize(
