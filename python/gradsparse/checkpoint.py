@@ -11,8 +11,9 @@ waiting for their bucket when the state dict was taken, each with its parameters
 bucket index, and its loss scale; empty unless an error stopped a step before the buckets that
 were to take them), ``stats``, ``link`` and
 ``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
-decision by bucket index; None otherwise), ``loss_scale`` (the scale the residuals are in: 1
-without a scaler) and ``version``; docs/architecture.md, "Checkpoints", says why.
+decision by bucket index, for the parameters ``layout`` names there; None otherwise),
+``loss_scale`` (the scale the residuals are in: 1 without a scaler) and ``version``;
+docs/architecture.md, "Checkpoints", says why.
 
 Error-feedback residuals differ from rank to rank, but most frameworks write a checkpoint from
 rank 0 only (Lightning's ``Trainer.save_checkpoint``, Accelerate's ``save_state``), from what
@@ -75,6 +76,16 @@ class Loaded:
             for entry in self.saved.get("parked_methods", [])
         ]
         return in_buckets + parked
+
+    def exchanges(self) -> dict[frozenset[str], str] | None:
+        """exchange="auto"'s saved decision, each bucket's keyed by the names of its parameters in
+        the saved layout (a bucket index that the layout names none for is dropped: such a bucket
+        is timed again), or None (no decision saved)."""
+        saved, layout = self.saved.get("exchanges"), self.saved["layout"]
+        if saved is None:
+            return None
+        indices = {int(i): name for i, name in saved.items()}  # decimal text after a JSON round trip
+        return {frozenset(layout[i]): name for i, name in indices.items() if i < len(layout) and layout[i]}
 
 
 def with_checksums(residuals: dict[str, torch.Tensor], velocities: dict[str, torch.Tensor]) -> dict:

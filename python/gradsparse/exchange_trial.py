@@ -20,6 +20,10 @@ measures:
    rounds in all; one still missing a time then keeps the model's pick. The decision is saved
    in the state dict; a resumed run keeps it (one saved during the trial times again, and so
    does a trial during which DDP rebuilt its buckets).
+4. A decision belongs to the bucket's parameters, not to its index: where DDP's buckets hold
+   other parameters than those decided on (a run resumed with another ``bucket_cap_mb``, or
+   DDP's rebuild after a resume), a bucket of the same parameters as a decided one keeps its
+   exchange, and the others are timed as above, from the step after the first of them appears.
 
 Both exchanges complete a step's state (residual, method state), so switching between steps
 changes nothing but the exchange. At one rank nothing is timed: the model's pick stays.
@@ -42,61 +46,72 @@ ROUNDS = 3
 
 
 class ExchangeTrial:
-    """The trial of one state: when it runs, what it measured, what it decided (see the module)."""
+    """The trial of one state: when it runs, what it measured, what it decided (see the module).
+    A bucket is named by its parameters' names (a frozenset), as parked method states are: a bucket
+    index names other parameters in another layout (DDP's rebuild, another ``bucket_cap_mb``)."""
 
-    def __init__(self, first_sparse_step: int, chosen: dict[int, str] | None = None) -> None:
+    def __init__(self, first_sparse_step: int, chosen: dict[frozenset[str], str] | None = None) -> None:
         self.first_step = first_sparse_step + 1  # the first step of the trial's current round
         self.rounds = 1
-        self.seconds: dict[int, dict[str, list[float]]] = {}  # bucket index -> exchange -> this rank's times
-        self.chosen = {int(i): str(name) for i, name in (chosen or {}).items()}  # bucket index -> exchange
-        self.means: dict[int, dict[str, float]] = {}  # bucket index -> exchange -> mean over the ranks
+        self.seconds: dict[frozenset[str], dict[str, list[float]]] = {}  # bucket -> exchange -> this rank's times
+        self.chosen = dict(chosen or {})  # bucket -> exchange
+        self.means: dict[frozenset[str], dict[str, float]] = {}  # bucket -> exchange -> mean over the ranks
         self.decided = chosen is not None
 
-    def exchange_at(self, index: int, step: int) -> str | None:
-        """The exchange bucket ``index`` runs at ``step``: the trial's alternation, the decision,
-        or None (the method's own: the model's pick)."""
-        if self.decided or index in self.chosen:
-            return self.chosen.get(index)
+    def exchange_at(self, bucket: frozenset[str], step: int) -> str | None:
+        """The exchange ``bucket`` runs at ``step``: the trial's alternation, the decision, or None
+        (the method's own: the model's pick)."""
+        if self.decided or bucket in self.chosen:
+            return self.chosen.get(bucket)
         t = step - self.first_step
         return CHOICES[t % 2] if 0 <= t < 2 * STEPS_EACH else None
 
-    def timed(self, index: int) -> bool:
-        """Whether bucket ``index`` is still being timed (its exchange at a step of the current
-        round is one of the trial's)."""
-        return not self.decided and index not in self.chosen
+    def timed(self, bucket: frozenset[str]) -> bool:
+        """Whether ``bucket`` is still being timed (its exchange at a step of the current round is
+        one of the trial's)."""
+        return not self.decided and bucket not in self.chosen
 
     def due(self, step: int) -> bool:
         """Whether the ranks agree now (at the first bucket of the step after a round)."""
         return not self.decided and step >= self.first_step + 2 * STEPS_EACH
 
-    def record(self, index: int, exchange: str, seconds: float) -> None:
-        """One timed step of bucket ``index`` (called when its exchange completed)."""
-        self.seconds.setdefault(index, {name: [] for name in CHOICES})[exchange].append(seconds)
+    def reopen(self, step: int) -> ExchangeTrial:
+        """A trial that keeps this one's decisions and times the buckets without one, in new
+        rounds from the step after ``step`` (DDP's buckets changed: the times so far, or the
+        decision, cover other parameters). The times of this step's buckets reduced before the
+        change still arrive at this one, and are dropped with it."""
+        trial = ExchangeTrial(step)
+        trial.chosen, trial.means = dict(self.chosen), dict(self.means)
+        return trial
 
-    def medians(self, buckets: int) -> torch.Tensor:
-        """This rank's figures for buckets 0 to ``buckets - 1``: per bucket the median time of
-        each exchange, and a flag that is 1 where some time is missing (a step skipped or
+    def record(self, bucket: frozenset[str], exchange: str, seconds: float) -> None:
+        """One timed step of ``bucket`` (called when its exchange completed)."""
+        self.seconds.setdefault(bucket, {name: [] for name in CHOICES})[exchange].append(seconds)
+
+    def medians(self, buckets: list[frozenset[str]]) -> torch.Tensor:
+        """This rank's figures for ``buckets`` (the same list on every rank): per bucket the median
+        time of each exchange, and a flag that is 1 where some time is missing (a step skipped or
         failed, or the bucket is new) and 0 where all are there, so that its average over the
         ranks is exactly 0 only where every rank timed every step."""
         rows = []
-        for index in range(buckets):
-            times = self.seconds.get(index, {})
+        for bucket in buckets:
+            times = self.seconds.get(bucket, {})
             complete = all(len(times.get(name, ())) >= STEPS_EACH for name in CHOICES)
             medians = [statistics.median(times[name]) if complete else 0.0 for name in CHOICES]
             rows.append([*medians, 0.0 if complete else 1.0])
         return torch.tensor(rows, dtype=torch.float32).reshape(-1)
 
-    def decide(self, averaged: torch.Tensor, step: int) -> None:
-        """Takes the ranks' averaged figures (``medians`` after the all-reduce) at ``step``: each
-        bucket timed on every rank keeps the faster exchange; where some are missing, another
-        round starts at ``step`` (up to ``ROUNDS``), else the trial ends."""
+    def decide(self, averaged: torch.Tensor, buckets: list[frozenset[str]], step: int) -> None:
+        """Takes the ranks' averaged figures (``medians(buckets)`` after the all-reduce) at
+        ``step``: each bucket timed on every rank keeps the faster exchange; where some are
+        missing, another round starts at ``step`` (up to ``ROUNDS``), else the trial ends."""
         rows = averaged.reshape(-1, len(CHOICES) + 1).tolist()
-        for index, (*means, missing) in enumerate(rows):
-            if missing == 0.0 and index not in self.chosen:
-                self.means[index] = dict(zip(CHOICES, means, strict=True))
-                self.chosen[index] = min(CHOICES, key=lambda name: self.means[index][name])
+        for bucket, (*means, missing) in zip(buckets, rows, strict=True):
+            if missing == 0.0 and bucket not in self.chosen:
+                self.means[bucket] = dict(zip(CHOICES, means, strict=True))
+                self.chosen[bucket] = min(CHOICES, key=lambda name: self.means[bucket][name])
         self.seconds.clear()
-        if len(self.chosen) < len(rows) and self.rounds < ROUNDS:
+        if any(bucket not in self.chosen for bucket in buckets) and self.rounds < ROUNDS:
             self.rounds += 1
             self.first_step = step
         else:

@@ -221,7 +221,7 @@ class State:
         self._sharded_called: set[int] = set()  # FSDP: the groups reduced so far in this step
         self._link: tuple[float, float] | None = None  # (alpha, beta) of exchange="auto", from setup()
         self._trial: ExchangeTrial | None = None  # exchange="auto" at several ranks: the exchanges timed
-        self._saved_exchanges: dict[int, str] | None = None  # exchange="auto": a loaded state dict's decision
+        self._saved_exchanges: dict[frozenset[str], str] | None = None  # exchange="auto": a loaded decision
         self._metrics = Metrics()
         self._scaler = None  # set_scaler(): the GradScaler whose scale the gradients carry
         self._scale_read_at: int | None = None  # the step whose loss scale was read (_follow_scale)
@@ -639,7 +639,7 @@ class State:
             # DDP rebuilt its buckets after a timed step of the trial (with static_graph=True it
             # rebuilds after the second step): the times so far belong to the old buckets. Every
             # rank times the new ones anew, from the next step.
-            self._trial = self._new_trial(self._step, None)
+            self._trial = self._trial.reopen(self._step)
         self._table.park_from(index)
         numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
@@ -791,7 +791,7 @@ class State:
             self._metrics.record(index, report, self._world_size, element_size)
             self._count_skips(index, label, report.skipped)
             if timed is not None and not report.skipped:
-                trial.record(index, timed, report.exchange_seconds)
+                trial.record(frozenset(entry.names), timed, report.exchange_seconds)
             if propagate:
                 if report.skipped:
                     value.fill_(math.nan)
@@ -872,9 +872,16 @@ class State:
                 taken.put_back(undone=True)
                 self._metrics.withdraw(taken.index, taken.report)
 
-    def _new_trial(self, step: int, chosen: dict[int, str] | None) -> ExchangeTrial:
+    def _new_trial(self, step: int, chosen: dict[frozenset[str], str] | None) -> ExchangeTrial:
         """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""
         return ExchangeTrial(max(step, self._warmup_steps), chosen)
+
+    def _by_index(self, by_bucket: dict[frozenset[str], Any]) -> dict[int, Any]:
+        """exchange="auto"'s figures or decisions, kept by the names of a bucket's parameters, by
+        the index of the bucket that holds those parameters now (as stats() and the state dict,
+        beside its layout, give them)."""
+        buckets = self._table.buckets
+        return {i: by_bucket[key] for i in sorted(buckets) if (key := frozenset(buckets[i].names)) in by_bucket}
 
     def _choose_exchange(self, entry: Bucket, device: torch.device) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
@@ -882,18 +889,26 @@ class State:
         faster ones first. Returns the exchange when this step is one of the trial's timed ones.
         A method keeps the model's pick it was made with until the trial switches it. The timings
         are averaged on the buckets' ``device``: a group of NCCL alone reduces no CPU tensor."""
-        if self._trial is None:
+        trial = self._trial
+        if trial is None:
             return None
-        if self._trial.due(self._step):
-            figures = self._trial.medians(max(self._table.buckets) + 1).to(device)
-            self._trial.decide(self._average(figures, "the timings of exchange=auto"), self._step)
-            for index, bucket in self._table.buckets.items():  # not timed on every rank: back to the model's pick
-                if self._trial.decided and index not in self._trial.chosen:
-                    self._trial.chosen[index] = self._faster_exchange(sum(bucket.numels), bucket.value_bytes)
-        exchange = self._trial.exchange_at(entry.index, self._step)
+        key = frozenset(entry.names)
+        if trial.decided and key not in trial.chosen:
+            # A bucket of other parameters than any decided on (DDP's buckets differ from those of
+            # the run that decided: another bucket_cap_mb): timed, the others keep their exchange.
+            trial = self._trial = trial.reopen(self._step)
+        if trial.due(self._step):
+            entries = [self._table.buckets[i] for i in sorted(self._table.buckets)]
+            keys = [frozenset(bucket.names) for bucket in entries]
+            figures = trial.medians(keys).to(device)
+            trial.decide(self._average(figures, "the timings of exchange=auto"), keys, self._step)
+            for bucket_key, bucket in zip(keys, entries, strict=True):  # not timed on every rank: the model's pick
+                if trial.decided and bucket_key not in trial.chosen:
+                    trial.chosen[bucket_key] = self._faster_exchange(sum(bucket.numels), bucket.value_bytes)
+        exchange = trial.exchange_at(key, self._step)
         if exchange is not None:
             entry.method.set_exchange(exchange)
-        return exchange if self._trial.timed(entry.index) else None
+        return exchange if trial.timed(key) else None
 
     def _in_saved_layout(self) -> bool:
         """Whether this step, though not the first after the load, is reduced in the saved layout:
@@ -1058,14 +1073,17 @@ class State:
         exchange of its last step, by its glossary name: what ``exchange="auto"`` chose). With
         ``exchange="auto"`` at several ranks, ``exchange_trial``: None while its trial alternates
         the exchanges, then per bucket index each exchange's median seconds in the trial,
-        averaged over the ranks (empty after a resume that kept a saved decision).
+        averaged over the ranks (after a resume, of the buckets timed again: none where the saved
+        decision covered the buckets' parameters).
         """
         check_bool(f"{type(self).__name__}.stats", "reset", reset)
         self._load_unchecked()
         summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
         if self._trial is not None:
             trial = self._trial
-            summary["exchange_trial"] = {i: dict(m) for i, m in trial.means.items()} if trial.decided else None
+            summary["exchange_trial"] = (
+                {i: dict(m) for i, m in self._by_index(trial.means).items()} if trial.decided else None
+            )
         if reset:
             self._metrics.reset()
         return summary
@@ -1129,7 +1147,7 @@ class State:
             "stats": self._metrics.state_dict(),
             # exchange="auto": the link its first picks come from, and what its trial kept
             "link": self._link,
-            "exchanges": dict(self._trial.chosen) if self._trial is not None and self._trial.decided else None,
+            "exchanges": None if self._trial is None or not self._trial.decided else self._by_index(self._trial.chosen),
             # set_scaler: the loss scale residuals, velocities and method states are in
             "loss_scale": self._table.scale,
         }
@@ -1324,7 +1342,7 @@ class State:
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
         metrics.load_state_dict(state_dict["stats"])
-        exchanges = state_dict.get("exchanges")
+        exchanges = loaded.exchanges()
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
         velocities = state_dict.get("velocities", {}) if self._momentum else {}

@@ -398,6 +398,44 @@ def test_auto_times_every_bucket_again_where_a_rebuild_or_a_skipped_step_spoiled
             assert r["chosen"][b] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
 
 
+@pytest.mark.parametrize(
+    ("bucket_cap_mb", "static_graph"), [(0.001, False), (1.0, False), (0.001, True)], ids=["more", "fewer", "static"]
+)
+def test_auto_keeps_a_saved_decision_for_the_same_parameters_and_times_other_buckets_after_a_resume(
+    bucket_cap_mb, static_graph
+):
+    """A decision of exchange="auto" resumed in another bucket layout (another bucket_cap_mb: three
+    buckets or one where two were saved; static_graph=True rebuilds a step later). The resumed
+    step(s) in the saved layout keep it; after DDP's rebuild, a bucket of the same parameters as a
+    saved one keeps its decision, and every other bucket is timed on both exchanges from the next
+    step and decided by its times. Keyed by bucket index, the rebuilt buckets took the decisions
+    of the saved buckets at their index (or none) and were never timed."""
+    results = run_distributed(workers.auto_exchange_in_another_layout, 2, bucket_cap_mb, static_graph)
+    for r in results[1:]:
+        assert (r["steps"], r["chosen"], r["trial"]) == (results[0]["steps"], results[0]["chosen"], results[0]["trial"])
+    r = results[0]
+    names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
+    saved = {tuple(b) for b in r["saved_layout"]}
+    rebuilt = 2 if static_graph else 1  # the first resumed step in DDP's rebuilt layout
+    for step in r["steps"][:rebuilt]:
+        assert set(step) == saved and set(step.values()) == {names["reduce_scatter"]}
+    layout = [tuple(b) for b in r["layout"]]
+    kept = [i for i, b in enumerate(layout) if b in saved]
+    timed = [i for i, b in enumerate(layout) if b not in saved]
+    assert len(layout) != len(saved) and timed and kept == ([2] if bucket_cap_mb < 0.004 else [])
+    assert all(set(step) == set(layout) for step in r["steps"][rebuilt:])
+    alternation = [names[("gather", "reduce_scatter")[t % 2]] for t in range(6)]
+    for i in kept:
+        assert r["chosen"][i] == "reduce_scatter"
+        assert all(step[layout[i]] == names["reduce_scatter"] for step in r["steps"][rebuilt:])
+    assert sorted(r["trial"]) == timed and sorted(r["chosen"]) == list(range(len(layout)))
+    for i in timed:
+        assert [step[layout[i]] for step in r["steps"][rebuilt + 1 : rebuilt + 7]] == alternation
+        means = r["trial"][i]
+        assert r["chosen"][i] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
+        assert all(step[layout[i]] == names[r["chosen"][i]] for step in r["steps"][rebuilt + 7 :])
+
+
 def test_a_step_after_a_backward_that_stopped_past_a_failed_bucket_is_reduced():
     """A bucket that fails in gradsparse makes the rest of its step go back unreduced until the
     step's last bucket. A backward that then stopped in autograd before that bucket left the flag

@@ -1578,3 +1578,43 @@ def auto_exchange_timed_again(rank: int, world_size: int, static_graph: bool, na
         opt.step()
         steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
     return {"steps": steps, "trial": state.stats()["exchange_trial"], "chosen": state.state_dict()["exchanges"]}
+
+
+def auto_exchange_in_another_layout(rank: int, world_size: int, bucket_cap_mb: float, static_graph: bool) -> dict:
+    """exchange="auto" decided in DDP's two buckets of bucket_cap_mb=0.004, saved after 9 steps with
+    reduce-scatter + all-gather in place of whatever it decided for each (so that a decision kept
+    shows apart from the model's pick, gather-and-add for these buckets), and resumed in a DDP of
+    ``bucket_cap_mb`` (``static_graph`` rebuilds its buckets a step later). The saved layout, and
+    each resumed step's exchange per bucket by its parameters' names; the final layout, decision
+    and trial figures."""
+    model = make_model(0)
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.register(ddp, gs.TopK(density=0.1, exchange="auto"))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    steps = []
+    for step, (x, y) in enumerate(batches(rank, 20)):
+        if step == 9:
+            saved = state.state_dict()
+            assert saved["exchanges"] is not None  # the trial has decided
+            saved["exchanges"] = dict.fromkeys(saved["exchanges"], "reduce_scatter")
+            resumed = make_model(123)
+            resumed.load_state_dict(model.state_dict())
+            ddp = DDP(resumed, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph)
+            state = gs.register(ddp, gs.TopK(density=0.1, exchange="auto"))
+            state.load_state_dict(saved)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        if step >= 9:
+            layout = state.state_dict()["layout"]
+            used = state.stats(reset=True)["buckets"]
+            steps.append({tuple(layout[b]): s["exchange"] for b, s in used.items()})
+    after = state.state_dict()
+    return {
+        "saved_layout": saved["layout"],
+        "steps": steps,
+        "layout": after["layout"],
+        "chosen": after["exchanges"],
+        "trial": state.stats()["exchange_trial"],
+    }

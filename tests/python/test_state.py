@@ -1201,13 +1201,15 @@ def test_a_state_dict_whose_link_is_no_pair_of_finite_seconds_is_refused(link):
 
 def test_bucket_indices_as_text_load_in_the_exchanges_as_in_the_stats():
     """A state dict through JSON holds its bucket indices as text: the stats loaded so, the
-    exchanges that exchange="auto" decided were refused as changed after saving."""
-    sd = dict(_saved(), exchanges={"0": "reduce_scatter"})
+    exchanges that exchange="auto" decided were refused as changed after saving. Each decision
+    is kept by the parameters of its bucket in the saved layout; an index the layout names no
+    bucket for (one bucket here) is dropped."""
+    sd = dict(_saved(), exchanges={"0": "reduce_scatter", "1": "gather"})
     sd["stats"] = {str(i): counters for i, counters in sd["stats"].items()}
     state = gs.TopK(density=0.05)
     _hooked(state)
     state.load_state_dict(sd)
-    assert state._new_trial(0, state._saved_exchanges).chosen == {0: "reduce_scatter"}
+    assert state._new_trial(0, state._saved_exchanges).chosen == {frozenset(sd["layout"][0]): "reduce_scatter"}
 
 
 def test_reshard_conserves_the_pending_gradient_mass():
