@@ -52,8 +52,9 @@ class ModelBinding:
             raise TypeError(
                 f"gradsparse.register: model must be a DistributedDataParallel (or a torch.compile of one), got "
                 f"{type(model).__name__}; wrap it first (DistributedDataParallel(model)); with Accelerate, register "
-                "after accelerator.prepare(model), which wraps it only when several processes run (accelerate launch "
-                "--num_processes N, or torchrun); with Lightning, use gradsparse.lightning.Sparsify"
+                "after accelerator.prepare(model), which wraps it only when several processes run (torchrun, or accelerate "
+                "launch --multi_gpu --num_processes N, which on CPUs too starts N); with Lightning, use "
+                "gradsparse.lightning.Sparsify"
             )
         if self.sharded is not None:
             raise ValueError(

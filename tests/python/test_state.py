@@ -544,7 +544,8 @@ def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
     with pytest.raises(
         TypeError,
         match=r"model must be a DistributedDataParallel .* got Sequential; .*after accelerator.prepare\(model\), "
-        r"which wraps it only when several processes run",
+        r"which wraps it only when several processes run \(torchrun, or accelerate launch --multi_gpu "
+        r"--num_processes N, which on CPUs too starts N\)",
     ):
         gs.register(_model(), state)
     ddp = _hooked(state)
