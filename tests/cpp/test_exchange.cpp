@@ -764,6 +764,81 @@ TEST(Float16, GatheredAveragesRoundOnceAndStayFinite) {
       }
 }
 
+/// A transport whose float16 all-reduces add the ranks' values one by one in rank order, each
+/// partial sum rounded to float16, as Gloo's do (ThreadTransport's sum in float32, rounded once).
+class Float16Sums final : public Forwarding {
+ public:
+  using Forwarding::Forwarding;
+  void allreduce_sum(const Device& device, void* data, size_t count, DType dtype) override {
+    if (dtype != DType::kFloat16) return Forwarding::allreduce_sum(device, data, count, dtype);
+    std::vector<Half> all(count * static_cast<size_t>(size()));
+    allgather(device, data, all.data(), count * sizeof(Half));
+    auto* sums = static_cast<Half*>(data);
+    for (size_t i = 0; i < count; ++i) {
+      sums[i] = all[i];
+      for (int r = 1; r < size(); ++r)
+        sums[i] = Num<Half>::from_float(Num<Half>::to_float(sums[i]) + Num<Half>::to_float(all[r * count + i]));
+    }
+  }
+};
+
+// The union and shared all-reduces divide float16 by P first, but a transport that rounds each
+// partial sum to float16 carries ten of 65504 / 10 (6548) past 65504: the sums came back Inf, and
+// reached the gradient with the residuals emptied under "raise" and "skip" although every rank's
+// values were finite. Every rank reads the same sums, so every rank aborts the step: "raise" names
+// the overflow and the fix and leaves the gradient as it was, "skip" hands back zeros, and the
+// residuals keep residual + gradient either way.
+TEST(Float16, AllreducedSumsPastTheRangeAbortTheStepOnEveryRank) {
+  const int p = 10;
+  const int64_t n = 4;
+  const Half value = Num<Half>::from_float(65504.0f);
+  const std::vector<std::pair<const char*, std::function<std::unique_ptr<Method>()>>> makers = {
+      {"Random-k, shared indices", [] { return std::make_unique<RandomK>(1.0, 3); }},
+      {"MiCRO, union", [] { return std::make_unique<MiCRO>(1.0, "union", true, 3); }},
+      {"MiCRO default, union", [] { return std::make_unique<MiCRO>(1.0, "union", false, 3); }},
+  };
+  for (const auto& [name, make] : makers)
+    for (NonFinitePolicy policy : {NonFinitePolicy::kRaise, NonFinitePolicy::kSkip}) {
+      const bool raise = policy == NonFinitePolicy::kRaise;
+      SCOPED_TRACE(str(name, raise ? ", raise" : ", skip"));
+      std::vector<std::vector<Half>> grad(p, std::vector<Half>(n, value));
+      std::vector<std::vector<Half>> residual(p, std::vector<Half>(n, Num<Half>::zero()));
+      std::vector<int> skipped(p, 0);
+      const auto errors = run_ranks(p, [&](int rank, Transport& transport) {
+        Float16Sums sums(transport);
+        CpuDevice device;
+        const std::unique_ptr<Method> method = make();
+        ReduceOptions options;
+        options.nonfinite = policy;
+        skipped[rank] = reduce_bucket(method.get(), sums, device,
+                                      BucketView{DType::kFloat16, n, grad[rank].data(), residual[rank].data()}, options)
+                            .skipped;
+      });
+      for (int r = 0; r < p; ++r) {
+        if (raise) {
+          ASSERT_TRUE(errors[r]) << "rank " << r << " did not raise";
+          try {
+            std::rethrow_exception(errors[r]);
+          } catch (const NonFiniteError& e) {
+            EXPECT_NE(std::string(e.what()).find("float16 sum of every rank's residual + gradient / P (all finite) "
+                                                 "overflowed"),
+                      std::string::npos)
+                << e.what();
+            EXPECT_NE(std::string(e.what()).find("Use float32 buckets or a lower loss scale"), std::string::npos)
+                << e.what();
+          }
+        } else {
+          ASSERT_FALSE(errors[r]) << "rank " << r;
+          EXPECT_TRUE(skipped[r]) << "rank " << r;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          EXPECT_EQ(Num<Half>::to_float(grad[r][i]), raise ? 65504.0f : 0.0f) << "rank " << r << " element " << i;
+          EXPECT_EQ(Num<Half>::to_float(residual[r][i]), 65504.0f) << "rank " << r << " element " << i;
+        }
+      }
+    }
+}
+
 // A NaN on one rank: every rank raises (default) or every rank skips, and each rank's residual
 // keeps all of its finite mass. The news travels in the control words, or (MiCRO, ExDyna up to 4
 // ranks) in the band counts that carry them; reference MiCRO keeps them apart.

@@ -111,20 +111,30 @@ def test_a_taken_back_step_leaves_the_residual_of_a_parameter_unused_on_this_ran
             assert torch.equal(after[name], before[name]), f"rank {rank}: {name}"
 
 
-def test_a_float16_sum_that_rounds_past_the_range_is_taken_back():
-    """nonfinite="propagate": every rank's float16 gradient is 65504 in half of the elements. Random-k's
-    shared all-reduce divides by P first, but Gloo rounds each partial sum of the quotients to
-    float16, and at 10 ranks they pass 65504: the bucket hands back Inf from finite inputs, for the
-    loss scaler to skip the step. Only a dense bucket's output or a skipped bucket made the step's
-    sparse buckets take back what they sent, so the residuals the selection had emptied kept
-    nothing: the step's whole gradient was lost. Now a float16 sparse bucket's output counts too.
-    Top-k's gather adds the ranks' values / P in float32 sums, rounded once, and hands back 65504
-    (added one by one in float16, they made Inf from 10 ranks on)."""
-    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, "randomk", timeout=300)):
-        assert all(math.isinf(g) for g in r["grad"][:4]), f"rank {rank}: the sum did not overflow: {r['grad']}"
+@pytest.mark.parametrize("nonfinite", ["propagate", "raise", "skip"])
+def test_a_float16_sum_that_rounds_past_the_range_aborts_the_step(nonfinite):
+    """Every rank's float16 gradient is 65504 in half of the elements. Random-k's shared all-reduce
+    divides by P first, but Gloo rounds each partial sum of the quotients to float16, and at 10
+    ranks they pass 65504: the bucket handed back Inf from finite inputs with the residuals
+    emptied. Under "propagate" the state took the step back (a float16 sparse bucket's output
+    counts, as a skipped bucket does); under "raise" and "skip" the Inf reached the gradient and
+    the step's whole gradient was lost. Every rank reads the same sums, so every rank now aborts
+    the step as for a NaN: "raise" names the overflow and the fix, "skip" hands back zeros,
+    "propagate" NaN, and the residuals keep residual + gradient. Top-k's gather adds the ranks'
+    values / P in float32 sums, rounded once, and hands back 65504 (added one by one in float16,
+    they made Inf from 10 ranks on)."""
+    for rank, r in enumerate(
+        run_distributed(workers.float16_sum_past_the_range, 10, "randomk", nonfinite, timeout=300)
+    ):
+        if nonfinite == "raise":
+            assert "the float16 sum of every rank's residual + gradient / P (all finite) overflowed" in r["error"], r
+            assert "Use float32 buckets or a lower loss scale" in r["error"], r["error"]
+        else:
+            handed_back = [math.nan if nonfinite == "propagate" else 0.0] * 8
+            assert r["grad"] == pytest.approx(handed_back, nan_ok=True), f"rank {rank}: {r['grad']}"
         assert r["residual"] == [65504.0] * 4 + [1.0] * 4, f"rank {rank}: {r['residual']}"
-        assert r["steps"] == (1, 1), f"rank {rank}: {r['steps']}"
-    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, "topk", timeout=300)):
+        assert r["steps"] == ((0, 0) if nonfinite == "raise" else (1, 1)), f"rank {rank}: {r['steps']}"
+    for rank, r in enumerate(run_distributed(workers.float16_sum_past_the_range, 10, "topk", nonfinite, timeout=300)):
         assert r["grad"] == [65504.0] * 4 + [1.0] * 4, f"rank {rank}: {r['grad']}"
         assert r["residual"] == [0.0] * 8, f"rank {rank}: {r['residual']}"
         assert r["steps"] == (1, 0), f"rank {rank}: {r['steps']}"

@@ -1546,16 +1546,23 @@ class _Weighted(nn.Module):
         return (self.weight * self.scale).float().sum()
 
 
-def float16_sum_past_the_range(rank: int, world_size: int, method: str) -> dict:
-    """One float16 step of ``method`` ("topk" or "randomk") at density 1 under nonfinite="propagate"
-    where every rank's gradient is 65504 in half of the elements. What it handed back, and this
-    rank's residual and statistics after it."""
+def float16_sum_past_the_range(rank: int, world_size: int, method: str, nonfinite: str) -> dict:
+    """One float16 step of ``method`` ("topk" or "randomk") at density 1 under ``nonfinite`` where
+    every rank's gradient is 65504 in half of the elements. What it handed back (None where the
+    step raised), the error's text, and this rank's residual and statistics after it."""
     ddp = DDP(_Weighted())
-    state = gs.register(ddp, gs.METHODS[method](density=1.0, nonfinite="propagate")).set_scaler(_Scale1())
-    ddp().backward()
+    state = gs.register(ddp, gs.METHODS[method](density=1.0, nonfinite=nonfinite))
+    if nonfinite == "propagate":
+        state.set_scaler(_Scale1())
+    error = None
+    try:
+        ddp().backward()
+    except RuntimeError as e:  # DDP's hook wraps the state's NonFiniteError
+        error = str(e)
     stats = state.stats()["total"]
     return {
-        "grad": ddp.module.weight.grad.float().tolist(),
+        "grad": None if error else ddp.module.weight.grad.float().tolist(),
+        "error": error,
         "residual": next(iter(state.state_dict()["residuals"].values())).float().tolist(),
         "steps": (stats["steps"], stats["skipped_steps"]),
     }

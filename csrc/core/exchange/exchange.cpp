@@ -3,6 +3,7 @@
 #include "gradsparse/exchange.h"
 
 #include <algorithm>
+#include <cmath>
 #include <iterator>
 
 namespace gradsparse {
@@ -136,11 +137,20 @@ std::vector<int64_t> allgather_counts(Transport& transport, Device& device, cons
       [&](const void* mine, void* all, size_t bytes) { allgather_host(transport, device, mine, all, bytes); });
 }
 
-float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype) {
+float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype,
+                       ExchangeResult& result) {
   const auto p = static_cast<float>(transport.size());
-  if (divides_first(dtype)) device.divide(dtype, values, count, p);
+  if (!divides_first(dtype)) {
+    transport.allreduce_sum(device, values, static_cast<size_t>(count), dtype);
+    return p;
+  }
+  device.divide(dtype, values, count, p);
   transport.allreduce_sum(device, values, static_cast<size_t>(count), dtype);
-  return divides_first(dtype) ? 1.0f : p;
+  // A scan without sums, range or list: the count alone.
+  result.overflowed =
+      device.scan(BucketView{dtype, count, values}, false, Range{}, HUGE_VAL, 0, false).moments.nonfinite;
+  result.aborted = result.overflowed > 0;
+  return 1.0f;
 }
 
 void dense_allreduce(Transport& transport, Device& device, const BucketView& bucket) {

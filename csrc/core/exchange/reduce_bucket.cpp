@@ -44,32 +44,46 @@ class TransportCollective final : public Collective {
 };
 
 /// Applies the non-finite policy after an aborted exchange (the residual is already restored).
+/// Every abort comes before the exchange writes the output, so "raise" leaves the bucket's
+/// gradient as it was and "skip" zeroes it.
 ReduceReport abort_step(const ExchangeResult& result, const ReduceOptions& options, const BucketView& bucket,
                         Device& device, ReduceReport report) {
   if (options.nonfinite == NonFinitePolicy::kRaise) {
-    // Each rank's count: NaN/Inf in residual + gradient, or (SparDL in float16) partial sums its
-    // residual cannot hold.
-    const bool unheld = !result.unheld.empty();
-    std::vector<int> ranks;
-    int64_t total = 0;
-    for (size_t r = 0; r < result.control.size(); ++r) {
-      const int64_t count = unheld ? result.unheld[r] : result.control[r].nonfinite;
-      if (count > 0) ranks.push_back(static_cast<int>(r));
-      total += count;
+    const std::string fix =
+        " Use float32 buckets or a lower loss scale (a GradScaler with nonfinite=\"propagate\" lowers it by itself), "
+        "or";
+    std::string what;
+    if (result.overflowed > 0) {  // the same sums on every rank
+      what =
+          str(": the float16 sum of every rank's residual + gradient / P (all finite) overflowed: the transport's "
+              "all-reduce, rounding each partial sum to float16, carried ",
+              result.overflowed,
+              " sum(s) past float16's largest value (65504), so no rank applied this step. The residuals keep "
+              "residual + gradient.",
+              fix);
+    } else {
+      // Each rank's count: NaN/Inf in residual + gradient, or (SparDL in float16) partial sums its
+      // residual cannot hold.
+      const bool unheld = !result.unheld.empty();
+      std::vector<int> ranks;
+      int64_t total = 0;
+      for (size_t r = 0; r < result.control.size(); ++r) {
+        const int64_t count = unheld ? result.unheld[r] : result.control[r].nonfinite;
+        if (count > 0) ranks.push_back(static_cast<int>(r));
+        total += count;
+      }
+      what = str(": rank(s) ", join(ranks),
+                 unheld ? str(" would keep ", total,
+                              " partial sum(s) of several ranks' gradients past float16's largest value (65504) in "
+                              "their residuals, so no rank applied this step. The residuals keep residual + gradient.",
+                              fix)
+                        : str(" saw ", total,
+                              " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals "
+                              "keep every finite value. Fix the source (lower the learning rate, clip gradients, "
+                              "check the loss and the loss scale), or"));
     }
-    const std::string what =
-        unheld
-            ? str(" would keep ", total,
-                  " partial sum(s) of several ranks' gradients past float16's largest value (65504) in their "
-                  "residuals, so no rank applied this step. The residuals keep residual + gradient. Use float32 "
-                  "buckets or a lower loss scale (a GradScaler with nonfinite=\"propagate\" lowers it by itself), or")
-            : str(" saw ", total,
-                  " NaN/Inf values in residual + gradient, so no rank applied this step. The residuals keep every "
-                  "finite value. Fix the source (lower the learning rate, clip gradients, check the loss and the "
-                  "loss scale), or");
-    throw NonFiniteError(str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype),
-                             "): rank(s) ", join(ranks), what,
-                             " construct the state with nonfinite=\"skip\" to skip such steps."));
+    throw NonFiniteError(str(options.bucket_name, " (", bucket.numel, " elements of ", dtype_name(bucket.dtype), ")",
+                             what, " construct the state with nonfinite=\"skip\" to skip such steps."));
   }
   clear_output(device, bucket);
   report.skipped = true;

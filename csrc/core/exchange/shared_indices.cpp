@@ -41,7 +41,8 @@ class SharedIndices final : public Exchange {
       device.copy(summed.data(), mine.message.data(), mine.bytes);
       view.data = summed.as<unsigned char>();
       divisor = allreduce_values(transport, device, summed.as<unsigned char>() + view.layout().values_offset,
-                                 mine.count, bucket.dtype);
+                                 mine.count, bucket.dtype, result);
+      if (result.aborted) return result;  // the output as it was; reduce_bucket gives the selection back
     }
     clear_output(device, bucket);
     device.scatter_add(view, bucket.grad, divisor);

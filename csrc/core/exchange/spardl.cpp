@@ -290,30 +290,38 @@ ExchangeResult SparDLExchange::run(Transport& transport, Device& device, const B
   // Output: every block's final list / P. Residual: residual + gradient, except on the final
   // lists, where it takes what this rank accumulated and kept (A multiplied back where it was
   // divided first).
-  clear_output(device, bucket);
   const auto p = static_cast<float>(transport.size());
   if (s.divided_first) device.divide(bucket.dtype, s.accumulated.data(), bucket.numel, 1.0f / p);
-  // Every list is added to the output (scatter_add checks its indices) before any residual is
-  // rewritten, so that a corrupt list fails the step with the residual whole (residual + gradient).
+  std::vector<MessageView> views(s.team_size);
   std::vector<std::vector<int64_t>> indices(s.team_size);
   for (int b = 0; b < s.team_size; ++b) {
     if (s.length(b) == 0) continue;
-    MessageView list = s.view(lists[b], b);
-    list.source_rank = s.global(b);  // the list of block b's owner
-    device.scatter_add(list, s.at(bucket.grad, b), s.divided_first ? 1.0f : p);
-    if (bucket.residual != nullptr) indices[b] = HostMessage(device, list).index_list();
-    result.union_size += list.count;
-    for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = list.count;
+    views[b] = s.view(lists[b], b);
+    views[b].source_rank = s.global(b);  // the list of block b's owner
+    if (bucket.residual != nullptr) {
+      const HostMessage list(device, views[b]);
+      list.check_indices();  // before the gather below reads A there
+      indices[b] = list.index_list();
+    }
+    result.union_size += views[b].count;
+    for (int t = 0; t < sizes.teams; ++t) result.control[t * s.team_size + b].count = views[b].count;
   }
-  if (bucket.residual == nullptr) return result;
   // What this rank keeps on each final list (read as stored: a partial sum multiplied back past
-  // float16's range is Inf there).
+  // float16's range is Inf there). A step aborted for it leaves the output as it was.
   std::vector<Selection> kept(s.team_size);
-  for (int b = 0; b < s.team_size; ++b) {
-    void* block = s.at(s.accumulated.data(), b);
-    if (s.length(b) > 0) kept[b] = device.gather(BucketView{bucket.dtype, s.length(b), block, block}, indices[b]);
+  if (bucket.residual != nullptr) {
+    for (int b = 0; b < s.team_size; ++b) {
+      void* block = s.at(s.accumulated.data(), b);
+      if (s.length(b) > 0) kept[b] = device.gather(BucketView{bucket.dtype, s.length(b), block, block}, indices[b]);
+    }
+    if (s.divided_first && unheld_anywhere(s, kept, result)) return result;
   }
-  if (s.divided_first && unheld_anywhere(s, kept, result)) return result;
+  // Every list is added to the output (scatter_add checks its indices) before any residual is
+  // rewritten, so that a corrupt list fails the step with the residual whole (residual + gradient).
+  clear_output(device, bucket);
+  for (int b = 0; b < s.team_size; ++b)
+    if (s.length(b) > 0) device.scatter_add(views[b], s.at(bucket.grad, b), s.divided_first ? 1.0f : p);
+  if (bucket.residual == nullptr) return result;
   if (bucket.taken != nullptr) {  // the residual at every position of the final lists, before they rewrite it
     std::vector<int64_t> global;
     for (int b = 0; b < s.team_size; ++b)

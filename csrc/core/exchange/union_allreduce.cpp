@@ -47,7 +47,8 @@ class UnionAllreduce final : public Exchange {
     float divisor = static_cast<float>(p);
     if (u.count > 0) {  // every rank knows the union's size: all skip together
       divisor = allreduce_values(transport, device, u.message.as<unsigned char>() + view.layout().values_offset,
-                                 u.count, bucket.dtype);
+                                 u.count, bucket.dtype, result);
+      if (result.aborted) return result;  // the output and the residual as they were
     }
     clear_output(device, bucket);
     device.scatter_add(view, bucket.grad, divisor);

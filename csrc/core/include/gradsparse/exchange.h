@@ -38,8 +38,10 @@ const char* exchange_name(ExchangeKind kind);
 
 struct ExchangeResult {
   std::vector<ControlWord> control;  ///< every rank's control word, by rank
-  bool aborted = false;              ///< some rank saw non-finite values: nothing was exchanged
-  int64_t union_size = 0;            ///< elements written (the union for union + all-reduce; pairs otherwise)
+  /// The step does not apply, on every rank: some rank saw non-finite values (nothing was
+  /// exchanged), or a float16 sum passed 65504 (`unheld`, `overflowed`). The output is untouched.
+  bool aborted = false;
+  int64_t union_size = 0;  ///< elements written (the union for union + all-reduce; pairs otherwise)
   /// SparDL with teams > 1: the pairs of this rank's block once the teams' lists were merged,
   /// before the final top-k (the figure its adaptive h follows); -1 otherwise.
   int64_t merged = -1;
@@ -47,6 +49,11 @@ struct ExchangeResult {
   /// past float16's largest value (its residual cannot hold it); any > 0 aborts the step. Empty
   /// for every other exchange and dtype.
   std::vector<int64_t> unheld;
+  /// The union and shared all-reduces in float16: the sums that came back NaN/Inf from every
+  /// rank's finite values / P (the transport rounds each partial sum to float16, and from 10 ranks
+  /// of 65504 on Gloo's passed 65504). Every rank reads the same sums, so every rank counts the
+  /// same; > 0 aborts the step. 0 for every other exchange and dtype.
+  int64_t overflowed = 0;
 
   int64_t total_count() const;
   std::vector<int> nonfinite_ranks() const;
@@ -81,7 +88,7 @@ class Exchange {
 
   /// Moves every rank's selection (`mine` is this rank's) through `transport` and writes the
   /// average into bucket.grad. Returns early (aborted, bucket untouched) when any rank reported
-  /// non-finite values.
+  /// non-finite values, or a float16 sum overflowed (ExchangeResult::aborted).
   virtual ExchangeResult run(Transport& transport, Device& device, const BucketView& bucket,
                              const Selection& mine) const = 0;
 };
@@ -222,8 +229,11 @@ inline bool divides_first(DType dtype) { return dtype == DType::kFloat16; }
 
 /// The all-reduce of `count` values of `dtype` at `values` (device memory, summed in place) for
 /// the union and shared exchanges, divided first where `divides_first`; returns the divisor
-/// their scatter-add still applies.
-float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype);
+/// their scatter-add still applies. Divided first, the sums are counted for NaN/Inf, which the
+/// ranks' values (finite: agree() let the step go on) did not hold: `result.overflowed` gets the
+/// count, and any aborts the step (`result.aborted`) before the exchange writes anything.
+float allreduce_values(Transport& transport, Device& device, void* values, int64_t count, DType dtype,
+                       ExchangeResult& result);
 
 /// out (`numel` values of `dtype`, device memory) = the sum of every message's values / divisor,
 /// added in the messages' order: every rank that adds the same messages gets the same bits (the

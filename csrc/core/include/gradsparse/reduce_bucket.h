@@ -5,10 +5,11 @@
 //      a threshold with the other ranks through small all-reduces;
 //   2. the exchange the method names (exchange.h) moves every rank's selection and writes the
 //      average into the bucket;
-//   3. if any rank saw NaN/Inf, every rank applies the same policy (docs/method-spec.md ruling 5):
-//      each rank restores its residual (nothing of the finite gradient is lost; non-finite
-//      elements kept their old residual), then either throws NonFiniteError (kRaise) or writes
-//      zeros into the bucket and reports the step as skipped (kSkip);
+//   3. if any rank saw NaN/Inf, or a float16 exchange summed finite values past 65504 (every rank
+//      learns it alike), every rank applies the same policy (docs/method-spec.md ruling 5): each
+//      rank restores its residual (nothing of the finite gradient is lost; non-finite elements
+//      kept their old residual), then either throws NonFiniteError (kRaise; the bucket's gradient
+//      as it was) or writes zeros into the bucket and reports the step as skipped (kSkip);
 //   4. otherwise the method commits the step's state (Method::observe).
 #pragma once
 
