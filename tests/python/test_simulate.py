@@ -259,39 +259,40 @@ def test_faster_exchange_refuses_what_it_cannot_plan_naming_the_argument(argumen
 
 
 def test_the_exchange_trial_alternates_then_keeps_the_faster_where_every_rank_timed_it():
+    a, b, c = (frozenset({name}) for name in ("a.weight", "b.weight", "c.weight"))  # buckets by parameter names
     trial = ExchangeTrial(first_sparse_step=2)  # warm-up until step 2: timed from step 3
-    assert [trial.exchange_at(0, step) for step in range(2, 10)] == [None] + ["gather", "reduce_scatter"] * 3 + [None]
+    assert [trial.exchange_at(a, step) for step in range(2, 10)] == [None] + ["gather", "reduce_scatter"] * 3 + [None]
     assert not trial.due(8) and trial.due(9)
     for t in range(3):
-        trial.record(0, "gather", 0.010 + t)  # medians: 1.010 and 1.020
-        trial.record(0, "reduce_scatter", 0.020 + t)
-        trial.record(1, "gather", 0.030)
-        trial.record(1, "reduce_scatter", 0.005)
-    trial.record(2, "gather", 0.001)  # bucket 2 lacks times (a skipped step): it is timed again
-    mine = trial.medians(3)
+        trial.record(a, "gather", 0.010 + t)  # medians: 1.010 and 1.020
+        trial.record(a, "reduce_scatter", 0.020 + t)
+        trial.record(b, "gather", 0.030)
+        trial.record(b, "reduce_scatter", 0.005)
+    trial.record(c, "gather", 0.001)  # bucket c lacks times (a skipped step): it is timed again
+    mine = trial.medians([a, b, c])
     assert mine.tolist() == pytest.approx([1.010, 1.020, 0, 0.030, 0.005, 0, 0, 0, 1])
     other_rank = mine.clone()
-    other_rank[[0, 1]] = torch.tensor([3.0, 1.0])  # another rank timed bucket 0 the other way round
-    trial.decide((mine + other_rank) / 2, step=9)
-    assert trial.chosen == {0: "reduce_scatter", 1: "reduce_scatter"} and not trial.decided
-    assert trial.means[0] == pytest.approx({"gather": 2.005, "reduce_scatter": 1.010})
-    # the second round, from step 9: bucket 2 alternates, the decided buckets keep their exchange
-    assert [trial.exchange_at(2, step) for step in range(9, 16)] == ["gather", "reduce_scatter"] * 3 + [None]
-    assert trial.exchange_at(0, 10) == "reduce_scatter" and not trial.timed(0) and trial.timed(2)
+    other_rank[[0, 1]] = torch.tensor([3.0, 1.0])  # another rank timed bucket a the other way round
+    trial.decide((mine + other_rank) / 2, [a, b, c], step=9)
+    assert trial.chosen == {a: "reduce_scatter", b: "reduce_scatter"} and not trial.decided
+    assert trial.means[a] == pytest.approx({"gather": 2.005, "reduce_scatter": 1.010})
+    # the second round, from step 9: bucket c alternates, the decided buckets keep their exchange
+    assert [trial.exchange_at(c, step) for step in range(9, 16)] == ["gather", "reduce_scatter"] * 3 + [None]
+    assert trial.exchange_at(a, 10) == "reduce_scatter" and not trial.timed(a) and trial.timed(c)
     assert not trial.due(14) and trial.due(15)
-    for _ in range(ROUNDS - 1):  # every round misses a time of bucket 2: after the last, the trial ends
-        trial.decide(trial.medians(3), step=15)
-    assert trial.decided and trial.rounds == ROUNDS and 2 not in trial.chosen
-    assert trial.exchange_at(0, 20) == "reduce_scatter" and trial.exchange_at(2, 20) is None
+    for _ in range(ROUNDS - 1):  # every round misses a time of bucket c: after the last, the trial ends
+        trial.decide(trial.medians([a, b, c]), [a, b, c], step=15)
+    assert trial.decided and trial.rounds == ROUNDS and c not in trial.chosen
+    assert trial.exchange_at(a, 20) == "reduce_scatter" and trial.exchange_at(c, 20) is None
     again = ExchangeTrial(first_sparse_step=0)  # a bucket timed completely in the second round
-    again.decide(again.medians(1), step=7)
+    again.decide(again.medians([a]), [a], step=7)
     for _ in range(STEPS_EACH):
-        again.record(0, "gather", 0.2)
-        again.record(0, "reduce_scatter", 0.1)
-    again.decide(again.medians(1), step=13)
-    assert again.decided and again.chosen == {0: "reduce_scatter"} and again.rounds == 2
-    resumed = ExchangeTrial(first_sparse_step=30, chosen={"1": "gather"})  # keys as some checkpointers write them
-    assert resumed.decided and resumed.exchange_at(1, 31) == "gather" and resumed.exchange_at(0, 31) is None
+        again.record(a, "gather", 0.2)
+        again.record(a, "reduce_scatter", 0.1)
+    again.decide(again.medians([a]), [a], step=13)
+    assert again.decided and again.chosen == {a: "reduce_scatter"} and again.rounds == 2
+    resumed = ExchangeTrial(first_sparse_step=30, chosen={b: "gather"})  # a loaded decision (Loaded.exchanges)
+    assert resumed.decided and resumed.exchange_at(b, 31) == "gather" and resumed.exchange_at(a, 31) is None
 
 
 def test_every_exchange_of_the_library_has_a_model():
