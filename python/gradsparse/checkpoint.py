@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import Any
 
@@ -169,6 +169,17 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         _checked_part(owner, f"{where} (rank {r}'s part)", part, r, world_size, any_rank=True)
         _check_in_place(where, part, r)
     return state_dict["ranks"][rank]
+
+
+def check_same_steps(where: str, steps: list[int | None], ranks: Iterable[int], fix: str) -> None:
+    """The ranks' state dicts (their ``steps``, of the ranks named ``ranks``) are of one step;
+    ``fix`` says what to do where they are not."""
+    if len(set(steps)) > 1:
+        raise ValueError(
+            f"{where}: the ranks' state dicts are of different steps ("
+            + ", ".join(f"rank {rank}: {step}" for rank, step in zip(ranks, steps, strict=True))
+            + f"): {fix}"
+        )
 
 
 def _check_in_place(where: str, part: dict, r: int) -> None:
@@ -516,14 +527,13 @@ def reshard(state_dict: dict, world_size: int) -> dict:
                 f"resharded form. Resume at {len(ranks)} ranks, or load no gradsparse state at {world_size} (the "
                 "residuals then start from zero)"
             )
-    steps = [saved["step"] for saved in ranks]
-    if len(set(steps)) > 1:
-        raise ValueError(
-            f"{where}: the ranks' state dicts are of different steps ("
-            + ", ".join(f"rank {rank}: {step}" for rank, step in enumerate(steps))
-            + "): they come from different checkpoints; reshard the state dict that gradsparse.AllRanks(state)."
-            "state_dict() returned, as saved"
-        )
+    check_same_steps(
+        where,
+        [saved["step"] for saved in ranks],
+        range(len(ranks)),
+        "they come from different checkpoints; reshard the state dict that gradsparse.AllRanks(state).state_dict() "
+        "returned, as saved",
+    )
     # Each rank's in the loss scale it was saved in (set_scaler); the mean in the smallest of them,
     # so that no value grows on the way (a float16 residual moved up to a larger scale could pass
     # 65504), and the next step moves it to the scaler's scale.

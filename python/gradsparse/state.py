@@ -40,7 +40,7 @@ import torch.nn as nn
 from gradsparse import _C
 from gradsparse.binding import ModelBinding, group_ranks
 from gradsparse.buckets import Bucket, BucketTable
-from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, this_ranks, upgrade, with_checksums
+from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, check_same_steps, this_ranks, upgrade, with_checksums
 from gradsparse.config import (
     REQUIRED,
     Option,
@@ -1185,7 +1185,7 @@ class State:
         self._agree_on_load(refusal, None if load is None else load.step)
         load()
 
-    def _checked(self, state_dict: dict, any_rank: bool) -> _Load | Callable[[], None]:
+    def _checked(self, state_dict: dict, any_rank: bool) -> _Load:
         """load_state_dict's checks of ``state_dict`` (which raise): returns what loads it."""
         owner = type(self).__name__
         check_bool(f"{owner}.load_state_dict", "any_rank", any_rank)
@@ -1229,8 +1229,8 @@ class State:
                 )
             )
         if self._engine is None and not (dist.is_available() and dist.is_initialized()):
-            # checked against this rank in setup()
-            return lambda: setattr(self, "_unchecked", (state_dict, any_rank))
+            # checked against this rank in setup(), which reads its step then
+            return _Load(None, lambda: setattr(self, "_unchecked", (state_dict, any_rank)))
         return self._read(state_dict, any_rank)
 
     def _agree_on_load(self, refusal: Exception | None, step: int | None = None) -> None:
@@ -1268,15 +1268,16 @@ class State:
             raise refusal
         refused = [(rank, verdict) for rank, verdict in enumerate(verdicts) if verdict is not None]
         ranks = group_ranks(self.process_group)
-        if not refused and steps and None not in steps and len(set(steps)) > 1:
-            raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the ranks' state dicts are of different steps ("
-                + ", ".join(f"rank {ranks[rank]}: {step}" for rank, step in enumerate(steps))
-                + "), so none is loaded (this rank's state is left as it was): files of different checkpoints, a "
-                "save stopped on some ranks, or a load on some ranks only, cannot resume together (the ranks' "
-                "residuals and method states would be of different steps). Load one checkpoint on every rank (each "
-                "rank its own file of it, or the same AllRanks file), in the run that saved it once every rank's "
-                "write has ended (accelerator.wait_for_everyone() after Accelerate's save_state)"
+        if not refused and steps and None not in steps:
+            check_same_steps(
+                f"{type(self).__name__}.load_state_dict",
+                steps,
+                ranks,
+                "none is loaded (this rank's state is left as it was), as files of different checkpoints, a save "
+                "stopped on some ranks, or a load on some ranks only, cannot resume together (the ranks' residuals "
+                "and method states would be of different steps). Load one checkpoint on every rank (each rank its "
+                "own file of it, or the same AllRanks file), in the run that saved it once every rank's write has "
+                "ended (accelerator.wait_for_everyone() after Accelerate's save_state)",
             )
         if not refused:
             return
@@ -1481,9 +1482,10 @@ def _wire_of(entry: tuple) -> str:
 
 
 class _Load(NamedTuple):
-    """What loading a checked state dict puts in place (State._read), and the step it resumes at."""
+    """What loading a checked state dict puts in place (State._read), and the step it resumes at
+    (None before init_process_group, where this rank's part is not known yet)."""
 
-    step: int
+    step: int | None
     put_in_place: Callable[[], None]
 
     def __call__(self) -> None:
