@@ -728,12 +728,12 @@ TEST(Float16, ValuesWhoseSumOverflowsAverageToFiniteOutputs) {
 }
 
 // The gathers, the sparse reduce-scatter and reduce-scatter + all-gather's owners add every rank's
-// value / P into float32 sums and round them once to float16 (add_messages). Added one by one in
-// float16, each sum rounded again: from 10 ranks on, values of 65504 on every rank rounded past
-// 65504 (ten of 6550.4 made Inf) where their average is finite, and the Inf reached the gradient
-// with the residuals emptied under "raise" and "skip" alike; 30000 on 6 to 16 ranks came back
-// one or two units (16, 32) off. Now every rank's output is the value itself, to the bit.
-TEST(Float16, GatheredAveragesRoundOnceAndStayFinite) {
+// value / P into float32 sums and round them once to the 16-bit dtype (add_messages): rank r's
+// element i is value + spread * (r - i), and every rank's output, where it owns the element, is
+// the float32 sum of the ranks' values / P in rank order rounded once to T, to the bit, with no
+// residual kept.
+template <typename T>
+void expect_gathered_averages_round_once(DType dtype, const std::vector<float>& values, float spread) {
   const std::vector<std::tuple<const char*, std::function<std::unique_ptr<Method>()>, bool>> ways = {
       {"Top-k, fixed-size gather", [] { return std::make_unique<TopK>(1.0); }, false},
       {"Threshold, gather-and-add", [] { return std::make_unique<Threshold>(1.0); }, false},
@@ -741,27 +741,48 @@ TEST(Float16, GatheredAveragesRoundOnceAndStayFinite) {
       {"Top-k, sparse reduce-scatter", [] { return std::make_unique<TopK>(1.0); }, true},
   };
   for (int p : {6, 10, 12, 16})
-    for (float value : {30000.0f, 65504.0f, -65504.0f})
+    for (float value : values)
       for (const auto& [name, make, shard_only] : ways) {
-        SCOPED_TRACE(str(name, ", ", p, " ranks, every value ", value));
+        SCOPED_TRACE(str(name, ", ", dtype_name(dtype), ", ", p, " ranks, values ", value, " + ", spread, " (r - i)"));
         const int64_t n = 2 * p;  // two elements in each rank's shard
-        std::vector<std::vector<Half>> grad(p, std::vector<Half>(n, Num<Half>::from_float(value)));
-        std::vector<std::vector<Half>> residual(p, std::vector<Half>(n, Num<Half>::zero()));
+        std::vector<std::vector<T>> grad(p, std::vector<T>(n));
+        for (int r = 0; r < p; ++r)
+          for (int64_t i = 0; i < n; ++i) grad[r][i] = Num<T>::from_float(value + spread * static_cast<float>(r - i));
+        std::vector<float> sum(n, 0.0f);
+        for (int r = 0; r < p; ++r)
+          for (int64_t i = 0; i < n; ++i) sum[i] += Num<T>::to_float(grad[r][i]) / static_cast<float>(p);
+        std::vector<std::vector<T>> residual(p, std::vector<T>(n, Num<T>::zero()));
         rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
           CpuDevice device;
           const std::unique_ptr<Method> method = make();
           ReduceOptions options;
           options.shard_only = shard_only;
-          reduce_bucket(method.get(), transport, device,
-                        BucketView{DType::kFloat16, n, grad[rank].data(), residual[rank].data()}, options);
+          reduce_bucket(method.get(), transport, device, BucketView{dtype, n, grad[rank].data(), residual[rank].data()},
+                        options);
         }));
         for (int r = 0; r < p; ++r)
           for (int64_t i = 0; i < n; ++i) {
             const bool owned = !shard_only || i / 2 == r;
-            EXPECT_EQ(Num<Half>::to_float(grad[r][i]), owned ? value : 0.0f) << "rank " << r << " element " << i;
-            EXPECT_EQ(Num<Half>::to_float(residual[r][i]), 0.0f) << "rank " << r << " element " << i;
+            const float want = owned ? Num<T>::to_float(Num<T>::from_float(sum[i])) : 0.0f;
+            EXPECT_EQ(Num<T>::to_float(grad[r][i]), want) << "rank " << r << " element " << i;
+            EXPECT_EQ(Num<T>::to_float(residual[r][i]), 0.0f) << "rank " << r << " element " << i;
           }
       }
+}
+
+// Added one by one in float16, each sum rounded again: from 10 ranks on, values of 65504 on every
+// rank rounded past 65504 (ten of 6550.4 made Inf) where their average is finite, and the Inf
+// reached the gradient with the residuals emptied under "raise" and "skip" alike; 30000 on 6 to 16
+// ranks came back one or two units (16, 32) off. Now every rank's output is the value itself (its
+// float32 sum rounded once).
+TEST(Float16, GatheredAveragesRoundOnceAndStayFinite) {
+  expect_gathered_averages_round_once<Half>(DType::kFloat16, {30000.0f, 65504.0f, -65504.0f}, 0.0f);
+}
+
+// Added one by one in bfloat16 (8 significant bits), each sum rounded again, values near 30000 on 6
+// to 16 ranks came back one or two units (128, 256) off the sum rounded once, and near 1e30 one.
+TEST(BFloat16, GatheredAveragesRoundOnce) {
+  expect_gathered_averages_round_once<BFloat16>(DType::kBFloat16, {30000.0f, -30000.0f, 1e30f}, 300.0f);
 }
 
 /// A transport whose float16 all-reduces add the ranks' values one by one in rank order, each

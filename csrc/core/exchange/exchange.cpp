@@ -176,7 +176,7 @@ std::vector<int64_t> ascending_union(std::vector<std::vector<int64_t>> lists) {
 
 void add_messages(Device& device, const std::vector<MessageView>& messages, void* out, int64_t numel, DType dtype,
                   float divisor) {
-  if (dtype != DType::kFloat16) {
+  if (dtype == DType::kFloat32) {
     device.fill_zero(out, static_cast<size_t>(numel) * dtype_size(dtype));
     for (const MessageView& m : messages) device.scatter_add(m, out, divisor);
     return;

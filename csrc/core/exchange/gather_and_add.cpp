@@ -1,6 +1,6 @@
 // Gather-and-add and its fixed-size variant (exchange.h): every rank receives every rank's pairs
-// and adds them, divided by the world size, in rank order (float16 in float32 sums, rounded once:
-// add_messages), so the result is bit-identical on every rank.
+// and adds them, divided by the world size, in rank order (float16 and bfloat16 in float32 sums,
+// rounded once: add_messages), so the result is bit-identical on every rank.
 #include <cstddef>
 
 #include "gradsparse/exchange.h"

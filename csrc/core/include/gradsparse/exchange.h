@@ -237,11 +237,11 @@ float allreduce_values(Transport& transport, Device& device, void* values, int64
 
 /// out (`numel` values of `dtype`, device memory) = the sum of every message's values / divisor,
 /// added in the messages' order: every rank that adds the same messages gets the same bits (the
-/// gathers, the sparse reduce-scatter and reduce-scatter + all-gather's owners). float16 sums in
-/// float32 and rounds once: added one by one in float16, every rank's 65504 / P rounded past
-/// 65504 (Inf) from 10 ranks on, where their average is finite. float32 and bfloat16 (float32's
-/// range) add in their own type, each sum rounded to it. A bad index throws CorruptMessageError
-/// as scatter_add does.
+/// gathers, the sparse reduce-scatter and reduce-scatter + all-gather's owners). float16 and
+/// bfloat16 sum in float32 and round once: added one by one in float16, every rank's 65504 / P
+/// rounded past 65504 (Inf) from 10 ranks on, where their average is finite; in bfloat16 (8
+/// significant bits) each sum rounded again, and 6 to 16 ranks' came back one or two units off.
+/// float32 adds in place. A bad index throws CorruptMessageError as scatter_add does.
 void add_messages(Device& device, const std::vector<MessageView>& messages, void* out, int64_t numel, DType dtype,
                   float divisor);
 
