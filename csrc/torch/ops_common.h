@@ -33,10 +33,14 @@ inline void check_selection_args(const at::Tensor& grad, const std::optional<at:
 
 inline void check_threshold(double threshold) {
   TORCH_CHECK_VALUE(std::isfinite(threshold) && threshold >= 0.0,
-                    "gradsparse.select_threshold: threshold must be a finite number >= 0, got ", threshold);
+                    "gradsparse.select_threshold: threshold must be a finite number >= 0, got ", threshold,
+                    "; pass the magnitude to select at, e.g. 1e-3");
 }
 
-inline void check_k(int64_t k) { TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k); }
+inline void check_k(int64_t k) {
+  TORCH_CHECK_VALUE(k >= 0, "gradsparse.select_topk: k must be >= 0, got ", k,
+                    "; pass the number of elements to select, e.g. max(1, int(0.01 * grad.numel()))");
+}
 
 inline void check_scatter_args(const at::Tensor& out, const at::Tensor& indices, const at::Tensor& values,
                                double divisor) {

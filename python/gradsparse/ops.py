@@ -40,11 +40,17 @@ def _one_device(op: str, **tensors: torch.Tensor | None) -> None:
 
 
 def _real(op: str, name: str, value: object, fix: str) -> None:
-    """Refuses what the op's double argument cannot take (a string, a bool, None), naming it."""
+    """Refuses what the op's double argument cannot take (a string, a bool, None, an int past
+    float's range such as 10**400), naming it; PyTorch's dispatcher refused the last with a
+    RuntimeError that named neither the op's wrapper nor the fix."""
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"gradsparse.{op}: {name} must be a number, got {_describe(value)}; {fix}")
+    try:
+        float(value)
+    except OverflowError:
+        raise ValueError(f"gradsparse.{op}: {name} must be a finite number, got {_describe(value)}; {fix}") from None
 
 
 def select_threshold(

@@ -572,6 +572,23 @@ def test_density_control_sends_tied_largest_magnitudes(name, kwargs, n, density)
         assert min(sent) >= 3, f"{name}({kwargs}): elements sent at each step: {sent}"
 
 
+@pytest.mark.parametrize(("reference", "sent"), [(True, 0), (False, 1000)])
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [("DGC", {}), ("RedSync", {})]
+    + [("SIDCo", {"fit": fit, "stages": -1}) for fit in ("exp", "gpareto", "gamma_gpareto")],
+)
+def test_reference_modes_send_nothing_where_every_magnitude_ties(name, kwargs, reference, sent):
+    """A constant gradient (docs/methods.md, "Modes"): the originals' strict |v| > τ against a
+    threshold at or above every value sends nothing at any step, the residual holding all of it;
+    the default mode sends the whole bucket. The restatement agrees in both modes."""
+    grads = [[torch.full((1000,), 2**-7)] * 2 for _ in range(6)]
+    kwargs = dict(density=0.01, reference=reference, **kwargs)
+    compare(name, kwargs, grads, 2)
+    steps = run_steps(2, lambda r: core_method(name, **kwargs), grads)
+    assert [[s.indices.numel() for s in step] for step in steps] == [[sent] * 2] * len(grads)
+
+
 def test_sage_reference_threshold_stays_finite_from_a_huge_initial_threshold():
     """The reference mode keeps λ in float32 (method-spec 4.7): from an initial_threshold above
     its largest finite value (3.4e38) λ became Inf at the second step, which no step left: nothing

@@ -310,7 +310,9 @@ def test_select_topk_refuses_a_negative_k_under_torch_compile_as_in_eager(dynami
     compiled = torch.compile(lambda grad, k: gs.select_topk(grad, None, k), fullgraph=True, dynamic=dynamic)
     assert compiled(torch.ones(10), 3)[0].tolist() == [0, 1, 2]
     for k in (-1, -5):
-        with pytest.raises(ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}"):
+        with pytest.raises(
+            ValueError, match=f"gradsparse.select_topk: k must be >= 0, got {k}; pass the number of elements"
+        ):
             compiled(torch.ones(10), k)
 
 
@@ -321,6 +323,16 @@ def test_a_threshold_near_float32s_largest_value_still_selects():
     assert gs.select_threshold(grad, None, 3.1e38)[0].tolist() == [0, 2]
     assert gs.select_threshold(grad, None, torch.finfo(torch.float32).max)[0].tolist() == []
     assert gs.select_threshold(grad, None, 3.5e38)[0].tolist() == []  # rounds to +inf
+
+
+@pytest.mark.parametrize("threshold", [math.inf, -math.inf, math.nan, -1.0])
+def test_select_threshold_refuses_what_is_no_magnitude_naming_the_fix(threshold):
+    """An infinite or NaN threshold is refused, before the residual takes the gradient (one that
+    only float32 rounds to +inf selects nothing, above); the refusal named no fix."""
+    grad, residual = torch.tensor([1.0, -2.0]), torch.zeros(2)
+    with pytest.raises(ValueError, match=re.escape(f"threshold must be a finite number >= 0, got {threshold:g}; pass")):
+        gs.select_threshold(grad, residual, threshold)
+    assert not residual.any()
 
 
 def test_scatter_add_refuses_values_or_indices_that_share_memory_with_out():
@@ -394,6 +406,11 @@ def test_sizes_from_a_dynamic_shape_compile_once():
          r"gradsparse\.select_threshold: threshold must be a number, got '1' \(str\)"),
         (lambda: gs.scatter_add_(torch.zeros(5), torch.tensor([1]), torch.ones(1), None), TypeError,
          r"gradsparse\.scatter_add_: divisor must be a number, got None \(NoneType\)"),
+        # an int past float's range: the dispatcher's RuntimeError "Expected a value of type 'float'"
+        (lambda: gs.select_threshold(torch.ones(4), None, 10**400), ValueError,
+         r"gradsparse\.select_threshold: threshold must be a finite number, got 10{400} \(int\); pass the magnitude"),
+        (lambda: gs.scatter_add_(torch.zeros(5), torch.tensor([1]), torch.ones(1), -(10**400)), ValueError,
+         r"gradsparse\.scatter_add_: divisor must be a finite number, got -10{400} \(int\); pass the number of ranks"),
         (lambda: gs.pack(torch.tensor([1]), torch.ones(1), 9.0), TypeError,
          r"gradsparse\.pack: dense_size must be a 64-bit int, got 9\.0 \(float\)"),
         # a meta tensor among others ran the fake kernel: uninitialised pairs, nothing written
