@@ -15,8 +15,9 @@
 # speed, as the bucket refills while the ranks compute. LATENCY (default 10ms) is the longest a
 # packet may queue before tbf drops it. Other arguments go to `python -m benchmarks.overlap` after
 # `--network "veth, tbf RATE" --output overlap-RATE.md`, so they may override both. PYTHON
-# names the interpreter (default python3). Needs root, ip and tc (iproute2); the namespaces
-# (gs-rank0-PID, gs-rank1-PID, addresses 10.213.0.1/24 and 10.213.0.2/24) are deleted on exit,
+# names the interpreter as scripts/env.sh chooses it (default python3; where that is externally
+# managed, the virtual environment scripts/setup.sh made). Needs root, ip and tc (iproute2); the
+# namespaces (gs-rank0-PID, gs-rank1-PID, addresses 10.213.0.1/24 and 10.213.0.2/24) are deleted on exit,
 # also on failure or Ctrl-C. Rank 0's table goes to stdout and to runs/benchmarks/ under the current
 # directory; PYTHON and --output paths are taken relative to it, as overlap.py takes them.
 set -euo pipefail
@@ -49,11 +50,12 @@ elif [[ ${rate,,} =~ ^([0-9]+)([kmg]?)bit$ ]]; then
 else
     die "cannot size tbf's burst for rate '$rate': use [k|m|g]bit or set BURST"
 fi
-python=$(command -v "${PYTHON:-python3}") || die "'${PYTHON:-python3}' not found (set PYTHON)"
-# The ranks run in the caller's directory with the repository on their path: a relative PYTHON or
-# --output means what it says there. (Not resolved through symlinks: a venv's python is one.)
-[[ $python == /* ]] || python=$PWD/$python
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# The ranks run in the caller's directory with the repository on their path: a relative PYTHON,
+# GRADSPARSE_VENV (scripts/env.sh: the interpreter scripts/setup.sh installed into) or --output
+# means what it says there.
+source "$repo/scripts/env.sh"
+python=$(command -v "$PYTHON") || die "'$PYTHON' not found (set PYTHON, or run scripts/setup.sh to install into it)"
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 ns=("gs-rank0-$$" "gs-rank1-$$")

@@ -69,6 +69,9 @@ class Task:
     metric_fields: tuple[str, ...] = ("accuracy",)  # every key evaluate() returns
     higher_is_better = True
     samples_per_batch = 1  # for throughput: examples (or tokens) per batch per rank
+    # The class make_optimizer builds, known before the task loads its data: --momentum-correction,
+    # which moves SGD's momentum into the method, is refused up front for another optimizer.
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.SGD
 
     def target(self, final: float) -> tuple[float, str]:
         """The quality a run must reach to count as "the same" as a reference run that ended at
@@ -182,6 +185,13 @@ def uses_gradsparse(method: str, args: argparse.Namespace) -> bool:
     """Whether the run's gradients go through a gradsparse state: every gradsparse method, except
     dense with --fsdp (FSDP's own reduce-scatter)."""
     return method in gs.METHODS and not (args.fsdp and method == "dense")
+
+
+def momentum_correction_refusal(optimizer_class: type[torch.optim.Optimizer]) -> str:
+    return (
+        f"--momentum-correction moves SGD's momentum into the method, but this task trains with "
+        f"{optimizer_class.__name__}; drop the flag"
+    )
 
 
 def optimizer_args(method: str, args: argparse.Namespace) -> argparse.Namespace:
@@ -516,11 +526,18 @@ def given_options(parser: argparse.ArgumentParser, args: argparse.Namespace, arg
 # ----------------------------------------------------------------------------------------------
 
 
-def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, methods: list[str], argv) -> None:
+def check_arguments(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    methods: list[str],
+    argv,
+    optimizer_class: type[torch.optim.Optimizer] = Task.optimizer_class,
+) -> None:
     """Refuses, on every rank and before the process group, what argparse's types let through
-    (NaN, negative rates, unreadable milestones) and every gradsparse method's options as its state
-    checks them: otherwise a bad --density surfaced as a traceback when its method's turn came,
-    after the methods before it had trained."""
+    (NaN, negative rates, unreadable milestones), every gradsparse method's options as its state
+    checks them (otherwise a bad --density surfaced as a traceback when its method's turn came,
+    after the methods before it had trained) and --momentum-correction with a task whose
+    ``optimizer_class`` is not SGD (refused only once the data had loaded)."""
 
     def number(flag: str, value: float | None, low: float, high: float = math.inf, low_ok: bool = True) -> None:
         bounds = None if value is None else _outside(value, low, high, low_ok)
@@ -538,6 +555,8 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace, m
             f"--bucket-cap-mb {args.bucket_cap_mb} sizes DDP's buckets, and --fsdp builds none: FSDP exchanges "
             "each fully_shard module's gradients at once (one residual per module); drop one of the two"
         )
+    if args.momentum_correction and not issubclass(optimizer_class, torch.optim.SGD):
+        parser.error(momentum_correction_refusal(optimizer_class))
     for milestone in str(args.lr_milestones).split(","):
         try:
             ok = not milestone.strip() or math.isfinite(float(milestone))
@@ -823,11 +842,9 @@ class Run:
         self.scaler = torch.amp.GradScaler(device().type, enabled=args.amp == "fp16")
         if self.comm.state is not None and args.amp == "fp16":
             self.comm.state.set_scaler(self.scaler)
+        # main checked the task's optimizer_class: this stops a task whose make_optimizer builds another
         if args.momentum_correction and not isinstance(self.optimizer, torch.optim.SGD):
-            raise SystemExit(
-                f"--momentum-correction moves SGD's momentum into the method, but this task trains with "
-                f"{type(self.optimizer).__name__}; drop the flag"
-            )
+            raise SystemExit(momentum_correction_refusal(type(self.optimizer)))
         self.steps_per_epoch = task.steps_per_epoch(world)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, self.steps_per_epoch, args)
@@ -1248,7 +1265,7 @@ def main(
         parser.error(
             f"--method: {', '.join(twice)} given twice; each method trains once, in its run folder <out>/<method>"
         )
-    check_arguments(parser, args, methods, argv)
+    check_arguments(parser, args, methods, argv, getattr(make_task, "optimizer_class", Task.optimizer_class))
     out = args.out or default_out
     rank, world = init_distributed(args)
     for method in methods:  # the options that depend on the world size (SparDL's teams), on every rank alike

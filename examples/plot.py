@@ -3,10 +3,12 @@
     python -m examples.plot RUN_DIR [RUN_DIR ...] [--out compare.png] [--metric accuracy] [--table]
 
 A RUN_DIR is a run folder (holding epochs.csv) or a folder of run folders (one per method, as
-``--method dense,topk`` writes them). Each run is one line, labelled by its folder name; a run
-stopped in its first epoch (its epochs.csv holds the header alone) is left out, with a note.
-``--table`` also prints a Markdown table of every run's last epoch: quality, training time and
-bytes sent, against the run labelled ``dense`` when there is one.
+``--method dense,topk`` writes them). Each run is one line, labelled by its folder name, or, where
+two runs have the same name (``job1/topk`` and ``job2/topk``), by as many of its folder's last
+names as tell them apart; a run stopped in its first epoch (its epochs.csv holds the header alone)
+is left out, with a note. ``--table`` also prints a Markdown table of every run's last epoch:
+quality, training time and bytes sent, against the run labelled ``dense`` (``job1/dense`` for
+``job1/topk``) when there is one.
 """
 
 from __future__ import annotations
@@ -19,21 +21,28 @@ import sys
 
 
 def find_runs(paths: list[str]) -> list[tuple[str, str]]:
-    """(label, epochs.csv path) of every run under the given folders."""
-    runs = []
+    """(label, epochs.csv path) of every run under the given folders (a folder given twice once).
+    A run is labelled by its folder's name; where two runs' names are the same (the same method in
+    the folders of two jobs), every run by as many of its folder's last names as tell them apart."""
+    folders = []
     for path in paths:
         if os.path.exists(os.path.join(path, "epochs.csv")):
-            runs.append((os.path.basename(os.path.normpath(path)), os.path.join(path, "epochs.csv")))
+            folders.append(path)
             continue
         found = sorted(
-            (name, os.path.join(path, name, "epochs.csv"))
+            os.path.join(path, name)
             for name in (os.listdir(path) if os.path.isdir(path) else [])
             if os.path.exists(os.path.join(path, name, "epochs.csv"))
         )
         if not found:
             raise SystemExit(f"{path}: no epochs.csv here or in its sub-folders (is it a run folder?)")
-        runs += found
-    return runs
+        folders += found
+    folders = list({os.path.abspath(folder): folder for folder in folders}.values())
+    names = [os.path.abspath(folder).strip(os.sep).split(os.sep) for folder in folders]
+    last = 1
+    while len({tuple(n[-last:]) for n in names}) < len(names):
+        last += 1
+    return [("/".join(n[-last:]), os.path.join(folder, "epochs.csv")) for n, folder in zip(names, folders, strict=True)]
 
 
 def read_rows(path: str) -> list[dict[str, float]]:
@@ -60,14 +69,16 @@ def _ratio(value: float, base: float, form: str) -> str:
 
 
 def table(runs: list[tuple[str, list[dict[str, float]]]], metric: str) -> str:
-    """Markdown: one row per run, its last epoch; ratios against the run labelled dense."""
-    base = dict(runs).get("dense")
+    """Markdown: one row per run, its last epoch; ratios against the run labelled dense, or, where
+    labels name folders (job1/topk), against the dense run of the same folder (job1/dense)."""
+    labelled = dict(runs)
     lines = [
         f"| method | epochs | {metric} | loss | train time (s) | MB sent per worker | bytes vs dense | time vs dense |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for label, rows in runs:
         last = rows[-1]
+        base = labelled.get(label[: label.rfind("/") + 1] + "dense")
         vs_bytes = _ratio(last["bytes_total"], base[-1]["bytes_total"], "{:.2%}") if base else ""
         vs_time = _ratio(last["elapsed_seconds"], base[-1]["elapsed_seconds"], "{:.2f}x") if base else ""
         lines.append(

@@ -1,5 +1,6 @@
-# Sourced by the scripts in this folder: sets PYTHON to the interpreter that gradsparse is
-# installed into and run with, and GRADSPARSE_VENV to the virtual environment to create (or "").
+# Sourced by the scripts in this folder and by benchmarks/slow_network.sh: sets PYTHON to the
+# interpreter that gradsparse is installed into and run with, and GRADSPARSE_VENV to the virtual
+# environment to create (or "").
 #
 # PYTHON (default python3) is used as it is when pip may install into it: a virtual
 # environment's, conda's, pyenv's, a user's own build. An externally managed interpreter (PEP 668:

@@ -17,16 +17,20 @@
 # A stage that fails (or skips a test) fails the check; the others still run. The Markdown report
 # lands in $GPU_CHECK_OUT/report.md (default build/gpu), each stage's log beside it.
 #
-# Variables: PYTHON (default python3), GPU_CHECK_OUT, GRADSPARSE_DATA_DIR (Fashion-MNIST's folder,
+# Variables: PYTHON and GRADSPARSE_VENV (the interpreter, as scripts/env.sh chooses it: the one
+# scripts/setup.sh installed into), GPU_CHECK_OUT, GRADSPARSE_DATA_DIR (Fashion-MNIST's folder,
 # default /usr/share/datasets/fashion-mnist), GTEST_SOURCE (a GoogleTest source tree, for machines
 # without libgtest-dev), GPU_CHECK_STEPS (training steps per method, default 20).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-# A relative PYTHON (one with a /) or GPU_CHECK_OUT is a path from the caller's directory; the
-# default report folder is the repository's build/gpu. (PYTHON not resolved through symlinks: a
-# venv's python is one.)
-PYTHON=${PYTHON:-python3}
-[[ $PYTHON != */* || $PYTHON == /* ]] || PYTHON=$PWD/$PYTHON
+# A relative PYTHON, GRADSPARSE_VENV (env.sh) or GPU_CHECK_OUT is a path from the caller's
+# directory; the default report folder is the repository's build/gpu.
+source "$ROOT/scripts/env.sh"
+if ! command -v "$PYTHON" > /dev/null; then
+  echo "gpu_check: no interpreter $PYTHON${GRADSPARSE_VENV:+ (the virtual environment for the externally managed $GRADSPARSE_BASE_PYTHON)};" \
+    "run bash scripts/setup.sh test first, or set PYTHON to the interpreter that has a CUDA build of torch" >&2
+  exit 2
+fi
 OUT_DIR=$(mkdir -p "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && cd "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && pwd)
 cd "$ROOT"
 REPORT=$OUT_DIR/report.md

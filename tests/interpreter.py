@@ -1,4 +1,5 @@
-"""This test run's interpreter at another path, as the scripts under test are told to run it."""
+"""This test run's interpreter at another path, as the scripts under test are told to run it, and
+a stand-in for an externally managed one."""
 
 import os
 import sys
@@ -13,3 +14,16 @@ def python_at(path, environment: str = "") -> str:
         f.write(f'#!/bin/sh\n{environment + " " if environment else ""}exec "{sys.executable}" "$@"\n')
     os.chmod(path, 0o755)
     return str(path)
+
+
+def externally_managed_python(folder) -> str:
+    """A stand-in for Debian's python3 as scripts/env.sh sees it: its PEP 668 check says yes, and
+    anything else fails, as Debian's python3 without torch would (a script that runs it fails)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "python3")
+    with open(path, "w") as f:
+        f.write(
+            '#!/bin/sh\ncase "$*" in *EXTERNALLY-MANAGED*) exit 0 ;; esac\necho "No module named torch" >&2\nexit 1\n'
+        )
+    os.chmod(path, 0o755)
+    return path

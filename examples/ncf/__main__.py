@@ -80,6 +80,7 @@ def _betas(text: str) -> str:
 class Recommendation(driver.Task):
     metric = f"hr@{TOP_K}"
     metric_fields = (f"hr@{TOP_K}", f"ndcg@{TOP_K}")
+    optimizer_class = torch.optim.Adam
 
     def __init__(self, args: argparse.Namespace):
         if args.synthetic_data:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.interpreter import python_at
+from tests.interpreter import externally_managed_python, python_at
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -277,3 +277,18 @@ def test_slow_network_takes_relative_paths_from_the_callers_directory(tmp_path):
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert "| topk |" in (tmp_path / "reports" / "overlap.md").read_text()
     assert cluster_namespaces("gs-rank") - before == set()
+
+
+def test_slow_network_runs_the_interpreter_setup_installed_into(tmp_path):
+    """benchmarks/slow_network.sh on a machine whose python3 is externally managed: its ranks run
+    the virtual environment's interpreter that scripts/setup.sh installed into, as scripts/env.sh
+    chooses it (they ran python3, which has no torch there)."""
+    python_at(tmp_path / "venv" / "bin" / "python")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHON=externally_managed_python(tmp_path / "managed"),
+               GRADSPARSE_VENV="venv")  # fmt: skip
+    script = os.path.join(ROOT, "benchmarks", "slow_network.sh")
+    command = ["bash", script, "--rate", "200mbit", "--methods", "dense", "--steps", "2", "--width", "32", "--depth",
+               "1", "--output", "reports/overlap.md"]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert "| dense |" in (tmp_path / "reports" / "overlap.md").read_text()

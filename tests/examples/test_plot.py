@@ -54,3 +54,29 @@ def test_a_row_cut_short_is_left_out_with_a_note(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "epochs.csv: line 4 is incomplete and left out" in err
     assert "| dense | 2 | 0.6 |" in out
+
+
+def test_runs_of_the_same_name_from_two_jobs_are_told_apart_by_their_folders(tmp_path, capsys, monkeypatch):
+    """Two jobs' folders of runs, each with dense and topk: the legend held dense and topk twice, and
+    --table compared both jobs' runs with the second job's dense. Labels take the job's folder only
+    where names collide, and each run is compared with the dense run of its own job."""
+    from matplotlib.figure import Figure
+
+    for job, seconds in (("job1", 2.0), ("job2", 4.0)):
+        write_run(tmp_path / job / "dense", f"1,10,2.0,0.5,1,100,100,1.0,{seconds}")
+        write_run(tmp_path / job / "topk", f"1,10,2.1,0.4,0.01,1,1,1.0,{seconds * 1.5}")
+    write_run(tmp_path / "other" / "micro", "1,10,2.2,0.3,0.01,2,2,1.0,5.0")
+    saved = []  # the figure plot.main writes
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: saved.append(figure))
+    plot.main([str(tmp_path / "job1"), str(tmp_path / "job2"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    (figure,) = saved
+    labels = ["job1/dense", "job1/topk", "job2/dense", "job2/topk"]
+    for axes in figure.axes:
+        assert [line.get_label() for line in axes.get_lines()] == labels
+    out = capsys.readouterr().out
+    assert "| job1/topk | 1 | 0.4 | 2.1000 | 3.0 | 0.00 | 1.00% | 1.50x |" in out
+    assert "| job2/topk | 1 | 0.4 | 2.1000 | 6.0 | 0.00 | 1.00% | 1.50x |" in out
+    # names that differ keep their folder's name alone
+    plot.main([str(tmp_path / "job1"), str(tmp_path / "other"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    assert [line.get_label() for line in saved[-1].axes[0].get_lines()] == ["dense", "topk", "micro"]
+    assert "| micro | 1 | 0.3 | 2.2000 | 5.0 | 0.00 | 2.00% | 2.50x |" in capsys.readouterr().out

@@ -517,6 +517,20 @@ def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message
     )
 
 
+def test_momentum_correction_is_refused_for_a_task_without_sgd_before_its_data_loads(capsys, monkeypatch):
+    """NCF trains with Adam: --momentum-correction was refused once every rank had joined the
+    process group and loaded the ratings (minutes for MovieLens-20M). The task's optimizer_class
+    names its optimizer: argparse refuses the flag before either, on every rank."""
+    from examples.ncf import __main__ as ncf
+
+    monkeypatch.setattr(ncf.Recommendation, "__init__", never("the data was loaded"))
+    monkeypatch.setattr(driver, "init_distributed", never("the process group was joined"))
+    message = (
+        "--momentum-correction moves SGD's momentum into the method, but this task trains with Adam; drop the flag"
+    )
+    assert_refused(ncf.main, ["--momentum-correction"], message, capsys)
+
+
 def summary_table(printed: str) -> list[str]:
     """The summary's target line and table (from "target ..." to the blank line after it)."""
     lines = printed.splitlines()

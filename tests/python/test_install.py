@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import gradsparse
-from tests.interpreter import python_at
+from tests.interpreter import externally_managed_python, python_at
 
 
 def test_import_under_another_torch_raises_naming_both_versions_and_the_fix(tmp_path):
@@ -136,23 +136,13 @@ def test_every_simd_path_of_the_kernels_gives_the_same_steps_to_the_bit():
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _externally_managed_python(folder) -> str:
-    """A stand-in for Debian's python3 as scripts/env.sh sees it: its PEP 668 check says yes."""
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "python3")
-    with open(path, "w") as f:
-        f.write("#!/bin/sh\nexit 0\n")
-    os.chmod(path, 0o755)
-    return path
-
-
 @pytest.mark.parametrize("managed", [False, True], ids=["python", "venv"])
 def test_the_scripts_take_a_relative_python_and_venv_from_the_callers_directory(tmp_path, managed):
     """scripts/*.sh run from another directory: a relative PYTHON, or GRADSPARSE_VENV where PYTHON is
     externally managed, is a path from there (they changed to the repository's root first, so the
     interpreter was not found: exit 127, or the venv went into the repository)."""
     if managed:
-        managed_python = _externally_managed_python(tmp_path / "managed")
+        managed_python = externally_managed_python(tmp_path / "managed")
         python_at(tmp_path / "venvs" / "gs" / "bin" / "python")
         env = dict(os.environ, PYTHON=managed_python, GRADSPARSE_VENV="venvs/gs")
     else:
@@ -173,7 +163,7 @@ def test_slurm_ci_runs_the_job_with_the_interpreter_setup_installed_into(tmp_pat
     the job gets the virtual environment's interpreter, as the other scripts choose it (it ran
     python3, which has no gradsparse). SLURM and munge are stubs here; sbatch records PYTHON."""
     stubs = tmp_path / "stubs"
-    _externally_managed_python(stubs)
+    externally_managed_python(stubs)
     commands = {
         "id": "echo 0",
         "dpkg": "exit 0",
@@ -283,6 +273,25 @@ def test_gpu_check_takes_a_relative_python_and_report_folder_from_the_callers_di
     assert f"gpu_check: {tmp_path}/bin/python's torch sees no CUDA device" in done.stderr, done.stderr
     assert "not found" not in done.stderr, done.stderr
     assert (tmp_path / "out").is_dir() and not os.path.exists(os.path.join(ROOT, "out"))
+
+
+def test_gpu_check_builds_into_and_tests_the_interpreter_setup_installed_into(tmp_path):
+    """scripts/gpu_check.sh on a machine whose python3 is externally managed: it takes the virtual
+    environment scripts/setup.sh installed into, as the other scripts do (it ran python3, which has
+    no torch there, and pip would not install into it); one that is missing is named, with the fix
+    (it was bash's "No such file or directory", then "sees no CUDA device")."""
+    managed = externally_managed_python(tmp_path / "managed")
+    python_at(tmp_path / "venv" / "bin" / "python", "CUDA_VISIBLE_DEVICES=")
+    script = os.path.join(ROOT, "scripts", "gpu_check.sh")
+    for venv, said in (
+        ("venv", f"gpu_check: {tmp_path}/venv/bin/python's torch sees no CUDA device"),
+        ("none", f"gpu_check: no interpreter {tmp_path}/none/bin/python (the virtual environment for the externally "
+         f"managed {managed}); run bash scripts/setup.sh test first"),
+    ):  # fmt: skip
+        env = dict(os.environ, PYTHON=managed, GRADSPARSE_VENV=venv, GPU_CHECK_OUT="out")
+        done = subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+        assert said in done.stderr, done.stderr
 
 
 def test_ctest_runs_in_its_build_folder_on_the_declared_cmake():
