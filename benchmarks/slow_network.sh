@@ -55,7 +55,8 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # GRADSPARSE_VENV (scripts/env.sh: the interpreter scripts/setup.sh installed into) or --output
 # means what it says there.
 source "$repo/scripts/env.sh"
-python=$(command -v "$PYTHON") || die "'$PYTHON' not found (set PYTHON, or run scripts/setup.sh to install into it)"
+require_python slow_network.sh
+python=$(command -v "$PYTHON")
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 ns=("gs-rank0-$$" "gs-rank1-$$")

@@ -28,3 +28,11 @@ unset _base_python
 export PYTHON
 # Where the interpreter's console scripts (torchrun, ruff, clang-format) are installed.
 python_bin() { "$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("scripts"))'; }
+# Stops the calling script (named $1) where PYTHON is missing: a virtual environment that
+# scripts/setup.sh has not made yet, or a PYTHON that names nothing.
+require_python() {
+  command -v "$PYTHON" > /dev/null && return
+  echo "$1: no interpreter $PYTHON${GRADSPARSE_VENV:+ (the virtual environment for the externally managed $GRADSPARSE_BASE_PYTHON)};" \
+    "run bash scripts/setup.sh test first, or set PYTHON to an interpreter that has torch" >&2
+  exit 2
+}

@@ -26,11 +26,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 # A relative PYTHON, GRADSPARSE_VENV (env.sh) or GPU_CHECK_OUT is a path from the caller's
 # directory; the default report folder is the repository's build/gpu.
 source "$ROOT/scripts/env.sh"
-if ! command -v "$PYTHON" > /dev/null; then
-  echo "gpu_check: no interpreter $PYTHON${GRADSPARSE_VENV:+ (the virtual environment for the externally managed $GRADSPARSE_BASE_PYTHON)};" \
-    "run bash scripts/setup.sh test first, or set PYTHON to the interpreter that has a CUDA build of torch" >&2
-  exit 2
-fi
+require_python gpu_check
 OUT_DIR=$(mkdir -p "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && cd "${GPU_CHECK_OUT:-$ROOT/build/gpu}" && pwd)
 cd "$ROOT"
 REPORT=$OUT_DIR/report.md

@@ -3,6 +3,7 @@
 # `bash scripts/lint.sh --fix` rewrites the files instead of checking them.
 set -euo pipefail
 source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHON is a path from there
+require_python lint.sh
 cd "$(dirname "$0")/.."
 "$PYTHON" -m pip install -q --disable-pip-version-check "ruff>=0.6" "clang-format>=18"
 bin="$(python_bin)"

@@ -13,6 +13,7 @@
 # clang with libFuzzer (installed here with apt-get when missing and running as root).
 set -euo pipefail
 source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHON is a path from there
+require_python sanitize.sh
 cd "$(dirname "$0")/.."
 build_only=0
 if [ "${1:-}" = --build-only ]; then

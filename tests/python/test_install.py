@@ -279,19 +279,34 @@ def test_gpu_check_builds_into_and_tests_the_interpreter_setup_installed_into(tm
     """scripts/gpu_check.sh on a machine whose python3 is externally managed: it takes the virtual
     environment scripts/setup.sh installed into, as the other scripts do (it ran python3, which has
     no torch there, and pip would not install into it); one that is missing is named, with the fix
-    (it was bash's "No such file or directory", then "sees no CUDA device")."""
-    managed = externally_managed_python(tmp_path / "managed")
+    (test_a_script_without_its_interpreter_names_the_fix)."""
     python_at(tmp_path / "venv" / "bin" / "python", "CUDA_VISIBLE_DEVICES=")
+    env = dict(os.environ, PYTHON=externally_managed_python(tmp_path / "managed"), GRADSPARSE_VENV="venv",
+               GPU_CHECK_OUT="out")  # fmt: skip
     script = os.path.join(ROOT, "scripts", "gpu_check.sh")
-    for venv, said in (
-        ("venv", f"gpu_check: {tmp_path}/venv/bin/python's torch sees no CUDA device"),
-        ("none", f"gpu_check: no interpreter {tmp_path}/none/bin/python (the virtual environment for the externally "
-         f"managed {managed}); run bash scripts/setup.sh test first"),
-    ):  # fmt: skip
-        env = dict(os.environ, PYTHON=managed, GRADSPARSE_VENV=venv, GPU_CHECK_OUT="out")
-        done = subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
-        assert said in done.stderr, done.stderr
+    done = subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert f"gpu_check: {tmp_path}/venv/bin/python's torch sees no CUDA device" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("script", "name"),
+    [("scripts/gpu_check.sh", "gpu_check"), ("scripts/lint.sh", "lint.sh"), ("scripts/sanitize.sh", "sanitize.sh"),
+     ("benchmarks/slow_network.sh", "slow_network.sh")],
+)  # fmt: skip
+def test_a_script_without_its_interpreter_names_the_fix(tmp_path, script, name):
+    """The scripts that run the interpreter scripts/setup.sh installed into, where setup.sh has not
+    made its virtual environment yet: each names it and the fix, before doing anything (they ended
+    in bash's "No such file or directory", gpu_check.sh then in "sees no CUDA device")."""
+    managed = externally_managed_python(tmp_path / "managed")
+    env = dict(os.environ, PYTHON=managed, GRADSPARSE_VENV="none", GPU_CHECK_OUT="out")
+    done = subprocess.run(["bash", os.path.join(ROOT, script)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert done.stderr.startswith(
+        f"{name}: no interpreter {tmp_path}/none/bin/python (the virtual environment for the externally managed "
+        f"{managed}); run bash scripts/setup.sh test first"
+    ), done.stderr
 
 
 def test_ctest_runs_in_its_build_folder_on_the_declared_cmake():
