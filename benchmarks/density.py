@@ -28,7 +28,7 @@ import platform
 import torch
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, markdown_table, number_list, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, number_list, write_result
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> str:
     unknown = [m for m in chosen if m not in methods(0.01)]
     if unknown:
         parser.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(methods(0.01))}")
+    check_output(parser, "--output", args.output, "density.md")
     torch.set_num_threads(2)
     gs.set_num_threads(1)  # the ranks are threads already
     text = f"# Density error over {args.steps} steps ({args.world_size} thread ranks, {platform.machine()})\n\n"

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
 from gradsparse.testing import run_distributed
 
 
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
             make_state(method, args.density).close()
         except (TypeError, ValueError) as e:
             parser.error(f"--methods {method} --density {args.density}: {e}")
+    if os.environ.get("RANK", "0") == "0":  # the rank that writes the report
+        check_output(parser, "--output", args.output, "overlap.md")
     worker_args = (methods, args.density, args.steps, args.width, args.depth)
     if "RANK" not in os.environ:
         per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)

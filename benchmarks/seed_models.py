@@ -23,7 +23,7 @@ import statistics
 import sys
 
 from benchmarks import cluster
-from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
 from examples.driver import METHODS, step_costs
 from examples.plot import read_rows
 
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     twice = sorted({m for m in methods if methods.count(m) > 1})
     if twice:
         parser.error(f"--methods: {', '.join(twice)} given twice; each method trains once, in its run folder")
+    check_output(parser, "--report", args.report, "seed-models.md")  # written after the first model trained
     sections = [
         f"# The seeds' models on the emulated cluster: {args.hosts} hosts, {args.rate} links\n\n"
         f"`sudo python -m benchmarks.seed_models{''.join(' ' + a for a in (sys.argv[1:] if argv is None else argv))}`: "

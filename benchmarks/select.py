@@ -49,7 +49,15 @@ import torch
 import torch.distributed as dist
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, cpu_description, markdown_table, median_seconds, number_list, write_result
+from benchmarks.utils import (
+    OUTPUT_HELP,
+    check_output,
+    cpu_description,
+    markdown_table,
+    median_seconds,
+    number_list,
+    write_result,
+)
 from gradsparse import _C
 
 WARMUP = 20  # a method's first steps, timed apart from the rest (--warmup)
@@ -177,16 +185,18 @@ def step_gradient(draws: list[torch.Tensor], step: int) -> torch.Tensor:
 
 
 def chosen_methods(density: float, only: str) -> dict[str, callable]:
-    """benchmarks.density's method factories, or those named in ``only`` (comma-separated)."""
+    """benchmarks.density's method factories, or those named in ``only`` (comma-separated, spaces
+    around the names ignored: "TopK, DGC")."""
     from benchmarks.density import methods
 
     chosen = methods(density)
-    if not only:
+    names = [name.strip() for name in only.split(",") if name.strip()]
+    if not names:
         return chosen
-    unknown = set(only.split(",")) - set(chosen)
+    unknown = sorted(set(names) - set(chosen))
     if unknown:
-        raise SystemExit(f"--only: unknown method(s) {', '.join(sorted(unknown))}; choose from {', '.join(chosen)}")
-    return {name: chosen[name] for name in only.split(",")}
+        raise SystemExit(f"--only: unknown method(s) {', '.join(unknown)}; choose from {', '.join(chosen)}")
+    return {name: chosen[name] for name in names}
 
 
 def engine_method_rows(n: int, density: float, repeat: int, device: str, only: str = "") -> list[list[object]]:
@@ -294,6 +304,11 @@ def main(argv: list[str] | None = None) -> str:
     ):
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
+    if args.threads > gs.MAX_THREADS:  # else gradsparse.set_num_threads' ValueError, after torch's took them
+        parser.error(
+            f"--threads {args.threads}: more than {gs.MAX_THREADS}, the most gradsparse's CPU kernels take; give a "
+            f"count up to {gs.MAX_THREADS}, or 0 for the default"
+        )
     if not 0 <= args.momentum < 1:
         parser.error(f"--momentum must be in [0, 1) (0: none), got {args.momentum}")
     if args.device != "cpu" and not args.device.startswith("cuda"):
@@ -312,6 +327,9 @@ def main(argv: list[str] | None = None) -> str:
             torch.cuda.set_device(args.device)
     if args.methods:
         chosen_methods(0.01, args.only)  # an unknown --only name, before anything is timed
+    check_output(parser, "--output", args.output, "select.md")
+    if args.steps:
+        check_output(parser, "--steps", args.steps, "steps.csv")
     if args.threads:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)

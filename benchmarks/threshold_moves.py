@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from benchmarks.utils import OUTPUT_HELP, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
 
 
 def moves(thresholds: list[float]) -> list[float]:
@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--density must be in (0, 1), got {args.density}")
     if not (math.isfinite(args.size) and args.size >= 1000):
         parser.error(f"--size must be at least 1000 elements, got {args.size:g}")
+    check_output(parser, "--output", args.output, "threshold_moves.md")
     cnn = [step[0] for step in density.cnn_stream(args.steps, 1)]
     n = cnn[0].numel()
     rows = [summary("cnn", topk_thresholds(cnn, n, max(1, int(args.density * n)))[50:])]

@@ -65,6 +65,27 @@ def result_path(name: str) -> str:
     return name if os.path.dirname(name) else os.path.join("runs", "benchmarks", name)
 
 
+def check_output(parser: argparse.ArgumentParser, flag: str, name: str, example: str) -> None:
+    """Refuses, with ``parser.error``, a report ``name`` that write_result could not write, before
+    any work (else open's or makedirs' traceback once the run was over, its report lost): a folder
+    (an empty name is runs/benchmarks/ itself), a path under a file, or where this user may not
+    write. ``example`` is a file name to suggest."""
+    path = result_path(name)
+    if os.path.isdir(path) or not os.path.basename(path):
+        inside = os.path.join(name, example) if os.path.dirname(name) else example
+        parser.error(f"{flag} {name!r}: {path} is a folder; give the file to write, for example {flag} {inside}")
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if existing != os.path.abspath(path) and not os.path.isdir(existing):
+        reason = f"{existing} is a file, not a folder"
+    elif not os.access(existing, os.W_OK):
+        reason = f"{existing} is not writable by this user"
+    else:
+        return
+    parser.error(f"{flag} {name}: cannot write {path}: {reason}; give a path in a folder this user may write in")
+
+
 def write_result(name: str, text: str) -> str:
     """Writes ``text`` to result_path(name), making its folder, and returns the path."""
     path = result_path(name)

@@ -3,6 +3,7 @@ figures are measured by hand on quiet machines and recorded in docs/benchmarks.m
 that every script still works and reports every method)."""
 
 import math
+import os
 import re
 
 import pytest
@@ -112,6 +113,15 @@ def test_select_times_momentum_correction_beside_the_chosen_methods(tmp_path):
         select.main(["--sizes", "2e4", "--methods", "--only", "topk", "--output", str(tmp_path / "x.md")])
 
 
+def test_select_reads_only_as_density_reads_its_methods():
+    """--only "TopK, DGC" was refused as "unknown method(s)  DGC", DGC among the choices it
+    listed, and "--only TopK,,DGC" as "unknown method(s) ;": benchmarks.density's --methods
+    ignores the spaces around a name and the empty ones."""
+    assert list(select.chosen_methods(0.01, "TopK, DGC")) == ["TopK", "DGC"]
+    assert list(select.chosen_methods(0.01, "TopK,,DGC,")) == ["TopK", "DGC"]
+    assert list(select.chosen_methods(0.01, " , ")) == list(density.methods(0.01))
+
+
 TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype, --steps and --only apply to the --methods table; add --methods"
 
 
@@ -125,6 +135,8 @@ TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype, --steps and --only apply 
         (["--repeat", "0"], "--repeat must be at least 1, got 0"),
         (["--rounds", "0", "--methods"], "--rounds must be at least 1, got 0"),
         (["--threads", "-2"], "--threads must be at least 0, got -2"),
+        # gradsparse.set_num_threads' ValueError, once torch had taken 5000 threads (100000: a segfault)
+        (["--threads", "5000"], "--threads 5000: more than 4096, the most gradsparse's CPU kernels take; give a count"),
         (["--momentum", "1.5", "--methods"], "--momentum must be in [0, 1) (0: none), got 1.5"),
         (["--device", "tpu"], "--device: 'tpu' is neither cpu nor cuda (cuda:N for another GPU)"),
         # refused only once the first table had been timed
@@ -475,3 +487,41 @@ def test_seed_models_refuses_no_model_or_one_twice_before_the_cluster(models, me
     twice trained twice into the same run folders and had two sections in the report."""
     monkeypatch.setattr(seed_models.cluster, "session", never("the cluster was set up"))
     assert_refused(seed_models.main, ["--models", models, "--methods", "dense,topk"], message, capsys)
+
+
+@pytest.mark.parametrize(
+    ("main", "argv", "work", "flag", "example"),
+    [
+        (select.main, ["--sizes", "2e4"], (select, "measure"), "--output", "select.md"),
+        (select.main, ["--methods", "--output", "select.md"], (select, "measure"), "--steps", "steps.csv"),
+        (density.main, ["--no-imbalance"], (density, "drift_stream"), "--output", "density.md"),
+        (seed_models.main, [], (seed_models.cluster, "session"), "--report", "seed-models.md"),
+        (overlap.main, [], (overlap, "run_distributed"), "--output", "overlap.md"),
+        (threshold_moves.main, [], (density, "cnn_stream"), "--output", "threshold_moves.md"),
+    ],
+)
+def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(
+    main, argv, work, flag, example, tmp_path, capsys, monkeypatch
+):
+    """write_result opened the report once the whole run was over: a folder (an empty name is
+    runs/benchmarks/ itself) ended in IsADirectoryError, a path under a file in makedirs'
+    FileExistsError, and the run's figures were lost (seed_models: after the first model trained)."""
+    monkeypatch.setattr(*work, never("the run started"))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "runs" / "benchmarks").mkdir(parents=True)  # where select's bare --output select.md goes
+    for name, message in (
+        (str(tmp_path), f"{flag} '{tmp_path}': {tmp_path} is a folder; give the file to write, for example "
+                        f"{flag} {tmp_path / example}"),
+        ("", f"{flag} '': runs/benchmarks/ is a folder; give the file to write, for example {flag} {example}"),
+        (str(tmp_path / "a-file" / "report"), f"{flag} {tmp_path}/a-file/report: cannot write "
+                                              f"{tmp_path}/a-file/report: {tmp_path}/a-file is a file, not a folder"),
+    ):  # fmt: skip
+        if name == "" and flag == "--steps":  # no CSV asked for
+            continue
+        assert_refused(main, [*argv, flag, name], message, capsys)
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(tmp_path))  # may not write in tmp_path
+    name = str(tmp_path / "new" / "report")
+    message = f"{flag} {name}: cannot write {name}: {tmp_path} is not writable by this user; give a path in a folder"
+    assert_refused(main, [*argv, flag, name], message, capsys)
