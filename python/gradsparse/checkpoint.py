@@ -9,7 +9,8 @@ names), ``checksums`` (name -> CRC-32 of the residual's bytes), ``velocities`` a
 index: the method's state and the bucket's parameter names), ``parked_methods`` (method states
 waiting for their bucket when the state dict was taken, each with its parameters' names or its
 bucket index, and its loss scale; empty unless an error stopped a step before the buckets that
-were to take them), ``stats``, ``link`` and
+were to take them), ``stats`` (each bucket's counters with its parameters' names; a dict by
+bucket index before 2026-12-06, read through ``layout``), ``link`` and
 ``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
 decision by bucket index, for the parameters ``layout`` names there; None otherwise),
 ``loss_scale`` (the scale the residuals are in: 1 without a scaler) and ``version``;
@@ -35,7 +36,7 @@ import torch.distributed as dist
 
 from gradsparse.config import _describe, check_int, is_link
 from gradsparse.exchange_trial import CHOICES
-from gradsparse.metrics import BucketStats
+from gradsparse.metrics import BucketStats, Metrics
 from gradsparse.wrappers import strip_wrapper_prefixes
 
 __all__ = ["AllRanks", "reshard"]
@@ -292,6 +293,17 @@ def _is_names(names: object) -> bool:
     return isinstance(names, list) and all(isinstance(n, str) for n in names)
 
 
+def _is_bucket_stats(entry: object) -> bool:
+    """An entry of a state dict's ``stats``: a bucket's parameters' names and its counters."""
+    return (
+        isinstance(entry, dict)
+        and set(entry) == {"names", "counters"}
+        and _is_names(entry["names"])
+        and bool(entry["names"])
+        and isinstance(entry["counters"], dict)
+    )
+
+
 def _is_loss_scale(scale: object) -> bool:
     return not isinstance(scale, bool) and isinstance(scale, numbers.Real) and 0 < scale < math.inf
 
@@ -356,24 +368,19 @@ def _check(where: str, state_dict: dict) -> None:
             refuse(
                 f"{key}['loss_scale']", "a positive finite number (the loss scale of its state)", entry["loss_scale"]
             )
-    stats = state_dict["stats"]
-    if not isinstance(stats, dict) or not all(isinstance(b, dict) for b in stats.values()):
-        refuse("stats", "a dict of statistics by bucket index", stats)
-    for index, counters in stats.items():
-        if not _is_bucket_index(index):
-            refuse("stats", "a dict of statistics by bucket index (an integer)", stats)
+    for key, counters in _saved_counters(refuse, state_dict["stats"]):
         unknown = sorted(set(counters) - _COUNTERS)
         if unknown:
             raise ValueError(
-                f"{where}: the statistics of bucket {index} in the state dict hold {', '.join(map(str, unknown))}, "
-                f"which gradsparse does not keep (it keeps {', '.join(sorted(_COUNTERS))}): the state dict was "
-                "changed after it was saved, or saved by a later gradsparse; load it with that version, or drop "
-                "the statistics (sd['stats'] = {}) to resume without them"
+                f"{where}: the state dict's {key} holds {', '.join(map(str, unknown))}, which gradsparse does not "
+                f"keep (it keeps {', '.join(sorted(_COUNTERS))}): the state dict was changed after it was saved, or "
+                "saved by a later gradsparse; load it with that version, or drop the statistics (sd['stats'] = []) "
+                "to resume without them"
             )
         for name, value in counters.items():
             kind = _COUNTER_TYPES[name]
             if isinstance(value, bool) or not isinstance(value, kind):
-                refuse(f"stats[{index!r}][{name!r}]", f"{_COUNTER_KINDS[kind]} (a counter of statistics)", value)
+                refuse(f"{key}[{name!r}]", f"{_COUNTER_KINDS[kind]} (a counter of statistics)", value)
     link = state_dict.get("link")
     if link is not None and not is_link(link):  # a NaN or negative one priced every bucket's exchanges wrongly
         refuse("link", "None or the pair (alpha, beta) of seconds that set-up measured (finite, >= 0)", link)
@@ -414,6 +421,19 @@ def _check(where: str, state_dict: dict) -> None:
                     "waiting to be sent, and a non-finite one would poison every later step (with nonfinite='skip', "
                     "skip them all); load a checkpoint from before the divergence"
                 )
+
+
+def _saved_counters(refuse: Callable[[str, str, object], None], stats: object) -> list[tuple[str, dict]]:
+    """Each bucket's counters in a state dict's ``stats`` (a list of each bucket's parameters' names
+    and counters; before they were kept by name, a dict of counters by bucket index), with the key
+    that names them in a message."""
+    if isinstance(stats, dict):  # by bucket index, read through the layout (Metrics.load_state_dict)
+        if not all(_is_bucket_index(i) and isinstance(c, dict) for i, c in stats.items()):
+            refuse("stats", "a list of statistics by bucket (or a dict of them by bucket index)", stats)
+        return [(f"stats[{index!r}]", counters) for index, counters in stats.items()]
+    if not isinstance(stats, list) or not all(_is_bucket_stats(entry) for entry in stats):
+        refuse("stats", "a list of statistics by bucket: dicts of names (its parameters') and counters", stats)
+    return [(f"stats[{i}]['counters']", entry["counters"]) for i, entry in enumerate(stats)]
 
 
 def _world_size_error(owner: str, saved: int, now: int) -> str:
@@ -495,8 +515,8 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     run, and so do the bucket layout's guarantees of exactness (the first step after the load is
     reduced in the new DDP's own layout) and ``exchange="auto"``: its decision (timed at the old
     world size, by bucket index of the old layout) and the link it priced with (measured on the
-    old ranks: the new run measures its own at set-up). The step and rank 0's statistics are
-    kept. Ranks saved in different loss scales (``set_scaler``) are averaged in the smallest of
+    old ranks: the new run measures its own at set-up). The step and rank 0's statistics (by
+    their buckets' parameters) are kept. Ranks saved in different loss scales (``set_scaler``) are averaged in the smallest of
     them, which the new state dict records; the mean is taken in float64 and rounded once to the
     residuals' dtype. A state of gradsparse.fsdp has no resharded form (a module's flat gradient
     is laid out by the world size) and is refused.
@@ -542,6 +562,8 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     residuals = _mean_over_ranks([saved["residuals"] for saved in ranks], scales, common)
     velocities = _mean_over_ranks([_live_velocities(saved) for saved in ranks], scales, common)
     entries = with_checksums(residuals, velocities)
+    stats = Metrics()  # rank 0's, by their buckets' parameters: the layout goes
+    stats.load_state_dict(ranks[0]["stats"], ranks[0]["layout"])
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
         dict(
@@ -551,6 +573,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
             **entries,
             methods=[],
             layout=[],
+            stats=stats.state_dict(),
             parked_methods=[],
             link=None,
             exchanges=None,

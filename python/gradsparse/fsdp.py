@@ -357,10 +357,10 @@ class ShardedState:
         return ("residuals", "velocities") if self.state._momentum else ("residuals",)
 
     def _methods_blob(self, saved: dict, layout: list[list[str]]) -> torch.Tensor:
-        """This rank's method states (a list of {name: float} or None) and statistics (bucket index
-        -> counters), with its class, step, world size and ``layout`` (the same on every rank of one
-        sub-group, not on every rank DCP saves: saved once, as entries of their own, DCP kept one
-        sub-group's for all), the options, the link of exchange="auto" and the loss scale (the same on
+        """This rank's method states (a list of {name: float} or None) and statistics (each
+        bucket's counters with its parameters' names: under FSDP its module's), with its class,
+        step, world size and ``layout`` (the same on every rank of one sub-group, not on every rank
+        DCP saves: saved once, as entries of their own, DCP kept one sub-group's for all), the options, the link of exchange="auto" and the loss scale (the same on
         every rank; the options as entries of their own, one key per option, made DCP refuse a
         checkpoint of another method or of an earlier gradsparse with "Missing key" before
         load_state_dict could say which options differ),
@@ -511,7 +511,7 @@ def _decode_methods(blob: torch.Tensor) -> dict:
         "methods": saved["methods"],
         "parked_methods": saved.get("parked_methods", []),
         "config": saved.get("config"),
-        "stats": saved.get("stats", {}),
+        "stats": saved.get("stats", []),
         "link": saved.get("link"),
         "loss_scale": saved.get("loss_scale", 1.0),
         "exchanges": saved.get("exchanges"),

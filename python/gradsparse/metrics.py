@@ -86,37 +86,56 @@ class BucketStats:
 
 
 class Metrics:
-    """All buckets' statistics of one state."""
+    """All buckets' statistics of one state, each bucket's kept by the names of its parameters (a
+    frozenset), as its method state is: DDP's buckets change (its first step reduces in another
+    layout than the steps after it, and a run resumed with another ``bucket_cap_mb`` has other
+    buckets), and by index a bucket's counters took in those of whichever bucket had its index."""
 
     def __init__(self) -> None:
-        self.buckets: dict[int, BucketStats] = {}
+        self.buckets: dict[frozenset[str], BucketStats] = {}
 
-    def record(self, bucket_index: int, report, world_size: int, element_size: int) -> None:
-        self.buckets.setdefault(bucket_index, BucketStats()).record(report, world_size, element_size)
+    def record(self, bucket: frozenset[str], report, world_size: int, element_size: int) -> None:
+        self.buckets.setdefault(bucket, BucketStats()).record(report, world_size, element_size)
 
-    def withdraw(self, bucket_index: int, report) -> None:
-        if bucket_index in self.buckets:  # else reset since it was recorded
-            self.buckets[bucket_index].withdraw(report)
+    def withdraw(self, bucket: frozenset[str], report) -> None:
+        if bucket in self.buckets:  # else reset since it was recorded
+            self.buckets[bucket].withdraw(report)
 
-    def summary(self, world_size: int, global_target: bool = False) -> dict:
-        """``global_target``: the method's density counts all ranks' pairs (MiCRO, ExDyna,
-        SparDL), so ``achieved_density`` is the union's; otherwise this rank's."""
+    def summary(self, world_size: int, layout: dict[int, frozenset[str]], global_target: bool = False) -> dict:
+        """The buckets of ``layout`` (index -> its parameters' names: DDP's buckets now) by index,
+        and the total of every bucket counted, those of earlier layouts too. ``global_target``: the
+        method's density counts all ranks' pairs (MiCRO, ExDyna, SparDL), so ``achieved_density``
+        is the union's; otherwise this rank's."""
+        current = {i: self.buckets[names] for i, names in sorted(layout.items()) if names in self.buckets}
         total = BucketStats()
         for stats in self.buckets.values():
             total.add(stats)
         out = total.summary(world_size)
+        out["numel"] = sum(b.numel for b in current.values())  # the buckets of earlier layouts hold the same elements
         out["achieved_density"] = out["union_density" if global_target else "density"]
-        out["steps"] = max((b.steps for b in self.buckets.values()), default=0)
-        out["dense_steps"] = max((b.dense_steps for b in self.buckets.values()), default=0)
-        out["skipped_steps"] = max((b.skipped_steps for b in self.buckets.values()), default=0)
+        # The most of any parameter, each counted in every bucket that held it: the steps of a
+        # bucket of an earlier layout count for its parameters as the later buckets' do.
+        for counter in ("steps", "dense_steps", "skipped_steps"):
+            by_name: dict[str, int] = {}
+            for names, stats in self.buckets.items():
+                for name in names:
+                    by_name[name] = by_name.get(name, 0) + getattr(stats, counter)
+            out[counter] = max(by_name.values(), default=0)
         del out["threshold"], out["exchange"]
-        return {"total": out, "buckets": {i: b.summary(world_size) for i, b in sorted(self.buckets.items())}}
+        return {"total": out, "buckets": {i: b.summary(world_size) for i, b in current.items()}}
 
     def reset(self) -> None:
         self.buckets.clear()
 
-    def state_dict(self) -> dict:
-        return {i: asdict(b) for i, b in self.buckets.items()}
+    def state_dict(self) -> list[dict]:
+        """Each bucket's counters with its parameters' names (sorted)."""
+        return [{"names": sorted(names), "counters": asdict(b)} for names, b in self.buckets.items()]
 
-    def load_state_dict(self, state: dict) -> None:
-        self.buckets = {int(i): BucketStats(**b) for i, b in state.items()}
+    def load_state_dict(self, stats: list[dict] | dict, layout: list[list[str]]) -> None:
+        """``stats`` as state_dict() gives them; or, of a state dict saved before they were kept by
+        name, a dict by bucket index, read as the statistics of the parameters ``layout`` names at
+        that index (an index it names none for is dropped)."""
+        if isinstance(stats, dict):
+            indices = {int(i): counters for i, counters in stats.items()}  # decimal text after a JSON round trip
+            stats = [{"names": layout[i], "counters": c} for i, c in indices.items() if i < len(layout) and layout[i]]
+        self.buckets = {frozenset(entry["names"]): BucketStats(**entry["counters"]) for entry in stats}

@@ -82,7 +82,7 @@ def _close_all_states() -> None:
 class _Taken(NamedTuple):
     """A sparse bucket of a step under nonfinite="propagate": what it may have to take back."""
 
-    index: int
+    bucket: frozenset[str]  # its parameters' names, as its statistics are kept (gradsparse.metrics)
     report: Any  # its _C.ReduceReport, which holds what the step took (taken_message)
     residual: torch.Tensor
     put_back: Callable[..., None]  # puts the pieces held out of the step back again (_hold_unused)
@@ -747,7 +747,7 @@ class State:
         # only when that step was sparse (a warm-up step leaves the residual alone).
         masking = not dense and self._step > self._warmup_steps
         report = _C.ReduceReport()
-        index = entry.index
+        index, key = entry.index, frozenset(entry.names)
         timed = self._choose_exchange(entry, buffer.device) if not dense and not shard_only else None
         trial = self._trial  # the trial this step's time belongs to (a rebuild may start a new one)
         label = f"module {entry.names[0]!r}" if shard_only else f"bucket {index}"  # FSDP's groups: by module
@@ -788,14 +788,14 @@ class State:
             except Exception:
                 self._propagated = None
                 raise
-            self._metrics.record(index, report, self._world_size, element_size)
+            self._metrics.record(key, report, self._world_size, element_size)
             self._count_skips(index, label, report.skipped)
             if timed is not None and not report.skipped:
-                trial.record(frozenset(entry.names), timed, report.exchange_seconds)
+                trial.record(key, timed, report.exchange_seconds)
             if propagate:
                 if report.skipped:
                     value.fill_(math.nan)
-                self._propagate(step, index, report, residual, put_back, value, last)
+                self._propagate(step, key, report, residual, put_back, value, last)
             return value
 
         return future.then(finish)
@@ -820,7 +820,7 @@ class State:
     def _propagate(
         self,
         step: int,
-        index: int,
+        bucket: frozenset[str],
         report,
         residual: torch.Tensor | None,
         put_back: Callable[..., None],
@@ -848,7 +848,7 @@ class State:
         elif report.dense:
             pending.outputs.append(value)
         elif residual is not None:
-            pending.taken.append(_Taken(index, report, residual, put_back))
+            pending.taken.append(_Taken(bucket, report, residual, put_back))
             if value.dtype == torch.float16:
                 pending.outputs.append(value)
         if last:
@@ -870,7 +870,7 @@ class State:
                 indices, values = torch.ops.gradsparse.unpack(message, taken.residual.dtype, taken.residual.numel())
                 taken.residual.index_copy_(0, indices, values)
                 taken.put_back(undone=True)
-                self._metrics.withdraw(taken.index, taken.report)
+                self._metrics.withdraw(taken.bucket, taken.report)
 
     def _new_trial(self, step: int, chosen: dict[frozenset[str], str] | None) -> ExchangeTrial:
         """exchange="auto": a trial from the first sparse step at or after ``step``, or the decision ``chosen``."""
@@ -880,8 +880,15 @@ class State:
         """exchange="auto"'s figures or decisions, kept by the names of a bucket's parameters, by
         the index of the bucket that holds those parameters now (as stats() and the state dict,
         beside its layout, give them)."""
-        buckets = self._table.buckets
-        return {i: by_bucket[key] for i in sorted(buckets) if (key := frozenset(buckets[i].names)) in by_bucket}
+        layout = self._layout()
+        return {i: by_bucket[key] for i, key in sorted(layout.items()) if key in by_bucket}
+
+    def _layout(self) -> dict[int, frozenset[str]]:
+        """The parameters' names of each bucket by index: the table's, or between a load and the
+        step that puts it in place (which is reduced in it), the loaded layout."""
+        if not self._table.buckets and self._loaded is not None:
+            return {i: frozenset(names) for i, names in enumerate(self._loaded.saved["layout"]) if names}
+        return {i: frozenset(bucket.names) for i, bucket in self._table.buckets.items()}
 
     def _choose_exchange(self, entry: Bucket, device: torch.device) -> str | None:
         """exchange="auto" at several ranks: sets the exchange of this sparse step of the bucket
@@ -1052,10 +1059,13 @@ class State:
         return self._process_group or self._group_option or dist.group.WORLD
 
     def stats(self, reset: bool = False) -> dict:
-        """Statistics since creation (or the last reset), per bucket and in total.
+        """Statistics since creation (or the last reset), per bucket and in total. A bucket's
+        counters are kept by its parameters (DDP's first step, and a run resumed with another
+        ``bucket_cap_mb``, reduce in other buckets than the steps after them): ``buckets`` gives
+        those of the current buckets by index, the total those of every bucket counted.
 
-        Keys: ``steps``, ``dense_steps`` and ``skipped_steps`` (in total, the most of any bucket:
-        ``nonfinite="skip"`` skips bucket by bucket); ``elements`` reduced and
+        Keys: ``steps``, ``dense_steps`` and ``skipped_steps`` (in total, the most of any parameter
+        over the buckets that held it: ``nonfinite="skip"`` skips bucket by bucket); ``elements`` reduced and
         ``elements_sent`` by this rank; ``selected`` (pairs this rank sent) and
         ``selected_all`` (all ranks); ``density`` (achieved: selected / elements of sparse
         steps; a skipped step counts in no density), ``global_density`` (all ranks: selected_all / (elements * P)) and
@@ -1078,7 +1088,7 @@ class State:
         """
         check_bool(f"{type(self).__name__}.stats", "reset", reset)
         self._load_unchecked()
-        summary = self._metrics.summary(self._world_size, self._GLOBAL_TARGET)
+        summary = self._metrics.summary(self._world_size, self._layout(), self._GLOBAL_TARGET)
         if self._trial is not None:
             trial = self._trial
             summary["exchange_trial"] = (
@@ -1342,7 +1352,7 @@ class State:
         loaded = Loaded(state_dict, parts)
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
-        metrics.load_state_dict(state_dict["stats"])
+        metrics.load_state_dict(state_dict["stats"], state_dict["layout"])
         exchanges = loaded.exchanges()
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.

@@ -472,13 +472,25 @@ def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
             assert torch.equal(a, b), f"rank {rank}: the loaded residual differs by {(a - b).abs().max()}"
 
 
+class IndexedStatsShardedState(gs.fsdp.ShardedState):
+    """ShardedState as gradsparse saved it before the statistics were kept by the names of each
+    bucket's parameters: each rank's block holds them by bucket index (the i-th module sparsified)."""
+
+    def _methods_blob(self, saved: dict, layout: list[list[str]]) -> torch.Tensor:
+        by_names = {frozenset(entry["names"]): entry["counters"] for entry in saved["stats"]}
+        stats = {i: by_names[frozenset(names)] for i, names in enumerate(layout) if frozenset(names) in by_names}
+        return super()._methods_blob(dict(saved, stats=stats), layout)
+
+
 def statistics_through_dcp(rank: int, world_size: int, path: str) -> dict:
-    """Each rank's statistics (state_dict()["stats"], as JSON: NaN compares equal to itself) saved
-    after 3 steps, and what dcp.load gives back to the same state after 2 more steps, to a fresh
-    process's state, and to a state with counters from a checkpoint saved before the first step."""
+    """Each rank's statistics (state_dict()["stats"] and stats()' buckets, as JSON: NaN compares
+    equal to itself; the totals add seconds in the order the buckets were counted) saved after 3 steps, and what dcp.load gives back to the same state after 2 more steps,
+    to a fresh process's state (also from a checkpoint that holds them by bucket index), and to a
+    state with counters from a checkpoint saved before the first step."""
 
     def as_json(state) -> str:
-        return json.dumps(state.state_dict()["stats"], sort_keys=True)
+        stats = sorted(state.state_dict()["stats"], key=lambda entry: entry["names"])
+        return json.dumps([stats, state.stats()["buckets"]], sort_keys=True)
 
     model = sharded_model(world_size)
     state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
@@ -492,26 +504,40 @@ def statistics_through_dcp(rank: int, world_size: int, path: str) -> dict:
     fresh = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05))
     dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
     fresh_process = as_json(fresh)
+    dcp.save({"gradsparse": IndexedStatsShardedState(fresh)}, checkpoint_id=path + "-by-index")
+    by_index = gs.fsdp.sparsify(sharded_model(world_size), gs.TopK(density=0.05))
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(by_index)}, checkpoint_id=path + "-by-index")
     model = sharded_model(world_size)
     early = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
     dcp.save({"gradsparse": gs.fsdp.ShardedState(early)}, checkpoint_id=path + "-step0")
     workers.fit(model, workers.teacher_data(rank, 1))
     dcp.load({"gradsparse": gs.fsdp.ShardedState(early)}, checkpoint_id=path + "-step0")
-    return {"saved": saved, "same_state": same_state, "fresh": fresh_process, "step0": early.state_dict()["stats"]}
+    return {
+        "saved": saved,
+        "same_state": same_state,
+        "fresh": fresh_process,
+        "by_index": as_json(by_index),
+        "step0": early.state_dict()["stats"],
+    }
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_dcp_checkpoint_gives_every_rank_its_own_statistics(tmp_path, world_size):
     """Statistics differ by rank (the seconds, and the pairs of per-rank methods), as residuals do:
     each rank gets its own back, in a fresh process too (which names no counters before the load),
+    each module's by its name (a checkpoint that holds them by bucket index: through its layout),
     and a checkpoint saved before the first step loads into a state that has counters (none after)."""
     results = run_distributed(statistics_through_dcp, world_size, str(tmp_path / "ckpt"), timeout=300)
     assert len({r["saved"] for r in results}) == world_size  # the ranks' statistics differ
     for rank, r in enumerate(results):
-        assert json.loads(r["saved"])["0"]["steps"] == 3
+        saved, buckets = json.loads(r["saved"])
+        modules = {name for entry in saved for name in entry["names"]}
+        assert len(saved) == len(buckets) == len(modules) > 1
+        assert all(entry["counters"]["steps"] == 3 and len(entry["names"]) == 1 for entry in saved)
         assert r["same_state"] == r["saved"], f"rank {rank}: the reloaded state holds other statistics"
         assert r["fresh"] == r["saved"], f"rank {rank}: the fresh process holds other statistics"
-        assert r["step0"] == {}
+        assert r["by_index"] == r["saved"], f"rank {rank}: statistics by bucket index loaded otherwise"
+        assert r["step0"] == []
 
 
 class EarlierShardedState(gs.fsdp.ShardedState):
@@ -556,7 +582,7 @@ def test_dcp_checkpoint_of_the_earlier_layout_loads_without_statistics(tmp_path)
         assert saved["stats"] and saved["methods"] and any(saved["methods"])
         for key in ("reloaded", "fresh"):
             loaded = r[key]
-            assert loaded["step"] == 3 and loaded["stats"] == {}, f"rank {rank}, {key}"
+            assert loaded["step"] == 3 and loaded["stats"] == [], f"rank {rank}, {key}"
             assert loaded["methods"] == saved["methods"], f"rank {rank}, {key}: method states differ"
             assert sorted(loaded["residuals"]) == sorted(saved["residuals"])
             for name, residual in saved["residuals"].items():
@@ -593,7 +619,7 @@ def overfull_block_through_dcp(rank: int, world_size: int, path: str) -> tuple[l
     state = gs.fsdp.sparsify(model, gs.ExDyna(density=0.05))
     workers.fit(model, workers.teacher_data(rank, 2))
     if rank == 1:
-        state._metrics.buckets[0].exchange = "x" * 5000
+        next(iter(state._metrics.buckets.values())).exchange = "x" * 5000
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
@@ -609,8 +635,8 @@ def test_dcp_checkpoint_leaves_out_statistics_over_the_block_with_a_warning(tmp_
     and says so; it loads with no statistics, the other rank with its own."""
     results = run_distributed(overfull_block_through_dcp, 2, str(tmp_path / "ckpt"), timeout=300)
     (warned0, stats0, methods0, step0), (warned1, stats1, methods1, step1) = results
-    assert warned0 == [] and stats0 and stats0[0]["steps"] == 2
-    assert len(warned1) == 1 and "rank 1's method states and statistics" in warned1[0] and stats1 == {}
+    assert warned0 == [] and stats0 and stats0[0]["counters"]["steps"] == 2
+    assert len(warned1) == 1 and "rank 1's method states and statistics" in warned1[0] and stats1 == []
     assert methods0 and methods1 and step0 == step1 == 2
 
 

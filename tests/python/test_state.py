@@ -1061,6 +1061,12 @@ def _saved(steps=2):
     return state.state_dict()
 
 
+def _with_counters(sd, **counters):
+    """``sd`` with these counters in its first bucket's statistics."""
+    first, *rest = sd["stats"]
+    return dict(sd, stats=[dict(first, counters={**first["counters"], **counters}), *rest])
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -1121,9 +1127,14 @@ def _saved(steps=2):
             r"residuals\['2.bias'\] should be a floating-point tensor, got a tensor of torch.bool, shape \[3\]",
         ),
         (
-            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], counter_of_a_later_version=1)}),
-            r"the statistics of bucket 0 in the state dict hold counter_of_a_later_version, which gradsparse does not "
-            r"keep .* drop the statistics \(sd\['stats'\] = \{\}\) to resume without them",
+            lambda sd: _with_counters(sd, counter_of_a_later_version=1),
+            r"the state dict's stats\[0\]\['counters'\] holds counter_of_a_later_version, which gradsparse does not "
+            r"keep .* drop the statistics \(sd\['stats'\] = \[\]\) to resume without them",
+        ),
+        (
+            lambda sd: dict(sd, stats=[{"names": "0.weight", "counters": {}}]),
+            r"the state dict's stats should be a list of statistics by bucket: dicts of names \(its parameters'\) and "
+            r"counters, got",
         ),
         (lambda sd: dict(sd, link=5), r"the state dict's link should be None or the pair \(alpha, beta\)"),
         (  # it failed at the first step, with pybind11's "incompatible function arguments", on this rank only
@@ -1147,13 +1158,18 @@ def _saved(steps=2):
         ),
         # refused neither: a counter of another type failed later, in stats(); an index of True loaded as bucket 1
         (
-            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], steps="x")}),
-            r"the state dict's stats\[0\]\['steps'\] should be an integer \(a counter of statistics\), got 'x' "
-            r"\(str\): it was changed after it was saved; load what State.state_dict\(\)",
+            lambda sd: _with_counters(sd, steps="x"),
+            r"the state dict's stats\[0\]\['counters'\]\['steps'\] should be an integer \(a counter of statistics\), "
+            r"got 'x' \(str\): it was changed after it was saved; load what State.state_dict\(\)",
         ),
         (
-            lambda sd: dict(sd, stats={0: dict(sd["stats"][0], select_seconds=None)}),
-            r"the state dict's stats\[0\]\['select_seconds'\] should be a number \(a counter of statistics\), got None",
+            lambda sd: _with_counters(sd, select_seconds=None),
+            r"the state dict's stats\[0\]\['counters'\]\['select_seconds'\] should be a number \(a counter of "
+            r"statistics\), got None",
+        ),
+        (  # by bucket index, as saved before they were kept by name
+            lambda sd: dict(sd, stats={0: dict(sd["stats"][0]["counters"], steps="x")}),
+            r"the state dict's stats\[0\]\['steps'\] should be an integer \(a counter of statistics\), got 'x'",
         ),
         (
             lambda sd: dict(sd, parked_methods=[{"index": True, "state": {}, "loss_scale": 1.0}]),
@@ -1206,11 +1222,76 @@ def test_bucket_indices_as_text_load_in_the_exchanges_as_in_the_stats():
     is kept by the parameters of its bucket in the saved layout; an index the layout names no
     bucket for (one bucket here) is dropped."""
     sd = dict(_saved(), exchanges={"0": "reduce_scatter", "1": "gather"})
-    sd["stats"] = {str(i): counters for i, counters in sd["stats"].items()}
+    sd["stats"] = {"0": sd["stats"][0]["counters"]}  # one bucket, by index: as saved before they were kept by name
     state = gs.TopK(density=0.05)
     _hooked(state)
     state.load_state_dict(sd)
     assert state._new_trial(0, state._saved_exchanges).chosen == {frozenset(sd["layout"][0]): "reduce_scatter"}
+    assert state.stats()["buckets"][0]["steps"] == state.stats()["total"]["steps"] == 2
+
+
+def _in_buckets(bucket_cap_mb, weights_of=None):
+    """A TopK state on _model() in a DDP of this bucket_cap_mb (and another model's weights)."""
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_model(), bucket_cap_mb=bucket_cap_mb)
+    if weights_of is not None:
+        ddp.module.load_state_dict(weights_of.module.state_dict())
+    gs.register(ddp, state)
+    return state, ddp
+
+
+def _counted(state):
+    """Each bucket's elements and steps by index, and the total steps and elements."""
+    stats = state.stats()
+    buckets = {i: (b["numel"], b["steps"]) for i, b in stats["buckets"].items()}
+    return buckets, stats["total"]["steps"], stats["total"]["numel"], stats["total"]["elements"]
+
+
+def test_stats_keep_the_buckets_of_ddps_first_step_apart_from_the_rebuilt_ones():
+    """DDP reduces its first step in one bucket of _model()'s 387 elements (its first bucket's own
+    size cap) and rebuilds after it into buckets of 131 and 256 elements (bucket_cap_mb=0.0005).
+    Kept by index, the first step counted in bucket 0 of the rebuilt layout: 3 steps, where its
+    parameters were reduced in 2. Each bucket counts its own parameters' steps; the first step's
+    bucket counts in the total (its steps, elements and bytes) and is saved by its parameters."""
+    state, ddp = _in_buckets(0.0005)
+    _train(ddp, 3)
+    layout = state.state_dict()["layout"]
+    assert [sorted(names) for names in layout] == [["0.bias", "2.bias", "2.weight"], ["0.weight"]]
+    assert _counted(state) == ({0: (131, 2), 1: (256, 2)}, 3, 387, 3 * 387)
+    saved = {tuple(entry["names"]): entry["counters"]["steps"] for entry in state.state_dict()["stats"]}
+    assert saved == {
+        ("0.bias", "2.bias", "2.weight"): 2,
+        ("0.weight",): 2,
+        ("0.bias", "0.weight", "2.bias", "2.weight"): 1,
+    }
+
+
+@pytest.mark.parametrize("earlier", [False, True], ids=["by-name", "by-index"])
+def test_stats_follow_the_parameters_of_each_bucket_into_another_layout_after_a_resume(earlier):
+    """Saved in buckets of 131 and 256 elements, resumed with another bucket_cap_mb, whose DDP
+    rebuilds into buckets of 99 and 288 after the first resumed step (reduced in the saved
+    layout). Kept by index, each rebuilt bucket counted on from the saved bucket of its index:
+    stats()["buckets"] gave {0: 99 elements in 6 steps, 1: 288 in 5}, after 5 and 6 steps of
+    other parameters, and a total of 643 elements. Each bucket now counts its own parameters'
+    steps, and the total every step once. A state dict of an earlier gradsparse (``earlier``)
+    holds its statistics by bucket index: they load as those of the parameters its layout names
+    there."""
+    state, ddp = _in_buckets(0.0005)
+    _train(ddp, 3)
+    sd = state.state_dict()
+    if earlier:
+        by_names = {frozenset(entry["names"]): entry["counters"] for entry in sd["stats"]}
+        sd = dict(sd, stats={str(i): by_names[frozenset(names)] for i, names in enumerate(sd["layout"])})
+    resumed, ddp = _in_buckets(0.0003, weights_of=ddp)
+    resumed.load_state_dict(sd)
+    assert _counted(resumed)[0] == {0: (131, 2), 1: (256, 2)}
+    _train(ddp, 3, seed=1)
+    assert [sorted(names) for names in resumed.state_dict()["layout"]] == [
+        ["2.bias", "2.weight"],
+        ["0.bias", "0.weight"],
+    ]
+    # the earlier state dict's statistics lack the first step's bucket, which it had counted in bucket 0
+    assert _counted(resumed) == ({0: (99, 2), 1: (288, 2)}, 5 if earlier else 6, 387, (5 if earlier else 6) * 387)
 
 
 def test_reshard_conserves_the_pending_gradient_mass():
@@ -1620,7 +1701,7 @@ def test_reshard_averages_the_velocities_the_next_step_uses():
 @pytest.mark.parametrize(
     "change",
     [
-        lambda sd: dict(sd, stats={i: dict(b, counter_of_a_later_version=1) for i, b in sd["stats"].items()}),
+        lambda sd: _with_counters(sd, counter_of_a_later_version=1),
         lambda sd: dict(sd, methods=[0.5]),  # a method state that is no mapping
     ],
 )
