@@ -64,10 +64,19 @@ class BucketTable:
         self.parked_methods: dict[frozenset[str] | int, tuple[dict[str, float], float]] = {}
         self.scale = 1.0  # the loss scale of everything held here (see the module)
 
-    def get(self, index: int, names: list[str]) -> Bucket | None:
-        """Bucket `index` if it still holds exactly these parameters, in this order."""
+    def get(self, index: int, names: list[str], numels: list[int], like: torch.Tensor) -> Bucket | None:
+        """Bucket `index` if it still holds exactly these parameters, in this order, of these sizes,
+        in the dtype and on the device of ``like`` (a model converted or moved, or a layer replaced
+        by one of another shape under the same names, between two DDP wrappers: its bucket is
+        assembled anew, add())."""
         bucket = self.buckets.get(index)
-        return bucket if bucket is not None and bucket.names == names else None
+        if bucket is None or bucket.names != names or bucket.numels != numels:
+            return None
+        held = [t for t in (bucket.residual, bucket.velocity) if t is not None]
+        same = bucket.value_bytes == like.element_size() and all(
+            t.dtype == like.dtype and t.device == like.device for t in held
+        )
+        return bucket if same else None
 
     def park_from(self, index: int) -> None:
         """DDP rebuilt its buckets, and bucket `index` is the first of this step that changed: it
@@ -138,7 +147,9 @@ class BucketTable:
         self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor
     ) -> Bucket:
         """A new bucket `index` of these parameters, its method state, residual and velocity taken
-        from what is parked for them (missing pieces are zeros; no piece at all: none yet)."""
+        from what is parked for them, in ``like``'s dtype and on its device (missing pieces, and
+        those of another size, left by a parameter replaced since, are zeros; no piece at all:
+        none yet)."""
         bucket = Bucket(index, names, numels, like.element_size(), make_method())
         if bucket.method is not None:
             scale = 1.0  # a new method's numbers are in gradient units
@@ -151,6 +162,7 @@ class BucketTable:
                 bucket.method.rescale(self.scale / scale)
         for kind in KINDS:
             pieces = [self.parked[kind].pop(name, None) for name in names]
+            pieces = [None if p is None or p.numel() != n else p for p, n in zip(pieces, numels, strict=True)]
             if any(piece is not None for piece in pieces):
                 whole = torch.cat(
                     [

@@ -632,7 +632,8 @@ class State:
         with another layout), the residuals and method states of this bucket and the ones after it
         are parked by parameter and the new buckets are assembled from them."""
         names = [self._binding.name(p) for p in params]
-        entry = self._table.get(index, names)
+        numels = [p.numel() for p in params]
+        entry = self._table.get(index, names, numels, buffer)
         if entry is not None:
             return entry
         if self._trial is not None and not self._trial.decided and self._step > self._trial.first_step:
@@ -641,7 +642,6 @@ class State:
             # rank times the new ones anew, from the next step.
             self._trial = self._trial.reopen(self._step)
         self._table.park_from(index)
-        numels = [p.numel() for p in params]
         if sum(numels) != buffer.numel():
             raise RuntimeError(
                 f"gradsparse: bucket {index} has {buffer.numel()} elements but its parameters hold {sum(numels)}; "

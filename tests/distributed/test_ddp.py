@@ -191,14 +191,17 @@ def test_a_state_moved_to_a_new_ddp_continues_as_the_old_one_would_have(method, 
             assert torch.equal(x, y), f"rank {rank}: differs by {(x - y).abs().max()}"
 
 
-@pytest.mark.parametrize("case", ["rebuild", "unused"])
+@pytest.mark.parametrize("case", ["rebuild", "unused", "accumulation"])
 def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
     """(c) through DDP's own paths, as the parameters see it: the ranks' mean gradient handed to
     the hook equals the gradient DDP applied plus the ranks' mean residual, summed over the steps.
     "rebuild": DDP's rebuild keeps bucket 0 and swaps the others (bucket 0's residual must not be
     parked after it was reduced); "unused": find_unused_parameters=True, where DDP drops the
-    average of a parameter no rank used (its residual must not be sent)."""
+    average of a parameter no rank used (its residual must not be sent); "accumulation": the same
+    with two batches a step, the first under no_sync(), and the gradients in DDP's buckets
+    (gradient_as_bucket_view=True): the hook reduces each step once, and the state counts it once."""
     results = run_distributed(workers.mass_applied, 2, case)
+    assert sorted({step for step, _ in results[0][3]}) == list(range(6))
     applied = results[0][1]
     for name in applied:
         handed = sum(r[0][name] for r in results) / 2

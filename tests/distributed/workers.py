@@ -203,16 +203,19 @@ class Chain(nn.Module):
 
 def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dict, list]:
     """Top-k at density 0.1 for 6 steps through DDP's own paths: "rebuild" (Chain, whose rebuild
-    keeps bucket 0) or "unused" (TwoHeads with find_unused_parameters=True, one head unused on
-    every rank at each step). Returns, by parameter, the gradients the hook was handed and those
-    DDP applied (each .grad after backward), summed over the steps, the final residual, and the
-    parameter names of every hook call by step."""
+    keeps bucket 0), "unused" (TwoHeads with find_unused_parameters=True, one head unused on
+    every rank at each step) or "accumulation" (the same with gradient_as_bucket_view=True, and two
+    batches a step, the first under no_sync(), each with a head of its own: a head may be used
+    under no_sync() alone, or in neither batch). Returns, by parameter, the gradients the hook was
+    handed and those DDP applied (each .grad after backward), summed over the steps, the final
+    residual, and the parameter names of every hook call by step."""
+    per_step = 2 if case == "accumulation" else 1  # batches
     if case == "rebuild":
         model = Chain()
         ddp = DDP(model, bucket_cap_mb_list=[0.003] * 3)  # one 4 KB parameter per bucket
     else:
         model = TwoHeads()
-        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001)
+        ddp = DDP(model, find_unused_parameters=True, bucket_cap_mb=0.001, gradient_as_bucket_view=per_step > 1)
     names = {id(p): n for n, p in model.named_parameters()}
     handed = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
     applied = {n: torch.zeros_like(t) for n, t in handed.items()}
@@ -229,8 +232,11 @@ def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dic
     g = torch.Generator().manual_seed(rank)
     for step in range(6):
         model.zero_grad(set_to_none=True)  # a parameter DDP leaves alone keeps no gradient
-        x = torch.randn(8, 32 if case == "rebuild" else 16, generator=g)
-        (ddp(x) if case == "rebuild" else ddp(x, step % 2 == 0)).pow(2).mean().backward()
+        for i in range(per_step):
+            x = torch.randn(8, 32 if case == "rebuild" else 16, generator=g)
+            even = step % 2 == 0 if per_step == 1 else (step + i) % 3 == 0
+            with ddp.no_sync() if i < per_step - 1 else contextlib.nullcontext():
+                (ddp(x) if case == "rebuild" else ddp(x, even)).pow(2).mean().backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
                 applied[n] += p.grad.double().reshape(-1)

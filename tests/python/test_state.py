@@ -17,8 +17,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
 from gradsparse import simulate
+from gradsparse.checkpoint import with_checksums
 from gradsparse.testing.distributed import free_port
-from tests.distributed.workers import Chain
+from tests.distributed.workers import Chain, params_of
 from tests.python.on_a_gpu import ON_A_GPU
 
 
@@ -227,7 +228,7 @@ def _train(ddp, steps, seed=0, momentum=0.0, switch_at=None):
         if step == switch_at:
             opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
-        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss = nn.functional.cross_entropy(ddp(x.to(next(ddp.parameters()).dtype)).float(), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -560,6 +561,46 @@ def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
     assert all(torch.equal(v, state.state_dict()["residuals"][k]) for k, v in residuals.items())
     _train(rewrapped, 1)
     assert state.step == 3
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape"])
+def test_a_state_follows_its_model_into_a_new_ddp_after_a_conversion_or_a_new_layer(change):
+    """Between two DDP wrappers the model was converted to bfloat16, or its last layer replaced by
+    one of another shape under the same names. The state kept its bucket as it was, and every later
+    step failed ("bucket is BFloat16 but residual is Float", "bucket has 453 elements but residual
+    has 387"). Now it goes on as a new state loaded with its state dict would: its residuals
+    converted, those of the replaced layer's parameters of another size dropped."""
+
+    def changed(ddp):
+        if change == "dtype":
+            ddp.module.to(torch.bfloat16)
+        else:
+            torch.manual_seed(2)
+            ddp.module[2] = nn.Linear(32, 5)
+        return DDP(ddp.module)
+
+    runs = []
+    for reload in (False, True):
+        state = gs.TopK(density=0.1)
+        ddp = _hooked(state)
+        _train(ddp, 3)
+        ddp = changed(ddp)
+        if reload:  # a new state, given what the state dict holds for the parameters as they are now
+            saved = state.state_dict()
+            sizes = {n: p.numel() for n, p in ddp.module.named_parameters()}
+            kept = {n: r for n, r in saved["residuals"].items() if r.numel() == sizes[n]}
+            state = gs.TopK(density=0.1)
+            state.load_state_dict({**saved, **with_checksums(kept, {})})
+        gs.register(ddp, state)
+        _train(ddp, 3, seed=1)
+        runs.append((params_of(ddp.module), state.state_dict()["residuals"], state.step))
+    (params, residuals, step), (params_reloaded, residuals_reloaded, _) = runs
+    assert step == 6
+    assert all(torch.equal(a, b) for a, b in zip(params, params_reloaded, strict=True))
+    assert residuals.keys() == residuals_reloaded.keys()
+    for name, residual in residuals.items():
+        assert residual.dtype == next(ddp.parameters()).dtype
+        assert torch.equal(residual, residuals_reloaded[name]), name
 
 
 def test_one_state_hooked_on_two_models_raises():
