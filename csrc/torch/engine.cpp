@@ -68,13 +68,16 @@ struct Engine::Shared {
     c10::intrusive_ptr<c10::ivalue::Future> future;
   };
 
-  explicit Shared(std::unique_ptr<Transport> t) : owned(std::move(t)), transport(*owned) {}
+  explicit Shared(std::unique_ptr<Transport> t)
+      : transport(std::move(t)), rank(transport->rank()), size(transport->size()) {}
 
   void loop();
   void run(Job& job);
 
-  std::unique_ptr<Transport> owned;
-  Transport& transport;
+  // Released by the thread as it ends: an MpiTransport under MPI_THREAD_SERIALIZED admits one
+  // at a time, and a closed state's kept the next one refused for as long as the state lived.
+  std::unique_ptr<Transport> transport;
+  const int rank, size;  // the transport's, past its release
   std::mutex mu;
   std::condition_variable cv;
   std::deque<Job> queue;
@@ -103,8 +106,8 @@ Engine::~Engine() {
   shutdown();
 }
 
-int Engine::rank() const { return shared_->transport.rank(); }
-int Engine::size() const { return shared_->transport.size(); }
+int Engine::rank() const { return shared_->rank; }
+int Engine::size() const { return shared_->size; }
 
 void Engine::shutdown() {
   {
@@ -157,12 +160,13 @@ void Engine::Shared::loop() {
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (queue.empty()) return;  // stopping and drained
+      if (queue.empty()) break;  // stopping and drained
       job = std::move(queue.front());
       queue.pop_front();
     }
     run(job);
   }
+  transport.reset();
 }
 
 void Engine::Shared::run(Job& job) {
@@ -180,7 +184,7 @@ void Engine::Shared::run(Job& job) {
   bool reduced = false;
   try {
     job.device->run([&](Device& device) {
-      *job.report = reduce_bucket(job.method.get(), transport, device,
+      *job.report = reduce_bucket(job.method.get(), *transport, device,
                                   bucket_view(job.grad, job.residual, job.velocity), job.options);
       reduced = true;
       job.future->markCompleted(c10::IValue(job.grad));

@@ -68,7 +68,11 @@ class ModelBinding:
             )
         params = reduced_parameters(ddp)
         module = unwrap(ddp)
-        same_module = self.module is not None and self.module() is module
+        # The same module: the one bound before, or for a state hooked with model.register_comm_hook,
+        # which knows its model by the parameters of its first step only, one holding any of them.
+        same_module = (self.module is not None and self.module() is module) or (
+            self.ddp is None and not params.isdisjoint(self.params or ())
+        )
         if (bound is not None or self.params is not None) and params != self.params and not same_module:
             raise ValueError(
                 f"gradsparse.register: this {owner} state is already registered on another model; a state holds "
@@ -115,8 +119,12 @@ class ModelBinding:
             return
         if any(id(p) not in self.params for p in params):
             raise ValueError(
-                f"gradsparse: this {self.owner} state is registered on more than one model (a bucket holds "
-                "parameters of another model); a state holds one model's residuals: create one state per model"
+                f"gradsparse: this {self.owner} state is registered on more than one model: a bucket holds "
+                "parameters that the model it reduced for did not hold (a second model's, or those of a layer replaced "
+                "or unfrozen since, under a new DistributedDataParallel hooked with model.register_comm_hook, which "
+                "cannot tell the same model from another); a state holds one model's residuals: for the same model "
+                "under a new DistributedDataParallel, register the state with gradsparse.register(new_ddp, state), "
+                "which takes it over; for another model, create one state per model"
             )
 
     def check_group(self, group: dist.ProcessGroup) -> None:

@@ -132,6 +132,19 @@ def test_transport_mpi_refusals_reach_every_rank_at_once(tmp_path, case):
             assert "('transport', 'mpi')" in text and "('transport', 'process_group')" in text, text
 
 
+def test_a_closed_mpi_state_makes_way_for_the_next_under_mpi_thread_serialized(tmp_path):
+    """MPI initialised by the program at MPI_THREAD_SERIALIZED admits one transport="mpi" state at
+    a time, and the refusal of a second says to close() the first. The closed state's engine kept
+    its transport until the state itself was freed (DDP's hook holds it), so the next state was
+    refused all the same; the engine thread now releases its transport as it ends."""
+    for rank, (provided, alive, closed) in enumerate(
+        run_under_mpirun(tmp_path, 2, "mpi_serialized_states", timeout=120)
+    ):
+        assert provided == 2, f"rank {rank}: MPI provided thread level {provided}"
+        assert alive[0] == "ValueError" and 'another transport="mpi" state is alive' in alive[1], (rank, alive)
+        assert closed == ("ok", ""), (rank, closed)
+
+
 @pytest.mark.parametrize("how", ["exit", "raise"])
 def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path, how):
     """OpenMPI ends the whole job when a rank exits mid-step, within seconds (MPI has no timeout:

@@ -311,6 +311,36 @@ def mpi_refusal(rank: int, world_size: int, case: str) -> tuple[str, str]:
     return outcome
 
 
+def mpi_serialized_states(rank: int, world_size: int) -> tuple[int, tuple[str, str], tuple[str, str]]:
+    """Under mpirun, in a program that initialised MPI itself at MPI_THREAD_SERIALIZED (one
+    communicating thread at a time): the thread level MPI provided, what registering a second
+    transport="mpi" state raises while the first is alive, and what registering and training one
+    does once the first was closed."""
+    import ctypes
+    import ctypes.util
+
+    mpi = ctypes.CDLL(ctypes.util.find_library("mpi"), mode=ctypes.RTLD_GLOBAL)
+    provided = ctypes.c_int()
+    assert mpi.MPI_Init_thread(None, None, 2, ctypes.byref(provided)) == 0  # 2: MPI_THREAD_SERIALIZED
+    first = DDP(make_model())
+    state = gs.register(first, gs.TopK(density=0.1, transport="mpi"))
+    alive = _outcome(lambda: gs.register(DDP(make_model()), gs.TopK(density=0.1, transport="mpi")))
+    train(first, rank, steps=2)
+    state.close()
+    states = []
+
+    def register_and_train() -> None:
+        second = DDP(make_model())
+        states.append(gs.register(second, gs.TopK(density=0.1, transport="mpi")))
+        train(second, rank, steps=2)
+
+    closed = _outcome(register_and_train)
+    for later in states:
+        later.close()
+    mpi.MPI_Finalize()  # the program's own, as it initialised MPI (gradsparse finalises only what it initialised)
+    return provided.value, alive, closed
+
+
 def _outcome(fn) -> tuple[str, str]:
     try:
         fn()

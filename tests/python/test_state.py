@@ -613,7 +613,40 @@ def test_one_state_hooked_on_two_models_raises():
     with pytest.raises(RuntimeError, match="ValueError: gradsparse: this TopK state is registered on more than one"):
         _train(second, 1)
     _train(first, 1)  # the first model trains on
+    with pytest.raises(ValueError, match=r"already registered on another model; .* create one state per model"):
+        gs.register(DDP(second.module), state)  # nor does register take the second model
     assert state.step == 2
+
+
+@pytest.mark.parametrize("change", ["a layer replaced", "a layer unfrozen"])
+def test_a_state_hooked_on_a_new_ddp_of_its_changed_model_names_register_which_takes_it_over(change):
+    """Hooked with model.register_comm_hook, a state knows its model by the parameters of its first
+    step. Under a new DDP over the same module, with a layer replaced or unfrozen, its steps were
+    refused as those of a second model, and so was gradsparse.register(new_ddp, state). The hook
+    cannot tell the same module from another; the refusal says so and names register, which takes
+    the state over: the new DDP's module holds parameters the state reduced."""
+    state = gs.TopK(density=0.1)
+    model = _model()
+    if change == "a layer unfrozen":
+        model[0].requires_grad_(False)
+    ddp = DDP(model)
+    ddp.register_comm_hook(state, gs.hook)
+    _train(ddp, 2)
+    if change == "a layer replaced":
+        model[2] = nn.Linear(32, 5)
+    else:
+        model[0].requires_grad_(True)
+    ddp = DDP(model)
+    ddp.register_comm_hook(state, gs.hook)
+    with pytest.raises(
+        RuntimeError, match=r"a layer replaced or unfrozen since.* gradsparse.register\(new_ddp, state\)"
+    ):
+        _train(ddp, 1)
+    ddp = DDP(model)
+    gs.register(ddp, state)
+    _train(ddp, 2)
+    assert state.step == 4
+    assert set(state.state_dict()["residuals"]) == {n for n, p in model.named_parameters()}
 
 
 def test_residuals_cannot_be_saved_without_parameter_names():

@@ -24,8 +24,9 @@ void mpi_abort(int code);
 class MpiTransport final : public Transport {
  public:
   /// A transport over a private duplicate of MPI_COMM_WORLD. Initialises MPI when nobody has
-  /// (thread support MPI_THREAD_SERIALIZED: one thread at a time calls MPI, which is how the
-  /// engine uses it); finalises it at exit only if it initialised it. Throws ValueError with a
+  /// (asking for MPI_THREAD_MULTIPLE: each state's engine thread calls MPI); finalises it at exit
+  /// only if it initialised it. MPI initialised by the program at MPI_THREAD_SERIALIZED (one
+  /// thread at a time) admits one transport at a time; below it, none. Throws ValueError with a
   /// clear message when the build has no MPI.
   static std::unique_ptr<MpiTransport> world();
   ~MpiTransport() override;
