@@ -4,7 +4,9 @@ its parameters' names and sizes, and the rule that one state serves one model.
 A state bound by :func:`gradsparse.register` knows the names of the innermost module's
 parameters (without wrapper prefixes), under which its residuals are checkpointed. An unbound
 state (``model.register_comm_hook(state, gradsparse.hook)``) learns which parameters it reduces
-during its first step and names them by identity, which is enough to train but not to save.
+during its first step and names them by identity, which is enough to train but not to save; when
+gradsparse.register takes it over, what it holds under those placeholder names goes under the
+parameters' names.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ class ModelBinding:
         """Whether the state knows the names it checkpoints under."""
         return self.ddp is not None or self.sharded is not None
 
-    def bind(self, model: nn.Module) -> nn.Module:
+    def bind(self, model: nn.Module) -> dict[str, str]:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (gradsparse.register);
-        returns the DistributedDataParallel."""
+        returns the names it gives the parameters that the state knew by identity, by their
+        placeholder names (see name())."""
         owner = self.owner
         ddp = find_ddp(model)
         if ddp is None:
@@ -81,12 +84,13 @@ class ModelBinding:
         # A new DDP over the same parameters (Lightning wraps the module anew for every fit()), or
         # over the same module with parameters frozen or unfrozen since (DDP reduces those that
         # required gradients when it was made), takes the state over with its residuals.
+        known = self._by_identity()
         self.ddp = weakref.ref(ddp)
         self.module = weakref.ref(module)
         self.names = parameter_names(ddp)
         self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
         self.params = params
-        return ddp
+        return {placeholder(i): self.names[i] for i in known if i in self.names}
 
     def bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify): one bucket per parameter
@@ -101,13 +105,20 @@ class ModelBinding:
         and change none in place, so a shallow copy keeps it."""
         return dict(vars(self))
 
-    def restore(self, saved: dict) -> None:
-        """Puts back the binding saved() returned (a registration that failed undoes its bind())."""
+    def restore(self, saved: dict) -> dict[str, str]:
+        """Puts back the binding saved() returned (a registration that failed undoes its bind());
+        returns the placeholder names that the parameters bind() named go back to, by name."""
+        names = self.names
         self.__dict__.update(saved)
+        return {names[i]: placeholder(i) for i in self._by_identity() if i in names}
+
+    def _by_identity(self) -> frozenset[int]:
+        """The parameters an unbound state has met, which it names by identity."""
+        return (self.params or frozenset()) if self.ddp is None else frozenset()
 
     def name(self, param: torch.Tensor) -> str:
         """The parameter's name; an unbound state names it by identity."""
-        return self.names.get(id(param)) or f"<parameter {id(param):#x}>"
+        return self.names.get(id(param)) or placeholder(id(param))
 
     def check_params(self, params: list[torch.Tensor], last: bool) -> None:
         """One state, one model: a parameter outside the model's (the bound model, or those seen in
@@ -171,6 +182,11 @@ class ModelBinding:
                     f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
                     f"parameter has {numels[name]}; the state dict was saved from another model"
                 )
+
+
+def placeholder(param_id: int) -> str:
+    """The name of a parameter that the state knows by identity only (unbound)."""
+    return f"<parameter {param_id:#x}>"
 
 
 def group_ranks(group: dist.ProcessGroup) -> list[int]:

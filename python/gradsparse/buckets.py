@@ -107,6 +107,18 @@ class BucketTable:
         self.parked_methods = parked_methods
         self.scale = scale
 
+    def rename(self, renamed: dict[str, str]) -> None:
+        """Moves what the table holds under the names that are keys of ``renamed`` (its buckets'
+        parameters, parked pieces and method states) to the names they map to."""
+        for bucket in self.buckets.values():
+            bucket.names = [renamed.get(name, name) for name in bucket.names]
+        for kind in KINDS:
+            self.parked[kind] = {renamed.get(name, name): piece for name, piece in self.parked[kind].items()}
+        self.parked_methods = {
+            key if isinstance(key, int) else frozenset(renamed.get(name, name) for name in key): held
+            for key, held in self.parked_methods.items()
+        }
+
     def _held_tensors(self):
         """Every residual and velocity of the table: the buckets' and the parked pieces."""
         for bucket in self.buckets.values():

@@ -84,6 +84,13 @@ class ExchangeTrial:
         trial.chosen, trial.means = dict(self.chosen), dict(self.means)
         return trial
 
+    def rename(self, renamed: dict[str, str]) -> None:
+        """Keeps each bucket's times, means and decision under its parameters' names as
+        ``renamed`` maps them."""
+        for by_bucket in ("seconds", "chosen", "means"):
+            held = getattr(self, by_bucket)
+            setattr(self, by_bucket, {frozenset(renamed.get(n, n) for n in names): v for names, v in held.items()})
+
     def record(self, bucket: frozenset[str], exchange: str, seconds: float) -> None:
         """One timed step of ``bucket`` (called when its exchange completed)."""
         self.seconds.setdefault(bucket, {name: [] for name in CHOICES})[exchange].append(seconds)

@@ -192,6 +192,6 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
                 "DistributedDataParallel(module)"
             ) from e
     except BaseException:
-        state._binding.restore(before)
+        state._unbind(before)
         raise
     return state

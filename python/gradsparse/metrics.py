@@ -127,6 +127,10 @@ class Metrics:
     def reset(self) -> None:
         self.buckets.clear()
 
+    def rename(self, renamed: dict[str, str]) -> None:
+        """Keeps each bucket's statistics under its parameters' names as ``renamed`` maps them."""
+        self.buckets = {frozenset(renamed.get(n, n) for n in names): b for names, b in self.buckets.items()}
+
     def state_dict(self) -> list[dict]:
         """Each bucket's counters with its parameters' names (sorted)."""
         return [{"names": sorted(names), "counters": asdict(b)} for names, b in self.buckets.items()]

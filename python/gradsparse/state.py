@@ -483,7 +483,7 @@ class State:
     def _bind(self, model: nn.Module) -> None:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (called by
         gradsparse.register): learns the parameter names, checks the process group."""
-        self._binding.bind(model)
+        self._rename(self._binding.bind(model))
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
@@ -495,6 +495,21 @@ class State:
             # first step comes in a fresh DDP's layout, so it is reduced in the layout of the steps
             # so far, as after load_state_dict, and continues the run as the old DDP would have.
             self._saved_layout = [names for names in self._table.layout() if names]
+
+    def _unbind(self, saved: dict) -> None:
+        """Undoes _bind (gradsparse.register failed after it): the binding saved() gave, and the
+        placeholder names of what it renamed."""
+        self._rename(self._binding.restore(saved))
+
+    def _rename(self, renamed: dict[str, str]) -> None:
+        """Moves what the state holds by parameter name (residuals, velocities, method states,
+        statistics, exchange="auto"'s trial) from the names that are keys of ``renamed`` to the
+        names they map to: those register gave the parameters of a state that knew them by
+        identity (hooked with model.register_comm_hook), or back."""
+        self._table.rename(renamed)
+        self._metrics.rename(renamed)
+        if self._trial is not None:
+            self._trial.rename(renamed)
 
     def _bind_sharded(self, model: nn.Module, groups: dict[str, tuple[int, torch.dtype]]) -> None:
         """Ties the state to an FSDP model (gradsparse.fsdp.sparsify)."""

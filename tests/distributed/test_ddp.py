@@ -191,12 +191,15 @@ def test_a_state_moved_to_a_new_ddp_continues_as_the_old_one_would_have(method, 
             assert torch.equal(x, y), f"rank {rank}: differs by {(x - y).abs().max()}"
 
 
-@pytest.mark.parametrize("case", ["rebuild", "unused", "accumulation"])
+@pytest.mark.parametrize("case", ["rebuild", "hooked", "unused", "accumulation"])
 def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
     """(c) through DDP's own paths, as the parameters see it: the ranks' mean gradient handed to
     the hook equals the gradient DDP applied plus the ranks' mean residual, summed over the steps.
     "rebuild": DDP's rebuild keeps bucket 0 and swaps the others (bucket 0's residual must not be
-    parked after it was reduced); "unused": find_unused_parameters=True, where DDP drops the
+    parked after it was reduced); "hooked": the state hooked with model.register_comm_hook, which
+    names its residuals by parameter identity, taken over by gradsparse.register on a new DDP
+    (the residuals, held under placeholder names, were dropped at the new DDP's first step, whose
+    buckets came under the parameters' names); "unused": find_unused_parameters=True, where DDP drops the
     average of a parameter no rank used (its residual must not be sent); "accumulation": the same
     with two batches a step, the first under no_sync(), and the gradients in DDP's buckets
     (gradient_as_bucket_view=True): the hook reduces each step once, and the state counts it once."""
@@ -208,7 +211,7 @@ def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
         kept = sum(r[2][name] for r in results) / 2
         torch.testing.assert_close(applied[name] + kept, handed, rtol=0, atol=1e-6, msg=name)
     layouts = [[names for step, names in results[0][3] if step == s] for s in (0, 1)]
-    if case == "rebuild":
+    if case in ("rebuild", "hooked"):
         assert layouts == [[["head.weight"], ["a.weight"], ["b.weight"]], [["head.weight"], ["b.weight"], ["a.weight"]]]
     else:  # the step's unused head (even at step 0, odd at step 1) travels in a bucket of zeros
         assert all(len(step) >= 3 for step in layouts)
@@ -447,6 +450,18 @@ def test_auto_keeps_a_saved_decision_for_the_same_parameters_and_times_other_buc
         means = r["trial"][i]
         assert r["chosen"][i] == ("gather" if means["gather"] <= means["reduce_scatter"] else "reduce_scatter")
         assert all(step[layout[i]] == names[r["chosen"][i]] for step in r["steps"][rebuilt + 7 :])
+
+
+def test_auto_keeps_the_decision_of_a_hooked_state_that_register_takes_over():
+    """A state hooked with model.register_comm_hook keeps exchange="auto"'s trial by its buckets'
+    parameters, which it names by identity. gradsparse.register on a new DDP of the model names
+    them: the decision went with the placeholder names (none saved, none reported, and each
+    bucket ran the model's pick). The trial now follows the names."""
+    names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
+    for r in run_distributed(workers.auto_exchange_taken_over, 2):
+        assert r["before"] and r["after"] == r["before"]
+        assert sorted(r["chosen"]) == sorted(r["before"]) == sorted(r["used"])
+        assert all(r["used"][b] == names[r["chosen"][b]] for b in r["used"])
 
 
 def test_a_step_after_a_backward_that_stopped_past_a_failed_bucket_is_reduced():

@@ -203,14 +203,17 @@ class Chain(nn.Module):
 
 def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dict, list]:
     """Top-k at density 0.1 for 6 steps through DDP's own paths: "rebuild" (Chain, whose rebuild
-    keeps bucket 0), "unused" (TwoHeads with find_unused_parameters=True, one head unused on
-    every rank at each step) or "accumulation" (the same with gradient_as_bucket_view=True, and two
-    batches a step, the first under no_sync(), each with a head of its own: a head may be used
-    under no_sync() alone, or in neither batch). Returns, by parameter, the gradients the hook was
-    handed and those DDP applied (each .grad after backward), summed over the steps, the final
-    residual, and the parameter names of every hook call by step."""
+    keeps bucket 0), "hooked" (the same, the state hooked with model.register_comm_hook for 3
+    steps, then taken over by gradsparse.register on a new DDP of the model), "unused" (TwoHeads
+    with find_unused_parameters=True, one head unused on every rank at each step) or
+    "accumulation" (the same with gradient_as_bucket_view=True, and two batches a step, the first
+    under no_sync(), each with a head of its own: a head may be used under no_sync() alone, or in
+    neither batch). Returns, by parameter, the gradients the hook was handed and those DDP applied
+    (each .grad after backward), summed over the steps, the final residual, and the parameter
+    names of every hook call by step."""
     per_step = 2 if case == "accumulation" else 1  # batches
-    if case == "rebuild":
+    chain = case in ("rebuild", "hooked")
+    if chain:
         model = Chain()
         ddp = DDP(model, bucket_cap_mb_list=[0.003] * 3)  # one 4 KB parameter per bucket
     else:
@@ -228,15 +231,22 @@ def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dic
             handed[names[id(p)]] += piece.double()
         return gs.hook(state, bucket)
 
-    state = gs.register(ddp, gs.TopK(density=0.1), hook=recording_hook)
+    if case == "hooked":
+        state = gs.TopK(density=0.1)
+        ddp.register_comm_hook(state, recording_hook)
+    else:
+        state = gs.register(ddp, gs.TopK(density=0.1), hook=recording_hook)
     g = torch.Generator().manual_seed(rank)
     for step in range(6):
+        if case == "hooked" and step == 3:
+            ddp = DDP(model, bucket_cap_mb_list=[0.003] * 3)
+            gs.register(ddp, state, hook=recording_hook)
         model.zero_grad(set_to_none=True)  # a parameter DDP leaves alone keeps no gradient
         for i in range(per_step):
-            x = torch.randn(8, 32 if case == "rebuild" else 16, generator=g)
+            x = torch.randn(8, 32 if chain else 16, generator=g)
             even = step % 2 == 0 if per_step == 1 else (step + i) % 3 == 0
             with ddp.no_sync() if i < per_step - 1 else contextlib.nullcontext():
-                (ddp(x) if case == "rebuild" else ddp(x, even)).pow(2).mean().backward()
+                (ddp(x) if chain else ddp(x, even)).pow(2).mean().backward()
         for n, p in model.named_parameters():
             if p.grad is not None:
                 applied[n] += p.grad.double().reshape(-1)
@@ -1621,6 +1631,25 @@ def auto_exchange_timed_again(rank: int, world_size: int, static_graph: bool, na
         opt.step()
         steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
     return {"steps": steps, "trial": state.stats()["exchange_trial"], "chosen": state.state_dict()["exchanges"]}
+
+
+def auto_exchange_taken_over(rank: int, world_size: int) -> dict:
+    """exchange="auto" decided by a state hooked with model.register_comm_hook (9 steps, DDP's two
+    buckets of bucket_cap_mb=0.004), then taken over by gradsparse.register on a new DDP of the
+    model: the trial's figures before and after, the decision saved after, and the exchange of
+    each bucket at the next step."""
+    model = make_model(0)
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    state = gs.TopK(density=0.1, exchange="auto")
+    ddp.register_comm_hook(state, gs.hook)
+    train(ddp, rank, steps=9)
+    before = state.stats()["exchange_trial"]
+    ddp = DDP(model, bucket_cap_mb=0.004)
+    gs.register(ddp, state)
+    after, chosen = state.stats(reset=True)["exchange_trial"], state.state_dict()["exchanges"]
+    train(ddp, rank, steps=1)
+    used = {b: s["exchange"] for b, s in state.stats()["buckets"].items()}
+    return {"before": before, "after": after, "chosen": chosen, "used": used}
 
 
 def auto_exchange_in_another_layout(rank: int, world_size: int, bucket_cap_mb: float, static_graph: bool) -> dict:

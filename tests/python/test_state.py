@@ -649,6 +649,39 @@ def test_a_state_hooked_on_a_new_ddp_of_its_changed_model_names_register_which_t
     assert set(state.state_dict()["residuals"]) == {n for n, p in model.named_parameters()}
 
 
+def test_a_hooked_state_taken_over_by_register_keeps_what_it_held_under_the_parameters_names():
+    """Hooked with model.register_comm_hook, a state holds its residuals, velocities, method
+    states and statistics under placeholder names (by parameter identity). gradsparse.register on a
+    new DDP of the model took the state over and dropped all of it at its first step, whose buckets
+    came under the parameters' names. It now moves them to the names: a state dict saved right
+    after carries them, the run goes on bit for bit as that of a state registered from the start,
+    and a registration that fails leaves the placeholder names under which the hook goes on."""
+    hooked, registered = (gs.GaussianK(density=0.1, momentum=0.5) for _ in range(2))
+    ddp, reference = DDP(_model()), _hooked(registered)
+    ddp.register_comm_hook(hooked, gs.hook)
+    _train(ddp, 2)
+    with pytest.raises(ValueError, match="already has a communication hook"):
+        gs.register(ddp, hooked)
+    _train(ddp, 1, seed=1)
+    _train(reference, 2)
+    _train(reference, 1, seed=1)
+    ddp = DDP(ddp.module)
+    gs.register(ddp, hooked)
+    sd, expected = hooked.state_dict(), registered.state_dict()
+    for key in ("residuals", "velocities"):
+        assert sd[key].keys() == expected[key].keys() == {n for n, _ in ddp.module.named_parameters()}, key
+        for name, t in sd[key].items():
+            assert torch.equal(t, expected[key][name]), (key, name)
+    assert sd["methods"] == expected["methods"] and sd["layout"] == expected["layout"]
+    steps = [[(e["names"], e["counters"]["steps"]) for e in d["stats"]] for d in (sd, expected)]  # times differ
+    assert steps[0] == steps[1]
+    _train(ddp, 2, seed=2)
+    _train(reference, 2, seed=2)
+    assert hooked.stats()["total"]["steps"] == 5
+    for a, b in zip(params_of(ddp.module), params_of(reference.module), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_residuals_cannot_be_saved_without_parameter_names():
     state = gs.TopK(density=0.1)
     ddp = DDP(_model())
