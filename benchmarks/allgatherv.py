@@ -11,13 +11,12 @@ Rank 0 prints one line per block size: the best of two rounds of each, in ms per
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.utils import number_list, require_launcher
+from benchmarks.utils import number_list, require_launcher, whole
 
 
 def _block(rank: int, size: int) -> torch.Tensor:
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         parser,
         "--sizes",
         args.sizes,
-        lambda b: math.isfinite(b) and b >= 1 and b == int(b),
+        whole,
         "block size in bytes (at least 1)",
         "2000,20000",
     )

@@ -28,7 +28,7 @@ import platform
 import torch
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, number_list, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, number_list, whole, write_result
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--imbalance-steps {args.imbalance_steps}: the first 10 steps are not counted; give more than 10")
     if args.world_size < 1:
         parser.error(f"--world-size must be at least 1 (thread ranks), got {args.world_size}")
-    if not (math.isfinite(args.drift_size) and args.drift_size >= 1):
-        parser.error(f"--drift-size must be a finite number of elements, at least 1, got {args.drift_size}")
+    if not whole(args.drift_size):
+        parser.error(
+            f"--drift-size must be a whole number of elements, at least 1 (for example 200000), got {args.drift_size:g}"
+        )
     if not 1 <= args.drift_layers <= args.drift_size:
         parser.error(f"--drift-layers must be from 1 to --drift-size ({args.drift_size:g}), got {args.drift_layers}")
     densities = number_list(

@@ -52,10 +52,12 @@ import gradsparse as gs
 from benchmarks.utils import (
     OUTPUT_HELP,
     check_output,
+    check_threads,
     cpu_description,
     markdown_table,
     median_seconds,
     number_list,
+    whole,
     write_result,
 )
 from gradsparse import _C
@@ -288,8 +290,8 @@ def main(argv: list[str] | None = None) -> str:
         parser,
         "--sizes",
         args.sizes,
-        lambda n: math.isfinite(n) and n >= 1,
-        "number of elements (at least 1)",
+        whole,
+        "whole number of elements (at least 1)",
         "1e6,25e6",
     )
     sizes = [int(n) for n in sizes]
@@ -304,11 +306,7 @@ def main(argv: list[str] | None = None) -> str:
     ):
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
-    if args.threads > gs.MAX_THREADS:  # else gradsparse.set_num_threads' ValueError, after torch's took them
-        parser.error(
-            f"--threads {args.threads}: more than {gs.MAX_THREADS}, the most gradsparse's CPU kernels take; give a "
-            f"count up to {gs.MAX_THREADS}, or 0 for the default"
-        )
+    check_threads(parser, args.threads, zero="the default")
     if not 0 <= args.momentum < 1:
         parser.error(f"--momentum must be in [0, 1) (0: none), got {args.momentum}")
     if args.device != "cpu" and not args.device.startswith("cuda"):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.utils import require_launcher
+from benchmarks.utils import check_threads, require_launcher
 from examples.cnn.models import MODELS, build
 
 SHAPES = {"smallcnn": (1, 28, 10), "resnet20": (3, 32, 10), "resnet18": (3, 32, 10), "vgg16": (3, 32, 10)}
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
     for flag, value in (("--batch-size", args.batch_size), ("--repeat", args.repeat), ("--threads", args.threads)):
         if value < 1:  # on every rank alike, before the process group
             parser.error(f"{flag} must be at least 1, got {value}")
+    check_threads(parser, args.threads)
     require_launcher(parser, "benchmarks.step_ratio")
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo")

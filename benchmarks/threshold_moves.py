@@ -23,7 +23,7 @@ import statistics
 
 import torch
 
-from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, whole, write_result
 
 
 def moves(thresholds: list[float]) -> list[float]:
@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> str:
         parser.error(f"--steps must be at least 60 (the cnn stream's first 50 are left out), got {args.steps}")
     if not 0 < args.density < 1:
         parser.error(f"--density must be in (0, 1), got {args.density}")
-    if not (math.isfinite(args.size) and args.size >= 1000):
-        parser.error(f"--size must be at least 1000 elements, got {args.size:g}")
+    if not (whole(args.size) and args.size >= 1000):
+        parser.error(f"--size must be a whole number of elements, at least 1000 (for example 2e6), got {args.size:g}")
     check_output(parser, "--output", args.output, "threshold_moves.md")
     cnn = [step[0] for step in density.cnn_stream(args.steps, 1)]
     n = cnn[0].numel()

@@ -112,6 +112,25 @@ def number_list(
     return values
 
 
+def whole(value: float) -> bool:
+    """Whether ``value`` (a float argparse read: 1.5, 25e6, nan) is a whole number of at least 1,
+    a count of elements or bytes that int() would not cut."""
+    return math.isfinite(value) and value >= 1 and value == int(value)
+
+
+def check_threads(parser: argparse.ArgumentParser, threads: int, zero: str = "") -> None:
+    """Refuses, with ``parser.error``, a --threads above gradsparse.MAX_THREADS before torch takes
+    them (torch.set_num_threads(100000) segfaults; gradsparse.set_num_threads' ValueError came
+    once torch had taken them). ``zero``: what --threads 0 means, where it is allowed."""
+    from gradsparse import MAX_THREADS
+
+    if threads > MAX_THREADS:
+        parser.error(
+            f"--threads {threads}: more than {MAX_THREADS}, the most gradsparse's CPU kernels take; give a count "
+            f"up to {MAX_THREADS}" + (f", or 0 for {zero}" if zero else "")
+        )
+
+
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

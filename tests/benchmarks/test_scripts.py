@@ -95,6 +95,13 @@ def test_threshold_moves_reports_both_streams(tmp_path):
         threshold_moves.main(["--steps", "10", "--output", str(tmp_path / "x.md")])
 
 
+def test_threshold_moves_refuses_a_size_that_is_no_whole_number(capsys, monkeypatch):
+    """--size 2000.5 was cut to 2000 elements without a word."""
+    monkeypatch.setattr(density, "cnn_stream", never("a gradient stream was drawn"))
+    message = "--size must be a whole number of elements, at least 1000 (for example 2e6), got 2000.5"
+    assert_refused(threshold_moves.main, ["--size", "2000.5", "--output", "unused.md"], message, capsys)
+
+
 def test_a_bare_report_name_goes_under_runs_not_over_the_committed_reports(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     text = select.main(["--sizes", "2e4", "--densities", "0.01", "--repeat", "1", "--output", "select.md"])
@@ -129,8 +136,9 @@ TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype, --steps and --only apply 
     ("argv", "message"),
     [
         # ValueError, kthvalue's or statistics' tracebacks, or torch's list of device types
-        (["--sizes", "1e6,big"], "--sizes: 'big' is no number of elements (at least 1); write e.g. 1e6,25e6"),
-        (["--sizes", "0"], "--sizes: '0' is no number of elements (at least 1)"),
+        (["--sizes", "1e6,big"], "--sizes: 'big' is no whole number of elements (at least 1); write e.g. 1e6,25e6"),
+        (["--sizes", "0"], "--sizes: '0' is no whole number of elements (at least 1)"),
+        (["--sizes", "1.5"], "--sizes: '1.5' is no whole number of elements (at least 1)"),  # timed 1 element
         (["--densities", "0.01,2"], "--densities: '2' is no density in (0, 1]; write e.g. 0.01,0.001"),
         (["--repeat", "0"], "--repeat must be at least 1, got 0"),
         (["--rounds", "0", "--methods"], "--rounds must be at least 1, got 0"),
@@ -226,7 +234,14 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
         # a ValueError traceback, or the first method's own refusal after the stream was drawn
         (["--densities", "0.01,abc"], "--densities: 'abc' is no density in (0, 1]; write e.g. 0.01,0.001"),
         (["--densities", "0.01,0"], "--densities: '0' is no density in (0, 1]"),
-        (["--drift-size", "nan"], "--drift-size must be a finite number of elements, at least 1, got nan"),
+        (
+            ["--drift-size", "nan"],
+            "--drift-size must be a whole number of elements, at least 1 (for example 200000), got nan",
+        ),
+        (
+            ["--drift-size", "1.5"],
+            "--drift-size must be a whole number of elements, at least 1 (for example 200000), got 1.5",
+        ),
         (["--drift-layers", "0"], "--drift-layers must be from 1 to --drift-size (200000), got 0"),
         (
             ["--drift-size", "100", "--drift-layers", "101"],
@@ -317,6 +332,11 @@ _no_process_group = never("the process group was joined")
         # statistics' "no median for empty data" once compute had been timed
         (["--repeat", "0"], "--repeat must be at least 1, got 0"),
         (["--threads", "0"], "--threads must be at least 1, got 0"),  # torch's RuntimeError
+        # 100000: torch.set_num_threads' segfault
+        (
+            ["--threads", "100000"],
+            "--threads 100000: more than 4096, the most gradsparse's CPU kernels take; give a count up to 4096\n",
+        ),
         (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),  # an empty batch timed
     ],
 )
@@ -331,6 +351,7 @@ def test_step_ratio_refuses_bad_values_before_joining_the_process_group(argv, me
         # int()'s ValueError, torch.randint's error, or a ZeroDivisionError, after the rendezvous
         (["--sizes", "2000,2k"], "--sizes: '2k' is no block size in bytes (at least 1); write e.g. 2000,20000"),
         (["--sizes", "-5"], "--sizes: '-5' is no block size in bytes (at least 1)"),
+        (["--sizes", "2000.5"], "--sizes: '2000.5' is no block size in bytes (at least 1)"),
         (["--calls", "0"], "--calls must be at least 1, got 0"),
     ],
 )
