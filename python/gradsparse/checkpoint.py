@@ -10,7 +10,8 @@ index: the method's state and the bucket's parameter names), ``parked_methods`` 
 waiting for their bucket when the state dict was taken, each with its parameters' names or its
 bucket index, and its loss scale; empty unless an error stopped a step before the buckets that
 were to take them), ``stats`` (each bucket's counters with its parameters' names; a dict by
-bucket index before 2026-12-06, read through ``layout``), ``link`` and
+bucket index before 2026-12-06, read through ``layout``, or kept under ``<bucket N>`` where it
+names no parameters at that index), ``link`` and
 ``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
 decision by bucket index, for the parameters ``layout`` names there; None otherwise),
 ``loss_scale`` (the scale the residuals are in: 1 without a scaler) and ``version``;

@@ -1401,6 +1401,27 @@ def test_stats_follow_the_parameters_of_each_bucket_into_another_layout_after_a_
     assert _counted(resumed) == ({0: (99, 2), 1: (288, 2)}, 5 if earlier else 6, 387, (5 if earlier else 6) * 387)
 
 
+def test_stats_by_index_of_a_state_dict_resharded_by_an_earlier_gradsparse_are_kept_in_the_total():
+    """gradsparse.reshard of an earlier gradsparse kept rank 0's statistics by bucket index and
+    emptied the layout they are read through: every bucket's counters were dropped at the load
+    (stats()["total"]["steps"] 2 -> 0). Each is kept under a name of its index, counted in the
+    total and saved again."""
+    state, ddp = _in_buckets(0.0005)
+    _train(ddp, 3)
+    sd = state.state_dict()
+    by_names = {frozenset(entry["names"]): entry["counters"] for entry in sd["stats"]}
+    by_index = {i: by_names[frozenset(names)] for i, names in enumerate(sd["layout"])}  # the rebuilt buckets'
+    resumed, _ = _in_buckets(0.0005, weights_of=ddp)
+    resumed.load_state_dict(dict(sd, stats=by_index, layout=[], methods=[]))  # as that reshard gave it
+    total = resumed.stats()["total"]
+    assert (total["steps"], total["elements"]) == (2, by_index[0]["elements"] + by_index[1]["elements"]) == (2, 2 * 387)
+    saved = resumed.state_dict()["stats"]
+    assert saved == [
+        {"names": ["<bucket 0>"], "counters": by_index[0]},
+        {"names": ["<bucket 1>"], "counters": by_index[1]},
+    ]
+
+
 def test_reshard_conserves_the_pending_gradient_mass():
     """Two ranks' residuals (two runs on different data stand in for them) resharded to one rank:
     it holds their mean, (1/1) e' = (1/2) (e_0 + e_1); method states and exchange="auto"'s
