@@ -284,11 +284,14 @@ PYBIND11_MODULE(_C, m) {
            py::arg("process_group"), py::arg("timeout_seconds"))
       .def_static(
           "mpi",
-          [] {
-            std::unique_ptr<Transport> transport = MpiTransport::world();
+          [](int other_mpi_threads) {
+            std::unique_ptr<Transport> transport = MpiTransport::world(other_mpi_threads);
             return std::unique_ptr<Engine, EngineDeleter>(new Engine(std::move(transport)));
           },
-          "An engine over MPI_COMM_WORLD (programs launched with mpirun).")
+          py::arg("other_mpi_threads") = 0,
+          "An engine over MPI_COMM_WORLD (programs launched with mpirun). `other_mpi_threads`: the threads of "
+          "this process besides gradsparse's engines that call MPI (torch.distributed's MPI process group runs "
+          "one); above zero, MPI below MPI_THREAD_MULTIPLE is refused.")
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def(

@@ -27,6 +27,7 @@ import datetime
 import inspect
 import math
 import numbers
+import re
 import sys
 import warnings
 import weakref
@@ -458,7 +459,8 @@ class State:
                     f'{group_ranks(self._process_group)} was given; use transport="process_group" for a sub-group, '
                     f"or {fix}"
                 )
-            engine = _C.Engine.mpi()
+            # Refused on every rank alike where MPI's thread level admits no engine beside torch's MPI group.
+            engine = _C.Engine.mpi(other_mpi_threads=_torch_mpi_threads(dist.get_backend(self._process_group)))
             mine = (engine.rank, engine.size)
             # Every rank refuses alike, not only those numbered otherwise. An object collective, as the
             # set-up's agreement: on an NCCL-only group a CPU tensor has no backend.
@@ -1531,6 +1533,13 @@ def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Fu
 
 def _value(future: torch.futures.Future):
     return future.value()
+
+
+def _torch_mpi_threads(backend: str) -> int:
+    """The threads of this process that torch.distributed's ``backend`` (dist.get_backend's name:
+    "mpi", or per device as "cpu:mpi,cuda:nccl") has call MPI: ProcessGroupMPI's worker, 1. Torch
+    initialises MPI at MPI_THREAD_SERIALIZED, which admits no engine thread beside it."""
+    return int("mpi" in re.split(r"[:,]", backend))
 
 
 def _end_the_mpi_job_on_an_uncaught_error(rank: int) -> None:

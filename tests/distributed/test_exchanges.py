@@ -27,6 +27,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, NUMEL = 6, 1237
 FULL = {"fixed_size_gather_full", "gather_and_add_full", "shared_full", "spardl_full"}
+# How transport="mpi"'s refusals of a low MPI thread level say to ask for MPI_THREAD_MULTIPLE.
+ASK_FOR_MULTIPLE = (
+    'mpi4py: set mpi4py.rc.thread_level = "multiple" before `from mpi4py import MPI`; '
+    "C or C++: MPI_Init_thread with MPI_THREAD_MULTIPLE"
+)
 
 
 def check_exchanges(results: list[dict]) -> None:
@@ -142,7 +147,33 @@ def test_a_closed_mpi_state_makes_way_for_the_next_under_mpi_thread_serialized(t
     ):
         assert provided == 2, f"rank {rank}: MPI provided thread level {provided}"
         assert alive[0] == "ValueError" and 'another transport="mpi" state is alive' in alive[1], (rank, alive)
+        assert "MPI_THREAD_SERIALIZED" in alive[1] and ASK_FOR_MULTIPLE in alive[1], (rank, alive)
         assert closed == ("ok", ""), (rank, closed)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+def test_transport_mpi_refusals_name_the_thread_level_and_how_to_ask_for_more(tmp_path, level):
+    """MPI initialised below MPI_THREAD_SERIALIZED was refused as "thread level 1", without how to
+    ask for more. torch.distributed's MPI process group (backend "mpi") initialises MPI at
+    MPI_THREAD_SERIALIZED and calls MPI from its own worker thread: an engine beside it was
+    admitted (gradsparse counted only its own engines), and the two threads called MPI at once.
+    Each refusal is the same on every rank."""
+    for rank, (provided, alone, beside) in enumerate(
+        run_under_mpirun(tmp_path, 2, "mpi_thread_level", str(level), timeout=120)
+    ):
+        assert provided == level, f"rank {rank}: MPI provided thread level {provided}"
+        if level == 1:
+            for kind, text in (alone, beside):
+                assert kind == "CommError" and "initialised MPI at MPI_THREAD_FUNNELED" in text, (rank, kind, text)
+                assert ASK_FOR_MULTIPLE in text and "thread level" not in text, (rank, text)
+        elif level == 2:
+            assert alone == ("ok", ""), (rank, alone)
+            kind, text = beside
+            assert kind == "ValueError" and "MPI_THREAD_SERIALIZED" in text, (rank, kind, text)
+            assert "another thread of this process calls MPI" in text and 'use transport="process_group"' in text
+            assert ASK_FOR_MULTIPLE in text, (rank, text)
+        else:
+            assert alone == beside == ("ok", ""), (rank, alone, beside)
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])

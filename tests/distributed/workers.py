@@ -351,6 +351,24 @@ def mpi_serialized_states(rank: int, world_size: int) -> tuple[int, tuple[str, s
     return provided.value, alive, closed
 
 
+def mpi_thread_level(rank: int, world_size: int, level: str) -> tuple[int, tuple[str, str], tuple[str, str]]:
+    """Under mpirun, in a program that initialised MPI itself at thread ``level`` (1:
+    MPI_THREAD_FUNNELED, 2: MPI_THREAD_SERIALIZED, 3: MPI_THREAD_MULTIPLE): the level MPI
+    provided, what registering a transport="mpi" state raises, and what an MPI engine beside
+    another thread that calls MPI raises (the one gradsparse counts where torch.distributed's
+    backend is "mpi": its process group's worker)."""
+    import ctypes
+    import ctypes.util
+
+    mpi = ctypes.CDLL(ctypes.util.find_library("mpi"), mode=ctypes.RTLD_GLOBAL)
+    provided = ctypes.c_int()
+    assert mpi.MPI_Init_thread(None, None, int(level), ctypes.byref(provided)) == 0
+    alone = _outcome(lambda: gs.register(DDP(make_model()), gs.TopK(density=0.1, transport="mpi")).close())
+    beside = _outcome(lambda: gs._C.Engine.mpi(other_mpi_threads=1).shutdown())
+    mpi.MPI_Finalize()  # the program's own, as it initialised MPI
+    return provided.value, alone, beside
+
+
 def _outcome(fn) -> tuple[str, str]:
     try:
         fn()

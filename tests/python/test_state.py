@@ -406,6 +406,20 @@ def test_repr_and_config():
     assert state.config()["nonfinite"] == "raise"
 
 
+@pytest.mark.parametrize(
+    "backend,threads", [("mpi", 1), ("cpu:mpi,cuda:nccl", 1), ("gloo", 0), ("cpu:gloo,cuda:nccl", 0), ("nccl", 0)]
+)
+def test_transport_mpi_counts_the_thread_of_torchs_mpi_process_group(backend, threads):
+    """transport="mpi" counted only gradsparse's own engines among the threads that call MPI:
+    beside torch.distributed's MPI process group (which initialises MPI at MPI_THREAD_SERIALIZED
+    and calls MPI from its worker thread) its engine was admitted. The engine now counts that
+    worker wherever the default group's backend, alone or for a device, is "mpi"
+    (tests/distributed/test_exchanges.py: the refusal it makes under MPI_THREAD_SERIALIZED)."""
+    from gradsparse.state import _torch_mpi_threads
+
+    assert _torch_mpi_threads(backend) == threads
+
+
 def test_without_error_feedback_no_residual_is_kept():
     state = gs.TopK(density=0.05, error_feedback=False)
     ddp = _hooked(state)

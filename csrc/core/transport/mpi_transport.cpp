@@ -6,6 +6,7 @@
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <string>
 
 #include "gradsparse/kernels.h"
 
@@ -22,7 +23,7 @@ void mpi_abort(int) {}
 
 struct MpiTransport::Comm {};
 
-std::unique_ptr<MpiTransport> MpiTransport::world() {
+std::unique_ptr<MpiTransport> MpiTransport::world(int) {
   throw ValueError(
       "transport=\"mpi\" needs gradsparse built with MPI: install an MPI (for example apt-get install "
       "libopenmpi-dev openmpi-bin) and reinstall gradsparse (pip install --no-build-isolation .); "
@@ -73,6 +74,26 @@ struct Finalizer {
 };
 Finalizer finalizer;
 
+/// An MPI thread level by the name of its constant.
+std::string thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE:
+      return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED:
+      return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED:
+      return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE:
+      return "MPI_THREAD_MULTIPLE";
+  }
+  return str("thread level ", level);
+}
+
+/// How a program that initialises MPI itself asks for the level that admits every caller.
+constexpr const char* kAskForMultiple =
+    "initialise MPI at MPI_THREAD_MULTIPLE (mpi4py: set mpi4py.rc.thread_level = \"multiple\" before "
+    "`from mpi4py import MPI`; C or C++: MPI_Init_thread with MPI_THREAD_MULTIPLE, not MPI_Init)";
+
 /// Sums 16-bit floats (MPI has no such type): widened to float, rounded once per addition.
 template <typename T>
 void sum_16bit(void* in, void* inout, int* len, MPI_Datatype*) {
@@ -108,7 +129,7 @@ struct MpiTransport::Comm {
   MPI_Op sum_bfloat16 = MPI_OP_NULL;
 };
 
-std::unique_ptr<MpiTransport> MpiTransport::world() {
+std::unique_ptr<MpiTransport> MpiTransport::world(int other_mpi_threads) {
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -118,14 +139,24 @@ std::unique_ptr<MpiTransport> MpiTransport::world() {
     MPI_Query_thread(&finalizer.thread_level);
   }
   // The engine calls MPI from its own thread: one engine needs MPI_THREAD_SERIALIZED, several
-  // (several states in one process) MPI_THREAD_MULTIPLE.
-  GS_CHECK(finalizer.thread_level >= MPI_THREAD_SERIALIZED, CommError, "this MPI was initialised with thread level ",
-           finalizer.thread_level,
-           "; gradsparse's engine thread needs MPI_THREAD_SERIALIZED or higher (if your "
-           "program calls MPI_Init itself, call MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+  // (several states in one process), or one beside other threads that call MPI, MPI_THREAD_MULTIPLE.
+  const std::string level = thread_level_name(finalizer.thread_level);
+  GS_CHECK(finalizer.thread_level >= MPI_THREAD_SERIALIZED, CommError,
+           "transport=\"mpi\": ", finalizer.ours ? "this MPI provides at most " : "the program initialised MPI at ",
+           level, ", but gradsparse's engine thread calls MPI, which needs MPI_THREAD_SERIALIZED or higher; ",
+           finalizer.ours ? "use an MPI built with thread support" : kAskForMultiple,
+           ", or use transport=\"process_group\" (the default)");
+  GS_CHECK(finalizer.thread_level >= MPI_THREAD_MULTIPLE || other_mpi_threads == 0, ValueError,
+           "transport=\"mpi\": MPI was initialised at ", level,
+           " (one thread at a time may call MPI), and another thread of this process calls MPI beside "
+           "gradsparse's engine thread (torch.distributed's MPI process group, backend \"mpi\", runs one); use "
+           "transport=\"process_group\" (the exchanges then go through that group), or ",
+           kAskForMultiple, " before torch.distributed.init_process_group");
   GS_CHECK(finalizer.thread_level >= MPI_THREAD_MULTIPLE || finalizer.live.load() == 0, ValueError,
-           "this MPI supports one communicating thread at a time (MPI_THREAD_SERIALIZED), and another "
-           "transport=\"mpi\" state is alive in this process; close() it first, or use the default transport");
+           "transport=\"mpi\": MPI was initialised at ", level,
+           " (one thread at a time may call MPI), and another transport=\"mpi\" state is alive in this process; "
+           "close() it first, ",
+           kAskForMultiple, ", or use the default transport");
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->comm_ = std::make_unique<Comm>();
   check(MPI_Comm_dup(MPI_COMM_WORLD, &t->comm_->comm), "MPI_Comm_dup");

@@ -26,9 +26,12 @@ class MpiTransport final : public Transport {
   /// A transport over a private duplicate of MPI_COMM_WORLD. Initialises MPI when nobody has
   /// (asking for MPI_THREAD_MULTIPLE: each state's engine thread calls MPI); finalises it at exit
   /// only if it initialised it. MPI initialised by the program at MPI_THREAD_SERIALIZED (one
-  /// thread at a time) admits one transport at a time; below it, none. Throws ValueError with a
-  /// clear message when the build has no MPI.
-  static std::unique_ptr<MpiTransport> world();
+  /// thread at a time) admits one transport at a time, and none while `other_mpi_threads` (the
+  /// threads of this process besides gradsparse's engines that call MPI: torch.distributed's MPI
+  /// process group runs one) is above zero; below it, none. The refusals name the thread level
+  /// and how to ask for MPI_THREAD_MULTIPLE. Throws ValueError with a clear message when the build
+  /// has no MPI.
+  static std::unique_ptr<MpiTransport> world(int other_mpi_threads = 0);
   ~MpiTransport() override;
 
   int rank() const override { return rank_; }
