@@ -69,7 +69,7 @@ class Loaded:
         that were parked when it was saved."""
         layout, scale = self.saved["layout"], float(self.saved.get("loss_scale", 1.0))
         in_buckets = [
-            (frozenset(layout[index]) if index < len(layout) and layout[index] else index, state, scale)
+            (frozenset(names) if (names := _names_at(layout, index)) else index, state, scale)
             for index, state in enumerate(self.saved["methods"])
             if state is not None
         ]
@@ -87,7 +87,27 @@ class Loaded:
         if saved is None:
             return None
         indices = {int(i): name for i, name in saved.items()}  # decimal text after a JSON round trip
-        return {frozenset(layout[i]): name for i, name in indices.items() if i < len(layout) and layout[i]}
+        return {frozenset(names): name for i, name in indices.items() if (names := _names_at(layout, i))}
+
+
+def saved_stats(saved: dict) -> list[dict]:
+    """A state dict's statistics as Metrics.load_state_dict takes them: each bucket's counters with
+    its parameters' names. Those of a state dict saved before they were kept by name (a dict by
+    bucket index) are named through its layout; an index it names none for (gradsparse.reshard
+    emptied the layout) is kept under ``<bucket N>``, so that the total still counts it."""
+    stats = saved["stats"]
+    if not isinstance(stats, dict):
+        return stats
+    indices = {int(i): counters for i, counters in stats.items()}  # decimal text after a JSON round trip
+    return [
+        {"names": _names_at(saved["layout"], i) or [f"<bucket {i}>"], "counters": counters}
+        for i, counters in indices.items()
+    ]
+
+
+def _names_at(layout: list[list[str]], index: int) -> list[str] | None:
+    """The parameters' names of bucket ``index`` in a saved layout; None where it names none."""
+    return layout[index] if index < len(layout) and layout[index] else None
 
 
 def with_checksums(residuals: dict[str, torch.Tensor], velocities: dict[str, torch.Tensor]) -> dict:
@@ -428,7 +448,7 @@ def _saved_counters(refuse: Callable[[str, str, object], None], stats: object) -
     """Each bucket's counters in a state dict's ``stats`` (a list of each bucket's parameters' names
     and counters; before they were kept by name, a dict of counters by bucket index), with the key
     that names them in a message."""
-    if isinstance(stats, dict):  # by bucket index, read through the layout (Metrics.load_state_dict)
+    if isinstance(stats, dict):  # by bucket index, read through the layout (saved_stats)
         if not all(_is_bucket_index(i) and isinstance(c, dict) for i, c in stats.items()):
             refuse("stats", "a list of statistics by bucket (or a dict of them by bucket index)", stats)
         return [(f"stats[{index!r}]", counters) for index, counters in stats.items()]
@@ -564,7 +584,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
     velocities = _mean_over_ranks([_live_velocities(saved) for saved in ranks], scales, common)
     entries = with_checksums(residuals, velocities)
     stats = Metrics()  # rank 0's, by their buckets' parameters: the layout goes
-    stats.load_state_dict(ranks[0]["stats"], ranks[0]["layout"])
+    stats.load_state_dict(saved_stats(ranks[0]))
     # Every rank gets the same tensors (load_state_dict copies them; torch.save stores them once).
     new = [
         dict(

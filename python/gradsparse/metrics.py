@@ -135,21 +135,7 @@ class Metrics:
         """Each bucket's counters with its parameters' names (sorted)."""
         return [{"names": sorted(names), "counters": asdict(b)} for names, b in self.buckets.items()]
 
-    def load_state_dict(self, stats: list[dict] | dict, layout: list[list[str]]) -> None:
-        """``stats`` as state_dict() gives them; or, of a state dict saved before they were kept by
-        name, a dict by bucket index, read as the statistics of the parameters ``layout`` names at
-        that index. An index it names none for (gradsparse.reshard emptied the layout) is kept
-        under unnamed_bucket(index), so that the total still counts it."""
-        if isinstance(stats, dict):
-            indices = {int(i): counters for i, counters in stats.items()}  # decimal text after a JSON round trip
-            stats = [
-                {"names": layout[i] if i < len(layout) and layout[i] else [unnamed_bucket(i)], "counters": c}
-                for i, c in indices.items()
-            ]
+    def load_state_dict(self, stats: list[dict]) -> None:
+        """``stats`` as state_dict() gives them (gradsparse.checkpoint.saved_stats reads those of
+        older state dicts so)."""
         self.buckets = {frozenset(entry["names"]): BucketStats(**entry["counters"]) for entry in stats}
-
-
-def unnamed_bucket(index: int) -> str:
-    """The name that the statistics of bucket ``index`` of a state dict saved by index are kept
-    under where its layout names no parameters for that bucket."""
-    return f"<bucket {index}>"

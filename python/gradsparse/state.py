@@ -41,7 +41,15 @@ import torch.nn as nn
 from gradsparse import _C
 from gradsparse.binding import ModelBinding, group_ranks
 from gradsparse.buckets import Bucket, BucketTable
-from gradsparse.checkpoint import STATE_DICT_VERSION, Loaded, check_same_steps, this_ranks, upgrade, with_checksums
+from gradsparse.checkpoint import (
+    STATE_DICT_VERSION,
+    Loaded,
+    check_same_steps,
+    saved_stats,
+    this_ranks,
+    upgrade,
+    with_checksums,
+)
 from gradsparse.config import (
     REQUIRED,
     Option,
@@ -1369,7 +1377,7 @@ class State:
         loaded = Loaded(state_dict, parts)
         link = None if state_dict.get("link") is None else tuple(state_dict["link"])
         metrics = Metrics()
-        metrics.load_state_dict(state_dict["stats"], state_dict["layout"])
+        metrics.load_state_dict(saved_stats(state_dict))
         exchanges = loaded.exchanges()
         # A state dict whose momentum was changed on purpose (load_state_dict): velocities saved
         # with momentum are dropped when this state has none, and start at zero in the opposite case.
