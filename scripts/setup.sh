@@ -53,7 +53,7 @@ fi
 "${pip[@]}" --no-deps recbole==1.2.1
 if [ "$mode" = test ]; then
   # The versions the Lightning and Accelerate tests were written against (the extras allow newer).
-  "${pip[@]}" "pytest>=8" "pytest-timeout>=2.3" scipy lightning==2.6.6 accelerate==1.15.0
+  "${pip[@]}" "pytest>=8" "pytest-timeout>=2.3" scipy lightning==2.6.6 accelerate==1.16.0
 fi
 # torch's BuildExtension looks for ninja on PATH (else it builds one file at a time): pip put it
 # beside the interpreter.
