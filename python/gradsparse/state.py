@@ -576,6 +576,19 @@ class State:
 
     def _reduce_bucket(self, bucket: dist.GradBucket, index: int, last: bool) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if buffer.layout == torch.sparse_coo:
+            # A parameter with sparse gradients (nn.Embedding or nn.EmbeddingBag with sparse=True):
+            # DDP hands it over alone, as a sparse tensor, and takes a sparse one back. Its dense form
+            # is reduced like any bucket (its residual is dense: what it keeps is not limited to the
+            # rows of one step), and the rows where the average is nonzero go back.
+            shape, rows = buffer.shape, buffer.sparse_dim()
+            future = self._reduce_dense(bucket, buffer.to_dense().view(-1), index, last)
+            return future.then(lambda done: done.value().view(shape).to_sparse(sparse_dim=rows))
+        return self._reduce_dense(bucket, buffer, index, last)
+
+    def _reduce_dense(
+        self, bucket: dist.GradBucket, buffer: torch.Tensor, index: int, last: bool
+    ) -> torch.futures.Future[torch.Tensor]:
         if buffer.dtype not in _SUPPORTED_DTYPES:
             raise TypeError(
                 f"gradsparse: bucket {bucket.index()} holds {buffer.dtype} gradients, but gradsparse sparsifies "

@@ -495,3 +495,19 @@ def test_the_state_reduces_the_parameters_ddp_reduces(how, options):
         run_distributed(workers.steps_where_ddp_and_requires_grad_disagree, 2, how, options, timeout=120)
     ):
         assert steps == [1, 2, 3], f"rank {rank}: steps {steps}"
+
+
+@pytest.mark.parametrize("method", ["TopK", "MiCRO"])
+def test_sparse_embedding_gradients_are_reduced_as_their_dense_form_and_resume_exactly(method, tmp_path):
+    """nn.EmbeddingBag(sparse=True): DDP hands its gradient over as a sparse tensor (refused as a
+    bucket of strides [0, 0] before); it is sparsified as its dense form and handed back sparse."""
+    results = run_distributed(workers.sparse_embedding_gradients, 2, method, str(tmp_path / "sparse.pt"))
+    for result in results:
+        assert result["layouts"] == [torch.sparse_coo] * 8
+        assert result["residual"] > 0  # the table's residual held something at the checkpoint
+        for sparse, dense in zip(result[True], result[False], strict=True):
+            torch.testing.assert_close(sparse, dense, rtol=1e-6, atol=1e-6)
+        for resumed, straight in zip(result["resumed"], result[True], strict=True):
+            assert torch.equal(resumed, straight)
+    for a, b in zip(results[0][True], results[1][True], strict=True):
+        assert torch.equal(a, b)

@@ -1708,3 +1708,66 @@ def auto_exchange_in_another_layout(rank: int, world_size: int, bucket_cap_mb: f
         "chosen": after["exchanges"],
         "trial": state.stats()["exchange_trial"],
     }
+
+
+class Bag(nn.Module):
+    """Bags of embedding rows into a linear head: with ``sparse``, DDP hands the table's gradient
+    over as a sparse tensor, in a bucket of its own."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.table = nn.EmbeddingBag(60, 4, mode="sum", sparse=sparse)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.table(x))
+
+
+def sparse_embedding_gradients(rank: int, world_size: int, method: str, path: str) -> dict:
+    """The same 8 steps of Bag(sparse=True) and Bag(sparse=False), each parameter in a bucket of its
+    own after DDP's first step (so both reduce the same buckets; the first, in which DDP's layouts
+    differ, is dense): the table's gradients, sparse or dense, are reduced alike. The sparse run also resumes from a checkpoint after 4 steps (new model, DDP, optimizer
+    and state + load + 4 steps)."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randint(0, 60, (6, 3), generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(8)]
+    layouts = []
+
+    def build(seed: int, sparse: bool):
+        torch.manual_seed(seed)
+        model = Bag(sparse)
+        ddp = DDP(model, bucket_cap_mb=1e-5)
+        state = gs.register(ddp, getattr(gs, method)(density=0.1, warmup_steps=1))
+        return (
+            model,
+            ddp,
+            state,
+            torch.optim.SGD(ddp.parameters(), lr=0.5),
+        )  # SGD without momentum takes sparse gradients
+
+    def run(model, ddp, opt, part) -> None:
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            layouts.append(model.table.weight.grad.layout)
+            opt.step()
+
+    out = {}
+    for sparse in (False, True):
+        model, ddp, state, opt = build(0, sparse)
+        run(model, ddp, opt, data)
+        out[sparse] = params_of(model)
+        state.close()
+    out["layouts"] = layouts[len(data) :]  # the sparse run's
+    model, ddp, state, opt = build(0, True)
+    run(model, ddp, opt, data[:4])
+    torch.save({"model": model.state_dict(), "gs": state.state_dict()}, f"{path}.{rank}")
+    state.close()
+    model, ddp, state, opt = build(123, True)
+    saved = torch.load(f"{path}.{rank}")
+    model.load_state_dict(saved["model"])
+    state.load_state_dict(saved["gs"])
+    run(model, ddp, opt, data[4:])
+    out["resumed"] = params_of(model)
+    out["residual"] = float(saved["gs"]["residuals"]["table.weight"].abs().sum())
+    state.close()
+    return out
