@@ -33,6 +33,9 @@ class ModelBinding:
         self.sharded: weakref.ref | None = None  # the FSDP model, from bind_sharded()
         self.names: dict[int, str] = {}  # id(parameter) -> name in the user's module
         self.numels: dict[str, int] = {}  # name -> elements (FSDP: of a module's flat gradient)
+        # name -> strides of the parameters whose elements are not in row-major order (channels_last):
+        # DDP's buckets, and so the residuals, hold a parameter's elements in its memory order
+        self.strides: dict[str, list[int]] = {}
         self.dtypes: dict[str, torch.dtype] = {}  # FSDP: module -> reduce dtype
         self.params: frozenset[int] | None = None  # ids of the parameters the state reduces
         self._seen: set[int] = set()  # unbound: the parameters met so far in the first step
@@ -89,6 +92,7 @@ class ModelBinding:
         self.module = weakref.ref(module)
         self.names = parameter_names(ddp)
         self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
+        self.strides = {self.names[id(p)]: list(p.stride()) for p in ddp.parameters() if not p.is_contiguous()}
         self.params = params
         return {placeholder(i): self.names[i] for i in known if i in self.names}
 
@@ -156,6 +160,8 @@ class ModelBinding:
             return
         for kind, key, _ in TENSORS:
             self._check_tensor_names(state_dict.get(key, {}), kind, key, part)
+            if "strides" in state_dict:  # absent before 2026-12-06: not known
+                self._check_memory_order(state_dict.get(key, {}), state_dict["strides"], kind, part)
 
     def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str, part: str) -> None:
         owner, numels = f"{self.owner}.load_state_dict{part}", self.numels
@@ -182,6 +188,27 @@ class ModelBinding:
                     f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
                     f"parameter has {numels[name]}; the state dict was saved from another model"
                 )
+
+    def _check_memory_order(
+        self, tensors: dict[str, torch.Tensor], saved: dict[str, list[int]], kind: str, part: str
+    ) -> None:
+        """Every residual and velocity was saved from a parameter whose elements lay in the memory
+        order they lie in here: they are held in that order, so in another one each value would
+        land on another element."""
+        for name in tensors:
+            was, now = saved.get(name), self.strides.get(name)
+            if was != now:
+                raise ValueError(
+                    f"{self.owner}.load_state_dict{part}: the {kind} of {name} was saved from a parameter "
+                    f"{_memory_order(was)}, but the parameter is {_memory_order(now)} here; a {kind} holds the "
+                    "parameter's elements in its memory order, so its values would land on other elements. Give the "
+                    "model the memory format it had when it was saved (model.to(memory_format=torch.channels_last), or "
+                    "torch.contiguous_format) before wrapping it in DistributedDataParallel"
+                )
+
+
+def _memory_order(strides: list[int] | None) -> str:
+    return "in row-major order (contiguous)" if strides is None else f"of strides {strides}"
 
 
 def placeholder(param_id: int) -> str:

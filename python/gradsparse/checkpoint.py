@@ -14,7 +14,11 @@ bucket index before 2026-12-06, read through ``layout``, or kept under ``<bucket
 names no parameters at that index), ``link`` and
 ``exchanges`` (exchange="auto": the measured latency and seconds per byte, and the trial's
 decision by bucket index, for the parameters ``layout`` names there; None otherwise),
-``loss_scale`` (the scale the residuals are in: 1 without a scaler) and ``version``;
+``loss_scale`` (the scale the residuals are in: 1 without a scaler), ``strides`` (parameter
+name -> strides, of the parameters whose elements are not in row-major order, such as
+channels_last convolutions: a residual holds its parameter's elements in the parameter's memory
+order, and a load into a parameter of another order is refused; absent before 2026-12-06) and
+``version``;
 docs/architecture.md, "Checkpoints", says why.
 
 Error-feedback residuals differ from rank to rank, but most frameworks write a checkpoint from
@@ -364,6 +368,12 @@ def _check(where: str, state_dict: dict) -> None:
         for name in checksums:
             if not isinstance(name, str):
                 refuse(f"names in {checksums_key}", "parameter names (strings)", name)
+    strides = state_dict.get("strides", {})
+    if not isinstance(strides, dict) or not all(
+        isinstance(name, str) and isinstance(s, list) and all(isinstance(i, int) for i in s)
+        for name, s in strides.items()
+    ):
+        refuse("strides", "a dict of stride lists by parameter name", strides)
     methods, layout = state_dict["methods"], state_dict["layout"]
     if not isinstance(methods, list) or not all(m is None or isinstance(m, dict) for m in methods):
         refuse("methods", "a list of method states (dicts, or None) by bucket index", methods)

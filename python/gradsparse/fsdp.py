@@ -383,6 +383,8 @@ class ShardedState:
             "link": saved.get("link"),
             "loss_scale": saved["loss_scale"],
             "exchanges": saved.get("exchanges"),  # DDP: what exchange="auto"'s trial kept (FSDP runs none)
+            # DDP: the parameters not in row-major order (channels_last); absent from older state dicts
+            **({"strides": saved["strides"]} if "strides" in saved else {}),
         }
         text = json.dumps({**entries, "stats": saved["stats"]}, separators=(",", ":")).encode()
         if len(text) > size:
@@ -515,4 +517,5 @@ def _decode_methods(blob: torch.Tensor) -> dict:
         "link": saved.get("link"),
         "loss_scale": saved.get("loss_scale", 1.0),
         "exchanges": saved.get("exchanges"),
+        **({"strides": saved["strides"]} if "strides" in saved else {}),
     }

@@ -1187,6 +1187,8 @@ class State:
             # under FSDP each residual is a module's flat gradient, laid out by the world size (no reshard)
             "fsdp": self._binding.sharded is not None,
             **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
+            # the parameters whose residuals hold their elements in another order than row-major (channels_last)
+            "strides": dict(self._binding.strides),
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             # method states that a rebuild or a load left waiting for their bucket, when a bucket's

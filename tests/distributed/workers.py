@@ -1008,6 +1008,62 @@ def resume_exactly(rank: int, world_size: int, method: str, path: str, static_gr
     }
 
 
+class SmallCNN(nn.Module):
+    """Two 3x3 convolutions and a linear head: in channels_last, the convolutions' weights are
+    not in row-major order (their gradients, and DDP's bucket views of them, neither)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+def channels_last_resume(rank: int, world_size: int, path: str) -> dict:
+    """A channels_last SmallCNN with Top-k: 6 steps straight, against 3 steps + checkpoint + a new
+    channels_last model, DDP, optimizer and state + load + 3 steps; and what loading the checkpoint
+    for a contiguous model raises, into a registered state and into one registered after the load."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(4, 3, 6, 6, generator=g), torch.randint(0, 6, (4,), generator=g)) for _ in range(6)]
+
+    def build(seed: int, memory_format: torch.memory_format = torch.channels_last, register: bool = True):
+        torch.manual_seed(seed)
+        model = SmallCNN().to(memory_format=memory_format)
+        ddp = DDP(model, bucket_cap_mb=0.001)
+        state = gs.TopK(density=0.1)
+        return model, ddp, gs.register(ddp, state) if register else state, torch.optim.SGD(ddp.parameters(), lr=0.05)
+
+    def run(ddp, opt, part) -> None:
+        for x, y in part:
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x.to(memory_format=torch.channels_last)), y).backward()
+            opt.step()
+
+    model, ddp, state, opt = build(0)
+    run(ddp, opt, data)
+    straight = params_of(model)
+    model, ddp, state, opt = build(0)
+    run(ddp, opt, data[:3])
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "gs": state.state_dict()}
+    torch.save(saved, f"{path}.{rank}")
+    model, ddp, state, opt = build(123)
+    saved = torch.load(f"{path}.{rank}")
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    state.load_state_dict(saved["gs"])
+    run(ddp, opt, data[3:])
+    _, _, contiguous, _ = build(123, torch.contiguous_format)
+    _, later, unregistered, _ = build(123, torch.contiguous_format, register=False)
+    unregistered.load_state_dict(saved["gs"])
+    return {
+        "straight": straight,
+        "resumed": params_of(model),
+        "refused": _outcome(lambda: contiguous.load_state_dict(saved["gs"])),
+        "refused_at_register": _outcome(lambda: gs.register(later, unregistered)),
+    }
+
+
 def _dcp_build(seed: int, method: str):
     """resume_exactly's model, DDP, state and optimizer."""
     torch.manual_seed(seed)
