@@ -239,6 +239,21 @@ class State:
         self._skipped_in_a_row: dict[int, int] = {}  # bucket index -> its last steps skipped for NaN/Inf, in a row
         _LIVE_STATES.add(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A state is pickled (``torch.save(state)``, ``copy.deepcopy``, ``mp.spawn``'s arguments)
+        only before its set-up or registration: from then on it holds its process group, its engine
+        thread and its model, which no copy can take along (pickle failed on the ProcessGroup,
+        naming nothing of gradsparse)."""
+        if self._engine is not None or self._binding.is_named():
+            owner = type(self).__name__
+            raise TypeError(
+                f"{owner}: a state that is set up or registered cannot be pickled or copied (torch.save(state), "
+                "copy.deepcopy): it holds its process group, its engine thread and its model. Save "
+                f"state.state_dict() and load it with load_state_dict into a new {owner} (README, Checkpoints); "
+                f"for its options alone, gradsparse.{owner}(**state.config())"
+            )
+        return self.__dict__
+
     # ----------------------------------------------------------------------------------------
     # Configuration
 

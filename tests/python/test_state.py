@@ -3,6 +3,7 @@ DDP model, statistics, state_dict round trips."""
 
 import copy
 import gc
+import io
 import math
 import subprocess
 import sys
@@ -575,6 +576,24 @@ def test_register_rejects_a_model_that_is_not_ddp_and_a_second_registration():
     assert all(torch.equal(v, state.state_dict()["residuals"][k]) for k, v in residuals.items())
     _train(rewrapped, 1)
     assert state.step == 3
+
+
+def test_a_state_in_use_refuses_to_be_pickled_naming_state_dict_and_a_fresh_one_is_copied():
+    """Pickled after its set-up, a state failed on its ProcessGroup ("cannot pickle ...
+    ProcessGroup"), naming nothing of gradsparse; a fresh one (mp.spawn's arguments) still copies."""
+    fresh = copy.deepcopy(gs.TopK(density=0.1, momentum=0.9))
+    assert fresh.config()["momentum"] == 0.9
+    _train(_hooked(fresh), 2)  # the copy trains
+    assert fresh.step == 2
+    for state in (fresh, gs.TopK(density=0.1).setup()):
+        for copy_it in (copy.deepcopy, lambda s: torch.save(s, io.BytesIO())):
+            with pytest.raises(
+                TypeError,
+                match=r"TopK: a state that is set up or registered cannot be pickled or copied .* Save "
+                r"state.state_dict\(\) and load it with load_state_dict into a new TopK .* "
+                r"gradsparse.TopK\(\*\*state.config\(\)\)",
+            ):
+                copy_it(state)
 
 
 @pytest.mark.parametrize("change", ["dtype", "shape"])
