@@ -36,6 +36,7 @@ class ModelBinding:
         # name -> strides of the parameters whose elements are not in row-major order (channels_last):
         # DDP's buckets, and so the residuals, hold a parameter's elements in its memory order
         self.strides: dict[str, list[int]] = {}
+        self.shapes: dict[str, list[int]] = {}  # name -> shape
         self.dtypes: dict[str, torch.dtype] = {}  # FSDP: module -> reduce dtype
         self.params: frozenset[int] | None = None  # ids of the parameters the state reduces
         self._seen: set[int] = set()  # unbound: the parameters met so far in the first step
@@ -93,6 +94,7 @@ class ModelBinding:
         self.names = parameter_names(ddp)
         self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
         self.strides = {self.names[id(p)]: list(p.stride()) for p in ddp.parameters() if not p.is_contiguous()}
+        self.shapes = {self.names[id(p)]: list(p.shape) for p in ddp.parameters()}
         self.params = params
         return {placeholder(i): self.names[i] for i in known if i in self.names}
 
@@ -115,6 +117,23 @@ class ModelBinding:
         names = self.names
         self.__dict__.update(saved)
         return {names[i]: placeholder(i) for i in self._by_identity() if i in names}
+
+    def reorders(
+        self, strides: dict[str, list[int]], shapes: dict[str, list[int]]
+    ) -> dict[str, tuple[list[int], list[int], list[int]]]:
+        """The parameters whose memory order here differs from that of another binding of them
+        (``strides`` and ``shapes`` as it recorded them: a model converted to or from channels_last
+        between two DDP wrappers), of the same shape: name -> (shape, strides there, strides here),
+        for BucketTable.reorder."""
+
+        def order(name: str, of: dict[str, list[int]]) -> list[int]:
+            return of.get(name) or row_major(self.shapes[name])
+
+        return {
+            name: (shape, order(name, strides), order(name, self.strides))
+            for name, shape in self.shapes.items()
+            if shapes.get(name) == shape and order(name, strides) != order(name, self.strides)
+        }
 
     def _by_identity(self) -> frozenset[int]:
         """The parameters an unbound state has met, which it names by identity."""
@@ -209,6 +228,14 @@ class ModelBinding:
 
 def _memory_order(strides: list[int] | None) -> str:
     return "in row-major order (contiguous)" if strides is None else f"of strides {strides}"
+
+
+def row_major(shape: list[int]) -> list[int]:
+    """The strides of a contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return strides
 
 
 def placeholder(param_id: int) -> str:

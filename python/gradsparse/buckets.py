@@ -119,6 +119,20 @@ class BucketTable:
             for key, held in self.parked_methods.items()
         }
 
+    def reorder(self, orders: dict[str, tuple[list[int], list[int], list[int]]]) -> None:
+        """Puts the pieces of the parameters ``orders`` names (name -> (shape, strides then, strides
+        now)) into the parameters' new memory order: DDP's bucket views follow a parameter's strides,
+        so a residual holds its elements in that order, and a model converted to or from
+        channels_last between two DDP wrappers would otherwise apply each value to another element."""
+        pieces = [bucket.views(kind) for bucket in self.buckets.values() for kind in KINDS] + list(self.parked.values())
+        for held in pieces:
+            for name in orders.keys() & held.keys():
+                shape, then, now = orders[name]
+                piece = held[name]
+                moved = torch.empty_strided(shape, now, dtype=piece.dtype, device=piece.device)
+                moved.copy_(piece.as_strided(shape, then))
+                piece.copy_(moved.as_strided((piece.numel(),), (1,)))
+
     def _held_tensors(self):
         """Every residual and velocity of the table: the buckets' and the parked pieces."""
         for bucket in self.buckets.values():

@@ -507,8 +507,9 @@ class State:
 
     def _bind(self, model: nn.Module) -> None:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (called by
-        gradsparse.register): learns the parameter names, checks the process group."""
-        self._rename(self._binding.bind(model))
+        gradsparse.register): learns the parameter names, checks the process group; what it holds
+        for a parameter whose memory order changed since its last binding follows it."""
+        self._rebind(lambda: self._binding.bind(model))
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
@@ -523,8 +524,17 @@ class State:
 
     def _unbind(self, saved: dict) -> None:
         """Undoes _bind (gradsparse.register failed after it): the binding saved() gave, and the
-        placeholder names of what it renamed."""
-        self._rename(self._binding.restore(saved))
+        placeholder names of what it renamed, and the memory order of what it reordered."""
+        self._rebind(lambda: self._binding.restore(saved))
+
+    def _rebind(self, rebinding: Callable[[], dict[str, str]]) -> None:
+        """Runs ``rebinding`` (the binding's bind or restore, which return the names they change),
+        then moves what the state holds to the new names and, where a parameter named before and
+        after is in another memory order now, into that order."""
+        before = (self._binding.strides, self._binding.shapes) if self._binding.is_named() else None
+        self._rename(rebinding())
+        if before is not None and self._binding.is_named():
+            self._table.reorder(self._binding.reorders(*before))
 
     def _rename(self, renamed: dict[str, str]) -> None:
         """Moves what the state holds by parameter name (residuals, velocities, method states,

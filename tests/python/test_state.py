@@ -596,6 +596,42 @@ def test_a_state_in_use_refuses_to_be_pickled_naming_state_dict_and_a_fresh_one_
                 copy_it(state)
 
 
+def test_a_state_taken_over_after_a_change_of_memory_format_moves_its_residuals_into_the_new_order():
+    """DDP's bucket views follow a parameter's strides, so a residual holds its parameter's elements
+    in its memory order. A model converted from channels_last to contiguous (or back) between two
+    DDP wrappers applied each value of the held residuals to another element: they now follow
+    the parameters into their new order, and back where the registration fails after binding."""
+    from tests.distributed.workers import SmallCNN
+
+    torch.manual_seed(0)
+    model = SmallCNN().to(memory_format=torch.channels_last)
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    state = gs.register(ddp, gs.TopK(density=0.1, momentum=0.9))
+    for _ in range(2):
+        ddp(torch.randn(4, 3, 6, 6).to(memory_format=torch.channels_last)).sum().backward()
+    saved = copy.deepcopy(state.state_dict())  # its tensors are the held ones
+    shape, strides = list(model.c2.weight.shape), saved["strides"]["c2.weight"]
+
+    def logical(held: torch.Tensor) -> torch.Tensor:  # the held elements in row-major order
+        return held.as_strided(shape, strides).contiguous().view(-1)
+
+    model.to(memory_format=torch.contiguous_format)
+    hooked = DDP(model, bucket_cap_mb=0.001)
+    hooked.register_comm_hook(None, lambda _, bucket: torch.futures.Future())  # DDP takes one hook: refused
+    with pytest.raises(ValueError, match="already has a communication hook"):
+        gs.register(hooked, state)
+    for key in ("residuals", "velocities"):  # the failed registration put them back in channels_last's order
+        assert torch.equal(state.state_dict()[key]["c2.weight"], saved[key]["c2.weight"])
+    ddp = DDP(model, bucket_cap_mb=0.001)
+    gs.register(ddp, state)
+    moved = state.state_dict()
+    assert moved["strides"] == {}
+    for key in ("residuals", "velocities"):
+        assert saved[key]["c2.weight"].abs().sum() > 0
+        assert torch.equal(moved[key]["c2.weight"], logical(saved[key]["c2.weight"]))
+        assert torch.equal(moved[key]["fc.weight"], saved[key]["fc.weight"])  # row-major in both
+
+
 @pytest.mark.parametrize("change", ["dtype", "shape"])
 def test_a_state_follows_its_model_into_a_new_ddp_after_a_conversion_or_a_new_layer(change):
     """Between two DDP wrappers the model was converted to bfloat16, or its last layer replaced by
