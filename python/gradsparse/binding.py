@@ -33,10 +33,6 @@ class ModelBinding:
         self.sharded: weakref.ref | None = None  # the FSDP model, from bind_sharded()
         self.names: dict[int, str] = {}  # id(parameter) -> name in the user's module
         self.numels: dict[str, int] = {}  # name -> elements (FSDP: of a module's flat gradient)
-        # name -> strides of the parameters whose elements are not in row-major order (channels_last):
-        # DDP's buckets, and so the residuals, hold a parameter's elements in its memory order
-        self.strides: dict[str, list[int]] = {}
-        self.shapes: dict[str, list[int]] = {}  # name -> shape
         self.dtypes: dict[str, torch.dtype] = {}  # FSDP: module -> reduce dtype
         self.params: frozenset[int] | None = None  # ids of the parameters the state reduces
         self._seen: set[int] = set()  # unbound: the parameters met so far in the first step
@@ -93,8 +89,6 @@ class ModelBinding:
         self.module = weakref.ref(module)
         self.names = parameter_names(ddp)
         self.numels = {self.names[id(p)]: p.numel() for p in ddp.parameters()}
-        self.strides = {self.names[id(p)]: list(p.stride()) for p in ddp.parameters() if not p.is_contiguous()}
-        self.shapes = {self.names[id(p)]: list(p.shape) for p in ddp.parameters()}
         self.params = params
         return {placeholder(i): self.names[i] for i in known if i in self.names}
 
@@ -117,23 +111,6 @@ class ModelBinding:
         names = self.names
         self.__dict__.update(saved)
         return {names[i]: placeholder(i) for i in self._by_identity() if i in names}
-
-    def reorders(
-        self, strides: dict[str, list[int]], shapes: dict[str, list[int]]
-    ) -> dict[str, tuple[list[int], list[int], list[int]]]:
-        """The parameters whose memory order here differs from that of another binding of them
-        (``strides`` and ``shapes`` as it recorded them: a model converted to or from channels_last
-        between two DDP wrappers), of the same shape: name -> (shape, strides there, strides here),
-        for BucketTable.reorder."""
-
-        def order(name: str, of: dict[str, list[int]]) -> list[int]:
-            return of.get(name) or row_major(self.shapes[name])
-
-        return {
-            name: (shape, order(name, strides), order(name, self.strides))
-            for name, shape in self.shapes.items()
-            if shapes.get(name) == shape and order(name, strides) != order(name, self.strides)
-        }
 
     def _by_identity(self) -> frozenset[int]:
         """The parameters an unbound state has met, which it names by identity."""
@@ -179,8 +156,6 @@ class ModelBinding:
             return
         for kind, key, _ in TENSORS:
             self._check_tensor_names(state_dict.get(key, {}), kind, key, part)
-            if "strides" in state_dict:  # absent before 2026-12-06: not known
-                self._check_memory_order(state_dict.get(key, {}), state_dict["strides"], kind, part)
 
     def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str, part: str) -> None:
         owner, numels = f"{self.owner}.load_state_dict{part}", self.numels
@@ -207,35 +182,6 @@ class ModelBinding:
                     f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
                     f"parameter has {numels[name]}; the state dict was saved from another model"
                 )
-
-    def _check_memory_order(
-        self, tensors: dict[str, torch.Tensor], saved: dict[str, list[int]], kind: str, part: str
-    ) -> None:
-        """Every residual and velocity was saved from a parameter whose elements lay in the memory
-        order they lie in here: they are held in that order, so in another one each value would
-        land on another element."""
-        for name in tensors:
-            was, now = saved.get(name), self.strides.get(name)
-            if was != now:
-                raise ValueError(
-                    f"{self.owner}.load_state_dict{part}: the {kind} of {name} was saved from a parameter "
-                    f"{_memory_order(was)}, but the parameter is {_memory_order(now)} here; a {kind} holds the "
-                    "parameter's elements in its memory order, so its values would land on other elements. Give the "
-                    "model the memory format it had when it was saved (model.to(memory_format=torch.channels_last), or "
-                    "torch.contiguous_format) before wrapping it in DistributedDataParallel"
-                )
-
-
-def _memory_order(strides: list[int] | None) -> str:
-    return "in row-major order (contiguous)" if strides is None else f"of strides {strides}"
-
-
-def row_major(shape: list[int]) -> list[int]:
-    """The strides of a contiguous tensor of ``shape``."""
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
-    return strides
 
 
 def placeholder(param_id: int) -> str:

@@ -18,28 +18,57 @@ moves all of them to another.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["KINDS", "Bucket", "BucketTable"]
+__all__ = ["KINDS", "Bucket", "BucketTable", "Strides", "memory_order", "reorder"]
 
 #: A bucket's per-element state, by kind: a tensor of the bucket's shape each, or None.
 KINDS = ("residual", "velocity")
 
+#: A parameter's memory order: its strides, or None for row-major (contiguous). DDP's bucket views
+#: follow a parameter's strides, so its residual and velocity hold its elements in that order.
+Strides = list[int] | None
+
+
+def memory_order(param: torch.Tensor) -> Strides:
+    """``param``'s memory order (a channels_last convolution's weight is not row-major)."""
+    return None if param.is_contiguous() else list(param.stride())
+
+
+def _row_major(shape: list[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return strides
+
+
+def reorder(piece: torch.Tensor, shape: list[int], then: Strides, now: Strides) -> torch.Tensor:
+    """``piece``, a parameter's elements in memory order ``then``, in memory order ``now``."""
+    if then == now:
+        return piece
+    moved = torch.empty_strided(shape, now or _row_major(shape), dtype=piece.dtype, device=piece.device)
+    moved.copy_(piece.reshape(-1).as_strided(shape, then or _row_major(shape)))
+    return moved.as_strided((piece.numel(),), (1,))
+
 
 class Bucket:
-    """One bucket: its parameters' names and sizes (in bucket order), the bytes of one of its
-    values, its method object (None for a dense state), its residual and its velocity (each None
-    until it first holds something)."""
+    """One bucket: its parameters' names, sizes and memory orders (in bucket order), the bytes of
+    one of its values, its method object (None for a dense state), its residual and its velocity
+    (each None until it first holds something)."""
 
-    __slots__ = ("index", "method", "names", "numels", "residual", "value_bytes", "velocity")
+    __slots__ = ("index", "method", "names", "numels", "residual", "strides", "value_bytes", "velocity")
 
-    def __init__(self, index: int, names: list[str], numels: list[int], value_bytes: int, method) -> None:
+    def __init__(
+        self, index: int, names: list[str], numels: list[int], strides: list[Strides], value_bytes: int, method
+    ) -> None:
         self.index = index
         self.names = names
         self.numels = numels
+        self.strides = strides
         self.value_bytes = value_bytes
         self.method = method
         self.residual: torch.Tensor | None = None
@@ -59,18 +88,23 @@ class BucketTable:
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
         self.parked: dict[str, dict[str, torch.Tensor]] = {kind: {} for kind in KINDS}  # kind -> name -> piece
+        # The memory order each parked piece is in, by name; a name without one (a state dict saved
+        # before they were recorded) is taken to be in its parameter's order.
+        self.parked_strides: dict[str, Strides] = {}
         # Method states by the names of their bucket's parameters; by bucket index where a loaded
         # checkpoint gave no layout for it. Each with the loss scale it is in.
         self.parked_methods: dict[frozenset[str] | int, tuple[dict[str, float], float]] = {}
         self.scale = 1.0  # the loss scale of everything held here (see the module)
 
-    def get(self, index: int, names: list[str], numels: list[int], like: torch.Tensor) -> Bucket | None:
-        """Bucket `index` if it still holds exactly these parameters, in this order, of these sizes,
-        in the dtype and on the device of ``like`` (a model converted or moved, or a layer replaced
-        by one of another shape under the same names, between two DDP wrappers: its bucket is
-        assembled anew, add())."""
+    def get(
+        self, index: int, names: list[str], numels: list[int], strides: list[Strides], like: torch.Tensor
+    ) -> Bucket | None:
+        """Bucket `index` if it still holds exactly these parameters, in this order, of these sizes
+        and memory orders, in the dtype and on the device of ``like`` (a model converted, to
+        channels_last too, or moved, or a layer replaced by one of another shape under the same
+        names, between two DDP wrappers: its bucket is assembled anew, add())."""
         bucket = self.buckets.get(index)
-        if bucket is None or bucket.names != names or bucket.numels != numels:
+        if bucket is None or bucket.names != names or bucket.numels != numels or bucket.strides != strides:
             return None
         held = [t for t in (bucket.residual, bucket.velocity) if t is not None]
         same = bucket.value_bytes == like.element_size() and all(
@@ -87,6 +121,7 @@ class BucketTable:
             bucket = self.buckets.pop(i)
             for kind in KINDS:
                 self.parked[kind].update(bucket.views(kind))
+            self.parked_strides.update(zip(bucket.names, bucket.strides, strict=True))
             if bucket.method is not None:
                 self.parked_methods[frozenset(bucket.names)] = (bucket.method.state(), self.scale)
 
@@ -95,15 +130,19 @@ class BucketTable:
         tensors: dict[str, dict[str, torch.Tensor]],
         methods: Iterable[tuple[frozenset[str] | int, dict, float]],
         scale: float,
+        strides: dict[str, list[int]] | None,
     ) -> None:
         """Parks what a checkpoint holds (residuals and velocities by kind and name, in loss scale
-        ``scale``; method states by their parameters' names, or by bucket index, each with the
+        ``scale``, in the memory orders ``strides`` names, the others row-major; None: each in its
+        parameter's; method states by their parameters' names, or by bucket index, each with the
         loss scale it is in) in place of everything in the table; the table stays as it was when
         they cannot be read."""
         parked = {kind: {name: t.detach().clone() for name, t in tensors.get(kind, {}).items()} for kind in KINDS}
         parked_methods = {key: (dict(state), float(in_scale)) for key, state, in_scale in methods}
         self.clear()
         self.parked = parked
+        if strides is not None:
+            self.parked_strides = {name: strides.get(name) for pieces in parked.values() for name in pieces}
         self.parked_methods = parked_methods
         self.scale = scale
 
@@ -114,24 +153,11 @@ class BucketTable:
             bucket.names = [renamed.get(name, name) for name in bucket.names]
         for kind in KINDS:
             self.parked[kind] = {renamed.get(name, name): piece for name, piece in self.parked[kind].items()}
+        self.parked_strides = {renamed.get(name, name): order for name, order in self.parked_strides.items()}
         self.parked_methods = {
             key if isinstance(key, int) else frozenset(renamed.get(name, name) for name in key): held
             for key, held in self.parked_methods.items()
         }
-
-    def reorder(self, orders: dict[str, tuple[list[int], list[int], list[int]]]) -> None:
-        """Puts the pieces of the parameters ``orders`` names (name -> (shape, strides then, strides
-        now)) into the parameters' new memory order: DDP's bucket views follow a parameter's strides,
-        so a residual holds its elements in that order, and a model converted to or from
-        channels_last between two DDP wrappers would otherwise apply each value to another element."""
-        pieces = [bucket.views(kind) for bucket in self.buckets.values() for kind in KINDS] + list(self.parked.values())
-        for held in pieces:
-            for name in orders.keys() & held.keys():
-                shape, then, now = orders[name]
-                piece = held[name]
-                moved = torch.empty_strided(shape, now, dtype=piece.dtype, device=piece.device)
-                moved.copy_(piece.as_strided(shape, then))
-                piece.copy_(moved.as_strided((piece.numel(),), (1,)))
 
     def _held_tensors(self):
         """Every residual and velocity of the table: the buckets' and the parked pieces."""
@@ -170,13 +196,20 @@ class BucketTable:
         self.scale = scale
 
     def add(
-        self, index: int, names: list[str], numels: list[int], make_method: Callable[[], Any], like: torch.Tensor
+        self,
+        index: int,
+        names: list[str],
+        shapes: list[list[int]],
+        strides: list[Strides],
+        make_method: Callable[[], Any],
+        like: torch.Tensor,
     ) -> Bucket:
-        """A new bucket `index` of these parameters, its method state, residual and velocity taken
-        from what is parked for them, in ``like``'s dtype and on its device (missing pieces, and
-        those of another size, left by a parameter replaced since, are zeros; no piece at all:
-        none yet)."""
-        bucket = Bucket(index, names, numels, like.element_size(), make_method())
+        """A new bucket `index` of these parameters (of these shapes and memory orders), its method
+        state, residual and velocity taken from what is parked for them, in ``like``'s dtype and on
+        its device, and in the parameters' memory orders (missing pieces, and those of another
+        size, left by a parameter replaced since, are zeros; no piece at all: none yet)."""
+        numels = [math.prod(shape) for shape in shapes]
+        bucket = Bucket(index, names, numels, strides, like.element_size(), make_method())
         if bucket.method is not None:
             scale = 1.0  # a new method's numbers are in gradient units
             for key in (frozenset(names), index):
@@ -186,9 +219,13 @@ class BucketTable:
                     break
             if scale != self.scale:
                 bucket.method.rescale(self.scale / scale)
+        then = [self.parked_strides.pop(name, now) for name, now in zip(names, strides, strict=True)]
         for kind in KINDS:
             pieces = [self.parked[kind].pop(name, None) for name in names]
-            pieces = [None if p is None or p.numel() != n else p for p, n in zip(pieces, numels, strict=True)]
+            pieces = [
+                None if p is None or p.numel() != math.prod(shape) else reorder(p, shape, was, now)
+                for p, shape, was, now in zip(pieces, shapes, then, strides, strict=True)
+            ]
             if any(piece is not None for piece in pieces):
                 whole = torch.cat(
                     [
@@ -206,6 +243,7 @@ class BucketTable:
         """What no bucket of the step took stays behind: a parameter that left the buckets."""
         for parked in self.parked.values():
             parked.clear()
+        self.parked_strides.clear()
         self.parked_methods.clear()
 
     def clear(self) -> None:
@@ -221,6 +259,13 @@ class BucketTable:
         for name, piece in self.parked[kind].items():  # parked by a rebuild that an error interrupted
             out.setdefault(name, piece)
         return out
+
+    def strides(self) -> dict[str, list[int]]:
+        """The memory order of every residual and velocity that is not row-major, by name."""
+        held = {name: order for b in self.buckets.values() for name, order in zip(b.names, b.strides, strict=True)}
+        parked = {name for pieces in self.parked.values() for name in pieces}
+        held.update((name, order) for name, order in self.parked_strides.items() if name in parked)
+        return {name: order for name, order in held.items() if order is not None}
 
     def methods(self) -> list[dict[str, float] | None]:
         """Method states by bucket index (None for an index without a bucket or method)."""

@@ -17,7 +17,7 @@ decision by bucket index, for the parameters ``layout`` names there; None otherw
 ``loss_scale`` (the scale the residuals are in: 1 without a scaler), ``strides`` (parameter
 name -> strides, of the parameters whose elements are not in row-major order, such as
 channels_last convolutions: a residual holds its parameter's elements in the parameter's memory
-order, and a load into a parameter of another order is refused; absent before 2026-12-06) and
+order, which a load into a parameter of another order converts; absent before 2026-12-06) and
 ``version``;
 docs/architecture.md, "Checkpoints", says why.
 

@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from gradsparse import _C
 from gradsparse.binding import ModelBinding, group_ranks
-from gradsparse.buckets import Bucket, BucketTable
+from gradsparse.buckets import Bucket, BucketTable, memory_order
 from gradsparse.checkpoint import (
     STATE_DICT_VERSION,
     Loaded,
@@ -507,9 +507,8 @@ class State:
 
     def _bind(self, model: nn.Module) -> None:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (called by
-        gradsparse.register): learns the parameter names, checks the process group; what it holds
-        for a parameter whose memory order changed since its last binding follows it."""
-        self._rebind(lambda: self._binding.bind(model))
+        gradsparse.register): learns the parameter names, checks the process group."""
+        self._rename(self._binding.bind(model))
         if self._engine is not None:
             self._binding.check_group(self._process_group)
         if self._loaded is not None:
@@ -524,17 +523,8 @@ class State:
 
     def _unbind(self, saved: dict) -> None:
         """Undoes _bind (gradsparse.register failed after it): the binding saved() gave, and the
-        placeholder names of what it renamed, and the memory order of what it reordered."""
-        self._rebind(lambda: self._binding.restore(saved))
-
-    def _rebind(self, rebinding: Callable[[], dict[str, str]]) -> None:
-        """Runs ``rebinding`` (the binding's bind or restore, which return the names they change),
-        then moves what the state holds to the new names and, where a parameter named before and
-        after is in another memory order now, into that order."""
-        before = (self._binding.strides, self._binding.shapes) if self._binding.is_named() else None
-        self._rename(rebinding())
-        if before is not None and self._binding.is_named():
-            self._table.reorder(self._binding.reorders(*before))
+        placeholder names of what it renamed."""
+        self._rename(self._binding.restore(saved))
 
     def _rename(self, renamed: dict[str, str]) -> None:
         """Moves what the state holds by parameter name (residuals, velocities, method states,
@@ -696,7 +686,8 @@ class State:
         are parked by parameter and the new buckets are assembled from them."""
         names = [self._binding.name(p) for p in params]
         numels = [p.numel() for p in params]
-        entry = self._table.get(index, names, numels, buffer)
+        strides = [memory_order(p) for p in params]
+        entry = self._table.get(index, names, numels, strides, buffer)
         if entry is not None:
             return entry
         if self._trial is not None and not self._trial.decided and self._step > self._trial.first_step:
@@ -711,7 +702,9 @@ class State:
                 "this DDP configuration is not supported"
             )
         self._check_bucket_agrees(index, buffer)
-        return self._table.add(index, names, numels, lambda: self._make_method(numels, buffer.element_size()), buffer)
+        shapes = [list(p.shape) for p in params]
+        make = lambda: self._make_method(numels, buffer.element_size())  # noqa: E731
+        return self._table.add(index, names, shapes, strides, make, buffer)
 
     def _average(self, values: torch.Tensor, name: str) -> torch.Tensor:
         """The average over the ranks of a small float32 tensor (on the buckets' device: a group of
@@ -1091,7 +1084,7 @@ class State:
         entry = self._table.buckets.get(index)
         if entry is None:
             entry = self._table.add(
-                index, [name], [numel], lambda: self._make_method([numel], flat.element_size()), flat
+                index, [name], [[numel]], [None], lambda: self._make_method([numel], flat.element_size()), flat
             )
         last = len(self._sharded_called | {index}) == groups
         future = self._submit(entry, flat, last, shard_only=True)
@@ -1213,7 +1206,7 @@ class State:
             "fsdp": self._binding.sharded is not None,
             **with_checksums(residuals, velocities),  # velocities: momentum correction's (empty without it)
             # the parameters whose residuals hold their elements in another order than row-major (channels_last)
-            "strides": dict(self._binding.strides),
+            "strides": self._table.strides(),
             "methods": self._table.methods(),
             "layout": self._table.layout(),
             # method states that a rebuild or a load left waiting for their bucket, when a bucket's
@@ -1434,6 +1427,7 @@ class State:
             {"residual": state_dict["residuals"], "velocity": velocities},
             loaded.method_states(),
             float(state_dict.get("loss_scale", 1.0)),  # 1: saved before set_scaler existed
+            state_dict.get("strides"),  # None: saved before memory orders were recorded
         )
         self._scale_read_at = None  # the next step moves them to its own loss scale
         self._step = step

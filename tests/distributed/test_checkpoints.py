@@ -37,18 +37,20 @@ def test_resume_is_exact_with_a_static_graph(tmp_path):
             assert torch.equal(a, b), f"rank {rank}: resumed differs from straight by {(a - b).abs().max()}"
 
 
-def test_a_channels_last_model_resumes_exactly_and_refuses_a_checkpoint_of_another_memory_format(tmp_path):
+def test_a_channels_last_checkpoint_resumes_exactly_and_into_a_contiguous_model(tmp_path):
     """A residual holds its parameter's elements in the parameter's memory order (DDP's bucket views
     follow its strides). Loaded for a model in another memory format, each value landed on another
     element without a word (the resumed run differed from the uninterrupted one by 4e-3 after 3
-    steps); now that load is refused on every rank, naming the parameter and the fix."""
+    steps); the state dict now records the order (``strides``) and the load moves the residuals
+    into the model's."""
     for rank, r in enumerate(run_distributed(workers.channels_last_resume, 2, str(tmp_path / "ckpt"), timeout=120)):
+        assert set(r["strides"]) == {"c1.weight", "c2.weight"}
         for a, b in zip(r["straight"], r["resumed"], strict=True):
             assert torch.equal(a, b), f"rank {rank}: resumed differs from straight by {(a - b).abs().max()}"
-        for kind, text in (r["refused"], r["refused_at_register"]):
-            assert kind == "ValueError", f"rank {rank}: {kind}: {text}"
-            assert "was saved from a parameter of strides" in text and "row-major order (contiguous) here" in text
-            assert "model.to(memory_format=torch.channels_last)" in text, text
+        for case in ("contiguous", "contiguous, registered after the load"):
+            for a, b in zip(r["straight"], r[case], strict=True):
+                # Convolutions in another memory format round differently (about 1e-8 here)
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"rank {rank}, {case}")
 
 
 def _all_ranks(*residuals):
