@@ -1,0 +1,26 @@
+# Test cmake_consumer (CMakeLists.txt): installs the core of the build BUILD_DIR into WORK_DIR/prefix
+# (emptied first), then configures, builds and runs this folder's project against that prefix with
+# the build's generator, compiler, build type and sanitizers (LINKER_FLAGS), and with
+# gradsparse::core_cuda where the core was built with CUDA (CUDA_ROOT: the toolkit the build found).
+# Fails on the first step that fails.
+#   cmake -DBUILD_DIR=... -DWORK_DIR=... -DGENERATOR=... -DMAKE_PROGRAM=... -DCXX=... -DBUILD_TYPE=...
+#         [-DLINKER_FLAGS=...] [-DCUDA_ROOT=...] -P run.cmake
+function(run)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE status)
+  if(NOT status EQUAL 0)
+    string(REPLACE ";" " " command "${ARGN}")
+    message(FATAL_ERROR "cmake_consumer: `${command}` failed (${status})")
+  endif()
+endfunction()
+
+set(cuda_options "")
+if(CUDA_ROOT)
+  set(cuda_options -DGRADSPARSE_CUDA=ON -DCUDAToolkit_ROOT=${CUDA_ROOT})
+endif()
+file(REMOVE_RECURSE ${WORK_DIR})
+run(${CMAKE_COMMAND} --install ${BUILD_DIR} --config ${BUILD_TYPE} --prefix ${WORK_DIR}/prefix)
+run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
+    -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM} -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=${BUILD_TYPE}
+    -DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix ${cuda_options})
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/build --config ${BUILD_TYPE})
+run(${WORK_DIR}/build/consumer)
