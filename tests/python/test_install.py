@@ -36,6 +36,19 @@ def test_the_build_record_names_the_running_torch():
     assert torch.__version__ == TORCH_VERSION
 
 
+def test_the_package_pyproject_and_the_cmake_package_name_one_version():
+    """pip's version (pyproject.toml), gradsparse.__version__ and the installed CMake package's
+    (find_package(gradsparse 0.1)) are written in three places: they must agree."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml")) as f:  # tomllib: Python 3.11 on
+        pip_version = re.search(r'^version = "(\S+)"', f.read(), re.M).group(1)
+    with open(os.path.join(root, "CMakeLists.txt")) as f:
+        cmake_version = re.search(r"^project\(gradsparse VERSION (\S+)", f.read(), re.M).group(1)
+    assert pip_version == gradsparse.__version__ == cmake_version
+
+
 def test_a_build_that_carries_its_own_libstdcxx_is_refused(tmp_path, monkeypatch):
     """setup.py's check after building _C: a module that does not load the shared libstdc++ (its
     compiler linked a static copy) is removed and the build fails naming the compiler and the fix;
