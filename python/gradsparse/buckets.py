@@ -35,8 +35,17 @@ Strides = list[int] | None
 
 
 def memory_order(param: torch.Tensor) -> Strides:
-    """``param``'s memory order (a channels_last convolution's weight is not row-major)."""
-    return None if param.is_contiguous() else list(param.stride())
+    """``param``'s memory order (a channels_last convolution's weight is not row-major). DDP's
+    bucket view of a parameter whose elements are not dense in memory (a slice with gaps) is
+    row-major, whatever its strides."""
+    if param.is_contiguous():
+        return None
+    span = 1  # the elements that the dimensions so far, by increasing stride, cover without a gap
+    for stride, size in sorted((s, n) for s, n in zip(param.stride(), param.shape, strict=True) if n != 1):
+        if stride != span:
+            return None
+        span *= size
+    return list(param.stride())
 
 
 def _row_major(shape: list[int]) -> list[int]:

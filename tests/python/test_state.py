@@ -644,6 +644,40 @@ def test_a_parked_piece_is_moved_into_its_parameters_memory_order(then, now):
     assert table.strides() == ({"w": list(param.stride())} if now == "channels_last" else {})
 
 
+@pytest.mark.parametrize("then,now", [("gaps", "contiguous"), ("contiguous", "gaps")])
+def test_a_parameter_with_gaps_is_row_major_in_its_bucket(then, now):
+    """DDP's bucket view of a parameter whose elements are not dense in memory (a slice with gaps)
+    is row-major, whatever its strides: such a parameter's strides were taken for its residual's
+    order, and a model whose parameter changed between one and the other under a new DDP failed
+    (setStorage out of bounds) or took its residual from the wrong elements."""
+
+    def layout(weight: torch.Tensor, how: str) -> torch.Tensor:
+        return torch.empty(weight.shape[0], 2 * weight.shape[1])[:, ::2].copy_(weight) if how == "gaps" else weight
+
+    data = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(6)]
+
+    def run(switch_at: int | None) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 3)
+        model.weight.data = layout(model.weight.data.contiguous(), then)
+        ddp = DDP(model)
+        state = gs.register(ddp, gs.TopK(density=0.3, momentum=0.9))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step, (x, y) in enumerate(data):
+            if step == switch_at:
+                model.weight.data = layout(model.weight.data.contiguous(), now)
+                ddp = DDP(model)
+                gs.register(ddp, state)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        assert state.state_dict()["strides"] == {}
+        return params_of(model)
+
+    for switched, straight in zip(run(3), run(None), strict=True):
+        torch.testing.assert_close(switched, straight)
+
+
 @pytest.mark.parametrize("change", ["dtype", "shape"])
 def test_a_state_follows_its_model_into_a_new_ddp_after_a_conversion_or_a_new_layer(change):
     """Between two DDP wrappers the model was converted to bfloat16, or its last layer replaced by
