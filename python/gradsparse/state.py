@@ -254,6 +254,11 @@ class State:
             )
         return self.__dict__
 
+    def __setstate__(self, saved: dict[str, Any]) -> None:
+        """A copy is a state of its own: its engine, once started, is stopped at exit too."""
+        self.__dict__.update(saved)
+        _LIVE_STATES.add(self)
+
     # ----------------------------------------------------------------------------------------
     # Configuration
 

@@ -583,6 +583,7 @@ def test_a_state_in_use_refuses_to_be_pickled_naming_state_dict_and_a_fresh_one_
     ProcessGroup"), naming nothing of gradsparse; a fresh one (mp.spawn's arguments) still copies."""
     fresh = copy.deepcopy(gs.TopK(density=0.1, momentum=0.9))
     assert fresh.config()["momentum"] == 0.9
+    assert fresh in gs.state._LIVE_STATES  # its engine is stopped at exit, as every state's
     _train(_hooked(fresh), 2)  # the copy trains
     assert fresh.step == 2
     for state in (fresh, gs.TopK(density=0.1).setup()):
