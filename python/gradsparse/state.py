@@ -708,8 +708,9 @@ class State:
             )
         self._check_bucket_agrees(index, buffer)
         shapes = [list(p.shape) for p in params]
-        make = lambda: self._make_method(numels, buffer.element_size())  # noqa: E731
-        return self._table.add(index, names, shapes, strides, make, buffer)
+        return self._table.add(
+            index, names, shapes, strides, lambda: self._make_method(numels, buffer.element_size()), buffer
+        )
 
     def _average(self, values: torch.Tensor, name: str) -> torch.Tensor:
         """The average over the ranks of a small float32 tensor (on the buckets' device: a group of

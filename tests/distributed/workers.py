@@ -1782,8 +1782,9 @@ class Bag(nn.Module):
 def sparse_embedding_gradients(rank: int, world_size: int, method: str, path: str) -> dict:
     """The same 8 steps of Bag(sparse=True) and Bag(sparse=False), each parameter in a bucket of its
     own after DDP's first step (so both reduce the same buckets; the first, in which DDP's layouts
-    differ, is dense): the table's gradients, sparse or dense, are reduced alike. The sparse run also resumes from a checkpoint after 4 steps (new model, DDP, optimizer
-    and state + load + 4 steps)."""
+    differ, is dense): the table's gradients, sparse or dense, are reduced alike. The sparse run
+    also resumes from a checkpoint after 4 steps (new model, DDP, optimizer and state + load + 4
+    steps)."""
     g = torch.Generator().manual_seed(1000 + rank)
     data = [(torch.randint(0, 60, (6, 3), generator=g), torch.randint(0, 3, (6,), generator=g)) for _ in range(8)]
     layouts = []
