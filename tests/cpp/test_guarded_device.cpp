@@ -230,6 +230,8 @@ std::unique_ptr<Method> make(const std::string& name) {
   if (name == "micro_gather") return std::make_unique<MiCRO>(0.02, "gather", false, 0);
   if (name == "exdyna") return std::make_unique<ExDyna>(0.02, "union", false, 0);
   if (name == "spardl") return std::make_unique<SparDL>(0.02, 1);
+  if (name == "randomk") return std::make_unique<RandomK>(0.02, 3);
+  if (name == "randomblock") return std::make_unique<RandomBlock>(0.02, 3);
   return nullptr;
 }
 
@@ -336,7 +338,8 @@ TEST_P(GuardedDeviceTest, TakesTheGpusPathsWithoutReadingItsMemoryAndGivesTheCpu
 INSTANTIATE_TEST_SUITE_P(EveryMethod, GuardedDeviceTest,
                          ::testing::Values("topk", "topk_reduce_scatter", "threshold", "gaussiank", "gaussiank_sidco",
                                            "dgc", "dgc_reference", "redsync", "sidco_exp", "sidco_gamma_gpareto",
-                                           "sage", "micro", "micro_gather", "exdyna", "spardl"),
+                                           "sage", "micro", "micro_gather", "exdyna", "spardl", "randomk",
+                                           "randomblock"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace
