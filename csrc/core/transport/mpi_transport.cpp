@@ -159,8 +159,8 @@ std::unique_ptr<MpiTransport> MpiTransport::world(int other_mpi_threads) {
            kAskForMultiple, ", or use the default transport");
   std::unique_ptr<MpiTransport> t(new MpiTransport());
   t->comm_ = std::make_unique<Comm>();
+  ++finalizer.live;  // from here on its destructor counts it off, also where a call below throws
   check(MPI_Comm_dup(MPI_COMM_WORLD, &t->comm_->comm), "MPI_Comm_dup");
-  ++finalizer.live;
   MPI_Comm_rank(t->comm_->comm, &t->rank_);
   MPI_Comm_size(t->comm_->comm, &t->size_);
   check(MPI_Type_contiguous(2, MPI_BYTE, &t->comm_->u16), "MPI_Type_contiguous");
@@ -172,14 +172,17 @@ std::unique_ptr<MpiTransport> MpiTransport::world(int other_mpi_threads) {
 
 MpiTransport::~MpiTransport() {
   if (!comm_) return;
-  --finalizer.live;
   int finalized = 0;
   MPI_Finalized(&finalized);
-  if (finalized) return;
-  MPI_Op_free(&comm_->sum_half);
-  MPI_Op_free(&comm_->sum_bfloat16);
-  MPI_Type_free(&comm_->u16);
-  MPI_Comm_free(&comm_->comm);
+  if (!finalized) {  // what world() made, where it got that far
+    if (comm_->sum_half != MPI_OP_NULL) MPI_Op_free(&comm_->sum_half);
+    if (comm_->sum_bfloat16 != MPI_OP_NULL) MPI_Op_free(&comm_->sum_bfloat16);
+    if (comm_->u16 != MPI_DATATYPE_NULL) MPI_Type_free(&comm_->u16);
+    if (comm_->comm != MPI_COMM_NULL) MPI_Comm_free(&comm_->comm);
+  }
+  // Counted off only now: below MPI_THREAD_MULTIPLE a transport made on another thread may call
+  // MPI as soon as it reads 0, and these calls must be over by then.
+  --finalizer.live;
 }
 
 void MpiTransport::set_max_count(size_t count) {
