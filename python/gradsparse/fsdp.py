@@ -17,6 +17,7 @@ a DistributedDataParallel (gradsparse.register) as well.
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
 from typing import Any
@@ -55,8 +56,26 @@ def _group_layout(module: nn.Module, world_size: int) -> tuple[int, torch.dtype]
     numel = sum(p.padded_sharded_param_size.numel() for p in params) * world_size
     # The mixed-precision policy: per parameter from torch 2.15 on, per group before.
     policy = getattr(params[0], "mp_policy", None) or getattr(group, "mp_policy", None)
-    dtype = (policy and (policy.reduce_dtype or policy.param_dtype)) or params[0].sharded_param.dtype
-    return numel, dtype
+    dtypes = {_reduce_dtype(p, policy) for p in params}
+    return numel, functools.reduce(torch.promote_types, dtypes)
+
+
+def _reduce_dtype(param, policy) -> torch.dtype:
+    """The dtype in which FSDP reduce-scatters ``param``'s gradient: the policy's ``reduce_dtype``,
+    else, up to torch 2.14, the dtype the gradient is computed in (``param_dtype``), and from
+    torch 2.15 on the one it accumulates in: the parameter's ``grad_dtype`` where one was set,
+    else its own dtype (a ``param_dtype=bfloat16`` policy then reduces in float32). Read from the
+    policy and the parameter, as sparsify() runs before FSDP's first forward sets its own."""
+    param_dtype = policy.param_dtype if policy is not None else None
+    if policy is not None and policy.reduce_dtype is not None:
+        return policy.reduce_dtype
+    own = param.sharded_param.dtype
+    if not hasattr(type(param), "unsharded_grad_dtype"):  # torch 2.14 and before
+        return param_dtype or own
+    if getattr(param, "_has_sharded_grad_dtype_override", False):
+        # grad_dtype=None: no accumulation dtype, the gradient's own (FSDP's _get_reduce_dtype)
+        return param.sharded_grad_dtype or param_dtype or own
+    return own
 
 
 def sparsify(model: nn.Module, state: State) -> State:
@@ -66,7 +85,9 @@ def sparsify(model: nn.Module, state: State) -> State:
 
     The state's process group must be the one FSDP shards over (the default group for a 1-D
     mesh; ``mesh.get_group("shard")`` for HSDP, whose replica all-reduce stays dense). FSDP's
-    mixed precision applies: the residuals take the ``reduce_dtype``. FSDP's gradient averaging
+    mixed precision applies: the residuals take the dtype FSDP reduces in (the policy's
+    ``reduce_dtype``; without one, ``param_dtype`` up to torch 2.14 and the parameters' own dtype
+    from torch 2.15 on). FSDP's gradient averaging
     (``AVG``) and sums (``SUM``, with its pre- and post-division for float16) are honoured; a
     custom divide factor (``set_gradient_divide_factor``) is not.
 

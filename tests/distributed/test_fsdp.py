@@ -472,6 +472,38 @@ def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
             assert torch.equal(a, b), f"rank {rank}: the loaded residual differs by {(a - b).abs().max()}"
 
 
+def mixed_precision_through_dcp(rank: int, world_size: int, path: str, policy: dict) -> tuple[list, list]:
+    """Each rank's residuals after two steps under the mixed-precision ``policy``, and what a fresh
+    state (which has reduced nothing yet) holds after dcp.load."""
+
+    def setup():
+        model = shard(workers.make_model(3), init_device_mesh("cpu", (world_size,)), MixedPrecisionPolicy(**policy))
+        return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1))
+
+    model, state = setup()
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = [t.clone() for _, t in sorted(state.state_dict()["residuals"].items())]
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    _, fresh = setup()
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    return saved, [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}],
+    ids=["bfloat16_params", "bfloat16_params_float32_reduce"],
+)
+def test_dcp_checkpoint_under_mixed_precision_loads_the_residuals_exactly(tmp_path, policy):
+    """A fresh state learns its residuals' dtype from FSDP's policy, where DCP reads the saved
+    ones into it. With param_dtype=bfloat16 and no reduce_dtype, torch 2.15 reduces in float32
+    (the parameters' own dtype) where earlier torches reduced in bfloat16: taken for bfloat16 on
+    2.15, the float32 residuals came back rounded to bfloat16 without a word."""
+    for rank, (saved, loaded) in enumerate(run_distributed(mixed_precision_through_dcp, 2, str(tmp_path), policy)):
+        for a, b in zip(saved, loaded, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: saved {a.dtype}, loaded {b.dtype}"
+
+
 class IndexedStatsShardedState(gs.fsdp.ShardedState):
     """ShardedState as gradsparse saved it before the statistics were kept by the names of each
     bucket's parameters: each rank's block holds them by bucket index (the i-th module sparsified)."""
