@@ -170,13 +170,9 @@ void ProcessGroupTransport::allgatherv(Device& device, const void* send, void* r
     // NCCL: an all-to-all with split sizes, every rank's block unpadded to every rank.
     std::vector<int64_t> in_splits(static_cast<size_t>(size_), mine), out_splits(sizes.begin(), sizes.end());
     at::Tensor input = wrap(device, send, mine, at::kByte).repeat({size_});
-    // alltoall_base: torch 2.13 deprecates it for all_to_all_single, which older torches lack.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
     at::Tensor out = output;
-    complete([&] { return group_->alltoall_base(out, input, out_splits, in_splits); }, "allgatherv",
+    complete([&] { return group_->all_to_all_single(out, input, out_splits, in_splits); }, "allgatherv",
              static_cast<size_t>(total));
-#pragma GCC diagnostic pop
     count_allgatherv(sizes);
     return;
   }
