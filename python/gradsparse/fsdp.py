@@ -54,9 +54,9 @@ def _group_layout(module: nn.Module, world_size: int) -> tuple[int, torch.dtype]
     if not params:
         return None
     numel = sum(p.padded_sharded_param_size.numel() for p in params) * world_size
-    # The mixed-precision policy: per parameter from torch 2.15 on, per group before.
-    policy = getattr(params[0], "mp_policy", None) or getattr(group, "mp_policy", None)
-    dtypes = {_reduce_dtype(p, policy) for p in params}
+    # The mixed-precision policy: per parameter from torch 2.15 on (param_dtype_override_fn gives
+    # parameters of one group different param_dtypes), per group before.
+    dtypes = {_reduce_dtype(p, getattr(p, "mp_policy", None) or getattr(group, "mp_policy", None)) for p in params}
     return numel, functools.reduce(torch.promote_types, dtypes)
 
 
@@ -72,22 +72,30 @@ def _reduce_dtype(param, policy) -> torch.dtype:
     own = param.sharded_param.dtype
     if not hasattr(type(param), "unsharded_grad_dtype"):  # torch 2.14 and before
         return param_dtype or own
-    if getattr(param, "_has_sharded_grad_dtype_override", False):
+    # A grad_dtype set on the sharded parameter since fully_shard (model.parameters() are those)
+    # overrides the one fully_shard found: FSDP's first forward takes it (_capture_grad_dtype_policy).
+    if getattr(param.sharded_param, "_has_grad_dtype_override", False):
+        overridden, grad_dtype = True, param.sharded_param.grad_dtype
+    else:
+        overridden, grad_dtype = getattr(param, "_has_sharded_grad_dtype_override", False), param.sharded_grad_dtype
+    if overridden:
         # grad_dtype=None: no accumulation dtype, the gradient's own (FSDP's _get_reduce_dtype)
-        return param.sharded_grad_dtype or param_dtype or own
+        return grad_dtype or param_dtype or own
     return own
 
 
 def sparsify(model: nn.Module, state: State) -> State:
     """Makes every FSDP module of ``model`` reduce its gradients with ``state``'s method: a sparse
     exchange with error feedback in place of FSDP's reduce-scatter. Call it on every rank, after
-    ``fully_shard`` and before the first backward. Returns the state.
+    ``fully_shard`` (and any change of the parameters' dtype or ``grad_dtype``: a fresh state
+    takes its residuals' dtype, which ``dcp.load`` reads the saved ones into, from them) and
+    before the first backward. Returns the state.
 
     The state's process group must be the one FSDP shards over (the default group for a 1-D
     mesh; ``mesh.get_group("shard")`` for HSDP, whose replica all-reduce stays dense). FSDP's
     mixed precision applies: the residuals take the dtype FSDP reduces in (the policy's
-    ``reduce_dtype``; without one, ``param_dtype`` up to torch 2.14 and the parameters' own dtype
-    from torch 2.15 on). FSDP's gradient averaging
+    ``reduce_dtype``; without one, ``param_dtype`` up to torch 2.14 and the parameters' own dtype,
+    or their ``grad_dtype``, from torch 2.15 on). FSDP's gradient averaging
     (``AVG``) and sums (``SUM``, with its pre- and post-division for float16) are honoured; a
     custom divide factor (``set_gradient_divide_factor``) is not.
 

@@ -504,12 +504,39 @@ def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
             assert torch.equal(a, b), f"rank {rank}: the loaded residual differs by {(a - b).abs().max()}"
 
 
-def mixed_precision_through_dcp(rank: int, world_size: int, path: str, policy: dict) -> tuple[list, list]:
-    """Each rank's residuals after two steps under the mixed-precision ``policy``, and what a fresh
-    state (which has reduced nothing yet) holds after dcp.load."""
+#: FSDP takes a parameter's grad_dtype, and a param_dtype_override_fn, from torch 2.15 on (before, a
+#: grad_dtype other than the reduce dtype fails FSDP's own assignment of the reduced gradient).
+FSDP_GRAD_DTYPE = pytest.mark.skipif(
+    not hasattr(MixedPrecisionPolicy, "param_dtype_override_fn"), reason="FSDP's grad_dtype: torch 2.15 on"
+)
+
+
+def norms_keep_their_dtype(param: nn.Parameter) -> torch.dtype | None:
+    """A param_dtype_override_fn (torch 2.15): the 1-D parameters (a LayerNorm's) stay float32."""
+    return param.dtype if param.ndim == 1 else None
+
+
+def mixed_precision_through_dcp(rank: int, world_size: int, path: str, case: dict) -> tuple[list, list]:
+    """Each rank's residuals after two steps under the mixed-precision policy of ``case``, and what
+    a fresh state (which has reduced nothing yet) holds after dcp.load. ``case`` may name the
+    model's dtype, a LayerNorm model under one fully_shard ("norm"), and a grad_dtype (torch
+    2.15) given to the parameters before fully_shard ("grad_dtype") or to the sharded ones
+    ("sharded_grad_dtype")."""
+    policy = MixedPrecisionPolicy(**case["policy"])
 
     def setup():
-        model = shard(workers.make_model(3), init_device_mesh("cpu", (world_size,)), MixedPrecisionPolicy(**policy))
+        if case.get("norm"):
+            torch.manual_seed(3)
+            model = nn.Sequential(
+                nn.Linear(16, 48, bias=False), nn.LayerNorm(48), nn.ReLU(), nn.Linear(48, 6, bias=False)
+            )
+        else:
+            model = workers.make_model(3, case.get("dtype", torch.float32))
+        for param in model.parameters() if "grad_dtype" in case else ():
+            param.grad_dtype = case["grad_dtype"]
+        shard(model, init_device_mesh("cpu", (world_size,)), policy, per_layer=not case.get("norm"))
+        for param in model.parameters() if "sharded_grad_dtype" in case else ():  # the sharded ones
+            param.grad_dtype = case["sharded_grad_dtype"]
         return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1))
 
     model, state = setup()
@@ -522,16 +549,40 @@ def mixed_precision_through_dcp(rank: int, world_size: int, path: str, policy: d
 
 
 @pytest.mark.parametrize(
-    "policy",
-    [{"param_dtype": torch.bfloat16}, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}],
-    ids=["bfloat16_params", "bfloat16_params_float32_reduce"],
+    "case",
+    [
+        {"policy": {"param_dtype": torch.bfloat16}},
+        {"policy": {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}},
+        pytest.param(
+            {"policy": {"param_dtype": torch.bfloat16}, "dtype": torch.bfloat16, "sharded_grad_dtype": torch.float32},
+            marks=FSDP_GRAD_DTYPE,
+        ),
+        pytest.param(
+            {
+                "policy": {"param_dtype": torch.bfloat16, "param_dtype_override_fn": norms_keep_their_dtype},
+                "norm": True,
+                "grad_dtype": None,
+            },
+            marks=FSDP_GRAD_DTYPE,
+        ),
+    ],
+    ids=[
+        "bfloat16_params",
+        "bfloat16_params_float32_reduce",
+        "bfloat16_model_float32_grad_dtype",
+        "float32_norms_grad_dtype_none",
+    ],
 )
-def test_dcp_checkpoint_under_mixed_precision_loads_the_residuals_exactly(tmp_path, policy):
+def test_dcp_checkpoint_under_mixed_precision_loads_the_residuals_exactly(tmp_path, case):
     """A fresh state learns its residuals' dtype from FSDP's policy, where DCP reads the saved
     ones into it. With param_dtype=bfloat16 and no reduce_dtype, torch 2.15 reduces in float32
     (the parameters' own dtype) where earlier torches reduced in bfloat16: taken for bfloat16 on
-    2.15, the float32 residuals came back rounded to bfloat16 without a word."""
-    for rank, (saved, loaded) in enumerate(run_distributed(mixed_precision_through_dcp, 2, str(tmp_path), policy)):
+    2.15, the float32 residuals came back rounded to bfloat16 without a word. So they did on
+    2.15 for a bfloat16 model whose parameters were given grad_dtype=float32 once sharded (FSDP
+    takes it at its first forward, gradsparse took the one fully_shard found), and for float32
+    norms (param_dtype_override_fn) with grad_dtype=None, whose float32 gradients FSDP promotes
+    their group to (gradsparse took every parameter for the first one's param_dtype)."""
+    for rank, (saved, loaded) in enumerate(run_distributed(mixed_precision_through_dcp, 2, str(tmp_path), case)):
         for a, b in zip(saved, loaded, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: saved {a.dtype}, loaded {b.dtype}"
 
