@@ -179,6 +179,18 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
         ddp = state._binding.model()
         if getattr(ddp, "_use_python_reducer", False):
             raise ValueError(f"gradsparse.register: this DistributedDataParallel was built {_PYTHON_REDUCER}")
+        if getattr(ddp, "skip_all_reduce_unused_params", False):
+            # DDP then hands no bucket of unused parameters to the hook: where that is its last
+            # bucket, no bucket ends the step, which the state never counted (warmup_steps never
+            # ended), and the first step after load_state_dict waited for that bucket for ever.
+            raise ValueError(
+                "gradsparse.register: this DistributedDataParallel was built with skip_all_reduce_unused_params=True, "
+                "so DDP hands gradsparse no bucket of unused parameters, and where that is its last bucket no bucket "
+                "ends the step: the state would count no step (warm-up would never end) and wait for ever after a "
+                "load_state_dict. Build DistributedDataParallel without it: with find_unused_parameters=True (or "
+                "static_graph=True) alone DDP hands such a bucket over with zero gradients, and under "
+                "gradsparse.register an unused parameter sits the step out"
+            )
         state.setup()
         try:
             ddp.register_comm_hook(state, ddp_hook)

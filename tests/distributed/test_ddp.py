@@ -291,6 +291,7 @@ def test_b_c_topk_matches_restatement_and_conserves_mass(world_size, density, mo
         ("float64_bucket", 2, "RuntimeError", "TypeError: gradsparse: bucket 0 holds torch.float64 gradients"),
         ("group_mismatch", 4, "ValueError", "process_group=<the group passed to DistributedDataParallel>"),
         ("buckets_differ", 2, "RuntimeError", "give every rank the same bucket_cap_mb"),
+        ("skip_unused_buckets", 2, "ValueError", "built with skip_all_reduce_unused_params=True"),
     ],
 )
 def test_d_bad_configuration_raises_on_every_rank(case, world_size, error, message):

@@ -406,6 +406,10 @@ def bad_configuration(rank: int, world_size: int, case: str) -> tuple[str, str]:
             ddp = DDP(make_model(), find_unused_parameters=True, bucket_cap_mb=1e-6 if rank == 0 else 25)
             gs.register(ddp, gs.TopK(density=0.1))
             train(ddp, rank, steps=2)
+        elif case == "skip_unused_buckets":  # DDP hands no bucket of unused parameters: none may end the step
+            ddp = DDP(make_model(), find_unused_parameters=True, skip_all_reduce_unused_params=True)
+            gs.register(ddp, gs.TopK(density=0.1))
+            train(ddp, rank, steps=2)
         elif case == "group_mismatch":
             pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             ddp = DDP(make_model(), process_group=pairs[rank // 2])
