@@ -519,7 +519,7 @@ def train_with_resume(
         if i == save_at:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "gs": state.state_dict()}, path)
             model, ddp, state, opt = make(123, register=False) if load_first else make(123)
-            loaded = torch.load(load_path or path, weights_only=False)
+            loaded = torch.load(load_path or path)  # torch's default, weights_only=True, as users load
             model.load_state_dict(loaded["model"])
             opt.load_state_dict(loaded["opt"])
             state.load_state_dict(loaded["gs"])
