@@ -655,7 +655,7 @@ class State:
             self._propagated = None
         if delayed and self._binding.params is None:
             with contextlib.suppress(RuntimeError):  # outside a backward: no step to end there
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_delayed_step)
+                _queue_callback(self._end_delayed_step)
         self._handed = (0, set()) if last else (count + 1, ids | mine)
         return index, last
 
@@ -1610,6 +1610,13 @@ def _end_the_mpi_job_on_an_uncaught_error(rank: int) -> None:
 
     end_the_job._gradsparse_mpi = True  # type: ignore[attr-defined]
     sys.excepthook = end_the_job
+
+
+def _queue_callback(callback) -> None:
+    """Runs ``callback`` when the backward pass under way ends: torch.autograd.graph's public
+    queue_callback (torch 2.15 on), else the engine's own."""
+    queue = getattr(torch.autograd.graph, "queue_callback", None)
+    (queue or torch.autograd.Variable._execution_engine.queue_callback)(callback)
 
 
 def _done(value) -> torch.futures.Future:
