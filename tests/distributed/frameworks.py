@@ -143,6 +143,27 @@ def lightning_resume_at_another_world_size(rank: int, world_size: int, folder: s
     return out
 
 
+def lightning_accumulation(rank: int, world_size: int, folder: str) -> dict:
+    """Trainer(accumulate_grad_batches=3), which runs the batches before each optimizer step under
+    DDP's no_sync (4 batches: a window of 3, then the epoch's last alone): Sparsify(TopK(density=1.0))
+    against the same Trainer without it, the state's steps, the optimizer's, and the logged rows."""
+    _launcher_environment(rank, world_size)
+    Classifier = _lightning_module()
+    state = gs.TopK(density=1.0)
+    out: dict = {}
+    for name, callbacks in (("plain", []), ("sparse", [gs.lightning.Sparsify(state)])):
+        model = Classifier(seed=0)
+        trainer = _trainer(f"{folder}/{name}", 1, callbacks, accumulate_grad_batches=3)
+        trainer.fit(model)
+        out[name] = params_of(model)
+    out["steps"], out["optimizer_steps"] = state.step, trainer.global_step
+    if rank == 0:
+        with open(glob.glob(f"{folder}/sparse/**/metrics.csv", recursive=True)[0]) as f:
+            rows = list(csv.DictReader(f))
+        out["logged_bytes"] = [float(r["gradsparse/bytes_sent"]) for r in rows if r.get("gradsparse/bytes_sent")]
+    return out
+
+
 def lightning_strategy_hook(rank: int, world_size: int) -> dict:
     """Lightning's own DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...): the strategy (and the
     state) are built before the process group exists, as Lightning does; Lightning then registers

@@ -42,6 +42,18 @@ def test_lightning_sparsify_trains_logs_and_resumes_each_rank_exactly(tmp_path):
     assert all(b > 0 for b in results[0]["logged_bytes"])
 
 
+def test_lightning_sparsify_under_gradient_accumulation_steps_once_per_optimizer_step(tmp_path):
+    """The batches Lightning accumulates run under no_sync and reach no hook: the state counts the
+    optimizer's steps, at density 1.0 trains as the Trainer without it, and Sparsify's logged rows
+    are one per optimizer step, each with its exchange (after such a batch Sparsify reads the
+    statistics of no exchange: no step, and no density)."""
+    results = run_distributed(frameworks.lightning_accumulation, 2, str(tmp_path), timeout=300)
+    for rank, r in enumerate(results):
+        assert r["steps"] == r["optimizer_steps"] == 2, r
+        _assert_equal_params(r["plain"], r["sparse"], f"rank {rank}")
+    assert len(results[0]["logged_bytes"]) == 2 and all(b > 0 for b in results[0]["logged_bytes"]), results[0]
+
+
 def test_lightning_sparsify_refuses_a_prefix_that_is_no_string():
     """A prefix such as 5 was taken, and the first training batch failed in log_dict with Python's
     "unsupported operand type(s) for +"."""
