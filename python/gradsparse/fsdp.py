@@ -72,16 +72,16 @@ def _reduce_dtype(param, policy) -> torch.dtype:
     own = param.sharded_param.dtype
     if not hasattr(type(param), "unsharded_grad_dtype"):  # torch 2.14 and before
         return param_dtype or own
-    # A grad_dtype set on the sharded parameter since fully_shard (model.parameters() are those)
-    # overrides the one fully_shard found: FSDP's first forward takes it (_capture_grad_dtype_policy).
     if getattr(param.sharded_param, "_has_grad_dtype_override", False):
-        overridden, grad_dtype = True, param.sharded_param.grad_dtype
+        # set on the sharded parameter (model.parameters()) since fully_shard, or by it: FSDP's
+        # first forward takes this one (_capture_grad_dtype_policy)
+        grad_dtype = param.sharded_param.grad_dtype
+    elif getattr(param, "_has_sharded_grad_dtype_override", False):  # the one fully_shard found
+        grad_dtype = param.sharded_grad_dtype
     else:
-        overridden, grad_dtype = getattr(param, "_has_sharded_grad_dtype_override", False), param.sharded_grad_dtype
-    if overridden:
-        # grad_dtype=None: no accumulation dtype, the gradient's own (FSDP's _get_reduce_dtype)
-        return grad_dtype or param_dtype or own
-    return own
+        return own
+    # grad_dtype=None: no accumulation dtype, the gradient's own (FSDP's _get_reduce_dtype)
+    return grad_dtype or param_dtype or own
 
 
 def sparsify(model: nn.Module, state: State) -> State:
