@@ -34,7 +34,7 @@ def test_core_method_takes_the_element_counts_as_a_list_or_a_tuple():
 
 
 def test_every_method_is_exported_wherever_a_method_is_listed():
-    """Adding a method touches three Python lists (docs/adding-a-method.md): METHODS, the
+    """Adding a method touches four Python lists (docs/adding-a-method.md): METHODS, the
     methods module's __all__ and the package's imports and __all__. One left out made the method
     unreachable by name (the examples' --method), by gradsparse.<Class> or by a star import, and
     a C++ method class without a State was never reachable from Python at all."""
