@@ -66,6 +66,14 @@ def _trainer(folder: str, epochs: int, callbacks: list, **kwargs):
     )  # fmt: skip
 
 
+def _logged(folder: str, figure: str) -> list[float]:
+    """The values of Sparsify's ``gradsparse/<figure>`` in the rows of the CSV log under ``folder``
+    that hold one."""
+    with open(glob.glob(f"{folder}/**/metrics.csv", recursive=True)[0]) as f:
+        rows = list(csv.DictReader(f))
+    return [float(r[f"gradsparse/{figure}"]) for r in rows if r.get(f"gradsparse/{figure}")]
+
+
 def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
     """Sparsify(ExDyna) on CPU: 2 epochs straight, against 1 epoch + Trainer.save_checkpoint (which
     rank 0 writes) + a new module, state and Trainer resumed from that file for the second epoch."""
@@ -79,10 +87,8 @@ def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
     out["straight"] = params_of(straight)
     out["steps"] = state.step
     if rank == 0:
-        with open(glob.glob(f"{folder}/straight/**/metrics.csv", recursive=True)[0]) as f:
-            rows = list(csv.DictReader(f))
-        out["logged"] = [float(r["gradsparse/achieved_density"]) for r in rows if r.get("gradsparse/achieved_density")]
-        out["logged_bytes"] = [float(r["gradsparse/bytes_sent"]) for r in rows if r.get("gradsparse/bytes_sent")]
+        out["logged"] = _logged(f"{folder}/straight", "achieved_density")
+        out["logged_bytes"] = _logged(f"{folder}/straight", "bytes_sent")
 
     first = Classifier(seed=0)
     state = gs.ExDyna(density=0.05)
@@ -158,9 +164,7 @@ def lightning_accumulation(rank: int, world_size: int, folder: str) -> dict:
         out[name] = params_of(model)
     out["steps"], out["optimizer_steps"] = state.step, trainer.global_step
     if rank == 0:
-        with open(glob.glob(f"{folder}/sparse/**/metrics.csv", recursive=True)[0]) as f:
-            rows = list(csv.DictReader(f))
-        out["logged_bytes"] = [float(r["gradsparse/bytes_sent"]) for r in rows if r.get("gradsparse/bytes_sent")]
+        out["logged_bytes"] = _logged(f"{folder}/sparse", "bytes_sent")
     return out
 
 

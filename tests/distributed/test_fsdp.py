@@ -477,6 +477,19 @@ def test_dcp_checkpoint_keeps_the_loss_scale_of_the_residuals(tmp_path):
             assert torch.equal(a, b)
 
 
+def residuals_through_dcp(rank: int, path: str, setup) -> tuple[list, list]:
+    """``setup()`` gives a sharded model and its state: each rank's residuals after two steps,
+    saved with dcp.save, and what the state of a second ``setup()`` holds after dcp.load (a
+    resumed process: that state has reduced nothing yet)."""
+    model, state = setup()
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = [t.clone() for _, t in sorted(state.state_dict()["residuals"].items())]
+    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
+    _, fresh = setup()
+    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
+    return saved, [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+
+
 def hsdp_residuals_through_dcp(rank: int, world_size: int, path: str) -> tuple[list, list]:
     """HSDP on 2 x 2 ranks (replicate x shard), the state on the shard group: each rank's residuals
     before dcp.save, and what a fresh state holds after dcp.load."""
@@ -486,13 +499,7 @@ def hsdp_residuals_through_dcp(rank: int, world_size: int, path: str) -> tuple[l
         model = shard(workers.make_model(3), mesh)
         return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1, process_group=mesh.get_group("shard")))
 
-    model, state = setup()
-    workers.fit(model, workers.teacher_data(rank, 2))
-    saved = {n: t.clone() for n, t in sorted(state.state_dict()["residuals"].items())}
-    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
-    _, fresh = setup()
-    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
-    return list(saved.values()), [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+    return residuals_through_dcp(rank, path, setup)
 
 
 def test_dcp_checkpoint_gives_every_hsdp_replica_its_own_residuals(tmp_path):
@@ -539,13 +546,7 @@ def mixed_precision_through_dcp(rank: int, world_size: int, path: str, case: dic
             param.grad_dtype = case["sharded_grad_dtype"]
         return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1))
 
-    model, state = setup()
-    workers.fit(model, workers.teacher_data(rank, 2))
-    saved = [t.clone() for _, t in sorted(state.state_dict()["residuals"].items())]
-    dcp.save({"gradsparse": gs.fsdp.ShardedState(state)}, checkpoint_id=path)
-    _, fresh = setup()
-    dcp.load({"gradsparse": gs.fsdp.ShardedState(fresh)}, checkpoint_id=path)
-    return saved, [t for _, t in sorted(fresh.state_dict()["residuals"].items())]
+    return residuals_through_dcp(rank, path, setup)
 
 
 @pytest.mark.parametrize(
