@@ -87,9 +87,7 @@ def _reduce_dtype(param, policy) -> torch.dtype:
 def sparsify(model: nn.Module, state: State) -> State:
     """Makes every FSDP module of ``model`` reduce its gradients with ``state``'s method: a sparse
     exchange with error feedback in place of FSDP's reduce-scatter. Call it on every rank, after
-    ``fully_shard`` (and any change of the parameters' dtype or ``grad_dtype``: a fresh state
-    takes its residuals' dtype, which ``dcp.load`` reads the saved ones into, from them) and
-    before the first backward. Returns the state.
+    ``fully_shard`` and before the first backward. Returns the state.
 
     The state's process group must be the one FSDP shards over (the default group for a 1-D
     mesh; ``mesh.get_group("shard")`` for HSDP, whose replica all-reduce stays dense). FSDP's
@@ -435,7 +433,16 @@ class ShardedState:
         a module's flat gradient; under DDP each parameter DDP reduces."""
         binding = self.state._binding
         if binding.sharded is not None:
-            return {name: (numel, binding.dtypes[name], torch.device("cpu")) for name, numel in binding.numels.items()}
+            # The dtype FSDP reduces in now: the model's dtype or grad_dtype may have changed since
+            # sparsify (FSDP follows such a change up to its first forward). A module whose
+            # parameters have all been frozen since, or of a model gone, keeps the one sparsify found.
+            model = binding.sharded()
+            modules = {fqn or "(root)": module for fqn, module in _fsdp_modules(model)} if model is not None else {}
+            sizes = {}
+            for name, numel in binding.numels.items():
+                layout = _group_layout(modules[name], self.state._world_size) if name in modules else None
+                sizes[name] = (numel, layout[1] if layout else binding.dtypes[name], torch.device("cpu"))
+            return sizes
         module = binding.module()
         if module is None:
             raise RuntimeError(_model_gone(self.state))

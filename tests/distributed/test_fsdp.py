@@ -523,12 +523,17 @@ def norms_keep_their_dtype(param: nn.Parameter) -> torch.dtype | None:
     return param.dtype if param.ndim == 1 else None
 
 
+def float32_grad_dtype(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.grad_dtype = torch.float32
+
+
 def mixed_precision_through_dcp(rank: int, world_size: int, path: str, case: dict) -> tuple[list, list]:
     """Each rank's residuals after two steps under the mixed-precision policy of ``case``, and what
     a fresh state (which has reduced nothing yet) holds after dcp.load. ``case`` may name the
     model's dtype, a LayerNorm model under one fully_shard ("norm"), and a grad_dtype (torch
     2.15) given to the parameters before fully_shard ("grad_dtype") or to the sharded ones
-    ("sharded_grad_dtype")."""
+    ("sharded_grad_dtype"), and a change made to the model after sparsify ("later")."""
     policy = MixedPrecisionPolicy(**case["policy"])
 
     def setup():
@@ -544,7 +549,10 @@ def mixed_precision_through_dcp(rank: int, world_size: int, path: str, case: dic
         shard(model, init_device_mesh("cpu", (world_size,)), policy, per_layer=not case.get("norm"))
         for param in model.parameters() if "sharded_grad_dtype" in case else ():  # the sharded ones
             param.grad_dtype = case["sharded_grad_dtype"]
-        return model, gs.fsdp.sparsify(model, gs.TopK(density=0.1))
+        state = gs.fsdp.sparsify(model, gs.TopK(density=0.1))
+        if "later" in case:  # changed after sparsify, before the first forward
+            case["later"](model)
+        return model, state
 
     return residuals_through_dcp(rank, path, setup)
 
@@ -566,12 +574,19 @@ def mixed_precision_through_dcp(rank: int, world_size: int, path: str, case: dic
             },
             marks=FSDP_GRAD_DTYPE,
         ),
+        {"policy": {}, "dtype": torch.bfloat16, "later": nn.Module.float},
+        pytest.param(
+            {"policy": {"param_dtype": torch.bfloat16}, "dtype": torch.bfloat16, "later": float32_grad_dtype},
+            marks=FSDP_GRAD_DTYPE,
+        ),
     ],
     ids=[
         "bfloat16_params",
         "bfloat16_params_float32_reduce",
         "bfloat16_model_float32_grad_dtype",
         "float32_norms_grad_dtype_none",
+        "bfloat16_model_made_float32_after_sparsify",
+        "float32_grad_dtype_after_sparsify",
     ],
 )
 def test_dcp_checkpoint_under_mixed_precision_loads_the_residuals_exactly(tmp_path, case):
@@ -582,7 +597,9 @@ def test_dcp_checkpoint_under_mixed_precision_loads_the_residuals_exactly(tmp_pa
     2.15 for a bfloat16 model whose parameters were given grad_dtype=float32 once sharded (FSDP
     takes it at its first forward, gradsparse took the one fully_shard found), and for float32
     norms (param_dtype_override_fn) with grad_dtype=None, whose float32 gradients FSDP promotes
-    their group to (gradsparse took every parameter for the first one's param_dtype)."""
+    their group to (gradsparse took every parameter for the first one's param_dtype). And so
+    they did for a change of the model's dtype or grad_dtype after sparsify, which FSDP follows
+    (gradsparse took the dtype sparsify found)."""
     for rank, (saved, loaded) in enumerate(run_distributed(mixed_precision_through_dcp, 2, str(tmp_path), case)):
         for a, b in zip(saved, loaded, strict=True):
             assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: saved {a.dtype}, loaded {b.dtype}"
