@@ -123,6 +123,8 @@ class Sparsify(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         total = self.state.stats(reset=True)["total"]
+        if not total["steps"]:  # a batch Lightning accumulated under no_sync: nothing was reduced
+            return
         figures = {self.prefix + name: float(total[name]) for name in LOGGED}
         figures = {name: value for name, value in figures.items() if not math.isnan(value)}
         pl_module.log_dict(figures, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)

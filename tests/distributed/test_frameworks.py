@@ -5,6 +5,7 @@ these tests import them and fail without them rather than skip.
 """
 
 import math
+from types import SimpleNamespace
 
 import lightning  # noqa: F401  (a missing test dependency fails here, loudly)
 import pytest
@@ -52,6 +53,17 @@ def test_lightning_sparsify_under_gradient_accumulation_steps_once_per_optimizer
         assert r["steps"] == r["optimizer_steps"] == 2, r
         _assert_equal_params(r["plain"], r["sparse"], f"rank {rank}")
     assert len(results[0]["logged_bytes"]) == 2 and all(b > 0 for b in results[0]["logged_bytes"]), results[0]
+
+
+def test_lightning_sparsify_logs_nothing_after_a_batch_that_reduced_nothing():
+    """After a batch Lightning accumulates (under no_sync, no hook runs) Sparsify logged zero bytes
+    and seconds, as if a step had sent nothing."""
+    import gradsparse as gs
+
+    calls = []
+    module = SimpleNamespace(log_dict=lambda figures, **options: calls.append(figures))
+    gs.lightning.Sparsify(gs.TopK(density=0.05)).on_train_batch_end(None, module, None, None, 0)
+    assert calls == []
 
 
 def test_lightning_sparsify_refuses_a_prefix_that_is_no_string():
@@ -201,7 +213,6 @@ def _fit_start(state, monkeypatch, *, strategy=None, scaler=None, register=None)
     (by default one whose model find_ddp takes for the DDP), its precision plugin's scaler (with
     one, precision '16-mixed', else '32-true'), and ``register`` in place of gradsparse.register
     (None: the real one, here on a model that is no DDP, which it refuses)."""
-    from types import SimpleNamespace
 
     import torch.nn as nn
 
