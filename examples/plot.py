@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> str:
         by_bytes.plot([r["bytes_total"] / 1e6 for r in rows], y, **style)
     by_time.set_xlabel("training time (s)")
     by_bytes.set_xlabel("MB sent per worker")
-    by_bytes.set_xscale("log")
+    # A log scale drops the points at zero bytes (one worker sends nothing), and with them a whole run.
+    if all(r["bytes_total"] > 0 for _, rows in runs for r in rows):
+        by_bytes.set_xscale("log")
     for ax in (by_time, by_bytes):
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)

@@ -1,6 +1,7 @@
 """examples.plot on run folders written by hand: what it draws and what it refuses."""
 
 import os
+import warnings
 
 import pytest
 
@@ -37,11 +38,19 @@ def test_a_png_into_a_missing_folder_is_refused_before_drawing(tmp_path, capsys)
     assert f"--out {out}: the folder {out.parent} does not exist; create it or write the PNG elsewhere" in err
 
 
-def test_the_table_of_one_worker_runs_gives_no_bytes_ratio(tmp_path, capsys):
-    """One worker sends nothing, dense included: --table ended in a ZeroDivisionError."""
+def test_one_worker_runs_give_no_bytes_ratio_and_a_linear_bytes_axis(tmp_path, capsys, monkeypatch):
+    """One worker sends nothing, dense included: --table ended in a ZeroDivisionError, and the
+    bytes axis, log-scaled, left out every point (matplotlib warned that nothing was positive)."""
+    from matplotlib.figure import Figure
+
     write_run(tmp_path / "runs" / "dense", "1,10,2.0,0.5,1,0,0,1.0,2.0")
     write_run(tmp_path / "runs" / "topk", "1,10,2.1,0.4,0.01,0,0,1.0,3.0")
-    plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: saved.append(figure))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plot.main([str(tmp_path / "runs"), "--out", str(tmp_path / "cmp.png"), "--table"])
+    assert saved[0].axes[1].get_xscale() == "linear"
     out = capsys.readouterr().out
     assert "| dense | 1 | 0.5 | 2.0000 | 2.0 | 0.00 | - | 1.00x |" in out
     assert "| topk | 1 | 0.4 | 2.1000 | 3.0 | 0.00 | - | 1.50x |" in out
@@ -70,6 +79,7 @@ def test_runs_of_the_same_name_from_two_jobs_are_told_apart_by_their_folders(tmp
     monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: saved.append(figure))
     plot.main([str(tmp_path / "job1"), str(tmp_path / "job2"), "--out", str(tmp_path / "cmp.png"), "--table"])
     (figure,) = saved
+    assert figure.axes[1].get_xscale() == "log"  # every run sent bytes
     labels = ["job1/dense", "job1/topk", "job2/dense", "job2/topk"]
     for axes in figure.axes:
         assert [line.get_label() for line in axes.get_lines()] == labels
