@@ -52,10 +52,11 @@ fi
 # recbole's own dependencies are needed.
 "${pip[@]}" --no-deps recbole==1.2.1
 if [ "$mode" = test ]; then
-  # The versions the Lightning and Accelerate tests were written against (the extras allow newer);
-  # Accelerate 1.16 needs Python 3.11.
+  # The versions the Lightning, Accelerate and Transformers tests were written against (the extras
+  # allow newer); Accelerate 1.16 and Transformers 5 need Python 3.11.
   "${pip[@]}" "pytest>=8" "pytest-timeout>=2.3" scipy lightning==2.6.6 \
-    "accelerate==1.16.0; python_version >= '3.11'" "accelerate==1.15.0; python_version < '3.11'"
+    "accelerate==1.16.0; python_version >= '3.11'" "accelerate==1.15.0; python_version < '3.11'" \
+    "transformers==5.25.0; python_version >= '3.11'" "transformers==4.57.6; python_version < '3.11'"
 fi
 # torch's BuildExtension looks for ninja on PATH (else it builds one file at a time): pip put it
 # beside the interpreter.

@@ -93,9 +93,10 @@ built_with_cuda = _C.built_with_cuda
 
 
 def __getattr__(name: str):
-    # gradsparse.lightning needs lightning: imported on first use, not with gradsparse.
-    if name == "lightning":
-        return importlib.import_module("gradsparse.lightning")
+    # gradsparse.lightning needs lightning, gradsparse.transformers transformers: imported on
+    # first use, not with gradsparse.
+    if name in ("lightning", "transformers"):
+        return importlib.import_module(f"gradsparse.{name}")
     raise AttributeError(f"module 'gradsparse' has no attribute {name!r}")
 
 

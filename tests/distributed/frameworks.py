@@ -1,5 +1,6 @@
 """Functions run on every rank by tests/distributed/test_frameworks.py: gradsparse inside Lightning,
-Accelerate and torch.compile (module level, so the ranks can import them by name).
+Accelerate, the Hugging Face Trainer and torch.compile (module level, so the ranks can import them
+by name).
 
 No `from __future__ import annotations`: DDP checks hook annotations as objects.
 """
@@ -422,3 +423,73 @@ def lightning_loss_scaling(rank: int, world_size: int, folder: str, method: str)
         return {"error": f"{type(e).__name__}: {e}", "steps": state.step}
     return {"error": None, "steps": state.step, "follows": state._scaler is scaler,
             "loss_scale": state.state_dict()["loss_scale"]}  # fmt: skip
+
+
+# Hugging Face Transformers ----------------------------------------------------------------------
+
+
+class _LossOf(nn.Module):
+    """Shuffled as a Trainer takes a model: keyword inputs, and the loss in the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Shuffled()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+        return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+
+def _hf_trainer(folder: str, **options):
+    """A transformers.Trainer of _LossOf on 96 samples (4 steps an epoch of 12 per rank, on 2 ranks),
+    SGD with momentum through the Trainer's own optimizer options, and checkpoints every 4 steps."""
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(7)
+    data = [{"x": torch.randn(16, generator=g), "labels": torch.randint(0, 6, (), generator=g)} for _ in range(96)]
+    torch.manual_seed(0)
+    args = dict(
+        output_dir=folder, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=12, num_train_epochs=2,
+        learning_rate=0.05, optim="sgd", optim_args="momentum=0.9", lr_scheduler_type="constant",
+        save_strategy="steps", save_steps=4, report_to="none", disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    args = TrainingArguments(**{**args, **options})
+    return Trainer(model=_LossOf(), args=args, train_dataset=data)
+
+
+def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
+    """gradsparse.transformers.sparsify(trainer, ExDyna): 8 steps straight, against a new Trainer,
+    model and state resumed from the checkpoint of step 4 for the last 4 steps (by path, and with
+    resume_from_checkpoint=True, the last one in the output folder); the state's steps under
+    gradient accumulation; and the error of a resume from a checkpoint written without sparsify."""
+    _launcher_environment(rank, world_size)
+    out: dict = {}
+    trainer = _hf_trainer(f"{folder}/straight")
+    state = gs.transformers.sparsify(trainer, gs.ExDyna(density=0.05))
+    trainer.train()
+    out["straight"], out["steps"], out["wrapped"] = params_of(trainer.model), state.step, type(trainer.model_wrapped)
+    out["residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    for name, resume in (("by_path", f"{folder}/straight/checkpoint-4"), ("last", True)):
+        trainer = _hf_trainer(f"{folder}/straight" if resume is True else f"{folder}/{name}")
+        if resume is True:  # the last checkpoint is step 8's: resume from step 4's as the last one
+            if rank == 0:
+                import shutil
+
+                shutil.rmtree(f"{folder}/straight/checkpoint-8")
+            dist.barrier()
+        state = gs.transformers.sparsify(trainer, gs.ExDyna(density=0.05))
+        trainer.train(resume_from_checkpoint=resume)
+        out[name] = params_of(trainer.model)
+    trainer = _hf_trainer(f"{folder}/accumulated", gradient_accumulation_steps=2, save_strategy="no")
+    state = gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+    trainer.train()  # the Trainer's batches but the last of each step run under no_sync
+    out["accumulated_steps"], out["optimizer_steps"] = state.step, trainer.state.global_step
+    trainer.train()  # again: the state goes on
+    out["steps_after_a_second_train"] = state.step
+    _hf_trainer(f"{folder}/plain", max_steps=4).train()  # a checkpoint without residuals
+    trainer = _hf_trainer(f"{folder}/plain")
+    gs.transformers.sparsify(trainer, gs.ExDyna(density=0.05))
+    try:
+        trainer.train(resume_from_checkpoint=f"{folder}/plain/checkpoint-4")
+    except FileNotFoundError as e:
+        out["without_residuals"] = str(e)
+    return out

@@ -1,7 +1,8 @@
-"""gradsparse where users train: Lightning, Accelerate and torch.compile, each on 2 Gloo ranks.
+"""gradsparse where users train: Lightning, Accelerate, the Hugging Face Trainer and torch.compile,
+each on 2 Gloo ranks.
 
-lightning and accelerate are test dependencies (pyproject.toml's test extra, scripts/setup.sh):
-these tests import them and fail without them rather than skip.
+lightning, accelerate and transformers are test dependencies (pyproject.toml's test extra,
+scripts/setup.sh): these tests import them and fail without them rather than skip.
 """
 
 import math
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 import lightning  # noqa: F401  (a missing test dependency fails here, loudly)
 import pytest
 import torch
+import transformers  # noqa: F401
 
 from gradsparse.testing import run_distributed
 from tests.distributed import frameworks
@@ -96,6 +98,47 @@ def test_accelerate_recipe_resumes_each_rank_exactly(tmp_path):
             assert torch.equal(saved, r["loaded_again"][name]), f"rank {rank}: {name} is not the last one saved"
     for rank, r in enumerate(results):
         _assert_equal_params(r["straight"], r["resumed_in_the_same_run"], f"rank {rank}, in the same run")
+
+
+def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
+    """A Trainer resumed from a checkpoint, by its path or as the last one, ends where the run
+    that wrote it ends: each rank gets its own residuals back from the checkpoint's folder. Under
+    gradient accumulation the state steps once per optimizer step; a second train() goes on with
+    the state."""
+    results = run_distributed(frameworks.transformers_resume, 2, str(tmp_path), timeout=400)
+    for rank, r in enumerate(results):
+        assert r["wrapped"].__name__ == "DistributedDataParallel" and r["steps"] == 8, r
+        assert r["accumulated_steps"] == r["optimizer_steps"] == 4, r  # 8 batches, 2 a step
+        assert r["steps_after_a_second_train"] == 8, r
+        _assert_equal_params(r["straight"], r["by_path"], f"rank {rank}, resumed by path")
+        _assert_equal_params(r["straight"], r["last"], f"rank {rank}, resumed from the last checkpoint")
+    residuals = [r["residuals"].values() for r in results]
+    assert any(not torch.equal(a, b) for a, b in zip(*residuals, strict=True))  # each rank has its own
+    for r in results:  # refused on every rank, rather than resumed with zero residuals
+        assert "checkpoint-4 holds no residuals (gradsparse.pt): it was written by a Trainer without" in r.get(
+            "without_residuals", ""
+        ), r.get("without_residuals")
+
+
+def test_transformers_sparsify_refuses_what_it_cannot_sparsify(tmp_path):
+    """Not a Trainer; a Trainer sparsified twice; a Trainer of one process (no DDP: nothing to
+    sparsify, which would otherwise train dense without a word)."""
+    import gradsparse as gs
+
+    trainer = frameworks._hf_trainer(str(tmp_path), max_steps=1, ddp_backend=None)  # one process
+    with pytest.raises(
+        TypeError, match=r"trainer must be a transformers.Trainer .* got _LossOf; .* gradsparse.register"
+    ):
+        gs.transformers.sparsify(trainer.model, gs.TopK(density=0.05))
+    with pytest.raises(TypeError, match=r"state must be a gradsparse state .* got"):
+        gs.transformers.sparsify(trainer, "topk")
+    gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+    with pytest.raises(ValueError, match="sparsified already; call sparsify once per Trainer"):
+        gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+    with pytest.raises(
+        TypeError, match=r"trains a _LossOf, not a DistributedDataParallel, .*\(torchrun --nproc-per-node"
+    ):
+        trainer.train()
 
 
 def test_ddp_built_under_the_python_reducer_is_refused_on_every_rank():

@@ -1,0 +1,114 @@
+"""Hugging Face Transformers: gradient sparsification for a ``transformers.Trainer``.
+
+>>> import gradsparse as gs
+>>> trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+>>> gs.transformers.sparsify(trainer, gs.TopK(density=0.01))
+>>> trainer.train()  # or trainer.train(resume_from_checkpoint=True)
+
+When training starts, the state is registered on the DistributedDataParallel that the Trainer
+builds (through Accelerate; launch with torchrun, as for any multi-process Trainer). Every
+checkpoint the Trainer writes holds every rank's residuals (``gradsparse.pt`` in the checkpoint's
+folder, written by rank 0, which also writes the model), and ``train(resume_from_checkpoint=...)``
+gives each rank its own back. Every rank reads that file on resume: on several nodes without a
+shared file system (``save_on_each_node=True``), copy it into the other nodes' checkpoint folder.
+
+Needs ``transformers`` (``pip install gradsparse[transformers]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from gradsparse.checkpoint import AllRanks
+from gradsparse.hooks import _check_state, register
+from gradsparse.state import State
+from gradsparse.wrappers import find_ddp
+
+__all__ = ["CHECKPOINT_FILE", "sparsify"]
+
+#: The file that holds every rank's residuals in each checkpoint folder of the Trainer.
+CHECKPOINT_FILE = "gradsparse.pt"
+
+
+def sparsify(trainer: Trainer, state: State) -> State:
+    """Makes ``trainer`` reduce its gradients with ``state``'s method and keep every rank's
+    residuals in its checkpoints. Call it on every rank, before ``trainer.train()``. Returns the
+    state.
+
+    Example::
+
+        >>> trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+        >>> state = gradsparse.transformers.sparsify(trainer, gradsparse.ExDyna(density=0.01))
+        >>> trainer.train()
+    """
+    _check_state("gradsparse.transformers.sparsify", state, trainer, "gradsparse.transformers.sparsify(trainer, state)")
+    if not isinstance(trainer, Trainer):
+        raise TypeError(
+            f"gradsparse.transformers.sparsify: trainer must be a transformers.Trainer (or a subclass), got "
+            f"{type(trainer).__name__}; for a training loop of your own, use gradsparse.register(ddp_model, state)"
+        )
+    if any(isinstance(c, _Sparsify) for c in trainer.callback_handler.callbacks):
+        raise ValueError(
+            "gradsparse.transformers.sparsify: this Trainer is sparsified already; call sparsify once per Trainer"
+        )
+    callback = _Sparsify(trainer, state)
+    trainer.add_callback(callback)
+    train = trainer.train
+
+    # The Trainer tells no callback which checkpoint it resumes from: the call does.
+    @functools.wraps(train)
+    def train_with_residuals(resume_from_checkpoint=None, *args, **kwargs):
+        callback.resume_from = resume_from_checkpoint
+        if isinstance(resume_from_checkpoint, bool):  # True: the Trainer's last checkpoint, as it finds it
+            callback.resume_from = get_last_checkpoint(trainer.args.output_dir) if resume_from_checkpoint else None
+        return train(resume_from_checkpoint, *args, **kwargs)
+
+    trainer.train = train_with_residuals
+    return state
+
+
+class _Sparsify(TrainerCallback):
+    """Registers the state when training starts, loads its residuals on resume, and saves them
+    with every checkpoint."""
+
+    def __init__(self, trainer: Trainer, state: State) -> None:
+        self.trainer = trainer
+        self.state = state
+        self.resume_from: str | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        model = self.trainer.model_wrapped
+        if find_ddp(model) is None:
+            raise TypeError(
+                f"gradsparse.transformers.sparsify: the Trainer trains a {type(model).__name__}, not a "
+                "DistributedDataParallel, so no gradient is exchanged to sparsify: launch it on several processes "
+                "(torchrun --nproc-per-node=N train.py; on CPUs with TrainingArguments(use_cpu=True)). Under FSDP, "
+                "use gradsparse.fsdp.sparsify in a training loop of your own; DeepSpeed is not supported"
+            )
+        if find_ddp(model) is not self.state._binding.model():  # a later train() may wrap the model anew
+            register(model, self.state)
+        if self.resume_from is not None:
+            path = os.path.join(self.resume_from, CHECKPOINT_FILE)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"gradsparse.transformers.sparsify: the checkpoint {self.resume_from} holds no residuals "
+                    f"({CHECKPOINT_FILE}): it was written by a Trainer without gradsparse.transformers.sparsify, or "
+                    "the process that saves stopped before writing them. Resume from a checkpoint written with "
+                    "sparsify (the Trainer's earlier ones), or resume that one without sparsify"
+                )
+            AllRanks(self.state).load_state_dict(torch.load(path))
+            self.resume_from = None  # a later train() without resume_from_checkpoint starts from this state
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        saved = AllRanks(self.state).state_dict()  # collective: every rank gives its own
+        if saved["ranks"] is not None:  # rank 0 of the state's group, which receives them all
+            torch.save(saved, os.path.join(folder, CHECKPOINT_FILE))
+        if dist.is_initialized():  # a resume in this run reads the file on every rank
+            dist.barrier(group=self.state.process_group)
