@@ -84,14 +84,15 @@ class _Sparsify(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model_wrapped
-        if find_ddp(model) is None:
+        ddp = find_ddp(model)
+        if ddp is None:
             raise TypeError(
                 f"gradsparse.transformers.sparsify: the Trainer trains a {type(model).__name__}, not a "
                 "DistributedDataParallel, so no gradient is exchanged to sparsify: launch it on several processes "
                 "(torchrun --nproc-per-node=N train.py; on CPUs with TrainingArguments(use_cpu=True)). Under FSDP, "
                 "use gradsparse.fsdp.sparsify in a training loop of your own; DeepSpeed is not supported"
             )
-        if find_ddp(model) is not self.state._binding.model():  # a later train() may wrap the model anew
+        if ddp is not self.state._binding.model():  # a later train() may wrap the model anew
             register(model, self.state)
         if self.resume_from is not None:
             path = os.path.join(self.resume_from, CHECKPOINT_FILE)
