@@ -17,7 +17,6 @@ Needs ``lightning`` (``pip install gradsparse[lightning]``).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -28,14 +27,11 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from gradsparse.checkpoint import AllRanks
 from gradsparse.config import _describe
 from gradsparse.hooks import _check_state, register
+from gradsparse.metrics import logged_figures
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
 
 __all__ = ["Sparsify"]
-
-#: The statistics logged after every training batch (``State.stats()["total"]``), as
-#: ``<prefix><name>``.
-LOGGED = ("achieved_density", "bytes_sent", "bytes_ratio", "select_seconds", "exchange_seconds")
 
 #: By state, the Trainer's GradScaler that Sparsify's last fit() handed to it (None: none): a later
 #: fit() without loss scaling drops that one, and keeps a scaler the user set.
@@ -122,12 +118,9 @@ class Sparsify(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        total = self.state.stats(reset=True)["total"]
-        if not total["steps"]:  # a batch Lightning accumulated under no_sync: nothing was reduced
-            return
-        figures = {self.prefix + name: float(total[name]) for name in LOGGED}
-        figures = {name: value for name, value in figures.items() if not math.isnan(value)}
-        pl_module.log_dict(figures, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
+        figures = logged_figures(self.state.stats(reset=True)["total"], self.prefix)
+        if figures:  # none after a batch Lightning accumulated under no_sync: nothing was reduced
+            pl_module.log_dict(figures, on_step=True, on_epoch=False, sync_dist=False, rank_zero_only=True)
 
     def state_dict(self) -> dict[str, Any]:
         if (

@@ -139,3 +139,20 @@ class Metrics:
         """``stats`` as state_dict() gives them (gradsparse.checkpoint.saved_stats reads those of
         older state dicts so)."""
         self.buckets = {frozenset(entry["names"]): BucketStats(**entry["counters"]) for entry in stats}
+
+
+#: The statistics that the framework integrations log (Lightning's Sparsify, the Hugging Face
+#: Trainer's), as ``<prefix><name>``: per step, averaged over the steps since the last log.
+LOGGED = ("achieved_density", "bytes_sent", "bytes_ratio", "select_seconds", "exchange_seconds")
+_PER_STEP = ("bytes_sent", "select_seconds", "exchange_seconds")  # sums in State.stats
+
+
+def logged_figures(total: dict, prefix: str) -> dict[str, float]:
+    """The LOGGED figures of ``State.stats()["total"]``, each per step (the densities and the byte
+    ratio are ratios already); none where no step was counted, and none that is NaN (a dense
+    step has no achieved density)."""
+    steps = total["steps"]
+    if not steps:
+        return {}
+    figures = {name: float(total[name]) / (steps if name in _PER_STEP else 1) for name in LOGGED}
+    return {prefix + name: value for name, value in figures.items() if not math.isnan(value)}

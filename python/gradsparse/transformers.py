@@ -11,6 +11,9 @@ checkpoint the Trainer writes holds every rank's residuals (``gradsparse.pt`` in
 folder, written by rank 0, which also writes the model), and ``train(resume_from_checkpoint=...)``
 gives each rank its own back. Every rank reads that file on resume: on several nodes without a
 shared file system (``save_on_each_node=True``), copy it into the other nodes' checkpoint folder.
+Each of the Trainer's logs (every ``logging_steps``) carries ``gradsparse/achieved_density``,
+``bytes_sent``, ``bytes_ratio``, ``select_seconds`` and ``exchange_seconds``, per step since the
+last log (read with ``state.stats(reset=True)``: ``state.stats()`` then covers those steps only).
 
 Needs ``transformers`` (``pip install gradsparse[transformers]``).
 """
@@ -27,6 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from gradsparse.checkpoint import AllRanks
 from gradsparse.hooks import _check_state, register
+from gradsparse.metrics import logged_figures
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
 
@@ -70,6 +74,15 @@ def sparsify(trainer: Trainer, state: State) -> State:
         return train(resume_from_checkpoint, *args, **kwargs)
 
     trainer.train = train_with_residuals
+    log = trainer.log
+
+    # The figures join the Trainer's own logs (its reporters, and trainer.state.log_history), which
+    # no callback can add to before the reporters read them.
+    @functools.wraps(log)
+    def log_with_figures(logs, *args, **kwargs):
+        return log({**logs, **logged_figures(state.stats(reset=True)["total"], "gradsparse/")}, *args, **kwargs)
+
+    trainer.log = log_with_figures
     return state
 
 

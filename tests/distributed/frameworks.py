@@ -450,7 +450,7 @@ def _hf_trainer(folder: str, **options):
     args = dict(
         output_dir=folder, use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=12, num_train_epochs=2,
         learning_rate=0.05, optim="sgd", optim_args="momentum=0.9", lr_scheduler_type="constant",
-        save_strategy="steps", save_steps=4, report_to="none", disable_tqdm=True, seed=0,
+        save_strategy="steps", save_steps=4, logging_steps=2, report_to="none", disable_tqdm=True, seed=0,
     )  # fmt: skip
     args = TrainingArguments(**{**args, **options})
     return Trainer(model=_LossOf(), args=args, train_dataset=data)
@@ -460,7 +460,8 @@ def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     """gradsparse.transformers.sparsify(trainer, ExDyna): 8 steps straight, against a new Trainer,
     model and state resumed from the checkpoint of step 4 for the last 4 steps (by path, and with
     resume_from_checkpoint=True, the last one in the output folder); the state's steps under
-    gradient accumulation; and the error of a resume from a checkpoint written without sparsify."""
+    gradient accumulation; the Trainer's logs; and the error of a resume from a checkpoint written
+    without sparsify."""
     _launcher_environment(rank, world_size)
     out: dict = {}
     trainer = _hf_trainer(f"{folder}/straight")
@@ -468,6 +469,7 @@ def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     trainer.train()
     out["straight"], out["steps"], out["wrapped"] = params_of(trainer.model), state.step, type(trainer.model_wrapped)
     out["residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
+    out["logged"] = [entry for entry in trainer.state.log_history if "loss" in entry]
     for name, resume in (("by_path", f"{folder}/straight/checkpoint-4"), ("last", True)):
         trainer = _hf_trainer(f"{folder}/straight" if resume is True else f"{folder}/{name}")
         if resume is True:  # the last checkpoint is step 8's: resume from step 4's as the last one

@@ -181,7 +181,7 @@ def lightning_sparsify(code: str, where: str, folder: str) -> None:
     [sparsify] = [c for c in trainer.callbacks if isinstance(c, gs.lightning.Sparsify)]
     assert trainer.world_size == 2 and sparsify.state.step == 4, (trainer.world_size, sparsify.state.step)
     logged = {name.removeprefix("gradsparse/") for name in trainer.callback_metrics}
-    assert set(gs.lightning.LOGGED) <= logged, logged  # the names the README lists
+    assert set(gs.metrics.LOGGED) <= logged, logged  # the names the README lists
 
 
 def loss_scaling(code: str, where: str, folder: str) -> None:
@@ -229,6 +229,30 @@ def accelerate_recipe(code: str, where: str, folder: str) -> None:
     assert state.step == 2 and all(torch.equal(saved[n], loaded[n]) for n in saved)
 
 
+def transformers_trainer(code: str, where: str, folder: str) -> None:
+    """A Trainer's model (keyword inputs, the loss in its output), arguments and data around the
+    snippet, whose train() runs 2 steps and checkpoints after them: the state counted both, and
+    the checkpoint's folder holds the residuals."""
+    import transformers
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_model()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
+            return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+
+    data = [{"x": x, "labels": y} for batch in data_loader(2) for x, y in zip(*batch, strict=True)]
+    args = transformers.TrainingArguments(
+        output_dir=os.path.join(folder, "transformers"), use_cpu=True, ddp_backend="gloo", max_steps=2,
+        per_device_train_batch_size=8, save_steps=2, report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    ns = run(code, {**imports(), "transformers": transformers, "model": WithLoss(), "args": args, "data": data}, where)
+    assert ns["state"].step == 2, ns["state"].step
+    assert os.path.isfile(os.path.join(folder, "transformers", "checkpoint-2", "gradsparse.pt"))
+
+
 def ops_toolbox(code: str, where: str, folder: str) -> None:
     """Each rank selects from its own gradient and sends the message with all_gather, the
     collective a user picks; every rank adds every rank's received message. The result is the
@@ -266,7 +290,8 @@ SCAFFOLDS = {
     "dist.init_process_group(": quick_start,
     "fully_shard(model)": fsdp2,
     "dcp.load(": dcp_recipe,
-    "trainer = ": lightning_sparsify,
+    "trainer = pl.Trainer(": lightning_sparsify,
+    "trainer = transformers.Trainer(": transformers_trainer,
     "scaler = ": loss_scaling,
     "model, optimizer, loader = accelerator.prepare(": accelerate_recipe,
     "indices, values = ": ops_toolbox,

@@ -104,12 +104,18 @@ def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
     """A Trainer resumed from a checkpoint, by its path or as the last one, ends where the run
     that wrote it ends: each rank gets its own residuals back from the checkpoint's folder. Under
     gradient accumulation the state steps once per optimizer step; a second train() goes on with
-    the state."""
+    the state. Sparsify's figures join the Trainer's logs."""
+    from gradsparse.metrics import LOGGED
+
     results = run_distributed(frameworks.transformers_resume, 2, str(tmp_path), timeout=400)
     for rank, r in enumerate(results):
         assert r["wrapped"].__name__ == "DistributedDataParallel" and r["steps"] == 8, r
         assert r["accumulated_steps"] == r["optimizer_steps"] == 4, r  # 8 batches, 2 a step
         assert r["steps_after_a_second_train"] == 8, r
+        assert len(r["logged"]) == 4, r["logged"]  # every 2 steps, with the figures of those 2
+        for entry in r["logged"]:
+            assert 0 < entry["gradsparse/achieved_density"] <= 0.1 and entry["gradsparse/bytes_sent"] > 0, entry
+            assert {f"gradsparse/{name}" for name in LOGGED} <= set(entry), entry
         _assert_equal_params(r["straight"], r["by_path"], f"rank {rank}, resumed by path")
         _assert_equal_params(r["straight"], r["last"], f"rank {rank}, resumed from the last checkpoint")
     residuals = [r["residuals"].values() for r in results]

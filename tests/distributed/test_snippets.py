@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_every_python_snippet_of_the_docs_has_its_scaffolding():
     found = snippets.scaffolded()
-    assert len(found) == len(snippets.SCAFFOLDS) == 8, [snippets.located(doc, code) for doc, code, _ in found]
+    assert len(found) == len(snippets.SCAFFOLDS) == 9, [snippets.located(doc, code) for doc, code, _ in found]
 
 
 @pytest.mark.distributed
