@@ -428,19 +428,19 @@ def lightning_loss_scaling(rank: int, world_size: int, folder: str, method: str)
 # Hugging Face Transformers ----------------------------------------------------------------------
 
 
-class _LossOf(nn.Module):
-    """Shuffled as a Trainer takes a model: keyword inputs, and the loss in the output."""
+class LossOf(nn.Module):
+    """A classifier as a Trainer takes a model: keyword inputs, and the loss in the output."""
 
-    def __init__(self) -> None:
+    def __init__(self, net: nn.Module) -> None:
         super().__init__()
-        self.net = Shuffled()
+        self.net = net
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
         return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
 
 
 def _hf_trainer(folder: str, **options):
-    """A transformers.Trainer of _LossOf on 96 samples (4 steps an epoch of 12 per rank, on 2 ranks),
+    """A transformers.Trainer of Shuffled on 96 samples (4 steps an epoch of 12 per rank, on 2 ranks),
     SGD with momentum through the Trainer's own optimizer options, and checkpoints every 4 steps."""
     from transformers import Trainer, TrainingArguments
 
@@ -453,7 +453,7 @@ def _hf_trainer(folder: str, **options):
         save_strategy="steps", save_steps=4, logging_steps=2, report_to="none", disable_tqdm=True, seed=0,
     )  # fmt: skip
     args = TrainingArguments(**{**args, **options})
-    return Trainer(model=_LossOf(), args=args, train_dataset=data)
+    return Trainer(model=LossOf(Shuffled()), args=args, train_dataset=data)
 
 
 def transformers_resume(rank: int, world_size: int, folder: str) -> dict:

@@ -235,20 +235,18 @@ def transformers_trainer(code: str, where: str, folder: str) -> None:
     the checkpoint's folder holds the residuals."""
     import transformers
 
-    class WithLoss(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = build_model()
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict:
-            return {"loss": nn.functional.cross_entropy(self.net(x), labels)}
+    from tests.distributed.frameworks import LossOf
 
     data = [{"x": x, "labels": y} for batch in data_loader(2) for x, y in zip(*batch, strict=True)]
     args = transformers.TrainingArguments(
         output_dir=os.path.join(folder, "transformers"), use_cpu=True, ddp_backend="gloo", max_steps=2,
         per_device_train_batch_size=8, save_steps=2, report_to="none", disable_tqdm=True,
     )  # fmt: skip
-    ns = run(code, {**imports(), "transformers": transformers, "model": WithLoss(), "args": args, "data": data}, where)
+    ns = run(
+        code,
+        {**imports(), "transformers": transformers, "model": LossOf(build_model()), "args": args, "data": data},
+        where,
+    )
     assert ns["state"].step == 2, ns["state"].step
     assert os.path.isfile(os.path.join(folder, "transformers", "checkpoint-2", "gradsparse.pt"))
 

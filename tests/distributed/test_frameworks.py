@@ -133,7 +133,7 @@ def test_transformers_sparsify_refuses_what_it_cannot_sparsify(tmp_path):
 
     trainer = frameworks._hf_trainer(str(tmp_path), max_steps=1, ddp_backend=None)  # one process
     with pytest.raises(
-        TypeError, match=r"trainer must be a transformers.Trainer .* got _LossOf; .* gradsparse.register"
+        TypeError, match=r"trainer must be a transformers.Trainer .* got LossOf; .* gradsparse.register"
     ):
         gs.transformers.sparsify(trainer.model, gs.TopK(density=0.05))
     with pytest.raises(TypeError, match=r"state must be a gradsparse state .* got"):
@@ -142,7 +142,7 @@ def test_transformers_sparsify_refuses_what_it_cannot_sparsify(tmp_path):
     with pytest.raises(ValueError, match="sparsified already; call sparsify once per Trainer"):
         gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
     with pytest.raises(
-        TypeError, match=r"trains a _LossOf, not a DistributedDataParallel, .*\(torchrun --nproc-per-node"
+        TypeError, match=r"trains a LossOf, not a DistributedDataParallel, .*\(torchrun --nproc-per-node"
     ):
         trainer.train()
 
