@@ -50,7 +50,8 @@ def main(argv: list[str]) -> list[dict]:
     parser.add_argument("--data-dir", default=None, help="where the corpus is cached (default ~/.cache/gradsparse)")
     parser.add_argument("--out", default="runs/gpt", help="the Trainer's output folder, one per method")
     args = parser.parse_args(argv)
-    warmup = args.max_steps // 10 if args.sparse_warmup_steps is None else args.sparse_warmup_steps
+    lr_warmup = args.max_steps // 10
+    warmup = lr_warmup if args.sparse_warmup_steps is None else args.sparse_warmup_steps
     methods = [m.strip() for m in args.method.split(",") if m.strip()]
     unknown = [m for m in methods if m not in gs.METHODS]
     if not methods or unknown:
@@ -63,7 +64,7 @@ def main(argv: list[str]) -> list[dict]:
         torch.manual_seed(0)
         options = transformers.TrainingArguments(
             output_dir=f"{args.out}/{method}", max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
-            per_device_eval_batch_size=32, learning_rate=args.lr, warmup_steps=args.max_steps // 10,
+            per_device_eval_batch_size=32, learning_rate=args.lr, warmup_steps=lr_warmup,
             logging_steps=max(1, args.max_steps // 10), save_strategy="no", report_to="none", disable_tqdm=True,
             use_cpu=not torch.cuda.is_available(), seed=0, ddp_bucket_cap_mb=args.bucket_cap_mb,
         )  # fmt: skip

@@ -7,6 +7,7 @@ import csv
 import glob
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -310,6 +311,19 @@ def _bucket_counts(rank: int, world: int) -> dict[str, int]:
             ddp(torch.randn(2, 1000)).sum().backward()
         buckets[method] = len(ddp.reducer._get_zeros_like_grad_buckets())
     return buckets
+
+
+def test_the_trainer_example_trains_dense_and_topk_and_reports_both(tmp_path):
+    """examples.gpt, the Hugging Face Trainer example, runs under torchrun as its docstring says and
+    sends what its methods send."""
+    out = launch(torchrun("gpt"), ["--method", "dense,topk", "--max-steps", "4", "--out", str(tmp_path)], timeout=500)
+    summary = re.findall(r"^ +(\w+) +([0-9.]+) +[0-9.]+s +([0-9.]+)$", out, flags=re.MULTILINE)
+    rows = {method: (float(perplexity), float(sent)) for method, perplexity, sent in summary}
+    assert set(rows) == {"dense", "topk"}, out[-2000:]
+    assert all(perplexity > 1 for perplexity, _ in rows.values()), rows
+    # Top-k at density 0.01 over gather-and-add: 2 ranks x 1% of the pairs (index and value) against
+    # a ring all-reduce's whole gradient, about 2% of dense's bytes.
+    assert 0 < rows["topk"][1] < 0.05 * rows["dense"][1], rows
 
 
 def test_powersgd_gets_one_bucket_off_nccl():
