@@ -68,9 +68,10 @@ def sparsify(trainer: Trainer, state: State) -> State:
     # The Trainer tells no callback which checkpoint it resumes from: the call does.
     @functools.wraps(train)
     def train_with_residuals(resume_from_checkpoint=None, *args, **kwargs):
-        callback.resume_from = resume_from_checkpoint
-        if isinstance(resume_from_checkpoint, bool):  # True: the Trainer's last checkpoint, as it finds it
-            callback.resume_from = get_last_checkpoint(trainer.args.output_dir) if resume_from_checkpoint else None
+        resume = resume_from_checkpoint
+        if isinstance(resume, bool):  # True: the Trainer's last checkpoint, as it finds it
+            resume = get_last_checkpoint(trainer.args.output_dir) if resume else None
+        callback.resume_from = resume
         return train(resume_from_checkpoint, *args, **kwargs)
 
     trainer.train = train_with_residuals
@@ -124,5 +125,4 @@ class _Sparsify(TrainerCallback):
         saved = AllRanks(self.state).state_dict()  # collective: every rank gives its own
         if saved["ranks"] is not None:  # rank 0 of the state's group, which receives them all
             torch.save(saved, os.path.join(folder, CHECKPOINT_FILE))
-        if dist.is_initialized():  # a resume in this run reads the file on every rank
-            dist.barrier(group=self.state.process_group)
+        dist.barrier(group=self.state.process_group)  # a resume in this run reads the file on every rank
