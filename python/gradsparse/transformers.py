@@ -11,7 +11,7 @@ checkpoint the Trainer writes holds every rank's residuals (``gradsparse.pt`` in
 folder, written by rank 0, which also writes the model), and ``train(resume_from_checkpoint=...)``
 gives each rank its own back. Every rank reads that file on resume: on several nodes without a
 shared file system (``save_on_each_node=True``), copy it into the other nodes' checkpoint folder.
-Each of the Trainer's logs (every ``logging_steps``) carries ``gradsparse/achieved_density``,
+Each of the Trainer's training logs (every ``logging_steps``; not an evaluation's) carries ``gradsparse/achieved_density``,
 ``bytes_sent``, ``bytes_ratio``, ``select_seconds`` and ``exchange_seconds``, per step since the
 last log (read with ``state.stats(reset=True)``: ``state.stats()`` then covers those steps only).
 
@@ -75,15 +75,26 @@ def sparsify(trainer: Trainer, state: State) -> State:
         return train(resume_from_checkpoint, *args, **kwargs)
 
     trainer.train = train_with_residuals
-    log = trainer.log
+    log, evaluate = trainer.log, trainer.evaluate
 
-    # The figures join the Trainer's own logs (its reporters, and trainer.state.log_history), which
-    # no callback can add to before the reporters read them.
+    # The figures join the Trainer's own training logs (its reporters, and trainer.state.log_history),
+    # which no callback can add to before the reporters read them. An evaluation's log (during
+    # training or after it) gets none: the steps since the last training log stay for the next.
     @functools.wraps(log)
     def log_with_figures(logs, *args, **kwargs):
-        return log({**logs, **logged_figures(state.stats(reset=True)["total"], "gradsparse/")}, *args, **kwargs)
+        if not callback.evaluating:
+            logs = {**logs, **logged_figures(state.stats(reset=True)["total"], "gradsparse/")}
+        return log(logs, *args, **kwargs)
 
-    trainer.log = log_with_figures
+    @functools.wraps(evaluate)
+    def evaluate_without_figures(*args, **kwargs):
+        callback.evaluating = True
+        try:
+            return evaluate(*args, **kwargs)
+        finally:
+            callback.evaluating = False
+
+    trainer.log, trainer.evaluate = log_with_figures, evaluate_without_figures
     return state
 
 
@@ -95,6 +106,7 @@ class _Sparsify(TrainerCallback):
         self.trainer = trainer
         self.state = state
         self.resume_from: str | None = None
+        self.evaluating = False  # inside trainer.evaluate(), whose log takes no figures
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model_wrapped

@@ -453,14 +453,14 @@ def _hf_trainer(folder: str, **options):
         save_strategy="steps", save_steps=4, logging_steps=2, report_to="none", disable_tqdm=True, seed=0,
     )  # fmt: skip
     args = TrainingArguments(**{**args, **options})
-    return Trainer(model=LossOf(Shuffled()), args=args, train_dataset=data)
+    return Trainer(model=LossOf(Shuffled()), args=args, train_dataset=data, eval_dataset=data[:24])
 
 
 def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     """gradsparse.transformers.sparsify(trainer, ExDyna): 8 steps straight, against a new Trainer,
     model and state resumed from the checkpoint of step 4 for the last 4 steps (by path, and with
     resume_from_checkpoint=True, the last one in the output folder); the state's steps under
-    gradient accumulation; the Trainer's logs; and the error of a resume from a checkpoint written
+    gradient accumulation; the Trainer's logs, with evaluations between them; and the error of a resume from a checkpoint written
     without sparsify."""
     _launcher_environment(rank, world_size)
     out: dict = {}
@@ -487,6 +487,11 @@ def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     out["accumulated_steps"], out["optimizer_steps"] = state.step, trainer.state.global_step
     trainer.train()  # again: the state goes on
     out["steps_after_a_second_train"] = state.step
+    trainer = _hf_trainer(f"{folder}/evaluated", eval_strategy="steps", eval_steps=1, max_steps=4, save_strategy="no")
+    gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+    trainer.train()  # evaluates after every step, logs training every 2
+    trainer.evaluate()
+    out["evaluated_log"] = trainer.state.log_history
     _hf_trainer(f"{folder}/plain", max_steps=4).train()  # a checkpoint without residuals
     trainer = _hf_trainer(f"{folder}/plain")
     gs.transformers.sparsify(trainer, gs.ExDyna(density=0.05))

@@ -104,7 +104,7 @@ def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
     """A Trainer resumed from a checkpoint, by its path or as the last one, ends where the run
     that wrote it ends: each rank gets its own residuals back from the checkpoint's folder. Under
     gradient accumulation the state steps once per optimizer step; a second train() goes on with
-    the state. Sparsify's figures join the Trainer's logs."""
+    the state. Sparsify's figures join the Trainer's training logs, and no evaluation's log."""
     from gradsparse.metrics import LOGGED
 
     results = run_distributed(frameworks.transformers_resume, 2, str(tmp_path), timeout=400)
@@ -116,6 +116,12 @@ def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
         for entry in r["logged"]:
             assert 0 < entry["gradsparse/achieved_density"] <= 0.1 and entry["gradsparse/bytes_sent"] > 0, entry
             assert {f"gradsparse/{name}" for name in LOGGED} <= set(entry), entry
+        evaluations = [entry for entry in r["evaluated_log"] if "eval_loss" in entry]
+        assert len(evaluations) == 5 and not any(k.startswith("gradsparse/") for e in evaluations for k in e), (
+            evaluations
+        )
+        trained = [entry for entry in r["evaluated_log"] if "loss" in entry]
+        assert [e["step"] for e in trained] == [2, 4] and all("gradsparse/bytes_sent" in e for e in trained), trained
         _assert_equal_params(r["straight"], r["by_path"], f"rank {rank}, resumed by path")
         _assert_equal_params(r["straight"], r["last"], f"rank {rank}, resumed from the last checkpoint")
     residuals = [r["residuals"].values() for r in results]
