@@ -12,17 +12,16 @@ import time
 import pytest
 
 from tests.interpreter import externally_managed_python, python_at
+from tests.subprocesses import ROOT, environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if os.geteuid() != 0:
     pytest.skip("the emulated cluster needs root (network namespaces, veth, tc)", allow_module_level=True)
 
 
 def benchmark(module: str, *arguments: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", module, "--hosts", "2", "--rate", "200mbit", *arguments]
     return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
 
@@ -121,7 +120,7 @@ def test_a_closed_terminal_or_a_killed_run_leaves_no_namespace_or_process(tmp_pa
     after the next run had deleted its namespaces. Both now end with nothing left: SIGHUP cleans
     up as SIGTERM does, and a namespace is deleted only once what runs in it is killed."""
     tag = f"{4000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"  # the workers: sleep <tag>
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = environment()
     command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "sleep", tag]
     try:
         for signum in (signal.SIGHUP, signal.SIGKILL):
@@ -163,7 +162,7 @@ def test_a_host_killed_by_a_signal_ends_the_run_with_the_shells_status(tmp_path,
     """A host whose torchrun was killed by a signal (the OOM killer's SIGKILL) made the cluster
     return Popen's -9, which sys.exit turned into status 247, and say "exited with status -9"."""
     tag = f"{5000 + os.getpid() % 1000}.{time.monotonic_ns() % 10**6}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = environment()
     command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "sleep", tag]
     try:
         with open(tmp_path / "stderr", "w") as stderr:
@@ -214,8 +213,7 @@ def test_a_stop_while_ip_makes_a_namespace_leaves_none(tmp_path, namespaces_left
         f'#!/bin/bash\n{real} "$@"; rc=$?\nif [ "$1 $2" = "netns add" ]; then touch {added}; sleep 3; fi\nexit $rc\n'
     )
     (tmp_path / "ip").chmod(0o755)
-    env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "true"]
     started = subprocess.Popen(command, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
@@ -239,8 +237,7 @@ def test_a_machine_without_iproute2_is_told_so(tmp_path, namespaces_left, missin
         name = os.path.basename(path)
         if name != missing:
             os.symlink(path, tmp_path / name)
-    env = dict(os.environ, PATH=str(tmp_path))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(PATH=str(tmp_path))
     command = [sys.executable, "-m", "benchmarks.cluster", "--hosts", "2", "--", "--no-python", "true"]
     try:
         done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -8,7 +8,6 @@ is conserved, the transport counts the same bytes as ThreadTransport, and at den
 result is the dense average.
 """
 
-import os
 import re
 import shutil
 import subprocess
@@ -21,10 +20,10 @@ import torch
 import gradsparse as gs
 from gradsparse.testing import DistributedError, free_port, run_distributed
 from tests.distributed import workers
+from tests.subprocesses import ROOT, environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS, NUMEL = 6, 1237
 FULL = {"fixed_size_gather_full", "gather_and_add_full", "shared_full", "spardl_full"}
 # How transport="mpi"'s refusals of a low MPI thread level say to ask for MPI_THREAD_MULTIPLE.
@@ -77,8 +76,7 @@ def run_under_mpirun(tmp_path, world_size: int, function: str, *args: str, timeo
     mpirun = shutil.which("mpirun")
     if mpirun is None or not gs._C.mpi_available():
         pytest.fail("mpirun and a gradsparse build with MPI are required (scripts/setup.sh installs both)")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     command = [mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(world_size), "--mca", "btl", "self,tcp"]
     command += ["-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS"]
     command += [sys.executable, "-m", "tests.distributed.mpi_run", str(tmp_path), function, *args]

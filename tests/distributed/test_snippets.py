@@ -4,15 +4,13 @@ script a user would write around it, on 2 Gloo ranks under torchrun
 function that does not exist, passes an argument it does not take or leaves out a step fails here,
 naming the doc's line."""
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.distributed import snippets
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.subprocesses import ROOT, environment
 
 
 def test_every_python_snippet_of_the_docs_has_its_scaffolding():
@@ -23,8 +21,7 @@ def test_every_python_snippet_of_the_docs_has_its_scaffolding():
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_docs_python_snippets_run_as_written(tmp_path):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(OMP_NUM_THREADS="1")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     done = subprocess.run(
         [*torchrun, "-m", "tests.distributed.snippets", str(tmp_path)],

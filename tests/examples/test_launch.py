@@ -12,18 +12,17 @@ import sys
 import pytest
 
 from gradsparse.testing import free_port
+from tests.subprocesses import ROOT, environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # One thread per worker under both launchers, so that they run the same kernels on any machine.
 DEMO = ["-m", "examples.cnn", "--method", "dense,topk,micro", "--epochs", "1", "--max-steps", "6", "--no-progress",
         "--threads", "1"]  # fmt: skip
 
 
 def run(command: list[str], out: str) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(OMP_NUM_THREADS="1")
     done = subprocess.run([*command, "--out", out], env=env, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     rows = []

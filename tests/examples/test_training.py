@@ -20,10 +20,10 @@ import gradsparse as gs
 from examples import driver
 from gradsparse.testing import free_port, run_distributed
 from tests.refusals import assert_refused, never
+from tests.subprocesses import ROOT, environment
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EVERY_METHOD = ",".join(driver.METHODS)  # dense, torch's hooks and every gradsparse method
 # Tiny settings per task, on the data that installs offline (evaluation on part of the test data:
 # it would take most of a 3-step run's time). The LSTM's epoch is 8 steps (2,000
@@ -38,8 +38,7 @@ TASKS = {
 
 
 def start(command: list[str], args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    env = environment(OMP_NUM_THREADS="1")
     return subprocess.run([*command, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import gradsparse
 from tests.interpreter import externally_managed_python, python_at
+from tests.subprocesses import ROOT
 
 
 def test_import_under_another_torch_raises_naming_both_versions_and_the_fix(tmp_path):
@@ -41,10 +42,9 @@ def test_the_package_pyproject_and_the_cmake_package_name_one_version():
     (find_package(gradsparse 0.1)) are written in three places: they must agree."""
     import re
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "pyproject.toml")) as f:  # tomllib: Python 3.11 on
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:  # tomllib: Python 3.11 on
         pip_version = re.search(r'^version = "(\S+)"', f.read(), re.M).group(1)
-    with open(os.path.join(root, "CMakeLists.txt")) as f:
+    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
         cmake_version = re.search(r"^project\(gradsparse VERSION (\S+)", f.read(), re.M).group(1)
     assert pip_version == gradsparse.__version__ == cmake_version
 
@@ -55,8 +55,7 @@ def test_a_build_that_carries_its_own_libstdcxx_is_refused(tmp_path, monkeypatch
     the installed _C passes the same check."""
     import importlib.util
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("gradsparse_setup", os.path.join(root, "setup.py"))
+    spec = importlib.util.spec_from_file_location("gradsparse_setup", os.path.join(ROOT, "setup.py"))
     setup_py = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(setup_py)  # defines the functions; setup() runs only as __main__
 
@@ -144,9 +143,6 @@ def test_every_simd_path_of_the_kernels_gives_the_same_steps_to_the_bit():
         assert paths == expected[simd], (simd, paths, expected[simd])
     assert len(digests["1"]) == 64
     assert digests["avx2"] == digests["1"] and digests["0"] == digests["1"], digests
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.parametrize("managed", [False, True], ids=["python", "venv"])
