@@ -500,3 +500,22 @@ def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     except FileNotFoundError as e:
         out["without_residuals"] = str(e)
     return out
+
+
+def transformers_compiled(rank: int, world_size: int, folder: str) -> dict:
+    """The same 4 steps under gradsparse.transformers.sparsify with TrainingArguments(torch_compile=True),
+    which compiles the Trainer's DDP (torch.compile(DDP(model))), and without it; then an eager
+    Trainer resumes from the compiled run's checkpoint for 4 more steps."""
+    _launcher_environment(rank, world_size)
+    out: dict = {}
+    for name, options in (("eager", {}), ("compiled", {"torch_compile": True})):
+        trainer = _hf_trainer(f"{folder}/{name}", max_steps=4, **options)
+        state = gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+        trainer.train()
+        out[name] = {"params": params_of(trainer.model), "steps": state.step, "wrapped": type(trainer.model_wrapped)}
+        out[name]["residuals"] = state.state_dict()["residuals"]
+    trainer = _hf_trainer(f"{folder}/compiled", max_steps=8)
+    state = gs.transformers.sparsify(trainer, gs.TopK(density=0.05))
+    trainer.train(resume_from_checkpoint=f"{folder}/compiled/checkpoint-4")
+    out["resumed_steps"] = state.step
+    return out

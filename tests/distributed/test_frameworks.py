@@ -15,6 +15,7 @@ import transformers  # noqa: F401
 
 from gradsparse.testing import run_distributed
 from tests.distributed import frameworks
+from tests.distributed.workers import Shuffled
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -130,6 +131,26 @@ def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
         assert "checkpoint-4 holds no residuals (gradsparse.pt): it was written by a Trainer without" in r.get(
             "without_residuals", ""
         ), r.get("without_residuals")
+
+
+@pytest.mark.timeout(1100)  # a cold inductor cache is slow
+def test_transformers_trainer_with_torch_compile_trains_and_checkpoints_like_eager(tmp_path):
+    """TrainingArguments(torch_compile=True) compiles the Trainer's DDP: sparsify finds the DDP
+    inside, trains as eager does (up to inductor's rounding), names the residuals after the
+    model's own parameters, and an eager Trainer resumes from the compiled run's checkpoint."""
+    for rank, r in enumerate(run_distributed(frameworks.transformers_compiled, 2, str(tmp_path), timeout=800)):
+        eager, compiled = r["eager"], r["compiled"]
+        assert compiled["wrapped"].__name__ == "OptimizedModule" and eager["steps"] == compiled["steps"] == 4, r
+        for a, b in zip(eager["params"], compiled["params"], strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
+        assert (
+            set(compiled["residuals"])
+            == set(eager["residuals"])
+            == {n for n, _ in frameworks.LossOf(Shuffled()).named_parameters()}
+        )
+        for name, residual in compiled["residuals"].items():
+            torch.testing.assert_close(residual, eager["residuals"][name], rtol=1e-4, atol=1e-5, msg=name)
+        assert r["resumed_steps"] == 8, r
 
 
 def test_transformers_sparsify_refuses_what_it_cannot_sparsify(tmp_path):
