@@ -8,12 +8,12 @@
 When training starts, the state is registered on the DistributedDataParallel that the Trainer
 builds (through Accelerate; launch with torchrun, as for any multi-process Trainer). Every
 checkpoint the Trainer writes holds every rank's residuals (``gradsparse.pt`` in the checkpoint's
-folder, written by rank 0, which also writes the model), and ``train(resume_from_checkpoint=...)``
-gives each rank its own back. Every rank reads that file on resume: on several nodes without a
-shared file system (``save_on_each_node=True``), copy it into the other nodes' checkpoint folder.
-Each of the Trainer's training logs (every ``logging_steps``; not an evaluation's) carries ``gradsparse/achieved_density``,
-``bytes_sent``, ``bytes_ratio``, ``select_seconds`` and ``exchange_seconds``, per step since the
-last log (read with ``state.stats(reset=True)``: ``state.stats()`` then covers those steps only).
+folder, written where the model is: by rank 0, or under ``save_on_each_node=True`` by every node's
+first process), and ``train(resume_from_checkpoint=...)`` gives each rank its own back.
+Each of the Trainer's training logs (every ``logging_steps``; not an evaluation's) carries
+``gradsparse/achieved_density``, ``bytes_sent``, ``bytes_ratio``, ``select_seconds`` and
+``exchange_seconds``, per step since the last log (read with ``state.stats(reset=True)``:
+``state.stats()`` then covers those steps only).
 
 Needs ``transformers`` (``pip install gradsparse[transformers]``).
 """
@@ -107,6 +107,7 @@ class _Sparsify(TrainerCallback):
         self.state = state
         self.resume_from: str | None = None
         self.evaluating = False  # inside trainer.evaluate(), whose log takes no figures
+        self.writers = None  # under save_on_each_node: the group of the processes that write checkpoints
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model_wrapped
@@ -134,7 +135,24 @@ class _Sparsify(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        saved = AllRanks(self.state).state_dict()  # collective: every rank gives its own
-        if saved["ranks"] is not None:  # rank 0 of the state's group, which receives them all
+        saved = AllRanks(self.state).state_dict()  # collective: rank 0 of the state's group receives them all
+        if args.save_on_each_node:  # every node's first process writes the checkpoint on its own disk
+            saved = self._to_every_writer(saved, args)
+        if saved["ranks"] is not None:
             torch.save(saved, os.path.join(folder, CHECKPOINT_FILE))
         dist.barrier(group=self.state.process_group)  # a resume in this run reads the file on every rank
+
+    def _to_every_writer(self, saved: dict, args) -> dict:
+        """``saved`` as rank 0 of the state's group holds it, on every process that writes checkpoints
+        (``args.should_save``: each node's first under ``save_on_each_node``). Collective."""
+        group = self.state.process_group
+        if self.writers is None:  # their group, made once (every rank of the default group makes it)
+            flags = [None] * dist.get_world_size(group)
+            dist.all_gather_object(flags, args.should_save, group=group)
+            ranks = [dist.get_global_rank(group, r) for r, writes in enumerate(flags) if writes]
+            self.writers = dist.new_group(ranks) if len(ranks) > 1 else dist.GroupMember.NON_GROUP_MEMBER
+        if args.should_save and self.writers is not dist.GroupMember.NON_GROUP_MEMBER:
+            box = [saved]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=self.writers)
+            saved = box[0]
+        return saved

@@ -519,3 +519,19 @@ def transformers_compiled(rank: int, world_size: int, folder: str) -> dict:
     trainer.train(resume_from_checkpoint=f"{folder}/compiled/checkpoint-4")
     out["resumed_steps"] = state.step
     return out
+
+
+def transformers_each_node(rank: int, world_size: int, folder: str) -> dict:
+    """Each rank a node of its own (its first process) writing checkpoints into a folder of its own,
+    as under save_on_each_node=True without a shared file system: 8 steps straight, against a new
+    Trainer on each node resumed from its own copy of step 4's checkpoint."""
+    _launcher_environment(rank, world_size)
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank))
+    out: dict = {}
+    for name, resume in (("straight", None), ("resumed", f"{folder}/node{rank}/checkpoint-4")):
+        trainer = _hf_trainer(f"{folder}/node{rank}", save_on_each_node=True)
+        gs.transformers.sparsify(trainer, gs.ExDyna(density=0.05))
+        trainer.train(resume_from_checkpoint=resume)
+        out[name] = params_of(trainer.model)
+    out["files"] = sorted(os.listdir(f"{folder}/node{rank}/checkpoint-4"))
+    return out

@@ -133,6 +133,14 @@ def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
         ), r.get("without_residuals")
 
 
+def test_transformers_trainer_saving_on_each_node_resumes_every_node_from_its_own_disk(tmp_path):
+    """Under save_on_each_node=True each node's first process writes the checkpoint, residuals
+    included, so a node without a shared file system resumes from its own copy."""
+    for rank, r in enumerate(run_distributed(frameworks.transformers_each_node, 2, str(tmp_path), timeout=400)):
+        assert "gradsparse.pt" in r["files"] and "model.safetensors" in r["files"], r["files"]
+        _assert_equal_params(r["straight"], r["resumed"], f"node {rank}, resumed from its own checkpoint")
+
+
 @pytest.mark.timeout(1100)  # a cold inductor cache is slow
 def test_transformers_trainer_with_torch_compile_trains_and_checkpoints_like_eager(tmp_path):
     """TrainingArguments(torch_compile=True) compiles the Trainer's DDP: sparsify finds the DDP
