@@ -150,8 +150,8 @@ class _Sparsify(TrainerCallback):
             flags = [None] * dist.get_world_size(group)
             dist.all_gather_object(flags, args.should_save, group=group)
             ranks = [dist.get_global_rank(group, r) for r, writes in enumerate(flags) if writes]
-            self.writers = dist.new_group(ranks) if len(ranks) > 1 else dist.GroupMember.NON_GROUP_MEMBER
-        if args.should_save and self.writers is not dist.GroupMember.NON_GROUP_MEMBER:
+            self.writers = dist.new_group(ranks)
+        if args.should_save:  # rank 0 among them (each node's first process, node 0's first)
             box = [saved]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=self.writers)
             saved = box[0]
