@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import fields
@@ -275,7 +276,8 @@ def _check_rank_count(where: str, state_dict: dict) -> None:
     if ranks is None:
         raise ValueError(
             f"{where}: this state dict of gradsparse.AllRanks was returned on a rank other than 0, which holds no "
-            "residuals: save the one rank 0 returned, and load that file on every rank"
+            "residuals: save the one rank 0 returned, and load that file on every rank (for a checkpointer that "
+            "writes on each node, wrap the state in gradsparse.AllRanks(state, each_node=True))"
         )
     if not isinstance(ranks, list) or len(ranks) != world_size:
         count = len(ranks) if isinstance(ranks, list) else type(ranks).__name__
@@ -485,13 +487,18 @@ class AllRanks:
     ``d`` (the world size must match). Rank 0 holds every rank's residuals while it saves: for
     large models on many ranks, save each rank's ``state.state_dict()`` to a file of its own instead.
 
+    ``each_node=True`` is for checkpointers that write on every node, from its first process
+    (``LOCAL_RANK`` 0), for nodes without a shared file system (Accelerate's
+    ``ProjectConfiguration(save_on_each_node=True)``, the Trainer's ``save_on_each_node``): rank 0
+    then sends every rank's state dict on to the first process of each other node.
+
     Example (Accelerate; its ``save_state`` does not wait for rank 0's write, so a ``load_state``
     in the same run follows ``accelerator.wait_for_everyone()``)::
 
         >>> accelerator.register_for_checkpointing(gradsparse.AllRanks(state))
     """
 
-    def __init__(self, state) -> None:
+    def __init__(self, state, *, each_node: bool = False) -> None:
         from gradsparse.state import State
 
         if not isinstance(state, State):
@@ -499,7 +506,11 @@ class AllRanks:
                 f"gradsparse.AllRanks: state must be a gradsparse state such as gradsparse.TopK(density=0.01), "
                 f"got {type(state).__name__}"
             )
+        if not isinstance(each_node, bool):
+            raise TypeError(f"gradsparse.AllRanks: each_node must be True or False, got {each_node!r}")
         self.state = state
+        self.each_node = each_node
+        self._node_firsts: list[dist.ProcessGroup] | None = None  # each_node: the nodes' first processes' group
 
     def state_dict(self) -> dict:
         state = self.state
@@ -520,14 +531,37 @@ class AllRanks:
                 ) from None
         gathered: list | None = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)
-        return {
+        saved = {
             "version": STATE_DICT_VERSION,
             "all_ranks": True,
             "class": mine["class"],
             "config": mine["config"],
             "world_size": world_size,
-            "ranks": gathered,  # None on ranks other than 0: their copy is not the one saved
+            "ranks": gathered,  # None on ranks other than 0 (and the nodes' first): their copy is not saved
         }
+        return self._to_each_node(saved) if self.each_node and world_size > 1 else saved
+
+    def _to_each_node(self, saved: dict) -> dict:
+        """``saved`` as rank 0 holds it, on the first process of every node (LOCAL_RANK 0)."""
+        group = self.state.process_group
+        local_rank = os.environ.get("LOCAL_RANK")
+        if self._node_firsts is None:  # once, on every rank; [] where this rank is no node's first
+            firsts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(firsts, local_rank, group=group)
+            if firsts[0] != "0" or any(r is None for r in firsts):
+                raise ValueError(
+                    f"gradsparse.AllRanks(each_node=True): every rank needs LOCAL_RANK (its place on its node, set by "
+                    f"torchrun, accelerate launch and gradsparse.launch), and rank 0 must be its node's first, but "
+                    f"the ranks have LOCAL_RANK {firsts}: launch with one of those, or use each_node=False and a "
+                    "shared file system"
+                )
+            ranks = [dist.get_global_rank(group, r) for r, local in enumerate(firsts) if local == "0"]
+            self._node_firsts = [dist.new_group(ranks, use_local_synchronization=True)] if local_rank == "0" else []
+        for node_firsts in self._node_firsts:
+            box = [saved]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=node_firsts)
+            saved = box[0]
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.state.load_state_dict(state_dict)  # a copy of a rank other than 0 is refused there

@@ -107,7 +107,7 @@ class _Sparsify(TrainerCallback):
         self.state = state
         self.resume_from: str | None = None
         self.evaluating = False  # inside trainer.evaluate(), whose log takes no figures
-        self.writers = None  # under save_on_each_node: the group of the processes that write checkpoints
+        self.saver: AllRanks | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         model = self.trainer.model_wrapped
@@ -135,24 +135,9 @@ class _Sparsify(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        saved = AllRanks(self.state).state_dict()  # collective: rank 0 of the state's group receives them all
-        if args.save_on_each_node:  # every node's first process writes the checkpoint on its own disk
-            saved = self._to_every_writer(saved, args)
-        if saved["ranks"] is not None:
+        if self.saver is None:  # one, whose group of the nodes' first processes is made once
+            self.saver = AllRanks(self.state, each_node=args.save_on_each_node)
+        saved = self.saver.state_dict()  # collective: every rank gives its own
+        if saved["ranks"] is not None:  # rank 0, and under save_on_each_node each node's first process
             torch.save(saved, os.path.join(folder, CHECKPOINT_FILE))
         dist.barrier(group=self.state.process_group)  # a resume in this run reads the file on every rank
-
-    def _to_every_writer(self, saved: dict, args) -> dict:
-        """``saved`` as rank 0 of the state's group holds it, on every process that writes checkpoints
-        (``args.should_save``: each node's first under ``save_on_each_node``). Collective."""
-        group = self.state.process_group
-        if self.writers is None:  # their group, made once (every rank of the default group makes it)
-            flags = [None] * dist.get_world_size(group)
-            dist.all_gather_object(flags, args.should_save, group=group)
-            ranks = [dist.get_global_rank(group, r) for r, writes in enumerate(flags) if writes]
-            self.writers = dist.new_group(ranks)
-        if args.should_save:  # rank 0 among them (each node's first process, node 0's first)
-            box = [saved]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=self.writers)
-            saved = box[0]
-        return saved

@@ -218,32 +218,36 @@ def _slow_custom_checkpoint_writes(rank: int):
     return patched()
 
 
-def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
+def _accelerate_build(seed: int, each_node: bool = False):
     """The documented recipe: register after accelerator.prepare(), and AllRanks(state) in
-    register_for_checkpointing. 8 steps straight, against 4 + save_state + new objects + load_state + 4,
-    and against 2 + save_state + 2 + save_state to the same folder (rank 0's write late) +
-    wait_for_everyone + load_state in the same run + 4."""
+    register_for_checkpointing (``each_node``: saved on each node, as both are told)."""
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
+    accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(save_on_each_node=each_node))
+    torch.manual_seed(seed)
+    model = Shuffled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, opt = accelerator.prepare(model, opt)
+    state = gs.register(model, gs.SparDL(density=0.05))
+    accelerator.register_for_checkpointing(gs.AllRanks(state, each_node=each_node))
+    return accelerator, model, opt, state
+
+
+def _accelerate_run(accelerator, model, opt, part) -> None:
+    for x, y in part:
+        opt.zero_grad()
+        accelerator.backward(nn.functional.cross_entropy(model(x), y))
+        opt.step()
+
+
+def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
+    """8 steps of the recipe straight, against 4 + save_state + new objects + load_state + 4, and
+    against 2 + save_state + 2 + save_state to the same folder (rank 0's write late) +
+    wait_for_everyone + load_state in the same run + 4."""
     _launcher_environment(rank, world_size)
     data = list(batches(rank, 8))
-
-    def build(seed: int):
-        accelerator = Accelerator(cpu=True)
-        torch.manual_seed(seed)
-        model = Shuffled()
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        model, opt = accelerator.prepare(model, opt)
-        state = gs.register(model, gs.SparDL(density=0.05))
-        accelerator.register_for_checkpointing(gs.AllRanks(state))
-        return accelerator, model, opt, state
-
-    def run(accelerator, model, opt, part) -> None:
-        for x, y in part:
-            opt.zero_grad()
-            accelerator.backward(nn.functional.cross_entropy(model(x), y))
-            opt.step()
-
+    build, run = _accelerate_build, _accelerate_run
     accelerator, model, opt, state = build(0)
     out = {"wrapped": type(model).__name__}
     run(accelerator, model, opt, data)
@@ -272,6 +276,26 @@ def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
     out["loaded_again"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
     run(accelerator, model, opt, data[4:])
     out["resumed_in_the_same_run"] = params_of(model)
+    return out
+
+
+def accelerate_each_node(rank: int, world_size: int, folder: str) -> dict:
+    """Each rank a node of its own (its first process), saving into a folder of its own, as with
+    ProjectConfiguration(save_on_each_node=True) without a shared file system: 8 steps straight,
+    against 4 + save_state + new objects + load_state from its own folder + 4."""
+    _launcher_environment(rank, world_size)
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", NODE_RANK=str(rank))
+    data = list(batches(rank, 8))
+    accelerator, model, opt, _ = _accelerate_build(0, each_node=True)
+    _accelerate_run(accelerator, model, opt, data)
+    out = {"straight": params_of(model)}
+    accelerator, model, opt, _ = _accelerate_build(0, each_node=True)
+    _accelerate_run(accelerator, model, opt, data[:4])
+    accelerator.save_state(f"{folder}/node{rank}")
+    accelerator, model, opt, _ = _accelerate_build(123, each_node=True)
+    accelerator.load_state(f"{folder}/node{rank}")
+    _accelerate_run(accelerator, model, opt, data[4:])
+    out["resumed"] = params_of(model)
     return out
 
 

@@ -162,6 +162,25 @@ def test_all_ranks_called_on_rank_0_alone_fails_within_the_timeout_naming_the_fi
     assert "Connection closed by peer" not in error, error
 
 
+def test_all_ranks_on_each_node_gives_every_nodes_first_process_every_rank():
+    """AllRanks(state, each_node=True), for checkpointers that write on each node: the first
+    process of each node (LOCAL_RANK 0; here ranks 0 and 2 of 3) holds every rank's part, the same
+    as rank 0's, at every save; the others hold none. Without LOCAL_RANK, or with rank 0 not its
+    node's first, it is refused on every rank."""
+    results = run_distributed(workers.all_ranks_on_each_node, 3, ["0", "1", "0"], timeout=120)
+    assert results[1] == [None, None], results[1]
+    for saves in (results[0], results[2]):
+        for ranks in saves:
+            assert len(ranks) == 3 and [part["rank"] for part in ranks] == [0, 1, 2], ranks
+            for part, first in zip(ranks, results[0][0], strict=True):
+                for name, residual in part["residuals"].items():
+                    assert torch.equal(residual, first["residuals"][name]), name
+    for local_ranks, shown in ((["1", "0", "0"], "['1', '0', '0']"), (["0", None, "0"], "['0', None, '0']")):
+        for rank, error in enumerate(run_distributed(workers.all_ranks_on_each_node, 3, local_ranks, timeout=120)):
+            assert isinstance(error, str) and f"the ranks have LOCAL_RANK {shown}" in error, f"rank {rank}: {error}"
+            assert "use each_node=False and a shared file system" in error, error
+
+
 # torch.distributed.checkpoint under DDP -----------------------------------------------------------
 
 

@@ -101,6 +101,14 @@ def test_accelerate_recipe_resumes_each_rank_exactly(tmp_path):
         _assert_equal_params(r["straight"], r["resumed_in_the_same_run"], f"rank {rank}, in the same run")
 
 
+def test_accelerate_saving_on_each_node_resumes_every_node_from_its_own_disk(tmp_path):
+    """ProjectConfiguration(save_on_each_node=True) and AllRanks(state, each_node=True): each node's
+    first process writes every rank's residuals, so a node without a shared file system resumes
+    from its own folder (with AllRanks(state), the other nodes' files held no residuals)."""
+    for rank, r in enumerate(run_distributed(frameworks.accelerate_each_node, 2, str(tmp_path), timeout=400)):
+        _assert_equal_params(r["straight"], r["resumed"], f"node {rank}, resumed from its own folder")
+
+
 def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
     """A Trainer resumed from a checkpoint, by its path or as the last one, ends where the run
     that wrote it ends: each rank gets its own residuals back from the checkpoint's folder. Under

@@ -1202,6 +1202,26 @@ def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
     return "returned"
 
 
+def all_ranks_on_each_node(rank: int, world_size: int, local_ranks: list[str | None]) -> list | str:
+    """Each rank's LOCAL_RANK from ``local_ranks`` (None: unset), 2 training steps, then
+    AllRanks(state, each_node=True).state_dict() twice: per call, the ranks' parts this rank holds
+    (None on a rank that does not write), or the error."""
+    import os
+
+    os.environ.pop("LOCAL_RANK", None)
+    if local_ranks[rank] is not None:
+        os.environ["LOCAL_RANK"] = local_ranks[rank]
+    state = gs.TopK(density=0.05)
+    ddp = DDP(make_model())
+    gs.register(ddp, state)
+    train(ddp, rank, steps=2)
+    saver = gs.AllRanks(state, each_node=True)
+    try:
+        return [saver.state_dict()["ranks"] for _ in range(2)]
+    except ValueError as e:
+        return str(e)
+
+
 # DDP on data-parallel sub-groups -------------------------------------------------------------
 
 SUB_GROUP_METHODS = {

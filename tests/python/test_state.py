@@ -1562,6 +1562,13 @@ def test_reshard_conserves_the_pending_gradient_mass():
         gs.reshard(first, 1)
 
 
+def test_all_ranks_refuses_what_is_no_state_and_an_each_node_that_is_no_bool():
+    with pytest.raises(TypeError, match=r"gradsparse.AllRanks: state must be a gradsparse state .* got dict"):
+        gs.AllRanks({})
+    with pytest.raises(TypeError, match=r"gradsparse.AllRanks: each_node must be True or False, got 'yes'"):
+        gs.AllRanks(gs.TopK(density=0.05), each_node="yes")
+
+
 @pytest.mark.parametrize("through", ["state", "all_ranks"])
 def test_the_copy_of_an_all_ranks_state_dict_that_another_rank_returned_is_refused_naming_the_fix(through):
     """AllRanks(state).state_dict() returns every rank's residuals on rank 0 and a copy without
@@ -1576,7 +1583,8 @@ def test_the_copy_of_an_all_ranks_state_dict_that_another_rank_returned_is_refus
     with pytest.raises(
         ValueError,
         match=r"TopK.load_state_dict: this state dict of gradsparse.AllRanks was returned on a rank other than 0, "
-        r"which holds no residuals: save the one rank 0 returned, and load that file on every rank",
+        r"which holds no residuals: save the one rank 0 returned, and load that file on every rank \(for a "
+        r"checkpointer that writes on each node, wrap the state in gradsparse.AllRanks\(state, each_node=True\)\)",
     ):
         load(copy_elsewhere)
 
