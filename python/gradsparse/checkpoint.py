@@ -537,7 +537,7 @@ class AllRanks:
             "class": mine["class"],
             "config": mine["config"],
             "world_size": world_size,
-            "ranks": gathered,  # None on ranks other than 0 (and the nodes' first): their copy is not saved
+            "ranks": gathered,  # None on the ranks that do not save (all but 0, or each node's first)
         }
         return self._to_each_node(saved) if self.each_node and world_size > 1 else saved
 
