@@ -247,34 +247,33 @@ def accelerate_resume(rank: int, world_size: int, folder: str) -> dict:
     wait_for_everyone + load_state in the same run + 4."""
     _launcher_environment(rank, world_size)
     data = list(batches(rank, 8))
-    build, run = _accelerate_build, _accelerate_run
-    accelerator, model, opt, state = build(0)
+    accelerator, model, opt, state = _accelerate_build(0)
     out = {"wrapped": type(model).__name__}
-    run(accelerator, model, opt, data)
+    _accelerate_run(accelerator, model, opt, data)
     out["straight"] = params_of(model)
-    accelerator, model, opt, state = build(0)
-    run(accelerator, model, opt, data[:4])
+    accelerator, model, opt, state = _accelerate_build(0)
+    _accelerate_run(accelerator, model, opt, data[:4])
     out["saved_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
     accelerator.save_state(f"{folder}/state")
-    accelerator, model, opt, state = build(123)
+    accelerator, model, opt, state = _accelerate_build(123)
     accelerator.load_state(f"{folder}/state")
     out["loaded_residuals"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
-    run(accelerator, model, opt, data[4:])
+    _accelerate_run(accelerator, model, opt, data[4:])
     out["resumed"] = params_of(model)
 
     # In the same run: save_state returns on the other ranks before rank 0 has written the
     # residuals, so load_state there read the folder's earlier file without the README's barrier.
-    accelerator, model, opt, state = build(0)
-    run(accelerator, model, opt, data[:2])
+    accelerator, model, opt, state = _accelerate_build(0)
+    _accelerate_run(accelerator, model, opt, data[:2])
     accelerator.save_state(f"{folder}/latest")
-    run(accelerator, model, opt, data[2:4])
+    _accelerate_run(accelerator, model, opt, data[2:4])
     out["saved_again"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
     with _slow_custom_checkpoint_writes(rank):
         accelerator.save_state(f"{folder}/latest")
     accelerator.wait_for_everyone()
     accelerator.load_state(f"{folder}/latest")
     out["loaded_again"] = {n: t.clone() for n, t in state.state_dict()["residuals"].items()}
-    run(accelerator, model, opt, data[4:])
+    _accelerate_run(accelerator, model, opt, data[4:])
     out["resumed_in_the_same_run"] = params_of(model)
     return out
 
@@ -484,8 +483,8 @@ def transformers_resume(rank: int, world_size: int, folder: str) -> dict:
     """gradsparse.transformers.sparsify(trainer, ExDyna): 8 steps straight, against a new Trainer,
     model and state resumed from the checkpoint of step 4 for the last 4 steps (by path, and with
     resume_from_checkpoint=True, the last one in the output folder); the state's steps under
-    gradient accumulation; the Trainer's logs, with evaluations between them; and the error of a resume from a checkpoint written
-    without sparsify."""
+    gradient accumulation; the Trainer's logs, with evaluations between them; and the error of a
+    resume from a checkpoint written without sparsify."""
     _launcher_environment(rank, world_size)
     out: dict = {}
     trainer = _hf_trainer(f"{folder}/straight")
