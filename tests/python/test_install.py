@@ -358,3 +358,67 @@ def test_a_job_whose_venv_is_missing_stops_naming_it_where_it_looked_and_the_fix
     assert job.returncode == 2, job.stderr
     assert f"VENV=venvs/none: no venvs/none/bin/activate from {ROOT} (a relative VENV is taken from" in job.stderr
     assert "VENV=$PWD/.venv sbatch" in job.stderr
+
+
+# One step of TopK on one rank: the gradient it leaves, and which gradsparse ran it.
+_ONE_STEP = """
+import sys
+import torch, torch.distributed as dist
+import gradsparse as gs
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 8))
+gs.register(model, gs.TopK(density=0.1))
+model(torch.randn(16, 64)).square().sum().backward()
+print(gs.__file__)
+print(*[v.hex() for p in model.parameters() for v in p.grad.flatten().tolist()])
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # a full compile of _C, beside the other tests in CI
+def test_the_source_distribution_holds_what_the_builds_read_and_pip_builds_it(tmp_path):
+    """`pip install gradsparse-<version>.tar.gz` (python -m build --sdist, what a package index
+    serves) must build: setuptools puts only the Python package and the sources setup.py names in
+    a source distribution, so the headers, the CUDA files and the CMake build were missing and the
+    compile failed on the first #include. The sdist made from the tracked files holds every file
+    of csrc/, the CMake build with its C++ tests and the license; pip builds _C from it alone
+    (CPU kernels), and that build computes the same step as the one under test, to the bit."""
+    import tarfile
+
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    tracked = [name for name in tracked.decode().split("\0") if name]
+    tree = tmp_path / "tree"
+    for name in tracked:  # a clean checkout: no build folders, no _C, no egg-info
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(os.path.join(ROOT, name), tree / name)
+    code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
+    made = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tree, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    sdist = tmp_path / "dist" / made.stdout.split()[-1]
+    with tarfile.open(sdist) as archive:
+        held = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    read = ("csrc/", "cmake/", "tests/cpp/", "tests/cmake_consumer/", "fuzz/", "python/gradsparse/")
+    needed = {n for n in tracked if n.startswith(read)} | {"setup.py", "pyproject.toml", "CMakeLists.txt", "LICENSE"}
+    assert not needed - held, f"missing from the sdist (MANIFEST.in): {sorted(needed - held)}"
+
+    site = tmp_path / "site"
+    env = dict(os.environ, GRADSPARSE_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-build-isolation",
+         "--no-deps", "--no-index", "--target", str(site), str(sdist)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr[-4000:]
+    steps = {}
+    for which, path in (("sdist", str(site)), ("tested", os.path.dirname(os.path.dirname(gradsparse.__file__)))):
+        env = dict(os.environ, PYTHONPATH=path)
+        out = subprocess.run([sys.executable, "-c", _ONE_STEP, str(tmp_path / f"store-{which}")], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        module, steps[which] = out.stdout.split("\n", 1)
+        assert module.startswith(path), (which, module, path)
+    assert steps["sdist"] == steps["tested"]
+    assert len(steps["sdist"].split()) == 64 * 8 + 8
