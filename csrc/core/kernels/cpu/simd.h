@@ -3,8 +3,8 @@
 // them only when the CPU reports the instructions and GRADSPARSE_SIMD allows them ("0": portable
 // code only, "avx2": no AVX-512, anything else: the widest the CPU has). Every path gives the
 // same results to the bit (the vector code adds in the portable code's order).
-// -DGRADSPARSE_NO_SIMD_PATHS compiles the portable code alone, as on a CPU other than x86-64 (CI
-// compiles the kernels so, warnings as errors).
+// On other CPUs the portable code is compiled alone (CI builds and tests it for aarch64:
+// scripts/cross_check.sh).
 #pragma once
 
 #include <algorithm>
@@ -15,7 +15,7 @@
 
 #include "gradsparse/kernels.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(GRADSPARSE_NO_SIMD_PATHS)
+#if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define GS_HAVE_AVX2_PATHS 1
 // (every AVX2 CPU has POPCNT: their loops count a mask's bits with the instruction)
@@ -47,11 +47,11 @@ namespace cpu {
 enum class Simd { kPortable, kAvx2, kAvx512 };
 
 inline Simd simd_paths() {
-#if GS_HAVE_AVX2_PATHS
   static const Simd paths = [] {
     const char* env = std::getenv("GRADSPARSE_SIMD");
     const bool portable = env != nullptr && std::strcmp(env, "0") == 0;
     const bool no_avx512 = env != nullptr && std::strcmp(env, "avx2") == 0;
+    // A bad value is named on every CPU, also where the kernels have no SIMD paths to narrow.
     if (env != nullptr && *env != '\0' && !portable && !no_avx512 && std::strcmp(env, "1") != 0) {
       // Read inside parallel loops, where nothing may throw (import gradsparse refuses it first).
       std::fprintf(stderr,
@@ -59,14 +59,15 @@ inline Simd simd_paths() {
                    "the CPU has (set it to 1, avx2 or 0, or unset it)\n",
                    env);
     }
+#if GS_HAVE_AVX2_PATHS
     if (portable || !__builtin_cpu_supports("avx2")) return Simd::kPortable;
     if (no_avx512 || !__builtin_cpu_supports("avx512f")) return Simd::kAvx2;
     return Simd::kAvx512;
+#else
+    return Simd::kPortable;
+#endif
   }();
   return paths;
-#else
-  return Simd::kPortable;
-#endif
 }
 
 /// True when the AVX2 paths may run.
