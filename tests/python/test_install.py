@@ -360,6 +360,26 @@ def test_a_job_whose_venv_is_missing_stops_naming_it_where_it_looked_and_the_fix
     assert "VENV=$PWD/.venv sbatch" in job.stderr
 
 
+# What a source distribution must hold: the build files, and the folders whose files the builds read.
+_SDIST_SOURCES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CMakeLists.txt", "cmake",
+                  "csrc", "python/gradsparse", "tests/cpp", "tests/cmake_consumer", "fuzz")  # fmt: skip
+
+
+def _sources_an_sdist_needs():
+    """The files of _SDIST_SOURCES in this checkout (paths from its root), without what a build or a
+    run leaves among them (.gitignore: __pycache__, _C's .so and its build record)."""
+    for entry in _SDIST_SOURCES:
+        assert os.path.exists(os.path.join(ROOT, entry)), f"{entry} is gone: update _SDIST_SOURCES"
+        if os.path.isfile(os.path.join(ROOT, entry)):
+            yield entry
+            continue
+        for folder, subfolders, files in os.walk(os.path.join(ROOT, entry)):
+            subfolders[:] = [d for d in subfolders if d != "__pycache__"]
+            for name in files:
+                if not name.endswith(".so") and name != "_build.py":
+                    yield os.path.relpath(os.path.join(folder, name), ROOT)
+
+
 # One step of TopK on one rank: the gradient it leaves, and which gradsparse ran it.
 _ONE_STEP = """
 import sys
@@ -382,15 +402,14 @@ def test_the_source_distribution_holds_what_the_builds_read_and_pip_builds_it(tm
     """`pip install gradsparse-<version>.tar.gz` (python -m build --sdist, what a package index
     serves) must build: setuptools puts only the Python package and the sources setup.py names in
     a source distribution, so the headers, the CUDA files and the CMake build were missing and the
-    compile failed on the first #include. The sdist made from the tracked files holds every file
-    of csrc/, the CMake build with its C++ tests and the license; pip builds _C from it alone
+    compile failed on the first #include. The sdist made from the checkout's sources holds every
+    file of csrc/, the CMake build with its C++ tests and the license; pip builds _C from it alone
     (CPU kernels), and that build computes the same step as the one under test, to the bit."""
     import tarfile
 
-    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    tracked = [name for name in tracked.decode().split("\0") if name]
+    sources = list(_sources_an_sdist_needs())
     tree = tmp_path / "tree"
-    for name in tracked:  # a clean checkout: no build folders, no _C, no egg-info
+    for name in sources:  # a clean tree: no build folders, no _C, no egg-info
         (tree / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(os.path.join(ROOT, name), tree / name)
     code = "import sys; from setuptools import build_meta; print(build_meta.build_sdist(sys.argv[1]))"
@@ -400,9 +419,7 @@ def test_the_source_distribution_holds_what_the_builds_read_and_pip_builds_it(tm
     sdist = tmp_path / "dist" / made.stdout.split()[-1]
     with tarfile.open(sdist) as archive:
         held = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    read = ("csrc/", "cmake/", "tests/cpp/", "tests/cmake_consumer/", "fuzz/", "python/gradsparse/")
-    needed = {n for n in tracked if n.startswith(read)} | {"setup.py", "pyproject.toml", "CMakeLists.txt", "LICENSE"}
-    assert not needed - held, f"missing from the sdist (MANIFEST.in): {sorted(needed - held)}"
+    assert not set(sources) - held, f"missing from the sdist (MANIFEST.in): {sorted(set(sources) - held)}"
 
     site = tmp_path / "site"
     env = dict(os.environ, GRADSPARSE_CUDA="0", MAX_JOBS=os.environ.get("MAX_JOBS", "2"))
