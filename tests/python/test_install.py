@@ -382,10 +382,9 @@ def _sources_an_sdist_needs():
 
 # One step of TopK on one rank: the gradient it leaves, and which gradsparse ran it.
 _ONE_STEP = """
-import sys
 import torch, torch.distributed as dist
 import gradsparse as gs
-dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 8))
 gs.register(model, gs.TopK(density=0.1))
@@ -431,9 +430,7 @@ def test_the_source_distribution_holds_what_the_builds_read_and_pip_builds_it(tm
     assert built.returncode == 0, built.stdout + built.stderr[-4000:]
     steps = {}
     for which, path in (("sdist", str(site)), ("tested", os.path.dirname(os.path.dirname(gradsparse.__file__)))):
-        env = dict(os.environ, PYTHONPATH=path)
-        out = subprocess.run([sys.executable, "-c", _ONE_STEP, str(tmp_path / f"store-{which}")], cwd=tmp_path,
-                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        out = _import_with({"PYTHONPATH": path}, _ONE_STEP.format(store=tmp_path / f"store-{which}"))
         assert out.returncode == 0, out.stderr
         module, steps[which] = out.stdout.split("\n", 1)
         assert module.startswith(path), (which, module, path)
