@@ -13,6 +13,7 @@
 # Needs g++-aarch64-linux-gnu, qemu-user and googletest's sources (/usr/src/googletest), installed
 # here with apt-get when missing and running as root.
 set -euo pipefail
+source "$(dirname "$0")/env.sh"  # apt_install_as_root
 cd "$(dirname "$0")/.."
 mode="${1:-}"
 case "$mode" in
@@ -25,14 +26,9 @@ command -v aarch64-linux-gnu-g++ > /dev/null || missing+=(g++-aarch64-linux-gnu)
 command -v qemu-aarch64 > /dev/null || missing+=(qemu-user)
 [ -f /usr/src/googletest/CMakeLists.txt ] || missing+=(googletest)
 command -v ninja > /dev/null || missing+=(ninja-build)
-if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-    install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"; }
-    install > /dev/null 2>&1 || { apt-get update -qq && install > /dev/null; }
-  else
-    echo "cross_check.sh needs: apt-get install ${missing[*]}" >&2
-    exit 1
-  fi
+if [ ${#missing[@]} -gt 0 ] && ! apt_install_as_root "${missing[@]}"; then
+  echo "cross_check.sh needs: apt-get install ${missing[*]}" >&2
+  exit 1
 fi
 [ "$mode" != --install-only ] || exit 0
 

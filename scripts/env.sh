@@ -1,6 +1,6 @@
 # Sourced by the scripts in this folder and by benchmarks/slow_network.sh: sets PYTHON to the
 # interpreter that gradsparse is installed into and run with, and GRADSPARSE_VENV to the virtual
-# environment to create (or "").
+# environment to create (or ""); and defines the helpers below it.
 #
 # PYTHON (default python3) is used as it is when pip may install into it: a virtual
 # environment's, conda's, pyenv's, a user's own build. An externally managed interpreter (PEP 668:
@@ -35,4 +35,11 @@ require_python() {
   echo "$1: no interpreter $PYTHON${GRADSPARSE_VENV:+ (the virtual environment for the externally managed $GRADSPARSE_BASE_PYTHON)};" \
     "run bash scripts/setup.sh test first, or set PYTHON to an interpreter that has torch" >&2
   exit 2
+}
+# Installs the Debian packages named, quietly, where this runs as root with apt-get (the package
+# lists are updated only when the install fails without); returns 1 elsewhere, installing nothing.
+apt_install_as_root() {
+  [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null || return 1
+  _apt_get_install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@"; }
+  _apt_get_install "$@" > /dev/null 2>&1 || { apt-get update -qq && _apt_get_install "$@" > /dev/null; }
 }

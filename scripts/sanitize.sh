@@ -67,10 +67,7 @@ for step in "${steps[@]}"; do
     fuzz)
       echo "== libFuzzer targets, ${FUZZ_SECONDS:-60} s each, under ASan + UBSan"
       if ! has_libfuzzer; then
-        if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
-          install() { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends clang libclang-rt-14-dev; }
-          install > /dev/null 2>&1 || { apt-get update -qq && install > /dev/null; }
-        fi
+        apt_install_as_root clang libclang-rt-14-dev || true  # (checked next)
         has_libfuzzer || { echo "clang with libFuzzer is needed: apt-get install clang libclang-rt-14-dev" >&2; exit 1; }
       fi
       cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
