@@ -259,6 +259,17 @@ class BucketTable:
         self.buckets.clear()
         self.end_step()
 
+    def copy(self) -> BucketTable:
+        """A table of its own holding what this one holds (the same tensors and method objects):
+        what park() and clear() change here leave it as it was."""
+        table = BucketTable()
+        table.buckets = dict(self.buckets)
+        table.parked = {kind: dict(pieces) for kind, pieces in self.parked.items()}
+        table.parked_strides = dict(self.parked_strides)
+        table.parked_methods = dict(self.parked_methods)
+        table.scale = self.scale
+        return table
+
     def tensors(self, kind: str) -> dict[str, torch.Tensor]:
         """Every residual or velocity (``kind``) by parameter name: the buckets' (views) and the
         parked pieces."""

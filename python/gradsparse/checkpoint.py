@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import sys
 import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import fields
@@ -469,6 +470,19 @@ def _saved_counters(refuse: Callable[[str, str, object], None], stats: object) -
     return [(f"stats[{i}]['counters']", entry["counters"]) for i, entry in enumerate(stats)]
 
 
+def called_by_dcp() -> bool:
+    """Whether the caller of the ``state_dict()`` that calls this is torch.distributed.checkpoint's
+    own code: dcp.save and dcp.load call state_dict() on every ``Stateful`` of the state dict they
+    are given, and a State handed to them as it is (or an AllRanks) would be saved as one rank's.
+    Those that wrap a state (gradsparse.ShardedState, AllRanks, a framework's callback) call its
+    state_dict() from their own module."""
+    try:
+        caller = sys._getframe(2)  # 0: this function, 1: the state_dict() that asks
+    except ValueError:
+        return False
+    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
+
+
 def _world_size_error(owner: str, saved: int, now: int) -> str:
     return (
         f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
@@ -514,9 +528,18 @@ class AllRanks:
 
     def state_dict(self) -> dict:
         state = self.state
-        mine = _to_cpu(state.state_dict())
         group = state.process_group
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if world_size > 1 and called_by_dcp():
+            raise TypeError(
+                f"gradsparse.AllRanks.state_dict: torch.distributed.checkpoint (dcp.save or dcp.load) was handed "
+                f"gradsparse.AllRanks(state), on {world_size} ranks. AllRanks is for checkpointers that write on rank 0 "
+                "(torch.save, Lightning, Accelerate): it gives rank 0 every rank's residuals and the other ranks none, "
+                "which DCP would save as a file that loads on no rank. DCP writes each rank's own part itself: hand "
+                "it gradsparse.ShardedState(state) instead, dcp.save({..., 'gradsparse': gradsparse.ShardedState("
+                "state)}) and the same in dcp.load"
+            )
+        mine = _to_cpu(state.state_dict())
         if world_size > 1 and dist.get_backend(group) == "gloo":
             # Called on rank 0 alone (under `if rank == 0:`), the gather waited for ranks that never
             # came, then failed with Gloo's "Connection closed by peer" once one exited. A monitored

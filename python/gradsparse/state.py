@@ -44,6 +44,7 @@ from gradsparse.buckets import Bucket, BucketTable, memory_order
 from gradsparse.checkpoint import (
     STATE_DICT_VERSION,
     Loaded,
+    called_by_dcp,
     check_same_steps,
     saved_stats,
     this_ranks,
@@ -222,6 +223,7 @@ class State:
         self._saved_layout: list[list[str]] | None = None  # the loaded layout, kept until DDP rebuilds
         self._unchecked: tuple[dict, bool] | None = None  # (state dict, any_rank) loaded before this rank was known
         self._refused_names: Exception | None = None  # a loaded state dict's names, refused at register before set-up
+        self._before_load: dict[str, Any] | None = None  # what a load before set-up replaced (setup() may undo it)
         self._comm: dist.ProcessGroup | None = None  # the exchanges' own group (from setup): also agrees on loads
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._paused = False
@@ -448,9 +450,15 @@ class State:
         self._engine = self._make_engine(comm)
         self._comm = comm
         self._binding.check_group(group)
-        # Refused on any rank: refused on every rank, and the state stays set up without it.
+        # Refused on any rank: refused on every rank, and the state stays set up without it (a load
+        # put in place before set-up, after init_process_group, is undone).
         self._unchecked = None
-        self._refuse_where_refused(refusal, [entry[3] for entry in gathered], [entry[4] for entry in gathered])
+        before, self._before_load = self._before_load, None
+        try:
+            self._refuse_where_refused(refusal, [entry[3] for entry in gathered], [entry[4] for entry in gathered])
+        except Exception:
+            vars(self).update(before or {})
+            raise
         if load is not None:
             load()
         return self
@@ -1177,7 +1185,7 @@ class State:
         rank, world_size = self._rank, self._world_size
         if self._engine is None and dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-        if world_size > 1 and _called_by_dcp():
+        if world_size > 1 and called_by_dcp():
             raise TypeError(
                 f"{owner}.state_dict: torch.distributed.checkpoint (dcp.save or dcp.load) was handed the {owner} "
                 f"state itself, on {world_size} ranks; its residuals, method states and statistics differ by rank, and "
@@ -1426,7 +1434,12 @@ class State:
     def _put_in_place(
         self, state_dict: dict, loaded: Loaded, step: int, link, exchanges, velocities: dict, metrics: Metrics
     ) -> None:
-        """Loads what _read read."""
+        """Loads what _read read. Before set-up it keeps what it replaces, which set-up puts back
+        where its agreement refuses the load (another rank refused its own, or resumes at another step)."""
+        if self._engine is None:
+            replaced = ("_step", "_loaded", "_link", "_saved_exchanges", "_trial", "_metrics", "_scale_read_at")
+            self._before_load = {name: getattr(self, name) for name in replaced}
+            self._before_load.update(_table=self._table.copy(), _sharded_called=set(self._sharded_called))
         # exchange="auto": the saved decision, or a new trial; before set-up, set-up starts it
         trial = None if self._trial is None else self._new_trial(step, exchanges)
         self._table.park(
@@ -1507,18 +1520,6 @@ class State:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())
         return f"{type(self).__name__}({options})"
-
-
-def _called_by_dcp() -> bool:
-    """Whether State.state_dict's caller is torch.distributed.checkpoint's own code: dcp.save and
-    dcp.load call state_dict() on every ``Stateful`` of the state dict they are given, and a state
-    handed to them as it is would be saved as one rank's. Those that wrap a state
-    (gradsparse.ShardedState, AllRanks, a framework's callback) call it from their own module."""
-    try:
-        caller = sys._getframe(2)  # 0: this function, 1: State.state_dict
-    except ValueError:
-        return False
-    return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
 
 
 def _part_label(parts: list[dict] | None, part: dict) -> str:

@@ -221,15 +221,21 @@ def test_dcp_checkpoint_of_a_ddp_state_refuses_another_world_size(tmp_path):
     assert step == 0
 
 
-def test_plain_state_handed_to_dcp_is_refused_naming_sharded_state(tmp_path):
+@pytest.mark.parametrize("wrap", ["state", "all_ranks"])
+def test_plain_state_handed_to_dcp_is_refused_naming_sharded_state(tmp_path, wrap):
     """The plain state handed to dcp.save on 2 ranks: DCP saved one rank's residuals for both (the
     other's gradient mass lost), and dcp.load then failed in DCP's words ("Missing key in
-    checkpoint state_dict: gs.methods"). Both now refuse, naming gradsparse.ShardedState; the
-    state dict saved with torch.save still loads."""
-    for rank, (saved, loaded) in enumerate(run_distributed(workers.plain_state_through_dcp, 2, str(tmp_path / "c"))):
+    checkpoint state_dict: gs.methods"). gs.AllRanks(state) there: dcp.save wrote rank 0's parts
+    of every rank and none of the others, and dcp.load failed in DCP's words or with AllRanks'
+    advice for rank 0's file. Both now refuse, naming gradsparse.ShardedState; the state dict
+    saved with torch.save still loads."""
+    results = run_distributed(workers.plain_state_through_dcp, 2, str(tmp_path / "c"), wrap)
+    for rank, (saved, loaded) in enumerate(results):
         for call, error in (("dcp.save", saved), ("dcp.load", loaded)):
             assert error is not None and "gradsparse.ShardedState(state)" in error, f"rank {rank}, {call}: {error}"
             assert "Missing key" not in error, f"rank {rank}, {call}: {error}"
+            if wrap == "all_ranks":
+                assert "was handed gradsparse.AllRanks(state), on 2 ranks" in error, f"rank {rank}, {call}: {error}"
 
 
 # DDP on data-parallel sub-groups --------------------------------------------------------------------
@@ -302,8 +308,7 @@ def test_a_damaged_per_rank_file_is_refused_on_every_rank(tmp_path, damage, when
     assert error0 is not None and "rank 1 was refused there" in error0 and reason in error0, error0
     assert "So it is refused on every rank" in error0, error0
     assert elapsed0 < 5, f"rank 0 failed after {elapsed0:.1f} s, the state's timeout: {error0}"
-    if when != "before_register":  # (there each rank's loaded, and its names are refused at register)
-        assert moved0 == moved1 == 0.0, "a refused load was loaded"
+    assert moved0 == moved1 == 0.0, "a refused load was loaded"
 
 
 @pytest.mark.parametrize("when", ["after", "before_register", "before_init"])
@@ -311,8 +316,9 @@ def test_per_rank_files_of_different_steps_are_refused_on_every_rank(tmp_path, w
     """Rank 1 loads its file of the step before the others' (a save stopped before it reached rank 1,
     or files of two checkpoints): each file is intact, so every rank loaded its own and trained on
     with residuals and method states of different steps, without a word. Every rank now refuses
-    them, naming each rank's step, and (but where the load came before register, which puts it
-    in place at once) no rank's state took them."""
+    them, naming each rank's step, and no rank's state took them: a load between
+    init_process_group and register, put in place at once, is undone there (it stayed loaded, and
+    a second register of the same state trained on it)."""
     results = run_distributed(workers.a_damaged_per_rank_file, 2, str(tmp_path / "gs"), "step", when, timeout=120)
     for rank, (error, elapsed, moved) in enumerate(results):
         assert error is not None and "the ranks' state dicts are of different steps (rank 0: 2, rank 1: 1)" in error, (
@@ -321,8 +327,7 @@ def test_per_rank_files_of_different_steps_are_refused_on_every_rank(tmp_path, w
         )
         assert "Load one checkpoint on every rank (each rank its own file of it, or the same AllRanks" in error, error
         assert elapsed < 5, f"rank {rank} failed after {elapsed:.1f} s, the state's timeout: {error}"
-        if when != "before_register":
-            assert moved == 0.0, f"rank {rank}: a refused load was loaded"
+        assert moved == 0.0, f"rank {rank}: a refused load was loaded"
 
 
 @pytest.mark.parametrize(("damage", "reason"), [("nan", "holds NaN or Inf"), ("blob", "JSONDecodeError")])

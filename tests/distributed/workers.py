@@ -1161,16 +1161,18 @@ def dcp_load_at(rank: int, world_size: int, method: str, path: str) -> tuple[str
     return error, step
 
 
-def plain_state_through_dcp(rank: int, world_size: int, path: str) -> tuple[str | None, str | None]:
-    """The plain state (no gs.ShardedState) handed to dcp.save, then to dcp.load: each error."""
+def plain_state_through_dcp(rank: int, world_size: int, path: str, wrap: str) -> tuple[str | None, str | None]:
+    """The state handed to dcp.save, then to dcp.load, as it is (``wrap`` "state") or in
+    gs.AllRanks ("all_ranks"), not in gs.ShardedState: each error."""
     import torch.distributed.checkpoint as dcp
 
     model, ddp, state, opt = _dcp_build(0, "topk")
     _dcp_run(ddp, opt, list(batches(rank, 2)))
+    handed = state if wrap == "state" else gs.AllRanks(state)
     errors = []
     for call in (dcp.save, dcp.load):
         try:
-            call({"model": model.state_dict(), "gs": state}, checkpoint_id=path)
+            call({"model": model.state_dict(), "gs": handed}, checkpoint_id=path)
             errors.append(None)
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             errors.append(f"{type(e).__name__}: {e}")
