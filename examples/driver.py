@@ -123,7 +123,7 @@ def dataset_label(args: argparse.Namespace) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# Methods: plain DDP, torch's built-in hooks, every gradsparse method
+# Methods: dense (gradsparse's Dense), torch's built-in hooks, every gradsparse method
 # ----------------------------------------------------------------------------------------------
 
 TORCH_HOOKS = ("powersgd", "fp16")
@@ -159,6 +159,18 @@ def method_flags() -> dict[str, tuple[dict, str]]:
     }
 
 
+def method_options(method: str) -> set[str]:
+    """The method options a method reads from the command line (by argparse name): a gradsparse
+    method's own (--density, --threshold and the flags of method_flags(); not --seed, the training
+    seed of every method), powersgd's --powersgd-rank; none for fp16. Threshold reads --density
+    where --threshold is not given (gradsparse_options)."""
+    if method == "powersgd":
+        return {"powersgd_rank"}
+    if method not in gs.METHODS:
+        return set()
+    return {option.name for option in gs.METHODS[method].OPTIONS} - {"seed"}
+
+
 def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """The gradsparse constructor arguments a method takes from the command line."""
     options: dict[str, Any] = {
@@ -170,9 +182,9 @@ def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
         options["momentum"] = args.momentum
     if args.amp == "fp16":  # a step that overflowed reaches the GradScaler as NaN (State.set_scaler)
         options["nonfinite"] = "propagate"
-    if method == "threshold":
+    if method == "threshold" and args.threshold is not None:
         options["threshold"] = args.threshold
-    elif method != "dense":
+    elif method != "dense":  # threshold without --threshold: Threshold(density=...) (check_arguments)
         options["density"] = args.density
     for option in gs.METHODS[method].OPTIONS:
         value = getattr(args, option.name, None)
@@ -410,10 +422,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--method",
         default="dense,topk",
         help=f"method, or comma-separated methods trained one after the other: {', '.join(METHODS)} "
-        "(dense: plain DDP; powersgd, fp16: torch's built-in hooks)",
+        "(dense: an all-reduce of every gradient, through gradsparse's Dense state, the baseline; powersgd, fp16: "
+        "torch's built-in hooks)",
     )
     g.add_argument("--density", type=float, default=0.01, help="fraction of each bucket sent")
-    g.add_argument("--threshold", type=float, default=1e-3, help="threshold: magnitude threshold")
+    g.add_argument(
+        "--threshold",
+        type=float,
+        default=1e-3,
+        help="threshold: magnitude threshold; with --density given and --threshold not, threshold takes that "
+        "density's threshold 1 / (2 sqrt(k)) per bucket instead",
+    )
     for name, (flag, help_text) in method_flags().items():  # default None: the method's own default
         g.add_argument("--" + name.replace("_", "-"), default=None, help=help_text, **flag)
     g.add_argument("--powersgd-rank", type=positive, default=4, help="powersgd: matrix approximation rank")
@@ -536,8 +555,11 @@ def check_arguments(
     """Refuses, on every rank and before the process group, what argparse's types let through
     (NaN, negative rates, unreadable milestones), every gradsparse method's options as its state
     checks them (otherwise a bad --density surfaced as a traceback when its method's turn came,
-    after the methods before it had trained) and --momentum-correction with a task whose
-    ``optimizer_class`` is not SGD (refused only once the data had loaded)."""
+    after the methods before it had trained), --momentum-correction and --momentum with a task
+    whose ``optimizer_class`` is not SGD (refused only once the data had loaded, or ignored), and
+    a method option that no method of --method reads (ignored without a word). Threshold given
+    --density and no --threshold takes that density: args.threshold becomes None."""
+    given = given_options(parser, args, argv)
 
     def number(flag: str, value: float | None, low: float, high: float = math.inf, low_ok: bool = True) -> None:
         bounds = None if value is None else _outside(value, low, high, low_ok)
@@ -550,13 +572,24 @@ def check_arguments(
     number("--clip", args.clip, 0.0)
     number("--lr-warmup-epochs", args.lr_warmup_epochs, 0.0)
     number("--bucket-cap-mb", args.bucket_cap_mb, 0.0, low_ok=False)
-    if args.fsdp and "bucket_cap_mb" in given_options(parser, args, argv):  # else ignored without a word
+    if args.fsdp and "bucket_cap_mb" in given:  # else ignored without a word
         parser.error(
             f"--bucket-cap-mb {args.bucket_cap_mb} sizes DDP's buckets, and --fsdp builds none: FSDP exchanges "
             "each fully_shard module's gradients at once (one residual per module); drop one of the two"
         )
     if args.momentum_correction and not issubclass(optimizer_class, torch.optim.SGD):
         parser.error(momentum_correction_refusal(optimizer_class))
+    if "momentum" in given and not issubclass(optimizer_class, torch.optim.SGD):
+        parser.error(f"--momentum is SGD's, but this task trains with {optimizer_class.__name__}; drop the flag")
+    read = set().union(*(method_options(method) for method in methods))
+    for name in sorted(given & set().union(*(method_options(method) for method in METHODS)) - read):
+        readers = [method for method in METHODS if name in method_options(method)]
+        parser.error(
+            f"--{name.replace('_', '-')} is an option of {', '.join(readers)}, and --method {args.method} trains "
+            "none of them: drop the flag, or add one of those methods"
+        )
+    if "threshold" in methods and "density" in given and "threshold" not in given:
+        args.threshold = None
     for milestone in str(args.lr_milestones).split(","):
         try:
             ok = not milestone.strip() or math.isfinite(float(milestone))
@@ -588,9 +621,12 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     if launcher == "none":
         raise SystemExit(
             "no launcher found: run under torchrun, mpirun or srun, for example "
-            "`torchrun --standalone --nproc-per-node=4 -m examples.cnn`"
+            f"`torchrun --standalone --nproc-per-node=4 -m {_module()}`"
         )
-    threads = args.threads or gs.launch.threads_per_worker(launcher)
+    try:
+        threads = args.threads or gs.launch.threads_per_worker(launcher)
+    except ValueError as e:  # a bad OMP_NUM_THREADS, say: the same on every rank, before the process group
+        raise SystemExit(str(e)) from None
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
     backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
@@ -797,9 +833,11 @@ RESUMABLE = frozenset(
 )  # fmt: skip
 
 
-def run_options(args: argparse.Namespace) -> dict:
-    """The options that shape a run's training (all but RESUMABLE), as saved in its checkpoints."""
-    return {key: value for key, value in sorted(vars(args).items()) if key not in RESUMABLE}
+def run_options(args: argparse.Namespace, method: str) -> dict:
+    """The options that shape ``method``'s training (all but RESUMABLE, and the other methods'
+    options), as saved in its checkpoints."""
+    others = set().union(*(method_options(m) for m in METHODS)) - method_options(method)
+    return {key: value for key, value in sorted(vars(args).items()) if key not in RESUMABLE | others}
 
 
 def changed_options(saved: dict, now: dict) -> list[str]:
@@ -874,7 +912,7 @@ class Run:
             "task_name": self.task.name,
             "method": self.method,
             "world_size": self.world,
-            "options": run_options(self.args),
+            "options": run_options(self.args, self.method),
             "step": self.step,
             "elapsed": self.elapsed,
             "bytes_total": self.bytes_total,
@@ -929,7 +967,7 @@ class Run:
             )
         state = torch.load(self.checkpoint_path(), map_location=device(), weights_only=False)
         problem = None
-        changed = changed_options(state.get("options", {}), run_options(self.args))
+        changed = changed_options(state.get("options", {}), run_options(self.args, self.method))
         saved_task = state.get("task_name", self.task.name)  # not recorded before 2026-12-01
         if state["world_size"] != self.world or state["method"] != self.method or saved_task != self.task.name:
             problem = (
@@ -1220,7 +1258,7 @@ def network_note(world: int, sent: dict[str, float] | None = None) -> str:
             else ""
         )
         + "To measure it, run the same job on an emulated "
-        f"cluster (root): sudo python -m benchmarks.cluster --hosts 4 -- -m {_module()} [ARGS] (docs/benchmarks.md)."
+        f"cluster (root): sudo python -m benchmarks.cluster --hosts {world} -- -m {_module()} [ARGS] (docs/benchmarks.md)."
     )
 
 
@@ -1274,7 +1312,11 @@ def main(
                 gs.METHODS[method](**gradsparse_options(method, args)).check_world_size(world)
             except ValueError as e:
                 exit_on_every_rank(f"--method {method}: {e}")
-    task = make_task(args)
+    try:
+        task, problem = make_task(args), None
+    except (FileNotFoundError, ValueError) as e:  # a dataset missing (its message says where to put it)
+        task, problem = None, str(e)
+    agree_or_exit(problem, rank, world)
     if rank == 0:
         n = sum(p.numel() for p in task.build_model().parameters())
         threads = torch.get_num_threads()
@@ -1284,6 +1326,7 @@ def main(
             flush=True,
         )
     folders = {method: os.path.join(out, method) if len(methods) > 1 else out for method in methods}
+    agree_or_exit(other_layout(out, methods), rank, world)
     ready_folders(out, list(folders.values()), args, rank, world)
     results, costs, sent = {}, {}, {}
     for method, folder in folders.items():
@@ -1324,11 +1367,43 @@ def ready_folders(out: str, folders: list[str], args: argparse.Namespace, rank: 
     only their own folders (made by rank 0 alone, they were missing on the other nodes, whose
     ranks failed at their first checkpoint, and --fresh left those nodes' checkpoints to be
     resumed). Where any rank cannot, every rank stops, and rank 0 prints each distinct reason."""
-    problem = prepare_folders(out, folders) or clear_checkpoints(folders, args)
+    agree_or_exit(prepare_folders(out, folders) or clear_checkpoints(folders, args), rank, world)
+
+
+def agree_or_exit(problem: str | None, rank: int, world: int) -> None:
+    """Every rank tells the others its ``problem`` (None: none); where any rank has one, every rank
+    stops, and rank 0 prints each distinct one (a rank stopping alone left the others waiting in
+    their next collective)."""
     problems: list[str | None] = [None] * world
     dist.all_gather_object(problems, problem)
     if any(problems):
         exit_on_every_rank("\n".join(dict.fromkeys(p for p in problems if p)) if rank == 0 else None)
+
+
+def holds_run(folder: str) -> bool:
+    """Whether a run wrote into ``folder`` (its epochs.csv, or checkpoints)."""
+    return any(glob.glob(os.path.join(glob.escape(folder), name)) for name in ("epochs.csv", "checkpoint-rank*.pt"))
+
+
+def other_layout(out: str, methods: list[str]) -> str | None:
+    """Refuses (the message, else None) an --out laid out for another number of methods: a job of
+    one method writes into --out itself, a job of several into <out>/<method>. Mixed in one
+    folder, the one-method run would start afresh beside the folder of its method's earlier run
+    instead of resuming it, and examples.plot, reading --out as one run, would leave the others out."""
+    if len(methods) == 1:
+        nested = [m for m in METHODS if holds_run(os.path.join(out, m))]
+        if nested:
+            return (
+                f"--out {out} holds the run folders of a job of several methods ({', '.join(nested)}), and a job of "
+                f"one method writes into --out itself; give --out {os.path.join(out, methods[0])} (it resumes that "
+                "folder's run), or another --out"
+            )
+    elif holds_run(out):
+        return (
+            f"--out {out} holds the run of a job of one method, and a job of several writes one folder per method "
+            "into it; give another --out"
+        )
+    return None
 
 
 def prepare_folders(out: str, folders: list[str]) -> str | None:

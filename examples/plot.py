@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--title", default=None)
     parser.add_argument("--table", action="store_true", help="also print a Markdown table of the last epochs")
     args = parser.parse_args(argv)
+    if os.path.splitext(args.out)[1].lower() != ".png":  # else savefig picks the format from the name, or fails
+        parser.error(f"--out {args.out}: the plot is a PNG; give a file name ending in .png")
     folder = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(folder):  # else savefig's FileNotFoundError, once everything is drawn
         parser.error(f"--out {args.out}: the folder {folder} does not exist; create it or write the PNG elsewhere")

@@ -21,6 +21,7 @@ import torch
 import transformers
 
 import gradsparse as gs
+from examples.driver import bounded, count, positive
 from examples.lstm import data
 
 
@@ -40,12 +41,13 @@ def state_of(method: str, density: float, warmup_steps: int) -> gs.State:
 def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m examples.gpt", description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", default="dense,topk", help=f"comma-separated, of {', '.join(gs.METHODS)}")
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--max-steps", type=int, default=200)
-    parser.add_argument("--batch-size", type=int, default=16, help="contexts per rank and step")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket size (its default: 25)")
-    parser.add_argument("--sparse-warmup-steps", type=int, default=None,
+    parser.add_argument("--density", type=float, default=0.01, help="checked by each method, as it takes it")
+    parser.add_argument("--max-steps", type=positive, default=200)
+    parser.add_argument("--batch-size", type=positive, default=16, help="contexts per rank and step")
+    parser.add_argument("--lr", type=bounded(0, low_ok=False, example="1e-3"), default=1e-3)
+    parser.add_argument("--bucket-cap-mb", type=bounded(0, low_ok=False, example="25"), default=None,
+                        help="DDP's bucket size (its default: 25)")  # fmt: skip
+    parser.add_argument("--sparse-warmup-steps", type=count, default=None,
                         help="dense steps before sparsification (default: the learning rate's warm-up, a tenth)")  # fmt: skip
     parser.add_argument("--data-dir", default=None, help="where the corpus is cached (default ~/.cache/gradsparse)")
     parser.add_argument("--out", default="runs/gpt", help="the Trainer's output folder, one per method")
@@ -56,6 +58,14 @@ def main(argv: list[str]) -> list[dict]:
     unknown = [m for m in methods if m not in gs.METHODS]
     if not methods or unknown:
         parser.error(f"--method {args.method!r}: choose one or more of {', '.join(gs.METHODS)}")
+    twice = sorted({m for m in methods if methods.count(m) > 1})
+    if twice:  # one output folder per method
+        parser.error(f"--method: {', '.join(twice)} given twice; each method trains once, in <out>/<method>")
+    for method in methods:  # refused before any method trains, not at its turn
+        try:
+            state_of(method, args.density, warmup).close()
+        except (TypeError, ValueError) as e:
+            parser.error(f"--method {method}: {e}")
     corpus = data.load("kjv", args.data_dir, min_count=3)
     train, valid = blocks(corpus.train, 64), blocks(corpus.valid, 64)[:256]
     config = transformers.GPT2Config(vocab_size=len(corpus.vocab), n_positions=64, n_embd=128, n_layer=2, n_head=4)

@@ -90,3 +90,15 @@ def test_runs_of_the_same_name_from_two_jobs_are_told_apart_by_their_folders(tmp
     plot.main([str(tmp_path / "job1"), str(tmp_path / "other"), "--out", str(tmp_path / "cmp.png"), "--table"])
     assert [line.get_label() for line in saved[-1].axes[0].get_lines()] == ["dense", "topk", "micro"]
     assert "| micro | 1 | 0.3 | 2.2000 | 5.0 | 0.00 | 2.00% | 2.50x |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["cmp", "cmp.txt"])
+def test_an_out_that_is_no_png_is_refused_before_drawing(tmp_path, capsys, name):
+    """--out cmp wrote cmp.png and said it wrote cmp; --out cmp.txt ended in matplotlib's
+    "Format 'txt' is not supported" once every run had been drawn."""
+    write_run(tmp_path / "dense", "1,10,2.0,0.5,1,100,100,1.0,1.0")
+    with pytest.raises(SystemExit) as info:
+        plot.main([str(tmp_path / "dense"), "--out", str(tmp_path / name)])
+    assert info.value.code == 2
+    assert "the plot is a PNG; give a file name ending in .png" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["dense"]

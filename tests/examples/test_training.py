@@ -325,6 +325,24 @@ def test_the_trainer_example_trains_dense_and_topk_and_reports_both(tmp_path):
     assert 0 < rows["topk"][1] < 0.05 * rows["dense"][1], rows
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # a traceback once dense had trained in full, at Top-k's turn
+        (["--method", "dense,topk", "--density", "0"], "--method topk: TopK: density must be in (0, 1], got 0.0"),
+        (["--max-steps", "-1"], "argument --max-steps: -1 is not positive"),  # transformers' warmup_steps = -1
+        (["--batch-size", "0"], "argument --batch-size: 0 is not positive"),  # a DataLoader's traceback
+        (["--max-steps", "0"], "argument --max-steps: 0 is not positive"),  # a step at learning rate 0
+        (["--method", "topk,topk"], "--method: topk given twice"),  # one output folder, written twice
+    ],
+)
+def test_the_trainer_examples_bad_flags_are_refused_before_its_data_loads(argv, message, capsys, monkeypatch):
+    from examples.gpt import __main__ as gpt
+
+    monkeypatch.setattr(gpt.data, "load", never("the corpus was loaded"))
+    assert_refused(gpt.main, argv, message, capsys)
+
+
 def test_powersgd_gets_one_bucket_off_nccl():
     """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
     buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),
@@ -480,6 +498,10 @@ def _assert_refused_before_the_process_group(module, argv: list[str], message: s
         (["--fsdp", "--bucket-cap-mb", "5"], "--bucket-cap-mb 5.0 sizes DDP's buckets, and --fsdp builds none"),
         # it overflowed the data order's 64-bit arithmetic mid-run
         (["--seed", "200000000000000"], "argument --seed: 200000000000000 is outside 0 to 4294967295"),
+        # an option of no method of the job: the run trained without it, without a word
+        (["--method", "topk", "--fit", "gpareto"], "--fit is an option of sidco, and --method topk trains none of"),
+        (["--method", "dense,fp16", "--density", "0.02"], "--density is an option of topk, threshold, randomk"),
+        (["--method", "dense,topk", "--threshold", "0.1"], "--threshold is an option of threshold, and --method"),
     ],
 )
 def test_bad_flags_are_refused_before_the_process_group(argv, message, capsys):
@@ -530,18 +552,83 @@ def test_bad_task_flags_are_refused_before_the_process_group(task, argv, message
     )
 
 
-def test_momentum_correction_is_refused_for_a_task_without_sgd_before_its_data_loads(capsys, monkeypatch):
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("--momentum-correction", "--momentum-correction moves SGD's momentum into the method, but this task trains"),
+        ("--momentum=0.5", "--momentum is SGD's, but this task trains with Adam; drop the flag"),  # was ignored
+    ],
+)
+def test_momentum_flags_are_refused_for_a_task_without_sgd_before_its_data_loads(capsys, monkeypatch, flag, message):
     """NCF trains with Adam: --momentum-correction was refused once every rank had joined the
-    process group and loaded the ratings (minutes for MovieLens-20M). The task's optimizer_class
-    names its optimizer: argparse refuses the flag before either, on every rank."""
+    process group and loaded the ratings (minutes for MovieLens-20M), and --momentum was recorded
+    in the run's config and ignored. The task's optimizer_class names its optimizer: argparse
+    refuses both before either, on every rank."""
     from examples.ncf import __main__ as ncf
 
     monkeypatch.setattr(ncf.Recommendation, "__init__", never("the data was loaded"))
     monkeypatch.setattr(driver, "init_distributed", never("the process group was joined"))
-    message = (
-        "--momentum-correction moves SGD's momentum into the method, but this task trains with Adam; drop the flag"
-    )
-    assert_refused(ncf.main, ["--momentum-correction"], message, capsys)
+    assert_refused(ncf.main, [flag], message, capsys)
+
+
+def _checked_cnn_args(argv: list[str]) -> argparse.Namespace:
+    """The CNN's arguments as the driver reads and checks them."""
+    parser = argparse.ArgumentParser()
+    driver.add_arguments(parser)
+    args = parser.parse_args(argv)
+    driver.check_arguments(parser, args, args.method.split(","), argv)
+    return args
+
+
+def test_threshold_takes_the_density_where_only_the_density_is_given():
+    """--method threshold --density 0.05 trained at the fixed threshold 1e-3 (82% of the LSTM's
+    gradients), the density ignored: Threshold(density=...) was out of the driver's reach."""
+
+    def chosen(argv: list[str]) -> dict:
+        options = driver.gradsparse_options("threshold", _checked_cnn_args(argv))
+        gs.Threshold(**options)  # exactly one of the two
+        return {k: options[k] for k in ("threshold", "density") if k in options}
+
+    assert chosen(["--method", "dense,threshold", "--density", "0.05"]) == {"density": 0.05}
+    assert chosen(["--method", "threshold", "--threshold", "0.01", "--density", "0.05"]) == {"threshold": 0.01}
+    assert chosen(["--method", "threshold"]) == {"threshold": 1e-3}
+
+
+def test_a_resume_compares_only_the_options_its_method_takes():
+    """Resuming dense with --exchange gather or another --density (options of the job's other
+    methods) was refused for options dense never read; a change of an option the method takes
+    still is."""
+    saved = _checked_cnn_args(["--method", "dense,topk"])
+    now = _checked_cnn_args(["--method", "dense,micro", "--exchange", "gather", "--density", "0.02"])
+    assert driver.changed_options(driver.run_options(saved, "dense"), driver.run_options(now, "dense")) == []
+    changed = driver.changed_options(driver.run_options(saved, "topk"), driver.run_options(now, "topk"))
+    assert changed == ["--density 0.01 in the checkpoint, 0.02 now", "--exchange None in the checkpoint, 'gather' now"]
+
+
+def test_an_out_laid_out_for_another_number_of_methods_is_refused(tmp_path):
+    """A job of one method writes into --out itself, one of several into <out>/<method>: a Top-k
+    job given the folder of a dense,topk job started Top-k afresh beside its earlier run (not
+    resuming it), and examples.plot then read the folder as that one run."""
+    (tmp_path / "job" / "topk").mkdir(parents=True)
+    (tmp_path / "job" / "topk" / "epochs.csv").write_text("epoch\n")
+    assert driver.other_layout(str(tmp_path / "job"), ["dense", "topk"]) is None
+    said = driver.other_layout(str(tmp_path / "job"), ["topk"])
+    assert f"give --out {tmp_path / 'job' / 'topk'} (it resumes that folder's run)" in said, said
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "checkpoint-rank0.pt").write_bytes(b"")
+    assert driver.other_layout(str(tmp_path / "one"), ["topk"]) is None
+    assert "holds the run of a job of one method" in driver.other_layout(str(tmp_path / "one"), ["dense", "topk"])
+
+
+def test_a_missing_dataset_is_said_once_without_a_traceback(tmp_path):
+    """Data that is not there (CIFAR-10 cannot be downloaded here) ended every rank in a
+    traceback around the loader's message; now rank 0 says it and every rank exits."""
+    args = ["--dataset", "cifar10", "--model", "resnet20", "--data-dir", str(tmp_path / "none"), "--max-steps", "1"]
+    refused = start(torchrun("cnn"), [*args, "--no-progress", "--out", str(tmp_path / "out")])
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert said.count("cifar10: no cifar-10-batches-py or cifar-10-batches-bin folder under") == 1, said[-3000:]
+    assert "FileNotFoundError" not in said and "examples/driver.py" not in said, said[-3000:]
 
 
 def summary_table(printed: str) -> list[str]:
