@@ -45,6 +45,11 @@ class ModelBinding:
         """Whether the state knows the names it checkpoints under."""
         return self.ddp is not None or self.sharded is not None
 
+    def binds_another_module(self, model: nn.Module) -> bool:
+        """Whether the state is bound to a module other than the one inside ``model`` (the one it
+        is bound to may have been freed since)."""
+        return self.params is not None and (self.module is None or self.module() is not unwrap(model))
+
     def bind(self, model: nn.Module) -> dict[str, str]:
         """Ties the state to the DistributedDataParallel at or inside ``model`` (gradsparse.register);
         returns the names it gives the parameters that the state knew by identity, by their

@@ -5,7 +5,9 @@ No `from __future__ import annotations` here: DDP checks the hook's annotations 
 
 import inspect
 import numbers
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -207,3 +209,31 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
         state._unbind(before)
         raise
     return state
+
+
+#: By state, the GradScaler that a framework's last run handed to it (None: none): a later run
+#: without loss scaling drops that one, and keeps a scaler the user set.
+_HANDED: "weakref.WeakKeyDictionary[State, Any]" = weakref.WeakKeyDictionary()
+
+
+def register_under_scaler(
+    state: State, scaler: Any, refusal: tuple[str, str], registration: Callable[[], object]
+) -> None:
+    """For the frameworks' integrations: hands the framework's GradScaler (``scaler``; None where it
+    scales no loss) to ``state`` (State.set_scaler: its residuals follow the loss scale), then runs
+    ``registration``. Without the framework's scaler, one that the user set stays, and the one that
+    the framework's earlier run handed over goes. A state that cannot follow it (sparse, without
+    nonfinite="propagate") is refused with ``refusal``, what scales the loss and the alternative, around
+    the state's reason; a registration that raises leaves the state's scaler as it was."""
+    before = state._scaler
+    chosen = before if scaler is None and before is not _HANDED.get(state) else scaler
+    try:
+        state.set_scaler(chosen)
+    except ValueError as e:  # the scale would never come down: an overflow would not reach the scaler
+        raise ValueError(f"{refusal[0]}. {e} ({refusal[1]})") from None
+    try:
+        registration()
+    except BaseException:
+        state.set_scaler(before)
+        raise
+    _HANDED[state] = scaler

@@ -17,25 +17,21 @@ Needs ``lightning`` (``pip install gradsparse[lightning]``).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from gradsparse.checkpoint import AllRanks
 from gradsparse.config import _describe
-from gradsparse.hooks import _check_state, register
+from gradsparse.hooks import _check_state, register, register_under_scaler
 from gradsparse.metrics import logged_figures
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
 
 __all__ = ["Sparsify"]
-
-#: By state, the Trainer's GradScaler that Sparsify's last fit() handed to it (None: none): a later
-#: fit() without loss scaling drops that one, and keeps a scaler the user set.
-_HANDED: weakref.WeakKeyDictionary[State, Any] = weakref.WeakKeyDictionary()
 
 
 class Sparsify(Callback):
@@ -69,11 +65,20 @@ class Sparsify(Callback):
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint saved under the earlier keys, which named the method, loads under this one
-        (Lightning then calls load_state_dict with it, which refuses another method)."""
+        (Lightning then calls load_state_dict with it, which refuses another method). fit() from a
+        checkpoint that holds no residuals is refused: Lightning calls load_state_dict only with
+        an entry, so the run went on from zero residuals without a word."""
         callbacks = checkpoint.get("callbacks") or {}
         earlier = sorted(key for key in callbacks if key.startswith(self.state_key + "["))
         if earlier and self.state_key not in callbacks:
             callbacks[self.state_key] = callbacks.pop(earlier[0])
+        if self.state_key not in callbacks and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                "gradsparse.lightning.Sparsify: fit(ckpt_path=...) resumes from a checkpoint that holds no residuals "
+                f"(no {self.state_key!r} among its callbacks' states): it was written by a Trainer without Sparsify. "
+                "Resume from a checkpoint written with Sparsify, or, to sparsify from that run's weights on, load "
+                "them into the module (YourModule.load_from_checkpoint(path)) and fit without ckpt_path"
+            )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         ddp = find_ddp(trainer.strategy.model)
@@ -97,23 +102,15 @@ class Sparsify(Callback):
                 "gradients, and gradsparse sparsifies float32, float16 and bfloat16 ones only: use "
                 "Trainer(precision='32-true') (or 'bf16-mixed', 'bf16-true')"
             )
-        trainers = getattr(trainer.precision_plugin, "scaler", None)  # precision="16-mixed" on CUDA
-        before = self.state._scaler
-        # Without the Trainer's, a scaler the user set stays; the one an earlier fit() handed over goes.
-        scaler = before if trainers is None and before is not _HANDED.get(self.state) else trainers
-        try:
-            self.state.set_scaler(scaler)  # residuals follow the loss scale
-        except ValueError as e:  # a sparse state without nonfinite="propagate": the scale would never come down
-            raise ValueError(
-                f"gradsparse.lightning.Sparsify: the Trainer's precision {precision!r} scales the loss with a "
-                f"GradScaler. {e} (or train with precision='bf16-mixed', which needs no loss scaling)"
-            ) from None
-        try:
-            register(ddp, self.state)  # a second fit() wraps the module in a new DDP: the state moves to it
-        except BaseException:
-            self.state.set_scaler(before)  # a registration that fails leaves the state as it was
-            raise
-        _HANDED[self.state] = trainers
+        register_under_scaler(
+            self.state,
+            getattr(trainer.precision_plugin, "scaler", None),  # precision="16-mixed" on CUDA
+            (
+                f"gradsparse.lightning.Sparsify: the Trainer's precision {precision!r} scales the loss with a GradScaler",
+                "or train with precision='bf16-mixed', which needs no loss scaling",
+            ),
+            lambda: register(ddp, self.state),  # a second fit() wraps the module in a new DDP: the state moves to it
+        )
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -29,7 +29,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from gradsparse.checkpoint import AllRanks
-from gradsparse.hooks import _check_state, register
+from gradsparse.hooks import _check_state, register, register_under_scaler
 from gradsparse.metrics import logged_figures
 from gradsparse.state import State
 from gradsparse.wrappers import find_ddp
@@ -44,6 +44,13 @@ def sparsify(trainer: Trainer, state: State) -> State:
     """Makes ``trainer`` reduce its gradients with ``state``'s method and keep every rank's
     residuals in its checkpoints. Call it on every rank, before ``trainer.train()``. Returns the
     state.
+
+    Under float16 loss scaling (``TrainingArguments(fp16=True)`` on CUDA) the state follows the
+    Trainer's GradScaler (``State.set_scaler``), and must then be made with
+    ``nonfinite="propagate"``. A Trainer made with ``model_init`` (as ``hyperparameter_search``
+    uses) builds a new model at every ``train()``: each such model gets a new state of the same
+    method and options (the residuals of another model mean nothing to it), and the state
+    returned here is the first one's; the callback's ``state`` is the current one.
 
     Example::
 
@@ -83,7 +90,7 @@ def sparsify(trainer: Trainer, state: State) -> State:
     @functools.wraps(log)
     def log_with_figures(logs, *args, **kwargs):
         if not callback.evaluating:
-            logs = {**logs, **logged_figures(state.stats(reset=True)["total"], "gradsparse/")}
+            logs = {**logs, **logged_figures(callback.state.stats(reset=True)["total"], "gradsparse/")}
         return log(logs, *args, **kwargs)
 
     @functools.wraps(evaluate)
@@ -119,8 +126,22 @@ class _Sparsify(TrainerCallback):
                 "(torchrun --nproc-per-node=N train.py; on CPUs with TrainingArguments(use_cpu=True)). Under FSDP, "
                 "use gradsparse.fsdp.sparsify in a training loop of your own; DeepSpeed is not supported"
             )
-        if ddp is not self.state._binding.model():  # a later train() may wrap the model anew
-            register(model, self.state)
+        if self.trainer.model_init is not None and self.state._binding.binds_another_module(ddp):
+            # a new model from model_init (hyperparameter_search: every trial): a new state for it
+            self.state.close()
+            self.state = type(self.state)(**self.state.config(), process_group=self.state._group_option)
+            self.saver = None
+        register_under_scaler(
+            self.state,
+            getattr(self.trainer.accelerator, "scaler", None),  # TrainingArguments(fp16=True) on CUDA
+            (
+                "gradsparse.transformers.sparsify: the Trainer scales the loss with a GradScaler "
+                "(TrainingArguments(fp16=True))",
+                "or train with bf16=True, which needs no loss scaling",
+            ),
+            # a later train() may wrap the model anew
+            lambda: register(model, self.state) if ddp is not self.state._binding.model() else None,
+        )
         if self.resume_from is not None:
             path = os.path.join(self.resume_from, CHECKPOINT_FILE)
             if not os.path.isfile(path):

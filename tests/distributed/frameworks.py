@@ -123,6 +123,21 @@ def lightning_resume(rank: int, world_size: int, folder: str) -> dict:
         )
     except ValueError as e:
         out["other_method"] = str(e)
+
+    # A checkpoint written without Sparsify: fit() from it is refused (it went on from zero
+    # residuals without a word); validate() from it, which restores no training, is not.
+    plain = _trainer(f"{folder}/plain", 1, [])
+    plain.fit(Classifier(seed=0))
+    plain.save_checkpoint(f"{folder}/plain.ckpt")
+    sparsify = gs.lightning.Sparsify(gs.ExDyna(density=0.05))
+    try:
+        _trainer(f"{folder}/from_plain", 2, [sparsify]).fit(Classifier(seed=0), ckpt_path=f"{folder}/plain.ckpt")
+    except ValueError as e:
+        out["without_residuals"] = str(e)
+    validated = Classifier(seed=0)
+    validated.validation_step = lambda batch, batch_idx: None
+    validated.val_dataloader = validated.train_dataloader
+    _trainer(f"{folder}/validated", 1, [sparsify]).validate(validated, ckpt_path=f"{folder}/plain.ckpt")
     return out
 
 
@@ -557,4 +572,50 @@ def transformers_each_node(rank: int, world_size: int, folder: str) -> dict:
         trainer.train(resume_from_checkpoint=resume)
         out[name] = params_of(trainer.model)
     out["files"] = sorted(os.listdir(f"{folder}/node{rank}/checkpoint-4"))
+    return out
+
+
+def transformers_loss_scaling(rank: int, world_size: int, folder: str) -> dict:
+    """6 steps of TopK under the Trainer's GradScaler (TrainingArguments(fp16=True) on CUDA, where
+    Accelerate puts it at trainer.accelerator.scaler; here a CPU one put there, whose scale doubles
+    after every step) against the same steps without one; then a state without
+    nonfinite="propagate" under it. Returns the parameters, the saved loss scales and the error."""
+    _launcher_environment(rank, world_size)
+    out: dict = {}
+    for name in ("plain", "scaled", "raise"):
+        trainer = _hf_trainer(f"{folder}/{name}", save_strategy="no", max_grad_norm=0.0, max_steps=6)
+        state = gs.TopK(density=0.1, nonfinite="raise" if name == "raise" else "propagate")
+        gs.transformers.sparsify(trainer, state)
+        if name != "plain":
+            trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+        try:
+            trainer.train()
+        except ValueError as e:
+            out[name] = str(e)
+            continue
+        out[name] = {"params": params_of(trainer.model), "loss_scale": state.state_dict()["loss_scale"]}
+    return out
+
+
+def transformers_model_init(rank: int, world_size: int, folder: str) -> dict:
+    """A Trainer made with model_init (as hyperparameter_search makes one) trained twice: each
+    train() builds a new model from the same seed, so both end alike when each starts from zero
+    residuals. Returns both runs' parameters and the states' steps."""
+    from transformers import Trainer
+
+    _launcher_environment(rank, world_size)
+    base = _hf_trainer(f"{folder}/init", save_strategy="no", max_steps=4)
+
+    def model_init():
+        torch.manual_seed(0)
+        return LossOf(Shuffled())
+
+    trainer = Trainer(model_init=model_init, args=base.args, train_dataset=base.train_dataset)
+    first = gs.transformers.sparsify(trainer, gs.TopK(density=0.1))
+    callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, gs.transformers._Sparsify))
+    out = {}
+    for run in ("first", "second"):
+        trainer.train()
+        out[run] = params_of(trainer.model)
+    out["steps"] = (first.step, callback.state.step, callback.state is first)
     return out

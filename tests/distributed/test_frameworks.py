@@ -33,6 +33,9 @@ def test_lightning_sparsify_trains_logs_and_resumes_each_rank_exactly(tmp_path):
         _assert_equal_params(r["straight"], r["resumed"], f"rank {rank}")
         _assert_equal_params(r["straight"], r["resumed_earlier"], f"rank {rank}, a checkpoint of the earlier key")
         assert "MiCRO.load_state_dict: the state dict was saved by ExDyna(" in r.get("other_method", ""), r
+        assert "fit(ckpt_path=...) resumes from a checkpoint that holds no residuals" in r.get(
+            "without_residuals", ""
+        ), r.get("without_residuals")
     assert any(not torch.equal(a, b) for a, b in zip(results[0]["saved_residuals"].values(),
                                                      results[1]["saved_residuals"].values(), strict=True))  # fmt: skip
     # At another world size: refused naming how to reshard the callback's entry, which then resumes
@@ -167,6 +170,30 @@ def test_transformers_trainer_with_torch_compile_trains_and_checkpoints_like_eag
         for name, residual in compiled["residuals"].items():
             torch.testing.assert_close(residual, eager["residuals"][name], rtol=1e-4, atol=1e-5, msg=name)
         assert r["resumed_steps"] == 8, r
+
+
+def test_transformers_trainer_hands_its_loss_scaler_to_the_state(tmp_path):
+    """Under TrainingArguments(fp16=True) the Trainer scales the loss with a GradScaler, which the
+    state never heard of: its residuals stayed in the scale of the step that left them (training
+    moved 0.01 away from the unscaled run within 6 steps), the state dict said they were in scale
+    1, and under nonfinite="raise" the first overflow stopped training. The state now follows the
+    scaler (the same parameters as without one, to the bit: the scales are powers of two), and a
+    state that cannot is refused before training, naming the fix."""
+    for rank, r in enumerate(run_distributed(frameworks.transformers_loss_scaling, 2, str(tmp_path), timeout=400)):
+        _assert_equal_params(r["plain"]["params"], r["scaled"]["params"], f"rank {rank}, under the scaler")
+        assert r["plain"]["loss_scale"] == 1.0 and r["scaled"]["loss_scale"] > 16.0, r
+        assert "the Trainer scales the loss with a GradScaler (TrainingArguments(fp16=True))" in r["raise"], r
+        assert 'create TopK with nonfinite="propagate" (or train with bf16=True' in r["raise"], r["raise"]
+
+
+def test_transformers_trainer_with_model_init_gives_each_new_model_a_new_state(tmp_path):
+    """Trainer(model_init=...) builds a new model at every train() (hyperparameter_search's trials):
+    the second train() was refused ("already registered on another model"), a fix the user could
+    not apply. Each new model now gets a new state of the same options, so the second run, from the
+    same seed, ends exactly as the first (with the first run's residuals it would not)."""
+    for rank, r in enumerate(run_distributed(frameworks.transformers_model_init, 2, str(tmp_path), timeout=400)):
+        _assert_equal_params(r["first"], r["second"], f"rank {rank}, the second train()")
+        assert r["steps"] == (4, 4, False), r["steps"]
 
 
 def test_transformers_sparsify_refuses_what_it_cannot_sparsify(tmp_path):
