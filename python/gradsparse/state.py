@@ -252,7 +252,7 @@ class State:
                 f"{owner}: a state that is set up or registered cannot be pickled or copied (torch.save(state), "
                 "copy.deepcopy): it holds its process group, its engine thread and its model. Save "
                 f"state.state_dict() and load it with load_state_dict into a new {owner} (README, Checkpoints); "
-                f"for its options alone, gradsparse.{owner}(**state.config())"
+                f"for its options alone, gradsparse.{owner}(**state.config(), process_group=state.process_group)"
             )
         return self.__dict__
 
@@ -359,7 +359,9 @@ class State:
         """The options that depend on the number of ranks (methods override it)."""
 
     def config(self) -> dict[str, Any]:
-        """The options this state was created with (method options and shared options)."""
+        """The options this state was created with: the method's and the shared ones, but for
+        ``process_group`` (a group is no option to compare or record; a copy on the same group
+        is ``type(state)(**state.config(), process_group=state.process_group)``)."""
         return {
             **self._method_config,
             "warmup_steps": self._warmup_steps,
@@ -1141,8 +1143,8 @@ class State:
         steps; a skipped step counts in no density), ``global_density`` (all ranks: selected_all / (elements * P)) and
         ``union_density`` (elements the exchanges wrote / elements; gather-and-add, which adds
         every rank's pairs without merging them, counts each pair, so there it is selected_all /
-        elements and exceeds 1 where the ranks chose the same elements); ``achieved_density``, the
-        one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
+        elements and exceeds 1 where the ranks chose the same elements); in total only,
+        ``achieved_density``, the one the method's ``density`` targets: ``union_density`` for MiCRO, ExDyna and SparDL
         (one target for all ranks together), ``density`` for the others; ``bytes_sent`` and ``bytes_received`` by this
         rank, ``dense_bytes`` (what a ring all-reduce of the same elements sends) and
         ``bytes_ratio``; ``select_seconds`` (this rank's selection, momentum correction included) and ``exchange_seconds``

@@ -592,7 +592,7 @@ def test_a_state_in_use_refuses_to_be_pickled_naming_state_dict_and_a_fresh_one_
                 TypeError,
                 match=r"TopK: a state that is set up or registered cannot be pickled or copied .* Save "
                 r"state.state_dict\(\) and load it with load_state_dict into a new TopK .* "
-                r"gradsparse.TopK\(\*\*state.config\(\)\)",
+                r"gradsparse.TopK\(\*\*state.config\(\), process_group=state.process_group\)",
             ):
                 copy_it(state)
 
