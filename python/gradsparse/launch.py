@@ -158,7 +158,12 @@ def setup_environment(environ: dict[str, str] | None = None) -> str:
     """Fills RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher's
     variables. Returns the launcher's name: "torchrun", "mpirun", "srun" or "none"."""
     env = os.environ if environ is None else environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    # RANK and WORLD_SIZE are torchrun's (or another launcher's that sets them), but for those an
+    # earlier call derived from mpirun's or srun's variables (in this process, or in the parent a
+    # child inherited them from): those stay mpirun's and srun's. torchrun started under mpirun or
+    # srun marks its workers (TORCHELASTIC_RUN_ID).
+    derived = env.get("RANK") in (env.get("OMPI_COMM_WORLD_RANK"), env.get("SLURM_PROCID"))
+    if "RANK" in env and "WORLD_SIZE" in env and ("TORCHELASTIC_RUN_ID" in env or not derived):
         launcher = "torchrun"
     elif "OMPI_COMM_WORLD_RANK" in env:
         launcher = "mpirun"

@@ -39,6 +39,23 @@ def test_mpirun_and_srun_variables_become_torchs_without_overwriting():
     assert setup_environment({}) == "none"
 
 
+def test_a_second_call_names_the_launcher_the_first_one_found():
+    """RANK and WORLD_SIZE, which the first call derived from mpirun's or srun's variables, were
+    taken for torchrun's by a second call (or in a child process that inherited them), whose
+    threads then followed torchrun's rule and dropped the user's OMP_NUM_THREADS=1. torchrun's
+    workers started under mpirun or srun stay torchrun's."""
+    mpirun = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    srun = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n1"}
+    for env, launcher in ((mpirun, "mpirun"), (srun, "srun")):
+        assert setup_environment(env) == launcher
+        child = dict(env)
+        assert setup_environment(env) == setup_environment(child) == launcher, env
+        assert threads_per_worker(launcher, {**child, "OMP_NUM_THREADS": "1"}, allowed=8, machine=8) == 1
+        torchruns = {**env, "RANK": "1", "WORLD_SIZE": "4", "TORCHELASTIC_RUN_ID": "job"}
+        assert setup_environment(torchruns) == "torchrun"
+    assert setup_environment({**mpirun, "RANK": "0", "WORLD_SIZE": "2"}) == "torchrun"  # not mpirun's rank
+
+
 @pytest.mark.parametrize(
     ("launcher", "env", "allowed", "machine", "threads"),
     [
