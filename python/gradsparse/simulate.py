@@ -288,12 +288,15 @@ def spardl(
     h: int | None = None,
     final_counts: Sequence[int] | None = None,
     value_bytes: int = 4,
+    float16: bool = False,
 ) -> list[Collective]:
     """SparDL on one rank. Team size P' = P / teams; blocks of ceil(numel / P') elements; k =
     max(1, floor(block * density)) pairs per list. ``h`` is the current top-h of the
     Spar-All-Gather (teams > 1; default the first step's floor(block * density / teams)), and
     ``final_counts[b]`` the pairs of block b's final list (default min(k, block length): every
-    list is full)."""
+    list is full). A ``float16`` bucket with error feedback (value_bytes 2; bfloat16 is not) ends
+    with one more all-gather: each rank's count of the sums it kept that float16 cannot hold
+    (docs/methods.md)."""
     if isinstance(teams, bool) or not isinstance(teams, numbers.Integral) or teams < 1 or world_size % teams:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
@@ -336,6 +339,8 @@ def spardl(
                 sum(message(b, final_counts[b]) for b in recv),
             )
         )
+    if float16:
+        steps.append(Collective("allgather", 8))
     return steps
 
 

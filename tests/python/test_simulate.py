@@ -305,6 +305,23 @@ def test_spardl_one_team(world_size):
     check(steps, lambda t, r, s: simulate.spardl(world_size, r, NUMEL, DENSITY))
 
 
+@pytest.mark.parametrize("world_size,teams", [(2, 1), (3, 1), (5, 1), (4, 2), (6, 3)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_spardl_half_precision_buckets(world_size, teams, dtype):
+    """A float16 step ends with an all-gather of each rank's count of the sums it cannot hold
+    (docs/methods.md); the model left it out, (P - 1) x 8 bytes and one collective short."""
+    grads = [[g.to(dtype) for g in ranks] for ranks in stream(world_size, 1)]
+    steps = run_steps(world_size, lambda r: core_method("spardl", density=DENSITY, teams=teams), grads)
+    float16 = dtype == torch.float16
+    check(
+        steps,
+        lambda t, r, s: simulate.spardl(
+            world_size, r, NUMEL, DENSITY, teams=teams, final_counts=s.counts[: world_size // teams],
+            value_bytes=2, float16=float16,
+        ),
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("numel,density", [(1, 0.5), (5, 1.0), (17, 1.0), (40, 0.5)])
 def test_spardl_blocks_of_unequal_lists(world_size, numel, density):
