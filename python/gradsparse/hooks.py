@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse.config import _describe
-from gradsparse.state import State, _failed
+from gradsparse.state import State, _failed, _failing_late
 
 __all__ = ["hook", "register"]
 
@@ -42,11 +42,11 @@ def hook(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Te
         >>> ddp_model.register_comm_hook(state, gradsparse.hook)
     """
     _refuse_a_parameter(bucket)
-    if not isinstance(state, State):  # as the state's own errors: a failed future, not a raise inside DDP's call
+    if not isinstance(state, State):  # as the state's own errors (_failed), not a raise inside DDP's call
         try:
             _check_state("gradsparse.hook", state)
         except TypeError as error:
-            return _failed(error)
+            return _failed(error, bucket)
     return state._reduce(bucket)
 
 
@@ -99,8 +99,9 @@ def _hook_for_ddp(user_hook: object) -> Callable:
     collective, so that every rank refuses it alike. DDP reads the hook's ``__name__`` and its
     parameter named ``bucket``: a functools.partial, a callable object or a function whose second
     parameter has another name failed there with an AttributeError or a KeyError naming nothing.
-    Every hook but gradsparse.hook is passed through a function of that form, which also turns what
-    the hook raises, or returns in place of a future, into a failed future."""
+    Every hook but gradsparse.hook is passed through a function of that form, which also raises what
+    the hook raises, returns in place of a future, or fails its future with, once DDP has ended
+    its step (state._failed)."""
     if user_hook is hook:
         return hook
     fix = (
@@ -128,22 +129,23 @@ def _hook_for_ddp(user_hook: object) -> Callable:
     name = getattr(user_hook, "__name__", type(user_hook).__name__)
 
     def adapted(state: State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        _refuse_a_parameter(bucket)  # before the failed futures below, which that mode would drop
-        # What the hook raises or returns in place of a future becomes a failed future: DDP
-        # crashed the process on a hook that returned None, and a raise inside its call leaves
-        # its reducer broken (State._failed).
+        _refuse_a_parameter(bucket)  # before the errors below, which that mode would drop
+        # What the hook raises, returns in place of a future or fails its future with is raised
+        # once DDP has ended its step: DDP crashed the process on a hook that returned None, and a
+        # raise inside its call, or a failed future, leaves its reducer broken (state._failed).
         try:
             future = user_hook(state, bucket)
         except Exception as error:
-            return _failed(error)
+            return _failed(error, bucket)
         if not isinstance(future, torch._C.Future):
             return _failed(
                 TypeError(
                     f"gradsparse.register: the hook {name} returned {_what(future)}, not a future; "
                     "return gradsparse.hook(state, bucket) from it (or a torch.futures.Future of its own)"
-                )
+                ),
+                bucket,
             )
-        return future
+        return _failing_late(future, bucket)
 
     adapted.__name__ = adapted.__qualname__ = name
     return adapted

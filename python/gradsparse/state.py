@@ -583,10 +583,9 @@ class State:
     # The step: what gradsparse.hook does with one DDP bucket, top down
 
     def _reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Never raises: an error becomes the bucket's failed future. An exception thrown inside
-        DDP's hook call would leave DDP's reducer half-way through the step, and every later step
-        would die in one of PyTorch's internal asserts; a failed future makes backward() raise the
-        error while DDP finishes the step, so the next step works once the cause is fixed."""
+        """Never raises, and never hands DDP a failed future: an error, raised here or by the
+        engine, is raised when the backward ends, after DDP has ended its step (_failed,
+        _failing_late), so the next step works once the cause is fixed."""
         # Where the bucket stands in its step (_place): a failed step ends at its last bucket, and
         # in DDP's first static-graph iteration no bucket says is_last().
         index, last = self._place(bucket.index(), bucket.is_last(), bucket.parameters())
@@ -595,14 +594,14 @@ class State:
                 self._failed_step = False
             return _done(bucket.buffer())
         try:
-            return self._reduce_bucket(bucket, index, last)
+            return _failing_late(self._reduce_bucket(bucket, index, last), bucket)
         except Exception as error:
             _release(self._deferred)  # the first step after a load: let them go
             self._deferred = []
             self._failed_step = not last
             self._scale_read_at = None  # the step is not counted: its retry reads the scale again
             self._propagated = None
-            return _failed(error)
+            return _failed(error, bucket)
 
     def _reduce_bucket(self, bucket: dist.GradBucket, index: int, last: bool) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -1628,13 +1627,52 @@ def _done(value) -> torch.futures.Future:
     return future
 
 
-def _failed(error: Exception) -> torch.futures.Future:
-    """A future that raises ``error``: what a DDP hook returns instead of raising, since an
-    exception thrown inside DDP's hook call leaves its reducer half-way through the step (every
-    later step then dies in one of PyTorch's internal asserts), while a failed future makes
-    backward() raise it once DDP has finished the step."""
+def _after_ddp(callback: Callable[[], None]) -> bool:
+    """Queues ``callback`` to run when the backward pass under way ends, after DDP has ended its
+    step: queued from a callback, it runs after every callback queued before that one ran, DDP's
+    end of step (finalize_backward) among them, which waits for every bucket's future. False
+    outside a backward (DDP's join hook calls hooks there), where nothing is queued."""
+    try:
+        _queue_callback(lambda: _queue_callback(callback))
+    except RuntimeError:
+        return False
+    return True
 
-    def fail(_: torch.futures.Future) -> torch.Tensor:
+
+def _failed(error: Exception, bucket: dist.GradBucket) -> torch.futures.Future:
+    """What a DDP hook returns for a ``bucket`` whose reduction raised ``error``: during a backward,
+    the bucket's buffer as it was, with ``error`` raised when the backward ends (_after_ddp);
+    elsewhere a future that raises it. Neither an exception thrown inside DDP's hook call nor a
+    failed future lets DDP end its step: the first left its reducer half-way (every later step
+    then died in one of PyTorch's internal asserts); at the second, DDP's end of step raises
+    before it resets its record of the parameters used, so under find_unused_parameters=True
+    every later step failed ("Expected to have finished reduction in the prior iteration")."""
+
+    def fail(_: torch.futures.Future | None = None) -> torch.Tensor:
         raise error
 
-    return _done(None).then(fail)
+    return _done(bucket.buffer()) if _after_ddp(fail) else _done(None).then(fail)
+
+
+def _failing_late(future: torch.futures.Future, bucket: dist.GradBucket) -> torch.futures.Future:
+    """``future`` as DDP is to get it (_failed): during a backward, a future that completes with
+    ``future``'s value, or where that raises, with ``bucket``'s buffer as it was, and the error
+    raised when the backward ends; elsewhere ``future`` itself."""
+    buffer = bucket.buffer()
+    errors: list[Exception] = []
+
+    def fail() -> None:
+        if errors:
+            raise errors[0]
+
+    if not _after_ddp(fail):
+        return future
+
+    def kept(done: torch.futures.Future) -> torch.Tensor:
+        try:
+            return done.value()
+        except Exception as error:  # DDP waits for this future before its end of step, and fail after it
+            errors.append(error)
+            return buffer
+
+    return future.then(kept)

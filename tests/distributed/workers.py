@@ -433,6 +433,31 @@ def nonfinite_gradient(
     return outcome, [state.stats()["total"]["skipped_steps"], finite, len(saved["velocities"])]
 
 
+def a_raised_step_under_unused_parameters(rank: int, world_size: int, hook: str) -> tuple[list[str], list]:
+    """DDP(find_unused_parameters=True) on TwoHeads (the even head at even steps) with a TopK state
+    (nonfinite="raise"), registered as it is (``hook`` "state") or under a hook of the user's that
+    raises at step 0 instead ("user"): 6 steps, rank 1's loss NaN at step 0. Returns each step's
+    outcome and the parameters."""
+    ddp = DDP(TwoHeads(), find_unused_parameters=True, bucket_cap_mb=0.001)
+    steps = []
+
+    def raising(state, bucket):
+        if not steps:
+            raise ValueError("the user's hook raised")
+        return gs.hook(state, bucket)
+
+    gs.register(ddp, gs.TopK(density=0.1, timeout=20), **({"hook": raising} if hook == "user" else {}))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for i, (x, y) in enumerate(batches(rank, 6)):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x, i % 2 == 0), y)
+        if i == 0 and rank == 1 and hook == "state":
+            loss = loss * float("nan")
+        outcome = _outcome(lambda loss=loss: (loss.backward(), opt.step()))
+        steps.append(f"{outcome[0]}: {outcome[1]}" if outcome[0] != "ok" else "ok")
+    return steps, params_of(ddp.module)
+
+
 def loss_scaled_training(rank: int, world_size: int, method: str, momentum: float) -> dict:
     """12 steps of a 2-rank DDP with a sparse state, three ways: without loss scaling
     (nonfinite="skip"); under a GradScaler whose scale starts at 16 and doubles after every good
