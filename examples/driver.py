@@ -1128,16 +1128,30 @@ class Run:
             if self.step % 10 == 0:
                 bar.set_postfix(loss=f"{loss_value:.3f}", epoch=epoch + 1)
 
+    def _evaluate(self) -> dict[str, float]:
+        """The task's figures of rank 0's model, each rank scoring its share of the test data. The
+        ranks' buffers differ after a training step (each BatchNorm's running statistics follow its
+        own rank's batches; DDP sends rank 0's at the next forward, FSDP never does), so each rank
+        scored its share with a model of its own: rank 0's are lent for the evaluation, and each
+        rank's own put back after it (training goes on from them, as it did)."""
+        buffers = list(self.model.buffers())
+        own = [b.clone() for b in buffers]
+        for b in buffers:
+            dist.broadcast(b, 0)
+        try:
+            return self.task.evaluate(self.model, self.rank, self.world)
+        finally:
+            with torch.no_grad():
+                for b, mine in zip(buffers, own, strict=True):
+                    b.copy_(mine)
+
     def _end_epoch(self, epoch: int, recorder: Recorder, partial: bool = False) -> dict:
         """Evaluates and records the epoch; ``partial``: a stop inside the epoch, whose tally
         continues when the run resumes (its row's epoch is fractional)."""
         t = self.epoch_tally
         mean_loss = torch.tensor([t["loss"], t["steps"]], dtype=torch.float64)
         dist.all_reduce(mean_loss)
-        if self.args.synthetic_data:
-            metrics = dict.fromkeys(self.task.metric_fields, math.nan)
-        else:
-            metrics = self.task.evaluate(self.model, self.rank, self.world)
+        metrics = dict.fromkeys(self.task.metric_fields, math.nan) if self.args.synthetic_data else self._evaluate()
         self.model.train()
         row = {
             "epoch": round(self.step / self.steps_per_epoch, 4) if partial else epoch + 1,

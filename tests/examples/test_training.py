@@ -620,6 +620,28 @@ def test_an_out_laid_out_for_another_number_of_methods_is_refused(tmp_path):
     assert "holds the run of a job of one method" in driver.other_layout(str(tmp_path / "one"), ["dense", "topk"])
 
 
+def test_the_reported_accuracy_is_rank_0s_model_when_batchnorm_statistics_differ_by_rank(tmp_path):
+    """After a step each rank's BatchNorm holds running statistics of its own batches (DDP sends
+    rank 0's at the next forward), and each rank scored its share of the test images with its own:
+    the reported accuracy was a mix of two models, neither of them the one saved. It is now rank
+    0's model's, the saved one, scored here on one process (rank 1 scores images 1000 to 1999)."""
+    from examples.cnn import data, models
+
+    args = ["--model", "resnet20", "--method", "dense", "--epochs", "1", "--max-steps", "10", "--test-samples", "2000"]
+    launch(torchrun("cnn"), [*args, "--batch-size", "16", "--no-progress", "--out", str(tmp_path)])
+    _, _, x_test, y_test = data.fashion_mnist(None)
+    right = []  # per rank's saved model: whether it classifies each of the 2000 images right
+    for rank in (0, 1):
+        model = models.build("resnet20", 1, 10, 28)
+        saved = torch.load(tmp_path / f"checkpoint-rank{rank}.pt", weights_only=False)["model"]
+        model.load_state_dict({k.removeprefix("module."): v for k, v in saved.items()})
+        with torch.no_grad():
+            right.append(model.eval()(x_test[:2000]).argmax(1) == y_test[:2000])
+    assert int(right[0][1000:].sum()) != int(right[1][1000:].sum())  # the ranks' models score apart
+    (row,) = read_csv(tmp_path / "epochs.csv")
+    assert float(row["accuracy"]) == int(right[0].sum()) / 2000, (row["accuracy"], int(right[0].sum()))
+
+
 def test_a_missing_dataset_is_said_once_without_a_traceback(tmp_path):
     """Data that is not there (CIFAR-10 cannot be downloaded here) ended every rank in a
     traceback around the loader's message; now rank 0 says it and every rank exits."""
