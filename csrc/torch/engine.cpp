@@ -94,6 +94,10 @@ Engine::Engine(c10::intrusive_ptr<c10d::ProcessGroup> group, std::chrono::millis
     : Engine(std::make_unique<ProcessGroupTransport>(std::move(group), timeout)) {}
 
 Engine::~Engine() {
+  if (forked()) {
+    abandon();
+    return;
+  }
   if (thread_.joinable() && thread_.get_id() == std::this_thread::get_id()) {
     {
       std::lock_guard<std::mutex> lock(shared_->mu);
@@ -103,13 +107,25 @@ Engine::~Engine() {
     thread_.detach();  // we are that thread: it ends after the current job, owning `shared`
     return;
   }
-  shutdown();
+  try {
+    shutdown();
+  } catch (...) {  // a destructor throws nothing (std::terminate)
+  }
+}
+
+void Engine::abandon() {
+  if (thread_.joinable()) new std::thread(std::move(thread_));   // NOLINT: left behind on purpose
+  if (shared_) new std::shared_ptr<Shared>(std::move(shared_));  // NOLINT: its mutexes may be held
 }
 
 int Engine::rank() const { return shared_->rank; }
 int Engine::size() const { return shared_->size; }
 
 void Engine::shutdown() {
+  if (forked()) {
+    abandon();
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(shared_->mu);
     shared_->stopping = true;
@@ -126,6 +142,9 @@ c10::intrusive_ptr<c10::ivalue::Future> Engine::submit(at::Tensor grad, std::opt
                                                        std::optional<at::Tensor> velocity,
                                                        std::shared_ptr<Method> method, ReduceOptions options,
                                                        std::shared_ptr<ReduceReport> report) {
+  TORCH_CHECK(!forked() && shared_,
+              "gradsparse: this state's engine runs in the process that set the state up, and this process was "
+              "forked from it; create the state in this process, after the fork");
   core_dtype(grad, "bucket");
   check_flat(grad, "bucket");
   std::vector<at::Tensor> state;

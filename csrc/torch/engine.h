@@ -13,6 +13,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <unistd.h>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -66,7 +67,8 @@ class Engine {
                                                  ReduceOptions options, std::shared_ptr<ReduceReport> report);
 
   /// Finishes queued jobs and joins the thread. Idempotent, also from several threads at once
-  /// (each returns once the thread has ended); also called by the destructor.
+  /// (each returns once the thread has ended); also called by the destructor. In a process forked
+  /// from the one that made the engine it touches nothing of it (abandon()).
   void shutdown();
 
   int rank() const;
@@ -78,6 +80,13 @@ class Engine {
   std::thread thread_;
   std::thread::id thread_id_;  // the engine thread's, read without touching thread_ (which a join rewrites)
   std::mutex join_mu_;         // one join at a time: shutdown() from several threads at once (a second join hung)
+  pid_t owner_ = ::getpid();   // the process the thread runs in
+
+  bool forked() const { return ::getpid() != owner_; }
+  /// In a forked process the engine thread is not there (fork copies the calling thread only) and
+  /// a mutex it held stays held: its handles are left behind, never joined nor destroyed (joining
+  /// crashed the child, or ended it in std::terminate).
+  void abandon();
 };
 
 }  // namespace gradsparse::torch_adapter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import asdict, dataclass, fields
 
 
@@ -89,23 +90,38 @@ class Metrics:
     """All buckets' statistics of one state, each bucket's kept by the names of its parameters (a
     frozenset), as its method state is: DDP's buckets change (its first step reduces in another
     layout than the steps after it, and a run resumed with another ``bucket_cap_mb`` has other
-    buckets), and by index a bucket's counters took in those of whichever bucket had its index."""
+    buckets), and by index a bucket's counters took in those of whichever bucket had its index.
+    The engine thread records while the training thread (or a monitor's) reads: one lock keeps
+    each from seeing the other half-way (a read met "dictionary changed size during iteration")."""
 
     def __init__(self) -> None:
         self.buckets: dict[frozenset[str], BucketStats] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:  # a state not set up yet is pickled (mp.spawn's arguments); a lock is not
+        return {"buckets": self.buckets}
+
+    def __setstate__(self, state: dict) -> None:
+        self.buckets, self._lock = state["buckets"], threading.Lock()
 
     def record(self, bucket: frozenset[str], report, world_size: int, element_size: int) -> None:
-        self.buckets.setdefault(bucket, BucketStats()).record(report, world_size, element_size)
+        with self._lock:
+            self.buckets.setdefault(bucket, BucketStats()).record(report, world_size, element_size)
 
     def withdraw(self, bucket: frozenset[str], report) -> None:
-        if bucket in self.buckets:  # else reset since it was recorded
-            self.buckets[bucket].withdraw(report)
+        with self._lock:
+            if bucket in self.buckets:  # else reset since it was recorded
+                self.buckets[bucket].withdraw(report)
 
     def summary(self, world_size: int, layout: dict[int, frozenset[str]], global_target: bool = False) -> dict:
         """The buckets of ``layout`` (index -> its parameters' names: DDP's buckets now) by index,
         and the total of every bucket counted, those of earlier layouts too. ``global_target``: the
         method's density counts all ranks' pairs (MiCRO, ExDyna, SparDL), so ``achieved_density``
         is the union's; otherwise this rank's."""
+        with self._lock:
+            return self._summary(world_size, layout, global_target)
+
+    def _summary(self, world_size: int, layout: dict[int, frozenset[str]], global_target: bool) -> dict:
         current = {i: self.buckets[names] for i, names in sorted(layout.items()) if names in self.buckets}
         total = BucketStats()
         for stats in self.buckets.values():
@@ -125,20 +141,25 @@ class Metrics:
         return {"total": out, "buckets": {i: b.summary(world_size) for i, b in current.items()}}
 
     def reset(self) -> None:
-        self.buckets.clear()
+        with self._lock:
+            self.buckets.clear()
 
     def rename(self, renamed: dict[str, str]) -> None:
         """Keeps each bucket's statistics under its parameters' names as ``renamed`` maps them."""
-        self.buckets = {frozenset(renamed.get(n, n) for n in names): b for names, b in self.buckets.items()}
+        with self._lock:
+            self.buckets = {frozenset(renamed.get(n, n) for n in names): b for names, b in self.buckets.items()}
 
     def state_dict(self) -> list[dict]:
         """Each bucket's counters with its parameters' names (sorted)."""
-        return [{"names": sorted(names), "counters": asdict(b)} for names, b in self.buckets.items()]
+        with self._lock:
+            return [{"names": sorted(names), "counters": asdict(b)} for names, b in self.buckets.items()]
 
     def load_state_dict(self, stats: list[dict]) -> None:
         """``stats`` as state_dict() gives them (gradsparse.checkpoint.saved_stats reads those of
         older state dicts so)."""
-        self.buckets = {frozenset(entry["names"]): BucketStats(**entry["counters"]) for entry in stats}
+        buckets = {frozenset(entry["names"]): BucketStats(**entry["counters"]) for entry in stats}
+        with self._lock:
+            self.buckets = buckets
 
 
 #: The statistics that the framework integrations log (Lightning's Sparsify, the Hugging Face

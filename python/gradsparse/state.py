@@ -27,6 +27,7 @@ import datetime
 import inspect
 import math
 import numbers
+import os
 import re
 import sys
 import warnings
@@ -225,6 +226,7 @@ class State:
         self._refused_names: Exception | None = None  # a loaded state dict's names, refused at register before set-up
         self._before_load: dict[str, Any] | None = None  # what a load before set-up replaced (setup() may undo it)
         self._comm: dist.ProcessGroup | None = None  # the exchanges' own group (from setup): also agrees on loads
+        self._pid: int | None = None  # the process that set the state up (its engine thread runs there)
         self._deferred: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Future]] = []
         self._paused = False
         self._handed: tuple[int, set[int]] = (0, set())  # buckets and parameter ids handed over in this step
@@ -450,7 +452,7 @@ class State:
                 self._link = simulate.measure_link(comm)  # what exchange="auto" starts from
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
-        self._comm = comm
+        self._comm, self._pid = comm, os.getpid()
         self._binding.check_group(group)
         # Refused on any rank: refused on every rank, and the state stays set up without it (a load
         # put in place before set-up, after init_process_group, is undone).
@@ -803,6 +805,13 @@ class State:
     ) -> torch.futures.Future[torch.Tensor]:
         """Hands the bucket to the engine (selection and exchange run there, C++); the future's
         callback records the statistics and yields the reduced bucket."""
+        if self._forked():
+            raise RuntimeError(
+                f"gradsparse: this {type(self).__name__} state was set up in process {self._pid}, and this process "
+                f"({os.getpid()}) was forked from it: its engine thread and process group stay in that process. Create "
+                "the state (and its DDP model) in this process, after the fork, or start the workers with torchrun "
+                "or torch.multiprocessing's spawn"
+            )
         self._follow_scale()
         if self._overflowed_at == self._step:
             buffer.fill_(math.nan)
@@ -1325,6 +1334,8 @@ class State:
         if self._world_size == 1:
             self._refuse_where_refused(refusal, [])
             return
+        if self._comm is None:
+            raise RuntimeError(f"{owner}: this state was closed (state.close()); create a new state and load into it")
         gathered: list[Any] = [None] * self._world_size
         try:
             dist.all_gather_object(gathered, (_verdict(refusal), step), group=self._comm)
@@ -1513,10 +1524,26 @@ class State:
             self._paused = paused
 
     def close(self) -> None:
-        """Stops the engine thread after the queued work (also done at interpreter exit)."""
+        """Stops the engine thread after the queued work and gives back the state's own process
+        group (also done at interpreter exit). A closed state trains no more: create a new one. In
+        a process forked from the one that set the state up, nothing of that process is touched."""
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown()  # in a forked process the C++ engine leaves the thread it does not have
+        comm, self._comm = getattr(self, "_comm", None), None
+        # Each state's group holds threads and connections of its own (three threads and five
+        # sockets on Gloo), which stayed until the job's destroy_process_group(). Not a sub-group's:
+        # torch names those by their ranks alone (use_local_synchronization), and a rank that
+        # destroyed one before another rank did named the next one differently (their set-up then
+        # never met).
+        over_world = self._process_group is dist.group.WORLD
+        if comm is not None and over_world and not self._forked() and dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):  # already destroyed
+                dist.destroy_process_group(comm)
+
+    def _forked(self) -> bool:
+        """Whether this process was forked from the one that set the state up."""
+        return getattr(self, "_pid", None) not in (None, os.getpid())
 
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self.config().items())

@@ -345,6 +345,22 @@ def test_a_step_that_raised_under_find_unused_parameters_leaves_the_next_steps_w
             assert torch.equal(mine, other) and bool(mine.isfinite().all())
 
 
+def test_a_closed_state_gives_back_its_process_group():
+    """Each state runs its exchanges on a process group of its own, which close() left to the job's
+    destroy_process_group(): three threads and five sockets per state on Gloo (a Trainer with
+    model_init makes a state per train())."""
+    for first, last in run_distributed(workers.states_created_and_closed, 2, 6, timeout=120):
+        assert first == last, (first, last)
+
+
+def test_a_forked_child_closes_and_drops_a_state_without_crashing():
+    """In a process forked after a state's set-up the engine thread is not there: close() and the
+    engine's destructor joined it (a segfault, or std::terminate once the child had run threads of
+    its own). They now leave it alone (test_state: a step there says what to do)."""
+    for code, said in run_distributed(workers.a_forked_child_leaves_the_parents_engine, 2, timeout=120):
+        assert (code, said) == (0, "ok")
+
+
 @pytest.mark.parametrize("warmup_steps", [0, 4])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_nonfinite_gradient_skip_policy_skips_on_every_rank(momentum, warmup_steps):

@@ -458,6 +458,55 @@ def a_raised_step_under_unused_parameters(rank: int, world_size: int, hook: str)
     return steps, params_of(ddp.module)
 
 
+def states_created_and_closed(rank: int, world_size: int, count: int) -> list[int]:
+    """``count`` states, each registered on a DDP, trained 2 steps and closed: the process groups
+    torch.distributed holds after the first and after the last."""
+    held = []
+    for i in range(count):
+        ddp = DDP(make_model())
+        state = gs.register(ddp, gs.TopK(density=0.1))
+        train(ddp, rank, steps=2)
+        state.close()
+        if i in (0, count - 1):
+            held.append(len(dist.distributed_c10d._world.pg_map))
+    return held
+
+
+def a_forked_child_leaves_the_parents_engine(rank: int, world_size: int) -> tuple[int, str]:
+    """After a step, the process forks; the child starts threads of its own (glibc may then reuse
+    the engine thread's descriptor), lets them end, then closes the state and drops it. Returns the
+    child's exit code and what it said."""
+    import os
+    import threading
+    import time
+
+    ddp = DDP(make_model())
+    state = gs.register(ddp, gs.TopK(density=0.1))
+    train(ddp, rank, steps=1)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        said = "ok"
+        try:
+            threads = [threading.Thread(target=time.sleep, args=(0.2,)) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            state.close()
+            del state, ddp
+            gc.collect()
+        except Exception as e:
+            said = f"{type(e).__name__}: {e}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    said = os.read(read, 4096).decode()
+    state.close()
+    return os.waitstatus_to_exitcode(status), said
+
+
 def loss_scaled_training(rank: int, world_size: int, method: str, momentum: float) -> dict:
     """12 steps of a 2-rank DDP with a sparse state, three ways: without loss scaling
     (nonfinite="skip"); under a GradScaler whose scale starts at 16 and doubles after every good

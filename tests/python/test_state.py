@@ -720,6 +720,21 @@ def test_a_state_follows_its_model_into_a_new_ddp_after_a_conversion_or_a_new_la
         assert torch.equal(residual, residuals_reloaded[name]), name
 
 
+def test_a_state_used_in_a_process_forked_after_its_set_up_says_to_create_it_there():
+    """The engine thread runs in the process that set the state up: a forked child's step would
+    wait for ever on a queue nothing reads. The step raises, naming the fix (the process is taken
+    for a forked one by the pid the state recorded)."""
+    state = gs.TopK(density=0.1)
+    ddp = DDP(_model())
+    gs.register(ddp, state)
+    _train(ddp, 1)
+    state._pid = -1  # as in a child: not this process
+    with pytest.raises(RuntimeError, match=r"was set up in process -1, and this process .* was forked from it"):
+        _train(ddp, 1)
+    state._pid = None
+    state.close()
+
+
 def test_one_state_hooked_on_two_models_raises():
     state = gs.TopK(density=0.1)
     first, second = DDP(_model()), DDP(_model())
