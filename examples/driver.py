@@ -171,6 +171,10 @@ def method_options(method: str) -> set[str]:
     return {option.name for option in gs.METHODS[method].OPTIONS} - {"seed"}
 
 
+#: Every method's options (method_options), by argparse name.
+METHOD_OPTIONS = frozenset().union(*(method_options(method) for method in METHODS))
+
+
 def gradsparse_options(method: str, args: argparse.Namespace) -> dict[str, Any]:
     """The gradsparse constructor arguments a method takes from the command line."""
     options: dict[str, Any] = {
@@ -582,7 +586,7 @@ def check_arguments(
     if "momentum" in given and not issubclass(optimizer_class, torch.optim.SGD):
         parser.error(f"--momentum is SGD's, but this task trains with {optimizer_class.__name__}; drop the flag")
     read = set().union(*(method_options(method) for method in methods))
-    for name in sorted(given & set().union(*(method_options(method) for method in METHODS)) - read):
+    for name in sorted((given & METHOD_OPTIONS) - read):
         readers = [method for method in METHODS if name in method_options(method)]
         parser.error(
             f"--{name.replace('_', '-')} is an option of {', '.join(readers)}, and --method {args.method} trains "
@@ -836,7 +840,7 @@ RESUMABLE = frozenset(
 def run_options(args: argparse.Namespace, method: str) -> dict:
     """The options that shape ``method``'s training (all but RESUMABLE, and the other methods'
     options), as saved in its checkpoints."""
-    others = set().union(*(method_options(m) for m in METHODS)) - method_options(method)
+    others = METHOD_OPTIONS - method_options(method)
     return {key: value for key, value in sorted(vars(args).items()) if key not in RESUMABLE | others}
 
 
