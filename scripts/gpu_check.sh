@@ -15,7 +15,8 @@
 #            residual add and a device-to-device copy of the same bytes; every method's whole step
 #            (engine, one-rank NCCL group) against the add.
 # A stage that fails (or skips a test) fails the check; the others still run. The Markdown report
-# lands in $GPU_CHECK_OUT/report.md (default build/gpu), each stage's log beside it.
+# lands in $GPU_CHECK_OUT/report.md (default build/gpu), each stage's log beside it; it is
+# rewritten after every stage, so a check stopped part-way leaves the stages it ended.
 #
 # Variables: PYTHON and GRADSPARSE_VENV (the interpreter, as scripts/env.sh chooses it: the one
 # scripts/setup.sh installed into), GPU_CHECK_OUT, GRADSPARSE_DATA_DIR (Fashion-MNIST's folder,
@@ -54,6 +55,7 @@ stage() {  # stage NAME COMMAND...: runs COMMAND, its output in NAME.log, one li
   fi
   echo "| $name | $status | $((SECONDS - start)) s |" >> "$OUT_DIR/stages.md"
   echo "== $name: $status ($((SECONDS - start)) s)"
+  report
 }
 
 no_skips() {  # no_skips LOG: fails when the log reports a skipped test
@@ -102,18 +104,6 @@ bench() {
     --output "$OUT_DIR/select.md"
 }
 
-: > "$OUT_DIR/stages.md"
-stage cpp cpp
-stage build build
-if [ -z "$(printf '%s\n' "${failed[@]}" | grep -x build)" ]; then
-  stage pytest tests
-  stage train train
-  stage bench bench
-else
-  echo "| pytest, train, bench | not run (build failed) | |" >> "$OUT_DIR/stages.md"
-  failed+=(pytest train bench)
-fi
-
 # The git tree of the files as they are here (tracked, and untracked but not ignored), hashed into
 # a scratch index: names the contents exactly even where the checkout's .git is out of date (a
 # copy of a working tree sent to a GPU machine).
@@ -124,7 +114,8 @@ files_tree() {
   rm -f "$index"
 }
 
-{
+report() {  # the report as the stages so far left it: a check killed part-way keeps them
+  {
   echo "# gradsparse GPU check"
   echo
   echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
@@ -142,7 +133,23 @@ files_tree() {
   echo
   [ -s "$OUT_DIR/train.md" ] && cat "$OUT_DIR/train.md" && echo
   [ -s "$OUT_DIR/select.md" ] && sed 's/^# /## /' "$OUT_DIR/select.md"
-} > "$REPORT"
+  } > "$REPORT"
+}
+
+: > "$OUT_DIR/stages.md"
+rm -f "$OUT_DIR"/{ctest.txt,pytest.txt,train.md,select.md}  # an earlier check's, which the report would show
+stage cpp cpp
+stage build build
+if [ -z "$(printf '%s\n' "${failed[@]}" | grep -x build)" ]; then
+  stage pytest tests
+  stage train train
+  stage bench bench
+else
+  echo "| pytest, train, bench | not run (build failed) | |" >> "$OUT_DIR/stages.md"
+  failed+=(pytest train bench)
+  report
+fi
+
 echo "report: $REPORT"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu_check: FAILED stages: ${failed[*]} (logs in $OUT_DIR)" >&2

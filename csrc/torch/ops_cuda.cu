@@ -14,11 +14,14 @@ CudaDevice current_device(const at::Tensor& t) {
   return torch_cuda_device(c10::cuda::getCurrentCUDAStream(t.device().index()));
 }
 
-template <typename Kernel>
+// check: the op's own argument check, after the common ones, in ops_cpu.cpp's order.
+template <typename Check, typename Kernel>
 std::tuple<at::Tensor, at::Tensor> select_cuda(const char* op, const at::Tensor& grad,
-                                               const std::optional<at::Tensor>& residual, Kernel&& kernel) {
+                                               const std::optional<at::Tensor>& residual, Check&& check,
+                                               Kernel&& kernel) {
   return named_errors(op, [&] {
     check_selection_args(grad, residual);
+    check();
     const c10::cuda::CUDAGuard guard(grad.device());
     CudaDevice device = current_device(grad);
     PairTensors out(grad);
@@ -34,20 +37,20 @@ std::tuple<at::Tensor, at::Tensor> select_cuda(const char* op, const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> select_threshold_cuda(const at::Tensor& grad,
                                                          const std::optional<at::Tensor>& residual, double threshold) {
-  check_threshold(threshold);
-  return select_cuda("select_threshold", grad, residual,
-                     [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
-                       using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
-                       cuda::select<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), key_at_least<T>(threshold),
-                                                Range{0, grad.numel()}, true, sink);
-                     });
+  return select_cuda(
+      "select_threshold", grad, residual, [&] { check_threshold(threshold); },
+      [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
+        cuda::select<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), key_at_least<T>(threshold),
+                                 Range{0, grad.numel()}, true, sink);
+      });
 }
 
 std::tuple<at::Tensor, at::Tensor> select_topk_cuda(const at::Tensor& grad, const std::optional<at::Tensor>& residual,
                                                     int64_t k) {
-  check_k(k);
   return select_cuda(
-      "select_topk", grad, residual, [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
+      "select_topk", grad, residual, [&] { check_k(k); },
+      [&](CudaDevice& device, auto* r, const auto* g, const PairSink& sink) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(g)>>;
         cuda::select_topk<T, int64_t>(device, Source<T>{r, g, true}, grad.numel(), k, /*zero=*/true, sink);
       });

@@ -65,12 +65,29 @@ def test_scatter_add_rejects_an_index_out_of_range_without_writing():
     assert torch.equal(out.cpu(), torch.full((4,), 7.0))
 
 
+@pytest.mark.parametrize("op", ["threshold", "topk"])
+def test_selection_checks_its_arguments_in_the_cpu_order(op):
+    """A call wrong in two ways raises the CPU's error on CUDA too: the dtype first, then the
+    threshold or k."""
+    errors = []
+    for device in ["cpu", "cuda"]:
+        grad = torch.ones(3, dtype=torch.int32, device=device)
+        with pytest.raises(Exception) as raised:
+            gs.select_threshold(grad, None, -1.0) if op == "threshold" else gs.select_topk(grad, None, -1)
+        errors.append((type(raised.value), str(raised.value)))
+    assert errors[0][0] is TypeError and "float32" in errors[0][1]
+    assert errors[1] == errors[0]
+
+
+# Longer than pyproject's 600 s: run_distributed's own timeout (900 s) must be the one that ends them.
+@pytest.mark.timeout(1000)
 @pytest.mark.distributed
 def test_every_method_trains_on_cuda_over_gloo():
     """Two ranks share GPU 0; buckets, residuals and messages are CUDA tensors, Gloo moves them."""
     workers.assert_every_method_trains(run_distributed(workers.train_every_method, 2, 150, "cuda", timeout=900))
 
 
+@pytest.mark.timeout(1000)
 @pytest.mark.distributed
 def test_every_method_trains_on_cuda_over_nccl():
     workers.assert_every_method_trains(
