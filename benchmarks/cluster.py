@@ -2,7 +2,7 @@
 rate-limited in both directions, one worker per host started by torchrun's multi-node c10d
 rendezvous, exactly as on a real cluster.
 
-    sudo python -m benchmarks.cluster [--hosts 4] [--rate 50mbit] [--delay 0ms] -- -m examples.cnn [ARGS...]
+    sudo python -m benchmarks.cluster [--hosts 4] [--rate 50mbit] [--delay 0] -- -m examples.cnn [ARGS...]
     sudo python -m benchmarks.cluster --hosts 2 -- -m examples.cnn --method topk --max-steps 5
 
 Layout: a switch namespace holding a bridge, and per host a namespace whose eth0 (10.214.0.h/24,
@@ -22,7 +22,8 @@ the rendezvous store: `--rdzv-conf is_host=1`, since the machine's hostname reso
 the namespaces). The first host to fail ends the run. Namespaces, links and processes
 are removed on every exit path (normal end, failure, Ctrl-C, SIGTERM, a closed terminal's SIGHUP);
 namespaces left behind by a run that was killed with SIGKILL are removed by the next run, with the
-processes still running in them. Needs root, ip and tc
+processes still running in them (a namespace is named after the process that made it, its pid and
+its start time, so a pid reused since is no run's, and no namespace of another tool is touched). Needs root, ip and tc
 (iproute2).
 """
 
@@ -41,7 +42,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-PREFIX = "gsc"  # namespaces: gsc<pid>-sw, gsc<pid>-h<i>
+PREFIX = "gradsparse-cluster-"  # namespaces: <PREFIX><pid>.<start>-sw and -h<i> (process_tag)
 SUBNET = "10.214.0"
 RDZV_PORT = 29400
 MIN_BURST = 1514  # one full frame on the 1500-byte-MTU veth links (with its 14-byte Ethernet header)
@@ -97,16 +98,28 @@ def delete_namespace(namespace: str) -> str:
     return done.stderr.strip() or f"ip netns delete exited with {done.returncode}"
 
 
+def process_tag(pid: int) -> str | None:
+    """``<pid>.<start time>`` of a running process (its start in clock ticks since boot, field 22
+    of /proc/<pid>/stat), which no later process with the same pid shares; None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return f"{pid}.{fields[19]}"
+
+
 def stale_namespaces() -> list[str]:
-    """Namespaces of earlier runs whose process is gone, and those named after this process's pid
-    (a killed run's, whose pid this process reused: this one has made none yet)."""
+    """Namespaces of earlier runs whose process is gone: named after a pid and start time that no
+    running process has (a pid reused since, this process's own included, has another start).
+    Only names of this tool's exact form count: another tool's namespaces are not touched."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     stale = []
     for name in listed:
-        if not name.startswith(PREFIX) or "-" not in name:
-            continue
-        pid = name[len(PREFIX) : name.index("-")]
-        if pid.isdigit() and (int(pid) == os.getpid() or not os.path.exists(f"/proc/{pid}")):
+        tag, _, role = name.removeprefix(PREFIX).rpartition("-")
+        pid, _, start = tag.partition(".")
+        owned = name.startswith(PREFIX) and pid.isdigit() and start.isdigit()
+        if owned and (role == "sw" or (role[:1] == "h" and role[1:].isdigit())) and process_tag(int(pid)) != tag:
             stale.append(name)
     return stale
 
@@ -128,7 +141,7 @@ class Cluster:
                 f"--burst must hold one full Ethernet frame, at least {MIN_BURST} bytes (0: 2 ms at --rate), got {burst}"
             )
         self.hosts = hosts
-        self.rate = rate
+        self.rate = rate = rate.strip()  # as checked, so tc gets it as checked
         self.rate_bits = _parse_rate(rate)
         if self.rate_bits < 1:
             raise ClusterError(f"--rate must be above 0, got {rate!r}")
@@ -136,7 +149,7 @@ class Cluster:
             raise ClusterError(f"--rate must be at least 8bit (tc counts whole bytes a second), got {rate!r}")
         self.burst = burst or default_burst(self.rate_bits)
         self.delay_ms = delay_ms
-        tag = f"{PREFIX}{os.getpid()}"
+        tag = f"{PREFIX}{process_tag(os.getpid())}"
         self.switch = f"{tag}-sw"
         self.namespaces = [f"{tag}-h{i}" for i in range(hosts)]
         self.created: list[str] = []
@@ -269,7 +282,11 @@ def run(cluster: Cluster, arguments: Sequence[str], python: str = sys.executable
             if failed:
                 host, code = failed[0]
                 if code < 0:  # killed by a signal (the OOM killer's SIGKILL, say): the shell's 128 + N
-                    how, code = f"was killed by {signal.Signals(-code).name}", 128 - code
+                    try:
+                        name = signal.Signals(-code).name
+                    except ValueError:  # a real-time signal, which has no name in Python
+                        name = f"signal {-code}"
+                    how, code = f"was killed by {name}", 128 - code
                 else:
                     how = f"exited with status {code}"
                 print(f"benchmarks.cluster: host {host} {how}; stopping the others", file=sys.stderr)
@@ -281,8 +298,16 @@ def run(cluster: Cluster, arguments: Sequence[str], python: str = sys.executable
         _stop(processes)
 
 
+class Stopped(SystemExit):
+    """A stop signal arrived (SIGINT, SIGTERM, SIGHUP): the exit status is the shell's 128 + N."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal = signal.Signals(signum)
+
+
 def _raise_on_signal(signum: int, _frame: object) -> None:
-    raise SystemExit(128 + signum)
+    raise Stopped(signum)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -290,6 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", type=int, default=4, help="hosts (network namespaces), one worker each")
     parser.add_argument(
         "--rate",
+        type=str.strip,
         default="50mbit",
         help="rate of every link, each direction (tc rate; docs/benchmarks.md says why 50mbit)",
     )
@@ -358,6 +384,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClusterError as e:
         print(f"benchmarks.cluster: {e}", file=sys.stderr)
         return 1
+    except Stopped as stop:  # the last word after the hosts' torchrun tracebacks
+        print(f"benchmarks.cluster: stopped by {stop.signal.name}; the hosts' namespaces and processes are removed",
+              file=sys.stderr)  # fmt: skip
+        raise
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def cluster(*worker: str) -> subprocess.CompletedProcess:
     return benchmark("benchmarks.cluster", "--", *worker)
 
 
-def cluster_namespaces(prefix: str = "gsc") -> set[str]:
+def cluster_namespaces(prefix: str = "gradsparse-cluster-") -> set[str]:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
     return {name for name in listed if name.startswith(prefix)}
 
@@ -191,17 +191,50 @@ def test_a_burst_below_one_frame_is_refused():
     assert emulated.default_burst(10**14) == 2**32 - 1  # tc reads 32 bits
 
 
-def test_namespaces_named_after_this_pid_are_stale():
-    """A killed run's namespaces whose pid this process reuses (in a container, often always the
-    same): they counted as alive, and every later run failed on "File exists"."""
+def test_stale_namespaces_are_a_gone_runs_and_only_the_clusters():
+    """A killed run's namespaces are stale when its pid runs no more or was reused since (in a
+    container, often by the next run itself: it counted as alive, and every later run failed on
+    "File exists", or a killed run's workers went on as long as another process held its pid).
+    Another tool's namespaces are never touched: `gsc<digits>-...`, the old short form, was taken
+    for a cluster's and deleted with every process in it."""
     from benchmarks import cluster as emulated
 
-    name = f"{emulated.PREFIX}{os.getpid()}-sw"
-    subprocess.run(["ip", "netns", "add", name], check=True)
+    pid, start = emulated.process_tag(os.getpid()).split(".")
+    live = f"{emulated.PREFIX}{pid}.{start}-h0"  # this process's, as a Cluster made here names it
+    stale = [f"{emulated.PREFIX}{pid}.{int(start) + 1}-sw", f"{emulated.PREFIX}{pid}.{start}0-h1"]  # pid reused
+    foreign = ["gsc99999-mydev", f"{emulated.PREFIX}{pid}.{int(start) + 1}-mine", f"{emulated.PREFIX}notes-sw"]
+    for name in [live, *stale, *foreign]:
+        subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        assert name in emulated.stale_namespaces()
+        found = set(emulated.stale_namespaces())
+        assert set(stale) <= found and not found & {live, *foreign}, found
+        assert emulated.Cluster(2, "50mbit").switch == f"{emulated.PREFIX}{pid}.{start}-sw"
     finally:
-        subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+        for name in [live, *stale, *foreign]:
+            subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+
+
+def test_a_rate_is_given_to_tc_as_it_was_checked():
+    """--rate '100mbit ' passed the check (which strips it) and reached tc as given, which refused
+    it once the namespaces were made."""
+    from benchmarks import cluster as emulated
+
+    assert emulated.Cluster(2, " 100mbit ").rate == "100mbit"
+
+
+def test_a_host_killed_by_a_real_time_signal_is_reported_by_its_number(capsys):
+    """signal.Signals has no name for SIGRTMIN+1: the cluster ended in a ValueError traceback and
+    status 1."""
+    from benchmarks import cluster as emulated
+
+    class Hosts:  # run() needs the hosts' commands only
+        hosts = 1
+
+        def torchrun(self, *_):
+            return ["sh", "-c", f"kill -s {signal.SIGRTMIN + 1} $$"]
+
+    assert emulated.run(Hosts(), []) == 128 + signal.SIGRTMIN + 1
+    assert f"host 0 was killed by signal {signal.SIGRTMIN + 1}; stopping" in capsys.readouterr().err
 
 
 def test_a_stop_while_ip_makes_a_namespace_leaves_none(tmp_path, namespaces_left):
@@ -220,6 +253,7 @@ def test_a_stop_while_ip_makes_a_namespace_leaves_none(tmp_path, namespaces_left
         assert wait_for(added.exists, 60)
         started.send_signal(signal.SIGINT)
         assert started.wait(timeout=60) == 130, started.stderr.read()[-2000:]
+        assert "stopped by SIGINT; the hosts' namespaces and processes are removed" in started.stderr.read()
         assert namespaces_left() == []
     finally:
         started.kill()
