@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "gradsparse/cpu_device.h"
 #include "gradsparse/kernels.h"
 #include "gradsparse/parallel.h"
 #include "reference.h"
@@ -331,6 +332,37 @@ TEST(SelectArguments, RejectNegativeThresholdAndK) {
   Output<float> o;
   EXPECT_THROW((cpu::select_threshold<float, uint32_t>(nullptr, g.data(), 4, -1.0, o.sink())), ValueError);
   EXPECT_THROW((cpu::select_topk<float, uint32_t>(nullptr, g.data(), 4, -1, o.sink())), ValueError);
+}
+
+// What a C++ caller can get wrong is a ValueError, as in Python: a NaN threshold selected nothing
+// while the gradient went into the residual, an infinite divisor wrote NaN into `out`, null data
+// crashed the process, a sink without room was called gradsparse's internal error, and a negative
+// thread count was taken as the default.
+TEST(SelectArguments, RejectWhatTheKernelsCannotUse) {
+  std::vector<float> g(4, 1.0f), r(4, 0.0f), out(4, 0.0f);
+  const std::vector<int64_t> idx = {0, 1};
+  Output<float> o;
+  for (double threshold : {std::nan(""), -1.0}) {  // +infinity selects nothing (above)
+    EXPECT_THROW((cpu::select_threshold<float, uint32_t>(r.data(), g.data(), 4, threshold, o.sink())), ValueError);
+    CpuDevice device;
+    EXPECT_THROW(device.select_threshold(BucketView{DType::kFloat32, 4, g.data(), r.data()}, threshold), ValueError);
+    EXPECT_EQ(r, std::vector<float>(4, 0.0f));
+  }
+  for (float divisor : {0.0f, std::nanf(""), HUGE_VALF}) {
+    EXPECT_THROW((cpu::scatter_add<float, int64_t>(out.data(), 4, idx.data(), g.data(), 2, divisor)), ValueError);
+    EXPECT_THROW(cpu::divide<float>(out.data(), 4, divisor), ValueError);
+  }
+  EXPECT_EQ(out, std::vector<float>(4, 0.0f));
+  EXPECT_THROW((cpu::select_threshold<float, uint32_t>(r.data(), nullptr, 4, 0.5, o.sink())), ValueError);
+  EXPECT_THROW((cpu::select_topk<float, uint32_t>(r.data(), nullptr, 4, 2, o.sink())), ValueError);
+  EXPECT_THROW((cpu::scatter_add<float, int64_t>(out.data(), 4, nullptr, g.data(), 2, 1.0f)), ValueError);
+  EXPECT_THROW((cpu::scatter_add<float, int64_t>(out.data(), 4, idx.data(), nullptr, 2, 1.0f)), ValueError);
+  const PairSink no_room = [](int64_t) { return PairSpan{}; };
+  EXPECT_THROW((cpu::select_threshold<float, uint32_t>(nullptr, g.data(), 4, 0.5, no_room)), ValueError);
+  EXPECT_THROW(set_cpu_threads(-4), ValueError);
+  // Nothing to read is no error: n = 0 with null data, or a sink without room for no pairs.
+  EXPECT_EQ((cpu::select_threshold<float, uint32_t>(nullptr, nullptr, 0, 0.5, no_room).count), 0);
+  EXPECT_EQ((cpu::select_threshold<float, uint32_t>(nullptr, g.data(), 4, 2.0, no_room).count), 0);
 }
 
 }  // namespace

@@ -26,8 +26,9 @@ struct MpiTransport::Comm {};
 std::unique_ptr<MpiTransport> MpiTransport::world(int) {
   throw ValueError(
       "transport=\"mpi\" needs gradsparse built with MPI: install an MPI (for example apt-get install "
-      "libopenmpi-dev openmpi-bin) and reinstall gradsparse (pip install --no-build-isolation .); "
-      "or use the default transport, the torch.distributed process group");
+      "libopenmpi-dev openmpi-bin) and rebuild gradsparse with it (the Python package: pip install "
+      "--no-build-isolation .; the C++ core: cmake -DGRADSPARSE_MPI=ON); or use the default transport, the "
+      "torch.distributed process group");
 }
 
 MpiTransport::~MpiTransport() = default;

@@ -237,6 +237,7 @@ class Device {
   Selection select_topk(const BucketView& bucket, int64_t k, bool update = true, bool zero = true);
   /// Fused error feedback + threshold selection over the whole bucket (|v| >= threshold).
   Selection select_threshold(const BucketView& bucket, double threshold) {
+    check_threshold(threshold, "Device::select_threshold");
     return select(bucket, SelectRule{threshold, false, Range{0, -1}, true, true});
   }
   /// A message of the given pairs (indices ascending); zeroes the residual there when `zero`.

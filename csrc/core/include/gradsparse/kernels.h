@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -105,6 +106,40 @@ struct Source {
     return updated_value(residual[i], grad[i], velocity != nullptr ? velocity + i : nullptr, momentum, masking);
   }
 };
+
+/// Refuses a `src` that cannot be read for n > 0 elements: no gradient where the selection reads
+/// it (no residual, or the update fused in), or a velocity without a residual.
+template <typename T>
+void check_source(const Source<T>& src, int64_t n, const char* op) {
+  if (n == 0) return;
+  GS_CHECK(src.grad != nullptr || (src.residual != nullptr && !src.update), ValueError, op,
+           ": grad is null for n = ", n, " elements; pass the gradient's data (or a residual, without update)");
+  GS_CHECK(src.velocity == nullptr || src.residual != nullptr, ValueError, op,
+           ": a velocity (momentum) needs a residual, which is null");
+}
+
+/// Refuses a threshold that is NaN or negative (+infinity selects nothing and counts the
+/// non-finite elements).
+inline void check_threshold(double threshold, const char* op) {
+  GS_CHECK(threshold >= 0.0, ValueError, op, ": threshold must be a number >= 0, got ", threshold,
+           "; pass the magnitude to select at, for example 1e-3");
+}
+
+/// Refuses a divisor the kernels cannot divide by in float32: zero, NaN or infinite.
+inline void check_divisor(float divisor, const char* op) {
+  GS_CHECK(std::isfinite(divisor) && divisor != 0.0f, ValueError, op,
+           ": divisor must be finite and non-zero in float32, got ", divisor,
+           "; pass the number of ranks (or the scale) to divide the sums by");
+}
+
+/// sink(count), refused when it gives no room for the pairs (the caller's sink is wrong).
+inline PairSpan pairs_at(const PairSink& sink, int64_t count) {
+  const PairSpan span = sink(count);
+  GS_CHECK(count == 0 || (span.indices != nullptr && span.values != nullptr), ValueError,
+           "the PairSink returned a null ", span.indices == nullptr ? "indices" : "values", " buffer for ", count,
+           " pairs; it must return room for `count` indices and `count` values");
+  return span;
+}
 
 /// A sub-range [begin, end) of a bucket.
 struct Range {

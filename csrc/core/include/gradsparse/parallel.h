@@ -22,7 +22,7 @@ inline int64_t num_blocks(int64_t n) { return (n + kCpuBlock - 1) / kCpuBlock; }
 
 /// Threads used by the CPU kernels: GRADSPARSE_NUM_THREADS if set, else OpenMP's default.
 int cpu_threads();
-/// Overrides the thread count for this process (0 restores the default).
+/// Overrides the thread count for this process (0 restores the default; < 0 throws ValueError).
 void set_cpu_threads(int threads);
 /// The widest SIMD paths the CPU kernels take on this CPU: "avx512", "avx2" or "portable" (the
 /// CPU's instructions, narrowed by GRADSPARSE_SIMD).

@@ -41,7 +41,11 @@ int cpu_threads() {
   return fallback;
 }
 
-void set_cpu_threads(int threads) { g_threads.store(threads > 0 ? threads : 0, std::memory_order_relaxed); }
+void set_cpu_threads(int threads) {
+  GS_CHECK(threads >= 0, ValueError, "set_cpu_threads: threads must be >= 0, got ", threads,
+           "; pass the number of threads, or 0 for the default");
+  g_threads.store(threads, std::memory_order_relaxed);
+}
 
 const char* cpu_simd_paths() {
   switch (cpu::simd_paths()) {

@@ -15,6 +15,8 @@ namespace {
 template <typename I>
 void validate_indices(const I* indices, int64_t count, int64_t n, bool strictly_ascending) {
   GS_CHECK(count >= 0, ValueError, "scatter: count must be >= 0, got ", count);
+  GS_CHECK(count == 0 || indices != nullptr, ValueError, "scatter: indices is null for ", count,
+           " pairs; pass their data");
   const int64_t nblocks = num_blocks(count);
   std::vector<int64_t> first_bad(nblocks, -1);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -45,8 +47,10 @@ void validate_indices(const I* indices, int64_t count, int64_t n, bool strictly_
 template <typename T, typename I, typename O>
 void scatter_add(O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending) {
-  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  check_divisor(divisor, "scatter_add");
   validate_indices(indices, count, n, strictly_ascending);
+  GS_CHECK(count == 0 || (out != nullptr && values != nullptr), ValueError,
+           "scatter_add: ", out == nullptr ? "out" : "values", " is null for ", count, " pairs; pass their data");
   auto add = [&](int64_t i) {
     O& o = out[indices[i]];
     o = Num<O>::from_float(Num<O>::to_float(o) + Num<T>::to_float(values[i]) / divisor);
@@ -71,7 +75,7 @@ void assign(T* out, int64_t n, const I* indices, const T* values, int64_t count)
 
 template <typename T>
 void divide(T* data, int64_t n, float divisor) {
-  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
+  check_divisor(divisor, "divide");
   parallel_blocks(num_blocks(n), [&](int64_t b) {
     const int64_t begin = b * kCpuBlock, end = std::min(n, begin + kCpuBlock);
     for (int64_t i = begin; i < end; ++i) data[i] = quotient(data[i], divisor);

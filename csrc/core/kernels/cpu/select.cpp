@@ -62,8 +62,7 @@ SelectStats emit_blocks(std::vector<BlockPairs<T>>& blocks, int64_t nblocks, con
     stats.nonfinite += blocks[b].nonfinite;
   }
   stats.count = start[nblocks];
-  const PairSpan span = sink(stats.count);
-  GS_ASSERT(stats.count == 0 || (span.indices != nullptr && span.values != nullptr));
+  const PairSpan span = pairs_at(sink, stats.count);
   I* out_idx = static_cast<I*>(span.indices);
   T* out_val = static_cast<T*>(span.values);
   parallel_blocks(nblocks, [&](int64_t b) {
@@ -433,6 +432,7 @@ template <typename T, typename I>
 SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
   check_range(range, n, "select");
+  check_source(src, n, "select");
   const int64_t nblocks = num_blocks(n);
   auto& blocks = block_workspace<T>(nblocks);
   parallel_blocks(nblocks, [&](int64_t b) { select_block(src, n, b, range, key, zero, blocks[b]); });
@@ -441,7 +441,7 @@ SelectStats select(Source<T> src, int64_t n, uint32_t key, Range range, bool zer
 
 template <typename T, typename I>
 SelectStats select_threshold(T* residual, const T* grad, int64_t n, double threshold, const PairSink& sink) {
-  GS_CHECK(threshold >= 0.0, ValueError, "select_threshold: threshold must be >= 0, got ", threshold);
+  check_threshold(threshold, "select_threshold");
   return select<T, I>(Source<T>{residual, grad, true}, n, key_at_least<T>(threshold), Range{0, n}, true, sink);
 }
 
@@ -568,6 +568,7 @@ template <typename T, typename I>
 SelectStats select_topk(Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
   GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
+  check_source(src, n, "select_topk");
   k = std::min(k, n);
 #if GS_HAVE_AVX2_PATHS
   if constexpr (std::is_same_v<T, float>) {

@@ -133,7 +133,7 @@ template <typename T, typename I, typename O>
 void scatter_add(CudaDevice& device, O* out, int64_t n, const I* indices, const T* values, int64_t count, float divisor,
                  bool strictly_ascending) {
   GS_CHECK(count >= 0, ValueError, "scatter_add: count must be >= 0, got ", count);
-  GS_CHECK(divisor != 0.0f, ValueError, "scatter_add: divisor must be non-zero");
+  check_divisor(divisor, "scatter_add");
   if (count == 0) return;
   validate(device, indices, count, n, strictly_ascending);
   cudaStream_t stream = device.stream();
@@ -170,7 +170,7 @@ void zero_at(CudaDevice& device, T* residual, const I* indices, int64_t count) {
 
 template <typename T>
 void divide(CudaDevice& device, T* data, int64_t n, float divisor) {
-  GS_CHECK(divisor != 0.0f, ValueError, "divide: divisor must be non-zero");
+  check_divisor(divisor, "divide");
   if (n == 0) return;
   const int64_t blocks = (n + kThreads - 1) / kThreads;
   divide_kernel<T>

@@ -513,6 +513,7 @@ SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, R
                    const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select: n must be >= 0, got ", n);
   check_range(range, n, "select");  // as the CPU kernel (it clipped the range to the bucket)
+  check_source(src, n, "select");
   SelectStats stats;
   if (n == 0) {
     sink(0);
@@ -522,7 +523,7 @@ SelectStats select(CudaDevice& device, Source<T> src, int64_t n, uint32_t key, R
   const CountPair total = count_selected(device, tiles, src, n, key, range);
   stats.count = static_cast<int64_t>(total.selected);
   stats.nonfinite = static_cast<int64_t>(total.other);
-  const PairSpan span = sink(stats.count);
+  const PairSpan span = pairs_at(sink, stats.count);
   if (stats.count > 0) tiles.write(device, src, zero, static_cast<I*>(span.indices), static_cast<T*>(span.values));
   return stats;  // no wait: the scratch goes back to the stream-ordered allocator behind pass 2
 }
@@ -552,6 +553,7 @@ template <typename T, typename I>
 SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k, bool zero, const PairSink& sink) {
   GS_CHECK(n >= 0, ValueError, "select_topk: n must be >= 0, got ", n);
   GS_CHECK(k >= 0, ValueError, "select_topk: k must be >= 0, got ", k);
+  check_source(src, n, "select_topk");
   k = k < n ? k : n;
   SelectStats stats;
   if (n == 0) {
@@ -591,7 +593,7 @@ SelectStats select_topk(CudaDevice& device, Source<T> src, int64_t n, int64_t k,
       check_launch();
     }
   }
-  const PairSpan span = sink(k);
+  const PairSpan span = pairs_at(sink, k);
   if (k > 0) {
     unsigned int* tie_mask = tiles.carving.at<unsigned int>(ties_at);
     with_run_length(read, [&](auto w) {
