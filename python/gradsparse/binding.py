@@ -12,6 +12,7 @@ parameters' names.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -196,6 +197,29 @@ def placeholder(param_id: int) -> str:
 
 def group_ranks(group: dist.ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group)
+
+
+def new_group_among(parent: dist.ProcessGroup, members: list[int], **options: Any) -> dist.ProcessGroup | None:
+    """A new process group over ``members`` (global ranks of ``parent``), made by its members only
+    (use_local_synchronization) and called on every rank of ``parent``; None on the others.
+
+    torch names such a group after its ranks and the number of groups the calling rank belongs to,
+    so members that belong to different numbers of groups (a user's groups over other ranks: every
+    rank creates them, only their members count them) named it differently and each waited for the
+    others until the timeout. The members first reach the same number with groups of their own."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    counts: list[Any] = [None] * dist.get_world_size(parent)
+    dist.all_gather_object(counts, None if names is None else len(names), group=parent)
+    me = dist.get_rank()
+    if me not in members:
+        return None
+    target = max(
+        (c for r, c in zip(group_ranks(parent), counts, strict=True) if r in members and c is not None), default=0
+    )
+    while names is not None and len(names) < target:
+        dist.new_group([me], use_local_synchronization=True, **options)
+    return dist.new_group(members, use_local_synchronization=True, **options)
 
 
 def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:

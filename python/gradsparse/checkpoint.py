@@ -189,7 +189,8 @@ def this_ranks(owner: str, state_dict: dict, rank: int, world_size: int, any_ran
         return _checked_part(owner, where, state_dict, rank, world_size, any_rank)
     _check_integer(where, state_dict, "world_size", 1)
     if state_dict["world_size"] != world_size:
-        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+        fsdp = any(isinstance(part, dict) and part.get("fsdp") for part in state_dict.get("ranks") or [])
+        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size, fsdp))
     _check_rank_count(where, state_dict)
     for r, part in enumerate(state_dict["ranks"]):
         _require(where, part, RANK_KEYS, f"rank {r}'s part of the state dict")
@@ -254,7 +255,7 @@ def _checked_part(owner: str, where: str, state_dict: dict, rank: int, world_siz
     _check_integer(where, state_dict, "world_size", 1)
     _check_integer(where, state_dict, "rank", 0)
     if state_dict["world_size"] != world_size:
-        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size))
+        raise ValueError(_world_size_error(owner, state_dict["world_size"], world_size, bool(state_dict.get("fsdp"))))
     if state_dict["rank"] != rank and not any_rank:
         raise ValueError(
             f"{where}: the state dict holds rank {state_dict['rank']}'s residuals but this is "
@@ -483,12 +484,22 @@ def called_by_dcp() -> bool:
     return caller.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint")
 
 
-def _world_size_error(owner: str, saved: int, now: int) -> str:
+def _world_size_error(owner: str, saved: int, now: int, fsdp: bool) -> str:
+    head = f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks"
+    if fsdp:  # gradsparse.reshard refuses these: no fix should send the user there
+        return f"{head}, and it {_no_resharded_form(saved, now)}"
     return (
-        f"{owner}.load_state_dict: the state dict was saved at world size {saved} but this run has {now} ranks; "
-        f"resume with {saved} ranks, or reshard a state dict holding every rank's residuals "
+        f"{head}; resume with {saved} ranks, or reshard a state dict holding every rank's residuals "
         f"(gradsparse.AllRanks(state).state_dict() at {saved} ranks) with gradsparse.reshard(saved, {now}): "
         "each rank then takes the mean of the saved residuals, which conserves the pending gradient mass"
+    )
+
+
+def _no_resharded_form(saved: int, now: int) -> str:
+    return (
+        f"is of a state under FSDP (gradsparse.fsdp.sparsify), whose residuals are each module's flat gradient in "
+        f"{saved} padded shards: laid out by the world size, they have no resharded form. Resume at {saved} ranks, or "
+        f"load no gradsparse state at {now} (the residuals then start from zero)"
     )
 
 
@@ -579,7 +590,10 @@ class AllRanks:
                     "shared file system"
                 )
             ranks = [dist.get_global_rank(group, r) for r, local in enumerate(firsts) if local == "0"]
-            self._node_firsts = [dist.new_group(ranks, use_local_synchronization=True)] if local_rank == "0" else []
+            from gradsparse.binding import new_group_among  # binding imports this module
+
+            node_firsts = new_group_among(group, ranks, timeout=self.state._wait_timeout)
+            self._node_firsts = [node_firsts] if node_firsts is not None else []
         for node_firsts in self._node_firsts:
             box = [saved]
             dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=node_firsts)
@@ -629,12 +643,7 @@ def reshard(state_dict: dict, world_size: int) -> dict:
         _check(where, saved)
         _check_in_place(where, saved, rank)
         if saved.get("fsdp"):
-            raise ValueError(
-                f"{where}: the state dict is of a state under FSDP (gradsparse.fsdp.sparsify), whose residuals are "
-                f"each module's flat gradient in {len(ranks)} padded shards: laid out by the world size, they have no "
-                f"resharded form. Resume at {len(ranks)} ranks, or load no gradsparse state at {world_size} (the "
-                "residuals then start from zero)"
-            )
+            raise ValueError(f"{where}: the state dict {_no_resharded_form(len(ranks), world_size)}")
     check_same_steps(
         where,
         [saved["step"] for saved in ranks],

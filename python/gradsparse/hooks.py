@@ -3,6 +3,7 @@
 No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
 """
 
+import contextlib
 import inspect
 import numbers
 import weakref
@@ -195,18 +196,25 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
                 "static_graph=True) alone DDP hands such a bucket over with zero gradients, and under "
                 "gradsparse.register an unused parameter sits the step out"
             )
+        already_hooked = ValueError(
+            "gradsparse.register: this DistributedDataParallel already has a communication hook "
+            "(model.register_comm_hook or register_builtin_comm_hook was called on it), and DDP takes one: "
+            "register gradsparse on a model that has none, for example one wrapped anew with "
+            "DistributedDataParallel(module)"
+        )
+        if getattr(ddp, "_comm_hooks", None):  # before the set-up, which starts an engine and a group
+            raise already_hooked
         state.setup()
         try:
             ddp.register_comm_hook(state, ddp_hook)
         except RuntimeError as e:
             if "only be called once" not in str(e):
                 raise
-            raise ValueError(
-                "gradsparse.register: this DistributedDataParallel already has a communication hook "
-                "(model.register_comm_hook or register_builtin_comm_hook was called on it), and DDP takes one: "
-                "register gradsparse on a model that has none, for example one wrapped anew with "
-                "DistributedDataParallel(module)"
-            ) from e
+            # A builtin hook, which only DDP's reducer knows of: DDP listed this state before its
+            # reducer refused it, and held it, its engine and its group for the DDP's life.
+            with contextlib.suppress(ValueError):
+                ddp._comm_hooks.remove((ddp_hook, state))
+            raise already_hooked from e
     except BaseException:
         state._unbind(before)
         raise

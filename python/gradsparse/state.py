@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import difflib
 import inspect
 import math
 import numbers
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gradsparse import _C
-from gradsparse.binding import ModelBinding, group_ranks
+from gradsparse.binding import ModelBinding, group_ranks, new_group_among
 from gradsparse.buckets import Bucket, BucketTable, memory_order
 from gradsparse.checkpoint import (
     STATE_DICT_VERSION,
@@ -80,6 +81,21 @@ _NOT_A_MEMBER = (
     "use_local_synchronization=True) returns None on the ranks outside ranks, and process_group=None means "
     "the default group; create the state (and its DDP model) on the sub-group's ranks only"
 )
+
+
+#: The exchange groups (and the processes that made them) of states collected without close(),
+#: given back at the next set-up: each held three threads and five sockets on Gloo until the job
+#: ended (a search over hyperparameters ran out of file descriptors). Not in the collection itself,
+#: which can run inside another torch.distributed call.
+_ABANDONED: list[tuple[dist.ProcessGroup, int]] = []
+
+
+def _give_back_abandoned() -> None:
+    while _ABANDONED:
+        comm, pid = _ABANDONED.pop()
+        if pid == os.getpid() and dist.is_available() and dist.is_initialized():
+            with contextlib.suppress(Exception):  # already destroyed (destroy_process_group() of them all)
+                dist.destroy_process_group(comm)
 
 
 @atexit.register
@@ -197,6 +213,7 @@ class State:
             try:
                 bound = signature.bind(self, *args, **kwargs)
             except TypeError as e:
+                self._refuse_unknown(kwargs)  # a misspelt option is named as such, not as the one it misses
                 raise TypeError(f"{cls.__name__}: {e}; call it as {cls.__name__}{usage}") from None
             given = {k: v for k, v in bound.arguments.items() if k not in ("self", "options")}
             State.__init__(self, **given, **bound.arguments.get("options", {}))
@@ -266,14 +283,20 @@ class State:
     # ----------------------------------------------------------------------------------------
     # Configuration
 
-    def _validate(self, options: dict[str, Any]) -> None:
+    def _refuse_unknown(self, options: dict[str, Any]) -> None:
         owner = type(self).__name__
         allowed = tuple(o.name for o in self.OPTIONS) + self._SHARED_OPTIONS
         unknown = sorted(set(options) - set(allowed))
         if unknown:
+            meant = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, allowed, 1)) else name
+                     for name in unknown]  # fmt: skip
             raise TypeError(
-                f"{owner}: unknown option(s) {', '.join(unknown)}; the options of {owner} are {', '.join(allowed)}"
+                f"{owner}: unknown option(s) {', '.join(meant)}; the options of {owner} are {', '.join(allowed)}"
             )
+
+    def _validate(self, options: dict[str, Any]) -> None:
+        owner = type(self).__name__
+        self._refuse_unknown(options)
         pg = options.get("process_group")
         if pg is not None and not isinstance(pg, dist.ProcessGroup):
             raise TypeError(
@@ -415,6 +438,7 @@ class State:
             except Exception as e:  # any error: one left to this rank alone would leave the others waiting
                 refusal = e
         try:
+            _give_back_abandoned()
             comm = self._make_comm_group(group)
             gathered: list[Any] = [None] * world_size
             # the step each rank goes on from: its load's, or its own (a load put in place already)
@@ -453,6 +477,11 @@ class State:
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._comm, self._pid = comm, os.getpid()
+        if (
+            group is dist.group.WORLD
+        ):  # a state collected without close() gives its group back (not a sub-group's: close)
+            self._abandoned = weakref.finalize(self, _ABANDONED.append, (comm, self._pid))
+            self._abandoned.atexit = False
         self._binding.check_group(group)
         # Refused on any rank: refused on every rank, and the state stays set up without it (a load
         # put in place before set-up, after init_process_group, is undone).
@@ -483,7 +512,7 @@ class State:
         kwargs = {"backend": dist.get_backend(group), "timeout": self._wait_timeout}
         if group is dist.group.WORLD:
             return dist.new_group(**kwargs)
-        return dist.new_group(group_ranks(group), use_local_synchronization=True, **kwargs)
+        return new_group_among(group, group_ranks(group), **kwargs)
 
     def _make_engine(self, comm: dist.ProcessGroup):
         """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the
@@ -1531,6 +1560,8 @@ class State:
         if engine is not None:
             engine.shutdown()  # in a forked process the C++ engine leaves the thread it does not have
         comm, self._comm = getattr(self, "_comm", None), None
+        if getattr(self, "_abandoned", None) is not None:
+            self._abandoned.detach()
         # Each state's group holds threads and connections of its own (three threads and five
         # sockets on Gloo), which stayed until the job's destroy_process_group(). Not a sub-group's:
         # torch names those by their ranks alone (use_local_synchronization), and a rank that

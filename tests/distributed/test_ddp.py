@@ -239,6 +239,12 @@ def test_sub_groups_with_unused_parameters():
     assert not all(torch.equal(a, b) for a, b in zip(results[0], results[2], strict=True))
 
 
+def test_ranks_in_different_numbers_of_groups_make_the_states_groups():
+    results = run_distributed(workers.groups_of_other_ranks, 4, timeout=120)
+    assert [r.get("step") for r in results] == [None, 1, 1, 1]
+    assert [r["holds"] for r in results] == [True, False, True, False]
+
+
 @pytest.mark.parametrize("method", sorted(workers.SUB_GROUP_METHODS))
 def test_each_sub_group_trains_as_a_world_of_its_own(method):
     """Two pairs of a world of 4, each training its own model on its own DDP group with a method

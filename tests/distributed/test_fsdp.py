@@ -398,7 +398,8 @@ def test_dcp_checkpoint_keeps_the_link_exchange_auto_picks_from(tmp_path):
 def reshard_of_all_ranks(rank: int, world_size: int, path: str) -> list[str]:
     """gs.reshard of gs.AllRanks' state dict of an FSDP state after 2 steps, and of one loaded
     through DCP (whose state dict is the loaded one until the next step), to 1 and to 4 ranks:
-    what each raised (on rank 0, which receives AllRanks' state dict)."""
+    what each raised (on rank 0, which receives AllRanks' state dict). Then what loading the rank's
+    own state dict, marked as saved at 4 ranks, raised on every rank."""
     model = sharded_model(world_size)
     state = gs.fsdp.sparsify(model, gs.TopK(density=0.1))
     workers.fit(model, workers.teacher_data(rank, 2))
@@ -415,6 +416,11 @@ def reshard_of_all_ranks(rank: int, world_size: int, path: str) -> list[str]:
                 errors.append("resharded")
             except ValueError as e:
                 errors.append(str(e))
+    try:
+        fresh.load_state_dict(dict(state.state_dict(), world_size=4))
+        errors.append("loaded")
+    except ValueError as e:
+        errors.append(str(e))
     return errors
 
 
@@ -423,11 +429,17 @@ def test_reshard_refuses_an_fsdp_state_naming_why(tmp_path):
     part of every parameter: its order and padding depend on the world size. gs.reshard averaged
     them as DDP residuals: at 1 rank the state dict loaded without a word (the mass in the wrong
     places), at 4 it was refused as "saved from another model". It is now refused, saying why."""
-    errors = run_distributed(reshard_of_all_ranks, 2, str(tmp_path / "ckpt"), timeout=300)[0]
+    results = run_distributed(reshard_of_all_ranks, 2, str(tmp_path / "ckpt"), timeout=300)
+    errors = results[0][:4]
     assert len(errors) == 4
     for error in errors:
         assert "gradsparse.reshard: the state dict is of a state under FSDP" in error, error
         assert "no resharded form. Resume at 2 ranks" in error, error
+    # Loaded at another world size, the error sent the user to gs.reshard, which refuses these.
+    for rank_errors in results:
+        error = rank_errors[-1]
+        assert "saved at world size 4 but this run has 2 ranks, and it is of a state under FSDP" in error, error
+        assert "Resume at 4 ranks, or load no gradsparse state at 2" in error and "reshard(" not in error, error
 
 
 def auto_exchanges_under_fsdp(rank: int, world_size: int) -> tuple:

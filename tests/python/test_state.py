@@ -41,7 +41,13 @@ def one_rank_group():
         (lambda: gs.TopK(density=True), TypeError, "density must be a number, got True (bool)"),
         (lambda: gs.Threshold(threshold=-1e-3), ValueError, "threshold must be a finite number >= 0, got -0.001"),
         (lambda: gs.Threshold(threshold=math.inf), ValueError, "got inf"),
-        (lambda: gs.TopK(density=0.1, warmup=2), TypeError, "unknown option(s) warmup; the options of TopK are"),
+        (
+            lambda: gs.TopK(density=0.1, warmup=2),
+            TypeError,
+            "unknown option(s) warmup (did you mean warmup_steps?); the options of TopK are",
+        ),
+        # a misspelt required option: named as such, not as the missing one ("missing ... 'density'")
+        (lambda: gs.TopK(desnity=0.01), TypeError, "unknown option(s) desnity (did you mean density?)"),
         (lambda: gs.TopK(density=0.1, warmup_steps=-1), ValueError, "warmup_steps must be >= 0, got -1"),
         (lambda: gs.TopK(density=0.1, warmup_steps=1.5), TypeError, "warmup_steps must be an integer"),
         (lambda: gs.TopK(density=0.1, error_feedback="yes"), TypeError, "error_feedback must be True or False"),
@@ -1714,16 +1720,48 @@ def test_a_refused_registration_can_be_retried_after_the_fix():
     assert state.step == 3  # the hook ran: the saved step 2, then one more
 
 
-def test_registering_on_a_model_that_has_a_hook_names_the_hook_and_the_fix():
+def test_a_state_dropped_without_close_gives_its_group_back_at_the_next_set_up():
+    """Each state's own process group (three threads and five sockets on Gloo) stayed until the
+    job ended when the state was dropped without close(): a search over hyperparameters in one
+    process ran out of file descriptors. The next set-up now gives dropped states' groups back."""
+
+    groups = dist.distributed_c10d._world.pg_map
+    gc.collect()
+    ddp = DDP(_model())
+    state = gs.register(ddp, gs.TopK(density=0.05))  # gives back those of states earlier tests dropped
+    held = len(groups)  # the job's and this state's
+    state.close()
+    for _ in range(4):
+        ddp = DDP(_model())
+        gs.register(ddp, gs.TopK(density=0.05))
+        _train(ddp, 1)
+        del ddp
+        gc.collect()
+    ddp = DDP(_model())
+    state = gs.register(ddp, gs.TopK(density=0.05))
+    assert len(groups) == held  # this state's own, and none of the four dropped ones
+    state.close()
+    assert len(groups) == held - 1
+
+
+@pytest.mark.parametrize("builtin", [False, True])
+def test_registering_on_a_model_that_has_a_hook_names_the_hook_and_the_fix(builtin):
     """DDP takes one communication hook per model; its own refusal ("can only be called once")
-    said nothing of gradsparse. The state stays free for another model."""
+    said nothing of gradsparse. The state stays free for another model, and the refusing DDP holds
+    nothing of it: the state was set up first (an engine thread and a process group) and DDP kept
+    it in its list of hooks before its reducer refused it."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp = DDP(_model())
-    ddp.register_comm_hook(None, allreduce_hook)
+    if builtin:
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    else:
+        ddp.register_comm_hook(None, allreduce_hook)
     state = gs.TopK(density=0.05)
     with pytest.raises(ValueError, match=r"already has a communication hook.*wrapped anew"):
         gs.register(ddp, state)
+    assert all(held is not state for _, held in ddp._comm_hooks)
+    assert (state._engine is not None) == builtin  # set up only where the hook was DDP's own reducer's
     fresh = DDP(_model())
     gs.register(fresh, state)
     _train(fresh, 1)
