@@ -917,6 +917,7 @@ class Run:
             "method": self.method,
             "world_size": self.world,
             "options": run_options(self.args, self.method),
+            "network": network(self.world),
             "step": self.step,
             "elapsed": self.elapsed,
             "bytes_total": self.bytes_total,
@@ -979,6 +980,11 @@ class Run:
                 f"({saved_task}), this run is {self.method} on {self.world} ({self.task.name}); use another --out or "
                 "pass --fresh"
             )
+        elif state.get("network", network(self.world)) != network(self.world):  # not recorded before 2026-12-07
+            problem = (
+                f"{self.folder}: the checkpoint's run trained on {state['network']}, this run is on "
+                f"{network(self.world)}: its times would mix the two networks; use another --out or pass --fresh"
+            )
         elif changed:  # resuming would continue the saved run as if it had been this one
             problem = (
                 f"{self.folder}: the checkpoint's run was trained with other options ({'; '.join(changed)}); "
@@ -1038,6 +1044,11 @@ class Run:
             torch.cuda.set_rng_state(cuda_rng)
 
     # the loop ---------------------------------------------------------------------------------
+    def total_steps(self) -> int:
+        """The steps of the whole run: --epochs, or --max-steps when it ends first."""
+        total = self.args.epochs * self.steps_per_epoch
+        return min(total, self.args.max_steps) if self.args.max_steps else total
+
     def train(self, recorder: Recorder) -> list[dict]:
         """Trains to the end (--epochs, --max-steps) and returns the run's rows, as an uninterrupted
         run would: every whole epoch's, those trained before a resume included, and the last
@@ -1045,9 +1056,7 @@ class Run:
         args = self.args
         if self.comm.torch_state is not None:
             self.settle_powersgd_buckets()
-        total_steps = args.epochs * self.steps_per_epoch
-        if args.max_steps:
-            total_steps = min(total_steps, args.max_steps)
+        total_steps = self.total_steps()
         bar = None
         if self.rank == 0 and tqdm is not None and not args.no_progress:
             bar = tqdm(total=total_steps, initial=self.step, desc=self.method, unit="step", disable=None)
@@ -1257,13 +1266,23 @@ def _ratio(value: float, base: float, digits: int) -> str:
 
 
 SLOW_LINK_BITS = 50e6  # benchmarks.cluster's default rate (docs/benchmarks.md says why)
+LOOPBACK = "loopback (every worker on this machine)"
+
+
+def network(world: int) -> str:
+    """What the workers' messages cross: the emulated cluster's links ("emulated cluster 4x50mbit"),
+    loopback, or the network between hosts. Recorded in checkpoints: a run resumed on another one
+    would report times measured on two networks as one."""
+    if os.environ.get("GRADSPARSE_CLUSTER"):
+        return f"emulated cluster {os.environ['GRADSPARSE_CLUSTER']}"
+    return LOOPBACK if int(os.environ.get("LOCAL_WORLD_SIZE", world)) == world else "a network between hosts"
 
 
 def network_note(world: int, sent: dict[str, float] | None = None) -> str:
     """Said when every worker runs on this machine outside the emulated cluster: loopback hides
     what sparsification saves. ``sent``: bytes each method's worker sent, whose least time on a
     slow link (bytes x 8 / rate) the note gives."""
-    if os.environ.get("GRADSPARSE_CLUSTER") or int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+    if network(world) != LOOPBACK:
         return ""
     wire = ", ".join(f"{method} {b * 8 / SLOW_LINK_BITS:.1f} s" for method, b in (sent or {}).items())
     return (
@@ -1358,7 +1377,12 @@ def main(
                     indent=2,
                 )
         if resumed and rank == 0:
-            print(f"[{method:>9}] resuming from step {run.step} ({folder})", flush=True)
+            done = run.step >= run.total_steps()
+            print(
+                f"[{method:>9}] {'already trained, to' if done else 'resuming from'} step {run.step} ({folder})"
+                + ("; its saved figures are shown: pass --fresh to train it again" if done else ""),
+                flush=True,
+            )
         recorder = Recorder(folder, _metric_fields(task), rank, resumed, run.step)
         try:
             results[method] = run.train(recorder)

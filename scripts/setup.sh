@@ -48,9 +48,6 @@ if ! "$PYTHON" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version_
   "${pip[@]}" "${GRADSPARSE_TORCH:-torch==2.13.0}"
 fi
 "${pip[@]}" numpy tqdm tensorboard matplotlib ninja "setuptools>=77" wheel
-# MovieLens-100K for examples.ncf: only the data file shipped in the package is used, so none of
-# recbole's own dependencies are needed.
-"${pip[@]}" --no-deps recbole==1.2.1
 if [ "$mode" = test ]; then
   # The versions the Lightning, Accelerate and Transformers tests were written against (the extras
   # allow newer); Accelerate 1.16 and Transformers 5 need Python 3.11.
@@ -58,6 +55,10 @@ if [ "$mode" = test ]; then
     "accelerate==1.16.0; python_version >= '3.11'" "accelerate==1.15.0; python_version < '3.11'" \
     "transformers==5.25.0; python_version >= '3.11'" "transformers==4.57.6; python_version < '3.11'"
 fi
+# MovieLens-100K for examples.ncf: only the data file shipped in the package is used, so none of
+# recbole's own dependencies are needed. Last: pip reports the dependencies it lacks (in red) at
+# every later install of a package it depends on (scipy, the test extras).
+"${pip[@]}" --no-deps recbole==1.2.1
 # torch's BuildExtension looks for ninja on PATH (else it builds one file at a time): pip put it
 # beside the interpreter.
 PATH="$(python_bin):$PATH"
