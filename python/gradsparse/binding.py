@@ -217,8 +217,8 @@ def new_group_among(parent: dist.ProcessGroup, members: list[int], **options: An
     target = max(
         (c for r, c in zip(group_ranks(parent), counts, strict=True) if r in members and c is not None), default=0
     )
-    while names is not None and len(names) < target:
-        dist.new_group([me], use_local_synchronization=True, **options)
+    while names is not None and len(names) < target:  # Gloo: an NCCL group may start a communicator
+        dist.new_group([me], use_local_synchronization=True, backend="gloo", timeout=options.get("timeout"))
     return dist.new_group(members, use_local_synchronization=True, **options)
 
 
