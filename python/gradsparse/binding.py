@@ -11,6 +11,7 @@ parameters' names.
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Any
 
@@ -203,23 +204,43 @@ def new_group_among(parent: dist.ProcessGroup, members: list[int], **options: An
     """A new process group over ``members`` (global ranks of ``parent``), made by its members only
     (use_local_synchronization) and called on every rank of ``parent``; None on the others.
 
-    torch names such a group after its ranks and the number of groups the calling rank belongs to,
-    so members that belong to different numbers of groups (a user's groups over other ranks: every
-    rank creates them, only their members count them) named it differently and each waited for the
-    others until the timeout. The members first reach the same number with groups of their own."""
-    world = getattr(dist.distributed_c10d, "_world", None)
-    names = getattr(world, "pg_names", None)
+    torch names such a group after its ranks and a count of groups on the calling rank (up to
+    torch 2.14 those it belongs to), so members that belong to different numbers of groups (a
+    user's groups over other ranks: every rank creates them, only their members count them) named
+    it differently and each waited for the others until the timeout. The members first reach the
+    same count with one-rank groups of their own. Over the default group every rank creates it,
+    which keeps torch's count of groups created alike on every rank (torch 2.15 names by it)."""
+    if parent is dist.group.WORLD:
+        group = dist.new_group(members, **options)
+        return group if dist.get_rank() in members else None
     counts: list[Any] = [None] * dist.get_world_size(parent)
-    dist.all_gather_object(counts, None if names is None else len(names), group=parent)
+    dist.all_gather_object(counts, _name_count(members), group=parent)
     me = dist.get_rank()
     if me not in members:
         return None
-    target = max(
-        (c for r, c in zip(group_ranks(parent), counts, strict=True) if r in members and c is not None), default=0
-    )
-    while names is not None and len(names) < target:  # Gloo: an NCCL group may start a communicator
-        dist.new_group([me], use_local_synchronization=True, backend="gloo", timeout=options.get("timeout"))
+    theirs = [c for r, c in zip(group_ranks(parent), counts, strict=True) if r in members]
+    if None not in theirs:
+        while (count := _name_count(members)) is not None and count < max(theirs):
+            # Gloo: an NCCL group may start a communicator
+            dist.new_group([me], use_local_synchronization=True, backend="gloo", timeout=options.get("timeout"))
     return dist.new_group(members, use_local_synchronization=True, **options)
+
+
+def _name_count(members: list[int]) -> int | None:
+    """The count torch salts the name of a use_local_synchronization group over ``members`` with on
+    this rank: the groups it belongs to (torch 2.13, 2.14) or the groups created so far (2.15,
+    the same on every rank); None where neither gives torch's name."""
+    c10d = dist.distributed_c10d
+    world, name_of = getattr(c10d, "_world", None), getattr(c10d, "_hash_ranks_to_str", None)
+    if world is None or name_of is None:
+        return None
+    ranks = sorted(members)
+    name = name_of(ranks)
+    for count in (len(getattr(world, "pg_names", ())), getattr(world, "group_count", None)):
+        salted = "_".join([*map(str, ranks), str(count)])
+        if count is not None and hashlib.sha1(salted.encode(), usedforsecurity=False).hexdigest() == name:
+            return count
+    return None
 
 
 def same_group(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:

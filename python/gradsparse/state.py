@@ -509,10 +509,7 @@ class State:
         members create it (use_local_synchronization). With transport="mpi" the exchanges run on
         MPI_COMM_WORLD, but the set-up's agreement still runs here: every rank creates the group
         alike, so a rank given another transport is refused by name, not left waiting."""
-        kwargs = {"backend": dist.get_backend(group), "timeout": self._wait_timeout}
-        if group is dist.group.WORLD:
-            return dist.new_group(**kwargs)
-        return new_group_among(group, group_ranks(group), **kwargs)
+        return new_group_among(group, group_ranks(group), backend=dist.get_backend(group), timeout=self._wait_timeout)
 
     def _make_engine(self, comm: dist.ProcessGroup):
         """The engine thread and its transport: MPI_COMM_WORLD for transport="mpi"; else the

@@ -240,8 +240,9 @@ def test_sub_groups_with_unused_parameters():
 
 
 def test_ranks_in_different_numbers_of_groups_make_the_states_groups():
-    results = run_distributed(workers.groups_of_other_ranks, 4, timeout=120)
+    results = run_distributed(workers.groups_of_other_ranks, 4, "sub_group", timeout=120)
     assert [r.get("step") for r in results] == [None, 1, 1, 1]
+    results = run_distributed(workers.groups_of_other_ranks, 4, "each_node", timeout=120)
     assert [r["holds"] for r in results] == [True, False, True, False]
 
 

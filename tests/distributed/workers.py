@@ -1328,22 +1328,25 @@ def sub_group_training(rank: int, world_size: int, method: str, seeds: tuple[int
     return params_of(model), residuals
 
 
-def groups_of_other_ranks(rank: int, world_size: int) -> dict:
+def groups_of_other_ranks(rank: int, world_size: int, case: str) -> dict:
     """4 ranks, every one creating the groups [1, 2, 3] and [0, 1] (as torch asks: every rank
-    creates every group), so that rank 1 belongs to one group more than ranks 2 and 3. A state on
-    [1, 2, 3] registers and trains a step; a state on the default group saves with
-    AllRanks(each_node=True), ranks 0 and 2 first on their "nodes". Both waited until the timeout:
-    torch named the state's own group after the number of groups each rank belonged to."""
+    creates every group), so that rank 1 belongs to one group more than ranks 2 and 3. "sub_group":
+    a state on [1, 2, 3] registers and trains a step; "each_node": a state on the default group
+    saves with AllRanks(each_node=True), ranks 0 and 2 first on their "nodes". Both waited until
+    the timeout under torch 2.13: torch named the state's own group after the number of groups each
+    rank belonged to."""
     import os
 
     trio, _ = dist.new_group([1, 2, 3]), dist.new_group([0, 1])
     out: dict = {}
-    if rank in (1, 2, 3):
-        ddp = DDP(nn.Linear(4, 4), process_group=trio)
-        state = gs.register(ddp, gs.TopK(density=0.5, process_group=trio, timeout=30))
-        ddp(torch.randn(2, 4)).sum().backward()
-        out["step"] = state.step
-        state.close()
+    if case == "sub_group":
+        if rank in (1, 2, 3):
+            ddp = DDP(nn.Linear(4, 4), process_group=trio)
+            state = gs.register(ddp, gs.TopK(density=0.5, process_group=trio, timeout=30))
+            ddp(torch.randn(2, 4)).sum().backward()
+            out["step"] = state.step
+            state.close()
+        return out
     os.environ["LOCAL_RANK"] = str(rank % 2)
     ddp = DDP(nn.Linear(4, 4))
     state = gs.register(ddp, gs.TopK(density=0.5, timeout=30))
