@@ -980,10 +980,10 @@ class Run:
                 f"({saved_task}), this run is {self.method} on {self.world} ({self.task.name}); use another --out or "
                 "pass --fresh"
             )
-        elif state.get("network", network(self.world)) != network(self.world):  # not recorded before 2026-12-07
+        elif state.get("network", here := network(self.world)) != here:  # not recorded before 2026-12-07
             problem = (
-                f"{self.folder}: the checkpoint's run trained on {state['network']}, this run is on "
-                f"{network(self.world)}: its times would mix the two networks; use another --out or pass --fresh"
+                f"{self.folder}: the checkpoint's run trained on {state['network']}, this run is on {here}: its "
+                "times would mix the two networks; use another --out or pass --fresh"
             )
         elif changed:  # resuming would continue the saved run as if it had been this one
             problem = (

@@ -90,12 +90,17 @@ _NOT_A_MEMBER = (
 _ABANDONED: list[tuple[dist.ProcessGroup, int]] = []
 
 
+def _give_back(comm: dist.ProcessGroup, pid: int | None) -> None:
+    """Destroys a state's own group, where the process that made it (``pid``) is this one: a
+    forked child's copy is its parent's."""
+    if pid == os.getpid() and dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # already destroyed (destroy_process_group() of them all)
+            dist.destroy_process_group(comm)
+
+
 def _give_back_abandoned() -> None:
     while _ABANDONED:
-        comm, pid = _ABANDONED.pop()
-        if pid == os.getpid() and dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):  # already destroyed (destroy_process_group() of them all)
-                dist.destroy_process_group(comm)
+        _give_back(*_ABANDONED.pop())
 
 
 @atexit.register
@@ -477,9 +482,8 @@ class State:
             self._trial = self._new_trial(self._step, self._saved_exchanges)
         self._engine = self._make_engine(comm)
         self._comm, self._pid = comm, os.getpid()
-        if (
-            group is dist.group.WORLD
-        ):  # a state collected without close() gives its group back (not a sub-group's: close)
+        # A state collected without close() gives its group back (not a sub-group's: see close).
+        if group is dist.group.WORLD:
             self._abandoned = weakref.finalize(self, _ABANDONED.append, (comm, self._pid))
             self._abandoned.atexit = False
         self._binding.check_group(group)
@@ -1564,10 +1568,8 @@ class State:
         # torch names those by their ranks alone (use_local_synchronization), and a rank that
         # destroyed one before another rank did named the next one differently (their set-up then
         # never met).
-        over_world = self._process_group is dist.group.WORLD
-        if comm is not None and over_world and not self._forked() and dist.is_available() and dist.is_initialized():
-            with contextlib.suppress(Exception):  # already destroyed
-                dist.destroy_process_group(comm)
+        if comm is not None and self._process_group is dist.group.WORLD:
+            _give_back(comm, self._pid)
 
     def _forked(self) -> bool:
         """Whether this process was forked from the one that set the state up."""
