@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.utils import number_list, require_launcher, whole
+from benchmarks.utils import end_process_group, number_list, require_launcher, whole
 
 
 def _block(rank: int, size: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         for size, best in figures.items():
             cells = "  ".join(f"{name} {ms:8.2f} ms" for name, ms in best.items())
             print(f"{size:>8} B per rank, {dist.get_world_size()} ranks: {cells}", flush=True)
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.utils import require_launcher
+from benchmarks.utils import end_process_group, require_launcher
 from gradsparse import simulate
 
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'collective':<14} {'bytes':>8} {'measured ms':>12} {'model ms':>10}")
         for name, size, got, want in rows:
             print(f"{name:<14} {size:>8} {got * 1e3:>12.3f} {want * 1e3:>10.3f}")
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, end_process_group, markdown_table, write_result
 from gradsparse.testing import run_distributed
 
 
@@ -177,12 +177,10 @@ def main(argv: list[str] | None = None) -> None:
         network = args.network or "loopback"
     else:
         dist.init_process_group("gloo")  # env:// rendezvous
-        try:
-            rank, world_size = dist.get_rank(), dist.get_world_size()
-            per_rank = [None] * world_size
-            dist.all_gather_object(per_rank, worker(rank, world_size, *worker_args))
-        finally:
-            dist.destroy_process_group()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, worker(rank, world_size, *worker_args))
+        end_process_group()
         if rank != 0:
             return
         network = args.network or f"env:// rendezvous at {os.environ['MASTER_ADDR']}"

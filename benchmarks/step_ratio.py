@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from benchmarks.utils import check_threads, require_launcher
+from benchmarks.utils import check_threads, end_process_group, require_launcher
 from examples.cnn.models import MODELS, build
 
 SHAPES = {"smallcnn": (1, 28, 10), "resnet20": (3, 32, 10), "resnet18": (3, 32, 10), "vgg16": (3, 32, 10)}
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
             f"ratio all-reduce/compute {allreduce_s / compute_s:.2f}",
             flush=True,
         )
-    dist.destroy_process_group()
+    end_process_group()
     return figures
 
 

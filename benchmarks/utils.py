@@ -11,6 +11,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch.distributed as dist
+
 
 def median_seconds(fn: Callable[[], object], setup: Callable[[], object] | None = None, repeat: int = 7) -> float:
     """Median wall time of ``fn()`` over ``repeat`` runs (after one warm-up); ``setup()`` runs
@@ -147,3 +149,14 @@ def require_launcher(parser: argparse.ArgumentParser, module: str, least_ranks: 
     world = os.environ["WORLD_SIZE"]
     if not (world.isdigit() and int(world) >= least_ranks):
         parser.error(f"WORLD_SIZE={world}: {module} needs at least {least_ranks} ranks; start it with {launch}")
+
+
+def end_process_group() -> None:
+    """Destroys the default process group once every rank has reached this point, so that the
+    process exits with no Gloo worker thread still holding a finished collective's tensors. Such a
+    thread lets go of them only once it holds the GIL; a rank that went straight on to exit (a
+    rank other than 0, with nothing to print) reached the interpreter's finalization first, and the
+    thread then aborted the process ("terminate called without an active exception", in about one
+    run in two of benchmarks/slow_network.sh). The barrier's wait hands the GIL over."""
+    dist.barrier()
+    dist.destroy_process_group()
