@@ -1307,6 +1307,17 @@ def _module() -> str:
     return spec.name.removesuffix(".__main__") if spec is not None else "examples.cnn"
 
 
+class _Parser(argparse.ArgumentParser):
+    """Prints the usage with an error on the first rank only. Under a launcher every rank parses
+    the same command line and refuses it alike; each rank's 24 lines of usage buried the one line
+    that says what is wrong, which every rank still prints."""
+
+    def print_usage(self, file=None) -> None:
+        rank = next((os.environ[n] for n in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") if n in os.environ), "0")
+        if rank == "0":
+            super().print_usage(file)
+
+
 def main(
     make_task: Callable[[argparse.Namespace], Task],
     description: str,
@@ -1318,7 +1329,9 @@ def main(
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(
+        prog=f"python -m {_module()}", description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     if add_task_arguments is not None:
         add_task_arguments(parser.add_argument_group("task"))

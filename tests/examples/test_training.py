@@ -352,6 +352,25 @@ def test_the_trainer_examples_bad_flags_are_refused_before_its_data_loads(argv, 
     assert_refused(gpt.main, argv, message, capsys)
 
 
+@pytest.mark.parametrize(("variable", "rank"), [(None, None), ("RANK", "0"), ("RANK", "1"), ("OMPI_COMM_WORLD_RANK", "2"),
+                                              ("SLURM_PROCID", "3")])  # fmt: skip
+def test_a_refused_command_line_prints_its_usage_on_the_first_rank_only(variable, rank, capsys, monkeypatch):
+    """Every rank refuses a bad flag with the line that names it; the 24 lines of usage come
+    from the first rank (or a run without a launcher) alone, not once per rank."""
+    from examples.cnn.__main__ import main
+
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, rank)
+    with pytest.raises(SystemExit) as info:
+        main(["--epochs", "-1"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "error: argument --epochs: -1 is not positive" in err
+    assert ("usage:" in err) == (rank in (None, "0")), err
+
+
 def test_powersgd_gets_one_bucket_off_nccl():
     """torch's PowerSGD hook issues chained all-reduces from future callbacks; on Gloo several
     buckets let ranks order them differently (a 4-worker LSTM run aborted with a size mismatch),
