@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 
-__all__ = ["first_host", "setup_environment", "threads_per_worker"]
+__all__ = ["first_host", "rendezvous_port", "setup_environment", "threads_per_worker"]
 
 _DEFAULT_PORT = "29500"
 #: What setup_environment returns.
@@ -42,6 +43,31 @@ def first_host(nodelist: str) -> str:
         raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
     # each range gives its first number: "03-05,09" -> "03"
     return match[1] + re.sub(r"\[([^\]]+)\]", lambda m: m[1].split(",")[0].split("-")[0], match[2])
+
+
+def rendezvous_port(job_id: int | str, first: int = 15000, last: int = 30000) -> int:
+    """A port free on this host for a job's rendezvous, for a job script that runs on the job's
+    first node (SLURM's batch script does): the first that binds of ``first + job id % (last -
+    first)`` and the ports after it, wrapping around to ``first``, leaving out torchrun's default
+    29500 (other jobs' workers take it). From the job id alone, two jobs on one node whose ids
+    differed by a multiple of ``last - first`` were given the same port, and the second one's
+    rendezvous failed with "address already in use"."""
+    job = _whole_number(str(job_id), 0)
+    if job is None:
+        raise ValueError(f"gradsparse.launch.rendezvous_port: job id {job_id!r} is not a whole number (SLURM_JOB_ID)")
+    start = first + job % (last - first)
+    for port in (*range(start, last), *range(first, start)):
+        if port == int(_DEFAULT_PORT):
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(
+        f"gradsparse.launch.rendezvous_port: no free port from {first} to {last - 1} on this host: set MASTER_PORT"
+    )
 
 
 #: SLURM's per-node task counts, the step's (srun's own) first: ``2(x3),1`` is 2, 2, 2 and 1.

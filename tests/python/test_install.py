@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -358,6 +359,61 @@ def test_a_job_whose_venv_is_missing_stops_naming_it_where_it_looked_and_the_fix
     assert job.returncode == 2, job.stderr
     assert f"VENV=venvs/none: no venvs/none/bin/activate from {ROOT} (a relative VENV is taken from" in job.stderr
     assert "VENV=$PWD/.venv sbatch" in job.stderr
+
+
+def _job(script: str, tmp_path, **variables: str) -> subprocess.CompletedProcess:
+    """slurm/<script> run as its batch script, with srun a stand-in that prints what it was given
+    (and the rendezvous variables), on a job of SLURM_JOB_ID 4321 with 16 CPUs per task."""
+    srun = tmp_path / "bin" / "srun"
+    srun.parent.mkdir(exist_ok=True)
+    srun.write_text('#!/bin/sh\necho "srun $* (MASTER_ADDR=${MASTER_ADDR:-} MASTER_PORT=${MASTER_PORT:-})"\n')
+    srun.chmod(0o755)
+    env = {**os.environ, "PATH": f"{srun.parent}:{os.environ['PATH']}", "GRADSPARSE_DIR": ROOT,
+           "PYTHON": sys.executable, "SLURM_JOB_ID": "4321", "SLURM_CPUS_PER_TASK": "16", **variables}  # fmt: skip
+    for name in ("NPROC", "MASTER_ADDR", "MASTER_PORT", "THREADS"):
+        if name not in variables:
+            env.pop(name, None)
+    script = os.path.join(ROOT, "slurm", script)
+    return subprocess.run(["bash", script], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("script", ["gpu-node.sbatch", "multi-node.sbatch"])
+@pytest.mark.parametrize("nproc", ["abc", "2x", "auto", "-1"])
+def test_a_job_given_nproc_that_is_no_whole_number_stops_naming_it(tmp_path, script, nproc):
+    """NPROC=abc ended the job in bash's "integer expression expected" and "unbound variable", and
+    NPROC=2x reached torchrun after "value too great for base"."""
+    job = _job(script, tmp_path, NPROC=nproc, SLURM_JOB_NODELIST="node01", SLURM_JOB_NUM_NODES="1")
+    assert job.returncode == 2, job.stdout + job.stderr
+    assert job.stderr == f"NPROC={nproc}: give the number of workers per node as a whole number, such as NPROC=4\n"
+
+
+def test_a_multi_node_job_meets_on_its_first_node_at_a_port_free_there(tmp_path):
+    """The first host came from `scontrol show hostnames | head -n 1`: on a long node list head
+    ended before scontrol, whose SIGPIPE then ended the job (pipefail) with nothing in its log. It
+    comes from gradsparse.launch now, and the port is the first free one from the job id's
+    (jobs whose ids differed by 15000 met at one port). NPROC=08 is eight workers."""
+    job = _job("multi-node.sbatch", tmp_path, NPROC="08", SLURM_JOB_NODELIST="node[0001-2000]",
+               SLURM_JOB_NUM_NODES="2000")  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    srun = job.stdout.splitlines()[-1]
+    port = int(srun.split("--rdzv-endpoint=node0001:")[1].split()[0])
+    assert 19321 <= port < 19421, srun
+    assert "--nodes=2000 --ntasks=2000" in srun and "--nproc-per-node=8 " in srun and "--threads 2 " in srun, srun
+    with socket.socket() as taken:  # another job's rendezvous at that port on this node
+        taken.bind(("", port))
+        taken.listen()
+        again = _job("multi-node.sbatch", tmp_path, NPROC="8", SLURM_JOB_NODELIST="node[0001-2000]",
+                     SLURM_JOB_NUM_NODES="2000", SLURM_JOB_ID="19321")  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert f"--rdzv-endpoint=node0001:{port} " not in again.stdout, again.stdout
+
+
+def test_a_cpu_job_exports_a_port_free_on_its_first_node_unless_given_one(tmp_path):
+    given = _job("cpu.sbatch", tmp_path, SLURM_NTASKS="4", SLURM_JOB_NODELIST="node01", MASTER_PORT="12345")
+    job = _job("cpu.sbatch", tmp_path, SLURM_NTASKS="4", SLURM_JOB_NODELIST="node01")
+    assert "MASTER_PORT=12345)" in given.stdout.splitlines()[-1], given.stdout + given.stderr
+    port = int(job.stdout.splitlines()[-1].split("MASTER_PORT=")[1].rstrip(")"))
+    assert 19321 <= port < 19421, job.stdout + job.stderr
 
 
 # What a source distribution must hold: the build files, and the folders whose files the builds read.

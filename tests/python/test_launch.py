@@ -1,13 +1,15 @@
 """gradsparse.launch: the launchers' variables and each worker's threads."""
 
+import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from gradsparse.launch import first_host, setup_environment, threads_per_worker
+from gradsparse.launch import first_host, rendezvous_port, setup_environment, threads_per_worker
 
 
 def test_first_host_of_slurm_node_lists():
@@ -248,3 +250,35 @@ def test_multi_node_mpirun_leaves_master_addr_unset():
     assert setup_environment(given) == "mpirun" and given["MASTER_ADDR"] == "node1"
     single = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
     assert setup_environment(single) == "mpirun" and single["MASTER_ADDR"] == "127.0.0.1"
+
+
+def _a_job_whose_port_is_free() -> tuple[int, int]:
+    """A job id from 4321 on whose port (15000 + id % 15000) binds here, and that port."""
+    for job in range(4321, 4421):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", 15000 + job))
+            except OSError:
+                continue
+        return job, 15000 + job
+    pytest.fail("no free port from 19321 to 19420 on this machine")
+
+
+def test_rendezvous_port_is_the_job_ids_unless_it_is_taken_here():
+    """Jobs whose ids differed by 15000 were given one port, and on a shared node the second one's
+    rendezvous failed with "address already in use": the port is the first free one here from the
+    job id's on."""
+    job, port = _a_job_whose_port_is_free()
+    assert rendezvous_port(job) == port and rendezvous_port(str(job + 15000)) == port
+    with socket.socket() as taken:
+        taken.bind(("", port))
+        taken.listen()
+        assert port < rendezvous_port(job) < port + 100
+        assert rendezvous_port(job + 15000) == rendezvous_port(job)
+    assert rendezvous_port(14500) != 29500  # torchrun's default, which other jobs' workers take
+    with socket.socket() as taken:  # the last port wraps around to the first
+        with contextlib.suppress(OSError):  # taken already
+            taken.bind(("", 29999))
+        assert rendezvous_port(14999, first=29998, last=30000) == 29998
+    with pytest.raises(ValueError, match=r"job id 'abc' is not a whole number \(SLURM_JOB_ID\)"):
+        rendezvous_port("abc")
