@@ -28,7 +28,15 @@ import platform
 import torch
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, number_list, whole, write_result
+from benchmarks.utils import (
+    OUTPUT_HELP,
+    check_output,
+    markdown_table,
+    number_list,
+    require_fashion_mnist,
+    whole,
+    write_result,
+)
 from gradsparse.methods import core_method
 from gradsparse.testing.thread_ranks import run_steps
 
@@ -218,6 +226,8 @@ def main(argv: list[str] | None = None) -> str:
     unknown = [s for s in streams if s not in STREAMS]
     if unknown:
         parser.error(f"--streams: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STREAMS)}")
+    if "cnn" in streams:
+        require_fashion_mnist(parser, "--streams cnn", "leave that stream out: --streams drift")
     chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in methods(0.01)]
     if unknown:

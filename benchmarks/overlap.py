@@ -45,7 +45,14 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsparse as gs
-from benchmarks.utils import OUTPUT_HELP, check_output, end_process_group, markdown_table, write_result
+from benchmarks.utils import (
+    OUTPUT_HELP,
+    check_output,
+    end_process_group,
+    markdown_table,
+    require_launcher,
+    write_result,
+)
 from gradsparse.testing import run_distributed
 
 
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
         per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)
         network = args.network or "loopback"
     else:
+        require_launcher(parser, "benchmarks.overlap")  # RANK alone ended in torch's traceback about WORLD_SIZE
         dist.init_process_group("gloo")  # env:// rendezvous
         rank, world_size = dist.get_rank(), dist.get_world_size()
         per_rank = [None] * world_size

@@ -57,6 +57,7 @@ from benchmarks.utils import (
     markdown_table,
     median_seconds,
     number_list,
+    result_path,
     whole,
     write_result,
 )
@@ -140,7 +141,7 @@ def method_rows(
     group = _C.ThreadGroup(1, 600.0)
     factories = {}  # SparDL selects inside its exchange
     for name, make in chosen_methods(density, only).items():
-        if make(0).exchange != "SparDL":
+        if not selects_in_its_exchange(make):
             factories[name] = (make, 0.0)
             if momentum:
                 factories[f"{name} + momentum {momentum:g}"] = (make, momentum)
@@ -184,6 +185,12 @@ def step_gradient(draws: list[torch.Tensor], step: int) -> torch.Tensor:
     benchmarks.threshold_moves)."""
     z = random.Random(step).gauss(0.0, 1.0)
     return draws[step % len(draws)] * math.exp(SCALE_SPREAD * z)
+
+
+def selects_in_its_exchange(make: callable) -> bool:
+    """Whether the method ``make`` builds selects block by block inside its exchange (SparDL),
+    which leaves no selection step of its own to time on one rank of the CPU."""
+    return make(0).exchange == "SparDL"
 
 
 def chosen_methods(density: float, only: str) -> dict[str, callable]:
@@ -324,10 +331,18 @@ def main(argv: list[str] | None = None) -> str:
         if index:  # the synchronizes, the header's name and NCCL's group take the current GPU
             torch.cuda.set_device(args.device)
     if args.methods:
-        chosen_methods(0.01, args.only)  # an unknown --only name, before anything is timed
+        chosen = chosen_methods(0.01, args.only)  # an unknown --only name, before anything is timed
+        inside = [name for name, make in chosen.items() if selects_in_its_exchange(make)]
+        if args.only and inside and args.device == "cpu":
+            parser.error(
+                f"--only {', '.join(inside)}: selects block by block inside its exchange, so on the CPU there is no "
+                "selection step of its own to time; its whole step is timed on a GPU (--device cuda)"
+            )
     check_output(parser, "--output", args.output, "select.md")
     if args.steps:
         check_output(parser, "--steps", args.steps, "steps.csv")
+        if result_path(args.steps) == result_path(args.output):
+            parser.error(f"--steps {args.steps} and --output {args.output} name one file; give the steps another")
     if args.threads:
         torch.set_num_threads(args.threads)
         gs.set_num_threads(args.threads)
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> str:
         text += (
             f"\n## Selection step of every method (one rank, {args.dtype} buckets)\n\n"
             + markdown_table(["N", "density", "method", "select ms", "add ms", "/ add", first], method_table)
-            + f"\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method, after each "
+            + f"\n\nMedians of {args.repeat} steps in each of {args.rounds} round(s) over every method, after each "
             + f"method's first {args.warmup} steps (the last column: the median ratio of those but the first two). "
             + "Every step's gradient is another draw at another scale. "
             + "SparDL is not listed: it selects block by block inside its exchange.\n"
@@ -383,7 +398,7 @@ def main(argv: list[str] | None = None) -> str:
         text += (
             "\n## Whole step of every method (one rank, engine over a one-rank NCCL group)\n\n"
             + markdown_table(["N", "density", "method", "step ms", "add ms", "/ add"], method_table)
-            + f"\nMedians of {args.repeat} steps, each timed from an idle stream until the reduced gradient is on "
+            + f"\n\nMedians of {args.repeat} steps, each timed from an idle stream until the reduced gradient is on "
             + "the device: selection, the one-rank exchange and the scatter; dense is the one-rank all-reduce.\n"
         )
     print(text)

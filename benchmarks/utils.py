@@ -160,3 +160,17 @@ def end_process_group() -> None:
     run in two of benchmarks/slow_network.sh). The barrier's wait hands the GIL over."""
     dist.barrier()
     dist.destroy_process_group()
+
+
+def require_fashion_mnist(parser: argparse.ArgumentParser, reader: str, otherwise: str = "") -> None:
+    """Refuses, with ``parser.error`` before any work, a run whose ``reader`` (a stream, a
+    benchmark) trains on Fashion-MNIST where the dataset is not installed; ``otherwise`` names a
+    run that does without it."""
+    from examples.cnn.data import fashion_mnist_missing
+
+    missing = fashion_mnist_missing()
+    if missing:
+        parser.error(
+            f"{reader} trains the CNN on Fashion-MNIST, not found: {', '.join(missing)}; install it with "
+            f"`apt-get install dataset-fashion-mnist`{', or ' + otherwise if otherwise else ''}"
+        )

@@ -39,20 +39,23 @@ def read_idx(path: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw[offset:]), dtype=_IDX_TYPES[dtype_code]).reshape(dims)
 
 
+_FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+                        "t10k-labels-idx1-ubyte")  # fmt: skip
+
+
+def fashion_mnist_missing(root: str | None = None) -> list[str]:
+    """The paths of Fashion-MNIST's four files that are not under ``root`` (default
+    FASHION_MNIST_DIR, where Debian's dataset-fashion-mnist installs them)."""
+    paths = [os.path.join(root or FASHION_MNIST_DIR, f"{name}.gz") for name in _FASHION_MNIST_FILES]
+    return [p for p in paths if not os.path.exists(p)]
+
+
 def fashion_mnist(root: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(train images, train labels, test images, test labels); images float32 N x 1 x 28 x 28,
     normalised with the training set's mean and standard deviation."""
     root = root or FASHION_MNIST_DIR
-    paths = {
-        name: os.path.join(root, f"{name}.gz")
-        for name in (
-            "train-images-idx3-ubyte",
-            "train-labels-idx1-ubyte",
-            "t10k-images-idx3-ubyte",
-            "t10k-labels-idx1-ubyte",
-        )
-    }
-    missing = [p for p in paths.values() if not os.path.exists(p)]
+    paths = {name: os.path.join(root, f"{name}.gz") for name in _FASHION_MNIST_FILES}
+    missing = fashion_mnist_missing(root)
     if missing:
         raise FileNotFoundError(
             f"Fashion-MNIST not found: {', '.join(missing)}. Install it with "

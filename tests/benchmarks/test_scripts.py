@@ -56,6 +56,7 @@ def test_select_reports_every_method(tmp_path):
     assert ratio == pytest.approx(select_ms / add_ms, rel=0.02)  # against the add timed beside it (3 digits each)
     assert first > 0 and math.isfinite(first)  # steps 3 and 4, apart
     assert "| steps 3-4 / add |" in text
+    assert " |\n\nMedians of 1 steps" in text  # a paragraph: right below the table it renders as one more row
 
 
 def test_select_methods_live_through_every_round_on_changing_gradients(monkeypatch):
@@ -93,6 +94,13 @@ def test_threshold_moves_reports_both_streams(tmp_path):
     assert threshold_moves.moves([1.0, 2.0, 1.0]) == pytest.approx([math.log(2), math.log(2)])
     with pytest.raises(SystemExit):
         threshold_moves.main(["--steps", "10", "--output", str(tmp_path / "x.md")])
+
+
+def test_threshold_moves_refuses_a_density_whose_threshold_reaches_the_gradients_zeros(capsys, monkeypatch):
+    """--density 0.7 ended in a ZeroDivisionError: 13% of the CNN's gradient is exactly zero."""
+    monkeypatch.setattr(density, "cnn_stream", never("a gradient stream was drawn"))
+    message = "--density must be in (0, 0.5] (a sparsifier's: the CNN's gradient is 13% zeros), got 0.7"
+    assert_refused(threshold_moves.main, ["--density", "0.7", "--output", "unused.md"], message, capsys)
 
 
 def test_threshold_moves_refuses_a_size_that_is_no_whole_number(capsys, monkeypatch):
@@ -162,6 +170,10 @@ TABLE_ONLY = "--rounds, --momentum, --warmup, --dtype, --steps and --only apply 
             "--dtype and --steps apply to the CPU's --methods table",
         ),
         (["--warmup", "-1", "--methods"], "--warmup must be at least 0, got -1"),
+        # an empty table, and exit status 0
+        (["--methods", "--only", "TopK,SparDL"], "--only SparDL: selects block by block inside its exchange"),
+        # the steps written, then the report over them
+        (["--methods", "--steps", "unused.md"], "--steps unused.md and --output unused.md name one file"),
     ],
 )
 def test_select_refuses_bad_values_before_timing_anything(argv, message, capsys, monkeypatch):
@@ -224,6 +236,20 @@ def test_density_refuses_too_few_steps_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit):
         density.main([flag, value, "--output", "unused.md"])
     assert f"{flag} {value}: the first" in capsys.readouterr().err
+
+
+def test_the_cnn_stream_without_fashion_mnist_is_refused_before_any_work(capsys, monkeypatch):
+    """Without the dataset, density computed its drift table and then ended in a traceback whose
+    hint was a --data-dir it does not take; threshold_moves ended alike."""
+    from examples.cnn import data
+
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", "/nonexistent/fashion-mnist")
+    monkeypatch.setattr(density, "drift_stream", never("a gradient stream was drawn"))
+    found = "--streams cnn trains the CNN on Fashion-MNIST, not found: /nonexistent/fashion-mnist/train-images"
+    assert_refused(density.main, ["--steps", "60", "--no-imbalance", "--output", "unused.md"], found, capsys)
+    assert_refused(density.main, ["--steps", "60", "--output", "unused.md"], "or leave that stream out: --streams drift",
+                   capsys)  # fmt: skip
+    assert_refused(threshold_moves.main, ["--output", "unused.md"], "apt-get install dataset-fashion-mnist", capsys)
 
 
 @pytest.mark.parametrize(
@@ -471,6 +497,9 @@ def test_select_times_the_gpu_that_device_names(tmp_path, monkeypatch):
          "WORLD_SIZE=1: benchmarks.link needs at least 2 ranks; start it with torchrun --standalone "
          "--nproc-per-node=2 -m benchmarks.link"),  # measure_link's ValueError traceback, the group left open
         (step_ratio.main, [], {}, "not set: benchmarks.step_ratio runs one rank per process; start it with torchrun"),
+        # torch's traceback about WORLD_SIZE (without RANK overlap starts its own ranks)
+        (overlap.main, ["--output", "unused.md"], {"RANK": "0"},
+         "WORLD_SIZE, MASTER_ADDR, MASTER_PORT not set: benchmarks.overlap runs one rank per process"),
         (allgatherv.main, [], {}, "not set: benchmarks.allgatherv runs one rank per process; start it with torchrun"),
     ],
 )  # fmt: skip
