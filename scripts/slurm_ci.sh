@@ -16,7 +16,10 @@
 #    a tiny run: 2 tasks, --preset demo --method dense,topk --max-steps 3, --out in the state folder;
 #    waits for it (GRADSPARSE_SLURM_TIMEOUT seconds, default 600, then scancel), prints the job's
 #    log and checks: state COMPLETED, exit code 0:0, 2 workers, and
-#    for each method an epochs.csv whose rows all have a finite loss, the last at step 3.
+#    for each method an epochs.csv whose rows all have a finite loss, the last at step 3. Then
+#    the same for Top-k under sbatch --export=VENV=<venv> alone, as a site's --export=NONE leaves
+#    a job: the virtual environment setup.sh made (GRADSPARSE_VENV), or one made over PYTHON's
+#    packages (--system-site-packages).
 # 5. Stops the daemons it started (munged only if it started it) and exits non-zero on any
 #    failure. GRADSPARSE_SLURM_KEEP=1 leaves them running, to submit more jobs by hand after
 #    `export SLURM_CONF=/tmp/gradsparse-slurm/slurm.conf`.
@@ -35,8 +38,6 @@ timeout="${GRADSPARSE_SLURM_TIMEOUT:-600}"
 keep="${GRADSPARSE_SLURM_KEEP:-0}"
 host="$(hostname -s)"
 conf="$dir/slurm.conf"
-out="$dir/run"
-methods=(dense topk)
 steps=3
 start=$SECONDS
 if [ "$(id -u)" -ne 0 ]; then
@@ -194,54 +195,54 @@ if [ "$state" != idle ]; then
 fi
 sinfo
 
-# --- 4. the job -------------------------------------------------------------------------------
-rm -rf "$out"
-args=(--preset demo --method "$(IFS=,; echo "${methods[*]}")" --max-steps "$steps" --out "$out" --no-progress)
-jobid="$(sbatch --parsable --export=ALL --job-name=gradsparse-ci --nodes=1 --ntasks=2 --cpus-per-task=1 \
-  --time=00:15:00 --output="$dir/job-%j.log" slurm/cpu.sbatch "${args[@]}")"
-jobid="${jobid%%;*}"
-submitted=$SECONDS
-say "submitted job $jobid: slurm/cpu.sbatch ${args[*]}"
-last=""
-while :; do
-  now="$(squeue -h -j "$jobid" -o %T 2> /dev/null || true)"
-  [ -z "$now" ] && break
-  if [ "$now" != "$last" ]; then say "job $jobid $now"; last="$now"; fi
-  if ((SECONDS - submitted > timeout)); then
-    echo "job $jobid still $now after ${timeout} s: cancelling" >&2
-    scancel "$jobid" || true
-    cat "$dir/job-$jobid.log" 2> /dev/null || true
+# --- 4. the jobs ------------------------------------------------------------------------------
+# run_job LABEL EXPORT OUT METHODS: submits slurm/cpu.sbatch with sbatch --export=EXPORT for a
+# run of METHODS (comma-separated) into OUT, waits for it and checks it; returns 1 on a failure.
+run_job() {
+  local label="$1" export="$2" out="$3" methods="$4" now last="" submitted info job_state exit_code fail=0
+  rm -rf "$out"
+  local args=(--preset demo --method "$methods" --max-steps "$steps" --out "$out" --no-progress)
+  jobid="$(sbatch --parsable --export="$export" --job-name="gradsparse-ci-$label" --nodes=1 --ntasks=2 \
+    --cpus-per-task=1 --time=00:15:00 --output="$dir/job-%j.log" slurm/cpu.sbatch "${args[@]}")"
+  jobid="${jobid%%;*}"
+  submitted=$SECONDS
+  say "submitted job $jobid ($label, --export=$export): slurm/cpu.sbatch ${args[*]}"
+  while :; do
+    now="$(squeue -h -j "$jobid" -o %T 2> /dev/null || true)"
+    [ -z "$now" ] && break
+    if [ "$now" != "$last" ]; then say "job $jobid $now"; last="$now"; fi
+    if ((SECONDS - submitted > timeout)); then
+      echo "job $jobid still $now after ${timeout} s: cancelling" >&2
+      scancel "$jobid" || true
+      cat "$dir/job-$jobid.log" 2> /dev/null || true
+      show_logs
+      return 1
+    fi
+    sleep 1
+  done
+  info="$(scontrol show job "$jobid" 2> /dev/null || grep "JobId=$jobid " "$dir/jobcomp.log" || true)"
+  job_state="$(grep -o 'JobState=[A-Z_]*' <<< "$info" | head -n 1 | cut -d= -f2 || true)"
+  exit_code="$(grep -o ' ExitCode=[0-9:]*' <<< "$info" | head -n 1 | cut -d= -f2 || true)"
+  say "job $jobid finished: state ${job_state:-unknown}, exit code ${exit_code:-unknown}"
+  echo "--- job log $dir/job-$jobid.log"
+  cat "$dir/job-$jobid.log" || true
+  echo "---"
+  if [ "$job_state" != COMPLETED ] || [ "$exit_code" != 0:0 ]; then
+    echo "FAIL: job state ${job_state:-unknown}, exit code ${exit_code:-unknown} (want COMPLETED, 0:0)" >&2
     show_logs
-    exit 1
+    fail=1
   fi
-  sleep 1
-done
-info="$(scontrol show job "$jobid" 2> /dev/null || grep "JobId=$jobid " "$dir/jobcomp.log" || true)"
-job_state="$(grep -o 'JobState=[A-Z_]*' <<< "$info" | head -n 1 | cut -d= -f2 || true)"
-exit_code="$(grep -o ' ExitCode=[0-9:]*' <<< "$info" | head -n 1 | cut -d= -f2 || true)"
-say "job $jobid finished: state ${job_state:-unknown}, exit code ${exit_code:-unknown}"
-echo "--- job log $dir/job-$jobid.log"
-cat "$dir/job-$jobid.log" || true
-echo "---"
-
-# --- checks -----------------------------------------------------------------------------------
-fail=0
-if [ "$job_state" != COMPLETED ] || [ "$exit_code" != 0:0 ]; then
-  echo "FAIL: job state ${job_state:-unknown}, exit code ${exit_code:-unknown} (want COMPLETED, 0:0)" >&2
-  show_logs
-  fail=1
-fi
-if ! grep -q ": 2 workers (gloo)" "$dir/job-$jobid.log" 2> /dev/null; then
-  echo "FAIL: the log does not show 2 Gloo workers" >&2
-  fail=1
-fi
-"$PYTHON" - "$out" "$steps" "${methods[@]}" << 'EOF' || fail=1
+  if ! grep -q ": 2 workers (gloo)" "$dir/job-$jobid.log" 2> /dev/null; then
+    echo "FAIL: the log does not show 2 Gloo workers" >&2
+    fail=1
+  fi
+  "$PYTHON" - "$out" "$steps" "$methods" << 'EOF' || fail=1
 import csv, math, os, sys
 
-out, steps, methods = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+out, steps, methods = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 bad = False
 for method in methods:
-    path = os.path.join(out, method, "epochs.csv")
+    path = os.path.join(out, method if len(methods) > 1 else "", "epochs.csv")  # one method: --out itself
     if not os.path.isfile(path):
         print(f"FAIL: {path} is missing", file=sys.stderr)
         bad = True
@@ -257,5 +258,21 @@ for method in methods:
         print(f"ok: {path}: {len(rows)} row(s), step {steps}, loss {losses[-1]:.4f}")
 sys.exit(1 if bad else 0)
 EOF
-if [ "$fail" -ne 0 ]; then exit 1; fi
-say "PASS: slurm/cpu.sbatch ran under SLURM (job $jobid; output in $out; repo $repo)"
+  if [ "$fail" -ne 0 ]; then return 1; fi
+  say "PASS: slurm/cpu.sbatch ran under SLURM ($label: job $jobid; output in $out; repo $repo)"
+}
+
+run_job export-all ALL "$dir/run" dense,topk
+# A site's --export=NONE (here with the one variable VENV): sbatch hands srun no environment through
+# SLURM_EXPORT_ENV, and the job's tasks found no interpreter until the script's srun said
+# --export=ALL. The virtual environment setup.sh made, or one over this interpreter's packages.
+venv="${GRADSPARSE_VENV:-$dir/venv}"
+if [ -z "$GRADSPARSE_VENV" ]; then
+  rm -rf "$venv"
+  "$PYTHON" -m venv --system-site-packages "$venv"
+fi
+if ! "$venv/bin/python" -c "import gradsparse" 2> /dev/null; then
+  echo "FAIL: $venv has no gradsparse (PYTHON=$PYTHON is a virtual environment's itself: set GRADSPARSE_VENV to it)" >&2
+  exit 1
+fi
+run_job export-venv-only "VENV=$venv" "$dir/run-venv" topk
