@@ -442,6 +442,7 @@ class State:
                 load = self._read(*self._unchecked)
             except Exception as e:  # any error: one left to this rank alone would leave the others waiting
                 refusal = e
+        comm = None
         try:
             _give_back_abandoned()
             comm = self._make_comm_group(group)
@@ -451,6 +452,7 @@ class State:
             mine = (_wire(), owner, repr(sorted(self.config().items())), _verdict(refusal), step)
             dist.all_gather_object(gathered, mine, group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
+            _give_back_refused(comm, group)
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
                 f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
@@ -458,29 +460,11 @@ class State:
                 "that raised before it (a load_state_dict refused there) never arrives: see that rank's error"
                 + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
-        if len({_wire_of(entry) for entry in gathered}) > 1:  # their messages and control words may differ
-            raise ValueError(
-                f"{owner}: the ranks run different gradsparse versions: "
-                + "; ".join(f"rank {r}: {_wire_of(entry)}" for r, entry in enumerate(gathered))
-                + ". Install the same gradsparse on every rank."
-            )
-        if len({entry[:3] for entry in gathered}) > 1:
-            raise ValueError(
-                f"{owner}: the ranks were given different configurations: "
-                + "; ".join(f"rank {r}: {entry[1:3]}" for r, entry in enumerate(gathered))
-                + ". Create the state with the same method and options on every rank."
-            )
-        self.check_world_size(world_size)
-        self._process_group = group
-        self._world_size = world_size
-        self._rank = dist.get_rank(group)
-        if self._method_config.get("exchange") == "auto" and world_size > 1:
-            if self._link is None:
-                from gradsparse import simulate
-
-                self._link = simulate.measure_link(comm)  # what exchange="auto" starts from
-            self._trial = self._new_trial(self._step, self._saved_exchanges)
-        self._engine = self._make_engine(comm)
+        try:
+            self._start(owner, group, comm, gathered)
+        except BaseException:
+            _give_back_refused(comm, group)
+            raise
         self._comm, self._pid = comm, os.getpid()
         # A state collected without close() gives its group back (not a sub-group's: see close).
         if group is dist.group.WORLD:
@@ -499,6 +483,35 @@ class State:
         if load is not None:
             load()
         return self
+
+    def _start(self, owner: str, group: dist.ProcessGroup, comm: dist.ProcessGroup, gathered: list[Any]) -> None:
+        """The set-up once every rank has arrived: refuses what the ranks disagree on (versions,
+        configurations, in ``gathered``) and a world size the method cannot run at, then starts
+        the engine on ``comm``."""
+        if len({_wire_of(entry) for entry in gathered}) > 1:  # their messages and control words may differ
+            raise ValueError(
+                f"{owner}: the ranks run different gradsparse versions: "
+                + "; ".join(f"rank {r}: {_wire_of(entry)}" for r, entry in enumerate(gathered))
+                + ". Install the same gradsparse on every rank."
+            )
+        if len({entry[:3] for entry in gathered}) > 1:
+            raise ValueError(
+                f"{owner}: the ranks were given different configurations: "
+                + "; ".join(f"rank {r}: {entry[1:3]}" for r, entry in enumerate(gathered))
+                + ". Create the state with the same method and options on every rank."
+            )
+        world_size = len(gathered)
+        self.check_world_size(world_size)
+        self._process_group = group
+        self._world_size = world_size
+        self._rank = dist.get_rank(group)
+        if self._method_config.get("exchange") == "auto" and world_size > 1:
+            if self._link is None:
+                from gradsparse import simulate
+
+                self._link = simulate.measure_link(comm)  # what exchange="auto" starts from
+            self._trial = self._new_trial(self._step, self._saved_exchanges)
+        self._engine = self._make_engine(comm)
 
     @property
     def _wait_timeout(self) -> datetime.timedelta:
@@ -525,29 +538,42 @@ class State:
             )
             if self._process_group is not dist.group.WORLD:  # before MPI_Init, which waits for the whole world
                 raise ValueError(
-                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, but a sub-group '
-                    f'{group_ranks(self._process_group)} was given; use transport="process_group" for a sub-group, '
-                    f"or {fix}"
+                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, but the process group '
+                    f"{group_ranks(self._process_group)} given is not the default group; use "
+                    f'transport="process_group" for a group of your own, or {fix}'
                 )
+            # The launcher's numbering first: MPI_Init waits for every process of the MPI job, and
+            # where torch's world is smaller (a process of the job that trains not) it waited for ever.
+            self._refuse_other_mpi_numbering(comm, _mpi_launcher_numbering(), "the launcher numbers", fix)
             # Refused on every rank alike where MPI's thread level admits no engine beside torch's MPI group.
             engine = _C.Engine.mpi(other_mpi_threads=_torch_mpi_threads(dist.get_backend(self._process_group)))
-            mine = (engine.rank, engine.size)
-            # Every rank refuses alike, not only those numbered otherwise. An object collective, as the
-            # set-up's agreement: on an NCCL-only group a CPU tensor has no backend.
-            numbered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(numbered, mine, group=comm)
-            differ = sum(theirs != (r, dist.get_world_size()) for r, theirs in enumerate(numbered))
-            if differ:
+            try:
+                self._refuse_other_mpi_numbering(comm, (engine.rank, engine.size), "runs as", fix)
+            except ValueError:
                 engine.shutdown()
-                raise ValueError(
-                    f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD (here rank {mine[0]} of '
-                    f"{mine[1]}) but torch.distributed has rank {dist.get_rank()} of {dist.get_world_size()}; the "
-                    f"two differ on {differ} of the {dist.get_world_size()} ranks: {fix}"
-                )
+                raise
             _end_the_mpi_job_on_an_uncaught_error(engine.rank)
             return engine
         timeout = self._wait_timeout
         return _C.Engine(comm, timeout.total_seconds())
+
+    def _refuse_other_mpi_numbering(
+        self, comm: dist.ProcessGroup, mine: tuple[int, int] | None, how: str, fix: str
+    ) -> None:
+        """Refuses, on every rank alike, an MPI numbering (rank, size) other than torch's on any
+        rank; None (not known on this rank) passes. An object collective, as the set-up's
+        agreement: on an NCCL-only group a CPU tensor has no backend."""
+        world = dist.get_world_size()
+        numbered: list[Any] = [None] * world
+        dist.all_gather_object(numbered, mine, group=comm)
+        differ = sum(theirs not in (None, (r, world)) for r, theirs in enumerate(numbered))
+        if differ:
+            here = f"here rank {mine[0]} of {mine[1]}" if mine is not None else "here not known"
+            raise ValueError(
+                f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, which {how} ({here}), but '
+                f"torch.distributed has rank {dist.get_rank()} of {world}; the two differ on {differ} of the "
+                f"{world} ranks: {fix}"
+            )
 
     # ----------------------------------------------------------------------------------------
     # The model (gradsparse.binding)
@@ -1640,6 +1666,23 @@ def _release(held: list[tuple[torch.Tensor, list[torch.Tensor], torch.futures.Fu
 
 def _value(future: torch.futures.Future):
     return future.value()
+
+
+def _mpi_launcher_numbering() -> tuple[int, int] | None:
+    """This process's (rank, size) in the MPI job as its launcher's variables give them before
+    MPI_Init (OpenMPI's mpirun, MPICH's and Intel MPI's PMI), or None where they give none."""
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        numbers = (os.environ.get(rank, ""), os.environ.get(size, ""))
+        if all(n.isdigit() for n in numbers):
+            return int(numbers[0]), int(numbers[1])
+    return None
+
+
+def _give_back_refused(comm: dist.ProcessGroup | None, group: dist.ProcessGroup) -> None:
+    """Gives back the exchanges' group of a set-up refused on every rank (three threads and five
+    sockets on Gloo, leaked by each refusal), as close() does: not a sub-group's (see close)."""
+    if comm is not None and group is dist.group.WORLD:
+        _give_back(comm, os.getpid())
 
 
 def _torch_mpi_threads(backend: str) -> int:

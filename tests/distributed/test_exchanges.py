@@ -126,13 +126,54 @@ def test_transport_mpi_refusals_reach_every_rank_at_once(tmp_path, case):
     "process_group" ranks created a group the "mpi" ranks did not); transport="mpi" on a sub-group
     initialised MPI before its check, which waits for every rank of the world: forever."""
     results = run_under_mpirun(tmp_path, 3, "mpi_refusal", case, timeout=120)
-    expected = "the ranks were given different configurations" if case == "mixed" else "but a sub-group [0, 1]"
+    expected = (
+        "the ranks were given different configurations"
+        if case == "mixed"
+        else "but the process group [0, 1] given is not the default group"
+    )
     for rank, (kind, text) in enumerate(results):
         if case == "sub_group" and rank == 2:
             continue
         assert kind == "ValueError" and expected in text, f"rank {rank}: {kind}: {text}"
         if case == "mixed":
             assert "('transport', 'mpi')" in text and "('transport', 'process_group')" in text, text
+
+
+# Under mpirun -np 3, a job whose third process trains not: torch's world is ranks 0 and 1.
+_SMALLER_TORCH_WORLD = """
+import os, sys
+import torch.distributed as dist, torch.nn as nn
+import gradsparse as gs
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+gs.launch.setup_environment()
+if os.environ["RANK"] == "2":
+    sys.exit(0)
+os.environ["WORLD_SIZE"] = "2"
+dist.init_process_group("gloo", init_method="env://")
+try:
+    gs.register(DDP(nn.Linear(4, 1)), gs.TopK(density=0.5, transport="mpi", timeout=20))
+    print(f"rank {dist.get_rank()}: registered", flush=True)
+except ValueError as e:
+    print(f"rank {dist.get_rank()}: {e}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_transport_mpi_in_a_torch_world_smaller_than_the_mpi_job_is_refused_before_mpi_init(tmp_path):
+    """Two of mpirun's three processes in torch's world: MPI_Init waited for the third for ever,
+    past the state's timeout, before the check of the numbering could run. The launcher's
+    numbering is compared first."""
+    script = tmp_path / "smaller.py"
+    script.write_text(_SMALLER_TORCH_WORLD)
+    env = environment(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    command = [shutil.which("mpirun"), "--allow-run-as-root", "--oversubscribe", "-np", "3", "--mca", "btl",
+               "self,tcp", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", sys.executable, str(script)]  # fmt: skip
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    for rank in (0, 1):
+        expected = (f"rank {rank}: TopK: transport=\"mpi\" runs on MPI_COMM_WORLD, which the launcher numbers (here "
+                    f"rank {rank} of 3), but torch.distributed has rank {rank} of 2; the two differ on 2 of the 2 ranks")  # fmt: skip
+        assert expected in done.stdout, done.stdout + done.stderr
 
 
 def test_a_closed_mpi_state_makes_way_for_the_next_under_mpi_thread_serialized(tmp_path):

@@ -2182,3 +2182,17 @@ def test_sage_from_a_huge_initial_threshold_trains_under_a_grad_scaler():
     assert saved["loss_scale"] == 2.0**19  # 2^16 at the first step, doubled after each
     thresholds = [method["threshold"] for method in saved["methods"]]
     assert thresholds == [method["threshold"] * 2.0**19 for method in plain.state_dict()["methods"]], thresholds
+
+
+def test_a_refused_set_up_gives_its_group_back():
+    """A set-up refused after the state's own group was made (a world size the method cannot run
+    at here; alike for disagreeing ranks, another MPI numbering) kept that group, three threads and
+    five sockets on Gloo, for each try."""
+    groups = dist.distributed_c10d._world.pg_map
+    gc.collect()
+    gs.register(DDP(_model()), gs.TopK(density=0.05)).close()  # gives back those of states earlier tests dropped
+    held = len(groups)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="SparDL: teams=3 does not divide the world size 1"):
+            gs.register(DDP(_model()), gs.SparDL(density=0.1, teams=3))
+    assert len(groups) == held
