@@ -18,8 +18,8 @@
 #    log and checks: state COMPLETED, exit code 0:0, 2 workers, and
 #    for each method an epochs.csv whose rows all have a finite loss, the last at step 3. Then
 #    the same for Top-k under sbatch --export=VENV=<venv> alone, as a site's --export=NONE leaves
-#    a job: the virtual environment setup.sh made (GRADSPARSE_VENV), or one made over PYTHON's
-#    packages (--system-site-packages).
+#    a job: PYTHON's virtual environment (setup.sh's .venv), or one made over PYTHON's packages
+#    (--system-site-packages).
 # 5. Stops the daemons it started (munged only if it started it) and exits non-zero on any
 #    failure. GRADSPARSE_SLURM_KEEP=1 leaves them running, to submit more jobs by hand after
 #    `export SLURM_CONF=/tmp/gradsparse-slurm/slurm.conf`.
@@ -265,14 +265,15 @@ EOF
 run_job export-all ALL "$dir/run" dense,topk
 # A site's --export=NONE (here with the one variable VENV): sbatch hands srun no environment through
 # SLURM_EXPORT_ENV, and the job's tasks found no interpreter until the script's srun said
-# --export=ALL. The virtual environment setup.sh made, or one over this interpreter's packages.
-venv="${GRADSPARSE_VENV:-$dir/venv}"
-if [ -z "$GRADSPARSE_VENV" ]; then
+# --export=ALL. PYTHON's virtual environment (setup.sh's .venv), or one made over its packages.
+venv="$("$PYTHON" -c 'import sys; print(sys.prefix if sys.prefix != sys.base_prefix else "")')"
+if [ -z "$venv" ]; then
+  venv="$dir/venv"
   rm -rf "$venv"
   "$PYTHON" -m venv --system-site-packages "$venv"
 fi
 if ! "$venv/bin/python" -c "import gradsparse" 2> /dev/null; then
-  echo "FAIL: $venv has no gradsparse (PYTHON=$PYTHON is a virtual environment's itself: set GRADSPARSE_VENV to it)" >&2
+  echo "FAIL: the virtual environment $venv (for PYTHON=$PYTHON) has no gradsparse" >&2
   exit 1
 fi
 run_job export-venv-only "VENV=$venv" "$dir/run-venv" topk
