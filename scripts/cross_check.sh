@@ -15,10 +15,10 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"  # apt_install_as_root
 cd "$(dirname "$0")/.."
-mode="${1:-}"
+mode="$*"
 case "$mode" in
   "" | --install-only | --build-only) ;;
-  *) echo "cross_check.sh: unknown option \"$mode\": give --install-only, --build-only or nothing" >&2; exit 2 ;;
+  *) echo "cross_check.sh: unknown options \"$mode\": give --install-only, --build-only or nothing" >&2; exit 2 ;;
 esac
 
 missing=()

@@ -16,11 +16,14 @@ source "$(dirname "$0")/env.sh"  # from the caller's directory: a relative PYTHO
 require_python sanitize.sh
 cd "$(dirname "$0")/.."
 build_only=0
-if [ "${1:-}" = --build-only ]; then
-  build_only=1
-  shift
-fi
-steps=("$@")
+steps=()
+for arg in "$@"; do  # all checked before any build: a misspelt step ended the run after the others
+  case "$arg" in
+    --build-only) build_only=1 ;;
+    asan | tsan | fuzz) steps+=("$arg") ;;
+    *) echo "unknown step \"$arg\": choose asan, tsan or fuzz (and --build-only)" >&2; exit 2 ;;
+  esac
+done
 [ ${#steps[@]} -gt 0 ] || steps=(asan tsan fuzz)
 torch_prefix=$("$PYTHON" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
 # Debug (assertions on) at -O1, with line tables only (-g1: enough for the sanitizers' stack traces,
@@ -35,9 +38,13 @@ wait_all() {
   return $status
 }
 
-has_libfuzzer() {
+has_libfuzzer() {  # in a file of its own: a fixed path left by another user could not be written
+  local probe status=0
+  probe="$(mktemp)"
   echo 'extern "C" int LLVMFuzzerTestOneInput(const char*, unsigned long) { return 0; }' |
-    clang++ -x c++ -fsanitize=fuzzer,address - -o /tmp/gradsparse-libfuzzer-probe > /dev/null 2>&1
+    clang++ -x c++ -fsanitize=fuzzer,address - -o "$probe" > /dev/null 2>&1 || status=1
+  rm -f "$probe"
+  return $status
 }
 
 for step in "${steps[@]}"; do
@@ -87,10 +94,6 @@ for step in "${steps[@]}"; do
         fuzzers+=($!)
       done
       wait_all "${fuzzers[@]}"
-      ;;
-    *)
-      echo "unknown step \"$step\": choose asan, tsan or fuzz" >&2
-      exit 2
       ;;
   esac
 done

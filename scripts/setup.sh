@@ -37,9 +37,10 @@ if ! dpkg -s "${apt_packages[@]}" > /dev/null 2>&1; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${apt_packages[@]}"
 fi
-if [ -n "$GRADSPARSE_VENV" ] && [ ! -x "$PYTHON" ]; then
+# Made again where a run was interrupted while making it (an interpreter there, but no pip).
+if [ -n "$GRADSPARSE_VENV" ] && ! "$PYTHON" -m pip --version > /dev/null 2>&1; then
   echo "$GRADSPARSE_BASE_PYTHON is externally managed (PEP 668): installing into a virtual environment at $GRADSPARSE_VENV"
-  "$GRADSPARSE_BASE_PYTHON" -m venv "$GRADSPARSE_VENV"
+  "$GRADSPARSE_BASE_PYTHON" -m venv --clear "$GRADSPARSE_VENV"
 fi
 
 pip=("$PYTHON" -m pip install -q --disable-pip-version-check)

@@ -159,7 +159,7 @@ def test_the_scripts_take_a_relative_python_and_venv_from_the_callers_directory(
         python_at(tmp_path / "bin" / "python")
         env = dict(os.environ, PYTHON="bin/python")
         env.pop("GRADSPARSE_VENV", None)
-    # sanitize.sh asks the interpreter for torch's CMake folder, then refuses the unknown step
+    # sanitize.sh finds the interpreter (require_python), then refuses the unknown step
     script = os.path.join(ROOT, "scripts", "sanitize.sh")
     done = subprocess.run(["bash", script, "nostep"], env=env, cwd=tmp_path, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
@@ -317,6 +317,70 @@ def test_a_script_without_its_interpreter_names_the_fix(tmp_path, script, name):
         f"{name}: no interpreter {tmp_path}/none/bin/python (the virtual environment for the externally managed "
         f"{managed}); run bash scripts/setup.sh test first"
     ), done.stderr
+
+
+def _stand_ins(folder, **commands: str):
+    """Commands on a PATH of their own: each runs its shell line."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, line in commands.items():
+        (folder / name).write_text(f"#!/bin/sh\n{line}\n")
+        (folder / name).chmod(0o755)
+    return f"{folder}:{os.environ['PATH']}"
+
+
+@pytest.mark.parametrize(
+    ("script", "argv", "message"),
+    [
+        # ran the check and passed: the user thought the files had been rewritten
+        ("lint.sh", ["fix"], 'lint.sh: unknown arguments "fix": give --fix to rewrite the files, or nothing'),
+        ("lint.sh", ["--fix", "--check"], 'lint.sh: unknown arguments "--fix --check"'),
+        # the ASan suite built and ran (minutes) before the misspelt step, and --build-only, were refused
+        ("sanitize.sh", ["asan", "--build-only", "tsna"], 'unknown step "tsna": choose asan, tsan or fuzz'),
+        ("cross_check.sh", ["--install-only", "--bogus"], 'unknown options "--install-only --bogus"'),
+    ],
+)
+def test_the_scripts_refuse_arguments_they_do_not_take_before_any_work(tmp_path, script, argv, message):
+    path = _stand_ins(tmp_path / "bin", **{name: 'echo "$0 ran" >&2; exit 1' for name in ("cmake", "apt-get", "pip")})
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", script), *argv], env=dict(os.environ, PATH=path),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert message in done.stderr and " ran" not in done.stderr, done.stderr
+
+
+def test_lint_outside_a_git_checkout_says_so_instead_of_passing(tmp_path):
+    """git ls-files failed outside a checkout and clang-format, given no file, read its standard
+    input and passed."""
+    (tmp_path / "scripts").mkdir()
+    for name in ("lint.sh", "env.sh"):
+        shutil.copy(os.path.join(ROOT, "scripts", name), tmp_path / "scripts" / name)
+    done = subprocess.run(["bash", "scripts/lint.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL, env=dict(os.environ, GIT_CEILING_DIRECTORIES=str(tmp_path.parent)))  # fmt: skip
+    assert done.returncode == 2, f"{done.stdout}\n{done.stderr}"
+    assert "lint.sh: git lists no C++ file here: run it in a git checkout of gradsparse" in done.stderr, done.stderr
+
+
+def test_setup_makes_again_a_virtual_environment_left_without_pip(tmp_path):
+    """A run interrupted while it made the virtual environment left an interpreter without pip
+    there, and every later run skipped making it and ended in "No module named pip"."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text('#!/bin/sh\necho "No module named pip" >&2\nexit 1\n')
+    (venv / "bin" / "python").chmod(0o755)
+    managed = tmp_path / "managed" / "python3"  # Debian's python3: externally managed, and makes venvs
+    managed.parent.mkdir()
+    managed.write_text(
+        '#!/bin/sh\ncase "$*" in *EXTERNALLY-MANAGED*) exit 0 ;; esac\n'
+        'if [ "$1 $2 $3" = "-m venv --clear" ]; then\n'
+        '  printf \'#!/bin/sh\\necho "$*" >> %s/calls\\nexit 3\\n\' "$4" > "$4/bin/python"; exit 0\nfi\nexit 1\n'
+    )
+    managed.chmod(0o755)
+    path = _stand_ins(tmp_path / "bin", dpkg="exit 0")  # the Debian packages are there
+    env = dict(os.environ, PATH=path, PYTHON=str(managed), GRADSPARSE_VENV=str(venv))
+    done = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 3, f"{done.stdout}\n{done.stderr}"  # the new interpreter's first pip install
+    assert "installing into a virtual environment at" in done.stdout, done.stdout
+    assert "\n-m pip install -q --disable-pip-version-check torch" in (venv / "calls").read_text()
 
 
 def test_ctest_runs_in_its_build_folder_on_the_declared_cmake():
