@@ -813,16 +813,17 @@ class State:
             )
 
     def _hold_unused(self, entry: Bucket, buffer: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """With ``find_unused_parameters=True`` DDP leaves the gradient of a parameter that no rank
-        used untouched, so it drops whatever the exchange averaged for it: what a selection took
-        from that parameter's residual would be lost. So a parameter whose gradient is zero on
+        """With ``find_unused_parameters=True`` (or ``static_graph=True``) DDP leaves the gradient of
+        a parameter that no rank used untouched, so it drops whatever the exchange averaged for it:
+        what a selection took from that parameter's residual would be lost. So a parameter whose gradient is zero on
         this rank (DDP hands an unused one over as zeros) sits the step out on this rank: its
         residual and velocity are set aside as zeros for the step and put back after it (added to
         what the exchange wrote there: other ranks' mass). Returns the (piece, saved copy) pairs
         to put back."""
         ddp = self._binding.model()
         tensors = [t for t in (entry.residual, entry.velocity) if t is not None]
-        if ddp is None or not getattr(ddp, "find_unused_parameters", False) or not tensors:
+        unused_found = getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False)
+        if ddp is None or not unused_found or not tensors:
             return []
         used = torch.stack([piece.ne(0).any() for piece in buffer.split(entry.numels)]).tolist()
         held = []

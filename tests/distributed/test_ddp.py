@@ -191,7 +191,7 @@ def test_a_state_moved_to_a_new_ddp_continues_as_the_old_one_would_have(method, 
             assert torch.equal(x, y), f"rank {rank}: differs by {(x - y).abs().max()}"
 
 
-@pytest.mark.parametrize("case", ["rebuild", "hooked", "unused", "accumulation"])
+@pytest.mark.parametrize("case", ["rebuild", "hooked", "unused", "accumulation", "static"])
 def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
     """(c) through DDP's own paths, as the parameters see it: the ranks' mean gradient handed to
     the hook equals the gradient DDP applied plus the ranks' mean residual, summed over the steps.
@@ -202,7 +202,9 @@ def test_c_what_ddp_applies_and_the_residuals_hold_every_gradient(case):
     buckets came under the parameters' names); "unused": find_unused_parameters=True, where DDP drops the
     average of a parameter no rank used (its residual must not be sent); "accumulation": the same
     with two batches a step, the first under no_sync(), and the gradients in DDP's buckets
-    (gradient_as_bucket_view=True): the hook reduces each step once, and the state counts it once."""
+    (gradient_as_bucket_view=True): the hook reduces each step once, and the state counts it once;
+    "static": a head left with a residual and unused under static_graph=True, where DDP drops its
+    average as under find_unused_parameters=True (its residual was sent, and lost)."""
     results = run_distributed(workers.mass_applied, 2, case)
     assert sorted({step for step, _ in results[0][3]}) == list(range(6))
     applied = results[0][1]

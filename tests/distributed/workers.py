@@ -208,7 +208,8 @@ def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dic
     with find_unused_parameters=True, one head unused on every rank at each step) or
     "accumulation" (the same with gradient_as_bucket_view=True, and two batches a step, the first
     under no_sync(), each with a head of its own: a head may be used under no_sync() alone, or in
-    neither batch). Returns, by parameter, the gradients the hook was handed and those DDP applied
+    neither batch), or "static" (as "unused" for 3 steps, then a new DDP with static_graph=True
+    whose steps all use the even head). Returns, by parameter, the gradients the hook was handed and those DDP applied
     (each .grad after backward), summed over the steps, the final residual, and the parameter
     names of every hook call by step."""
     per_step = 2 if case == "accumulation" else 1  # batches
@@ -241,10 +242,14 @@ def mass_applied(rank: int, world_size: int, case: str) -> tuple[dict, dict, dic
         if case == "hooked" and step == 3:
             ddp = DDP(model, bucket_cap_mb_list=[0.003] * 3)
             gs.register(ddp, state, hook=recording_hook)
+        if case == "static" and step == 3:  # the odd head, with a residual, is used no more
+            ddp = DDP(model, static_graph=True, bucket_cap_mb=0.001)
+            gs.register(ddp, state, hook=recording_hook)
         model.zero_grad(set_to_none=True)  # a parameter DDP leaves alone keeps no gradient
         for i in range(per_step):
             x = torch.randn(8, 32 if chain else 16, generator=g)
             even = step % 2 == 0 if per_step == 1 else (step + i) % 3 == 0
+            even = even or (case == "static" and step >= 3)
             with ddp.no_sync() if i < per_step - 1 else contextlib.nullcontext():
                 (ddp(x) if chain else ddp(x, even)).pow(2).mean().backward()
         for n, p in model.named_parameters():
