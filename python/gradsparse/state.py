@@ -29,6 +29,7 @@ import inspect
 import math
 import numbers
 import os
+import pickle
 import re
 import sys
 import warnings
@@ -466,6 +467,7 @@ class State:
             _give_back_refused(comm, group)
             raise
         self._comm, self._pid = comm, os.getpid()
+        self._agreements = 0  # those of _gather_beside_the_exchanges on this group, alike on every rank
         # A state collected without close() gives its group back (not a sub-group's: see close).
         if group is dist.group.WORLD:
             self._abandoned = weakref.finalize(self, _ABANDONED.append, (comm, self._pid))
@@ -1393,9 +1395,8 @@ class State:
             return
         if self._comm is None:
             raise RuntimeError(f"{owner}: this state was closed (state.close()); create a new state and load into it")
-        gathered: list[Any] = [None] * self._world_size
         try:
-            dist.all_gather_object(gathered, (_verdict(refusal), step), group=self._comm)
+            gathered = self._gather_beside_the_exchanges((_verdict(refusal), step))
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
             if refusal is not None:
                 raise refusal from e
@@ -1408,6 +1409,27 @@ class State:
                 'f"gradsparse-rank{rank}.pt")) on every rank, or load gradsparse.AllRanks\' file on every rank'
             ) from e
         self._refuse_where_refused(refusal, [verdict for verdict, _ in gathered], [step for _, step in gathered])
+
+    def _gather_beside_the_exchanges(self, mine: Any) -> list[Any]:
+        """Every rank's ``mine``, by rank of the state's group, through the rendezvous store (keys
+        named after the exchanges' own group), bounded by the state's timeout. Not a collective on
+        that group: a rank that loads while another trains (a load under ``if rank == 0:``) met the
+        other rank's exchange there, and Gloo, matching the two, aborted the process. Where there
+        is no store (the MPI backend's group), an object all-gather on that group."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            store = None
+        if store is None:
+            gathered: list[Any] = [None] * self._world_size
+            dist.all_gather_object(gathered, mine, group=self._comm)
+            return gathered
+        self._agreements += 1
+        prefix = f"gradsparse/{self._comm.group_name}/agreement/{self._agreements}/"
+        store.set(f"{prefix}{self._rank}", pickle.dumps(mine))
+        keys = [f"{prefix}{r}" for r in range(self._world_size)]
+        store.wait(keys, self._wait_timeout)
+        return [pickle.loads(store.get(key)) for key in keys]
 
     def _refuse_where_refused(
         self, refusal: Exception | None, verdicts: list[str | None], steps: list[int | None] | None = None

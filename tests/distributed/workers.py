@@ -1688,20 +1688,26 @@ def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, 
     return error, elapsed, moved
 
 
-def load_on_rank_0_alone(rank: int, world_size: int) -> tuple:
-    """After set-up, load_state_dict on rank 0 only (rank 1 goes on past the state's timeout of 2 s
-    without calling it): rank 0's error (None: it loaded) and the seconds it took."""
+def load_on_rank_0_alone(rank: int, world_size: int, other: str) -> tuple:
+    """After set-up, load_state_dict on rank 0 only while rank 1, without calling it, sleeps past
+    the state's timeout of 2 s (``other`` "sleeps") or trains ("trains"): this rank's error (None:
+    it loaded, or trained) and the seconds it took."""
     import time
 
-    state = gs.TopK(density=0.05, timeout=2)
-    gs.register(DDP(make_model()), state)
+    state = gs.TopK(density=0.3, timeout=2)
+    ddp = DDP(make_model())
+    gs.register(ddp, state)
+    train(ddp, rank, steps=2)
     saved = state.state_dict()
-    if rank != 0:
-        time.sleep(6)
-        return None, 0.0
     start, error = time.monotonic(), None
     try:
-        state.load_state_dict(saved)
+        if rank == 0:
+            state.load_state_dict(saved)
+        elif other == "trains":
+            train(ddp, rank, steps=1)
+        else:
+            time.sleep(6)
+            return None, 0.0
     except RuntimeError as e:
         error = str(e)
     return error, time.monotonic() - start
