@@ -277,7 +277,10 @@ class State:
                 f"{owner}: a state that is set up or registered cannot be pickled or copied (torch.save(state), "
                 "copy.deepcopy): it holds its process group, its engine thread and its model. Save "
                 f"state.state_dict() and load it with load_state_dict into a new {owner} (README, Checkpoints); "
-                f"for its options alone, gradsparse.{owner}(**state.config(), process_group=state.process_group)"
+                f"for its options alone, gradsparse.{owner}(**state.config(), process_group=state.process_group). "
+                "A DistributedDataParallel that carries its hook holds it too (copy.deepcopy(model), torch.save(model) "
+                "of the DDP): copy or save the module inside instead, copy.deepcopy(model.module) or "
+                "torch.save(model.module.state_dict(), path)"
             )
         return self.__dict__
 

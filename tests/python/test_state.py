@@ -602,6 +602,12 @@ def test_a_state_in_use_refuses_to_be_pickled_naming_state_dict_and_a_fresh_one_
                 r"gradsparse.TopK\(\*\*state.config\(\), process_group=state.process_group\)",
             ):
                 copy_it(state)
+    # A DDP carrying the hook holds the state: the message says what to copy instead.
+    ddp = _hooked(gs.TopK(density=0.1))
+    for copy_it in (copy.deepcopy, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match=r"copy or save the module inside instead, copy.deepcopy\(model.module\)"):
+            copy_it(ddp)
+    copy.deepcopy(ddp.module)
 
 
 def test_a_state_taken_over_after_a_change_of_memory_format_trains_on_as_before():
