@@ -13,8 +13,8 @@ class Perplexity(driver.Task):
     higher_is_better = False
 
 
-def rows(*points: tuple[float, float]) -> list[dict]:
-    return [{"accuracy": q, "perplexity": q, "elapsed_seconds": t, "bytes_total": 1e6} for t, q in points]
+def rows(*points: tuple[float, float], loss: float = 1.0) -> list[dict]:
+    return [{"accuracy": q, "perplexity": q, "loss": loss, "elapsed_seconds": t, "bytes_total": 1e6} for t, q in points]
 
 
 def test_time_to_target_uses_the_first_evaluation_within_the_tolerance():
@@ -79,3 +79,49 @@ def test_a_reference_that_diverged_sets_no_target():
     for line in text.splitlines()[2:]:
         assert line.split()[3:5] == ["-", "-"], line
     assert text.splitlines()[3].split()[1] == "180.0000"
+
+
+def test_a_reference_whose_loss_diverged_sets_no_target_though_its_score_is_a_number():
+    """A CNN whose loss went NaN still scores chance accuracy (0.1070): the summary set the target
+    just below it, and every method reached it."""
+    results = {"dense": rows((10, 0.5), (20, 0.107), loss=float("nan")), "topk": rows((5, 0.6), (10, 0.8))}
+    text = driver.summarize(Score(), results)
+    assert text.splitlines()[0] == "no target: dense's final loss is nan (accuracy 0.1070), so no time to it is given"
+    assert text.splitlines()[3].split()[3:5] == ["-", "-"], text
+
+
+def test_a_method_at_the_printed_target_has_reached_it():
+    """0.5006 - 0.01 is a hair above 0.4906 in floating point: a method that ended exactly at the
+    target printed (4906 of 10000 right) read "not yet"."""
+    text = driver.summarize(Score(), {"dense": rows((10, 0.5006)), "topk": rows((10, 0.4906))})
+    assert "target accuracy 0.4906 (dense's final 0.5006 - 0.01)" in text
+    assert text.splitlines()[3].split()[3] == "10.0s", text
+    assert not Score().reached(0.4905, 0.5006 - 0.01)
+
+
+def test_powersgd_is_charged_the_whole_gradient_until_it_compresses_and_what_torch_compresses_after():
+    """torch's PowerSGD all-reduces the gradient itself for its first start_powerSGD_iter (2)
+    steps, which were charged at the compressed size; and it compresses a matrix only where that
+    more than halves it (a 16 x 16 matrix at rank 4, 256 elements against 2 x 128, it sends whole)."""
+    import argparse
+
+    import torch
+
+    class Ddp(torch.nn.Module):  # what Communication reads of a DDP: its module and register_comm_hook
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def register_comm_hook(self, state, hook):
+            self.hooked = (state, hook)
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 64, bias=False))
+    assert driver._powersgd_elements(model, 4) == 256 + (64 + 16) * 4
+    args = argparse.Namespace(fsdp=False, powersgd_rank=4, seed=0)
+    comm = driver.Communication("powersgd", Ddp(model), args, world_size=2)
+    sent = []
+    for step in range(4):
+        comm.torch_state.iter = step + 1  # the hook counts the step at its last bucket
+        sent.append(comm.step_figures()["bytes_sent"])
+    whole, compressed = (16 * 16 + 16 * 64) * 4, (256 + 80 * 4) * 4  # ring at 2 ranks: 2 (P - 1) / P = 1
+    assert sent == [whole, whole, compressed, compressed]
