@@ -21,11 +21,13 @@ inline void check_selection_args(const at::Tensor& grad, const std::optional<at:
   if (residual) {
     check_same(grad, "grad", *residual, "residual");
     check_flat(*residual, "residual");
-    // residual += grad is elementwise: a residual that is the same tensor as grad is well defined,
-    // but one shifted against it in one storage reads grad values the kernel already wrote into
-    // the residual (running sums, in whatever order the kernel writes), as torch's own in-place
-    // ops refuse.
-    TORCH_CHECK_VALUE(at::get_overlap_status(*residual, grad) != at::MemOverlapStatus::Partial,
+    // residual += grad is elementwise: a residual that is the same memory as grad is well defined
+    // (the same tensor, or a view of another shape: both are contiguous, of one size, and the
+    // kernels read them flat), but one shifted against it in one storage reads grad values the
+    // kernel already wrote into the residual (running sums, in whatever order the kernel writes),
+    // as torch's own in-place ops refuse.
+    const bool same_memory = residual->data_ptr() == grad.data_ptr();
+    TORCH_CHECK_VALUE(same_memory || at::get_overlap_status(*residual, grad) != at::MemOverlapStatus::Partial,
                       "gradsparse: residual partly overlaps grad in memory, so residual += grad would read values the "
                       "kernel already wrote; pass grad.clone() (or a residual of its own)");
   }

@@ -19,8 +19,15 @@ void check_message_indices(const at::Tensor& indices, int64_t dense_size, const 
   TORCH_CHECK_INDEX(lo >= 0 && hi < dense_size, "gradsparse.", op, ": indices must lie in [0, ", dense_size,
                     "), got values in [", lo, ", ", hi, "]");
   if (idx.numel() > 1) {
-    TORCH_CHECK_INDEX((idx.slice(0, 1) > idx.slice(0, 0, -1)).all().item<bool>(), "gradsparse.", op,
-                      ": indices must be strictly ascending (a message names each element once)");
+    const at::Tensor out_of_order = (idx.slice(0, 1) <= idx.slice(0, 0, -1)).nonzero();
+    if (out_of_order.numel() > 0) {
+      const int64_t at = out_of_order[0][0].item<int64_t>();
+      TORCH_CHECK_INDEX(false, "gradsparse.", op,
+                        ": indices must be strictly ascending (a message names each element once), but position ",
+                        at + 1, " holds ", idx[at + 1].item<int64_t>(), " after ", idx[at].item<int64_t>(),
+                        "; sort the pairs first (order = indices.argsort(); indices, values = indices[order], "
+                        "values[order]) and add up the values of a repeated index");
+    }
   }
 }
 
@@ -74,6 +81,20 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
   at::Tensor bytes = message.contiguous();
   if (bytes.storage_offset() % 8 != 0) bytes = bytes.clone();
   const size_t total = static_cast<size_t>(bytes.numel());
+  // The dtype given, where the message names another: said as the caller's argument (not the
+  // receiving bucket's, as a sparse message of the exchanges is checked).
+  if (total >= kMessageHeaderBytes) {
+    MessageHeader given;
+    const at::Tensor head = bytes.slice(0, 0, kMessageHeaderBytes).cpu();
+    std::memcpy(&given, head.data_ptr(), sizeof(given));
+    if (given.magic == kMessageMagic && given.version == kMessageVersion && given.dtype <= 2 &&
+        static_cast<DType>(given.dtype) != core) {
+      const char* carried = dtype_name(static_cast<DType>(given.dtype));
+      TORCH_CHECK_TYPE(false, "gradsparse.unpack: the message carries ", carried, " values, but dtype=torch.",
+                       dtype_name(core), " was passed; pass dtype=torch.", carried,
+                       " (the dtype of the values given to pack)");
+    }
+  }
   const MessageHeader h = translate_errors([&] {
     GS_CHECK(total >= kMessageHeaderBytes, CorruptMessageError, "sparse message is ", total,
              " bytes, shorter than its 32-byte header");

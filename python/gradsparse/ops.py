@@ -39,6 +39,22 @@ def _one_device(op: str, **tensors: torch.Tensor | None) -> None:
         raise ValueError(f"gradsparse.{op}: {where}; put them on one device")
 
 
+def _outside_autograd(op: str, **tensors: torch.Tensor | None) -> None:
+    """Refuses, where autograd records, a tensor that requires grad among those the op writes in
+    place or adds into what it writes: the ops have no derivative, and autograd kept a rewritten
+    residual's old history and dropped values' part of out, without an error (a result's backward
+    raises, but these are no results)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(
+                f"gradsparse.{op}: {name} requires grad, but the op writes it (or adds it into what it writes) "
+                f"outside autograd, having no derivative: a gradient through it would be wrong without an error. "
+                f"Pass {name}.detach(), or call it under torch.no_grad()"
+            )
+
+
 def _real(op: str, name: str, value: object, fix: str) -> None:
     """Refuses what the op's double argument cannot take (a string, a bool, None, an int past
     float's range such as 10**400), naming it; PyTorch's dispatcher refused the last with a
@@ -67,6 +83,7 @@ def select_threshold(
     """
     _real("select_threshold", "threshold", threshold, "pass the magnitude to select at, e.g. 1e-3")
     _one_device("select_threshold", grad=grad, residual=residual)
+    _outside_autograd("select_threshold", residual=residual)
     return _ops.select_threshold(grad, residual, threshold)
 
 
@@ -78,6 +95,7 @@ def select_topk(grad: torch.Tensor, residual: torch.Tensor | None, k: int) -> tu
     """
     _int("select_topk", "k", k, "pass the count to select, e.g. int(density * grad.numel())")
     _one_device("select_topk", grad=grad, residual=residual)
+    _outside_autograd("select_topk", residual=residual)
     return _ops.select_topk(grad, residual, k)
 
 
@@ -87,6 +105,7 @@ def scatter_add_(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
     nothing written, when one is outside ``out``)."""
     _real("scatter_add_", "divisor", divisor, "pass the number of ranks to average over, or 1.0")
     _one_device("scatter_add_", out=out, indices=indices, values=values)
+    _outside_autograd("scatter_add_", out=out, values=values)
     _ops.scatter_add_(out, indices, values, divisor)
 
 

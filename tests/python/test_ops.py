@@ -134,7 +134,9 @@ def test_unpack_rejects_corrupt_messages():
         with pytest.raises(IndexError):
             gs.unpack(bad, torch.float32, 5)
         assert what
-    with pytest.raises(IndexError, match="carries float32 values but the bucket is float16"):
+    # the caller's argument, named as such (it said "the bucket is float16", as an IndexError)
+    with pytest.raises(TypeError, match=r"gradsparse.unpack: the message carries float32 values, but "
+                       r"dtype=torch.float16 was passed; pass dtype=torch.float32"):  # fmt: skip
         gs.unpack(message, torch.float16, 5)
     with pytest.raises(IndexError, match="shorter than its 32-byte header"):
         gs.unpack(message[:20], torch.float32, 5)
@@ -155,8 +157,10 @@ def test_unpack_rejects_a_count_whose_size_wraps_around_64_bits(index_bytes, cou
 
 
 def test_pack_rejects_unsorted_or_out_of_range_indices():
-    with pytest.raises(IndexError, match="strictly ascending"):
-        gs.pack(torch.tensor([3, 1]), torch.ones(2), 5)
+    with pytest.raises(IndexError, match=r"strictly ascending .*, but position 2 holds 2 after 4; sort the pairs"):
+        gs.pack(torch.tensor([1, 4, 2]), torch.ones(3), 5)
+    with pytest.raises(IndexError, match=r"position 1 holds 3 after 3; .* add up the values of a repeated index"):
+        gs.pack(torch.tensor([3, 3]), torch.ones(2), 5)
     with pytest.raises(IndexError, match="lie in"):
         gs.pack(torch.tensor([1, 5]), torch.ones(2), 5)
 
@@ -359,6 +363,40 @@ def test_a_backward_through_the_ops_raises():
     _, values = gs.select_threshold(grad, None, 0.5)
     with pytest.raises(RuntimeError, match="derivative for gradsparse::select_threshold is not implemented"):
         values.sum().backward()
+
+
+def test_tensors_the_ops_write_or_add_in_are_refused_where_they_require_grad():
+    """A residual that requires grad (not a leaf, which torch refuses) was rewritten with its old
+    history kept, and values that required grad were added into out with none: the gradients came
+    out wrong, without an error. Under torch.no_grad() they are taken."""
+    w = torch.ones(4, requires_grad=True)
+    residual = w * 1.0
+    with pytest.raises(RuntimeError, match=r"gradsparse.select_topk: residual requires grad, .* Pass "
+                       r"residual.detach\(\), or call it under torch.no_grad\(\)"):  # fmt: skip
+        gs.select_topk(torch.ones(4), residual, 1)
+    with pytest.raises(RuntimeError, match=r"gradsparse\.select_threshold: residual requires grad"):
+        gs.select_threshold(torch.ones(4), residual, 0.5)
+    with pytest.raises(RuntimeError, match=r"gradsparse\.scatter_add_: values requires grad"):
+        gs.scatter_add_(torch.zeros(4), torch.tensor([0]), w[:1] * 2.0)
+    with pytest.raises(RuntimeError, match=r"gradsparse\.scatter_add_: out requires grad"):
+        gs.scatter_add_(w * 1.0, torch.tensor([0]), torch.ones(1))
+    with torch.no_grad():
+        gs.select_topk(torch.ones(4), residual, 1)
+        out = torch.zeros(4)
+        gs.scatter_add_(out, torch.tensor([2]), w[:1] * 2.0)
+    assert out.tolist() == [0.0, 0.0, 2.0, 0.0]
+
+
+def test_a_residual_that_is_grad_under_another_shape_is_taken_as_grad_itself():
+    """grad.view(2, 3) and grad cover the same elements, which the kernels read flat: it was
+    refused as a residual that "partly overlaps grad"."""
+    for op, arg in ((gs.select_threshold, 0.5), (gs.select_topk, 2)):
+        base = torch.tensor([0.1, -2.0, 0.3, 1.0, -0.2, 0.05])
+        same = base.clone()
+        expected = op(same, same, arg)
+        got = op(base.view(2, 3), base, arg)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        assert torch.equal(base, same)
 
 
 def test_sizes_from_a_dynamic_shape_compile_once():
