@@ -549,11 +549,11 @@ class State:
                 )
             # The launcher's numbering first: MPI_Init waits for every process of the MPI job, and
             # where torch's world is smaller (a process of the job that trains not) it waited for ever.
-            self._refuse_other_mpi_numbering(comm, _mpi_launcher_numbering(), "the launcher numbers", fix)
+            self._refuse_other_mpi_numbering(comm, _mpi_launcher_numbering(), ", as the launcher numbers it", fix)
             # Refused on every rank alike where MPI's thread level admits no engine beside torch's MPI group.
             engine = _C.Engine.mpi(other_mpi_threads=_torch_mpi_threads(dist.get_backend(self._process_group)))
             try:
-                self._refuse_other_mpi_numbering(comm, (engine.rank, engine.size), "runs as", fix)
+                self._refuse_other_mpi_numbering(comm, (engine.rank, engine.size), "", fix)
             except ValueError:
                 engine.shutdown()
                 raise
@@ -563,21 +563,20 @@ class State:
         return _C.Engine(comm, timeout.total_seconds())
 
     def _refuse_other_mpi_numbering(
-        self, comm: dist.ProcessGroup, mine: tuple[int, int] | None, how: str, fix: str
+        self, comm: dist.ProcessGroup, mine: tuple[int, int] | None, source: str, fix: str
     ) -> None:
-        """Refuses, on every rank alike, an MPI numbering (rank, size) other than torch's on any
-        rank; None (not known on this rank) passes. An object collective, as the set-up's
-        agreement: on an NCCL-only group a CPU tensor has no backend."""
+        """Refuses, on every rank alike, an MPI numbering (rank, size; ``source`` says where it
+        comes from) other than torch's on any rank; None (not known on this rank) passes. An object
+        collective, as the set-up's agreement: on an NCCL-only group a CPU tensor has no backend."""
         world = dist.get_world_size()
         numbered: list[Any] = [None] * world
         dist.all_gather_object(numbered, mine, group=comm)
         differ = sum(theirs not in (None, (r, world)) for r, theirs in enumerate(numbered))
         if differ:
-            here = f"here rank {mine[0]} of {mine[1]}" if mine is not None else "here not known"
+            here = f"here rank {mine[0]} of {mine[1]}{source}" if mine is not None else f"here not known{source}"
             raise ValueError(
-                f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD, which {how} ({here}), but '
-                f"torch.distributed has rank {dist.get_rank()} of {world}; the two differ on {differ} of the "
-                f"{world} ranks: {fix}"
+                f'{type(self).__name__}: transport="mpi" runs on MPI_COMM_WORLD ({here}) but torch.distributed has '
+                f"rank {dist.get_rank()} of {world}; the two differ on {differ} of the {world} ranks: {fix}"
             )
 
     # ----------------------------------------------------------------------------------------

@@ -171,8 +171,8 @@ def test_transport_mpi_in_a_torch_world_smaller_than_the_mpi_job_is_refused_befo
                "self,tcp", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-x", "PYTHONPATH", sys.executable, str(script)]  # fmt: skip
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     for rank in (0, 1):
-        expected = (f"rank {rank}: TopK: transport=\"mpi\" runs on MPI_COMM_WORLD, which the launcher numbers (here "
-                    f"rank {rank} of 3), but torch.distributed has rank {rank} of 2; the two differ on 2 of the 2 ranks")  # fmt: skip
+        expected = (f"rank {rank}: TopK: transport=\"mpi\" runs on MPI_COMM_WORLD (here rank {rank} of 3, as the "
+                    f"launcher numbers it) but torch.distributed has rank {rank} of 2; the two differ on 2 of the 2 ranks")  # fmt: skip
         assert expected in done.stdout, done.stdout + done.stderr
 
 
