@@ -27,8 +27,9 @@ from __future__ import annotations
 import os
 import re
 import socket
+from collections.abc import Iterable
 
-__all__ = ["first_host", "rendezvous_port", "setup_environment", "threads_per_worker"]
+__all__ = ["first_host", "mpi_numbering", "rendezvous_port", "setup_environment", "threads_per_worker"]
 
 _DEFAULT_PORT = "29500"
 #: What setup_environment returns.
@@ -56,18 +57,35 @@ def rendezvous_port(job_id: int | str, first: int = 15000, last: int = 30000) ->
     if job is None:
         raise ValueError(f"gradsparse.launch.rendezvous_port: job id {job_id!r} is not a whole number (SLURM_JOB_ID)")
     start = first + job % (last - first)
-    for port in (*range(start, last), *range(first, start)):
-        if port == int(_DEFAULT_PORT):
-            continue
-        with socket.socket() as probe:
-            try:
-                probe.bind(("", port))
-            except OSError:
-                continue
+    port = _first_free_port(p for p in (*range(start, last), *range(first, start)) if p != int(_DEFAULT_PORT))
+    if port is not None:
         return port
     raise RuntimeError(
         f"gradsparse.launch.rendezvous_port: no free port from {first} to {last - 1} on this host: set MASTER_PORT"
     )
+
+
+def _first_free_port(ports: Iterable[int], host: str = "") -> int | None:
+    """The first of ``ports`` that binds on ``host`` now (None: none does)."""
+    for port in ports:
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return None
+
+
+def mpi_numbering(environ: dict[str, str] | None = None) -> tuple[int, int] | None:
+    """This process's (rank, size) in its MPI job as the launcher's variables give them before
+    MPI_Init (OpenMPI's mpirun, MPICH's and Intel MPI's PMI), or None where they give none."""
+    env = os.environ if environ is None else environ
+    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
+        numbers = (_whole_number(env.get(rank, ""), 0), _whole_number(env.get(size, ""), 1))
+        if None not in numbers:
+            return numbers
+    return None
 
 
 #: SLURM's per-node task counts, the step's (srun's own) first: ``2(x3),1`` is 2, 2, 2 and 1.

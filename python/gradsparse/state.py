@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gradsparse import _C
+from gradsparse import _C, launch
 from gradsparse.binding import ModelBinding, group_ranks, new_group_among
 from gradsparse.buckets import Bucket, BucketTable, memory_order
 from gradsparse.checkpoint import (
@@ -456,7 +456,7 @@ class State:
             mine = (_wire(), owner, repr(sorted(self.config().items())), _verdict(refusal), step)
             dist.all_gather_object(gathered, mine, group=comm)
         except RuntimeError as e:  # c10d's errors (DistBackendError, DistStoreError) derive from it
-            _give_back_refused(comm, group)
+            _give_back_own(comm, group, os.getpid())
             raise RuntimeError(
                 f"{owner}.setup: not every rank of the process group {group_ranks(group)} reached the set-up of "
                 f"this state within its timeout ({timeout.total_seconds():g} s): {e}. Create the state with the "
@@ -467,7 +467,7 @@ class State:
         try:
             self._start(owner, group, comm, gathered)
         except BaseException:
-            _give_back_refused(comm, group)
+            _give_back_own(comm, group, os.getpid())
             raise
         self._comm, self._pid = comm, os.getpid()
         self._agreements = 0  # those of _gather_beside_the_exchanges on this group, alike on every rank
@@ -549,7 +549,7 @@ class State:
                 )
             # The launcher's numbering first: MPI_Init waits for every process of the MPI job, and
             # where torch's world is smaller (a process of the job that trains not) it waited for ever.
-            self._refuse_other_mpi_numbering(comm, _mpi_launcher_numbering(), ", as the launcher numbers it", fix)
+            self._refuse_other_mpi_numbering(comm, launch.mpi_numbering(), ", as the launcher numbers it", fix)
             # Refused on every rank alike where MPI's thread level admits no engine beside torch's MPI group.
             engine = _C.Engine.mpi(other_mpi_threads=_torch_mpi_threads(dist.get_backend(self._process_group)))
             try:
@@ -1615,12 +1615,8 @@ class State:
         if getattr(self, "_abandoned", None) is not None:
             self._abandoned.detach()
         # Each state's group holds threads and connections of its own (three threads and five
-        # sockets on Gloo), which stayed until the job's destroy_process_group(). Not a sub-group's:
-        # torch names those by their ranks alone (use_local_synchronization), and a rank that
-        # destroyed one before another rank did named the next one differently (their set-up then
-        # never met).
-        if comm is not None and self._process_group is dist.group.WORLD:
-            _give_back(comm, self._pid)
+        # sockets on Gloo), which stayed until the job's destroy_process_group().
+        _give_back_own(comm, self._process_group, self._pid)
 
     def _forked(self) -> bool:
         """Whether this process was forked from the one that set the state up."""
@@ -1693,21 +1689,14 @@ def _value(future: torch.futures.Future):
     return future.value()
 
 
-def _mpi_launcher_numbering() -> tuple[int, int] | None:
-    """This process's (rank, size) in the MPI job as its launcher's variables give them before
-    MPI_Init (OpenMPI's mpirun, MPICH's and Intel MPI's PMI), or None where they give none."""
-    for rank, size in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE")):
-        numbers = (os.environ.get(rank, ""), os.environ.get(size, ""))
-        if all(n.isdigit() for n in numbers):
-            return int(numbers[0]), int(numbers[1])
-    return None
-
-
-def _give_back_refused(comm: dist.ProcessGroup | None, group: dist.ProcessGroup) -> None:
-    """Gives back the exchanges' group of a set-up refused on every rank (three threads and five
-    sockets on Gloo, leaked by each refusal), as close() does: not a sub-group's (see close)."""
+def _give_back_own(comm: dist.ProcessGroup | None, group: dist.ProcessGroup, pid: int | None) -> None:
+    """Gives back a state's own group ``comm`` made over ``group`` by the process ``pid`` (at
+    close(), or where every rank refused the set-up: each refusal kept three threads and five
+    sockets on Gloo). Not a sub-group's: torch names those by their ranks alone
+    (use_local_synchronization), and a rank that destroyed one before another rank did named
+    the next one differently (their set-up then never met)."""
     if comm is not None and group is dist.group.WORLD:
-        _give_back(comm, os.getpid())
+        _give_back(comm, pid)
 
 
 def _torch_mpi_threads(backend: str) -> int:

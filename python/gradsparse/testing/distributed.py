@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from gradsparse.launch import _first_free_port
+
 
 class DistributedError(RuntimeError):
     """One or more ranks raised, died or timed out. ``errors`` maps rank -> traceback text (or
@@ -64,13 +66,9 @@ def free_port() -> int:
     low, high = _ephemeral_range()
     candidates = list(range(10000, low)) if low > 11000 else list(range(high + 1, 65536))
     rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    for port in rng.sample(candidates, min(200, len(candidates))):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    port = _first_free_port(rng.sample(candidates, min(200, len(candidates))), "127.0.0.1")
+    if port is not None:
+        return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # every sampled port is taken
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
