@@ -31,6 +31,18 @@ void check_message_indices(const at::Tensor& indices, int64_t dense_size, const 
   }
 }
 
+/// Refuses the dtype argument where an intact header names another, as the caller's argument
+/// (parse_header's check speaks of the receiving bucket, as the exchanges read a message).
+void refuse_another_dtype(const void* header, DType dtype) {
+  MessageHeader given;
+  std::memcpy(&given, header, sizeof(given));
+  if (given.magic != kMessageMagic || given.version != kMessageVersion || given.dtype > 2) return;
+  const char* carried = dtype_name(static_cast<DType>(given.dtype));
+  TORCH_CHECK_TYPE(static_cast<DType>(given.dtype) == dtype, "gradsparse.unpack: the message carries ", carried,
+                   " values, but dtype=torch.", dtype_name(dtype), " was passed; pass dtype=torch.", carried,
+                   " (the dtype of the values given to pack)");
+}
+
 /// The bytes of a 1-D tensor. contiguous() keeps a one-element tensor as it is, with whatever
 /// stride it has (2 for x[::2], 0 for an expanded scalar), which view(kByte) refuses.
 at::Tensor bytes_of(const at::Tensor& t) {
@@ -81,24 +93,11 @@ std::tuple<at::Tensor, at::Tensor> unpack(const at::Tensor& message, at::ScalarT
   at::Tensor bytes = message.contiguous();
   if (bytes.storage_offset() % 8 != 0) bytes = bytes.clone();
   const size_t total = static_cast<size_t>(bytes.numel());
-  // The dtype given, where the message names another: said as the caller's argument (not the
-  // receiving bucket's, as a sparse message of the exchanges is checked).
-  if (total >= kMessageHeaderBytes) {
-    MessageHeader given;
-    const at::Tensor head = bytes.slice(0, 0, kMessageHeaderBytes).cpu();
-    std::memcpy(&given, head.data_ptr(), sizeof(given));
-    if (given.magic == kMessageMagic && given.version == kMessageVersion && given.dtype <= 2 &&
-        static_cast<DType>(given.dtype) != core) {
-      const char* carried = dtype_name(static_cast<DType>(given.dtype));
-      TORCH_CHECK_TYPE(false, "gradsparse.unpack: the message carries ", carried, " values, but dtype=torch.",
-                       dtype_name(core), " was passed; pass dtype=torch.", carried,
-                       " (the dtype of the values given to pack)");
-    }
-  }
   const MessageHeader h = translate_errors([&] {
     GS_CHECK(total >= kMessageHeaderBytes, CorruptMessageError, "sparse message is ", total,
              " bytes, shorter than its 32-byte header");
     const at::Tensor head = bytes.slice(0, 0, kMessageHeaderBytes).cpu();
+    refuse_another_dtype(head.data_ptr(), core);
     const MessageHeader header = parse_header(head.data_ptr(), core, static_cast<uint64_t>(dense_size));
     check_message_length(header, total);
     return header;
