@@ -48,7 +48,7 @@ import gradsparse as gs
 from benchmarks.utils import (
     OUTPUT_HELP,
     check_output,
-    end_process_group,
+    gather_on_rank_0,
     markdown_table,
     require_launcher,
     write_result,
@@ -185,10 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         require_launcher(parser, "benchmarks.overlap")  # RANK alone ended in torch's traceback about WORLD_SIZE
         dist.init_process_group("gloo")  # env:// rendezvous
-        rank, world_size = dist.get_rank(), dist.get_world_size()
-        per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, worker(rank, world_size, *worker_args))
-        end_process_group()
+        rank = dist.get_rank()
+        per_rank = gather_on_rank_0(worker(rank, dist.get_world_size(), *worker_args))
+        dist.destroy_process_group()
         if rank != 0:
             return
         network = args.network or f"env:// rendezvous at {os.environ['MASTER_ADDR']}"

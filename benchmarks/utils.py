@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import pickle
 import platform
 import statistics
 import time
@@ -152,14 +153,30 @@ def require_launcher(parser: argparse.ArgumentParser, module: str, least_ranks: 
 
 
 def end_process_group() -> None:
-    """Destroys the default process group once every rank has reached this point, so that the
-    process exits with no Gloo worker thread still holding a finished collective's tensors. Such a
-    thread lets go of them only once it holds the GIL; a rank that went straight on to exit (a
-    rank other than 0, with nothing to print) reached the interpreter's finalization first, and the
-    thread then aborted the process ("terminate called without an active exception", in about one
-    run in two of benchmarks/slow_network.sh). The barrier's wait hands the GIL over."""
+    """Destroys the default process group once every rank has reached this point. A Gloo worker
+    thread lets go of a finished collective's tensors only once it holds the GIL; a rank that went
+    straight on to exit could reach the interpreter's finalization first, and the thread then
+    aborted the process ("terminate called without an active exception"). The barrier's wait
+    hands the GIL over, which narrows that window but does not close it: a rank that gathers
+    results last does so with gather_on_rank_0, which needs no Gloo collective."""
     dist.barrier()
     dist.destroy_process_group()
+
+
+def gather_on_rank_0(result: object) -> list | None:
+    """Every rank's ``result`` by rank on rank 0 (None on the others), through the rendezvous
+    store: no Gloo collective, so no worker thread is left holding its tensors when a rank exits
+    (with all_gather_object last, about one run in two of benchmarks/slow_network.sh aborted as
+    end_process_group says, a barrier after it included)."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0:
+        store.set(f"gradsparse-benchmarks/result/{rank}", pickle.dumps(result))
+        return None
+    keys = [f"gradsparse-benchmarks/result/{r}" for r in range(1, world)]
+    if keys:
+        store.wait(keys)
+    return [result, *(pickle.loads(store.get(key)) for key in keys)]
 
 
 def require_fashion_mnist(parser: argparse.ArgumentParser, reader: str, otherwise: str = "") -> None:
