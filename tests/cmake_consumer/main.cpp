@@ -1,8 +1,10 @@
 // Two ranks on threads (ThreadTransport) each reduce one small bucket with Top-k through the
 // installed headers and library: the result must be the average of the ranks' selections, and each
 // residual what its rank did not send; the program sees MPI (GRADSPARSE_WITH_MPI) exactly where the
-// library was built with it. Returns 1 on a wrong result or an error.
+// library was built with it, and gradsparse/version.h names the version of the CMake package that
+// find_package found. Returns 1 on a wrong result or an error.
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <string>
@@ -14,6 +16,7 @@
 #include "gradsparse/mpi_transport.h"
 #include "gradsparse/reduce_bucket.h"
 #include "gradsparse/transport.h"
+#include "gradsparse/version.h"
 #if defined(GRADSPARSE_WITH_CUDA)
 #include "gradsparse/cuda_device.h"
 #endif
@@ -79,11 +82,16 @@ int main() {
                  with_mpi ? "defined" : "not defined");
     status = 1;
   }
+  if (std::strcmp(GRADSPARSE_VERSION_STRING, GRADSPARSE_PACKAGE_VERSION) != 0) {
+    std::fprintf(stderr, "gradsparse/version.h says %s, but find_package(gradsparse) found version %s\n",
+                 GRADSPARSE_VERSION_STRING, GRADSPARSE_PACKAGE_VERSION);
+    status = 1;
+  }
 #if defined(GRADSPARSE_WITH_CUDA)
   cuda_check(cudaSuccess, "cudaSuccess");  // gradsparse::core_cuda links (no GPU needed)
 #endif
   if (status == 0)
-    std::printf("gradsparse::core from the install prefix: Top-k over 2 thread ranks is right, MPI %s\n",
-                with_mpi ? "on" : "off");
+    std::printf("gradsparse::core %s from the install prefix: Top-k over 2 thread ranks is right, MPI %s\n",
+                GRADSPARSE_VERSION_STRING, with_mpi ? "on" : "off");
   return status;
 }

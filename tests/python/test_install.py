@@ -38,16 +38,23 @@ def test_the_build_record_names_the_running_torch():
     assert torch.__version__ == TORCH_VERSION
 
 
-def test_the_package_pyproject_and_the_cmake_package_name_one_version():
-    """pip's version (pyproject.toml), gradsparse.__version__ and the installed CMake package's
-    (find_package(gradsparse 0.1)) are written in three places: they must agree."""
+def test_the_package_pyproject_the_cmake_package_and_the_header_name_one_version():
+    """pip's version (pyproject.toml), gradsparse.__version__, the installed CMake package's
+    (find_package(gradsparse 0.1)) and the C++ header's (gradsparse/version.h) are written in four
+    places: they must agree."""
     import re
 
-    with open(os.path.join(ROOT, "pyproject.toml")) as f:  # tomllib: Python 3.11 on
-        pip_version = re.search(r'^version = "(\S+)"', f.read(), re.M).group(1)
-    with open(os.path.join(ROOT, "CMakeLists.txt")) as f:
-        cmake_version = re.search(r"^project\(gradsparse VERSION (\S+)", f.read(), re.M).group(1)
-    assert pip_version == gradsparse.__version__ == cmake_version
+    def read(path, pattern):
+        with open(os.path.join(ROOT, path)) as f:
+            return re.findall(pattern, f.read(), re.M)
+
+    (pip_version,) = read("pyproject.toml", r'^version = "(\S+)"')  # tomllib: Python 3.11 on
+    (cmake_version,) = read("CMakeLists.txt", r"^project\(gradsparse VERSION (\S+)")
+    header = "csrc/core/include/gradsparse/version.h"
+    (header_version,) = read(header, r'^#define GRADSPARSE_VERSION_STRING "(\S+)"')
+    parts = dict(read(header, r"^#define GRADSPARSE_VERSION_(MAJOR|MINOR|PATCH) (\d+)$"))
+    assert pip_version == gradsparse.__version__ == cmake_version == header_version
+    assert header_version == f"{parts['MAJOR']}.{parts['MINOR']}.{parts['PATCH']}"
 
 
 def test_a_build_that_carries_its_own_libstdcxx_is_refused(tmp_path, monkeypatch):
