@@ -1170,18 +1170,22 @@ class Run:
         """Evaluates and records the epoch; ``partial``: a stop inside the epoch, whose tally
         continues when the run resumes (its row's epoch is fractional)."""
         t = self.epoch_tally
-        mean_loss = torch.tensor([t["loss"], t["steps"]], dtype=torch.float64)
-        dist.all_reduce(mean_loss)
+        # Summed over the ranks: the loss and steps for the mean loss, and the bytes for the mean
+        # a rank sent (ranks of MiCRO, ExDyna and the threshold methods send different counts).
+        summed = torch.tensor([t["loss"], t["steps"], t["bytes"], self.bytes_total], dtype=torch.float64)
+        dist.all_reduce(summed)
+        loss, steps, sent, sent_in_all = summed.tolist()
+        sent, sent_in_all = sent / self.world, sent_in_all / self.world
         metrics = dict.fromkeys(self.task.metric_fields, math.nan) if self.args.synthetic_data else self._evaluate()
         self.model.train()
         row = {
             "epoch": round(self.step / self.steps_per_epoch, 4) if partial else epoch + 1,
             "step": self.step,
-            "loss": float(mean_loss[0] / mean_loss[1]),
+            "loss": loss / steps,
             **metrics,
             "density": t["density"] / max(1, t["steps"]),
-            "bytes_sent": t["bytes"],
-            "bytes_total": self.bytes_total,
+            "bytes_sent": sent,
+            "bytes_total": sent_in_all,
             "train_seconds": t["seconds"],
             "elapsed_seconds": self.elapsed,
         }
@@ -1189,10 +1193,10 @@ class Run:
         if self.rank == 0:
             dense = self.comm.dense_bytes * max(1, t["steps"])
             quality = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-            share = f"{100 * t['bytes'] / dense:5.1f}% of dense" if dense else "one worker: nothing to send"
+            share = f"{100 * sent / dense:5.1f}% of dense" if dense else "one worker: nothing to send"
             print(
                 f"[{self.method:>9}] epoch {row['epoch']}/{self.args.epochs}  loss {row['loss']:.4f}  {quality}  "
-                f"density {row['density']:.4f}  sent {t['bytes'] / 1e6:8.3f} MB/rank ({share})  "
+                f"density {row['density']:.4f}  sent {sent / 1e6:8.3f} MB/rank ({share})  "
                 f"time {t['seconds']:6.1f} s",
                 flush=True,
             )

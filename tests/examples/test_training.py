@@ -105,6 +105,9 @@ def test_every_method_trains(every_method_run, launcher, task):
         assert all(math.isfinite(float(r["loss"])) and float(r["bytes_sent"]) > 0 for r in steps), method
         epochs = read_csv(folder / "epochs.csv")
         assert len(epochs) == 1 and math.isfinite(float(epochs[0]["loss"])), method
+        # An epoch's bytes are the mean a rank sent (MiCRO's and ExDyna's ranks send different counts).
+        own = [torch.load(folder / f"checkpoint-rank{r}.pt", weights_only=False)["bytes_total"] for r in (0, 1)]
+        assert float(epochs[0]["bytes_sent"]) == float(epochs[0]["bytes_total"]) == sum(own) / 2, (method, own)
         assert glob.glob(str(folder / "tb" / "events.out.tfevents.*")), method
         assert (folder / "checkpoint-rank0.pt").exists() and (folder / "checkpoint-rank1.pt").exists()
         assert f"[{method:>9}]" in out
