@@ -14,8 +14,7 @@ namespace gradsparse {
 
 /// The P shards of a bucket of n elements: shard o is [begin(o), begin(o) + length(o)).
 struct Shards {
-  Shards(int64_t elements, int ranks)
-      : n(elements), p(ranks), chunk(ranks > 0 ? (elements + ranks - 1) / ranks : 0) {}
+  Shards(int64_t elements, int ranks) : n(elements), p(ranks), chunk(ranks > 0 ? (elements + ranks - 1) / ranks : 0) {}
   int64_t begin(int o) const { return std::min(n, static_cast<int64_t>(o) * chunk); }
   int64_t length(int o) const { return std::min(n, static_cast<int64_t>(o + 1) * chunk) - begin(o); }
 
