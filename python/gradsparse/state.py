@@ -1426,11 +1426,17 @@ class State:
             gathered: list[Any] = [None] * self._world_size
             dist.all_gather_object(gathered, mine, group=self._comm)
             return gathered
-        self._agreements += 1
-        prefix = f"gradsparse/{self._comm.group_name}/agreement/{self._agreements}/"
+        prefix = f"gradsparse/{self._comm.group_name}/agreement/{self._agreements + 1}/"
         store.set(f"{prefix}{self._rank}", pickle.dumps(mine))
         keys = [f"{prefix}{r}" for r in range(self._world_size)]
-        store.wait(keys, self._wait_timeout)
+        try:
+            store.wait(keys, self._wait_timeout)
+        except RuntimeError:
+            # Not every rank came: this rank takes its answer back and does not count the agreement,
+            # so that a later one on every rank (the fix the caller's error names) meets at one key.
+            store.delete_key(f"{prefix}{self._rank}")
+            raise
+        self._agreements += 1
         return [pickle.loads(store.get(key)) for key in keys]
 
     def _refuse_where_refused(
