@@ -25,6 +25,13 @@ from gradsparse.wrappers import find_ddp, parameter_names, strip_wrapper_prefixe
 __all__ = ["ModelBinding"]
 
 
+def _sharded_by_fsdp(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module inside it) was sharded by FSDP2's fully_shard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in unwrap(model).modules())
+
+
 class ModelBinding:
     """The model of one state (see the module)."""
 
@@ -58,6 +65,11 @@ class ModelBinding:
         placeholder names (see name())."""
         owner = self.owner
         ddp = find_ddp(model)
+        if ddp is None and _sharded_by_fsdp(model):
+            raise TypeError(
+                f"gradsparse.register: model ({type(model).__name__}) is sharded by FSDP (fully_shard), which calls "
+                "no DDP communication hook; use gradsparse.fsdp.sparsify(model, state) instead of register"
+            )
         if ddp is None:
             raise TypeError(
                 f"gradsparse.register: model must be a DistributedDataParallel (or a torch.compile of one), got "
@@ -161,10 +173,12 @@ class ModelBinding:
         with its size (``part``: which rank's part of a state dict of every rank, for the message)."""
         if not self.numels:
             return
-        for kind, key, _ in TENSORS:
-            self._check_tensor_names(state_dict.get(key, {}), kind, key, part)
+        for kind, key, checksums in TENSORS:
+            self._check_tensor_names(state_dict.get(key, {}), kind, key, checksums, part)
 
-    def _check_tensor_names(self, tensors: dict[str, torch.Tensor], kind: str, key: str, part: str) -> None:
+    def _check_tensor_names(
+        self, tensors: dict[str, torch.Tensor], kind: str, key: str, checksums: str, part: str
+    ) -> None:
         owner, numels = f"{self.owner}.load_state_dict{part}", self.numels
         unknown = sorted(set(tensors) - set(numels))
         if unknown:
@@ -184,11 +198,20 @@ class ModelBinding:
                 "was saved from"
             )
         for name, tensor in tensors.items():
-            if tensor.numel() != numels[name]:
+            if tensor.numel() == numels[name]:
+                continue
+            if self.sharded is not None:  # one residual per module: its parameters that require gradients
                 raise ValueError(
-                    f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
-                    f"parameter has {numels[name]}; the state dict was saved from another model"
+                    f"{owner}: the {kind} of module {name!r} holds {tensor.numel()} elements but the module's "
+                    f"parameters that require gradients hold {numels[name]} (padded): under FSDP a module's "
+                    f"{kind} covers those parameters together, so a parameter of it frozen or unfrozen since the "
+                    "save (or another model) changes it. Freeze the same parameters as at the save, or start the "
+                    f"module's {kind} from zero: del sd[{key!r}][{name!r}], sd[{checksums!r}][{name!r}] before loading"
                 )
+            raise ValueError(
+                f"{owner}: the {kind} of {name} holds {tensor.numel()} elements but the "
+                f"parameter has {numels[name]}; the state dict was saved from another model"
+            )
 
 
 def placeholder(param_id: int) -> str:

@@ -1188,9 +1188,12 @@ class State:
 
     @property
     def step(self) -> int:
-        """Completed steps (incremented when DDP's last bucket of a step is submitted). A state
-        dict loaded before init_process_group counts from the process group's creation on (until
-        then this rank, and so its part of the state dict, is not known)."""
+        """Completed steps (incremented when DDP's last bucket of a step is submitted; under FSDP,
+        the last module's). Under FSDP a step in which a module reduced nothing (it got no
+        gradient) is counted when the next step's first module reduces, the first sign that it
+        ended: while a module gets none, the count is one behind after each backward; checkpoints
+        hold the full count. A state dict loaded before init_process_group counts from the process
+        group's creation on (until then this rank, and so its part of the state dict, is not known)."""
         self._load_unchecked()
         return self._step
 

@@ -970,6 +970,8 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
             workers.fit(model, workers.teacher_data(rank, 1))
         elif case == "state_class":
             gs.fsdp.sparsify(sharded_model(world_size), gs.TopK)
+        elif case == "register_on_fsdp":  # told to wrap the sharded model in DDP
+            gs.register(sharded_model(world_size), gs.TopK(density=0.05))
         elif case == "swapped":
             gs.fsdp.sparsify(gs.TopK(density=0.05), sharded_model(world_size))
         elif case == "several_meshes":  # biases on a mesh of their own: two parameter groups in one module
@@ -1017,6 +1019,7 @@ def bad_input(rank: int, world_size: int, case: str) -> tuple[str, str]:
             "gradsparse.fsdp.sparsify held 2304 (padded): a parameter was unfrozen since",
         ),
         ("state_class", "TypeError", "got the class gradsparse.TopK itself; create one with its options"),
+        ("register_on_fsdp", "TypeError", "which calls no DDP communication hook; use gradsparse.fsdp.sparsify"),
         ("swapped", "TypeError", "the arguments are swapped; the model comes first, gradsparse.fsdp.sparsify(model"),
     ],
 )
@@ -1024,6 +1027,47 @@ def test_bad_input_raises_on_every_rank(case, error, message):
     outcomes = run_distributed(bad_input, 2, case, timeout=120)
     for rank, (kind, text) in enumerate(outcomes):
         assert kind == error and message in text, f"rank {rank}: {kind}: {text}"
+
+
+def unfrozen_since_the_save(rank: int, world_size: int, case: str) -> tuple[str, bool, int]:
+    """Saved per rank with model[0] and model[2]'s bias frozen, loaded into the model with model[0]
+    ("module") or the bias ("bias") trainable; where it is refused, loaded again with module 2's
+    residual deleted as the refusal says (it then starts from zero); then a step. Returns the
+    refusal ("" where none), whether the residuals came back as saved, and the step after it."""
+    model = sharded_model(world_size, frozen=True)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    workers.fit(model, workers.teacher_data(rank, 2))
+    saved = state.state_dict()
+    state.close()
+    model = sharded_model(world_size, frozen=True)
+    (model[0] if case == "module" else model[2].bias).requires_grad_(True)
+    state = gs.fsdp.sparsify(model, gs.TopK(density=0.05))
+    refused = workers._outcome(lambda: state.load_state_dict(saved))[1]
+    if refused:
+        del saved["residuals"]["2"], saved["checksums"]["2"]
+        state.load_state_dict(saved)
+    loaded = state.state_dict()["residuals"]
+    kept = set(loaded) == set(saved["residuals"]) and all(
+        torch.equal(loaded[n], t) for n, t in saved["residuals"].items()
+    )
+    workers.fit(model, workers.teacher_data(rank, 1))
+    return refused, kept, state.step
+
+
+@pytest.mark.parametrize("case", ["module", "bias"])
+def test_staged_fine_tuning_resumes_from_per_rank_files(case):
+    """Under FSDP a module's residual covers its trainable parameters together. A module that
+    trains now and did not at the save (model[0]) loads and starts from zero. A module partly
+    unfrozen since (model[2]'s bias) is refused: the per-rank load said "the state dict was saved
+    from another model"; it now says why and how to start that module's residual from zero, which
+    then loads and trains."""
+    for rank, (refused, kept, step) in enumerate(run_distributed(unfrozen_since_the_save, 2, case, timeout=120)):
+        if case == "module":
+            assert refused == "", f"rank {rank}: {refused}"
+        else:
+            assert "the residual of module '2' holds 2304 elements but the module's parameters that require " in refused
+            assert "del sd['residuals']['2'], sd['checksums']['2'] before loading" in refused, f"rank {rank}: {refused}"
+        assert kept and step == 3, f"rank {rank}: the residuals kept: {kept}; step {step}"
 
 
 def sparsify_retried_after_a_refused_state_dict(rank: int, world_size: int) -> tuple[str, str, int]:
