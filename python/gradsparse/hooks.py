@@ -200,7 +200,7 @@ def register(model: nn.Module, state: State, *, hook: Callable = hook) -> State:
             "gradsparse.register: this DistributedDataParallel already has a communication hook "
             "(model.register_comm_hook or register_builtin_comm_hook was called on it), and DDP takes one: "
             "register gradsparse on a model that has none, for example one wrapped anew with "
-            "DistributedDataParallel(module)"
+            "DistributedDataParallel(module); with Accelerate, leave comm_hook out of DistributedDataParallelKwargs"
         )
         if getattr(ddp, "_comm_hooks", None):  # before the set-up, which starts an engine and a group
             raise already_hooked

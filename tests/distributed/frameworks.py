@@ -313,6 +313,22 @@ def accelerate_each_node(rank: int, world_size: int, folder: str) -> dict:
     return out
 
 
+def accelerate_with_a_comm_hook(rank: int, world_size: int) -> str:
+    """gs.register on a model that Accelerate prepared with DistributedDataParallelKwargs(comm_hook=
+    FP16), which registers that hook: the refusal."""
+    from accelerate import Accelerator
+    from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs
+
+    _launcher_environment(rank, world_size)
+    handler = DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)
+    model = Accelerator(cpu=True, kwargs_handlers=[handler]).prepare(Shuffled())
+    try:
+        gs.register(model, gs.TopK(density=0.05))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 # torch.compile ----------------------------------------------------------------------------------
 
 

@@ -112,6 +112,14 @@ def test_accelerate_saving_on_each_node_resumes_every_node_from_its_own_disk(tmp
         _assert_equal_params(r["straight"], r["resumed"], f"node {rank}, resumed from its own folder")
 
 
+def test_accelerate_with_a_comm_hook_of_its_own_is_refused_naming_the_setting():
+    """Accelerate registers DistributedDataParallelKwargs(comm_hook=...) at prepare(): the refusal
+    told to wrap the module anew in DDP, not to leave that setting out."""
+    for rank, refusal in enumerate(run_distributed(frameworks.accelerate_with_a_comm_hook, 2, timeout=300)):
+        assert "already has a communication hook" in refusal, f"rank {rank}: {refusal!r}"
+        assert "with Accelerate, leave comm_hook out of DistributedDataParallelKwargs" in refusal, refusal
+
+
 def test_transformers_trainer_sparsified_resumes_each_rank_exactly(tmp_path):
     """A Trainer resumed from a checkpoint, by its path or as the last one, ends where the run
     that wrote it ends: each rank gets its own residuals back from the checkpoint's folder. Under
