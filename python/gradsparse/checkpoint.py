@@ -561,7 +561,9 @@ class AllRanks:
                 raise RuntimeError(
                     f"gradsparse.AllRanks.state_dict is collective: every rank of the state's group calls it, and "
                     f"rank 0 receives every rank's residuals, but not every rank came: {e}. Call it on every rank, "
-                    "and save on rank 0: sd = gradsparse.AllRanks(state).state_dict(); if rank == 0: torch.save(sd, path)"
+                    "and save on rank 0: sd = gradsparse.AllRanks(state).state_dict(); if rank == 0: torch.save(sd, path); "
+                    "a checkpointer that calls it (Lightning's trainer.save_checkpoint, Accelerate's save_state) is "
+                    "called on every rank too, and writes on rank 0 itself"
                 ) from None
         gathered: list | None = [None] * world_size if rank == 0 else None
         dist.gather_object(mine, gathered, dst=dist.get_global_rank(group, 0), group=group)

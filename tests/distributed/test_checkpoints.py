@@ -159,6 +159,7 @@ def test_all_ranks_called_on_rank_0_alone_fails_within_the_timeout_naming_the_fi
     assert error is not None and error != "returned"
     assert "gradsparse.AllRanks.state_dict is collective" in error, error
     assert "Call it on every rank, and save on rank 0" in error, error
+    assert "Lightning's trainer.save_checkpoint, Accelerate's save_state) is called on every rank too" in error
     assert "Connection closed by peer" not in error, error
 
 
