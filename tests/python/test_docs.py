@@ -188,6 +188,18 @@ def test_examples_readme_options_exist_in_every_task():
         assert not missing, f"examples/README.md names options that examples.{task} lacks: {missing}"
 
 
+def test_examples_readme_lists_every_method_flag():
+    """The README's list of the flags that methods declare is driver.method_flags(), exactly: a
+    method with a new option (docs/adding-a-method.md, step 7) is listed there."""
+    from examples import driver
+
+    text = read("examples/README.md")
+    listed = text[text.index("one flag per option that a method declares") :]
+    listed = listed[: listed.index("`--help` says which methods take each")]
+    flags = re.findall(r"`--([a-z][a-z0-9-]*)`", listed)
+    assert sorted(flags) == sorted(name.replace("_", "-") for name in driver.method_flags()), flags
+
+
 class _Parsed(Exception):
     pass
 
