@@ -12,6 +12,8 @@ Every run writes to ``--out`` (one folder per method when several are given):
     steps.csv, epochs.csv   metrics per step and per epoch
     tb/                     TensorBoard event files (when tensorboard is installed)
     checkpoint-rank<r>.pt   model, optimizer, schedule, gradsparse state (residuals), RNG states
+    checkpoint-rank<r>.pt.previous   the one before it, which a resume takes where a process
+                            stopped while the ranks saved (their latest a save apart)
 
 A run whose folder holds checkpoints resumes from them (``--fresh`` starts over), with the options
 it was saved with: changing one that shapes the training (all but :data:`RESUMABLE`) is refused.
@@ -917,6 +919,11 @@ class Run:
     def checkpoint_path(self, rank: int | None = None) -> str:
         return os.path.join(self.folder, f"checkpoint-rank{self.rank if rank is None else rank}.pt")
 
+    def previous_checkpoint_path(self) -> str:
+        """This rank's checkpoint before its latest: where a process stopped while the ranks saved,
+        the others' latest is a step ahead of its own, and every rank resumes from this one."""
+        return self.checkpoint_path() + ".previous"
+
     def save(self) -> None:
         if self.args.synthetic_data:
             return
@@ -941,6 +948,8 @@ class Run:
         }
         tmp = self.checkpoint_path() + ".tmp"
         torch.save(state, tmp)
+        if os.path.exists(self.checkpoint_path()):
+            os.replace(self.checkpoint_path(), self.previous_checkpoint_path())
         os.replace(tmp, self.checkpoint_path())  # never a half-written checkpoint
         dist.barrier()
 
@@ -969,7 +978,9 @@ class Run:
     def try_resume(self) -> bool:
         if self.args.synthetic_data:
             return False
-        exists = torch.tensor([os.path.exists(self.checkpoint_path())], dtype=torch.int32)
+        # The latest first; the one before it where a stop between the two renames of save() left none.
+        paths = [p for p in (self.checkpoint_path(), self.previous_checkpoint_path()) if os.path.exists(p)]
+        exists = torch.tensor([bool(paths)], dtype=torch.int32)
         dist.all_reduce(exists)
         if int(exists) == 0:
             return False
@@ -978,7 +989,16 @@ class Run:
                 f"{self.folder}: only {int(exists)} of {self.world} ranks have a checkpoint; resume with the "
                 "same number of workers, or pass --fresh"
             )
-        state = torch.load(self.checkpoint_path(), map_location=device(), weights_only=False)
+        state = torch.load(paths[0], map_location=device(), weights_only=False)
+        # Each rank replaces its own file: a process stopped while the ranks saved leaves the latest
+        # checkpoints of different steps, one apart. Every rank then resumes from the oldest of
+        # them, which the ranks ahead hold as their previous one.
+        newest, oldest = self._steps_of_every_rank(state["step"])
+        if newest != oldest and state["step"] != oldest and len(paths) > 1:
+            previous = torch.load(paths[1], map_location=device(), weights_only=False)
+            if previous["step"] == oldest:
+                state = previous
+        newest, oldest = self._steps_of_every_rank(state["step"])
         problem = None
         changed = changed_options(state.get("options", {}), run_options(self.args, self.method))
         saved_task = state.get("task_name", self.task.name)  # not recorded before 2026-12-01
@@ -998,16 +1018,13 @@ class Run:
                 f"{self.folder}: the checkpoint's run was trained with other options ({'; '.join(changed)}); "
                 "resume with the saved values, use another --out, or pass --fresh"
             )
-        # Each rank replaces its own file: a process stopped while the ranks saved leaves checkpoints
-        # of different steps, from which the ranks would train different numbers of steps (a hang).
-        steps = torch.tensor([state["step"], -state["step"]], dtype=torch.int64)
-        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
-        newest, oldest = int(steps[0]), -int(steps[1])
+        # Checkpoints of different steps still (the files changed by hand, or copied from elsewhere):
+        # the ranks would train different numbers of steps (a hang).
         if problem is None and newest != oldest:
             problem = (
                 f"{self.folder}: the ranks' checkpoints are of different steps, from {oldest} to {newest} (this "
-                f"rank's: {state['step']}): a process stopped while they were saved, and they cannot be resumed "
-                "together; pass --fresh to start over, or use another --out"
+                f"rank's: {state['step']}), and no rank ahead holds the oldest as its previous checkpoint: they "
+                "cannot be resumed together; pass --fresh to start over, or use another --out"
             )
         refused = torch.tensor([problem is not None], dtype=torch.int32)
         dist.all_reduce(refused)  # every rank refuses if one does (each read its own checkpoint)
@@ -1027,6 +1044,13 @@ class Run:
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"].cpu())
         return True
+
+    @staticmethod
+    def _steps_of_every_rank(step: int) -> tuple[int, int]:
+        """(newest, oldest) of every rank's ``step``."""
+        steps = torch.tensor([step, -step], dtype=torch.int64)
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+        return int(steps[0]), -int(steps[1])
 
     def settle_powersgd_buckets(self) -> None:
         """DDP builds its buckets in parameter order, then rebuilds them once in the order the

@@ -807,20 +807,59 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     assert [e.value for e in events.Scalars("epoch/epoch")] == [0.5, 1, 1.125]
 
 
-def test_checkpoints_of_different_steps_are_refused_on_every_rank(tmp_path):
+RANK_1_DIES_SAVING_STEP_6 = """
+import os
+
+from examples import driver
+from examples.lstm.__main__ import main
+
+save = driver.Run.save
+
+
+def dying(self):
+    if self.rank == 1 and self.step == 6:  # stopped before its file: rank 0's holds step 6
+        os._exit(1)
+    save(self)
+
+
+driver.Run.save = dying
+main()
+"""
+
+
+def test_a_process_stopped_while_the_ranks_saved_resumes_from_the_save_before_on_every_rank(tmp_path):
     """Each rank replaces its own checkpoint: a process stopped while the ranks saved (rank 0's file
-    at step 6, rank 1's still at step 4) made the resumed ranks train different numbers of steps,
-    and the run hung in a collective. Refused on every rank, naming the steps, leaving the files."""
-    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--out", str(tmp_path)]
-    launch(torchrun("lstm"), [*args, "--max-steps", "4"])
-    older = (tmp_path / "checkpoint-rank1.pt").read_bytes()
-    launch(torchrun("lstm"), [*args, "--max-steps", "6"])
-    (tmp_path / "checkpoint-rank1.pt").write_bytes(older)
-    refused = start(torchrun("lstm"), [*args, "--max-steps", "9"], timeout=120)
+    at step 6, rank 1's still at step 3) left checkpoints of different steps, which were refused
+    (they had made the resumed ranks train different numbers of steps, and hang), so the run could
+    only start over. Each rank now keeps the checkpoint before its latest, and every rank resumes
+    from step 3, ending where a run that never stopped ends. Checkpoints without a common step
+    (files of two runs) are still refused on every rank, naming the steps."""
+    script = tmp_path / "dies.py"
+    script.write_text(RANK_1_DIES_SAVING_STEP_6)
+    out, straight = tmp_path / "run", tmp_path / "straight"
+    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--checkpoint-every", "3"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    assert start(command, [*args, "--out", str(out), "--max-steps", "9"]).returncode != 0
+    steps = [torch.load(out / f"checkpoint-rank{r}.pt", weights_only=False)["step"] for r in (0, 1)]
+    assert steps == [6, 3], steps
+    printed = launch(torchrun("lstm"), [*args, "--out", str(out), "--max-steps", "9"])
+    assert "resuming from step 3" in printed, printed[-3000:]
+    launch(torchrun("lstm"), [*args, "--out", str(straight), "--max-steps", "9"])
+    for rank in (0, 1):
+        resumed, whole = (torch.load(f / f"checkpoint-rank{rank}.pt", weights_only=False) for f in (out, straight))
+        assert resumed["step"] == whole["step"] == 9
+        for name, tensor in whole["model"].items():
+            assert torch.equal(resumed["model"][name], tensor), f"rank {rank}: {name}"
+    assert [int(r["step"]) for r in read_csv(out / "steps.csv")] == list(range(1, 10))
+
+    # rank 1's files both of step 9, rank 0's both of the save before: no step in common
+    (out / "checkpoint-rank1.pt.previous").write_bytes((out / "checkpoint-rank1.pt").read_bytes())
+    (out / "checkpoint-rank0.pt").write_bytes((out / "checkpoint-rank0.pt.previous").read_bytes())
+    before = torch.load(out / "checkpoint-rank0.pt", weights_only=False)["step"]
+    refused = start(torchrun("lstm"), [*args, "--out", str(out), "--max-steps", "12"], timeout=120)
     said = refused.stdout + refused.stderr
     assert refused.returncode != 0
-    assert said.count("checkpoints are of different steps") == 2 and "from 4 to 6" in said, said[-3000:]
-    assert torch.load(tmp_path / "checkpoint-rank0.pt", weights_only=False)["step"] == 6
+    assert said.count("checkpoints are of different steps") == 2 and f"from {before} to 9" in said, said[-3000:]
 
 
 DIES_AFTER_STEP_5 = """
