@@ -79,7 +79,7 @@ for step in "${steps[@]}"; do
       fi
       cmake -S . -B build/fuzz -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
         -DCMAKE_CXX_COMPILER=clang++ \
-        -DGRADSPARSE_FUZZ=ON -DGRADSPARSE_SANITIZE=address,undefined -DGRADSPARSE_TESTS=OFF -DGRADSPARSE_MPI=OFF \
+        -DGRADSPARSE_FUZZ=ON -DGRADSPARSE_SANITIZE=address,undefined -DGRADSPARSE_TESTS=OFF -DGRADSPARSE_BENCHMARKS=OFF -DGRADSPARSE_MPI=OFF \
         -DGRADSPARSE_OPENMP=OFF > /dev/null
       cmake --build build/fuzz --target fuzz_message fuzz_exchange
       [ "$build_only" = 0 ] || continue
