@@ -980,16 +980,16 @@ class Run:
             return False
         # The latest first; the one before it where a stop between the two renames of save() left none.
         paths = [p for p in (self.checkpoint_path(), self.previous_checkpoint_path()) if os.path.exists(p)]
-        exists = torch.tensor([bool(paths)], dtype=torch.int32)
-        dist.all_reduce(exists)
-        if int(exists) == 0:
+        held = torch.tensor([bool(paths), len(paths) > 1], dtype=torch.int32)
+        dist.all_reduce(held)
+        holding, with_previous = int(held[0]), int(held[1])
+        if holding == 0:
             return False
-        if int(exists) != self.world:
-            exit_on_every_rank(
-                f"{self.folder}: only {int(exists)} of {self.world} ranks have a checkpoint; resume with the "
-                "same number of workers, or pass --fresh"
-            )
-        state = torch.load(paths[0], map_location=device(), weights_only=False)
+        chosen = paths[0] if paths else None
+        state = torch.load(chosen, map_location=device(), weights_only=False) if chosen else None
+        if holding != self.world:
+            self._start_over_after_a_first_save(state, paths, holding, with_previous)
+            return False
         # Each rank replaces its own file: a process stopped while the ranks saved leaves the latest
         # checkpoints of different steps, one apart. Every rank then resumes from the oldest of
         # them, which the ranks ahead hold as their previous one.
@@ -997,7 +997,7 @@ class Run:
         if newest != oldest and state["step"] != oldest and len(paths) > 1:
             previous = torch.load(paths[1], map_location=device(), weights_only=False)
             if previous["step"] == oldest:
-                state = previous
+                chosen, state = paths[1], previous
         newest, oldest = self._steps_of_every_rank(state["step"])
         problem = None
         changed = changed_options(state.get("options", {}), run_options(self.args, self.method))
@@ -1030,6 +1030,8 @@ class Run:
         dist.all_reduce(refused)  # every rank refuses if one does (each read its own checkpoint)
         if int(refused):
             exit_on_every_rank(problem or f"{self.folder}: another rank's checkpoint was refused (see its message)")
+        if chosen != self.checkpoint_path():  # the save resumed from is the latest again (a later one is stale)
+            os.replace(chosen, self.checkpoint_path())
         self._load_model_and_optimizer(state["model"], state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.comm.load_state_dict(state["communication"])
@@ -1044,6 +1046,28 @@ class Run:
         if state["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda_rng"].cpu())
         return True
+
+    def _start_over_after_a_first_save(self, state: dict | None, paths: list[str], holding: int, with_previous: int):
+        """Some ranks hold a checkpoint (``holding``) and others none. Where none holds more than one
+        save (``with_previous``: how many do) and each was saved by this many workers, a process
+        stopped while the ranks saved the run's first checkpoint: the run starts over, and the
+        ranks that saved it delete it. Otherwise the run is refused on every rank."""
+        fits = torch.tensor([state is None or state["world_size"] == self.world], dtype=torch.int32)
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+        if with_previous or not int(fits):
+            exit_on_every_rank(
+                f"{self.folder}: only {holding} of {self.world} ranks have a checkpoint ("
+                + (f"this rank's saved by {state['world_size']} workers" if state else "this rank has none")
+                + "); resume with the number of workers that saved them, or pass --fresh"
+            )
+        for path in paths:
+            os.remove(path)
+        if self.rank == 0:
+            print(
+                f"[{self.method:>9}] {self.folder}: only {holding} of {self.world} ranks had saved the run's first "
+                "checkpoint when its process stopped: starting over",
+                flush=True,
+            )
 
     @staticmethod
     def _steps_of_every_rank(step: int) -> tuple[int, int]:

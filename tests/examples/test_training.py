@@ -807,17 +807,19 @@ def test_a_run_resumed_from_an_earlier_checkpoint_records_each_step_once(tmp_pat
     assert [e.value for e in events.Scalars("epoch/epoch")] == [0.5, 1, 1.125]
 
 
-RANK_1_DIES_SAVING_STEP_6 = """
+RANK_1_DIES_SAVING = """
 import os
+import sys
 
 from examples import driver
 from examples.lstm.__main__ import main
 
 save = driver.Run.save
+step = int(os.environ["DIE_SAVING_STEP"])
 
 
 def dying(self):
-    if self.rank == 1 and self.step == 6:  # stopped before its file: rank 0's holds step 6
+    if self.rank == 1 and self.step == step:  # stopped before its file: rank 0's holds the step
         os._exit(1)
     save(self)
 
@@ -829,37 +831,62 @@ main()
 
 def test_a_process_stopped_while_the_ranks_saved_resumes_from_the_save_before_on_every_rank(tmp_path):
     """Each rank replaces its own checkpoint: a process stopped while the ranks saved (rank 0's file
-    at step 6, rank 1's still at step 3) left checkpoints of different steps, which were refused
+    at step 6, rank 1's still at step 4) left checkpoints of different steps, which were refused
     (they had made the resumed ranks train different numbers of steps, and hang), so the run could
     only start over. Each rank now keeps the checkpoint before its latest, and every rank resumes
-    from step 3, ending where a run that never stopped ends. Checkpoints without a common step
-    (files of two runs) are still refused on every rank, naming the steps."""
+    from step 4, ending where a run that never stopped ends; also when the resumed run is stopped
+    in the same save again (rank 0's stale step-6 file had pushed out its step 4). A stop in the
+    run's first save, which left rank 1 no file, was refused as a change of the number of workers;
+    the run now starts over. Checkpoints without a common step, and a rank without any beside a
+    rank with two saves, are still refused on every rank, naming why."""
     script = tmp_path / "dies.py"
-    script.write_text(RANK_1_DIES_SAVING_STEP_6)
-    out, straight = tmp_path / "run", tmp_path / "straight"
-    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--checkpoint-every", "3"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
-    assert start(command, [*args, "--out", str(out), "--max-steps", "9"]).returncode != 0
-    steps = [torch.load(out / f"checkpoint-rank{r}.pt", weights_only=False)["step"] for r in (0, 1)]
-    assert steps == [6, 3], steps
-    printed = launch(torchrun("lstm"), [*args, "--out", str(out), "--max-steps", "9"])
-    assert "resuming from step 3" in printed, printed[-3000:]
-    launch(torchrun("lstm"), [*args, "--out", str(straight), "--max-steps", "9"])
-    for rank in (0, 1):
-        resumed, whole = (torch.load(f / f"checkpoint-rank{rank}.pt", weights_only=False) for f in (out, straight))
-        assert resumed["step"] == whole["step"] == 9
-        for name, tensor in whole["model"].items():
-            assert torch.equal(resumed["model"][name], tensor), f"rank {rank}: {name}"
-    assert [int(r["step"]) for r in read_csv(out / "steps.csv")] == list(range(1, 10))
+    script.write_text(RANK_1_DIES_SAVING)
+    straight = tmp_path / "straight"
+    args = [*TASKS["lstm"], "--method", "topk", "--no-progress", "--checkpoint-every", "2", "--max-steps", "12"]
+    dies = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    launch(torchrun("lstm"), [*args, "--out", str(straight)])
 
-    # rank 1's files both of step 9, rank 0's both of the save before: no step in common
+    def latest(out, rank):
+        return torch.load(out / f"checkpoint-rank{rank}.pt", weights_only=False)
+
+    def ends_as_straight(out):
+        for rank in (0, 1):
+            resumed, whole = latest(out, rank), latest(straight, rank)
+            assert resumed["step"] == whole["step"] == 12
+            for name, tensor in whole["model"].items():
+                assert torch.equal(resumed["model"][name], tensor), f"rank {rank}: {name}"
+        assert [int(r["step"]) for r in read_csv(out / "steps.csv")] == list(range(1, 13))
+
+    out = tmp_path / "twice"
+    for _ in range(2):  # stopped in the save of step 6, then again after resuming from step 4
+        assert start(dies, [*args, "--out", str(out)], DIE_SAVING_STEP="6").returncode != 0
+        assert [latest(out, r)["step"] for r in (0, 1)] == [6, 4]
+    assert "resuming from step 4" in launch(torchrun("lstm"), [*args, "--out", str(out)])
+    ends_as_straight(out)
+
+    first = tmp_path / "first"
+    assert start(dies, [*args, "--out", str(first)], DIE_SAVING_STEP="2").returncode != 0
+    assert latest(first, 0)["step"] == 2 and not (first / "checkpoint-rank1.pt").exists()
+    assert "had saved the run's first checkpoint when its process stopped: starting over" in launch(
+        torchrun("lstm"), [*args, "--out", str(first)]
+    )
+    ends_as_straight(first)
+
+    # rank 1's files both of step 12, rank 0's both of the save before: no step in common
     (out / "checkpoint-rank1.pt.previous").write_bytes((out / "checkpoint-rank1.pt").read_bytes())
     (out / "checkpoint-rank0.pt").write_bytes((out / "checkpoint-rank0.pt.previous").read_bytes())
-    before = torch.load(out / "checkpoint-rank0.pt", weights_only=False)["step"]
-    refused = start(torchrun("lstm"), [*args, "--out", str(out), "--max-steps", "12"], timeout=120)
+    before = latest(out, 0)["step"]
+    refused = start(torchrun("lstm"), [*args, "--out", str(out), "--max-steps", "14"], timeout=120)
     said = refused.stdout + refused.stderr
     assert refused.returncode != 0
-    assert said.count("checkpoints are of different steps") == 2 and f"from {before} to 9" in said, said[-3000:]
+    assert said.count("checkpoints are of different steps") == 2 and f"from {before} to 12" in said, said[-3000:]
+    # rank 1's files gone, rank 0 with two saves: not a stop in the first save
+    for name in ("checkpoint-rank1.pt", "checkpoint-rank1.pt.previous"):
+        (first / name).unlink()
+    refused = start(torchrun("lstm"), [*args, "--out", str(first), "--max-steps", "14"], timeout=120)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "only 1 of 2 ranks have a checkpoint (this rank has none)" in said, said[-3000:]
+    assert (first / "checkpoint-rank0.pt").exists()
 
 
 DIES_AFTER_STEP_5 = """
