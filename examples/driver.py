@@ -921,7 +921,7 @@ class Run:
 
     def previous_checkpoint_path(self) -> str:
         """This rank's checkpoint before its latest: where a process stopped while the ranks saved,
-        the others' latest is a step ahead of its own, and every rank resumes from this one."""
+        the others' latest is a save ahead of its own, and every rank resumes from this one."""
         return self.checkpoint_path() + ".previous"
 
     def save(self) -> None:
