@@ -20,6 +20,18 @@ if(CUDA_ROOT)
 endif()
 file(REMOVE_RECURSE ${WORK_DIR})
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --config ${BUILD_TYPE} --prefix ${WORK_DIR}/prefix)
+# Every header that an installed header includes is installed too (the core's internal ones are not).
+set(include_dir ${WORK_DIR}/prefix/include/gradsparse)
+file(GLOB installed ${include_dir}/*.h)
+foreach(header ${installed})
+  file(STRINGS ${header} includes REGEX "^#include \"gradsparse/")
+  foreach(line ${includes})
+    string(REGEX REPLACE "^#include \"gradsparse/([^\"]+)\".*" "\\1" included "${line}")
+    if(NOT EXISTS ${include_dir}/${included})
+      message(FATAL_ERROR "cmake_consumer: the installed ${header} includes gradsparse/${included}, which is not installed")
+    endif()
+  endforeach()
+endforeach()
 run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}
     -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM} -DCMAKE_CXX_COMPILER=${CXX} -DCMAKE_BUILD_TYPE=${BUILD_TYPE}
     -DCMAKE_EXE_LINKER_FLAGS=${LINKER_FLAGS} -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix ${cuda_options})
