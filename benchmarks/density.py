@@ -32,6 +32,7 @@ from benchmarks.utils import (
     OUTPUT_HELP,
     check_output,
     markdown_table,
+    names,
     number_list,
     require_fashion_mnist,
     whole,
@@ -222,16 +223,15 @@ def main(argv: list[str] | None = None) -> str:
     densities = number_list(
         parser, "--densities", args.densities, lambda d: 0 < d <= 1, "density in (0, 1]", "0.01,0.001"
     )
-    streams = [s.strip() for s in args.streams.split(",")]
-    unknown = [s for s in streams if s not in STREAMS]
-    if unknown:
-        parser.error(f"--streams: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(STREAMS)}")
+    streams = names(parser, "--streams", args.streams, STREAMS, "stream")
     if "cnn" in streams:
         require_fashion_mnist(parser, "--streams cnn", "leave that stream out: --streams drift")
-    chosen = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in chosen if m not in methods(0.01)]
-    if unknown:
-        parser.error(f"--methods: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(methods(0.01))}")
+    # none named (also " , "): every method, as benchmarks.select's --only reads it
+    chosen = (
+        names(parser, "--methods", args.methods, methods(0.01), "method")
+        if args.methods.replace(",", "").strip()
+        else []
+    )
     check_output(parser, "--output", args.output, "density.md")
     torch.set_num_threads(2)
     gs.set_num_threads(1)  # the ranks are threads already

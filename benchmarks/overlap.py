@@ -25,6 +25,11 @@ what a user asks: overlapped / compute, the step against one that sends nothing 
 exchange is all hidden), and overlapped / dense's, the step against dense's in the same run;
 feedback / compute says how much of the first is error feedback's memory traffic alone.
 
+Each process's malloc keeps the memory it frees (gradsparse.launch.keep_freed_memory: glibc, the
+header says so, unless the environment chose its own settings): otherwise the
+gradients each step frees and allocates were given back and faulted in again on some steps, which
+fell on the first methods of a run (docs/benchmarks.md, "Overlap").
+
 By default the Gloo processes are spawned here and talk over loopback (--world-size). When RANK
 is set (with WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun, or set by hand), each process is
 one rank and joins the group by env:// rendezvous; rank 0 prints and writes the table.
@@ -50,6 +55,7 @@ from benchmarks.utils import (
     check_output,
     gather_on_rank_0,
     markdown_table,
+    names,
     require_launcher,
     write_result,
 )
@@ -110,6 +116,10 @@ def make_state(method: str, density: float) -> gs.State:
 
 
 def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
+    # Else the gradients freed and allocated each step were faulted in again on some steps, which
+    # fell on the first methods of a run: the same method's compute-only step took 1.3x as long
+    # first as third.
+    freed_memory_kept = gs.launch.keep_freed_memory()
     torch.set_num_threads(1)
     gs.set_num_threads(1)
     results = {}
@@ -141,6 +151,7 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
                     times[mode].append(seconds)
         row = {mode: statistics.median(t) for mode, t in times.items()}
         row["buckets"] = len(states[0].stats()["buckets"])
+        row["freed memory kept"] = freed_memory_kept
         for state in states:
             state.close()
         results[method] = row
@@ -166,12 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
-    methods = [m for m in args.methods.split(",") if m]
-    if not methods:
-        parser.error(f"--methods: no method in {args.methods!r}; give them separated by commas, e.g. dense,topk")
+    # one report row per entry: an entry given twice showed the second's figures twice
+    methods = names(parser, "--methods", args.methods, gs.METHODS, "method", key=lambda m: m.partition("@")[0])
     for method in methods:  # as the workers create them, before any process starts
-        if method.partition("@")[0] not in gs.METHODS:
-            parser.error(f"--methods: unknown method {method!r}; choose from {', '.join(gs.METHODS)}")
         try:
             make_state(method, args.density).close()
         except (TypeError, ValueError) as e:
@@ -233,9 +241,12 @@ def main(argv: list[str] | None = None) -> None:
         ],
         rows,
     )
+    every_row = [r[m] for r in per_rank for m in methods]
+    kept = ", freed memory kept (glibc)" if all(row.get("freed memory kept") for row in every_row) else ""
     header = (
         f"{len(per_rank)} Gloo processes ({network}), MLP {args.depth}x{args.width} ({params:,} parameters), "
-        f"batch 64, density {args.density}, median of {args.steps} steps\n\n"
+        f"batch 64, density {args.density}, median of {args.steps} steps"
+        f"{kept}\n\n"
     )
     print(header + table)
     print("written to", write_result(args.output, header + table + "\n"))

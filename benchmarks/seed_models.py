@@ -23,7 +23,7 @@ import statistics
 import sys
 
 from benchmarks import cluster
-from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, write_result
+from benchmarks.utils import OUTPUT_HELP, check_output, markdown_table, names, write_result
 from examples.driver import METHODS, step_costs
 from examples.plot import read_rows
 
@@ -71,28 +71,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/seed-models", help="run folders: <out>/<model>/<method>")
     parser.add_argument("--report", default="seed-models.md", help=OUTPUT_HELP)
     args = parser.parse_args(argv)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [m for m in models if m not in MODELS]
-    if unknown:
-        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    if not models:  # else the cluster was made, nothing ran, and no report was written
-        parser.error(f"--models {args.models!r}: no model; give some of {', '.join(MODELS)}, separated by commas")
-    twice = sorted({m for m in models if models.count(m) > 1})
-    if twice:  # else it trained twice into the same run folders, and the report had it twice
-        parser.error(f"--models: {', '.join(twice)} given twice; each model runs once, in its run folder")
+    # None: the cluster was made, nothing ran, and no report was written; twice: it trained twice
+    # into the same run folders, and the report had it twice
+    models = names(parser, "--models", args.models, MODELS, "model")
     if args.steps < 1:  # the driver's --max-steps 0 means no limit: every epoch of the preset
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    if len(methods) < 2:
-        parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")
     # Else each worker's driver refused them, once the cluster had been made, and the report named
     # only the failed model's exit status.
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        parser.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    twice = sorted({m for m in methods if methods.count(m) > 1})
-    if twice:
-        parser.error(f"--methods: {', '.join(twice)} given twice; each method trains once, in its run folder")
+    methods = names(parser, "--methods", args.methods, METHODS, "method")
+    if len(methods) < 2:
+        parser.error(f"--methods {args.methods!r}: give a baseline and at least one method to compare with it")
     check_output(parser, "--report", args.report, "seed-models.md")  # written after the first model trained
     sections = [
         f"# The seeds' models on the emulated cluster: {args.hosts} hosts, {args.rate} links\n\n"

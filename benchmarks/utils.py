@@ -10,7 +10,7 @@ import pickle
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch.distributed as dist
 
@@ -113,6 +113,30 @@ def number_list(
             parser.error(f"{flag}: {item.strip()!r} is no {what}; write e.g. {example}")
         values.append(value)
     return values
+
+
+def names(
+    parser: argparse.ArgumentParser,
+    flag: str,
+    text: str,
+    known: Iterable[str],
+    noun: str,
+    key: Callable[[str], str] = lambda name: name,
+) -> list[str]:
+    """The comma-separated names ``text`` of ``flag`` (spaces around them and empty ones ignored);
+    ``parser.error`` refuses none at all, one whose ``key`` is not ``known`` and one given twice (a
+    report row or run folder per name: the second overwrote the first, or repeated its figures)."""
+    known = list(known)
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    if not chosen:
+        parser.error(f"{flag} {text!r}: no {noun}; give some of {', '.join(known)}, separated by commas")
+    unknown = [name for name in chosen if key(name) not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {noun} {', '.join(map(repr, unknown))}; choose from {', '.join(known)}")
+    twice = sorted({name for name in chosen if chosen.count(name) > 1})
+    if twice:
+        parser.error(f"{flag}: {', '.join(twice)} given twice; name each {noun} once")
+    return chosen
 
 
 def whole(value: float) -> bool:

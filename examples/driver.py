@@ -643,6 +643,9 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
         raise SystemExit(str(e)) from None
     torch.set_num_threads(threads)
     gs.set_num_threads(threads)
+    # The methods of a job train in turn in one process: with glibc's defaults the first ones
+    # faulted their gradients in anew each step and the later ones did not (README, "Launch").
+    gs.launch.keep_freed_memory()
     backend = args.backend if args.backend != "auto" else "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "mpi" and not dist.is_mpi_available():  # pip's torch: else torch's traceback
         raise SystemExit(

@@ -274,8 +274,10 @@ def test_the_cnn_stream_without_fashion_mnist_is_refused_before_any_work(capsys,
             "--drift-layers must be from 1 to --drift-size (100), got 101",
         ),
         # an unknown stream ran the CNN's under that name; an unknown method left an empty table
-        (["--streams", "drift,resnet"], "--streams: unknown 'resnet'; choose from drift, cnn"),
-        (["--methods", "TopK,topk"], "--methods: unknown 'topk'; choose from TopK, RandomK"),
+        (["--streams", "drift,resnet"], "--streams: unknown stream 'resnet'; choose from drift, cnn"),
+        (["--methods", "TopK,topk"], "--methods: unknown method 'topk'; choose from TopK, RandomK"),
+        # measured twice, reported twice
+        (["--methods", "TopK,DGC,TopK"], "--methods: TopK given twice; name each method once"),
     ],
 )
 def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsys, monkeypatch):
@@ -293,6 +295,8 @@ def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsy
         (["--world-size", "0"], "--world-size must be at least 1, got 0"),
         # a KeyError or the state's refusal in every spawned worker, after the methods before it had run
         (["--methods", "dense,top-k"], "--methods: unknown method 'top-k'; choose from dense, topk"),
+        # one report row per entry: the second's figures were shown for both
+        (["--methods", "dense,exdyna,exdyna@gather,exdyna"], "--methods: exdyna given twice; name each method once"),
         (["--density", "2"], "--methods topk --density 2.0: TopK: density must be in (0, 1], got 2.0"),
         (["--methods", "exdyna@all"], "--methods exdyna@all --density 0.01: ExDyna: exchange must be one of"),
     ],
@@ -391,8 +395,8 @@ def test_allgatherv_refuses_bad_values_before_joining_the_process_group(argv, me
     [
         # the workers' driver refused these once the cluster had been made; the report named only
         # the model's exit status
-        (["--methods", "dense,top-k"], "--methods: unknown top-k; choose from dense, "),
-        (["--methods", "dense,topk,topk"], "--methods: topk given twice; each method trains once, in its run folder"),
+        (["--methods", "dense,top-k"], "--methods: unknown method 'top-k'; choose from dense, "),
+        (["--methods", "dense,topk,topk"], "--methods: topk given twice; name each method once"),
     ],
 )
 def test_seed_models_refuses_bad_methods_before_the_cluster(argv, message, capsys, monkeypatch):
@@ -529,7 +533,7 @@ def test_link_prints_its_help_without_joining_a_group(capsys, monkeypatch):
     [
         ("", "--models '': no model; give some of resnet20, vgg16, lstm, ncf"),  # a cluster made for nothing
         (",", "--models ',': no model"),
-        ("lstm,ncf,lstm", "--models: lstm given twice; each model runs once"),  # trained twice, reported twice
+        ("lstm,ncf,lstm", "--models: lstm given twice; name each model once"),  # trained twice, reported twice
     ],
 )
 def test_seed_models_refuses_no_model_or_one_twice_before_the_cluster(models, message, capsys, monkeypatch):
