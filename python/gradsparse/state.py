@@ -465,7 +465,25 @@ class State:
                 + (_NOT_A_MEMBER if self._group_option is None else "")
             ) from e
         try:
-            self._start(owner, group, comm, gathered)
+            self._check_agreement(owner, gathered)
+            # A load refused on any rank is refused on every rank, and the state is set up without
+            # it (one put in place before set-up, after init_process_group, is undone); an accepted
+            # one is put in place. Both before the engine starts: exchange="auto"'s trial and link
+            # start from the state every rank goes on from (after an undone load they started from
+            # the loaded one, on the loading rank only, and the ranks ran different exchanges).
+            self._unchecked = None
+            before, self._before_load = self._before_load, None
+            refused = None
+            try:
+                self._refuse_where_refused(refusal, [entry[3] for entry in gathered], [entry[4] for entry in gathered])
+            except Exception as e:
+                vars(self).update(before or {})
+                refused = e
+            else:
+                if load is not None:
+                    load()
+                    self._before_load = None  # nothing to undo: accepted on every rank
+            self._start(group, comm, len(gathered))
         except BaseException:
             _give_back_own(comm, group, os.getpid())
             raise
@@ -476,23 +494,13 @@ class State:
             self._abandoned = weakref.finalize(self, _ABANDONED.append, (comm, self._pid))
             self._abandoned.atexit = False
         self._binding.check_group(group)
-        # Refused on any rank: refused on every rank, and the state stays set up without it (a load
-        # put in place before set-up, after init_process_group, is undone).
-        self._unchecked = None
-        before, self._before_load = self._before_load, None
-        try:
-            self._refuse_where_refused(refusal, [entry[3] for entry in gathered], [entry[4] for entry in gathered])
-        except Exception:
-            vars(self).update(before or {})
-            raise
-        if load is not None:
-            load()
+        if refused is not None:
+            raise refused
         return self
 
-    def _start(self, owner: str, group: dist.ProcessGroup, comm: dist.ProcessGroup, gathered: list[Any]) -> None:
-        """The set-up once every rank has arrived: refuses what the ranks disagree on (versions,
-        configurations, in ``gathered``) and a world size the method cannot run at, then starts
-        the engine on ``comm``."""
+    def _check_agreement(self, owner: str, gathered: list[Any]) -> None:
+        """Once every rank has arrived: refuses what the ranks disagree on (versions,
+        configurations, in ``gathered``) and a world size the method cannot run at."""
         if len({_wire_of(entry) for entry in gathered}) > 1:  # their messages and control words may differ
             raise ValueError(
                 f"{owner}: the ranks run different gradsparse versions: "
@@ -505,13 +513,19 @@ class State:
                 + "; ".join(f"rank {r}: {entry[1:3]}" for r, entry in enumerate(gathered))
                 + ". Create the state with the same method and options on every rank."
             )
-        world_size = len(gathered)
-        self.check_world_size(world_size)
+        self.check_world_size(len(gathered))
+
+    def _start(self, group: dist.ProcessGroup, comm: dist.ProcessGroup, world_size: int) -> None:
+        """Starts the engine on ``comm``, and exchange="auto"'s trial from the link every rank holds:
+        the loaded one where every rank loaded the same, else one measured now on every rank (a
+        collective: a rank that measured alone waited for the others until the timeout)."""
         self._process_group = group
         self._world_size = world_size
         self._rank = dist.get_rank(group)
         if self._method_config.get("exchange") == "auto" and world_size > 1:
-            if self._link is None:
+            links: list[Any] = [None] * world_size
+            dist.all_gather_object(links, self._link, group=comm)
+            if None in links or len(set(links)) > 1:
                 from gradsparse import simulate
 
                 self._link = simulate.measure_link(comm)  # what exchange="auto" starts from

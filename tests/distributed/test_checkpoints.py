@@ -331,6 +331,29 @@ def test_per_rank_files_of_different_steps_are_refused_on_every_rank(tmp_path, w
         assert moved == 0.0, f"rank {rank}: a refused load was loaded"
 
 
+@pytest.mark.parametrize("then", ["trains", "reloads"])
+def test_auto_starts_alike_on_every_rank_after_a_load_refused_at_set_up(tmp_path, then):
+    """exchange="auto", rank 0 alone loading its file before register: set-up started the trial
+    and measured the link before its agreement refused the load, and the refusal's undo put rank
+    0's trial and link back to None. Rank 1, which had loaded no link, measured it alone (a
+    collective) and waited for rank 0 until the state's timeout; had it not, the ranks went on to
+    run different exchanges in one step (Gloo's abort), and a correct load afterwards never took
+    its saved decision. The refusal now comes at once on both ranks, both then time the same
+    exchanges at every step, and a reload runs the saved decision from its first step."""
+    results = run_distributed(workers.auto_after_a_load_on_one_rank, 2, str(tmp_path / "gs"), then, timeout=180)
+    for rank, r in enumerate(results):
+        assert "the ranks' state dicts are of different steps (rank 0: 9, rank 1: 0)" in r["error"], (rank, r["error"])
+        assert r["elapsed"] < 5, f"rank {rank} was refused after {r['elapsed']:.1f} s, the state's timeout"
+    assert results[0]["used"] == results[1]["used"]
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=True))
+    names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
+    if then == "reloads":  # the saved decision at every step
+        decided = {bucket: names[exchange] for bucket, exchange in results[0]["saved"].items()}
+        assert results[0]["used"] == [decided] * 8
+    else:  # a new trial: the two exchanges in turns from the second step
+        assert {names["reduce_scatter"]} in [set(step.values()) for step in results[0]["used"][1:7]]
+
+
 @pytest.mark.parametrize(("damage", "reason"), [("nan", "holds NaN or Inf"), ("blob", "JSONDecodeError")])
 def test_a_damaged_sharded_part_is_refused_on_every_rank(tmp_path, damage, reason):
     """dcp.load of gs.ShardedState, rank 1's block damaged: DCP calls each rank's load_state_dict

@@ -1688,6 +1688,50 @@ def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, 
     return error, elapsed, moved
 
 
+def auto_after_a_load_on_one_rank(rank: int, world_size: int, path: str, then: str) -> dict:
+    """exchange="auto": every rank saves its state after 9 steps (the trial decided at step 7);
+    on a new state rank 0 alone loads its file between init_process_group and register, which
+    register refuses on every rank. Then (``then``) each rank registers the state again and trains
+    8 steps ("trains"), or loads its own file and trains ("reloads"). Returns the refusal, the
+    seconds it took, the exchange of each step's buckets and the decision saved."""
+    import time
+
+    def exchanges_of_steps(ddp, state, steps: int) -> list[dict]:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        used = []
+        for x, y in batches(rank, steps):
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            used.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+        return used
+
+    def new_auto(timeout: float = 10):
+        return gs.TopK(density=0.1, exchange="auto", timeout=timeout), DDP(make_model(), bucket_cap_mb=0.004)
+
+    state, ddp = new_auto()
+    gs.register(ddp, state)
+    train(ddp, rank, steps=9)
+    saved = state.state_dict()
+    torch.save(saved, f"{path}-rank{rank}.pt")
+    state.close()
+    state, ddp = new_auto()
+    if rank == 0:
+        state.load_state_dict(torch.load(f"{path}-rank{rank}.pt"))
+    start, error = time.monotonic(), None
+    try:
+        gs.register(ddp, state)
+    except ValueError as e:
+        error = str(e)
+    elapsed = time.monotonic() - start
+    gs.register(ddp, state)  # the refused register hooked nothing
+    if then == "reloads":
+        state.load_state_dict(torch.load(f"{path}-rank{rank}.pt"))
+    used = exchanges_of_steps(ddp, state, 8)
+    state.close()
+    return {"error": error, "elapsed": elapsed, "used": used, "saved": saved["exchanges"], "params": params_of(ddp)}
+
+
 def load_on_rank_0_alone(rank: int, world_size: int, other: str) -> tuple:
     """After set-up, load_state_dict on rank 0 only while rank 1, without calling it, sleeps past
     the state's timeout of 2 s (``other`` "sleeps") or trains ("trains"): this rank's error (None:
