@@ -9,7 +9,18 @@ import re
 import pytest
 import torch
 
-from benchmarks import allgatherv, cluster, density, link, overlap, seed_models, select, step_ratio, threshold_moves
+from benchmarks import (
+    allgatherv,
+    allocator,
+    cluster,
+    density,
+    link,
+    overlap,
+    seed_models,
+    select,
+    step_ratio,
+    threshold_moves,
+)
 from benchmarks.utils import markdown_table
 from gradsparse.methods import core_method
 from tests.refusals import assert_refused, never
@@ -579,3 +590,20 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(
     name = str(tmp_path / "new" / "report")
     message = f"{flag} {name}: cannot write {name}: {tmp_path} is not writable by this user; give a path in a folder"
     assert_refused(main, [*argv, flag, name], message, capsys)
+
+
+def test_allocator_runs_each_setting_in_a_process_of_its_own():
+    """Plain DDP steps with glibc's defaults and after keep_freed_memory(), in fresh processes:
+    each row has its faults and time, and the kept setting took no faults after the warm-up."""
+    text = allocator.main(["--width", "1024", "--depth", "2", "--steps", "3", "--rounds", "1"])
+    defaults, kept = numbers(text, "1 | glibc defaults"), numbers(text, "1 | keep_freed_memory()")
+    _round, _faults, defaults_ms = defaults
+    _round, kept_faults, kept_ms = kept
+    assert defaults_ms > 0 and kept_ms > 0
+    assert kept_faults < 50  # per step: the 4 MiB blocks come from the kept heap
+
+
+@pytest.mark.parametrize("flag", ["--width", "--steps", "--rounds"])
+def test_allocator_refuses_bad_values_before_starting_a_process(flag, capsys, monkeypatch):
+    monkeypatch.setattr(allocator, "run_setting", never("a step process was started"))
+    assert_refused(allocator.main, [flag, "0"], f"{flag} must be at least 1, got 0", capsys)
