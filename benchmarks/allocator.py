@@ -35,16 +35,13 @@ def steps(width: int, depth: int, count: int, keep: bool) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsparse as gs
+    from benchmarks.overlap import make_model
 
     kept = gs.launch.keep_freed_memory() if keep else False
     torch.set_num_threads(1)
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    model = DDP(nn.Sequential(*layers, nn.Linear(width, 10)))
+    model = DDP(make_model(width, depth))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     seconds = []
     for i in range(count + 5):

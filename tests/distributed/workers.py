@@ -41,6 +41,11 @@ def train(ddp: nn.Module, rank: int, steps: int = STEPS, nan_at: tuple[int, int]
         opt.step()
 
 
+def exchanges_used(state: gs.State) -> dict[int, str]:
+    """The exchange each bucket ran since the last call (it resets the state's statistics)."""
+    return {b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()}
+
+
 def params_of(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
@@ -659,7 +664,7 @@ def auto_exchange(rank: int, world_size: int, path: str, method: str, transport:
         steps = []
 
         def record(state) -> None:
-            steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+            steps.append(exchanges_used(state))
 
         checkpoint = f"{path}.{save_at}.{rank}"
         model, state, loaded = train_with_resume(
@@ -1703,11 +1708,11 @@ def auto_after_a_load_on_one_rank(rank: int, world_size: int, path: str, then: s
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-            used.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+            used.append(exchanges_used(state))
         return used
 
-    def new_auto(timeout: float = 10):
-        return gs.TopK(density=0.1, exchange="auto", timeout=timeout), DDP(make_model(), bucket_cap_mb=0.004)
+    def new_auto():
+        return gs.TopK(density=0.1, exchange="auto", timeout=10), DDP(make_model(), bucket_cap_mb=0.004)
 
     state, ddp = new_auto()
     gs.register(ddp, state)
@@ -1895,7 +1900,7 @@ def auto_exchange_timed_again(rank: int, world_size: int, static_graph: bool, na
         loss = nn.functional.cross_entropy(ddp(x), y)
         (loss * math.nan if step == nan_step and rank == 0 else loss).backward()
         opt.step()
-        steps.append({b: s["exchange"] for b, s in state.stats(reset=True)["buckets"].items()})
+        steps.append(exchanges_used(state))
     return {"steps": steps, "trial": state.stats()["exchange_trial"], "chosen": state.state_dict()["exchanges"]}
 
 

@@ -293,13 +293,13 @@ _FAULTS_PER_STEP = """
 import ctypes, json, resource, torch
 import gradsparse as gs
 def faults_per_step():
-    for _ in range(15):
-        if _ == 5:  # the heap has grown to its size
+    for step in range(15):
+        if step == 5:  # the heap has grown to its size
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         grads = [torch.ones(4 * 2**20) for _ in range(4)]
         del grads
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
-ctypes.CDLL(None).mallopt(-1, 128 * 1024)
+ctypes.CDLL(None).mallopt(gs.launch._M_TRIM_THRESHOLD, 128 * 1024)
 faulting = faults_per_step()
 kept = gs.launch.keep_freed_memory()
 print(json.dumps({"faulting": faulting, "kept": kept, "after": faults_per_step()}))
