@@ -290,15 +290,16 @@ def test_rendezvous_port_is_the_job_ids_unless_it_is_taken_here():
 # faults of a step, in glibc's faulting setting (a trim threshold set by the program fixes the
 # mapping threshold at 128 KiB: every block is mapped and given back), then after the call.
 _FAULTS_PER_STEP = """
-import ctypes, json, resource, torch
+import ctypes, json, resource, statistics, torch
 import gradsparse as gs
-def faults_per_step():
+def faults_per_step():  # the median step's, after 5 steps in which the heap grows to its size
+    faults = []
     for step in range(15):
-        if step == 5:  # the heap has grown to its size
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         grads = [torch.ones(4 * 2**20) for _ in range(4)]
         del grads
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return statistics.median(faults[5:])
 ctypes.CDLL(None).mallopt(gs.launch._M_TRIM_THRESHOLD, 128 * 1024)
 faulting = faults_per_step()
 kept = gs.launch.keep_freed_memory()
