@@ -1,6 +1,6 @@
 """Does the engine overlap communication with the backward pass?
 
-    python -m benchmarks.overlap [--world-size 2] [--steps 20] [--methods dense,topk,micro,spardl]
+    python -m benchmarks.overlap [--world-size 2] [--steps 20] [--methods dense,topk,micro,spardl] [--bucket-cap-mb 4]
     python -m benchmarks.overlap --methods exdyna,exdyna@gather   # a method with another exchange
     torchrun --nproc-per-node 2 -m benchmarks.overlap [--output overlap-lo.md] [--network "..."]
 
@@ -115,7 +115,16 @@ def make_state(method: str, density: float) -> gs.State:
     return gs.METHODS[name](density=density, **({"exchange": exchange} if exchange else {}))
 
 
-def worker(rank: int, world_size: int, methods: list[str], density: float, steps: int, width: int, depth: int):
+def worker(
+    rank: int,
+    world_size: int,
+    methods: list[str],
+    density: float,
+    steps: int,
+    width: int,
+    depth: int,
+    bucket_cap_mb: float,
+):
     # Else the gradients freed and allocated each step were faulted in again on some steps, which
     # fell on the first methods of a run: the same method's compute-only step took 1.3x as long
     # first as third.
@@ -126,7 +135,7 @@ def worker(rank: int, world_size: int, methods: list[str], density: float, steps
     for method in methods:
         ddps, states = {}, []
         for mode in MODES:
-            ddps[mode] = DDP(make_model(width, depth), bucket_cap_mb=4)
+            ddps[mode] = DDP(make_model(width, depth), bucket_cap_mb=bucket_cap_mb)
             if mode == "compute":
                 ddps[mode].register_comm_hook(None, immediate)
             elif mode == "feedback":
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="DDP's bucket_cap_mb (default 4)")
     parser.add_argument("--output", default="overlap.md", help=OUTPUT_HELP)
     parser.add_argument("--network", help="how the ranks are connected, for the header")
     args = parser.parse_args(argv)
@@ -177,6 +187,8 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if value < low:
             parser.error(f"{flag} must be at least {low}, got {value}")
+    if not args.bucket_cap_mb > 0:
+        parser.error(f"--bucket-cap-mb must be more than 0 (DDP's bucket_cap_mb, in MB), got {args.bucket_cap_mb}")
     # one report row per entry: an entry given twice showed the second's figures twice
     methods = names(parser, "--methods", args.methods, gs.METHODS, "method", key=lambda m: m.partition("@")[0])
     for method in methods:  # as the workers create them, before any process starts
@@ -186,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--methods {method} --density {args.density}: {e}")
     if os.environ.get("RANK", "0") == "0":  # the rank that writes the report
         check_output(parser, "--output", args.output, "overlap.md")
-    worker_args = (methods, args.density, args.steps, args.width, args.depth)
+    worker_args = (methods, args.density, args.steps, args.width, args.depth, args.bucket_cap_mb)
     if "RANK" not in os.environ:
         per_rank = run_distributed(worker, args.world_size, *worker_args, timeout=1800)
         network = args.network or "loopback"
@@ -245,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     kept = ", freed memory kept (glibc)" if all(row.get("freed memory kept") for row in every_row) else ""
     header = (
         f"{len(per_rank)} Gloo processes ({network}), MLP {args.depth}x{args.width} ({params:,} parameters), "
-        f"batch 64, density {args.density}, median of {args.steps} steps"
+        f"batch 64, buckets of {args.bucket_cap_mb:g} MB, density {args.density}, median of {args.steps} steps"
         f"{kept}\n\n"
     )
     print(header + table)

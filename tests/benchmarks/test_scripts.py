@@ -304,6 +304,7 @@ def test_density_refuses_bad_values_before_drawing_a_stream(argv, message, capsy
         (["--steps", "0"], "--steps must be at least 1, got 0"),
         (["--width", "0"], "--width must be at least 1, got 0"),
         (["--world-size", "0"], "--world-size must be at least 1, got 0"),
+        (["--bucket-cap-mb", "0"], "--bucket-cap-mb must be more than 0 (DDP's bucket_cap_mb, in MB), got 0.0"),
         # a KeyError or the state's refusal in every spawned worker, after the methods before it had run
         (["--methods", "dense,top-k"], "--methods: unknown method 'top-k'; choose from dense, topk"),
         # one report row per entry: the second's figures were shown for both
@@ -321,11 +322,12 @@ def test_overlap_refuses_bad_values_before_starting_the_ranks(argv, message, cap
 @pytest.mark.distributed
 def test_overlap_times_every_mode(tmp_path):
     overlap.main(["--world-size", "2", "--methods", "dense,topk,micro@gather", "--steps", "2", "--width", "64",
-                  "--depth", "3", "--output", str(tmp_path / "overlap.md")])  # fmt: skip
+                  "--depth", "3", "--bucket-cap-mb", "0.01", "--output", str(tmp_path / "overlap.md")])  # fmt: skip
     text = (tmp_path / "overlap.md").read_text()
+    assert "buckets of 0.01 MB" in text.splitlines()[0]
     for method in ("dense", "topk", "micro@gather"):
         buckets, compute, exchange, serial, overlapped = numbers(text, method)[:5]
-        assert buckets >= 1 and compute > 0 and overlapped > 0
+        assert buckets >= 3 and compute > 0 and overlapped > 0  # 10 KB buckets: a bucket for each 16 KB weight
         # Each printed to 3 digits (half a unit of the third digit: 0.5% at most, also where noise
         # makes the exchange, serial - compute, negative)
         rounding = 0.005 * (abs(compute) + abs(exchange) + abs(serial))
