@@ -597,7 +597,7 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_the_run(
 def test_allocator_runs_each_setting_in_a_process_of_its_own():
     """Plain DDP steps with glibc's defaults and after keep_freed_memory(), in fresh processes:
     each row has its median faults and time, and the kept setting's median step took no faults."""
-    text = allocator.main(["--width", "1024", "--depth", "2", "--steps", "3", "--rounds", "1"])
+    text = allocator.main(["--width", "1024", "--depth", "2", "--steps", "7", "--rounds", "1"])
     defaults, kept = numbers(text, "1 | glibc defaults"), numbers(text, "1 | keep_freed_memory()")
     _round, _faults, defaults_ms = defaults
     _round, kept_faults, kept_ms = kept

@@ -150,12 +150,12 @@ def test_an_all_ranks_state_dict_with_a_damaged_part_is_refused_on_every_rank(da
         assert moved in (0.0, None), f"rank {rank}: the refused load moved the residuals by {moved}"
 
 
-def test_all_ranks_called_on_rank_0_alone_fails_within_the_timeout_naming_the_fix():
+def test_all_ranks_called_on_rank_0_alone_fails_within_the_timeout_naming_the_fix(tmp_path):
     """AllRanks(state).state_dict() is collective; called on rank 0 alone (the usual `if rank ==
     0: torch.save(...)`), rank 0 waited for the other ranks without bound, then failed with Gloo's
     'Connection closed by peer' once one exited. It now fails within the state's timeout, saying
     that every rank must call it and how to save."""
-    error = run_distributed(workers.all_ranks_on_rank_0_alone, 2, timeout=120)[0]
+    error = run_distributed(workers.all_ranks_on_rank_0_alone, 2, str(tmp_path / "done"), timeout=180)[0]
     assert error is not None and error != "returned"
     assert "gradsparse.AllRanks.state_dict is collective" in error, error
     assert "Call it on every rank, and save on rank 0" in error, error
@@ -295,7 +295,7 @@ _REASONS = {
 def test_a_damaged_per_rank_file_is_refused_on_every_rank(tmp_path, damage, when):
     """Each rank loads its own file (the README's way), rank 1's damaged after the save. Refused on
     rank 1 alone, the other ranks went on to train and waited for rank 1 in their first step until
-    the state's timeout (5 s here; 30 minutes by default, or for ever under some backends). Every
+    the state's timeout (60 s here; 30 minutes by default, or for ever under some backends). Every
     rank now refuses it at once (at the load, or at the set-up that register runs), rank 1 with its
     own error and the others naming rank 1 and why, and no rank's state took it. A load before
     set-up that rank 1 refuses at the load itself is the exception (another method's state dict;
@@ -308,7 +308,7 @@ def test_a_damaged_per_rank_file_is_refused_on_every_rank(tmp_path, damage, when
     assert error1 is not None and reason in error1, error1
     assert error0 is not None and "rank 1 was refused there" in error0 and reason in error0, error0
     assert "So it is refused on every rank" in error0, error0
-    assert elapsed0 < 5, f"rank 0 failed after {elapsed0:.1f} s, the state's timeout: {error0}"
+    assert elapsed0 < 20, f"rank 0 failed after {elapsed0:.1f} s, near the state's timeout (60 s): {error0}"
     assert moved0 == moved1 == 0.0, "a refused load was loaded"
 
 
@@ -327,7 +327,7 @@ def test_per_rank_files_of_different_steps_are_refused_on_every_rank(tmp_path, w
             error,
         )
         assert "Load one checkpoint on every rank (each rank its own file of it, or the same AllRanks" in error, error
-        assert elapsed < 5, f"rank {rank} failed after {elapsed:.1f} s, the state's timeout: {error}"
+        assert elapsed < 20, f"rank {rank} failed after {elapsed:.1f} s, near the state's timeout (60 s): {error}"
         assert moved == 0.0, f"rank {rank}: a refused load was loaded"
 
 
@@ -343,7 +343,7 @@ def test_auto_starts_alike_on_every_rank_after_a_load_refused_at_set_up(tmp_path
     results = run_distributed(workers.auto_after_a_load_on_one_rank, 2, str(tmp_path / "gs"), then, timeout=180)
     for rank, r in enumerate(results):
         assert "the ranks' state dicts are of different steps (rank 0: 9, rank 1: 0)" in r["error"], (rank, r["error"])
-        assert r["elapsed"] < 5, f"rank {rank} was refused after {r['elapsed']:.1f} s, the state's timeout"
+        assert r["elapsed"] < 20, f"rank {rank} was refused after {r['elapsed']:.1f} s, near the state's timeout (60 s)"
     assert results[0]["used"] == results[1]["used"]
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"], strict=True))
     names = {"gather": "fixed-size gather", "reduce_scatter": "reduce-scatter + all-gather"}
@@ -363,19 +363,21 @@ def test_a_damaged_sharded_part_is_refused_on_every_rank(tmp_path, damage, reaso
     (error0, elapsed0, step0), (error1, _, step1) = results
     assert error1 is not None and reason in error1, error1
     assert error0 is not None and "rank 1 was refused there" in error0 and reason in error0, error0
-    assert elapsed0 < 5, f"rank 0 failed after {elapsed0:.1f} s, the state's timeout: {error0}"
+    assert elapsed0 < 20, f"rank 0 failed after {elapsed0:.1f} s, near the state's timeout (60 s): {error0}"
     assert step0 == step1 == 0, "a refused load was loaded"
 
 
 @pytest.mark.parametrize("other", ["sleeps", "trains"])
-def test_load_after_set_up_on_one_rank_alone_fails_within_the_timeout_naming_the_fix(other):
+def test_load_after_set_up_on_one_rank_alone_fails_within_the_timeout_naming_the_fix(other, tmp_path):
     """After set-up load_state_dict is collective (so that a state dict refused on one rank is
     refused on every rank): called on rank 0 alone, it fails after the state's timeout (2 s),
     saying that every rank loads its own and how, rather than waiting without bound. While rank 1
     trained, the agreement (then an all-gather on the exchanges' own group) met rank 1's exchange
     there, and Gloo aborted rank 0's process. Once rank 1 woke, a load on both ranks (the fix the
     error names) waited on an agreement rank 0 had already counted, and timed out in its turn."""
-    (error, elapsed, again), peer = run_distributed(workers.load_on_rank_0_alone, 2, other, timeout=120)
+    (error, elapsed, again), peer = run_distributed(
+        workers.load_on_rank_0_alone, 2, other, str(tmp_path / "done"), timeout=180
+    )
     assert error is not None and "after set-up, loading is collective: every rank of the process group [0, 1]" in error
     assert "Call state.load_state_dict(torch.load(" in error, error
     assert elapsed < 10, f"rank 0 waited {elapsed:.1f} s"

@@ -233,4 +233,4 @@ def test_a_rank_that_exits_under_mpirun_ends_the_job(tmp_path, how):
         assert "_Crash: rank 1 dies of an error in its training loop" in output, output  # its traceback first
         # the library's own line (OpenMPI's "MPI_ABORT was invoked on rank 1" came garbled in one run)
         assert "gradsparse: rank 1 ends the MPI job (MPI_Abort) after its uncaught _Crash" in output, output
-    assert ended - float(exited.group(1)) < 30, f"the job took {ended - float(exited.group(1)):.1f} s to end"
+    assert ended - float(exited.group(1)) < 60, f"the job took {ended - float(exited.group(1)):.1f} s to end"

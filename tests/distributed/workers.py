@@ -7,6 +7,7 @@ import contextlib
 import copy
 import gc
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -486,7 +487,6 @@ def a_forked_child_leaves_the_parents_engine(rank: int, world_size: int) -> tupl
     """After a step, the process forks; the child starts threads of its own (glibc may then reuse
     the engine thread's descriptor), lets them end, then closes the state and drops it. Returns the
     child's exit code and what it said."""
-    import os
     import threading
     import time
 
@@ -937,7 +937,6 @@ def peer_exits(
     in the folder ``reports``; at most three timeouts); the others report what their training
     loop saw and how long it took to see it. ``how``: "exit" (os._exit(3)) or "raise" (an
     exception nobody catches, as a crashing training script dies)."""
-    import os
     import time
 
     def reported(r: int) -> str:
@@ -1269,22 +1268,34 @@ def plain_state_through_dcp(rank: int, world_size: int, path: str, wrap: str) ->
     return errors[0], errors[1]
 
 
-def all_ranks_on_rank_0_alone(rank: int, world_size: int) -> str | None:
-    """gradsparse.AllRanks(state).state_dict() called under ``if rank == 0:``: rank 0's error (the
-    others go on without calling it, and stay past the state's timeout of 2 s)."""
+def stay_until_rank_0_is_done(done: str) -> None:
+    """The rank that does not call a collective stays alive (without calling it) until rank 0 has
+    its outcome, however long the loaded machine makes that take: had it exited, rank 0 would see
+    Gloo's "Connection closed by peer" instead of its state's timeout."""
     import time
 
+    deadline = time.monotonic() + 120
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def all_ranks_on_rank_0_alone(rank: int, world_size: int, done: str) -> str | None:
+    """gradsparse.AllRanks(state).state_dict() called under ``if rank == 0:``: rank 0's error (the
+    others go on without calling it, and stay past the state's timeout of 2 s, until rank 0 writes
+    the file ``done``)."""
     state = gs.TopK(density=0.05, timeout=2)
     ddp = DDP(make_model())
     gs.register(ddp, state)
     train(ddp, rank, steps=2)
     if rank != 0:
-        time.sleep(6)
+        stay_until_rank_0_is_done(done)
         return None
     try:
         gs.AllRanks(state).state_dict()
     except RuntimeError as e:
         return str(e)
+    finally:
+        open(done, "w").close()
     return "returned"
 
 
@@ -1292,7 +1303,6 @@ def all_ranks_on_each_node(rank: int, world_size: int, local_ranks: list[str | N
     """Each rank's LOCAL_RANK from ``local_ranks`` (None: unset), 2 training steps, then
     AllRanks(state, each_node=True).state_dict() twice: per call, the ranks' parts this rank holds
     (None on a rank that does not write), or the error."""
-    import os
 
     os.environ.pop("LOCAL_RANK", None)
     if local_ranks[rank] is not None:
@@ -1345,7 +1355,6 @@ def groups_of_other_ranks(rank: int, world_size: int, case: str) -> dict:
     saves with AllRanks(each_node=True), ranks 0 and 2 first on their "nodes". Both waited until
     the timeout under torch 2.13: torch named the state's own group after the number of groups each
     rank belonged to."""
-    import os
 
     trio, _ = dist.new_group([1, 2, 3]), dist.new_group([0, 1])
     out: dict = {}
@@ -1660,7 +1669,7 @@ def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, 
     import time
     from unittest import mock
 
-    state = gs.DGC(density=0.05, timeout=5)  # a method with a state of its own (its step)
+    state = gs.DGC(density=0.05, timeout=60)  # a method with a state of its own (its step)
     ddp = DDP(make_model())
     gs.register(ddp, state)
     train(ddp, rank, steps=1)
@@ -1671,7 +1680,7 @@ def a_damaged_per_rank_file(rank: int, world_size: int, path: str, damage: str, 
     saved = torch.load(f"{path}-rank{rank}.pt")
     if rank == 1:  # "step": its file of the step before (a save stopped before it reached rank 1)
         saved = torch.load(f"{path}-rank{rank}-step1.pt") if damage == "step" else _damage_a_part(saved, damage)
-    state, ddp = gs.DGC(density=0.05, timeout=5), DDP(make_model())
+    state, ddp = gs.DGC(density=0.05, timeout=60), DDP(make_model())
     start, error = time.monotonic(), None
     try:
         if when == "after":
@@ -1712,7 +1721,7 @@ def auto_after_a_load_on_one_rank(rank: int, world_size: int, path: str, then: s
         return used
 
     def new_auto():
-        return gs.TopK(density=0.1, exchange="auto", timeout=10), DDP(make_model(), bucket_cap_mb=0.004)
+        return gs.TopK(density=0.1, exchange="auto", timeout=60), DDP(make_model(), bucket_cap_mb=0.004)
 
     state, ddp = new_auto()
     gs.register(ddp, state)
@@ -1737,11 +1746,12 @@ def auto_after_a_load_on_one_rank(rank: int, world_size: int, path: str, then: s
     return {"error": error, "elapsed": elapsed, "used": used, "saved": saved["exchanges"], "params": params_of(ddp)}
 
 
-def load_on_rank_0_alone(rank: int, world_size: int, other: str) -> tuple:
-    """After set-up, load_state_dict on rank 0 only while rank 1, without calling it, sleeps past
-    the state's timeout of 2 s (``other`` "sleeps") or trains ("trains"): this rank's error (None:
-    it loaded, or trained) and the seconds it took. Where rank 1 slept, both ranks then load and
-    train a step: the error of that (None: it worked) comes third."""
+def load_on_rank_0_alone(rank: int, world_size: int, other: str, done: str) -> tuple:
+    """After set-up, load_state_dict on rank 0 only while rank 1, without calling it, stays past
+    the state's timeout of 2 s until rank 0 writes the file ``done`` (``other`` "sleeps") or trains
+    ("trains"): this rank's error (None: it loaded, or trained) and the seconds it took. Where rank
+    1 slept, both ranks then load and train a step: the error of that (None: it worked) comes
+    third."""
     import time
 
     state = gs.TopK(density=0.3, timeout=2)
@@ -1752,11 +1762,14 @@ def load_on_rank_0_alone(rank: int, world_size: int, other: str) -> tuple:
     start, error = time.monotonic(), None
     try:
         if rank == 0:
-            state.load_state_dict(saved)
+            try:
+                state.load_state_dict(saved)
+            finally:
+                open(done, "w").close()
         elif other == "trains":
             train(ddp, rank, steps=1)
         else:
-            time.sleep(6)
+            stay_until_rank_0_is_done(done)
     except RuntimeError as e:
         error = str(e)
     elapsed, again = time.monotonic() - start, None
@@ -1792,7 +1805,7 @@ def a_damaged_sharded_part(rank: int, world_size: int, path: str, damage: str) -
     def build(seed: int):
         torch.manual_seed(seed)
         ddp = DDP(Shuffled(), bucket_cap_mb=0.004)
-        return ddp, gs.register(ddp, gs.TopK(density=0.05, timeout=5)), torch.optim.SGD(ddp.parameters(), lr=0.05)
+        return ddp, gs.register(ddp, gs.TopK(density=0.05, timeout=60)), torch.optim.SGD(ddp.parameters(), lr=0.05)
 
     ddp, state, opt = build(0)
     _dcp_run(ddp, opt, list(batches(rank, 2)))

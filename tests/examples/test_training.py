@@ -668,7 +668,7 @@ def test_the_reported_accuracy_is_rank_0s_model_when_batchnorm_statistics_differ
         model.load_state_dict({k.removeprefix("module."): v for k, v in saved.items()})
         with torch.no_grad():
             right.append(model.eval()(x_test[:2000]).argmax(1) == y_test[:2000])
-    assert int(right[0][1000:].sum()) != int(right[1][1000:].sum())  # the ranks' models score apart
+    assert (right[0][1000:] != right[1][1000:]).any()  # the ranks' models score some images apart
     (row,) = read_csv(tmp_path / "epochs.csv")
     assert float(row["accuracy"]) == int(right[0].sum()) / 2000, (row["accuracy"], int(right[0].sum()))
 

