@@ -207,7 +207,10 @@ void CandidateBound::learn(const OnePass& pass) {
     ratio_deviation_ = ratios_ > 1 ? (1.0 - w) * ratio_deviation_ + w * std::fabs(r - ratio_mean_) : 0.0;
     ratio_mean_ = (1.0 - w) * ratio_mean_ + w * r;
   }
-  const bool by_estimate = follows && moves() >= 0.01;
+  // The estimate is followed only where it places the lowest question better than the last
+  // question does (follows()).
+  const bool by_estimate = follows && moves() >= 0.01 && kDeviationToSpread * ratio_deviation_ < moves();
+  follows_ = by_estimate || !follows;
   const double spread = by_estimate ? kDeviationToSpread * ratio_deviation_ : moves();
   // A question fell below the candidates: start lower. Otherwise (also where the candidates were
   // too many, which a closer start lists fewer of) halfway closer, but never within 2.5 times
@@ -354,13 +357,14 @@ OnePass::OnePass(Device& device, const BucketView& bucket, const CandidateBound&
       range_(range.end < 0 ? Range{range.begin, bucket.numel} : range),
       capacity_(CandidateBound::capacity(device, k, listing)) {
   // Where the threshold moves, the bound and the zeroing follow this step's estimated k-th largest
-  // (CandidateBound::learn): the bound by its move since the last step's estimate (from the same
-  // blocks), the zeroing to it. Where the last step's zeroing selection did not hold, no zeroing.
-  // The sample lists from 0.85 of the bound (a fall of 15% since the last step).
+  // (CandidateBound::learn, CandidateBound::follows): the bound by its move since the last step's estimate (from the
+  // same blocks), the zeroing to it. Where the last step's zeroing selection did not hold, no zeroing. The sample lists
+  // from 0.85 of the bound (a fall of 15% since the last step).
   estimate_ = estimated_kth(device, bucket, range_, update, k, bound, 0.85 * bound.lower());
-  if (std::isfinite(estimate_) && std::isfinite(bound.estimate())) rescale_ = estimate_ / bound.estimate();
+  const bool follow = bound.follows() && std::isfinite(estimate_);  // else learned from, not followed
+  if (follow && std::isfinite(bound.estimate())) rescale_ = estimate_ / bound.estimate();
   const double lower = bound.lower() * rescale_;
-  const double zero_from = std::isfinite(bound.zero_from()) && std::isfinite(estimate_) ? estimate_ : bound.zero_from();
+  const double zero_from = std::isfinite(bound.zero_from()) && follow ? estimate_ : bound.zero_from();
   scan_ = device.scan(bucket, update, range_, lower, capacity_, sums, zero_from);
   lower_key_ = key_of(lower, false);
 }

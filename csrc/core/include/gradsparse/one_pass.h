@@ -40,7 +40,8 @@ inline bool lists_candidates(const Device& device, Listing listing) {
 /// last step asked about, widened when a question fell below the candidates and otherwise
 /// tightened halfway, but never within 2.5 standard deviations of that question's log moves from
 /// step to step (a bound closer than the moves is missed every few steps, and each miss costs a
-/// pass). Where the threshold moves (by 1% a step or more), OnePass moves the bound by the change
+/// pass). Where the threshold moves (by 1% a step or more) and the estimate places the lowest
+/// question better than the last one does (follows()), OnePass moves the bound by the change
 /// of an estimate of the k-th largest magnitude made before its scan, and the bound stands below
 /// the lowest question's usual place relative to that estimate, by 2.5 times the spread of their
 /// log ratio (a mean absolute deviation scaled to a standard deviation, which one far question
@@ -61,6 +62,14 @@ class CandidateBound {
   double moves() const { return kDeviationToSpread * moves_; }
   /// The last step's estimate of its k-th largest magnitude (OnePass::estimate; NaN: none).
   double estimate() const { return estimate_; }
+  /// Whether the next step moves the bound, and the scan's zeroing, by its estimate: where the
+  /// threshold moves and the estimate placed the lowest question more closely than the last
+  /// question did (a spread of their log ratio below that of the moves), or where no estimate
+  /// was made yet. A sample whose blocks one outlying layer dominates (a classifier's weights at
+  /// the start of DDP's first bucket, 14 times the magnitudes of the rest) moved with that layer,
+  /// by 30% to 40% a step while the bucket's k-th largest moved by 2% to 6%: the bound, moved by
+  /// it, listed too many candidates on most steps, each costing the exact passes.
+  bool follows() const { return follows_; }
   /// How many candidates are listed at most for a target of k elements. With Listing::kHostMemory
   /// none on a device whose memory the host does not read in place (a GPU): there a listed
   /// candidate costs a copy to the host and host work, while a question answered by a pass is one
@@ -88,6 +97,7 @@ class CandidateBound {
   int ratios_ = 0;
   double estimate_ = std::numeric_limits<double>::quiet_NaN();
   double zero_from_ = std::numeric_limits<double>::infinity();
+  bool follows_ = true;
 };
 
 /// The statistical estimators' default mode (docs/method-spec.md ruling 9): a method's estimate
