@@ -261,14 +261,20 @@ TEST(SelectTopKListed, WithoutErrorFeedbackReadsNonFiniteAsZero) {
 
 TEST(SelectTopKListed, MatchesReferenceWhereTheSampleMisplacesTheFloor) {
   // Large values only in the sampled blocks put the floor too high (too few candidates); only
-  // outside them, too low (past the cap); all equal, every element ties at the floor.
+  // outside them, too low (past the cap); all equal, every element ties at the floor; an outlying
+  // layer in the first block (half of it 14 times the rest, as a classifier's weights at the start
+  // of DDP's first bucket) too high, and a floor from the other sampled blocks lists again.
   const int64_t every = BlockSample::at_least(kListed, 16).every;
   ASSERT_EQ(every, 4);
-  for (int layout = 0; layout < 3; ++layout) {
+  for (int layout = 0; layout < 4; ++layout) {
     std::vector<float> grad = ref::random_vector<float>(kListed, 53 + layout);
     for (int64_t i = 0; i < kListed; ++i) {
       const bool sampled = (i / kCpuBlock) % every == 0;
-      grad[i] = layout == 2 ? 0.25f : sampled == (layout == 0) ? 100.0f * grad[i] : grad[i];
+      if (layout == 3) {
+        grad[i] *= i < kCpuBlock / 2 ? 14.0f : 1.0f;
+      } else {
+        grad[i] = layout == 2 ? 0.25f : sampled == (layout == 0) ? 100.0f * grad[i] : grad[i];
+      }
     }
     grad[kCpuBlock + 3] = std::numeric_limits<float>::quiet_NaN();  // counted on every path
     for (int64_t k : {kListed / 100, kListed / 3}) {

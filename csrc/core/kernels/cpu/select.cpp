@@ -340,7 +340,9 @@ constexpr int64_t kTopKSample = 16;
 /// values' keys places a floor at the sample's (2 k share + 64)-th largest: about twice the k
 /// largest reach it. Then one pass updates the other blocks and lists, in every block, the
 /// elements whose key reaches the floor (select_block), and the k largest are found among them
-/// (kth_key_by_histograms): the counting path's selection, whatever the floor. Returns false
+/// (kth_key_by_histograms): the counting path's selection, whatever the floor. Where the
+/// candidates are fewer than k and a few sampled blocks held most of the sample's elements at the
+/// floor (an outlying layer), a floor from the other sampled blocks lists once more. Returns false
 /// where the candidates are fewer than k (the floor was too high for the bucket) or past the cap
 /// (4 times the sample's count at the floor, scaled: too low, or a bucket of ties), with the
 /// update done and its non-finite sums in `nonfinite`: the caller then runs the counting path on
@@ -389,8 +391,51 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
     block_nonfinite[b] += p.nonfinite;
   });
   nonfinite = updates ? std::accumulate(block_nonfinite.begin(), block_nonfinite.end(), int64_t{0}) : 0;
-  const int64_t candidates = listed.load();
-  if (candidates < k || candidates > cap) return false;
+  int64_t candidates = listed.load(), most = cap;
+
+  // Too few: the floor stood above the bucket's k-th largest. Where a few sampled blocks held
+  // most of the sample's elements at the floor (each more than a quarter), they were an outlying
+  // layer, not the bucket: DDP's first bucket starts with the model's last layer, and a
+  // classifier's weights (14 times the others' mean magnitude) held 99% of the sample's largest.
+  // A floor from the other sampled blocks then lists again, read-only (the update is done): one
+  // pass more where the counting path makes three.
+  if (candidates < k) {
+    std::vector<int64_t> kept;
+    int64_t outlying = 0;  // elements of the sampled blocks set aside
+    for (int64_t s = 0; s < sampled; ++s) {
+      const int64_t b = s * sample.every, length = std::min(n, (b + 1) * kCpuBlock) - b * kCpuBlock;
+      if (4 * static_cast<int64_t>(blocks[b].offsets.size()) > reaching) {
+        outlying += length;
+      } else {
+        kept.push_back(b);
+      }
+    }
+    if (outlying == 0 || kept.empty()) return false;
+    const int64_t* rest = block_histogram(static_cast<int64_t>(kept.size()), kBins, [&](int64_t s, int64_t* h) {
+      const int64_t begin = kept[s] * kCpuBlock, end = std::min(n, begin + kCpuBlock);
+      for (int64_t i = begin; i < end; ++i) ++h[Num<float>::key(updated.value(i)) >> kShift];
+    });
+    const double rest_share = static_cast<double>(sample.size(n) - outlying) / static_cast<double>(n);
+    const auto rest_rank = static_cast<int64_t>(std::ceil(2.0 * static_cast<double>(k) * rest_share)) + 64;
+    int64_t rest_above = 0;
+    const int64_t rest_bin = find_bin(rest, kBins, rest_rank, rest_above);
+    if (rest_bin >= bin) return false;  // no lower floor
+    const uint32_t lower = static_cast<uint32_t>(rest_bin) << kShift;
+    // The set-aside blocks' elements are listed too, all of them at most.
+    most = static_cast<int64_t>(4.0 * static_cast<double>(rest_above + rest[rest_bin]) / rest_share) + 1024 + outlying;
+    listed.store(0);
+    parallel_blocks(nblocks, [&](int64_t b) {
+      BlockPairs<float>& p = blocks[b];
+      if (listed.load(std::memory_order_relaxed) > most) {
+        p.clear();
+      } else {
+        select_block(updated, n, b, Range{0, n}, lower, /*zero=*/false, p);
+        listed.fetch_add(static_cast<int64_t>(p.offsets.size()), std::memory_order_relaxed);
+      }
+    });
+    candidates = listed.load();
+  }
+  if (candidates < k || candidates > most) return false;
 
   // The k largest among the candidates: each block keeps, in place, those above the k-th and
   // sets aside up to `ties_needed` ties at it, as the counting path's last pass does (without a
