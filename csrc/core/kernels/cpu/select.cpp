@@ -372,26 +372,34 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
   const int64_t reaching = above_floor + hist[bin];  // the sample's elements at or above the floor
   const auto cap = static_cast<int64_t>(4.0 * static_cast<double>(reaching) / share) + 1024;
 
-  // The pass: the other blocks updated, every block's candidates listed until they pass the cap.
+  // A listing pass: every block's elements of from(b) whose key reaches `at`, until more than
+  // `limit` are listed; past that, a block is only updated (where from(b) updates). Returns the
+  // count listed; each block's non-finite count stays in its pairs' `nonfinite`.
   auto& blocks = block_workspace<float>(nblocks);
-  std::atomic<int64_t> listed{0};
+  auto list_at = [&](uint32_t at, int64_t limit, auto&& from) {
+    std::atomic<int64_t> listed{0};
+    parallel_blocks(nblocks, [&](int64_t b) {
+      BlockPairs<float>& p = blocks[b];
+      const Source<float>& s = from(b);
+      if (listed.load(std::memory_order_relaxed) > limit) {
+        p.clear();
+        const int64_t begin = b * kCpuBlock;
+        if (s.update) p.nonfinite = mark_block_f32(s, begin, std::min(n, begin + kCpuBlock), kNoKey, nullptr);
+      } else {
+        select_block(s, n, b, Range{0, n}, at, /*zero=*/false, p);
+        listed.fetch_add(static_cast<int64_t>(p.offsets.size()), std::memory_order_relaxed);
+      }
+    });
+    return listed.load();
+  };
+
+  // The pass: the other blocks updated, every block's candidates listed until they pass the cap.
   const Source<float> updated{src.residual, src.grad, false};
-  parallel_blocks(nblocks, [&](int64_t b) {
-    BlockPairs<float>& p = blocks[b];
-    const bool in_sample = b % sample.every == 0;
-    const Source<float>& from = updates && !in_sample ? src : updated;
-    if (listed.load(std::memory_order_relaxed) > cap) {  // past the cap: only the update is left
-      p.clear();
-      const int64_t begin = b * kCpuBlock;
-      if (from.update) p.nonfinite = mark_block_f32(from, begin, std::min(n, begin + kCpuBlock), kNoKey, nullptr);
-    } else {
-      select_block(from, n, b, Range{0, n}, floor, /*zero=*/false, p);
-      listed.fetch_add(static_cast<int64_t>(p.offsets.size()), std::memory_order_relaxed);
-    }
-    block_nonfinite[b] += p.nonfinite;
-  });
+  int64_t candidates = list_at(
+      floor, cap, [&](int64_t b) -> const Source<float>& { return updates && b % sample.every != 0 ? src : updated; });
+  for (int64_t b = 0; b < nblocks; ++b) block_nonfinite[b] += blocks[b].nonfinite;
   nonfinite = updates ? std::accumulate(block_nonfinite.begin(), block_nonfinite.end(), int64_t{0}) : 0;
-  int64_t candidates = listed.load(), most = cap;
+  int64_t most = cap;
 
   // Too few: the floor stood above the bucket's k-th largest. Where a few sampled blocks held
   // most of the sample's elements at the floor (each more than a quarter), they were an outlying
@@ -423,17 +431,7 @@ bool select_topk_listed(const Source<float>& src, int64_t n, int64_t k, bool zer
     const uint32_t lower = static_cast<uint32_t>(rest_bin) << kShift;
     // The set-aside blocks' elements are listed too, all of them at most.
     most = static_cast<int64_t>(4.0 * static_cast<double>(rest_above + rest[rest_bin]) / rest_share) + 1024 + outlying;
-    listed.store(0);
-    parallel_blocks(nblocks, [&](int64_t b) {
-      BlockPairs<float>& p = blocks[b];
-      if (listed.load(std::memory_order_relaxed) > most) {
-        p.clear();
-      } else {
-        select_block(updated, n, b, Range{0, n}, lower, /*zero=*/false, p);
-        listed.fetch_add(static_cast<int64_t>(p.offsets.size()), std::memory_order_relaxed);
-      }
-    });
-    candidates = listed.load();
+    candidates = list_at(lower, most, [&](int64_t) -> const Source<float>& { return updated; });
   }
   if (candidates < k || candidates > most) return false;
 
