@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -62,7 +61,9 @@ def steps(width: int, depth: int, count: int, keep: bool) -> dict:
 def run_setting(width: int, depth: int, count: int, keep: bool) -> dict:
     # A fresh process: malloc's settings and the heap's layout are the process's own. The
     # environment's own malloc settings are left out, so that "defaults" are glibc's.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    from gradsparse.launch import without_malloc_settings
+
+    env = without_malloc_settings()
     code = f"import json; from benchmarks.allocator import steps; print(json.dumps(steps({width}, {depth}, {count}, {keep})))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

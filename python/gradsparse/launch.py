@@ -364,3 +364,11 @@ def keep_freed_memory(environ: dict[str, str] | None = None) -> bool:
     except (OSError, AttributeError):  # no C library to open, or one without mallopt (musl, macOS)
         return False
     return all(mallopt(parameter, value) == 1 for parameter, value in _KEEP.items())
+
+
+def without_malloc_settings(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of ``environ`` (default: this process's environment) without glibc's malloc settings
+    (every ``MALLOC_*`` variable and ``GLIBC_TUNABLES``): a process started with it runs with
+    glibc's defaults, for example to measure what keep_freed_memory changes."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}

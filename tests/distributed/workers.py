@@ -935,12 +935,18 @@ def peer_exits(
     """Rank 1 exits in the middle of step 3 (after its forward pass), or with ``stall`` first
     stays there, alive and silent, until every other rank has seen its error (each leaves a file
     in the folder ``reports``; at most three timeouts); the others report what their training
-    loop saw and how long it took to see it. ``how``: "exit" (os._exit(3)) or "raise" (an
+    loop saw and how long it took to see it (with ``stall`` once every one of them has seen its
+    own: a survivor that exited first could end another's wait before its timeout did). ``how``: "exit" (os._exit(3)) or "raise" (an
     exception nobody catches, as a crashing training script dies)."""
     import time
 
     def reported(r: int) -> str:
         return os.path.join(reports, f"rank{r}")
+
+    def wait_for_reports(ranks: list[int]) -> None:  # at most three timeouts
+        deadline = time.monotonic() + 3 * float(timeout)
+        while time.monotonic() < deadline and not all(os.path.exists(reported(r)) for r in ranks):
+            time.sleep(0.05)
 
     ddp = DDP(make_model(), bucket_cap_mb=0.004)
     state = gs.METHODS[method](density=0.1, timeout=float(timeout), transport=transport)
@@ -952,10 +958,7 @@ def peer_exits(
             loss = nn.functional.cross_entropy(ddp(x), y)
             if step == 3 and rank == 1:
                 if stall:
-                    deadline = time.monotonic() + 3 * float(timeout)
-                    others = [reported(r) for r in range(world_size) if r != rank]
-                    while time.monotonic() < deadline and not all(map(os.path.exists, others)):
-                        time.sleep(0.05)
+                    wait_for_reports([r for r in range(world_size) if r != rank])
                 print(f"rank 1 exits at {time.time():.3f}", flush=True)  # read by the mpirun test
                 if how == "raise":
                     raise _Crash("rank 1 dies of an error in its training loop")
@@ -969,6 +972,8 @@ def peer_exits(
             seconds = time.monotonic() - start
             if reports:
                 open(reported(rank), "w").close()
+            if stall:  # each survivor stays until all have seen their error: none sees another's exit
+                wait_for_reports([r for r in range(world_size) if r != 1])
             return {"step": step, "error": type(e).__name__, "message": str(e), "seconds": seconds}
     return {"step": None}
 
@@ -1303,7 +1308,6 @@ def all_ranks_on_each_node(rank: int, world_size: int, local_ranks: list[str | N
     """Each rank's LOCAL_RANK from ``local_ranks`` (None: unset), 2 training steps, then
     AllRanks(state, each_node=True).state_dict() twice: per call, the ranks' parts this rank holds
     (None on a rank that does not write), or the error."""
-
     os.environ.pop("LOCAL_RANK", None)
     if local_ranks[rank] is not None:
         os.environ["LOCAL_RANK"] = local_ranks[rank]
@@ -1355,7 +1359,6 @@ def groups_of_other_ranks(rank: int, world_size: int, case: str) -> dict:
     saves with AllRanks(each_node=True), ranks 0 and 2 first on their "nodes". Both waited until
     the timeout under torch 2.13: torch named the state's own group after the number of groups each
     rank belonged to."""
-
     trio, _ = dist.new_group([1, 2, 3]), dist.new_group([0, 1])
     out: dict = {}
     if case == "sub_group":

@@ -11,7 +11,13 @@ import sys
 
 import pytest
 
-from gradsparse.launch import first_host, rendezvous_port, setup_environment, threads_per_worker
+from gradsparse.launch import (
+    first_host,
+    rendezvous_port,
+    setup_environment,
+    threads_per_worker,
+    without_malloc_settings,
+)
 
 
 def test_first_host_of_slurm_node_lists():
@@ -309,9 +315,11 @@ print(json.dumps({"faulting": faulting, "kept": kept, "after": faults_per_step()
 
 
 def _faults_per_step(**env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     done = subprocess.run(
-        [sys.executable, "-c", _FAULTS_PER_STEP], env={**environ, **env}, capture_output=True, text=True
+        [sys.executable, "-c", _FAULTS_PER_STEP],
+        env={**without_malloc_settings(), **env},
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
