@@ -936,8 +936,9 @@ def peer_exits(
     stays there, alive and silent, until every other rank has seen its error (each leaves a file
     in the folder ``reports``; at most three timeouts); the others report what their training
     loop saw and how long it took to see it (with ``stall`` once every one of them has seen its
-    own: a survivor that exited first could end another's wait before its timeout did). ``how``: "exit" (os._exit(3)) or "raise" (an
-    exception nobody catches, as a crashing training script dies)."""
+    own: a survivor that exited first could end another's wait before its timeout did).
+    ``how``: "exit" (os._exit(3)) or "raise" (an exception nobody catches, as a crashing training
+    script dies)."""
     import time
 
     def reported(r: int) -> str:
