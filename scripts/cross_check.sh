@@ -41,7 +41,4 @@ cmake --build build/aarch64
 [ "$mode" != --build-only ] || exit 0
 
 echo "== the suite under qemu-aarch64"
-# Left out here, run natively by every other ctest: Methods.DegenerateBucketsOfEveryDtype starts
-# tens of thousands of thread ranks (a few for each of its cases), and qemu-user keeps about 280 KB
-# of every thread it has run, so that run outgrows 20 GB of memory.
-(cd build/aarch64 && ctest --no-tests=error --output-on-failure -j2 -E '^Methods\.DegenerateBucketsOfEveryDtype$')
+(cd build/aarch64 && ctest --no-tests=error --output-on-failure -j2)

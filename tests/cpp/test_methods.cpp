@@ -24,6 +24,7 @@
 
 using namespace gradsparse;
 namespace ref = gradsparse::reference;
+using gradsparse::testing::RankThreads;
 using gradsparse::testing::rethrow_first;
 using gradsparse::testing::run_ranks;
 
@@ -935,7 +936,8 @@ struct RankRun {
 void step_all(const std::vector<std::unique_ptr<Method>>& methods, std::vector<RankRun>& runs, int64_t n, int t,
               const Value& value, float scale) {
   const int p = static_cast<int>(methods.size());
-  rethrow_first(run_ranks(p, [&](int rank, Transport& transport) {
+  static RankThreads threads;  // RoundTrip alone steps thousands of times
+  rethrow_first(threads.run(p, [&](int rank, Transport& transport) {
     RankRun& run = runs[rank];
     run.out.resize(n);
     for (int64_t i = 0; i < n; ++i) run.out[i] = value(t, rank, i) * scale;
@@ -1131,7 +1133,8 @@ void degenerate_run(const Case& c, int p, int64_t n, int steps, const Value& val
     for (int r = 0; r < p; ++r)
       for (int64_t i = 0; i < n; ++i) out[r][i] = Num<T>::from_float(value(t, r, i));
     std::vector<ReduceReport> reports(p);
-    std::vector<std::exception_ptr> errors = run_ranks(p, [&](int rank, Transport& transport) {
+    static RankThreads threads;  // one set for the whole test: it runs ranks tens of thousands of times
+    std::vector<std::exception_ptr> errors = threads.run(p, [&](int rank, Transport& transport) {
       CpuDevice device;
       BucketView bucket{dtype_of<T>(), n, out[rank].data(), residual[rank].data()};
       ReduceOptions options;
