@@ -3,7 +3,8 @@
 #   asan  the whole C++ suite (ctest, the engine's test included) under AddressSanitizer and
 #         UndefinedBehaviorSanitizer (gcc);
 #   tsan  the tests that run ranks, engines and transports on threads (exchanges, SparDL, the
-#         engine) under ThreadSanitizer (gcc; OpenMP off, since libgomp is not instrumented);
+#         engine) and the estimators (whose special functions ranks call at once) under
+#         ThreadSanitizer (gcc; OpenMP off, since libgomp is not instrumented);
 #   fuzz  each libFuzzer target of fuzz/ for FUZZ_SECONDS seconds (default 60) under ASan and
 #         UBSan (clang); a finding leaves its input in build/fuzz/ and fails the script.
 # Usage: bash scripts/sanitize.sh [--build-only] [asan] [tsan] [fuzz]   (all three when none is named)
@@ -58,14 +59,14 @@ for step in "${steps[@]}"; do
         ctest --no-tests=error --output-on-failure -j2)
       ;;
     tsan)
-      echo "== exchanges, SparDL and the engine under ThreadSanitizer"
+      echo "== exchanges, SparDL, the engine and the estimators under ThreadSanitizer"
       cmake -S . -B build/tsan "${common[@]}" -DGRADSPARSE_SANITIZE=thread -DGRADSPARSE_OPENMP=OFF \
         -DGRADSPARSE_MPI=OFF > /dev/null
-      cmake --build build/tsan --target test_exchange test_spardl test_engine
+      cmake --build build/tsan --target test_exchange test_spardl test_engine test_estimators
       [ "$build_only" = 0 ] || continue
       # Side by side: test_exchange's fault tests mostly wait, while test_spardl keeps both cores busy.
       tests=()
-      for t in test_exchange test_spardl test_engine; do
+      for t in test_exchange test_spardl test_engine test_estimators; do
         (TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 "build/tsan/$t" --gtest_brief=1 2>&1 | sed "s/^/$t: /") &
         tests+=($!)
       done
