@@ -29,6 +29,15 @@ using gradsparse::testing::rethrow_first;
 using gradsparse::testing::run_ranks;
 
 namespace {
+/// The rank threads that the tests stepping ranks thousands of times share (RoundTrip's step_all,
+/// DegenerateBucketsOfEveryDtype); neither runs inside the other.
+RankThreads& rank_threads() {
+  static RankThreads threads;
+  return threads;
+}
+}  // namespace
+
+namespace {
 
 using Factory = std::function<std::unique_ptr<Method>()>;
 
@@ -936,8 +945,7 @@ struct RankRun {
 void step_all(const std::vector<std::unique_ptr<Method>>& methods, std::vector<RankRun>& runs, int64_t n, int t,
               const Value& value, float scale) {
   const int p = static_cast<int>(methods.size());
-  static RankThreads threads;  // RoundTrip alone steps thousands of times
-  rethrow_first(threads.run(p, [&](int rank, Transport& transport) {
+  rethrow_first(rank_threads().run(p, [&](int rank, Transport& transport) {
     RankRun& run = runs[rank];
     run.out.resize(n);
     for (int64_t i = 0; i < n; ++i) run.out[i] = value(t, rank, i) * scale;
@@ -1133,8 +1141,7 @@ void degenerate_run(const Case& c, int p, int64_t n, int steps, const Value& val
     for (int r = 0; r < p; ++r)
       for (int64_t i = 0; i < n; ++i) out[r][i] = Num<T>::from_float(value(t, r, i));
     std::vector<ReduceReport> reports(p);
-    static RankThreads threads;  // one set for the whole test: it runs ranks tens of thousands of times
-    std::vector<std::exception_ptr> errors = threads.run(p, [&](int rank, Transport& transport) {
+    std::vector<std::exception_ptr> errors = rank_threads().run(p, [&](int rank, Transport& transport) {
       CpuDevice device;
       BucketView bucket{dtype_of<T>(), n, out[rank].data(), residual[rank].data()};
       ReduceOptions options;

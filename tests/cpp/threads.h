@@ -20,6 +20,17 @@ namespace gradsparse::testing {
 /// real peers do (the default), or fail at once (for tests that look only at the throwing rank).
 enum class OnError { kPeersWait, kPeersFail };
 
+/// One rank's part of a run: `body` over rank r's transport of `group`, what it throws kept in `error`.
+inline void run_rank(ThreadGroup& group, int r, const std::function<void(int rank, Transport& transport)>& body,
+                     std::exception_ptr& error) {
+  auto transport = group.transport(r);
+  try {
+    body(r, *transport);
+  } catch (...) {
+    error = std::current_exception();
+  }
+}
+
 inline std::vector<std::exception_ptr> run_ranks(int world_size,
                                                  const std::function<void(int rank, Transport& transport)>& body,
                                                  std::chrono::milliseconds timeout = std::chrono::seconds(30),
@@ -29,13 +40,8 @@ inline std::vector<std::exception_ptr> run_ranks(int world_size,
   std::vector<std::thread> threads;
   for (int r = 0; r < world_size; ++r) {
     threads.emplace_back([&, r] {
-      auto transport = group->transport(r);
-      try {
-        body(r, *transport);
-      } catch (...) {
-        errors[r] = std::current_exception();
-        if (on_error == OnError::kPeersFail) group->abort("rank " + std::to_string(r) + " failed");
-      }
+      run_rank(*group, r, body, errors[r]);
+      if (errors[r] && on_error == OnError::kPeersFail) group->abort("rank " + std::to_string(r) + " failed");
     });
   }
   for (auto& t : threads) t.join();
@@ -71,14 +77,7 @@ class RankThreads {
     std::unique_lock<std::mutex> lock(mutex_);
     for (int r = static_cast<int>(threads_.size()); r < world_size; ++r)
       threads_.emplace_back([this, r, seen = generation_] { serve(r, seen); });
-    task_ = [&](int r) {
-      auto transport = group->transport(r);
-      try {
-        body(r, *transport);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    };
+    task_ = [&](int r) { run_rank(*group, r, body, errors[r]); };
     ranks_ = busy_ = world_size;
     ++generation_;
     start_.notify_all();
